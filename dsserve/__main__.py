@@ -1,0 +1,4 @@
+"""``python -m dsserve``."""
+from .cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,198 @@
+"""The ``dsserve`` command line.
+
+Subcommands are registered in ``_build_parser`` (one ``_add_<name>`` function each) and dispatched through the
+``func`` default that each sets; add ``generate``/``serve``/... the same way.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+EXIT_USAGE = 2
+
+
+def load_model_config(model: str):
+    """MODEL is a preset name or a checkpoint directory."""
+    from .models.loader import resolve_config
+    return resolve_config(model)
+
+
+def _fmt_params(n: float) -> str:
+    if n >= 1e9:
+        return f"{n / 1e9:,.2f} B"
+    if n >= 1e6:
+        return f"{n / 1e6:,.2f} M"
+    return f"{n:,.0f}"
+
+
+def _fmt_bytes(n: float) -> str:
+    exact = f"{n:,.0f} B" if n == int(n) else f"{n:,.2f} B"
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{exact} ({n / div:,.2f} {unit})"
+    return exact
+
+
+# ------------------------------------------------------------------ info
+
+_PART_LABELS = {"routed_experts": "routed experts", "shared_experts": "shared experts", "attention": "attention",
+                "embed_head": "embed + head + final norm", "mhc": "mHC",
+                "router_compressor_indexer_norms": "routers, compressors, indexers, norms",
+                "engram_projections": "Engram projections"}
+
+
+def cmd_info(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .models.accounting import kv_bytes, param_counts
+
+    cfg = load_model_config(args.model)
+    con = Console(width=max(Console().width, 120))
+    pc, kv = param_counts(cfg), kv_bytes(cfg)
+
+    t = Table(title=f"{cfg.name} ({cfg.family})", show_header=False)
+    t.add_column("key", style="bold")
+    t.add_column("value")
+    rows = [
+        ("layers", f"{cfg.num_hidden_layers}" + (f" (encoder 0–{cfg.encoder_layers - 1}, decoder "
+                                                   f"{cfg.encoder_layers}–{cfg.num_hidden_layers - 1})"
+                                                   if cfg.is_v41 else "")),
+        ("hidden / vocab", f"{cfg.hidden_size} / {cfg.vocab_size}"),
+        ("attention", f"{cfg.num_attention_heads} heads × {cfg.head_dim} (rope {cfg.qk_rope_head_dim}), "
+                      f"q_lora {cfg.q_lora_rank}, o {cfg.o_groups}×{cfg.o_lora_rank}, window {cfg.sliding_window}"),
+        ("indexer", f"{cfg.index_n_heads} × {cfg.index_head_dim}, top-{cfg.index_topk}"),
+        ("MoE", f"{cfg.n_routed_experts} routed (top-{cfg.num_experts_per_tok}) + {cfg.n_shared_experts} shared, "
+                f"width {cfg.moe_intermediate_size}" + (f", {cfg.num_hash_layers} hash layers"
+                                                         if cfg.num_hash_layers else "")),
+        ("mHC", f"{cfg.hc_mult} copies, {cfg.hc_sinkhorn_iters} Sinkhorn iters"),
+        ("rms_norm_eps", f"{cfg.rms_norm_eps:g}"),
+    ]
+    if cfg.engram_layer_ids:
+        from .layers.engram_hash import engram_rows_per_layer
+        er = engram_rows_per_layer(cfg)
+        rows.append(("Engram", f"layers {list(cfg.engram_layer_ids)}, orders {list(cfg.engram_orders)} × "
+                               f"{cfg.engram_n_heads} heads × {cfg.engram_head_dim}; rows "
+                               + ", ".join(f"L{k}: {v:,}" for k, v in er.items())))
+    if cfg.is_v41:
+        rows.append(("DSpark", f"{cfg.num_nextn_predict_layers} stages, block {cfg.dspark_block_size}, "
+                               f"{cfg.dspark_n_routed_experts} experts top-{cfg.dspark_num_experts_per_tok}, "
+                               f"taps {list(cfg.dspark_target_layer_ids)}"))
+    elif cfg.num_nextn_predict_layers:
+        rows.append(("MTP", f"{cfg.num_nextn_predict_layers} layer(s)"))
+    rows.append(("quantisation", f"dense FP8 {cfg.weight_block_size}×{cfg.weight_block_size}, experts "
+                                 f"{cfg.expert_dtype}, QAT {'on' if cfg.qat else 'off'}"))
+    for k, v in rows:
+        t.add_row(k, v)
+    con.print(t)
+
+    rt = Table(title="layer roles")
+    for col in ("layer", "side", "mode", "ratio", "KV source", "index source", "extras"):
+        rt.add_column(col, justify="right" if col in ("layer", "ratio") else "left")
+    dash = lambda x: "–" if x is None else str(x)  # noqa: E731
+    for r in cfg.roles:
+        rt.add_row(str(r.index), r.side, r.mode, str(r.ratio), dash(r.kv_source), dash(r.index_source),
+                   r.extras)
+    con.print(rt)
+
+    pt = Table(title="parameters")
+    pt.add_column("part")
+    pt.add_column("params", justify="right")
+    for k, v in pc.parts.items():
+        pt.add_row(_PART_LABELS.get(k, k), _fmt_params(v))
+    pt.add_row("[bold]backbone[/bold]", f"[bold]{_fmt_params(pc.backbone)}[/bold]")
+    if pc.engram_tables:
+        pt.add_row("Engram tables", _fmt_params(pc.engram_tables))
+    pt.add_row("DSpark" if cfg.is_v41 else "MTP", _fmt_params(pc.draft))
+    pt.add_row("[bold]total[/bold]", f"[bold]{_fmt_params(pc.total)}[/bold] ({pc.total:,})")
+    pt.add_row("active / prefill token" + (" (CED)" if cfg.is_v41 else ""), _fmt_params(pc.active_prefill))
+    pt.add_row("active / decode token", _fmt_params(pc.active_decode))
+    con.print(pt)
+
+    kt = Table(title="KV cache")
+    kt.add_column("kind")
+    kt.add_column("bytes", justify="right")
+    kt.add_row(f"global main KV / token ({kv.main_entry} B/entry)", _fmt_bytes(kv.main_per_token))
+    kt.add_row(f"global index K / token ({kv.index_entry} B/entry)", _fmt_bytes(kv.index_per_token))
+    kt.add_row("[bold]global / token[/bold]", f"[bold]{_fmt_bytes(kv.global_per_token)}[/bold]")
+    kt.add_row("global / token, BF16 debug layout", _fmt_bytes(kv.bf16_global_per_token))
+    kt.add_row(f"SWA ring / sequence ({kv.swa_row} B/row × {cfg.sliding_window} × {cfg.num_hidden_layers})",
+               _fmt_bytes(kv.swa_per_sequence))
+    kt.add_row("draft SWA rings / sequence", _fmt_bytes(kv.draft_swa_per_sequence))
+    kt.add_row("compressor state / sequence", _fmt_bytes(kv.compressor_state_per_sequence))
+    con.print(kt)
+    return 0
+
+
+def _add_info(sub):
+    p = sub.add_parser("info", help="print a model's config, layer roles, parameter counts and KV bytes")
+    p.add_argument("model", metavar="MODEL", help="preset name or checkpoint directory with config.json")
+    p.set_defaults(func=cmd_info)
+
+
+# ------------------------------------------------------------------ generate
+
+
+def cmd_generate(args) -> int:
+    import time
+
+    from .engine.greedy import greedy_generate
+    from .models.loader import load_model
+
+    lm = load_model(args.model, args.load_format, args.dtype, args.seed)
+    if lm.load_format == "dummy":
+        print(f"[{lm.cfg.name}: seeded random weights (--load-format dummy); the text is not meaningful]",
+              file=sys.stderr)
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    for prompt in args.prompt:
+        ids = lm.tokenizer.encode(prompt, add_bos=True)
+        t0 = time.perf_counter()
+        out = greedy_generate(lm.model, ids, args.max_tokens, lm.tokenizer.eos_id, args.swa_bounded_replay)
+        dt = time.perf_counter() - t0
+        print(f"{prompt}{lm.tokenizer.decode(out)}")
+        print(f"[{len(ids)} prompt + {len(out)} generated tokens in {dt:.2f} s]", file=sys.stderr)
+    return 0
+
+
+def _add_generate(sub):
+    p = sub.add_parser("generate", help="greedy-generate text for one or more prompts")
+    p.add_argument("--model", default="tiny", help="preset name or checkpoint directory (default: tiny)")
+    p.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float64"))
+    p.add_argument("--seed", type=int, default=0, help="seed of the dummy weights")
+    p.add_argument("--swa-bounded-replay", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the decoder only on the last window of the prompt (V4.1; default on)")
+    p.set_defaults(func=cmd_generate)
+
+
+# ------------------------------------------------------------------ entry point
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dsserve", description="DeepSeek-V4.1-Flash / V4-Flash serving engine")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    _add_info(sub)
+    _add_generate(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _build_parser()
+    args = ap.parse_args(argv)
+    if not getattr(args, "func", None):
+        ap.print_help(sys.stderr)
+        return EXIT_USAGE
+    from .models.config import ConfigError
+    from .models.checkpoint import CheckpointError
+    from .models.model import ModelInputError
+    if getattr(args, "prompt", ()) is None:
+        args.prompt = ["The quick brown fox"]
+    try:
+        return args.func(args)
+    except (ConfigError, CheckpointError, ModelInputError, ValueError, OSError) as e:
+        print(f"dsserve: error: {e}", file=sys.stderr)
+        return EXIT_USAGE

@@ -1,0 +1,161 @@
+"""CSA2 attention (spec 2.3): a per-layer sliding window plus sparse reads of a shared compressed KV.
+
+Every mode keeps its own query and its own window KV (one latent, K = V). What differs is what the layer
+computes for the long range: a Full layer compresses its input into the global KV and runs its indexer;
+a Reindex layer runs only its indexer query against the source's keys; a Reuse layer takes the latest
+top-k as published. V4 layers own their compressor; its ratio-128 (HCA) layers read every visible entry.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..models.config import LayerRole, ModelConfig
+from . import quant
+from .compressor import Compressor
+from .context import ForwardContext
+from .indexer import NEG_INF, Indexer, candidate_pool, stable_topk, visible_entries
+from .norm import RMSNorm, rms_norm
+from .rope import Rope, RopeSpec
+from .numerics import acc
+
+
+def rope_for(cfg: ModelConfig, role: LayerRole) -> Rope:
+    if role.yarn:
+        return Rope(RopeSpec(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.yarn_factor,
+                             cfg.yarn_original_max_position, cfg.yarn_beta_fast, cfg.yarn_beta_slow))
+    return Rope(RopeSpec(cfg.qk_rope_head_dim, cfg.rope_theta))
+
+
+def sparse_attention_with_sink(q, win_k, win_mask, sel_k, sel_mask, sink, scale):
+    """Softmax over [window keys ; selected entries] with a per-head sink in the denominator only.
+
+    q [T, H, D]; win_k [Nw, D] with win_mask [T, Nw]; sel_k [T, K, D] with sel_mask [T, K]; sink [H].
+    Values are the keys (K = V). Returns o [T, H, D] in fp32.
+    """
+    q, win_k = acc(q), acc(win_k)
+    lw = torch.einsum("thd,nd->thn", q, win_k) * scale
+    parts = [lw.masked_fill(~win_mask[:, None, :], NEG_INF)]
+    if sel_k is not None:
+        sel_k = acc(sel_k)
+        ls = torch.einsum("thd,tkd->thk", q, sel_k) * scale
+        parts.append(ls.masked_fill(~sel_mask[:, None, :], NEG_INF))
+    t, h = q.shape[:2]
+    parts.append(sink.to(q.dtype)[None, :, None].expand(t, h, 1))
+    p = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
+    nw = win_k.shape[0]
+    o = torch.einsum("thn,nd->thd", p[..., :nw], win_k)
+    if sel_k is not None:
+        o = o + torch.einsum("thk,tkd->thd", p[..., nw:-1], sel_k)
+    return o
+
+
+class CSA2Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, role: LayerRole):
+        super().__init__()
+        self.cfg, self.role = cfg, role
+        d, h, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        self.wq_a = nn.Linear(d, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, h * hd, bias=False)
+        self.wkv = nn.Linear(d, hd, bias=False)
+        self.kv_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.wo_a = nn.Linear(h * hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, d, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(h))
+        self.rope = rope_for(cfg, role)
+        v4 = not cfg.is_v41
+        self.compressor = (Compressor(d, hd, role.ratio, cfg.rms_norm_eps, overlap=v4 and role.ratio == 4, ape=v4)
+                           if role.owns_compressor else None)
+        self.indexer = None
+        if role.owns_indexer:
+            self.indexer = Indexer(d, cfg.q_lora_rank, hd, cfg.index_n_heads, cfg.index_head_dim,
+                                   cfg.qk_rope_head_dim, cfg.rms_norm_eps,
+                                   owns_keys=role.owns_compressor and cfg.is_v41, owns_query=True)
+            if v4:  # V4's indexer compresses its own keys from the hidden states
+                self.indexer.compressor = Compressor(d, cfg.index_head_dim, role.ratio, cfg.rms_norm_eps,
+                                                     overlap=True, ape=True)
+
+    # ------------------------------------------------------------------ global KV (KV sources)
+    def compress(self, x: torch.Tensor, ctx: ForwardContext) -> None:
+        """Pool this layer's input into new global entries and publish them to the cache."""
+        cache, layer, r = ctx.cache, self.role.index, self.role.ratio
+        ctx.log(layer, "compressor")
+        first = int(ctx.positions[0])
+        emitted = cache.num_entries(layer)
+        latent, pend = self.compressor(x, first, cache.pending(layer), emitted)
+        if r > 1:
+            cache.set_pending(layer, pend)
+        entry_pos = (torch.arange(emitted, emitted + latent.shape[0]) * r)
+        main = self.rope(latent, entry_pos)
+        if ctx.qat:
+            main = quant.fake_quant_fp4_e4m3scale(main, 16)
+        index_k = None
+        if self.cfg.is_v41:
+            index_k = self.indexer.index_keys(latent, entry_pos, self.rope, ctx.qat)
+        elif self.indexer is not None:
+            ik, ipend = self.indexer.compressor(x, first, cache.pending(-1 - layer), emitted)
+            cache.set_pending(-1 - layer, ipend)  # the indexer's own compressor: a slot of its own
+            index_k = self.rope(ik, entry_pos)
+        cache.push_global(layer, main, index_k)
+
+    # ------------------------------------------------------------------ the layer
+    def query(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q_lat [T, q_lora], rotated q [T, H, D]); V4 also normalises each head, without a weight."""
+        cfg = self.cfg
+        q_lat = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_lat).view(x.shape[0], cfg.num_attention_heads, cfg.head_dim)
+        if not cfg.is_v41:
+            q = rms_norm(q, None, cfg.rms_norm_eps)
+        return q_lat, self.rope(q, pos)
+
+    def window_entry(self, x: torch.Tensor, pos: torch.Tensor, qat: bool) -> torch.Tensor:
+        """The row's own K = V latent for the sliding window, post-RoPE, FP8 fake-quantised under QAT."""
+        kv = self.rope(self.kv_norm(self.wkv(x)), pos)
+        return quant.fake_quant_fp8_pow2(kv, 32) if qat else kv
+
+    def output(self, o: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """De-rotate (V = K carries RoPE; only relative offsets remain), then the grouped low-rank projection:
+        wo_a is block-diagonal over the head groups."""
+        t, g = o.shape[0], self.cfg.o_groups
+        o = self.rope(o, pos, inverse=True).to(dtype)
+        u = torch.einsum("tgi,goi->tgo", o.view(t, g, -1), self.wo_a.weight.view(g, self.cfg.o_lora_rank, -1))
+        return self.wo_b(u.flatten(1))
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        cfg, role, cache, pos = self.cfg, self.role, ctx.cache, ctx.positions
+        q_lat, q = self.query(x, pos)
+        kv = self.window_entry(x, pos, ctx.qat)
+        old_k, old_p = cache.window_rows(role.index)
+        win_k = kv if old_k is None else torch.cat((old_k, kv))
+        win_p = pos if old_p is None else torch.cat((old_p, pos))
+        win_mask = (win_p[None, :] <= pos[:, None]) & (win_p[None, :] > pos[:, None] - cfg.sliding_window)
+        cache.push_window(role.index, kv, pos)
+
+        sel_k = sel_mask = None
+        if role.ratio:
+            main, index_k = cache.global_kv(role.kv_source)
+            idx, valid = self._select(x, q_lat, index_k, ctx)
+            if idx.shape[1]:
+                sel_k, sel_mask = main[idx], valid
+        o = sparse_attention_with_sink(q, win_k, win_mask, sel_k, sel_mask, self.attn_sink, cfg.head_dim ** -0.5)
+        return self.output(o, pos, x.dtype)
+
+    def _select(self, x, q_lat, index_k, ctx: ForwardContext):
+        role, cfg = self.role, self.cfg
+        if self.indexer is None and role.index_source is None:  # V4 HCA: every visible entry
+            n = ctx.cache.num_entries(role.kv_source)
+            idx = torch.arange(n).expand(x.shape[0], n)
+            return idx, idx < visible_entries(ctx.positions, role.ratio)[:, None]
+        if self.indexer is None:  # Reuse
+            ctx.log(role.index, "reuse")
+            return ctx.topk
+        ctx.log(role.index, "indexer")
+        s = self.indexer.scores(x, q_lat, ctx.positions, index_k, role.ratio, self.rope, ctx.qat)
+        if role.candidate == "source":
+            n_vis = visible_entries(ctx.positions, role.ratio)
+            ctx.candidates = candidate_pool(s, n_vis, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+        elif role.candidate == "consumer":
+            s = s.masked_fill(~ctx.candidates, NEG_INF)
+        ctx.topk = stable_topk(s, cfg.index_topk)
+        return ctx.topk

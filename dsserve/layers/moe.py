@@ -1,0 +1,83 @@
+"""MoE (spec 2.5): sqrtsoftplus router whose bias only selects, renormalised top-k weights x1.5, clamped
+SwiGLU experts and one shared expert. V4's first layers route by a frozen token -> experts table."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.config import ModelConfig
+from .numerics import acc
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """SiLU(min(gate, limit)) * clamp(up, -limit, limit): the gate is clamped from above only."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+class Expert(nn.Module):
+    def __init__(self, dim: int, inter: int, limit: float):
+        super().__init__()
+        self.limit = limit
+        self.w1 = nn.Linear(dim, inter, bias=False)
+        self.w2 = nn.Linear(inter, dim, bias=False)
+        self.w3 = nn.Linear(dim, inter, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class Gate(nn.Module):
+    def __init__(self, dim: int, n_experts: int, topk: int, hash_routed: bool, vision_bias: bool, vocab: int,
+                 temp: float, scale: float):
+        super().__init__()
+        self.topk, self.temp, self.scale, self.hash_routed = topk, temp, scale, hash_routed
+        self.weight = nn.Parameter(torch.zeros(n_experts, dim))
+        if hash_routed:
+            self.register_buffer("tid2eid", torch.zeros(vocab, topk, dtype=torch.int32))
+        else:
+            self.bias = nn.Parameter(torch.zeros(n_experts))
+            self.bias_vl = nn.Parameter(torch.zeros(n_experts)) if vision_bias else None
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor, is_image: torch.Tensor | None):
+        """Returns (expert ids [T, k], weights [T, k]) with weights summing to ``scale`` per row."""
+        xf = acc(x)
+        scores = torch.sqrt(F.softplus((xf @ self.weight.to(xf.dtype).t()) / self.temp))
+        if self.hash_routed:
+            ids = self.tid2eid[tokens].long()
+        else:
+            biased = scores + self.bias.to(scores.dtype)
+            if is_image is not None and self.bias_vl is not None:
+                biased = torch.where(is_image[:, None], scores + self.bias_vl.to(scores.dtype), biased)
+            ids = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :self.topk]
+        w = torch.gather(scores, 1, ids)
+        return ids, w / (w.sum(-1, keepdim=True) + 1e-20) * self.scale
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, n_experts: int, topk: int, hash_routed: bool = False):
+        super().__init__()
+        d, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        self.limit = cfg.swiglu_limit
+        self.gate = Gate(d, n_experts, topk, hash_routed, cfg.is_v41, cfg.vocab_size, cfg.gate_temp,
+                         cfg.routed_scaling_factor)
+        # Routed experts stacked per layer ([E, out, in]); the checkpoint stores them one by one.
+        self.experts = nn.ParameterDict({
+            "w1": nn.Parameter(torch.zeros(n_experts, inter, d)),
+            "w2": nn.Parameter(torch.zeros(n_experts, d, inter)),
+            "w3": nn.Parameter(torch.zeros(n_experts, inter, d)),
+        })
+        self.shared_experts = Expert(d, inter * cfg.n_shared_experts, cfg.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor, is_image: torch.Tensor | None = None) -> torch.Tensor:
+        ids, w = self.gate(x, tokens, is_image)
+        out = torch.zeros(x.shape, dtype=acc(x).dtype)
+        w1, w2, w3 = self.experts["w1"], self.experts["w2"], self.experts["w3"]
+        for e in torch.unique(ids).tolist():
+            rows, slot = torch.nonzero(ids == e, as_tuple=True)
+            xe = x[rows]
+            he = clamped_swiglu(xe @ w1[e].t(), xe @ w3[e].t(), self.limit)
+            # The routing weight multiplies the activation before the down projection, as the release does.
+            ye = (acc(he) * w[rows, slot, None]).to(x.dtype) @ w2[e].t()
+            out.index_add_(0, rows, acc(ye))
+        return (out + acc(self.shared_experts(x))).to(x.dtype)

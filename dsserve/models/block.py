@@ -1,0 +1,70 @@
+"""One backbone layer: (Engram), attention and MoE sublayers joined by two mHC mixing sites.
+
+V4.1 runs the single-pass schedule: each site's projection yields the ``pre`` that the *next* sublayer
+collapses with, so one read of the stream serves both (spec 2.2). V4 computes and uses ``pre`` at the same
+site (two passes).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers.attention import CSA2Attention
+from ..layers.context import ForwardContext
+from ..layers.engram import Engram
+from ..layers.mhc import collapse, expand, hc_mix
+from ..layers.moe import MoE
+from ..layers.norm import RMSNorm
+from .config import LayerRole, ModelConfig
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, role: LayerRole, n_experts: int | None = None, topk: int | None = None,
+                 attn_cls=CSA2Attention):
+        super().__init__()
+        self.cfg, self.role = cfg, role
+        d, n = cfg.hidden_size, cfg.hc_mult
+        mix = (2 + n) * n
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", nn.Parameter(torch.zeros(mix, n * d)))
+            setattr(self, f"hc_{site}_base", nn.Parameter(torch.zeros(mix)))
+            setattr(self, f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
+        self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.attn = attn_cls(cfg, role)
+        self.ffn = MoE(cfg, n_experts or cfg.n_routed_experts, topk or cfg.num_experts_per_tok, role.hash_routed)
+        self.engram = Engram(cfg, role.index) if role.engram else None
+
+    def mix(self, site: str, x: torch.Tensor):
+        c = self.cfg
+        return hc_mix(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                      getattr(self, f"hc_{site}_scale"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+
+    def forward(self, x: torch.Tensor, pre: torch.Tensor | None, ctx: ForwardContext,
+                keep: torch.Tensor | None = None):
+        """x: stream [T, n, d]; pre: the collapse weights handed over by the previous layer (V4.1).
+
+        ``keep`` (bounded replay): after this layer has published its global KV from every row, continue
+        with only these rows. Returns (stream, pre_out, ctx) for the rows kept.
+        """
+        if self.engram is not None:
+            ctx.log(self.role.index, "engram")
+            x = self.engram(x, ctx.engram_ids, ctx.engram_history)
+        if self.cfg.is_v41:
+            a_pre, a_post, a_comb = self.mix("attn", x)
+        else:
+            pre, a_post, a_comb = self.mix("attn", x)
+            a_pre = None
+        h = self.attn_norm(collapse(x, pre))
+        if self.attn.compressor is not None:
+            self.attn.compress(h, ctx)
+        if keep is not None:
+            x, h, a_post, a_comb, ctx = x[keep], h[keep], a_post[keep], a_comb[keep], ctx.narrow(keep)
+            a_pre = None if a_pre is None else a_pre[keep]
+            if x.shape[0] == 0:  # every row is before the replay window: only the global KV was needed
+                return x, h.new_zeros(0, self.cfg.hc_mult), ctx
+        x = expand(self.attn(h, ctx), x, a_post, a_comb)
+        f_pre, f_post, f_comb = self.mix("ffn", x)
+        h = self.ffn_norm(collapse(x, a_pre if self.cfg.is_v41 else f_pre))
+        x = expand(self.ffn(h, ctx.tokens, ctx.is_image), x, f_post, f_comb)
+        return x, f_pre, ctx

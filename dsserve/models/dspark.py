@@ -1,0 +1,161 @@
+"""DSpark: the block drafter (spec 1.6, 2.10). Three SWA-only stages over the backbone's last-layer taps.
+
+Two entry points, both per sequence:
+
+* ``ingest`` (committed positions only): project the backbone taps to m_p and push each stage's window
+  entry c_p = rope(RMSNorm(W_kv m_p)) into that stage's ring in a ``DSparkCache``.
+* ``propose`` (speculative, read-only on the rings): run the block [y, noise...] through the stages with the
+  ordinary single-pass ``Block.forward`` schedule, whose attention is swapped for ``DraftAttention`` (ring
+  window plus the block's own rows, non-causal inside the block), then the shared head plus the sequential
+  Markov head and the confidence head.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers.attention import CSA2Attention, sparse_attention_with_sink
+from ..layers.context import ForwardContext
+from ..layers.mhc import collapse
+from ..layers.norm import RMSNorm
+from .block import Block
+from .config import LayerRole, ModelConfig
+
+
+def draft_role(cfg: ModelConfig, stage: int) -> LayerRole:
+    return LayerRole(index=cfg.num_hidden_layers + stage, side="draft", ratio=0, mode="swa", kv_source=None,
+                     index_source=None, owns_compressor=False, owns_indexer=False, candidate=None, engram=False,
+                     dspark_tap=False, hash_routed=False, yarn=False)
+
+
+class DSparkCache:
+    """Per-sequence draft state: for each stage, the c rows (post-RoPE, fake-quantised when QAT) of the last
+    ``window`` committed positions that were ingested, with those positions. Never touched by ``propose``."""
+
+    def __init__(self, window: int, n_stages: int):
+        self.window = window
+        self.keys: list[torch.Tensor | None] = [None] * n_stages  # [n <= window, head_dim]
+        self.positions: list[torch.Tensor | None] = [None] * n_stages  # [n], strictly increasing
+
+    @property
+    def last_position(self) -> int:
+        """The newest ingested position (-1 when nothing has been ingested)."""
+        p = self.positions[0]
+        return -1 if p is None else int(p[-1])
+
+    def push(self, stage: int, keys: torch.Tensor, positions: torch.Tensor) -> None:
+        # New tensors every time (no in-place writes), so a snapshot taken by a caller stays valid.
+        if self.keys[stage] is not None:
+            keys, positions = torch.cat((self.keys[stage], keys)), torch.cat((self.positions[stage], positions))
+        self.keys[stage], self.positions[stage] = keys[-self.window:].clone(), positions[-self.window:].clone()
+
+
+class DraftAttention(CSA2Attention):
+    """A stage's SWA attention in draft mode. Same parameters (so the same checkpoint names) as the backbone's
+    ratio-0 attention; only the key set differs: every query row sees the ring window [p-W+1, p] of committed
+    entries plus all block rows (no causal mask inside the block), where p = the position before the block."""
+
+    def __init__(self, cfg: ModelConfig, role: LayerRole):
+        super().__init__(cfg, role)
+        self.stage = role.index - cfg.num_hidden_layers
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        cfg, pos, state = self.cfg, ctx.positions, ctx.cache
+        t = x.shape[0]
+        _, q = self.query(x, pos)
+        own = self.window_entry(x, pos, ctx.qat)
+        p = int(pos[0]) - 1
+        ring_k, ring_p = state.keys[self.stage], state.positions[self.stage]
+        if ring_k is None:
+            ring_k, ring_p = own[:0], pos[:0]
+        # Ring rows are kept by count; the position test makes stale rows (after a gap) invisible anyway.
+        ring_ok = (ring_p >= max(0, p - cfg.sliding_window + 1)) & (ring_p <= p)
+        keys = torch.cat((ring_k, own))
+        mask = torch.cat((ring_ok, torch.ones(t, dtype=torch.bool)))[None, :].expand(t, -1)
+        o = sparse_attention_with_sink(q, keys, mask, None, None, self.attn_sink, cfg.head_dim ** -0.5)
+        return self.output(o, pos, x.dtype)
+
+
+class DSparkStage(Block):
+    def __init__(self, cfg: ModelConfig, stage: int):
+        # Same parameter names (mtp.{s}.attn.*) as a plain SWA layer; only the key set differs, so
+        # ``Block.forward`` (mHC mixes, collapse, expand, MoE) is reused unchanged.
+        super().__init__(cfg, draft_role(cfg, stage), cfg.dspark_n_routed_experts, cfg.dspark_num_experts_per_tok,
+                         attn_cls=DraftAttention)
+        d, r, last = cfg.hidden_size, cfg.dspark_markov_rank, cfg.num_draft_layers - 1
+        if stage == 0:
+            self.main_proj = nn.Linear(len(cfg.dspark_target_layer_ids) * d, d, bias=False)
+            self.main_norm = RMSNorm(d, cfg.rms_norm_eps)
+        if stage == last:
+            self.norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.markov_head = nn.Module()
+            self.markov_head.embed = nn.Embedding(cfg.vocab_size, r)
+            self.markov_head.head = nn.Linear(r, cfg.vocab_size, bias=False)
+            self.confidence_head = nn.Module()
+            self.confidence_head.proj = nn.Linear(d + r, 1, bias=False)
+
+
+class DSpark(nn.ModuleList):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(DSparkStage(cfg, s) for s in range(cfg.num_draft_layers))
+        self.cfg = cfg
+
+    def new_state(self) -> DSparkCache:
+        return DSparkCache(self.cfg.sliding_window, len(self))
+
+    def ingest(self, taps: dict[int, torch.Tensor], positions: torch.Tensor, state: DSparkCache,
+               qat: bool | None = None) -> None:
+        """Push the ring entries of committed rows. taps: layer -> [T, d] (``ForwardOutput.taps``, the mean
+        over copies of the stream entering each target layer); positions [T], increasing, after the ring's."""
+        cfg = self.cfg
+        qat = cfg.qat if qat is None else qat
+        positions = torch.as_tensor(positions).long()
+        if positions.numel() == 0:
+            return
+        if bool((positions[1:] <= positions[:-1]).any()) or int(positions[0]) <= state.last_position:
+            raise ValueError(f"DSpark ingestion needs increasing positions after {state.last_position}, "
+                             f"got {positions.tolist()[:8]}...")
+        # Only the last W rows can ever be attended (spec 6.17), so skip the rest of a long prefill.
+        keep = slice(-cfg.sliding_window, None)
+        if any(taps[layer].shape[0] != positions.shape[0] for layer in cfg.dspark_target_layer_ids):
+            raise ValueError("every DSpark tap needs one row per ingested position")
+        x = torch.cat([taps[layer][keep] for layer in cfg.dspark_target_layer_ids], dim=-1)
+        m = self[0].main_norm(self[0].main_proj(x))
+        for stage in self:
+            state.push(stage.attn.stage, stage.attn.window_entry(m, positions[keep], qat), positions[keep])
+
+    def propose(self, last_token_y: int, p: int, state: DSparkCache, embed: nn.Module, head: nn.Module,
+                qat: bool | None = None, greedy: bool = True):
+        """Draft a block after committed position ``p``; y is the target's token for position p+1.
+
+        Returns (draft ids [B], confidence logits [B], logits [B, V]); draft i proposes the token at
+        p+2+i. Reads ``state`` and never writes it: drafts are speculative until verified.
+        """
+        cfg, last = self.cfg, self[-1]
+        qat = cfg.qat if qat is None else qat
+        if not greedy:
+            raise NotImplementedError("DSpark sampling is not implemented yet; use greedy=True")
+        if state.last_position != p:
+            raise ValueError(f"propose at p={p} but the draft state was ingested up to {state.last_position}")
+        b, n = cfg.dspark_block_size, cfg.hc_mult
+        ids = torch.full((b,), cfg.dspark_noise_token_id, dtype=torch.long)
+        ids[0] = last_token_y
+        positions = torch.arange(p + 1, p + 1 + b)
+        # The ring state rides in the context's cache slot; DraftAttention only reads it.
+        ctx = ForwardContext(tokens=ids, positions=positions, cache=state, qat=qat)
+        x = embed(ids)[:, None, :].expand(-1, n, -1).contiguous()
+        pre = torch.zeros(b, n)
+        pre[:, 0] = 1.0  # identical copies: collapsing with copy 0 gives the embedding (spec 2.1)
+        for stage in self:
+            x, pre, ctx = stage(x, pre, ctx)
+        h = collapse(x, pre)
+        logits = head(last.norm(h)).float()
+        # Markov head: each row's correction depends on the previous row's draft, so it runs sequentially.
+        rows, drafts, conf, prev = [], [], [], torch.tensor([last_token_y])
+        for i in range(b):
+            e = last.markov_head.embed(prev)  # [1, r]: E_m[prev_i]
+            rows.append(logits[i] + last.markov_head.head(e)[0].float())
+            conf.append(last.confidence_head.proj(torch.cat((h[i:i + 1], e.to(h.dtype)), dim=-1))[0, 0].float())
+            prev = rows[-1].argmax().view(1)  # greedy; torch.argmax returns the lowest index on ties
+            drafts.append(prev)
+        return torch.cat(drafts), torch.stack(conf), torch.stack(rows)

@@ -1,0 +1,124 @@
+"""The DeepSeek-V4.1-Flash / V4-Flash text backbone, and its reference forward.
+
+``forward`` runs one sequence's new rows against its ``SequenceCache``. With a fresh cache and every row at
+once it is the reference forward (full recompute, no cache): the oracle every fast path is tested against.
+Bounded replay (``decoder_start``) runs the encoder and layer 20's global projection on every row, and the
+decoder only on rows at or after ``decoder_start`` (spec 2.9).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..kv.sequence_cache import SequenceCache
+from ..layers.context import ForwardContext
+from ..layers.mhc import collapse, hc_head_pre
+from ..layers.norm import RMSNorm
+from ..layers.numerics import acc
+from .block import Block
+from .config import ModelConfig
+
+
+class ModelInputError(ValueError):
+    """Token ids or options that this model cannot run."""
+
+
+@dataclass
+class ForwardOutput:
+    hidden: torch.Tensor  # [T', d] final hidden states of the rows that ran the decoder
+    positions: torch.Tensor  # [T'] their positions
+    taps: dict[int, torch.Tensor]  # DSpark targets: layer -> mean over copies of the stream entering it [T', d]
+
+
+class DeepseekForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        d, n = cfg.hidden_size, cfg.hc_mult
+        self.embed = nn.Embedding(cfg.vocab_size, d)
+        self.layers = nn.ModuleList(Block(cfg, role) for role in cfg.roles)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.head = nn.Linear(d, cfg.vocab_size, bias=False)
+        if not cfg.is_v41:
+            self.hc_head_fn = nn.Parameter(torch.zeros(n, n * d))
+            self.hc_head_base = nn.Parameter(torch.zeros(n))
+            self.hc_head_scale = nn.Parameter(torch.ones(1))
+        self.mtp = None
+        if cfg.is_v41 and cfg.num_draft_layers:
+            from .dspark import DSpark
+            self.mtp = DSpark(cfg)
+        identity = cfg.engram_layer_ids and cfg.engram_compressed_vocab_size == cfg.vocab_size
+        # token id -> Engram compressed id; the real tokenizer's map is set by the loader.
+        self.register_buffer("engram_token_map", torch.arange(cfg.vocab_size) if identity else None,
+                             persistent=False)
+
+    def new_cache(self) -> SequenceCache:
+        return SequenceCache(self.cfg.sliding_window, self.cfg.engram_max_ngram_size - 1)
+
+    # ----------------------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, cache: SequenceCache | None = None, decoder_start: int | None = None,
+                qat: bool | None = None, is_image: torch.Tensor | None = None, trace: list | None = None
+                ) -> ForwardOutput:
+        cfg = self.cfg
+        tokens = self._check_tokens(tokens)
+        cache = cache if cache is not None else self.new_cache()
+        positions = torch.arange(cache.num_tokens, cache.num_tokens + tokens.shape[0])
+        if positions.numel() and int(positions[-1]) >= cfg.max_position_embeddings:
+            raise ModelInputError(f"position {int(positions[-1])} exceeds max_position_embeddings="
+                                  f"{cfg.max_position_embeddings}")
+        if decoder_start is not None and not cfg.is_v41:
+            raise ModelInputError("bounded replay (decoder_start) needs the V4.1 encoder/decoder split")
+        ctx = ForwardContext(tokens=tokens, positions=positions, cache=cache,
+                             qat=cfg.qat if qat is None else qat, is_image=is_image, trace=trace)
+        if cfg.engram_layer_ids:
+            if self.engram_token_map is None:
+                raise ModelInputError("this model's Engram needs the tokenizer's compressed-token map; "
+                                      "load it with the checkpoint's tokenizer")
+            ids = self.engram_token_map[tokens]
+            ctx.engram_ids = ids if is_image is None else ids.masked_fill(is_image, -1)
+            ctx.engram_history = cache.engram_history
+
+        x = self.embed(tokens)[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
+        pre = torch.zeros(tokens.shape[0], cfg.hc_mult)
+        pre[:, 0] = 1.0  # the copies are identical, so collapsing with copy 0 returns the embedding
+        taps = {}
+        for block in self.layers:
+            i = block.role.index
+            if i in cfg.dspark_target_layer_ids:
+                taps[i] = x.float().mean(1).to(x.dtype)
+            keep = None
+            if decoder_start is not None and i == cfg.encoder_layers:
+                keep = ctx.positions >= decoder_start
+                taps = {k: v[keep] for k, v in taps.items()}
+            x, pre, ctx = block(x, pre, ctx, keep)
+            if x.shape[0] == 0:  # the whole chunk is before the replay window: only global KV was needed
+                break
+
+        cache.num_tokens += tokens.shape[0]
+        if cfg.engram_layer_ids:
+            hist_ids = self.engram_token_map[tokens]
+            cache.push_engram_history(hist_ids if is_image is None else hist_ids.masked_fill(is_image, -1))
+        if x.shape[0] == 0:
+            return ForwardOutput(x.new_zeros(0, cfg.hidden_size), ctx.positions[:0], taps)
+        if not cfg.is_v41:
+            pre = hc_head_pre(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg.rms_norm_eps, cfg.hc_eps)
+        return ForwardOutput(collapse(x, pre), ctx.positions, taps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return acc(self.head(self.norm(hidden)))
+
+    def reference_logits(self, tokens: torch.Tensor, **kw) -> torch.Tensor:
+        """The oracle: every row through every layer from an empty cache, logits for every row."""
+        return self.logits(self.forward(tokens, **kw).hidden)
+
+    def _check_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = torch.as_tensor(tokens)
+        if tokens.dim() != 1 or tokens.dtype not in (torch.int64, torch.int32) or tokens.numel() == 0:
+            raise ModelInputError(f"tokens must be a non-empty 1-D integer tensor, got shape "
+                                  f"{tuple(tokens.shape)} dtype {tokens.dtype}")
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= self.cfg.vocab_size:
+            raise ModelInputError(f"token ids must lie in [0, {self.cfg.vocab_size}); got min {lo}, max {hi}")
+        return tokens.long()

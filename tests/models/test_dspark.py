@@ -1,0 +1,216 @@
+"""DSpark drafter (spec 2.10): context ingestion into per-stage rings, and block proposal.
+
+The draft attention is checked against a dense re-derivation written from spec 2.3/2.10 (explicit loops over
+query rows and heads, its own RMSNorm and RoPE), fed with the inputs captured from a real ``propose``.
+"""
+import math
+
+import pytest
+import torch
+
+from dsserve.layers.quant import fake_quant_fp8_pow2
+from dsserve.models.checkpoint import dummy_weights
+from dsserve.models.model import DeepseekForCausalLM
+from dsserve.models.presets import preset
+
+T = 100
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    cfg = preset("tiny")
+    model = DeepseekForCausalLM(cfg).eval()
+    dummy_weights(model, cfg, seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for stage in model.mtp:  # dummy sinks are 0; make them matter for the reference check
+            stage.attn.attn_sink.copy_(torch.randn(cfg.num_attention_heads, generator=g))
+        tokens = torch.randint(0, cfg.vocab_size - 2, (T,), generator=g)
+        out = model(tokens)
+        y = int(model.logits(out.hidden[-1:]).argmax())
+    return cfg, model, out.taps, out.positions, y
+
+
+def ingested(setup, chunks=(T,), qat=None, n=T):
+    cfg, model, taps, pos, _ = setup
+    state = model.mtp.new_state()
+    start = 0
+    with torch.no_grad():
+        for c in chunks:
+            sl = slice(start, min(start + c, n))
+            model.mtp.ingest({k: v[sl] for k, v in taps.items()}, pos[sl], state, qat=qat)
+            start += c
+    return state
+
+
+def propose(setup, state, p=T - 1, qat=None):
+    cfg, model, _, _, y = setup
+    with torch.no_grad():
+        return model.mtp.propose(y, p, state, model.embed, model.head, qat=qat)
+
+
+def snapshot(state):
+    return [(k.clone(), p.clone()) for k, p in zip(state.keys, state.positions)]
+
+
+def test_shapes_finite_deterministic(setup):
+    cfg = setup[0]
+    b = cfg.dspark_block_size
+    ids, conf, logits = propose(setup, ingested(setup))
+    assert ids.shape == (b,) and ids.dtype == torch.long and conf.shape == (b,)
+    assert logits.shape == (b, cfg.vocab_size)
+    assert torch.isfinite(conf).all() and torch.isfinite(logits).all()
+    assert torch.equal(ids, logits.argmax(-1))
+    ids2, conf2, logits2 = propose(setup, ingested(setup))
+    assert torch.equal(ids, ids2) and torch.equal(conf, conf2) and torch.equal(logits, logits2)
+
+
+def test_ring_holds_last_window(setup):
+    cfg = setup[0]
+    w = cfg.sliding_window
+    state = ingested(setup)
+    assert len(state.keys) == cfg.num_draft_layers
+    for k, p in zip(state.keys, state.positions):
+        assert k.shape == (w, cfg.head_dim) and torch.equal(p, torch.arange(T - w, T))
+    state = ingested(setup, chunks=(1,), n=1)
+    assert all(k.shape[0] == 1 for k in state.keys)
+    # stages own different W_kv, so their rings differ
+    assert not torch.allclose(ingested(setup).keys[0], ingested(setup).keys[1])
+
+
+def test_qat_ring_is_fp8_fake_quant_of_plain_ring(setup):
+    plain, qat = ingested(setup, qat=False), ingested(setup, qat=True)
+    for a, b in zip(plain.keys, qat.keys):
+        assert torch.equal(fake_quant_fp8_pow2(a, 32), b) and not torch.equal(a, b)
+
+
+@pytest.mark.parametrize("qat", [False, True])
+def test_chunked_ingest_matches_one_shot(setup, qat):
+    one, chunked = ingested(setup, qat=qat), ingested(setup, chunks=(1, 30, T), qat=qat)
+    for (k1, p1), (k2, p2) in zip(snapshot(one), snapshot(chunked)):
+        assert torch.equal(p1, p2)
+        torch.testing.assert_close(k1, k2, rtol=0, atol=1e-5)
+    a, b = propose(setup, one, qat=qat), propose(setup, chunked, qat=qat)
+    assert torch.equal(a[0], b[0])
+    torch.testing.assert_close(a[1], b[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a[2], b[2], rtol=1e-5, atol=1e-4)
+
+
+def test_propose_leaves_state_unchanged_and_checks_inputs(setup):
+    state = ingested(setup)
+    before, objs = snapshot(state), (list(state.keys), list(state.positions))
+    propose(setup, state)
+    after = snapshot(state)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(before, after))
+    assert all(x is y for x, y in zip(objs[0] + objs[1], state.keys + state.positions))
+    with pytest.raises(ValueError):
+        propose(setup, state, p=T - 2)  # p must be the last ingested (committed) position
+    cfg, model, taps, pos, _ = setup
+    with pytest.raises(ValueError):
+        model.mtp.ingest({k: v[-1:] for k, v in taps.items()}, pos[-1:], state)  # position already ingested
+
+
+# ------------------------------------------------------------------ dense reference from the spec
+def ref_rms(x, g, eps):
+    return g * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def ref_rope(v, p, rd, theta, sign=1.0):
+    """Rotate the last rd channels of v [..., D] as adjacent pairs (2k, 2k+1) by sign * p * theta^(-2k/rd)."""
+    v = v.clone()
+    for k in range(rd // 2):
+        ang = sign * p * theta ** (-2 * k / rd)
+        c, s = math.cos(ang), math.sin(ang)
+        i, j = v.shape[-1] - rd + 2 * k, v.shape[-1] - rd + 2 * k + 1
+        a, b = v[..., i].clone(), v[..., j].clone()
+        v[..., i], v[..., j] = a * c - b * s, a * s + b * c
+    return v
+
+
+def ref_draft_attention(cfg, mtp, stage, taps, x, p):
+    """Stage attention for block rows x [B, d] at positions p+1..p+B, written from spec 2.3 / 2.10 (qat off)."""
+    at, eps, rd, th = stage.attn, cfg.rms_norm_eps, cfg.qk_rope_head_dim, cfg.rope_theta
+    H, D, G, W = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.sliding_window
+    # ring: c_s for committed s in [max(0, p-W+1), p], from taps -> m_s (spec 2.10 ingestion)
+    keys = []
+    for s in range(max(0, p - W + 1), p + 1):
+        cat = torch.cat([taps[layer][s] for layer in cfg.dspark_target_layer_ids])
+        m = ref_rms(mtp[0].main_proj.weight @ cat, mtp[0].main_norm.weight, eps)
+        keys.append(ref_rope(ref_rms(at.wkv.weight @ m, at.kv_norm.weight, eps), s, rd, th))
+    rows = []
+    for i in range(x.shape[0]):  # the block rows' own c: all mutually visible
+        keys.append(ref_rope(ref_rms(at.wkv.weight @ x[i], at.kv_norm.weight, eps), p + 1 + i, rd, th))
+    K = torch.stack(keys)
+    for t in range(x.shape[0]):
+        q_lat = ref_rms(at.wq_a.weight @ x[t], at.q_norm.weight, eps)
+        q = (at.wq_b.weight @ q_lat).view(H, D)
+        heads = []
+        for h in range(H):
+            qh = ref_rope(q[h], p + 1 + t, rd, th)
+            logit = (K @ qh) / math.sqrt(D)
+            mx = logit.max()
+            e = torch.exp(logit - mx)
+            prob = e / (e.sum() + torch.exp(at.attn_sink[h] - mx))
+            heads.append(ref_rope(prob @ K, p + 1 + t, rd, th, sign=-1.0))
+        per_group = H // G
+        wo_a = at.wo_a.weight.view(G, cfg.o_lora_rank, per_group * D)
+        u = [wo_a[g] @ torch.cat(heads[g * per_group:(g + 1) * per_group]) for g in range(G)]
+        rows.append(at.wo_b.weight @ torch.cat(u))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("n", [T, 10])
+def test_draft_attention_matches_dense_reference(setup, n):
+    cfg, model, taps, _, y = setup
+    state = ingested(setup, chunks=(3, n), n=n, qat=False)
+    captured = {}
+    hooks = []
+    for i, stage in enumerate(model.mtp):
+        hooks.append(stage.attn.register_forward_hook(
+            lambda mod, args, out, i=i: captured.__setitem__(i, (args[0].clone(), out.clone()))))
+    try:
+        propose(setup, state, p=n - 1, qat=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert sorted(captured) == list(range(cfg.num_draft_layers))
+    # stage 0's attention input: identical copies collapsed with onehot(0) = the embedding, then attn_norm
+    ids = torch.tensor([y] + [cfg.dspark_noise_token_id] * (cfg.dspark_block_size - 1))
+    x0 = ref_rms(model.embed.weight[ids], model.mtp[0].attn_norm.weight, cfg.rms_norm_eps)
+    torch.testing.assert_close(captured[0][0], x0, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        for i, stage in enumerate(model.mtp):
+            x, out = captured[i]
+            torch.testing.assert_close(out, ref_draft_attention(cfg, model.mtp, stage, taps, x, n - 1), rtol=1e-4, atol=1e-4)
+
+
+def test_markov_head_is_sequential_and_confidence(setup):
+    cfg, model, _, _, y = setup
+    last = model.mtp[-1]
+    got = {}
+    hook = last.norm.register_forward_hook(lambda mod, args, out: got.__setitem__("h", args[0].clone()))
+    try:
+        ids, conf, logits = propose(setup, ingested(setup))
+    finally:
+        hook.remove()
+    with torch.no_grad():
+        base = model.head(last.norm(got["h"])).float()
+        prev = torch.cat((torch.tensor([y]), ids[:-1]))  # prev_0 = y, prev_i = draft_{i-1}
+        e = last.markov_head.embed(prev)
+        torch.testing.assert_close(logits, base + last.markov_head.head(e), rtol=1e-5, atol=1e-5)
+        kappa = torch.cat((got["h"], e), dim=-1) @ last.confidence_head.proj.weight[0]
+        torch.testing.assert_close(conf, kappa, rtol=1e-5, atol=1e-5)
+        # Force a different draft_0 by steering E_m[y] towards token z: U_1 must move by W_mh (E_m[z] - E_m[d0]).
+        z = int((ids[0] + 1) % cfg.vocab_size)
+        z = z if z != y else (z + 1) % cfg.vocab_size
+        saved = last.markov_head.embed.weight[y].clone()
+        last.markov_head.embed.weight[y] = 1000.0 * last.markov_head.head.weight[z]
+        try:
+            ids2, _, logits2 = propose(setup, ingested(setup))
+        finally:
+            last.markov_head.embed.weight[y] = saved
+        assert int(ids2[0]) == z
+        delta = last.markov_head.head(last.markov_head.embed(torch.tensor([z, int(ids[0])])))
+        torch.testing.assert_close(logits2[1] - logits[1], delta[0] - delta[1], rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(logits2[1], logits[1])

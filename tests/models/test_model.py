@@ -1,0 +1,145 @@
+"""The reference forward and the per-sequence cache path (spec 5.1 tests (a)-(g))."""
+import pytest
+import torch
+
+from dsserve.layers.mhc import sinkhorn
+from dsserve.layers.moe import Gate
+from dsserve.models.model import ModelInputError
+
+TOL = 1e-9  # fp64 models: chunking changes only reduction order, QAT rounding included
+
+
+def rand_tokens(cfg, n, seed):
+    return torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def run_chunks(model, tokens, chunks, **kw):
+    cache, outs, s = model.new_cache(), [], 0
+    for c in chunks:
+        out = model(tokens[s:s + c], cache, **kw)
+        outs.append(model.logits(out.hidden))
+        s += c
+    assert s == tokens.shape[0]
+    return torch.cat(outs), cache
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-v4"])
+@torch.no_grad()
+def test_chunked_prefill_equals_one_shot(tiny_models, name):
+    m = tiny_models[name]
+    n = 150 if name == "tiny" else 140  # tiny-v4: past one HCA group of 128
+    toks = rand_tokens(m.cfg, n, seed=1)
+    ref = m.reference_logits(toks)
+    for chunks in ([1, 1, 1, 2, 3, n - 8], [7] * (n // 7) + [n % 7], [64, 64, n - 128]):
+        got, _ = run_chunks(m, toks, [c for c in chunks if c])
+        assert (got - ref).abs().max() < TOL, chunks
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-v4"])
+@torch.no_grad()
+def test_decode_equals_prefill_at_every_position(tiny_models, name):
+    m = tiny_models[name]
+    start, n = (40, 70) if name == "tiny" else (122, 136)
+    toks = rand_tokens(m.cfg, n, seed=2)
+    ref = m.reference_logits(toks)
+    got, cache = run_chunks(m, toks, [start] + [1] * (n - start))
+    assert (got - ref).abs().max() < TOL
+    assert cache.num_tokens == n
+    for layer in range(m.cfg.num_hidden_layers):  # the window is bounded, never grown with context
+        assert cache.window_rows(layer)[0].shape[0] == m.cfg.sliding_window
+
+
+@torch.no_grad()
+def test_bounded_replay_exact_within_window_and_approximate_beyond(tiny_models):
+    m = tiny_models["tiny"]
+    w = m.cfg.sliding_window
+    toks = rand_tokens(m.cfg, 100, seed=3)
+    for p in (5, w):
+        full = m.reference_logits(toks[:p])
+        rep = m.logits(m(toks[:p], decoder_start=max(0, p - w)).hidden)
+        assert rep.shape[0] == p and (rep - full).abs().max() < TOL
+    for p in (w + 1, 100):
+        full = m.reference_logits(toks[:p])
+        rep = m.logits(m(toks[:p], decoder_start=p - w).hidden)
+        assert rep.shape[0] == w
+        assert (rep[-1] - full[-1]).abs().max() > 1e-3  # the decoder's SWA chain is cut: not exact
+
+
+@torch.no_grad()
+def test_bounded_replay_chunked_and_decode_match_its_reference(tiny_models):
+    """Reference of the approximation: one forward whose decoder runs only on rows >= the replay floor."""
+    m = tiny_models["tiny"]
+    p, extra = 90, 6
+    s = p - m.cfg.sliding_window
+    toks = rand_tokens(m.cfg, p + extra, seed=4)
+    ref = m.logits(m(toks, decoder_start=s).hidden)  # rows [s, p + extra)
+    got, _ = run_chunks(m, toks, [20, 20, 35, 15] + [1] * extra, decoder_start=s)
+    assert got.shape == ref.shape and (got - ref).abs().max() < TOL
+
+
+@torch.no_grad()
+def test_reuse_layers_run_no_indexer_and_reindex_layers_no_compressor(tiny_models):
+    m = tiny_models["tiny"]
+    trace = []
+    m(rand_tokens(m.cfg, 80, seed=5), trace=trace)
+    ops = {}
+    for layer, op in trace:
+        ops.setdefault(layer, set()).add(op)
+    for role in m.cfg.roles:
+        got = ops.get(role.index, set())
+        if role.mode == "reuse":
+            assert "indexer" not in got and "compressor" not in got and "reuse" in got
+        if role.mode == "reindex":
+            assert "indexer" in got and "compressor" not in got
+        if role.mode == "full":
+            assert {"indexer", "compressor"} <= got
+        if role.mode == "swa":
+            assert not {"indexer", "compressor", "reuse"} & got
+        assert ("engram" in got) == role.engram
+
+
+@torch.no_grad()
+def test_qat_changes_the_forward(tiny_models):
+    m = tiny_models["tiny"]
+    toks = rand_tokens(m.cfg, 60, seed=6)
+    on, off = m.reference_logits(toks), m.reference_logits(toks, qat=False)
+    assert (on - off).abs().max() > 1e-6 and on.isfinite().all()
+
+
+def test_sinkhorn_rows_and_columns_sum_to_one():
+    g = torch.Generator().manual_seed(0)
+    c = torch.softmax(torch.randn(64, 4, 4, generator=g, dtype=torch.float64), -1) + 1e-6
+    out = sinkhorn(c, 20, 1e-6)
+    assert torch.allclose(out.sum(-1), torch.ones(64, 4, dtype=torch.float64), atol=1e-3)
+    assert torch.allclose(out.sum(-2), torch.ones(64, 4, dtype=torch.float64), atol=1e-5)
+
+
+@pytest.mark.parametrize("hash_routed", [False, True])
+def test_routing_weights_sum_to_scaling_factor(hash_routed):
+    g = torch.Generator().manual_seed(0)
+    gate = Gate(32, 16, 4, hash_routed, vision_bias=True, vocab=100, temp=1.0, scale=1.5)
+    with torch.no_grad():
+        gate.weight.normal_(generator=g)
+        if hash_routed:
+            gate.tid2eid.copy_(torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(100)]))
+        else:
+            gate.bias.normal_(generator=g)
+    x, tokens = torch.randn(50, 32, generator=g), torch.randint(0, 100, (50,), generator=g)
+    ids, w = gate(x, tokens, None)
+    assert torch.allclose(w.sum(-1), torch.full((50,), 1.5), atol=1e-6)
+    assert (w >= 0).all() and ids.shape == (50, 4)
+    if not hash_routed:  # the bias selects but does not weight
+        scores = torch.sqrt(torch.nn.functional.softplus(x @ gate.weight.t()))
+        assert torch.equal(ids.sort(-1).values, torch.topk(scores + gate.bias, 4).indices.sort(-1).values)
+        sel = torch.gather(scores, 1, ids)
+        assert torch.allclose(w, sel / sel.sum(-1, keepdim=True) * 1.5, atol=1e-6)
+
+
+def test_bad_tokens_are_clear_errors(tiny_models):
+    m = tiny_models["tiny"]
+    with pytest.raises(ModelInputError, match=r"\[0, 8192\)"):
+        m(torch.tensor([1, 2, 9000]))
+    with pytest.raises(ModelInputError, match="1-D"):
+        m(torch.tensor([[1, 2]]))
+    with pytest.raises(ModelInputError, match="V4.1"):
+        tiny_models["tiny-v4"](torch.tensor([1, 2]), decoder_start=0)

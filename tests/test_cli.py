@@ -1,0 +1,42 @@
+import json
+import os
+import subprocess
+import sys
+
+from dsserve.cli import main
+from dsserve.models.presets import preset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_info_tiny(capsys):
+    assert main(["info", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "layer roles" in out and "reindex" in out and "cand. source" in out
+    assert "23,608,782" in out and "49,796" in out
+
+
+def test_info_v41_flash_subprocess():
+    r = subprocess.run([sys.executable, "-m", "dsserve", "info", "v41-flash"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "layer roles" in r.stdout and "890 B" in r.stdout and "551.88 B" in r.stdout
+    assert "384,006,168" in r.stdout
+    assert all(f"│ {i:>5} │" in r.stdout for i in range(40))
+
+
+def test_info_checkpoint_dir(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(preset("tiny-v4").to_hf_dict()))
+    assert main(["info", str(tmp_path)]) == 0
+    assert "hash-routed" in capsys.readouterr().out
+
+
+def test_unknown_model_exit_2():
+    r = subprocess.run([sys.executable, "-m", "dsserve", "info", "no-such-model"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 2
+    assert "unknown model" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_no_command_exit_2(capsys):
+    assert main([]) == 2
