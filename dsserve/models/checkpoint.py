@@ -204,13 +204,16 @@ def save_checkpoint(model: torch.nn.Module, cfg: ModelConfig, out_dir: str, toke
 
 # ------------------------------------------------------------------------------------------------ dummy
 _ONES = re.compile(r"(^|\.)\w*norm\.weight$|engram\.[qk]_weight$|hc_\w+_scale$")
-_ZEROS = re.compile(r"hc_\w+_base$|attn_sink$|gate\.bias(_vl)?$|compressor\.ape$")
+_ZEROS = re.compile(r"hc_\w+_base$")
+# Random, not zero, so the sink, the bias-only selection and the APE are exercised by every test.
+_HALF_NORMAL = re.compile(r"attn_sink$|gate\.bias(_vl)?$|compressor\.ape$")
 _UNIT_NORMAL = re.compile(r"(^|markov_head\.)embed\.weight$")
 
 
 def dummy_weights(model: torch.nn.Module, cfg: ModelConfig, seed: int = 0) -> None:
     """Seeded random init of every release-layout tensor the model has (other state is left alone):
-    norms, engram q/k weights and hc_*_scale = 1; hc_*_base, attn_sink, gate biases, compressor ape = 0;
+    norms, engram q/k weights and hc_*_scale = 1; hc_*_base = 0; attn_sink, gate biases, compressor ape
+    ~ 0.5 N(0, 1);
     embeddings ~ N(0, 1); Engram tables ~ 0.1 N(0, 1); hc_*_fn ~ 0.5 N(0, 1)/sqrt(fan_in) so the 24 mixes are
     N(0, 1/4) (varied, O(1) pre/post/comb); every other weight ~ N(0, 1)/sqrt(fan_in) with fan_in = last dim;
     tid2eid = distinct random experts per token. Each tensor draws from its own torch.Generator (on the tensor's
@@ -234,6 +237,8 @@ def dummy_weights(model: torch.nn.Module, cfg: ModelConfig, seed: int = 0) -> No
             else:
                 if _UNIT_NORMAL.search(name):
                     std = 1.0
+                elif _HALF_NORMAL.search(name):
+                    std = 0.5
                 elif name.endswith("engram.embed.weight"):
                     std = 0.1
                 elif re.search(r"hc_\w+_fn$", name):
