@@ -40,3 +40,16 @@ def test_unknown_model_exit_2():
 
 def test_no_command_exit_2(capsys):
     assert main([]) == 2
+
+
+def test_generate_on_the_default_model_subprocess():
+    r = subprocess.run([sys.executable, "-m", "dsserve", "generate", "--prompt", "Hello", "--max-tokens", "6"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("Hello") and len(r.stdout.strip()) > len("Hello")
+    assert "6 generated tokens" in r.stderr
+
+
+def test_generate_bad_input_is_a_clear_error(capsys):
+    assert main(["generate", "--model", "tiny", "--max-tokens", "0"]) == 2
+    assert "--max-tokens must be >= 1" in capsys.readouterr().err

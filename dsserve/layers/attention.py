@@ -7,6 +7,8 @@ top-k as published. V4 layers own their compressor; its ratio-128 (HCA) layers r
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -71,7 +73,8 @@ class CSA2Attention(nn.Module):
         if role.owns_indexer:
             self.indexer = Indexer(d, cfg.q_lora_rank, hd, cfg.index_n_heads, cfg.index_head_dim,
                                    cfg.qk_rope_head_dim, cfg.rms_norm_eps,
-                                   owns_keys=role.owns_compressor and cfg.is_v41, owns_query=True)
+                                   owns_keys=role.owns_compressor and cfg.is_v41, owns_query=True,
+                                   rotate=not cfg.is_v41)
             if v4:  # V4's indexer compresses its own keys from the hidden states
                 self.indexer.compressor = Compressor(d, cfg.index_head_dim, role.ratio, cfg.rms_norm_eps,
                                                      overlap=True, ape=True)
@@ -88,8 +91,8 @@ class CSA2Attention(nn.Module):
             cache.set_pending(layer, pend)
         entry_pos = (torch.arange(emitted, emitted + latent.shape[0]) * r)
         main = self.rope(latent, entry_pos)
-        if ctx.qat:
-            main = quant.fake_quant_fp4_e4m3scale(main, 16)
+        if ctx.qat:  # V4.1's main KV is FP4 with E4M3 scales per 16; V4's is FP8 like its window
+            main = quant.fake_quant_fp4_e4m3scale(main, 16) if self.cfg.is_v41 else self._kv_qat(main, True)
         index_k = None
         if self.cfg.is_v41:
             index_k = self.indexer.index_keys(latent, entry_pos, self.rope, ctx.qat)
@@ -97,6 +100,8 @@ class CSA2Attention(nn.Module):
             ik, ipend = self.indexer.compressor(x, first, cache.pending(-1 - layer), emitted)
             cache.set_pending(-1 - layer, ipend)  # the indexer's own compressor: a slot of its own
             index_k = self.rope(ik, entry_pos)
+            if ctx.qat:
+                index_k = quant.fake_quant_fp4_pow2(quant.hadamard_rotate(index_k), 32)
         cache.push_global(layer, main, index_k)
 
     # ------------------------------------------------------------------ the layer
@@ -111,8 +116,17 @@ class CSA2Attention(nn.Module):
 
     def window_entry(self, x: torch.Tensor, pos: torch.Tensor, qat: bool) -> torch.Tensor:
         """The row's own K = V latent for the sliding window, post-RoPE, FP8 fake-quantised under QAT."""
-        kv = self.rope(self.kv_norm(self.wkv(x)), pos)
-        return quant.fake_quant_fp8_pow2(kv, 32) if qat else kv
+        return self._kv_qat(self.rope(self.kv_norm(self.wkv(x)), pos), qat)
+
+    def _kv_qat(self, kv: torch.Tensor, qat: bool) -> torch.Tensor:
+        """V4.1 stores all 512 channels FP8 (per 32); V4 stores the non-RoPE channels FP8 (per 64), RoPE in BF16."""
+        if not qat:
+            return kv
+        if self.cfg.is_v41:
+            return quant.fake_quant_fp8_pow2(kv, 32)
+        rd = self.cfg.qk_rope_head_dim
+        group = math.gcd(self.cfg.nope_head_dim, 64)  # 64 in the release (448 = 7 x 64); smaller in tiny shapes
+        return torch.cat((quant.fake_quant_fp8_pow2(kv[..., :-rd], group), kv[..., -rd:]), dim=-1)
 
     def output(self, o: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """De-rotate (V = K carries RoPE; only relative offsets remain), then the grouped low-rank projection:

@@ -50,7 +50,7 @@ def candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, block: int, to
 
 class Indexer(nn.Module):
     def __init__(self, dim: int, q_lora_rank: int, head_dim: int, n_heads: int, index_dim: int, rope_dim: int,
-                 eps: float, owns_keys: bool, owns_query: bool):
+                 eps: float, owns_keys: bool, owns_query: bool, rotate: bool = False):
         super().__init__()
         self.n_heads, self.index_dim, self.eps = n_heads, index_dim, eps
         if owns_query:
@@ -60,6 +60,7 @@ class Indexer(nn.Module):
             self.wk = nn.Linear(head_dim, index_dim, bias=False)
             self.k_norm = RMSNorm(index_dim, eps)
         self.rope_dim = rope_dim
+        self.rotate = rotate  # V4: Hadamard-rotate q (and k) before FP4; V4.1 has no rotation
 
     def index_keys(self, latent: torch.Tensor, entry_pos: torch.Tensor, rope: Rope, qat: bool) -> torch.Tensor:
         """V4.1: index keys from the compressor's pre-RoPE latent, rotated at the entry's position."""
@@ -71,7 +72,7 @@ class Indexer(nn.Module):
         t = x.shape[0]
         q = rope(self.wq_b(q_lat).view(t, self.n_heads, self.index_dim), positions)
         if qat:
-            q = quant.fake_quant_fp4_pow2(q, 32)
+            q = quant.fake_quant_fp4_pow2(quant.hadamard_rotate(q) if self.rotate else q, 32)
         w = acc(self.weights_proj(x)) * (self.index_dim ** -0.5 * self.n_heads ** -0.5)
         logits = torch.relu(torch.einsum("thd,nd->thn", acc(q), acc(keys)))
         s = torch.einsum("thn,th->tn", logits, w)

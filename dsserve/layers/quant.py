@@ -158,3 +158,18 @@ def fake_quant_fp4_pow2(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     Same dtype as x (index q/k QAT). With group 32 it equals dequant_mxfp4(pack_mxfp4(x))."""
     q, s = _fp4_pow2_groups(x, group)
     return (q * s).flatten(-2).to(x.dtype)
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal Walsh-Hadamard transform (Sylvester order, scale n^-1/2) of the last dim, a power of two.
+
+    V4's indexer rotates q and k with it before FP4, which spreads outliers across channels; q.k is unchanged.
+    """
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"Hadamard rotation needs a power-of-two width, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return (x.to(torch.float64 if x.dtype == torch.float64 else torch.float32) @ (h / n ** 0.5).to(
+        torch.float64 if x.dtype == torch.float64 else torch.float32)).to(x.dtype)

@@ -1,0 +1,72 @@
+"""Checkpoint directories through the real loader: preset -> save -> load_model -> same forward."""
+import pytest
+import torch
+
+from dsserve.engine.greedy import greedy_generate
+from dsserve.models.checkpoint import CheckpointError, save_checkpoint
+from dsserve.models.config import ConfigError
+from dsserve.models.loader import load_model
+from dsserve.models.tokenizer import TINY_DIR
+
+
+@pytest.fixture(scope="module")
+def saved_tiny(tmp_path_factory):
+    src = load_model("tiny", seed=5)
+    out = tmp_path_factory.mktemp("tiny-ckpt")
+    save_checkpoint(src.model, src.cfg, str(out), tokenizer_dir=TINY_DIR, max_shard_bytes=8 << 20)
+    return src, str(out)
+
+
+def test_saved_checkpoint_reloads_to_the_same_quantised_weights(saved_tiny, tmp_path):
+    src, path = saved_tiny
+    a = load_model(path)
+    assert a.load_format == "safetensors" and a.tokenizer.vocab_size == 8192
+    save_checkpoint(a.model, a.cfg, str(tmp_path), tokenizer_dir=path)  # FP8/MXFP4 values re-quantise exactly
+    b = load_model(str(tmp_path))
+    for (name, x), (_, y) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
+        assert torch.equal(x, y), name
+    toks = torch.arange(40) * 7 % 8192
+    with torch.no_grad():
+        assert torch.equal(a.model.reference_logits(toks), b.model.reference_logits(toks))
+    # Against the float source only the release formats' rounding differs: FP8 blocks, MXFP4 experts, BF16.
+    sa, ss = a.model.state_dict(), src.model.state_dict()
+    for name, bound in (("layers.3.attn.wq_b.weight", 0.07), ("layers.3.ffn.experts.w1", 0.2),
+                        ("embed.weight", 0.01), ("layers.3.hc_attn_fn", 0.0)):
+        rel = ((sa[name] - ss[name]).norm() / ss[name].norm()).item()
+        assert rel <= bound, (name, rel)
+
+
+def test_greedy_generate_from_a_checkpoint(saved_tiny):
+    lm = load_model(saved_tiny[1])
+    prompt = lm.tokenizer.encode("Hello, world", add_bos=True)
+    out = greedy_generate(lm.model, prompt, 8)
+    assert len(out) == 8 and all(0 <= t < 8192 for t in out)
+    assert out == greedy_generate(lm.model, prompt, 8)
+
+
+def test_load_errors():
+    with pytest.raises(ConfigError, match="unknown model"):
+        load_model("no-such-model")
+    with pytest.raises(ConfigError, match="no weights"):
+        load_model("tiny", load_format="safetensors")
+    with pytest.raises(ConfigError, match="load format"):
+        load_model("tiny", load_format="pt")
+
+
+def test_bfloat16_model_runs(saved_tiny):
+    lm = load_model(saved_tiny[1], dtype="bfloat16")
+    with torch.no_grad():
+        logits = lm.model.reference_logits(torch.arange(1, 50))
+    assert logits.isfinite().all()
+
+
+def test_checkpoint_for_another_config_is_a_named_error(saved_tiny, tmp_path):
+    import json
+    import shutil
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved_tiny[1], path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["text_config"]["q_lora_rank"] = 64
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"layers\.\d+\.attn\.wq_a\.weight.*expected \[64, 256\]"):
+        load_model(str(path))
