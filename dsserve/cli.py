@@ -140,7 +140,7 @@ def cmd_generate(args) -> int:
     from .engine.greedy import greedy_generate
     from .models.loader import load_model
 
-    lm = load_model(args.model, args.load_format, args.dtype, args.seed)
+    lm = load_model(args.model, args.load_format, args.dtype, args.seed, qat=args.qat)
     if lm.load_format == "dummy":
         print(f"[{lm.cfg.name}: seeded random weights (--load-format dummy); the text is not meaningful]",
               file=sys.stderr)
@@ -166,6 +166,8 @@ def _add_generate(sub):
     p.add_argument("--seed", type=int, default=0, help="seed of the dummy weights")
     p.add_argument("--swa-bounded-replay", action=argparse.BooleanOptionalAction, default=True,
                    help="run the decoder only on the last window of the prompt (V4.1; default on)")
+    p.add_argument("--qat", action=argparse.BooleanOptionalAction, default=None,
+                   help="quantisation-aware numerics of the release (fake-quant KV and indexer; default on)")
     p.set_defaults(func=cmd_generate)
 
 

@@ -268,7 +268,15 @@ class ModelConfig:
             kw["expert_dtype"] = q["expert_dtype"]
         if isinstance(kw.get("eos_token_id"), tuple):
             kw["eos_token_id"] = kw["eos_token_id"][0]
-        return cls(**kw)
+        cfg = cls(**kw)
+        declared = text.get("engram_num_embeddings")
+        if declared:  # the release states its table sizes; a different prime rule would rehash every row
+            from ..layers.engram_hash import engram_rows_per_layer
+            derived = list(engram_rows_per_layer(cfg).values())
+            if list(declared) != derived:
+                raise ConfigError(f"config {name!r}: engram_num_embeddings {list(declared)} disagrees with the "
+                                  f"rows derived from engram_vocab_size={cfg.engram_vocab_size}: {derived}")
+        return cfg
 
     @classmethod
     def from_json(cls, path: str) -> "ModelConfig":
@@ -293,6 +301,9 @@ class ModelConfig:
             v = getattr(self, f.name)
             text[f.name] = list(v) if isinstance(v, tuple) else v
         text["num_key_value_heads"] = 1
+        if self.engram_layer_ids:
+            from ..layers.engram_hash import engram_rows_per_layer
+            text["engram_num_embeddings"] = list(engram_rows_per_layer(self).values())
         text["rope_scaling"] = {"type": "yarn", "factor": self.yarn_factor,
                                 "original_max_position_embeddings": self.yarn_original_max_position,
                                 "beta_fast": self.yarn_beta_fast, "beta_slow": self.yarn_beta_slow}

@@ -62,3 +62,12 @@ def test_missing_and_broken_config_json(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         ModelConfig.from_json(str(tmp_path))
+
+
+def test_declared_engram_table_sizes_are_checked(tmp_path):
+    raw = preset("v41-flash").to_hf_dict()
+    assert raw["text_config"]["engram_num_embeddings"] == [384_006_168, 384_016_682]
+    raw["text_config"]["engram_num_embeddings"] = [384_006_168, 1]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="engram_num_embeddings"):
+        ModelConfig.from_json(str(tmp_path))
