@@ -81,26 +81,30 @@ class CSA2Attention(nn.Module):
 
     # ------------------------------------------------------------------ global KV (KV sources)
     def compress(self, x: torch.Tensor, ctx: ForwardContext) -> None:
-        """Pool this layer's input into new global entries and publish them to the cache."""
-        cache, layer, r = ctx.cache, self.role.index, self.role.ratio
-        ctx.log(layer, "compressor")
-        first = int(ctx.positions[0])
+        """Pool this layer's input into new global entries and publish them to each sequence's cache."""
+        ctx.log(self.role.index, "compressor")
+        for seq in ctx.seqs:
+            if seq.rows.stop > seq.rows.start:
+                self._compress_seq(x[seq.rows], int(ctx.positions[seq.rows.start]), seq.cache, ctx.qat)
+
+    def _compress_seq(self, x: torch.Tensor, first: int, cache, qat: bool) -> None:
+        layer, r = self.role.index, self.role.ratio
         emitted = cache.num_entries(layer)
         latent, pend = self.compressor(x, first, cache.pending(layer), emitted)
         if r > 1:
             cache.set_pending(layer, pend)
-        entry_pos = (torch.arange(emitted, emitted + latent.shape[0]) * r)
+        entry_pos = torch.arange(emitted, emitted + latent.shape[0]) * r
         main = self.rope(latent, entry_pos)
-        if ctx.qat:  # V4.1's main KV is FP4 with E4M3 scales per 16; V4's is FP8 like its window
+        if qat:  # V4.1's main KV is FP4 with E4M3 scales per 16; V4's is FP8 like its window
             main = quant.fake_quant_fp4_e4m3scale(main, 16) if self.cfg.is_v41 else self._kv_qat(main, True)
         index_k = None
         if self.cfg.is_v41:
-            index_k = self.indexer.index_keys(latent, entry_pos, self.rope, ctx.qat)
+            index_k = self.indexer.index_keys(latent, entry_pos, self.rope, qat)
         elif self.indexer is not None:
             ik, ipend = self.indexer.compressor(x, first, cache.pending(-1 - layer), emitted)
             cache.set_pending(-1 - layer, ipend)  # the indexer's own compressor: a slot of its own
             index_k = self.rope(ik, entry_pos)
-            if ctx.qat:
+            if qat:
                 index_k = quant.fake_quant_fp4_pow2(quant.hadamard_rotate(index_k), 32)
         cache.push_global(layer, main, index_k)
 
@@ -137,39 +141,50 @@ class CSA2Attention(nn.Module):
         return self.wo_b(u.flatten(1))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        cfg, role, cache, pos = self.cfg, self.role, ctx.cache, ctx.positions
+        cfg, role, pos = self.cfg, self.role, ctx.positions
         q_lat, q = self.query(x, pos)
         kv = self.window_entry(x, pos, ctx.qat)
-        old_k, old_p = cache.window_rows(role.index)
-        win_k = kv if old_k is None else torch.cat((old_k, kv))
-        win_p = pos if old_p is None else torch.cat((old_p, pos))
-        win_mask = (win_p[None, :] <= pos[:, None]) & (win_p[None, :] > pos[:, None] - cfg.sliding_window)
-        cache.push_window(role.index, kv, pos)
-
-        sel_k = sel_mask = None
-        if role.ratio:
-            main, index_k = cache.global_kv(role.kv_source)
-            idx, valid = self._select(x, q_lat, index_k, ctx)
-            if idx.shape[1]:
-                sel_k, sel_mask = main[idx], valid
-        o = sparse_attention_with_sink(q, win_k, win_mask, sel_k, sel_mask, self.attn_sink, cfg.head_dim ** -0.5)
+        o = torch.empty(q.shape, dtype=acc(q).dtype)
+        select = role.ratio and (self.indexer is not None or role.index_source is None)
+        if self.indexer is not None:
+            ctx.log(role.index, "indexer")
+            ctx.topk = [None] * len(ctx.seqs)
+            if role.candidate == "source":
+                ctx.candidates = [None] * len(ctx.seqs)
+        elif role.ratio and role.index_source is not None:
+            ctx.log(role.index, "reuse")
+        for i, seq in enumerate(ctx.seqs):
+            r = seq.rows
+            if r.stop == r.start:
+                continue
+            cache, p = seq.cache, pos[r]
+            old_k, old_p = cache.window_rows(role.index)
+            win_k = kv[r] if old_k is None else torch.cat((old_k.to(kv.dtype), kv[r]))
+            win_p = p if old_p is None else torch.cat((old_p, p))
+            win_mask = (win_p[None, :] <= p[:, None]) & (win_p[None, :] > p[:, None] - cfg.sliding_window)
+            cache.push_window(role.index, kv[r], p)
+            sel_k = sel_mask = None
+            if role.ratio:
+                main, index_k = cache.global_kv(role.kv_source)
+                idx, valid = self._select(i, x[r], q_lat[r], p, index_k, cache, ctx) if select else ctx.topk[i]
+                if idx.shape[1]:
+                    sel_k, sel_mask = main.to(kv.dtype)[idx], valid
+            o[r] = sparse_attention_with_sink(q[r], win_k, win_mask, sel_k, sel_mask, self.attn_sink,
+                                              cfg.head_dim ** -0.5)
         return self.output(o, pos, x.dtype)
 
-    def _select(self, x, q_lat, index_k, ctx: ForwardContext):
+    def _select(self, i, x, q_lat, pos, index_k, cache, ctx: ForwardContext):
+        """Top-k entries for one sequence's rows: every visible entry (V4 HCA), or the indexer's choice."""
         role, cfg = self.role, self.cfg
-        if self.indexer is None and role.index_source is None:  # V4 HCA: every visible entry
-            n = ctx.cache.num_entries(role.kv_source)
+        if self.indexer is None:  # V4 HCA: dense over the visible entries
+            n = cache.num_entries(role.kv_source)
             idx = torch.arange(n).expand(x.shape[0], n)
-            return idx, idx < visible_entries(ctx.positions, role.ratio)[:, None]
-        if self.indexer is None:  # Reuse
-            ctx.log(role.index, "reuse")
-            return ctx.topk
-        ctx.log(role.index, "indexer")
-        s = self.indexer.scores(x, q_lat, ctx.positions, index_k, role.ratio, self.rope, ctx.qat)
+            return idx, idx < visible_entries(pos, role.ratio)[:, None]
+        s = self.indexer.scores(x, q_lat, pos, index_k, role.ratio, self.rope, ctx.qat)
         if role.candidate == "source":
-            n_vis = visible_entries(ctx.positions, role.ratio)
-            ctx.candidates = candidate_pool(s, n_vis, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+            n_vis = visible_entries(pos, role.ratio)
+            ctx.candidates[i] = candidate_pool(s, n_vis, cfg.candidate_block_size, cfg.candidate_topk_blocks)
         elif role.candidate == "consumer":
-            s = s.masked_fill(~ctx.candidates, NEG_INF)
-        ctx.topk = stable_topk(s, cfg.index_topk)
-        return ctx.topk
+            s = s.masked_fill(~ctx.candidates[i], NEG_INF)
+        ctx.topk[i] = stable_topk(s, cfg.index_topk)
+        return ctx.topk[i]

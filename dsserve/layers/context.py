@@ -1,37 +1,55 @@
-"""The per-forward context that layers read: which rows, at which positions, against which cache."""
+"""The per-forward context that layers read: which rows belong to which sequence, at which positions,
+against which cache.
+
+A forward runs a flat batch of rows from several sequences (prefill chunks and decodes alike). Row-wise
+work (projections, mHC, MoE) runs on all rows at once; sequence-wise work (window and global KV reads,
+the compressor, the indexer, Engram hashing) runs per ``SeqRows``.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
 
-from ..kv.sequence_cache import SequenceCache
+
+@dataclass
+class SeqRows:
+    rows: slice  # this sequence's rows in the flat batch (consecutive positions)
+    cache: object  # SequenceCache or a paged view with the same methods
+    decoder_start: int | None = None  # bounded replay: the decoder runs only on positions >= this
 
 
 @dataclass
 class ForwardContext:
-    tokens: torch.Tensor  # [T] token ids of the rows in flight
-    positions: torch.Tensor  # [T] absolute positions
-    cache: SequenceCache
+    tokens: torch.Tensor  # [N] token ids of the rows in flight
+    positions: torch.Tensor  # [N] absolute positions
+    seqs: list[SeqRows]
     qat: bool = True
-    is_image: torch.Tensor | None = None  # [T] bool: rows inside an image span
-    # Published within a forward by the latest index source / candidate source, read by later layers.
-    topk: tuple[torch.Tensor, torch.Tensor] | None = None  # (entry ids [T, K], valid [T, K])
-    candidates: torch.Tensor | None = None  # [T, n_entries] bool
-    trace: list | None = field(default=None)  # optional (layer, op) log for tests
-    engram_ids: torch.Tensor | None = None  # [T] compressed ids (-1 = dead) for Engram layers
-    engram_history: torch.Tensor | None = None  # compressed ids just before the first row
+    is_image: torch.Tensor | None = None  # [N] bool: rows inside an image span
+    trace: list | None = None  # optional (layer, op) log for tests
+    engram_ids: torch.Tensor | None = None  # [N] compressed ids (-1 = dead) for Engram layers
+    engram_history: list[torch.Tensor] = field(default_factory=list)  # per sequence: the ids before its rows
+    # Published within a forward by the latest index source / candidate source, per sequence.
+    topk: list = field(default_factory=list)  # (entry ids [T, K], valid [T, K]) per sequence
+    candidates: list = field(default_factory=list)  # [T, n_entries] bool per sequence
 
     def log(self, layer: int, op: str) -> None:
         if self.trace is not None:
             self.trace.append((layer, op))
 
     def narrow(self, keep: torch.Tensor) -> "ForwardContext":
-        """The same forward restricted to the rows in ``keep`` (bounded replay's decoder window)."""
-        ids, hist = self.engram_ids, self.engram_history
-        if ids is not None:  # kept rows are a suffix: the dropped rows become lookback
-            first = int(keep.nonzero()[0]) if keep.any() else ids.shape[0]
-            hist, ids = torch.cat((hist, ids[:first])), ids[keep]
-        return ForwardContext(tokens=self.tokens[keep], positions=self.positions[keep], cache=self.cache,
-                              qat=self.qat, is_image=None if self.is_image is None else self.is_image[keep],
-                              trace=self.trace, engram_ids=ids, engram_history=hist)
+        """The same forward restricted to the rows in ``keep`` (bounded replay's decoder window). Each
+        sequence keeps a suffix of its rows; dropped rows become Engram lookback."""
+        seqs, hist, start = [], [], 0
+        for i, s in enumerate(self.seqs):
+            k = keep[s.rows]
+            n = int(k.sum())
+            seqs.append(SeqRows(slice(start, start + n), s.cache, s.decoder_start))
+            start += n
+            if self.engram_ids is not None:
+                dropped = self.engram_ids[s.rows][: k.shape[0] - n]
+                hist.append(torch.cat((self.engram_history[i], dropped)))
+        return ForwardContext(tokens=self.tokens[keep], positions=self.positions[keep], seqs=seqs, qat=self.qat,
+                              is_image=None if self.is_image is None else self.is_image[keep], trace=self.trace,
+                              engram_ids=None if self.engram_ids is None else self.engram_ids[keep],
+                              engram_history=hist)

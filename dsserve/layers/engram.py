@@ -26,11 +26,13 @@ class Engram(nn.Module):
         self.q_weight = nn.Parameter(torch.ones(n, d))
         self.k_weight = nn.Parameter(torch.ones(n, d))
 
-    def forward(self, x: torch.Tensor, compressed_ids: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
-        """x: the mHC stream [T, n, d]; compressed_ids [T] (-1 = dead); history: the ids before them."""
+    def forward(self, x: torch.Tensor, compressed_ids: torch.Tensor, seq_rows: list[slice],
+                histories: list[torch.Tensor]) -> torch.Tensor:
+        """x: the mHC stream [T, n, d]; compressed_ids [T] (-1 = dead); per sequence its rows and the ids
+        before them (hashing looks back across chunk boundaries, never across sequences)."""
         t, n, d = x.shape
         eps = self.cfg.rms_norm_eps
-        rows = self.hasher.rows(compressed_ids, history)
+        rows = torch.cat([self.hasher.rows(compressed_ids[r], h) for r, h in zip(seq_rows, histories)])
         e = self.embed.weight[rows].flatten(1).to(x.dtype)
         kv = self.wkv(e)
         key, value = acc(kv[:, : n * d].view(t, n, d)), acc(kv[:, n * d:])

@@ -49,7 +49,7 @@ class Block(nn.Module):
         """
         if self.engram is not None:
             ctx.log(self.role.index, "engram")
-            x = self.engram(x, ctx.engram_ids, ctx.engram_history)
+            x = self.engram(x, ctx.engram_ids, [s.rows for s in ctx.seqs], ctx.engram_history)
         if self.cfg.is_v41:
             a_pre, a_post, a_comb = self.mix("attn", x)
         else:

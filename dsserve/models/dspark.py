@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..layers.attention import CSA2Attention, sparse_attention_with_sink
-from ..layers.context import ForwardContext
+from ..layers.context import ForwardContext, SeqRows
 from ..layers.mhc import collapse
 from ..layers.norm import RMSNorm
 from .block import Block
@@ -60,7 +60,7 @@ class DraftAttention(CSA2Attention):
         self.stage = role.index - cfg.num_hidden_layers
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        cfg, pos, state = self.cfg, ctx.positions, ctx.cache
+        cfg, pos, state = self.cfg, ctx.positions, ctx.seqs[0].cache
         t = x.shape[0]
         _, q = self.query(x, pos)
         own = self.window_entry(x, pos, ctx.qat)
@@ -141,8 +141,8 @@ class DSpark(nn.ModuleList):
         ids = torch.full((b,), cfg.dspark_noise_token_id, dtype=torch.long)
         ids[0] = last_token_y
         positions = torch.arange(p + 1, p + 1 + b)
-        # The ring state rides in the context's cache slot; DraftAttention only reads it.
-        ctx = ForwardContext(tokens=ids, positions=positions, cache=state, qat=qat)
+        # The ring state rides in the sequence's cache slot; DraftAttention only reads it.
+        ctx = ForwardContext(tokens=ids, positions=positions, seqs=[SeqRows(slice(0, b), state)], qat=qat)
         x = embed(ids)[:, None, :].expand(-1, n, -1).contiguous()
         pre = torch.zeros(b, n)
         pre[:, 0] = 1.0  # identical copies: collapsing with copy 0 gives the embedding (spec 2.1)

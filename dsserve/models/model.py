@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..kv.sequence_cache import SequenceCache
-from ..layers.context import ForwardContext
+from ..layers.context import ForwardContext, SeqRows
 from ..layers.mhc import collapse, hc_head_pre
 from ..layers.norm import RMSNorm
 from ..layers.numerics import acc
@@ -30,6 +30,7 @@ class ForwardOutput:
     hidden: torch.Tensor  # [T', d] final hidden states of the rows that ran the decoder
     positions: torch.Tensor  # [T'] their positions
     taps: dict[int, torch.Tensor]  # DSpark targets: layer -> mean over copies of the stream entering it [T', d]
+    seqs: list[SeqRows]  # which of the returned rows belong to which sequence
 
 
 class DeepseekForCausalLM(nn.Module):
@@ -61,24 +62,39 @@ class DeepseekForCausalLM(nn.Module):
     def forward(self, tokens: torch.Tensor, cache: SequenceCache | None = None, decoder_start: int | None = None,
                 qat: bool | None = None, is_image: torch.Tensor | None = None, trace: list | None = None
                 ) -> ForwardOutput:
+        """One sequence's new rows (a whole prompt, a chunk, or a decoded token) against its cache."""
+        tokens = torch.as_tensor(tokens)
+        cache = cache if cache is not None else self.new_cache()
+        seq = SeqRows(slice(0, tokens.shape[0] if tokens.dim() else 0), cache, decoder_start)
+        return self.forward_batch(tokens, [seq], qat=qat, is_image=is_image, trace=trace)
+
+    def forward_batch(self, tokens: torch.Tensor, seqs: list[SeqRows], qat: bool | None = None,
+                      is_image: torch.Tensor | None = None, trace: list | None = None) -> ForwardOutput:
+        """A flat batch of rows from several sequences: ``seqs`` says which rows are whose, in order.
+
+        Each sequence's rows continue its cache at ``cache.num_tokens``. Returns the hidden states of the
+        rows that ran the decoder, with ``seqs`` narrowed to them.
+        """
         cfg = self.cfg
         tokens = self._check_tokens(tokens)
-        cache = cache if cache is not None else self.new_cache()
-        positions = torch.arange(cache.num_tokens, cache.num_tokens + tokens.shape[0])
-        if positions.numel() and int(positions[-1]) >= cfg.max_position_embeddings:
-            raise ModelInputError(f"position {int(positions[-1])} exceeds max_position_embeddings="
+        if sum(s.rows.stop - s.rows.start for s in seqs) != tokens.shape[0]:
+            raise ModelInputError("the sequences' rows must cover the batch exactly")
+        positions = torch.cat([torch.arange(s.cache.num_tokens, s.cache.num_tokens + s.rows.stop - s.rows.start)
+                               for s in seqs])
+        if int(positions.max()) >= cfg.max_position_embeddings:
+            raise ModelInputError(f"position {int(positions.max())} exceeds max_position_embeddings="
                                   f"{cfg.max_position_embeddings}")
-        if decoder_start is not None and not cfg.is_v41:
+        replay = any(s.decoder_start is not None for s in seqs)
+        if replay and not cfg.is_v41:
             raise ModelInputError("bounded replay (decoder_start) needs the V4.1 encoder/decoder split")
-        ctx = ForwardContext(tokens=tokens, positions=positions, cache=cache,
+        ctx = ForwardContext(tokens=tokens, positions=positions, seqs=list(seqs),
                              qat=cfg.qat if qat is None else qat, is_image=is_image, trace=trace)
         if cfg.engram_layer_ids:
             if self.engram_token_map is None:
                 raise ModelInputError("this model's Engram needs the tokenizer's compressed-token map; "
                                       "load it with the checkpoint's tokenizer")
-            ids = self.engram_token_map[tokens]
-            ctx.engram_ids = ids if is_image is None else ids.masked_fill(is_image, -1)
-            ctx.engram_history = cache.engram_history
+            ctx.engram_ids = self._engram_ids(tokens, is_image)
+            ctx.engram_history = [s.cache.engram_history for s in seqs]
 
         x = self.embed(tokens)[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
         pre = torch.zeros(tokens.shape[0], cfg.hc_mult)
@@ -87,24 +103,31 @@ class DeepseekForCausalLM(nn.Module):
         for block in self.layers:
             i = block.role.index
             if i in cfg.dspark_target_layer_ids:
-                taps[i] = x.float().mean(1).to(x.dtype)
+                taps[i] = acc(x).mean(1).to(x.dtype)
             keep = None
-            if decoder_start is not None and i == cfg.encoder_layers:
-                keep = ctx.positions >= decoder_start
+            if replay and i == cfg.encoder_layers:
+                floor = torch.cat([torch.full((s.rows.stop - s.rows.start,), s.decoder_start or 0) for s in seqs])
+                keep = positions >= floor
                 taps = {k: v[keep] for k, v in taps.items()}
             x, pre, ctx = block(x, pre, ctx, keep)
-            if x.shape[0] == 0:  # the whole chunk is before the replay window: only global KV was needed
+            if x.shape[0] == 0:  # every row is before its replay window: only the global KV was needed
                 break
 
-        cache.num_tokens += tokens.shape[0]
-        if cfg.engram_layer_ids:
-            hist_ids = self.engram_token_map[tokens]
-            cache.push_engram_history(hist_ids if is_image is None else hist_ids.masked_fill(is_image, -1))
+        for s in seqs:
+            n = s.rows.stop - s.rows.start
+            s.cache.num_tokens += n
+            if cfg.engram_layer_ids:
+                s.cache.push_engram_history(self._engram_ids(tokens[s.rows], None if is_image is None
+                                                             else is_image[s.rows]))
         if x.shape[0] == 0:
-            return ForwardOutput(x.new_zeros(0, cfg.hidden_size), ctx.positions[:0], taps)
+            return ForwardOutput(x.new_zeros(0, cfg.hidden_size), ctx.positions[:0], taps, ctx.seqs)
         if not cfg.is_v41:
             pre = hc_head_pre(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg.rms_norm_eps, cfg.hc_eps)
-        return ForwardOutput(collapse(x, pre), ctx.positions, taps)
+        return ForwardOutput(collapse(x, pre), ctx.positions, taps, ctx.seqs)
+
+    def _engram_ids(self, tokens: torch.Tensor, is_image: torch.Tensor | None) -> torch.Tensor:
+        ids = self.engram_token_map[tokens]
+        return ids if is_image is None else ids.masked_fill(is_image, -1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return acc(self.head(self.norm(hidden)))

@@ -143,3 +143,32 @@ def test_bad_tokens_are_clear_errors(tiny_models):
         m(torch.tensor([[1, 2]]))
     with pytest.raises(ModelInputError, match="V4.1"):
         tiny_models["tiny-v4"](torch.tensor([1, 2]), decoder_start=0)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-v4"])
+@torch.no_grad()
+def test_batched_rows_of_several_sequences_equal_one_at_a_time(tiny_models, name):
+    """forward_batch over a mix of prefill chunks and decodes equals each sequence run on its own."""
+    from dsserve.layers.context import SeqRows
+    m = tiny_models[name]
+    lens = [45, 3, 70, 1]
+    prompts = [rand_tokens(m.cfg, n + 4, seed=10 + i) for i, n in enumerate(lens)]
+    refs = [m.reference_logits(p) for p in prompts]
+    caches = [m.new_cache() for _ in prompts]
+    # step 1: a prefill chunk of each; step 2..: the remaining rows in uneven pieces, decodes mixed in
+    plan = [[n for n in lens], [2, 1, 3, 4], [2, 3, 1, 0]]
+    done = [0] * len(prompts)
+    got = [[] for _ in prompts]
+    for step in plan:
+        toks, seqs, row = [], [], 0
+        for i, n in enumerate(step):
+            toks.append(prompts[i][done[i]:done[i] + n])
+            seqs.append(SeqRows(slice(row, row + n), caches[i]))
+            row += n
+            done[i] += n
+        out = m.forward_batch(torch.cat(toks), seqs)
+        for i, s in enumerate(out.seqs):
+            got[i].append(m.logits(out.hidden[s.rows]))
+    for i, p in enumerate(prompts):
+        assert done[i] == p.shape[0]
+        assert (torch.cat(got[i]) - refs[i]).abs().max() < TOL
