@@ -137,37 +137,46 @@ def _add_info(sub):
 def cmd_generate(args) -> int:
     import time
 
-    from .engine.greedy import greedy_generate
-    from .models.loader import load_model
+    from .engine.args import EngineArgs
+    from .engine.llm import LLM
+    from .engine.sampling_params import SamplingParams
 
-    lm = load_model(args.model, args.load_format, args.dtype, args.seed, qat=args.qat)
-    if lm.load_format == "dummy":
-        print(f"[{lm.cfg.name}: seeded random weights (--load-format dummy); the text is not meaningful]",
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.sampling_seed)
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        prompts = ["The quick brown fox"]
+    llm = LLM(**vars(EngineArgs.from_cli(args)))
+    if llm.engine.args.load_format == "auto" and not os.path.isdir(args.model):
+        print(f"[{args.model}: seeded random weights (--load-format dummy); the text is not meaningful]",
               file=sys.stderr)
-    if args.max_tokens < 1:
-        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    for prompt in args.prompt:
-        ids = lm.tokenizer.encode(prompt, add_bos=True)
-        t0 = time.perf_counter()
-        out = greedy_generate(lm.model, ids, args.max_tokens, lm.tokenizer.eos_id, args.swa_bounded_replay)
-        dt = time.perf_counter() - t0
-        print(f"{prompt}{lm.tokenizer.decode(out)}")
-        print(f"[{len(ids)} prompt + {len(out)} generated tokens in {dt:.2f} s]", file=sys.stderr)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    for o in outs:
+        print(f"{o.prompt}{o.outputs[0].text}")
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    n_in = sum(len(o.prompt_token_ids) for o in outs)
+    print(f"[{len(outs)} requests: {n_in} prompt + {n_out} generated tokens in {dt:.2f} s, "
+          f"{n_out / dt:.1f} output tokens/s]", file=sys.stderr)
     return 0
 
 
 def _add_generate(sub):
-    p = sub.add_parser("generate", help="greedy-generate text for one or more prompts")
-    p.add_argument("--model", default="tiny", help="preset name or checkpoint directory (default: tiny)")
-    p.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
+    from .engine.args import EngineArgs
+
+    p = sub.add_parser("generate", help="generate text for one or more prompts with the batched engine")
+    p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    p.add_argument("--prompts-file", help="a file with one prompt per line")
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"))
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float64"))
-    p.add_argument("--seed", type=int, default=0, help="seed of the dummy weights")
-    p.add_argument("--swa-bounded-replay", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the decoder only on the last window of the prompt (V4.1; default on)")
-    p.add_argument("--qat", action=argparse.BooleanOptionalAction, default=None,
-                   help="quantisation-aware numerics of the release (fake-quant KV and indexer; default on)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sampling-seed", type=int, default=None)
+    EngineArgs.add_cli_args(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -191,10 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     from .models.config import ConfigError
     from .models.checkpoint import CheckpointError
     from .models.model import ModelInputError
-    if getattr(args, "prompt", ()) is None:
-        args.prompt = ["The quick brown fox"]
     try:
         return args.func(args)
-    except (ConfigError, CheckpointError, ModelInputError, ValueError, OSError) as e:
+    except (ConfigError, CheckpointError, ModelInputError, ValueError, OSError) as e:  # user input: no traceback
         print(f"dsserve: error: {e}", file=sys.stderr)
         return EXIT_USAGE

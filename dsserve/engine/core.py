@@ -1,0 +1,144 @@
+"""The engine core: requests in, one scheduled batched step at a time, ``RequestOutput``s out.
+
+One loop for both fronts (the offline ``LLM`` and, later, the server): ``add_request`` validates before a
+request enters, ``step`` schedules, runs the model, samples, detokenises, checks stops and frees finished
+requests' KV.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..kv.paged import KVLayout, PagedKVCache
+from ..models.loader import DTYPES, load_model
+from .args import EngineArgs
+from .detokenizer import StopChecker
+from .outputs import CompletionOutput, RequestOutput, make_logprob_dict
+from .request import Request, RequestStatus
+from .runner import ModelRunner
+from .sampler import Sampler
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger("dsserve")
+CPU_KV_CACHE_MEMORY = 256 << 20
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take; raised before it enters, so nothing else is affected."""
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    stops: StopChecker
+    logprobs: list | None
+    cumulative_logprob: float | None
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        lm = load_model(args.model, args.load_format, args.dtype, args.seed, qat=args.qat)
+        self.model, self.cfg, self.tokenizer = lm.model, lm.cfg, lm.tokenizer
+        dtype = DTYPES[args.dtype]
+        layout = KVLayout.build(self.cfg, args.block_size, args.kv_cache_dtype, dtype)
+        self.max_model_len = args.max_model_len or self.cfg.max_position_embeddings
+        blocks, slots = layout.plan(args.kv_cache_memory or CPU_KV_CACHE_MEMORY, args.max_num_seqs)
+        self.kv = PagedKVCache(layout, blocks, slots, dtype)
+        replay = args.swa_bounded_replay and self.cfg.is_v41
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            max_model_len=self.max_model_len, policy=args.scheduling_policy,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            long_prefill_token_threshold=args.long_prefill_token_threshold, swa_bounded_replay=replay,
+            replay_window=args.replay_window or self.cfg.sliding_window), self.kv)
+        self.runner = ModelRunner(self.model)
+        self.sampler = Sampler(eos_token_id=self.tokenizer.eos_id)
+        self._tracked: dict[str, _Tracked] = {}
+        r = self.kv.report()
+        log.info("KV cache: %d global blocks x %d tokens = %.1f MiB (%.0f B/token), %d window slots = %.1f MiB "
+                 "(%d B/row)", r["global_blocks"], r["block_size"], r["global_bytes"] / 2**20,
+                 r["global_bytes_per_token"], r["window_slots"], r["window_bytes"] / 2**20, r["window_row_bytes"])
+
+    # ------------------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0) -> Request:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self._tracked:
+            raise RequestError(f"request id {request_id!r} is already in the engine")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt, add_bos=True) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token ids must be ints in [0, {self.cfg.vocab_size}); got {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+        need = -(-min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
+                 // self.kv.layout.block_size)
+        if need > self.kv.blocks.num_blocks:
+            raise RequestError(f"the request needs up to {need} KV blocks but the cache has "
+                               f"{self.kv.blocks.num_blocks}; raise kv_cache_memory or lower max_tokens")
+        req = Request(request_id, ids, params, prompt=text, priority=priority)
+        stops = StopChecker(self.tokenizer, ids, params, eos_token_id=self.tokenizer.eos_id,
+                            max_model_len=self.max_model_len)
+        want_lp = params.logprobs is not None
+        self._tracked[request_id] = _Tracked(req, stops, [] if want_lp else None, 0.0 if want_lp else None)
+        self.scheduler.add(req)
+        return req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        t = self._tracked.pop(request_id, None)
+        if t is None:
+            return None
+        self.scheduler.abort(request_id)
+        t.request.status = RequestStatus.FINISHED_ABORTED
+        return self._output(t, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------------- one step
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return []
+        sampling, logits = self.runner.execute(plan)
+        if not sampling:
+            return []
+        out = self.sampler(logits.float(), sampling)
+        now = time.monotonic()
+        results = []
+        for i, req in enumerate(sampling):
+            t = self._tracked[req.request_id]
+            tok = int(out.sampled_token_ids[i])
+            req.output_token_ids.append(tok)
+            req.metrics.record_token(now)
+            if t.logprobs is not None and out.logprobs[i] is not None:
+                lp = out.logprobs[i]
+                t.logprobs.append(make_logprob_dict(tok, lp.sampled_logprob, lp.sampled_rank, lp.top_token_ids,
+                                                    lp.top_logprobs, self.tokenizer))
+                t.cumulative_logprob += lp.sampled_logprob
+            t.stops.append(tok)
+            if t.stops.finished:
+                status = (RequestStatus.FINISHED_STOPPED if t.stops.finish_reason == "stop"
+                          else RequestStatus.FINISHED_LENGTH)
+                self.scheduler.finish(req, status)
+                req.metrics.finished_time = now
+                self._tracked.pop(req.request_id)
+            results.append(self._output(t, t.stops.finish_reason))
+        return results
+
+    def _output(self, t: _Tracked, finish_reason: str | None) -> RequestOutput:
+        req = t.request
+        comp = CompletionOutput(0, t.stops.text, list(req.output_token_ids), t.cumulative_logprob,
+                                t.logprobs, finish_reason, t.stops.stop_reason)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp],
+                             finished=finish_reason is not None, metrics=req.metrics)

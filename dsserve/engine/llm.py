@@ -1,0 +1,115 @@
+"""``LLM``: the offline API, shaped like vLLM's, over the same ``EngineCore`` the server uses."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from typing import Sequence
+
+from .args import EngineArgs
+from .core import EngineCore, RequestError
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict
+
+
+class LLM:
+    """``LLM(model="tiny", max_num_seqs=8)``: a preset name or a checkpoint directory, plus engine options
+    named like the CLI flags."""
+
+    def __init__(self, model: str = "tiny", **engine_options):
+        self.engine = EngineCore(EngineArgs.from_kwargs(model=model, **engine_options))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        prompts = self._as_list(prompts)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise RequestError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise RequestError(f"{len(priority)} priorities for {len(prompts)} prompts")
+        # Validate every prompt before any enters the engine: a bad one must not leave the others half-run.
+        groups = []
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            if not isinstance(sp, SamplingParams):
+                raise RequestError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
+            base = str(next(self._ids))
+            subs = [(f"{base}-{k}" if sp.n > 1 else base,
+                     replace(sp, n=1, seed=None if sp.seed is None else sp.seed + k)) for k in range(sp.n)]
+            groups.append((base, prompt, subs, 0 if priority is None else priority[i]))
+        added = []
+        try:
+            for base, prompt, subs, prio in groups:
+                for rid, sp in subs:
+                    self.engine.add_request(rid, prompt, sp, prio)
+                    added.append(rid)
+        except Exception:
+            for rid in added:
+                self.engine.abort_request(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        with _progress(len(added), use_tqdm) as advance:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        advance()
+        return [self._merge(base, [final[rid] for rid, _ in subs]) for base, _, subs, _ in groups]
+
+    @staticmethod
+    def _as_list(prompts) -> list:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        out = []
+        for p in prompts:
+            if isinstance(p, dict):
+                if "prompt_token_ids" in p:
+                    p = p["prompt_token_ids"]
+                elif "prompt" in p:
+                    p = p["prompt"]
+                else:
+                    raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            if not isinstance(p, (str, list)):
+                raise RequestError(f"a prompt is a str, a list of token ids or a dict, got {type(p).__name__}")
+            out.append(p)
+        return out
+
+    @staticmethod
+    def _merge(base: str, outs: list[RequestOutput]) -> RequestOutput:
+        if len(outs) == 1:
+            return outs[0]
+        comps = []
+        for k, o in enumerate(outs):
+            c = o.outputs[0]
+            c.index = k
+            comps.append(c)
+        first = outs[0]
+        return RequestOutput(base, first.prompt, first.prompt_token_ids, comps, True, first.metrics)
+
+
+class _progress:
+    """A rich progress bar over finished requests (silent when disabled or for a single request)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled = total, enabled and total > 1
+        self.bar = None
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda: None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+        self.bar = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), transient=True)
+        self.bar.start()
+        task = self.bar.add_task("generating", total=self.total)
+        return lambda: self.bar.advance(task)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()

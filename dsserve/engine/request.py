@@ -1,0 +1,64 @@
+"""A request's life in the engine: its tokens, how many have their KV computed, and where its KV lives."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .outputs import RequestMetrics
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    priority: int = 0  # lower runs first under the priority policy, as in vLLM
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    status: RequestStatus = RequestStatus.WAITING
+    kv: object | None = None  # SequenceKV while running
+    decoder_start: int | None = None  # bounded replay floor for this run (set when scheduled)
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    metrics: RequestMetrics | None = None
+
+    def __post_init__(self):
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+        if self.metrics is None:
+            self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens known but not yet through the model (a prompt's rest, or the last sampled token)."""
+        return self.num_tokens - self.num_computed_tokens

@@ -1,0 +1,31 @@
+"""The model runner: one batched forward over a step's mixed prefill chunks and decodes, on the paged cache."""
+from __future__ import annotations
+
+import torch
+
+from ..layers.context import SeqRows
+from ..models.model import DeepseekForCausalLM
+from .request import Request
+from .scheduler import StepPlan
+
+
+class ModelRunner:
+    def __init__(self, model: DeepseekForCausalLM):
+        self.model = model
+
+    @torch.no_grad()
+    def execute(self, plan: StepPlan) -> tuple[list[Request], torch.Tensor]:
+        """Runs the plan's rows; returns the requests that sample this step and their logits [B, V]."""
+        ids, seqs, row = [], [], 0
+        for c in plan.chunks:
+            r, start = c.request, c.request.num_computed_tokens
+            ids.extend(r.all_token_ids[start:start + c.num_tokens])
+            seqs.append(SeqRows(slice(row, row + c.num_tokens), r.kv, r.decoder_start))
+            row += c.num_tokens
+        out = self.model.forward_batch(torch.tensor(ids, dtype=torch.long), seqs)
+        last_rows = [s.rows.stop - 1 for c, s in zip(plan.chunks, out.seqs) if c.samples]
+        sampling = [c.request for c in plan.chunks if c.samples]
+        for c in plan.chunks:
+            c.request.num_computed_tokens += c.num_tokens
+        logits = self.model.logits(out.hidden[last_rows]) if last_rows else torch.empty(0)
+        return sampling, logits

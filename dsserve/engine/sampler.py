@@ -1,0 +1,205 @@
+"""Batched token sampling with vLLM v1's semantics.
+
+Per step, for logits [B, V] (cast to fp32; the caller's tensor is not modified):
+
+1. logprobs, when any row asks: ``log_softmax`` of the *raw* logits, before penalties and temperature
+   (vLLM v1's default ``logprobs_mode="raw_logprobs"``).
+2. min_tokens: while a row has fewer than ``min_tokens`` outputs, its stop_token_ids and EOS get -inf.
+3. penalties: repetition (tokens seen in prompt or output: positive logits divided, the rest multiplied),
+   then frequency (minus penalty * count in output) and presence (minus penalty if in output).
+4. greedy rows (temperature < 1e-5) take the argmax here; ties go to the lowest id.
+5. random rows: temperature, then min-p, then top-k, then top-p (vLLM v1's order), then one draw.
+
+Top-k keeps every token whose logit is >= the k-th largest (ties at the boundary all survive, as in vLLM).
+Top-p keeps a token when the mass of tokens strictly more probable than it is < p (the smallest
+"nucleus"; ties at the boundary all survive). Min-p keeps probs >= min_p * max prob.
+
+Drawing is the exponential race argmax(p / q), q ~ Exp(1). A seeded row draws its q from its own generator
+and nothing else touches that generator, so its tokens do not depend on the rest of the batch. Unseeded rows
+share the sampler's generator (or torch's default one).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .sampling_params import SAMPLING_EPS, SamplingParams
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingRow:
+    """One row of the batch: its params, the token history penalties need, and its generator (seeded rows).
+    Any object with these four attributes works (the engine's ``Request`` has them)."""
+    params: SamplingParams
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class RowLogprobs:
+    """Raw logprobs for one row: the sampled token's logprob and rank, and the row's top-n (rank 1..n)."""
+    sampled_logprob: float
+    sampled_rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor            # [B] int64
+    logprobs: list[RowLogprobs | None]         # per row; None where the row did not ask
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The per-request generator for a seeded request (keep it for the request's lifetime). It must live on
+    the logits' device; a seed gives the same tokens on one device type whatever the batch."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+# ---------------------------------------------------------------- logits processors (in place, [B, V])
+def _history_tensor(rows: list[Sequence[int]], vocab: int, device) -> torch.Tensor:
+    """Rows of ids padded with ``vocab`` (an id that no token has)."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), max(width, 1)), vocab, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if len(r):
+            out[i, :len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+    return out.to(device)
+
+
+def _bin_counts(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] float counts of each id per row (the pad id ``vocab`` falls in a dropped extra column)."""
+    counts = torch.zeros(ids.shape[0], vocab + 1, device=ids.device)
+    counts.scatter_add_(1, ids, torch.ones(ids.shape, device=ids.device))
+    return counts[:, :vocab]
+
+
+def apply_penalties(logits: torch.Tensor, prompt_ids: list[Sequence[int]], output_ids: list[Sequence[int]],
+                    repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    """Penalty vectors are [B]. Repetition applies to tokens in prompt or output; frequency/presence to output."""
+    vocab = logits.shape[1]
+    out_counts = _bin_counts(_history_tensor(output_ids, vocab, logits.device), vocab)
+    out_mask = (out_counts > 0).to(logits.dtype)
+    if bool((repetition != 1.0).any()):
+        seen = (out_counts > 0) | (_bin_counts(_history_tensor(prompt_ids, vocab, logits.device), vocab) > 0)
+        rep = torch.where(seen, repetition.unsqueeze(1), 1.0)
+        logits *= torch.where(logits > 0, rep.reciprocal(), rep)
+    logits -= frequency.unsqueeze(1) * out_counts
+    logits -= presence.unsqueeze(1) * out_mask
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill_(probs < threshold, NEG_INF)
+
+
+def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """k is [B]; k <= 0 (or >= V) leaves the row alone."""
+    on = (k > 0) & (k < logits.shape[1])
+    if not bool(on.any()):
+        return logits
+    k = torch.where(on, k, 1).long()
+    kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))  # the k-th largest logit
+    return logits.masked_fill_(on.unsqueeze(1) & (logits < kth), NEG_INF)
+
+
+def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    probs = logits.softmax(dim=-1)
+    # Only tokens still in play can be in the nucleus: sort just those (all of them when nothing is masked).
+    sorted_p = probs.topk(int(torch.isfinite(logits).sum(dim=-1).max()), dim=-1).values
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p           # mass strictly ahead in sorted order
+    last_kept = (mass_before < p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_min(1) - 1
+    threshold = sorted_p.gather(1, last_kept)                   # smallest kept probability
+    threshold = torch.where(p.unsqueeze(1) >= 1.0, 0.0, threshold)  # p = 1: no rounding losses in the tail
+    return logits.masked_fill_(probs < threshold, NEG_INF)
+
+
+def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None],
+                  shared: torch.Generator | None = None) -> torch.Tensor:
+    """argmax(probs / q) with q ~ Exp(1): row i draws q from generators[i], or from ``shared`` when None."""
+    q = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        q[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+            generator=shared)
+    for i, g in enumerate(generators):
+        if g is not None:
+            q[i].exponential_(generator=g)
+    # q can be exactly 0 (probability ~2^-24 per draw): keep 0/q finite so masked tokens stay at 0.
+    return (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+
+
+# ---------------------------------------------------------------- the sampler
+class Sampler:
+    """``Sampler(eos_token_id)(logits, rows) -> SamplerOutput``. Stateless apart from the shared generator."""
+
+    def __init__(self, eos_token_id: int | None = None, generator: torch.Generator | None = None):
+        self.eos_token_id = eos_token_id
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        return self.forward(logits, rows)
+
+    @torch.no_grad()
+    def forward(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [B, V] with B = {len(rows)} rows, got {tuple(logits.shape)}")
+        logits = logits.to(torch.float32, copy=True)
+        params = [r.params for r in rows]
+        device = logits.device
+
+        def vec(values, dtype=torch.float32):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        want = [p.logprobs for p in params]
+        raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in want) else None
+
+        # min_tokens: stop tokens and EOS are not allowed yet
+        for i, (r, p) in enumerate(zip(rows, params)):
+            if len(r.output_token_ids) < p.min_tokens:
+                ids = [t for t in p.all_stop_token_ids(self.eos_token_id) if t < logits.shape[1]]
+                if ids:
+                    logits[i, ids] = NEG_INF
+
+        if any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params):
+            apply_penalties(logits, [r.prompt_token_ids for r in rows], [r.output_token_ids for r in rows],
+                            vec([p.repetition_penalty for p in params]),
+                            vec([p.frequency_penalty for p in params]),
+                            vec([p.presence_penalty for p in params]))
+
+        sampled = logits.argmax(dim=-1)                          # greedy rows keep this
+        rnd = [i for i, p in enumerate(params) if p.temperature >= SAMPLING_EPS]
+        if rnd:
+            sub = logits[rnd] / vec([params[i].temperature for i in rnd]).unsqueeze(1)
+            if any(params[i].min_p > 0 for i in rnd):
+                apply_min_p(sub, vec([params[i].min_p for i in rnd]))
+            if any(params[i].top_k > 0 for i in rnd):
+                apply_top_k(sub, vec([params[i].top_k for i in rnd], torch.long))
+            if any(params[i].top_p < 1.0 for i in rnd):
+                apply_top_p(sub, vec([params[i].top_p for i in rnd]))
+            sampled[rnd] = random_sample(sub.softmax(dim=-1), [rows[i].generator for i in rnd], self.generator)
+
+        row_logprobs: list[RowLogprobs | None] = [None] * len(rows)
+        if raw_logprobs is not None:
+            n_max = min(max(n for n in want if n is not None), logits.shape[1])
+            top_lp, top_ids = raw_logprobs.topk(n_max, dim=-1) if n_max else (None, None)
+            chosen = raw_logprobs.gather(1, sampled.unsqueeze(1))
+            ranks = (raw_logprobs >= chosen).sum(dim=-1)      # vLLM: count of logprobs >= the chosen one
+            chosen, ranks = chosen.squeeze(1).tolist(), ranks.tolist()
+            for i, n in enumerate(want):
+                if n is None:
+                    continue
+                n = min(n, n_max)
+                row_logprobs[i] = RowLogprobs(chosen[i], ranks[i],
+                                              top_ids[i, :n].tolist() if n else [],
+                                              top_lp[i, :n].tolist() if n else [])
+        return SamplerOutput(sampled, row_logprobs)

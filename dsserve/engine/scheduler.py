@@ -1,0 +1,173 @@
+"""The scheduler: which rows of which requests run in the next step, under a token budget.
+
+Every step first serves the running requests (decodes, and the next chunk of prefills still in flight),
+then admits waiting ones, chunking a long prompt so decode tokens and prefill chunks share one batch.
+When the global KV pool runs out, the lowest-priority running request is preempted by recompute: its
+cache is freed and it goes back to the front of the queue with its tokens so far, so nothing is lost.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from ..kv.paged import PagedKVCache
+from .request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
+    policy: str = "fcfs"  # "fcfs" | "priority"
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk per step (0 = the budget)
+    swa_bounded_replay: bool = False  # V4.1: the decoder sees only the last `replay_window` prompt rows
+    replay_window: int = 0
+
+    def __post_init__(self):
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy {self.policy!r} is not 'fcfs' or 'priority'")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    num_tokens: int  # rows of this request in the step, starting at request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the request's last known token, so the step samples its next one."""
+        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class StepPlan:
+    chunks: list[ScheduledChunk]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: PagedKVCache):
+        self.config, self.kv = config, kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    # ------------------------------------------------------------------------- queue
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is None or req.status.finished:
+            return None
+        self.finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = status
+        self.requests.pop(req.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------------- one step
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Request] = []
+        for req in list(self._by_priority(self.running)):
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = self._chunk(req, budget)
+            if n == 0:
+                continue
+            while self.kv.blocks_needed(req.kv, req.num_computed_tokens + n) > self.kv.blocks.num_free:
+                victim = self._by_priority(self.running)[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            self.kv.grow(req.kv, req.num_computed_tokens + n)
+            chunks.append(ScheduledChunk(req, n))
+            budget -= n
+        if not preempted:  # admitting new work right after a preemption would only thrash
+            self._admit(chunks, budget)
+        now = time.monotonic()
+        for c in chunks:
+            if c.request.metrics.first_scheduled_time is None:
+                c.request.metrics.first_scheduled_time = now
+        return StepPlan(chunks, preempted)
+
+    def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
+        order = self._by_priority(list(self.waiting)) if self.config.policy == "priority" else list(self.waiting)
+        for req in order:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs or self.kv.slots.num_free == 0:
+                break
+            n = self._chunk(req, budget)
+            if n == 0:
+                break
+            need = -(-(req.num_computed_tokens + n) // self.kv.layout.block_size)
+            if need > self.kv.blocks.num_free:
+                break  # FCFS: no overtaking by smaller requests
+            self.waiting.remove(req)
+            req.kv = self.kv.new_sequence()
+            req.status = RequestStatus.RUNNING
+            if self.config.swa_bounded_replay:
+                req.decoder_start = max(0, req.num_tokens - self.config.replay_window)
+            self.running.append(req)
+            self.kv.grow(req.kv, req.num_computed_tokens + n)
+            chunks.append(ScheduledChunk(req, n))
+            budget -= n
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        n = req.num_pending_tokens
+        if n > budget and not self.config.enable_chunked_prefill:
+            return 0
+        cap = self.config.long_prefill_token_threshold
+        return min(n, budget, cap) if cap > 0 else min(n, budget)
+
+    def _by_priority(self, reqs: list[Request]) -> list[Request]:
+        if self.config.policy == "priority":
+            return sorted(reqs, key=lambda r: (r.priority, r.arrival_time))
+        return sorted(reqs, key=lambda r: r.arrival_time)
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute-style: drop the KV, keep the tokens, go back to the front of the queue."""
+        self.running.remove(req)
+        self._release(req)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        if req.kv is not None:
+            self.kv.release(req.kv)
+            req.kv = None
+        req.num_computed_tokens = 0
+        req.decoder_start = None
+
+    # ------------------------------------------------------------------------- invariants
+    def check(self) -> None:
+        """The cache holds exactly the running requests' blocks and window slots."""
+        self.kv.check([r.kv for r in self.running])
+        for r in self.waiting:
+            if r.kv is not None or r.num_computed_tokens:
+                raise RuntimeError(f"waiting request {r.request_id} still holds KV")
