@@ -19,7 +19,8 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    kv_cache_memory: int | None = None  # bytes for the KV cache (default: 256 MiB on the CPU)
+    kv_cache_memory: int | None = None  # bytes for the KV cache
+    kv_cache_memory_fraction: float | None = None  # or this fraction of the memory free now (default: 256 MiB)
     block_size: int | None = None  # tokens per global KV block (default: 64, or a multiple of V4's 128)
     kv_cache_dtype: str = "auto"  # auto (packed FP4/FP8 records of the release) | bf16
     scheduling_policy: str = "fcfs"  # fcfs | priority
@@ -36,6 +37,9 @@ class EngineArgs:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise EngineArgsError(f"{name} must be >= 1, got {getattr(self, name)}")
+        f = self.kv_cache_memory_fraction
+        if f is not None and not 0 < f <= 1:
+            raise EngineArgsError(f"kv_cache_memory_fraction must be in (0, 1], got {f}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise EngineArgsError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
 
@@ -55,7 +59,7 @@ class EngineArgs:
             if f.type in ("bool", "bool | None"):
                 p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
             else:
-                kind = int if f.type.startswith("int") else str
+                kind = int if f.type.startswith("int") else float if f.type.startswith("float") else str
                 p.add_argument(flag, type=kind, default=default)
 
     @classmethod

@@ -7,6 +7,7 @@ requests' KV.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -25,6 +26,24 @@ from .scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("dsserve")
 CPU_KV_CACHE_MEMORY = 256 << 20
+
+
+def kv_cache_budget(args: EngineArgs) -> int:
+    """Bytes for the KV cache: given, or a fraction of the memory free now (host memory on the CPU)."""
+    if args.kv_cache_memory:
+        return args.kv_cache_memory
+    if args.kv_cache_memory_fraction:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return int(free * args.kv_cache_memory_fraction)
+    return CPU_KV_CACHE_MEMORY
+
+
+def _say(msg: str, *a) -> None:
+    """Start-up facts go to stderr like vLLM's, unless the user configured logging for "dsserve"."""
+    if not log.handlers and not logging.getLogger().handlers:
+        log.addHandler(logging.StreamHandler())
+        log.setLevel(logging.INFO)
+    log.info(msg, *a)
 
 
 class RequestError(ValueError):
@@ -47,7 +66,7 @@ class EngineCore:
         dtype = DTYPES[args.dtype]
         layout = KVLayout.build(self.cfg, args.block_size, args.kv_cache_dtype, dtype)
         self.max_model_len = args.max_model_len or self.cfg.max_position_embeddings
-        blocks, slots = layout.plan(args.kv_cache_memory or CPU_KV_CACHE_MEMORY, args.max_num_seqs)
+        blocks, slots = layout.plan(kv_cache_budget(args), args.max_num_seqs)
         self.kv = PagedKVCache(layout, blocks, slots, dtype)
         replay = args.swa_bounded_replay and self.cfg.is_v41
         self.scheduler = Scheduler(SchedulerConfig(
@@ -60,7 +79,7 @@ class EngineCore:
         self.sampler = Sampler(eos_token_id=self.tokenizer.eos_id)
         self._tracked: dict[str, _Tracked] = {}
         r = self.kv.report()
-        log.info("KV cache: %d global blocks x %d tokens = %.1f MiB (%.0f B/token), %d window slots = %.1f MiB "
+        _say("KV cache: %d global blocks x %d tokens = %.1f MiB (%.0f B/token), %d window slots = %.1f MiB "
                  "(%d B/row)", r["global_blocks"], r["block_size"], r["global_bytes"] / 2**20,
                  r["global_bytes_per_token"], r["window_slots"], r["window_bytes"] / 2**20, r["window_row_bytes"])
 

@@ -22,16 +22,21 @@ def make_prompts(cfg, seed):
 
 @pytest.fixture(scope="module")
 def references(tiny_models):
+    """Greedy continuations, and the oracle's logits at every sampled position (one full-recompute forward
+    over prompt + continuation)."""
     out = {}
     for name, m in tiny_models.items():
         prompts = make_prompts(m.cfg, seed=1)
-        out[name] = (prompts, [greedy_generate(m, p, MAX_NEW, bounded_replay=False) for p in prompts])
+        conts = [greedy_generate(m, p, MAX_NEW, bounded_replay=False) for p in prompts]
+        with torch.no_grad():
+            logits = [m.reference_logits(torch.tensor(p + c[:-1]))[len(p) - 1:] for p, c in zip(prompts, conts)]
+        out[name] = (prompts, conts, logits)
     return out
 
 
-def run_engine(model, prompts, chunk, num_blocks=None, abort_at=None, block_size=None):
+def run_engine(model, prompts, chunk, num_blocks=None, abort_at=None, block_size=None, kv_dtype="auto"):
     cfg = model.cfg
-    layout = KVLayout.build(cfg, block_size=block_size, dtype=torch.float64)
+    layout = KVLayout.build(cfg, block_size=block_size, kv_cache_dtype=kv_dtype, dtype=torch.float64)
     if num_blocks is None:
         num_blocks = sum(-(-(len(p) + MAX_NEW) // layout.block_size) for p in prompts)
     kv = PagedKVCache(layout, num_blocks, N_REQ, dtype=torch.float64)
@@ -39,6 +44,7 @@ def run_engine(model, prompts, chunk, num_blocks=None, abort_at=None, block_size
                       kv)
     runner = ModelRunner(model)
     reqs = [Request(str(i), list(p), SamplingParams(temperature=0, max_tokens=MAX_NEW)) for i, p in enumerate(prompts)]
+    logits_seen = {r.request_id: [] for r in reqs}
     for r in reqs:
         sched.add(r)
     steps, preemptions = 0, 0
@@ -47,6 +53,7 @@ def run_engine(model, prompts, chunk, num_blocks=None, abort_at=None, block_size
         preemptions += len(plan.preempted)
         sampling, logits = runner.execute(plan)
         for r, row in zip(sampling, logits):
+            logits_seen[r.request_id].append(row)
             r.output_token_ids.append(int(row.argmax()))
             if len(r.output_token_ids) == MAX_NEW:
                 sched.finish(r, RequestStatus.FINISHED_LENGTH)
@@ -57,22 +64,33 @@ def run_engine(model, prompts, chunk, num_blocks=None, abort_at=None, block_size
         sched.check()  # after every step: no leaked block or window slot
         assert steps < 5000
     assert kv.blocks.num_free == kv.blocks.num_blocks and kv.slots.num_free == kv.slots.num_blocks
-    return reqs, preemptions
+    return reqs, preemptions, [torch.stack(logits_seen[r.request_id]) if logits_seen[r.request_id] else None
+                               for r in reqs]
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-v4"])
 @pytest.mark.parametrize("chunk", [1, 7, 64, 0])
 def test_engine_greedy_equals_reference(tiny_models, references, name, chunk):
-    prompts, expected = references[name]
-    reqs, _ = run_engine(tiny_models[name], prompts, chunk)
+    prompts, expected, ref_logits = references[name]
+    reqs, _, logits = run_engine(tiny_models[name], prompts, chunk)
     assert [r.output_token_ids for r in reqs] == expected
+    for got, ref in zip(logits, ref_logits):
+        assert (got - ref).abs().max() < 1e-9
+
+
+def test_engine_bf16_kv_rows_are_exact_for_qat_values(tiny_models, references):
+    """FP8/FP4-on-grid values fit bf16 exactly, so the debug layout reproduces the reference too."""
+    prompts, expected, ref_logits = references["tiny"]
+    reqs, _, logits = run_engine(tiny_models["tiny"], prompts, 16, kv_dtype="bf16")
+    assert [r.output_token_ids for r in reqs] == expected
+    assert max((g - r).abs().max() for g, r in zip(logits, ref_logits)) < 1e-9
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-v4"])
 def test_engine_with_forced_preemption_and_aborts(tiny_models, references, name):
-    prompts, expected = references[name]
+    prompts, expected, _ = references[name]
     bs = 128 if name == "tiny-v4" else 64
-    reqs, preemptions = run_engine(tiny_models[name], prompts, chunk=16, num_blocks=6 if bs == 64 else 2,
+    reqs, preemptions, _ = run_engine(tiny_models[name], prompts, chunk=16, num_blocks=6 if bs == 64 else 2,
                                    abort_at={3: ["3", "5"], 9: ["0"]}, block_size=bs)
     assert preemptions > 0
     for r, exp in zip(reqs, expected):
