@@ -28,12 +28,17 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     swa_bounded_replay: bool = True  # V4.1 decoder replay; off = exact mode
     replay_window: int | None = None  # default: the model's sliding window
-    enable_prefix_caching: bool = False
+    replay_form: str = "report"  # report: narrow at layer 20 (TRT-LLM); vllm: layer 20 on all rows, 21+ narrowed
+    enable_prefix_caching: bool = True
+    session_retention: float = 0.0  # seconds a finished session request's blocks stay ahead of LRU (0 = off)
 
     def __post_init__(self):
-        if self.enable_prefix_caching:
-            raise EngineArgsError("enable_prefix_caching=True is not available yet (prefix caching with bounded "
-                                  "replay is the next milestone); pass enable_prefix_caching=False")
+        if self.replay_form not in ("report", "vllm"):
+            raise EngineArgsError(f"replay_form must be 'report' or 'vllm', got {self.replay_form!r}")
+        if self.replay_window is not None and self.replay_window < 1:
+            raise EngineArgsError(f"replay_window must be >= 1, got {self.replay_window}")
+        if self.session_retention < 0:
+            raise EngineArgsError(f"session_retention must be >= 0 seconds, got {self.session_retention}")
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise EngineArgsError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -23,6 +23,7 @@ from .runner import ModelRunner
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
+from .stats import EngineStats
 
 log = logging.getLogger("dsserve")
 CPU_KV_CACHE_MEMORY = 256 << 20
@@ -64,18 +65,23 @@ class EngineCore:
         lm = load_model(args.model, args.load_format, args.dtype, args.seed, qat=args.qat)
         self.model, self.cfg, self.tokenizer = lm.model, lm.cfg, lm.tokenizer
         dtype = DTYPES[args.dtype]
-        layout = KVLayout.build(self.cfg, args.block_size, args.kv_cache_dtype, dtype)
+        replay = args.swa_bounded_replay and self.cfg.is_v41
+        # Exact mode keeps window rows with the cached blocks, so a hit restores the window exactly.
+        layout = KVLayout.build(self.cfg, args.block_size, args.kv_cache_dtype, dtype,
+                                window_in_blocks=args.enable_prefix_caching and not replay)
         self.max_model_len = args.max_model_len or self.cfg.max_position_embeddings
         blocks, slots = layout.plan(kv_cache_budget(args), args.max_num_seqs)
-        self.kv = PagedKVCache(layout, blocks, slots, dtype)
-        replay = args.swa_bounded_replay and self.cfg.is_v41
+        self.kv = PagedKVCache(layout, blocks, slots, dtype, prefix_caching=args.enable_prefix_caching,
+                               engram_token_map=self.model.engram_token_map)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len, policy=args.scheduling_policy,
             enable_chunked_prefill=args.enable_chunked_prefill,
             long_prefill_token_threshold=args.long_prefill_token_threshold, swa_bounded_replay=replay,
-            replay_window=args.replay_window or self.cfg.sliding_window), self.kv)
-        self.runner = ModelRunner(self.model)
+            replay_window=args.replay_window or self.cfg.sliding_window,
+            enable_prefix_caching=args.enable_prefix_caching, session_retention_s=args.session_retention), self.kv)
+        self.stats = EngineStats(layout, self.cfg)
+        self.runner = ModelRunner(self.model, args.replay_form)
         self.sampler = Sampler(eos_token_id=self.tokenizer.eos_id)
         self._tracked: dict[str, _Tracked] = {}
         r = self.kv.report()
@@ -85,7 +91,7 @@ class EngineCore:
 
     # ------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0) -> Request:
+                    priority: int = 0, cache_salt: str | None = None, session_id: str | None = None) -> Request:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -105,7 +111,8 @@ class EngineCore:
         if need > self.kv.blocks.num_blocks:
             raise RequestError(f"the request needs up to {need} KV blocks but the cache has "
                                f"{self.kv.blocks.num_blocks}; raise kv_cache_memory or lower max_tokens")
-        req = Request(request_id, ids, params, prompt=text, priority=priority)
+        req = Request(request_id, ids, params, prompt=text, priority=priority, cache_salt=cache_salt,
+                      session_id=session_id)
         stops = StopChecker(self.tokenizer, ids, params, eos_token_id=self.tokenizer.eos_id,
                             max_model_len=self.max_model_len)
         want_lp = params.logprobs is not None
@@ -126,10 +133,14 @@ class EngineCore:
 
     # ------------------------------------------------------------------------- one step
     def step(self) -> list[RequestOutput]:
+        self.kv.blocks.expire_holds(time.monotonic())
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return []
+        self.stats.admitted(plan)
         sampling, logits = self.runner.execute(plan)
+        self.stats.decoder_rows_skipped = self.runner.decoder_rows_skipped
+        self.scheduler.register_full_blocks([c.request for c in plan.chunks])
         if not sampling:
             return []
         out = self.sampler(logits.float(), sampling)
@@ -160,4 +171,5 @@ class EngineCore:
         comp = CompletionOutput(0, t.stops.text, list(req.output_token_ids), t.cumulative_logprob,
                                 t.logprobs, finish_reason, t.stops.stop_reason)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp],
-                             finished=finish_reason is not None, metrics=req.metrics)
+                             finished=finish_reason is not None, metrics=req.metrics,
+                             num_cached_tokens=req.num_cached_tokens)

@@ -27,7 +27,8 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        prompts = self._as_list(prompts)
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
         params = sampling_params if sampling_params is not None else SamplingParams()
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
@@ -39,15 +40,16 @@ class LLM:
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             if not isinstance(sp, SamplingParams):
                 raise RequestError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
+            extra = {k: prompt.get(k) for k in ("cache_salt", "session_id")} if isinstance(prompt, dict) else {}
             base = str(next(self._ids))
             subs = [(f"{base}-{k}" if sp.n > 1 else base,
                      replace(sp, n=1, seed=None if sp.seed is None else sp.seed + k)) for k in range(sp.n)]
-            groups.append((base, prompt, subs, 0 if priority is None else priority[i]))
+            groups.append((base, self._as_list([prompt])[0], subs, 0 if priority is None else priority[i], extra))
         added = []
         try:
-            for base, prompt, subs, prio in groups:
+            for base, prompt, subs, prio, extra in groups:
                 for rid, sp in subs:
-                    self.engine.add_request(rid, prompt, sp, prio)
+                    self.engine.add_request(rid, prompt, sp, prio, **extra)
                     added.append(rid)
         except Exception:
             for rid in added:
@@ -60,12 +62,11 @@ class LLM:
                     if out.finished:
                         final[out.request_id] = out
                         advance()
-        return [self._merge(base, [final[rid] for rid, _ in subs]) for base, _, subs, _ in groups]
+        return [self._merge(base, [final[rid] for rid, _ in subs]) for base, _, subs, _, _ in groups]
 
     @staticmethod
     def _as_list(prompts) -> list:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        """Prompt text or token ids of each prompt; a dict may carry cache_salt and session_id."""
         out = []
         for p in prompts:
             if isinstance(p, dict):
@@ -90,7 +91,8 @@ class LLM:
             c.index = k
             comps.append(c)
         first = outs[0]
-        return RequestOutput(base, first.prompt, first.prompt_token_ids, comps, True, first.metrics)
+        return RequestOutput(base, first.prompt, first.prompt_token_ids, comps, True, first.metrics,
+                             num_cached_tokens=first.num_cached_tokens)
 
 
 class _progress:

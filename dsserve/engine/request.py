@@ -39,6 +39,10 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     metrics: RequestMetrics | None = None
+    cache_salt: str | None = None  # isolates this tenant's prefix-cache entries
+    session_id: str | None = None  # an agent session whose blocks may outlive this request
+    block_hashes: list = field(default_factory=list)  # hash chain of this request's full token blocks
+    num_cached_tokens: int = 0  # prompt tokens whose global KV came from the prefix cache
 
     def __post_init__(self):
         if self.params.seed is not None:

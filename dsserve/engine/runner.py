@@ -10,8 +10,9 @@ from .scheduler import StepPlan
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekForCausalLM):
-        self.model = model
+    def __init__(self, model: DeepseekForCausalLM, replay_form: str = "report"):
+        self.model, self.replay_form = model, replay_form
+        self.decoder_rows_skipped = 0  # prefill rows bounded replay kept out of the decoder
 
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> tuple[list[Request], torch.Tensor]:
@@ -22,7 +23,8 @@ class ModelRunner:
             ids.extend(r.all_token_ids[start:start + c.num_tokens])
             seqs.append(SeqRows(slice(row, row + c.num_tokens), r.kv, r.decoder_start))
             row += c.num_tokens
-        out = self.model.forward_batch(torch.tensor(ids, dtype=torch.long), seqs)
+        out = self.model.forward_batch(torch.tensor(ids, dtype=torch.long), seqs, replay_form=self.replay_form)
+        self.decoder_rows_skipped += len(ids) - out.hidden.shape[0]
         last_rows = [s.rows.stop - 1 for c, s in zip(plan.chunks, out.seqs) if c.samples]
         sampling = [c.request for c in plan.chunks if c.samples]
         for c in plan.chunks:

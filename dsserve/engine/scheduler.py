@@ -25,6 +25,8 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk per step (0 = the budget)
     swa_bounded_replay: bool = False  # V4.1: the decoder sees only the last `replay_window` prompt rows
     replay_window: int = 0
+    enable_prefix_caching: bool = False
+    session_retention_s: float = 0.0  # keep a finished session request's blocks ahead of LRU this long
 
     def __post_init__(self):
         if self.policy not in ("fcfs", "priority"):
@@ -79,7 +81,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self._release(req)
+        self._release(req, finished=True)
         req.status = status
         self.requests.pop(req.request_id, None)
 
@@ -121,14 +123,27 @@ class Scheduler:
         for req in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs or self.kv.slots.num_free == 0:
                 break
-            n = self._chunk(req, budget)
-            if n == 0:
+            hit, hashes = self.kv.match(req.all_token_ids, req.cache_salt) if self.config.enable_prefix_caching \
+                else ([], [])
+            hit_len = len(hit) * self.kv.layout.block_size
+            start = hit_len
+            if hit and self.config.swa_bounded_replay:
+                start = max(0, hit_len - self.config.replay_window)  # encoder-side bounded replay
+            n = self._chunk_size(req.num_tokens - start, budget)
+            if n <= 0:
                 break
-            need = -(-(req.num_computed_tokens + n) // self.kv.layout.block_size)
-            if need > self.kv.blocks.num_free:
+            # Cached blocks that sit free in the LRU queue stop being free once this request holds them.
+            reclaimed = sum(1 for b in hit if self.kv.blocks.ref[b] == 0)
+            need = -(-(start + n) // self.kv.layout.block_size) - len(hit)
+            if need > self.kv.blocks.num_free - reclaimed:
                 break  # FCFS: no overtaking by smaller requests
             self.waiting.remove(req)
             req.kv = self.kv.new_sequence()
+            req.block_hashes = hashes
+            if hit:
+                req.num_computed_tokens = self.kv.attach_prefix(
+                    req.kv, hit, req.all_token_ids, start if self.config.swa_bounded_replay else None)
+                req.num_cached_tokens = hit_len
             req.status = RequestStatus.RUNNING
             if self.config.swa_bounded_replay:
                 req.decoder_start = max(0, req.num_tokens - self.config.replay_window)
@@ -138,7 +153,9 @@ class Scheduler:
             budget -= n
 
     def _chunk(self, req: Request, budget: int) -> int:
-        n = req.num_pending_tokens
+        return self._chunk_size(req.num_pending_tokens, budget)
+
+    def _chunk_size(self, n: int, budget: int) -> int:
         if n > budget and not self.config.enable_chunked_prefill:
             return 0
         cap = self.config.long_prefill_token_threshold
@@ -157,12 +174,29 @@ class Scheduler:
         req.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request, finished: bool = False) -> None:
         if req.kv is not None:
-            self.kv.release(req.kv)
+            hold = None
+            if finished and req.session_id is not None and self.config.session_retention_s > 0:
+                hold = time.monotonic() + self.config.session_retention_s
+            self.kv.release(req.kv, hold)
             req.kv = None
         req.num_computed_tokens = 0
         req.decoder_start = None
+
+    def register_full_blocks(self, reqs: list[Request]) -> None:
+        """After a step: the requests' newly full blocks join the prefix cache (decode blocks too)."""
+        if not self.config.enable_prefix_caching:
+            return
+        from ..kv.prefix_cache import block_hashes
+        for r in reqs:
+            if r.kv is None:
+                continue
+            toks, bs = r.all_token_ids, self.kv.layout.block_size
+            if len(toks) // bs > len(r.block_hashes):
+                parent = r.block_hashes[-1] if r.block_hashes else None
+                r.block_hashes += block_hashes(toks, bs, r.cache_salt, len(r.block_hashes), parent)
+            self.kv.register_full_blocks(r.kv, r.block_hashes)
 
     # ------------------------------------------------------------------------- invariants
     def check(self) -> None:

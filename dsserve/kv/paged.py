@@ -8,6 +8,9 @@ Kinds (spec 3.1), each with its own allocation rule:
   slots that are reused, never grown with context;
 - the compressor's not-yet-pooled rows and the Engram lookback, small per-request tensors.
 
+With prefix caching, full blocks are registered in a ``PrefixCache`` and shared by later requests. In exact
+mode (no bounded replay) the window rows live in the blocks too, so a hit restores the window exactly.
+
 A ``SequenceKV`` is one request's view; it has the methods of ``SequenceCache`` so the model runs on it
 unchanged.
 """
@@ -20,6 +23,7 @@ import torch
 
 from ..models.config import ModelConfig
 from .block_pool import BlockPool, InvariantError
+from .prefix_cache import PrefixCache, block_hashes
 from .formats import RowFormat, format_for
 
 KV_CACHE_DTYPES = ("auto", "bf16")
@@ -51,10 +55,11 @@ class KVLayout:
     main_fmt: RowFormat
     index_fmt: RowFormat | None
     engram_lookback: int
+    window_in_blocks: bool = False  # exact-mode prefix caching: window rows are stored with the blocks
 
     @classmethod
     def build(cls, cfg: ModelConfig, block_size: int | None = None, kv_cache_dtype: str = "auto",
-              dtype: torch.dtype = torch.float32) -> "KVLayout":
+              dtype: torch.dtype = torch.float32, window_in_blocks: bool = False) -> "KVLayout":
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
         sources = sorted({r.kv_source for r in cfg.roles if r.owns_compressor})
@@ -73,19 +78,32 @@ class KVLayout:
                    sources={s: (r, block_size // r) for s, r in zip(sources, ratios)},
                    window_fmt=fmt("swa", cfg.head_dim), main_fmt=fmt("main", cfg.head_dim),
                    index_fmt=fmt("index", index_dim) if index_dim else None,
-                   engram_lookback=cfg.engram_max_ngram_size - 1)
+                   engram_lookback=cfg.engram_max_ngram_size - 1, window_in_blocks=window_in_blocks)
 
     @property
-    def bytes_per_block(self) -> int:
+    def global_bytes_per_block(self) -> int:
         per_entry = self.main_fmt.row_bytes + (self.index_fmt.row_bytes if self.index_fmt else 0)
         return sum(epb * per_entry for _, epb in self.sources.values())
 
     @property
+    def window_bytes_per_token(self) -> int:
+        return len(self.window_layers) * self.window_fmt.row_bytes
+
+    @property
+    def bytes_per_block(self) -> int:
+        extra = self.block_size * self.window_bytes_per_token if self.window_in_blocks else 0
+        return self.global_bytes_per_block + extra
+
+    @property
     def bytes_per_window_slot(self) -> int:
-        return len(self.window_layers) * self.window * self.window_fmt.row_bytes
+        return 0 if self.window_in_blocks else len(self.window_layers) * self.window * self.window_fmt.row_bytes
 
     def global_bytes_per_token(self) -> float:
-        return self.bytes_per_block / self.block_size
+        return self.global_bytes_per_block / self.block_size
+
+    def persistent_bytes_per_token(self, with_window: bool) -> float:
+        """What the prefix cache keeps per token: the global KV, plus every layer's window row in exact mode."""
+        return self.global_bytes_per_token() + (self.window_bytes_per_token if with_window else 0)
 
     def plan(self, memory_bytes: int, max_num_seqs: int) -> tuple[int, int]:
         """(global blocks, window slots): one window slot per possible running request, the rest blocks."""
@@ -100,26 +118,69 @@ class KVLayout:
 
 
 class PagedKVCache:
-    def __init__(self, layout: KVLayout, num_blocks: int, num_window_slots: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, layout: KVLayout, num_blocks: int, num_window_slots: int, dtype: torch.dtype = torch.float32,
+                 prefix_caching: bool = False, engram_token_map: torch.Tensor | None = None):
         self.layout, self.dtype = layout, dtype
-        self.blocks = BlockPool(num_blocks, "global KV block")
+        self.prefix = PrefixCache() if prefix_caching else None
+        self.engram_token_map = engram_token_map
+        self.blocks = BlockPool(num_blocks, "global KV block", on_evict=self.prefix.evict if self.prefix is not None else None)
         self.slots = BlockPool(num_window_slots, "window slot")
         u8 = torch.uint8
         self.main = {s: torch.zeros(num_blocks, epb, layout.main_fmt.row_bytes, dtype=u8)
                      for s, (_, epb) in layout.sources.items()}
         self.index = ({s: torch.zeros(num_blocks, epb, layout.index_fmt.row_bytes, dtype=u8)
                        for s, (_, epb) in layout.sources.items()} if layout.index_fmt else {})
-        w = layout.window
-        self.window = {i: torch.zeros(num_window_slots, w, layout.window_fmt.row_bytes, dtype=u8)
-                       for i in layout.window_layers}
-        self.window_pos = {i: torch.full((num_window_slots, w), -1, dtype=torch.long) for i in layout.window_layers}
+        # The window: a ring per running request (slots), or, in exact-mode prefix caching, rows in the blocks.
+        rows, n = (layout.block_size, num_blocks) if layout.window_in_blocks else (layout.window, num_window_slots)
+        self.window = {i: torch.zeros(n, rows, layout.window_fmt.row_bytes, dtype=u8) for i in layout.window_layers}
+        self.window_pos = ({} if layout.window_in_blocks else
+                           {i: torch.full((n, rows), -1, dtype=torch.long) for i in layout.window_layers})
 
     # -------------------------------------------------------------------------- per request
     def new_sequence(self) -> "SequenceKV":
         slot = self.slots.allocate(1)[0]
-        for i in self.layout.window_layers:
-            self.window_pos[i][slot] = -1
+        for pos in self.window_pos.values():
+            pos[slot] = -1
         return SequenceKV(self, slot)
+
+    # -------------------------------------------------------------------------- prefix cache
+    def match(self, tokens: list[int], salt: str | None = None) -> tuple[list[int], list[bytes]]:
+        """The cached blocks of the longest prefix of ``tokens`` that leaves at least one token to compute
+        (the last row must run to give logits), and the chain of full-block hashes of ``tokens``."""
+        if self.prefix is None:
+            return [], []
+        hashes = block_hashes(tokens, self.layout.block_size, salt)
+        usable = (len(tokens) - 1) // self.layout.block_size
+        return self.prefix.lookup(hashes[:usable]), hashes
+
+    def attach_prefix(self, seq: "SequenceKV", blocks: list[int], tokens: list[int], replay_floor: int | None) -> int:
+        """Start ``seq`` on cached ``blocks``; returns the first position the model must run.
+
+        The global entries of the hit are read, never rewritten (``published_until``). With bounded replay
+        the model resumes at ``replay_floor`` (rows from there to the hit rebuild the window); in exact mode
+        the window comes with the blocks and the model resumes at the hit.
+        """
+        self.blocks.touch(blocks)
+        seq.block_table = list(blocks)
+        hit = len(blocks) * self.layout.block_size
+        for source, (ratio, _) in self.layout.sources.items():
+            seq._entries[source] = hit // ratio
+        seq.published_until = hit
+        start = hit if replay_floor is None else min(hit, replay_floor)
+        seq.num_tokens = start
+        if self.engram_token_map is not None and start:
+            lb = self.layout.engram_lookback
+            seq.engram_history = self.engram_token_map[torch.tensor(tokens[max(0, start - lb):start])]
+        return start
+
+    def register_full_blocks(self, seq: "SequenceKV", hashes: list[bytes]) -> None:
+        """Blocks whose every row has been through the model become shareable at once."""
+        if self.prefix is None:
+            return
+        full = min(seq.num_tokens // self.layout.block_size, len(hashes), len(seq.block_table))
+        for b in range(seq.num_registered, full):
+            self.prefix.register(seq.block_table[b], hashes[b])
+        seq.num_registered = max(seq.num_registered, full)
 
     def blocks_needed(self, seq: "SequenceKV", total_tokens: int) -> int:
         return max(0, -(-total_tokens // self.layout.block_size) - len(seq.block_table))
@@ -128,8 +189,8 @@ class PagedKVCache:
         """Make room for the request's first ``total_tokens`` tokens (the scheduler checked it fits)."""
         seq.block_table.extend(self.blocks.allocate(self.blocks_needed(seq, total_tokens)))
 
-    def release(self, seq: "SequenceKV") -> None:
-        self.blocks.free(seq.block_table)
+    def release(self, seq: "SequenceKV", hold_until: float | None = None) -> None:
+        self.blocks.free(seq.block_table, hold_until)
         self.slots.free([seq.slot])
         seq.block_table, seq.slot = [], None
 
@@ -145,6 +206,7 @@ class PagedKVCache:
         lay = self.layout
         return {"global_blocks": self.blocks.num_blocks, "block_size": lay.block_size,
                 "global_bytes": self.blocks.num_blocks * lay.bytes_per_block,
+                "window_in_blocks": lay.window_in_blocks,
                 "global_bytes_per_token": lay.global_bytes_per_token(),
                 "window_slots": self.slots.num_blocks,
                 "window_bytes": self.slots.num_blocks * lay.bytes_per_window_slot,
@@ -158,6 +220,8 @@ class SequenceKV:
         self.cache, self.slot = cache, slot
         self.block_table: list[int] = []
         self.num_tokens = 0
+        self.published_until = 0  # global entries of positions below this came from the prefix cache
+        self.num_registered = 0  # leading blocks already in the prefix cache
         self._entries: dict[int, int] = {}
         self._pending: dict = {}
         self.engram_history = torch.empty(0, dtype=torch.long)
@@ -165,6 +229,13 @@ class SequenceKV:
     # window ---------------------------------------------------------------------------
     def window_rows(self, layer: int):
         c = self.cache
+        if c.layout.window_in_blocks:
+            pos = torch.arange(max(0, self.num_tokens - c.layout.window), self.num_tokens)
+            if pos.numel() == 0:
+                return None, None
+            bs = c.layout.block_size
+            phys = torch.tensor(self.block_table, dtype=torch.long)[pos // bs]
+            return c.layout.window_fmt.unpack(c.window[layer][phys, pos % bs], c.dtype), pos
         pos = c.window_pos[layer][self.slot]
         valid = pos >= 0
         if not bool(valid.any()):
@@ -174,6 +245,11 @@ class SequenceKV:
 
     def push_window(self, layer: int, keys: torch.Tensor, positions: torch.Tensor) -> None:
         c, w = self.cache, self.cache.layout.window
+        if c.layout.window_in_blocks:
+            bs = c.layout.block_size
+            phys = torch.tensor(self.block_table, dtype=torch.long)[positions // bs]
+            c.window[layer][phys, positions % bs] = c.layout.window_fmt.pack(keys)
+            return
         keys, positions = keys[-w:], positions[-w:]
         ring = positions % w
         c.window[layer][self.slot, ring] = c.layout.window_fmt.pack(keys)

@@ -14,6 +14,7 @@ class SequenceCache:
         self.window = window
         self.engram_lookback = engram_lookback
         self.num_tokens = 0  # positions [0, num_tokens) have been through the encoder
+        self.published_until = 0  # global entries below this position are given (a prefix hit), not computed
         self._swa: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._main: dict[int, torch.Tensor] = {}
         self._index_k: dict[int, torch.Tensor] = {}

@@ -83,9 +83,17 @@ class CSA2Attention(nn.Module):
     def compress(self, x: torch.Tensor, ctx: ForwardContext) -> None:
         """Pool this layer's input into new global entries and publish them to each sequence's cache."""
         ctx.log(self.role.index, "compressor")
+        r = self.role.ratio
         for seq in ctx.seqs:
-            if seq.rows.stop > seq.rows.start:
-                self._compress_seq(x[seq.rows], int(ctx.positions[seq.rows.start]), seq.cache, ctx.qat)
+            if seq.rows.stop == seq.rows.start:
+                continue
+            first = int(ctx.positions[seq.rows.start])
+            # Entries below ``published_until`` came from the prefix cache: read-only. At an odd boundary
+            # the last cached raw row is pooled again to rebuild the carried half-group.
+            pub = seq.cache.published_until
+            start = max(first, pub - pub % r)
+            if start < first + seq.rows.stop - seq.rows.start:
+                self._compress_seq(x[seq.rows][start - first:], start, seq.cache, ctx.qat)
 
     def _compress_seq(self, x: torch.Tensor, first: int, cache, qat: bool) -> None:
         layer, r = self.role.index, self.role.ratio

@@ -40,16 +40,21 @@ class ForwardContext:
     def narrow(self, keep: torch.Tensor) -> "ForwardContext":
         """The same forward restricted to the rows in ``keep`` (bounded replay's decoder window). Each
         sequence keeps a suffix of its rows; dropped rows become Engram lookback."""
-        seqs, hist, start = [], [], 0
+        seqs, hist, topk, cands, start = [], [], [], [], 0
         for i, s in enumerate(self.seqs):
             k = keep[s.rows]
             n = int(k.sum())
             seqs.append(SeqRows(slice(start, start + n), s.cache, s.decoder_start))
             start += n
+            # a selection already published (narrowing after the index source) follows its rows
+            t = self.topk[i] if i < len(self.topk) else None
+            topk.append(None if t is None else (t[0][k], t[1][k]))
+            c = self.candidates[i] if i < len(self.candidates) else None
+            cands.append(None if c is None else c[k])
             if self.engram_ids is not None:
                 dropped = self.engram_ids[s.rows][: k.shape[0] - n]
                 hist.append(torch.cat((self.engram_history[i], dropped)))
         return ForwardContext(tokens=self.tokens[keep], positions=self.positions[keep], seqs=seqs, qat=self.qat,
                               is_image=None if self.is_image is None else self.is_image[keep], trace=self.trace,
                               engram_ids=None if self.engram_ids is None else self.engram_ids[keep],
-                              engram_history=hist)
+                              engram_history=hist, topk=topk, candidates=cands)

@@ -69,11 +69,15 @@ class DeepseekForCausalLM(nn.Module):
         return self.forward_batch(tokens, [seq], qat=qat, is_image=is_image, trace=trace)
 
     def forward_batch(self, tokens: torch.Tensor, seqs: list[SeqRows], qat: bool | None = None,
-                      is_image: torch.Tensor | None = None, trace: list | None = None) -> ForwardOutput:
+                      is_image: torch.Tensor | None = None, trace: list | None = None,
+                      replay_form: str = "report") -> ForwardOutput:
         """A flat batch of rows from several sequences: ``seqs`` says which rows are whose, in order.
 
         Each sequence's rows continue its cache at ``cache.num_tokens``. Returns the hidden states of the
-        rows that ran the decoder, with ``seqs`` narrowed to them.
+        rows that ran the decoder, with ``seqs`` narrowed to them. Bounded replay narrows the rows at the
+        decoder's KV source (``report``: layer 20 publishes global KV from every row, then its attention
+        and FFN run on the window, as the V4.1 report and TRT-LLM do) or after it (``vllm``: layer 20 on
+        every row, 21-39 on the window). Both publish the same global KV.
         """
         cfg = self.cfg
         tokens = self._check_tokens(tokens)
@@ -85,6 +89,9 @@ class DeepseekForCausalLM(nn.Module):
             raise ModelInputError(f"position {int(positions.max())} exceeds max_position_embeddings="
                                   f"{cfg.max_position_embeddings}")
         replay = any(s.decoder_start is not None for s in seqs)
+        if replay_form not in ("report", "vllm"):
+            raise ModelInputError(f"replay_form must be 'report' or 'vllm', got {replay_form!r}")
+        narrow_at = cfg.encoder_layers + (replay_form == "vllm")
         if replay and not cfg.is_v41:
             raise ModelInputError("bounded replay (decoder_start) needs the V4.1 encoder/decoder split")
         ctx = ForwardContext(tokens=tokens, positions=positions, seqs=list(seqs),
@@ -105,7 +112,7 @@ class DeepseekForCausalLM(nn.Module):
             if i in cfg.dspark_target_layer_ids:
                 taps[i] = acc(x).mean(1).to(x.dtype)
             keep = None
-            if replay and i == cfg.encoder_layers:
+            if replay and i == narrow_at:
                 floor = torch.cat([torch.full((s.rows.stop - s.rows.start,), s.decoder_start or 0) for s in seqs])
                 keep = positions >= floor
                 taps = {k: v[keep] for k, v in taps.items()}

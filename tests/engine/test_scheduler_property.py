@@ -22,11 +22,13 @@ event = st.one_of(st.tuples(st.just("add"), request), st.tuples(st.just("abort")
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(events=st.lists(event, min_size=1, max_size=60), blocks=st.integers(8, 24), seqs=st.integers(1, 6),
-       budget=st.integers(1, 48), chunk=st.integers(0, 20), policy=st.sampled_from(["fcfs", "priority"]))
-def test_random_traffic_keeps_invariants(events, blocks, seqs, budget, chunk, policy):
-    kv = PagedKVCache(LAYOUT, blocks, seqs)
+       budget=st.integers(1, 48), chunk=st.integers(0, 20), policy=st.sampled_from(["fcfs", "priority"]),
+       prefix=st.booleans(), replay=st.booleans())
+def test_random_traffic_keeps_invariants(events, blocks, seqs, budget, chunk, policy, prefix, replay):
+    kv = PagedKVCache(LAYOUT, blocks, seqs, prefix_caching=prefix)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs, policy=policy,
-                                      long_prefill_token_threshold=chunk), kv)
+                                      long_prefill_token_threshold=chunk, enable_prefix_caching=prefix,
+                                      swa_bounded_replay=replay, replay_window=8), kv)
     reqs: list[Request] = []
 
     def step():
@@ -39,6 +41,7 @@ def test_random_traffic_keeps_invariants(events, blocks, seqs, budget, chunk, po
             assert len(r.kv.block_table) * LAYOUT.block_size >= r.num_computed_tokens + c.num_tokens
             r.kv.num_tokens += c.num_tokens  # what the model's forward does to the cache
         assert plan.num_tokens <= budget and len(sched.running) <= seqs
+        sched.register_full_blocks([c.request for c in plan.chunks])
         for c in plan.chunks:
             r = c.request
             samples = c.samples
@@ -54,7 +57,7 @@ def test_random_traffic_keeps_invariants(events, blocks, seqs, budget, chunk, po
             p, m, prio = arg
             if -(-(p + m) // LAYOUT.block_size) > blocks:
                 continue  # the engine rejects these at add_request
-            r = Request(str(len(reqs)), [7] * p, SamplingParams(max_tokens=m), priority=prio)
+            r = Request(str(len(reqs)), [7] * p, SamplingParams(max_tokens=m), priority=prio)  # shared prefixes
             reqs.append(r)
             sched.add(r)
         elif kind == "abort" and reqs:
@@ -68,6 +71,9 @@ def test_random_traffic_keeps_invariants(events, blocks, seqs, budget, chunk, po
         step()
     assert not sched.has_unfinished()
     assert kv.blocks.num_free == blocks and kv.slots.num_free == seqs
+    if prefix:  # every cached hash points at a block whose registration is still current
+        for h, b in kv.prefix._block_of.items():
+            assert kv.prefix._hash_of[b] == h
     for r in reqs:
         assert r.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
         if r.status == RequestStatus.FINISHED_LENGTH:

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from dsserve.layers.context import SeqRows
 from dsserve.layers.mhc import sinkhorn
 from dsserve.layers.moe import Gate
 from dsserve.models.model import ModelInputError
@@ -172,3 +173,19 @@ def test_batched_rows_of_several_sequences_equal_one_at_a_time(tiny_models, name
     for i, p in enumerate(prompts):
         assert done[i] == p.shape[0]
         assert (torch.cat(got[i]) - refs[i]).abs().max() < TOL
+
+
+@torch.no_grad()
+def test_replay_forms_publish_the_same_global_kv_and_differ_only_in_layer_20(tiny_models):
+    m = tiny_models["tiny"]
+    toks = rand_tokens(m.cfg, 90, seed=12)
+    s = 90 - m.cfg.sliding_window
+    outs = {}
+    for form in ("report", "vllm"):
+        cache = m.new_cache()
+        out = m.forward_batch(toks, [SeqRows(slice(0, 90), cache, s)], replay_form=form)
+        outs[form] = (m.logits(out.hidden), cache)
+    src = m.cfg.candidate_source_layer_id
+    assert torch.equal(outs["report"][1].global_kv(src)[0], outs["vllm"][1].global_kv(src)[0])
+    assert outs["report"][0].shape == outs["vllm"][0].shape
+    assert (outs["report"][0] - outs["vllm"][0]).abs().max() > 1e-6

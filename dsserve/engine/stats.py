@@ -1,0 +1,64 @@
+"""What the engine counts: prefix-cache queries and hits, replayed rows, and what bounded replay saves."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..kv.paged import KVLayout
+from ..models.accounting import layer_parts
+from ..models.config import ModelConfig
+from .scheduler import StepPlan
+
+
+@dataclass
+class EngineStats:
+    layout: KVLayout
+    cfg: ModelConfig
+    prefix_query_tokens: int = 0  # prompt tokens of admitted requests
+    prefix_hit_tokens: int = 0  # of those, whose global KV came from the prefix cache
+    replayed_rows: int = 0  # rows run again through the encoder to rebuild windows after a hit
+    prefill_rows: int = 0
+    decoder_rows_skipped: int = 0  # prefill rows that did not run the decoder (decoder-side replay)
+    _seen: set = field(default_factory=set, repr=False)
+
+    def admitted(self, plan: StepPlan) -> None:
+        for c in plan.chunks:
+            r = c.request
+            key = (r.request_id, r.num_preemptions)
+            if key not in self._seen:  # first step of this admission
+                self._seen.add(key)
+                self.prefix_query_tokens += r.num_tokens
+                self.prefix_hit_tokens += r.num_cached_tokens
+                self.replayed_rows += max(0, min(r.num_cached_tokens, r.num_tokens) - r.num_computed_tokens)
+            if not c.samples or c.num_tokens > 1:
+                self.prefill_rows += c.num_tokens
+
+    @property
+    def decoder_flops_saved(self) -> float:
+        """2 x active decoder parameters per skipped row (attention over the window is small next to it)."""
+        per_row = sum(v for r in self.cfg.roles if r.side == "decoder"
+                      for k, v in layer_parts(self.cfg, r).items() if k != "routed_experts")
+        return 2.0 * per_row * self.decoder_rows_skipped
+
+    def as_dict(self) -> dict:
+        lay = self.layout
+        return {
+            "prefix_query_tokens": self.prefix_query_tokens, "prefix_hit_tokens": self.prefix_hit_tokens,
+            "prefix_hit_rate": self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0,
+            "replayed_rows": self.replayed_rows, "prefill_rows": self.prefill_rows,
+            "decoder_rows_skipped": self.decoder_rows_skipped, "decoder_flops_saved": self.decoder_flops_saved,
+            **persistent_bytes(lay),
+        }
+
+
+def persistent_bytes(lay: KVLayout) -> dict:
+    """Bytes the prefix cache keeps per token, by kind, with and without the window rows."""
+    per_kind = {"main": 0.0, "index": 0.0}
+    for ratio, _ in lay.sources.values():
+        per_kind["main"] += lay.main_fmt.row_bytes / ratio
+        if lay.index_fmt is not None:
+            per_kind["index"] += lay.index_fmt.row_bytes / ratio
+    without = lay.persistent_bytes_per_token(with_window=False)
+    with_w = lay.persistent_bytes_per_token(with_window=True)
+    return {"cached_bytes_per_token_main": per_kind["main"], "cached_bytes_per_token_index": per_kind["index"],
+            "window_bytes_per_token": lay.window_bytes_per_token, "persistent_bytes_per_token": without,
+            "persistent_bytes_per_token_with_window": with_w, "window_cost_ratio": with_w / without}
