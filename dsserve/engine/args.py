@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
+
+
+def _h(text: str) -> dict:
+    return {"help": text}
 
 
 class EngineArgsError(ValueError):
@@ -11,26 +15,29 @@ class EngineArgsError(ValueError):
 
 @dataclass(frozen=True)
 class EngineArgs:
-    model: str = "tiny"
-    load_format: str = "auto"  # auto | safetensors | dummy
-    dtype: str = "float32"  # float32 | bfloat16 | float64
-    seed: int = 0  # seed of dummy weights
-    qat: bool | None = None  # quantisation-aware numerics (None: the model's default, on)
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    kv_cache_memory: int | None = None  # bytes for the KV cache
-    kv_cache_memory_fraction: float | None = None  # or this fraction of the memory free now (default: 256 MiB)
-    block_size: int | None = None  # tokens per global KV block (default: 64, or a multiple of V4's 128)
-    kv_cache_dtype: str = "auto"  # auto (packed FP4/FP8 records of the release) | bf16
-    scheduling_policy: str = "fcfs"  # fcfs | priority
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    swa_bounded_replay: bool = True  # V4.1 decoder replay; off = exact mode
-    replay_window: int | None = None  # default: the model's sliding window
-    replay_form: str = "report"  # report: narrow at layer 20 (TRT-LLM); vllm: layer 20 on all rows, 21+ narrowed
-    enable_prefix_caching: bool = True
-    session_retention: float = 0.0  # seconds a finished session request's blocks stay ahead of LRU (0 = off)
+    model: str = field(default="tiny", metadata=_h("a preset name or a checkpoint directory"))
+    load_format: str = field(default="auto", metadata=_h("auto | safetensors | dummy"))
+    dtype: str = field(default="float32", metadata=_h("float32 | bfloat16 | float64"))
+    seed: int = field(default=0, metadata=_h("seed of the dummy weights"))
+    qat: bool | None = field(default=None, metadata=_h("quantisation-aware numerics of the release (None: on)"))
+    max_num_batched_tokens: int = field(default=2048, metadata=_h("token budget of one step"))
+    max_num_seqs: int = field(default=64, metadata=_h("running requests at most"))
+    max_model_len: int | None = field(default=None, metadata=_h("None: the model's max_position_embeddings"))
+    kv_cache_memory: int | None = field(default=None, metadata=_h("bytes for the KV cache"))
+    kv_cache_memory_fraction: float | None = field(
+        default=None, metadata=_h("or this fraction of the memory free now (neither: 256 MiB)"))
+    block_size: int | None = field(default=None, metadata=_h("tokens per KV block (None: 64; V4: 128)"))
+    kv_cache_dtype: str = field(default="auto", metadata=_h("auto (the release's packed FP4/FP8 records) | bf16"))
+    scheduling_policy: str = field(default="fcfs", metadata=_h("fcfs | priority"))
+    enable_chunked_prefill: bool = field(default=True, metadata=_h("split long prompts across steps"))
+    long_prefill_token_threshold: int = field(default=0, metadata=_h("cap on one prompt's chunk per step (0: none)"))
+    swa_bounded_replay: bool = field(default=True, metadata=_h("V4.1 bounded replay; off = exact mode"))
+    replay_window: int | None = field(default=None, metadata=_h("replayed rows (None: the sliding window)"))
+    replay_form: str = field(default="report", metadata=_h(
+        "report: narrow at layer 20 (TRT-LLM) | vllm: layer 20 on all rows, later layers narrowed"))
+    enable_prefix_caching: bool = field(default=True, metadata=_h("cache the global KV of full blocks"))
+    session_retention: float = field(default=0.0, metadata=_h(
+        "seconds a finished session request's blocks stay ahead of LRU (0: off)"))
 
     def __post_init__(self):
         if self.replay_form not in ("report", "vllm"):
@@ -61,11 +68,13 @@ class EngineArgs:
         for f in fields(cls):
             flag = "--" + f.name.replace("_", "-")
             default = f.default if f.default is not MISSING else None
+            doc = f.metadata.get("help", "")
+            doc = f"{doc} (default: {default})"
             if f.type in ("bool", "bool | None"):
-                p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+                p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=doc)
             else:
                 kind = int if f.type.startswith("int") else float if f.type.startswith("float") else str
-                p.add_argument(flag, type=kind, default=default)
+                p.add_argument(flag, type=kind, default=default, help=doc)
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> "EngineArgs":
