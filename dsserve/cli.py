@@ -180,6 +180,17 @@ def _add_generate(sub):
     p.set_defaults(func=cmd_generate)
 
 
+# ------------------------------------------------------------------ serve
+
+
+def _add_serve(sub):
+    from .server.serve import add_serve_args, run_server
+
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    add_serve_args(p)
+    p.set_defaults(func=run_server)
+
+
 # ------------------------------------------------------------------ entry point
 
 
@@ -188,6 +199,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     _add_info(sub)
     _add_generate(sub)
+    _add_serve(sub)
     return ap
 
 

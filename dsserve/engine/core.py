@@ -90,27 +90,34 @@ class EngineCore:
                  r["global_bytes_per_token"], r["window_slots"], r["window_bytes"] / 2**20, r["window_row_bytes"])
 
     # ------------------------------------------------------------------------- requests
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, cache_salt: str | None = None, session_id: str | None = None) -> Request:
-        params = params if params is not None else SamplingParams()
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids, or a ``RequestError`` saying what is wrong and what is allowed. Reads only
+        the engine's configuration, so a front end may call it from another thread."""
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if request_id in self._tracked:
-            raise RequestError(f"request id {request_id!r} is already in the engine")
-        text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt, add_bos=True) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise RequestError("the prompt is empty")
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size]
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise RequestError(f"prompt token ids must be ints in [0, {self.cfg.vocab_size}); got {bad[:5]}")
         if len(ids) >= self.max_model_len:
-            raise RequestError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+            raise RequestError(f"the prompt has {len(ids)} tokens; this model allows at most "
+                               f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})")
         need = -(-min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
                  // self.kv.layout.block_size)
         if need > self.kv.blocks.num_blocks:
             raise RequestError(f"the request needs up to {need} KV blocks but the cache has "
                                f"{self.kv.blocks.num_blocks}; raise kv_cache_memory or lower max_tokens")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0, cache_salt: str | None = None, session_id: str | None = None) -> Request:
+        params = params if params is not None else SamplingParams()
+        if request_id in self._tracked:
+            raise RequestError(f"request id {request_id!r} is already in the engine")
+        ids = self.validate(prompt, params)
+        text = prompt if isinstance(prompt, str) else None
         req = Request(request_id, ids, params, prompt=text, priority=priority, cache_salt=cache_salt,
                       session_id=session_id)
         stops = StopChecker(self.tokenizer, ids, params, eos_token_id=self.tokenizer.eos_id,
@@ -168,8 +175,11 @@ class EngineCore:
 
     def _output(self, t: _Tracked, finish_reason: str | None) -> RequestOutput:
         req = t.request
-        comp = CompletionOutput(0, t.stops.text, list(req.output_token_ids), t.cumulative_logprob,
-                                t.logprobs, finish_reason, t.stops.stop_reason)
+        # Unfinished outputs carry only what may be streamed: the tail that could still match a stop string
+        # is held back until it cannot.
+        text = t.stops.text if finish_reason is not None else t.stops.streamed_text()
+        comp = CompletionOutput(0, text, list(req.output_token_ids), t.cumulative_logprob,
+                                None if t.logprobs is None else list(t.logprobs), finish_reason, t.stops.stop_reason)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp],
                              finished=finish_reason is not None, metrics=req.metrics,
                              num_cached_tokens=req.num_cached_tokens)

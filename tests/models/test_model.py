@@ -189,3 +189,27 @@ def test_replay_forms_publish_the_same_global_kv_and_differ_only_in_layer_20(tin
     assert torch.equal(outs["report"][1].global_kv(src)[0], outs["vllm"][1].global_kv(src)[0])
     assert outs["report"][0].shape == outs["vllm"][0].shape
     assert (outs["report"][0] - outs["vllm"][0]).abs().max() > 1e-6
+
+
+@torch.no_grad()
+def test_an_odd_hit_boundary_rebuilds_the_half_group_from_the_replayed_row(tiny_models):
+    """Global entries below the hit are read-only; the ratio-2 group straddling an odd hit is pooled again
+    from the replayed raw row (approximate, as the spec says), and every later entry is published."""
+    m = tiny_models["tiny"]
+    toks = rand_tokens(m.cfg, 90, seed=13)
+    hit, s = 51, 51 - m.cfg.sliding_window
+    cold = m.new_cache()
+    m(toks[:hit], cold)
+    full = m.new_cache()
+    m(toks, full)
+    c = m.new_cache()
+    for src in (2, 4, 6):
+        c.push_global(src, *cold.global_kv(src))
+    c.published_until, c.num_tokens = hit, s
+    c.engram_history = m.engram_token_map[toks[s - 3:s]]
+    m(toks[s:], c)
+    for src, ratio in ((2, 2), (4, 2), (6, 1)):
+        got, ref = c.global_kv(src)[0], full.global_kv(src)[0]
+        assert got.shape == ref.shape == (90 // ratio, m.cfg.head_dim)
+        assert torch.equal(got[: hit // ratio], cold.global_kv(src)[0])  # cached entries untouched
+    assert (c.global_kv(2)[0][hit // 2] - full.global_kv(2)[0][hit // 2]).abs().max() > 0  # rebuilt, replayed

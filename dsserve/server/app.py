@@ -1,0 +1,256 @@
+"""The OpenAI-compatible HTTP front: FastAPI routes over the ``AsyncEngine``.
+
+Every request is validated in full (body schema, sampling parameters, prompt length and cache capacity)
+before anything enters the engine, so a bad request is a 4xx that costs the others nothing. A streaming
+client that goes away aborts its requests at once, which frees their cache.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine.core import RequestError
+from ..engine.sampling_params import SamplingParamsError
+from . import openai_format as fmt
+from .async_engine import AsyncEngine, EngineFault, EngineOverloaded
+from .chat import ChatFormatError, chat_prompt_ids
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+OPEN_PATHS = ("/health", "/metrics", "/v1/models")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+
+def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+              max_body_bytes: int = 8 << 20, default_max_tokens: int = 256) -> FastAPI:
+    app = FastAPI(title="dsserve", docs_url=None, redoc_url=None)
+    core = engine.core
+
+    def err(status: int, message: str, type_: str, param: str | None = None, headers=None) -> JSONResponse:
+        return JSONResponse(fmt.error_body(message, type_, status, param), status_code=status, headers=headers)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if api_key and request.url.path not in OPEN_PATHS and \
+                request.headers.get("authorization") != f"Bearer {api_key}":
+            return err(401, "missing or wrong API key", "authentication_error")
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > max_body_bytes:
+            return err(413, f"request body of {size} bytes exceeds the limit of {max_body_bytes}",
+                       "invalid_request_error")
+        return await call_next(request)
+
+    @app.exception_handler(ApiError)
+    async def _api(_, e: ApiError):
+        if engine.metrics is not None:
+            engine.metrics.observe_error("bad_request" if e.status < 500 else "unavailable" if e.status == 503
+                                         else "internal")
+        return err(e.status, e.message, e.type, e.param, headers={"Retry-After": "1"} if e.status == 503 else None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        return err(400, f"invalid request: {where}: {first.get('msg', 'malformed body')}"
+                   + (f" ({len(e.errors())} problems)" if len(e.errors()) > 1 else ""),
+                   "invalid_request_error", where or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, e: StarletteHTTPException):
+        return err(e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def _fault(_, e: Exception):
+        if engine.metrics is not None:
+            engine.metrics.observe_error("internal")
+        return err(500, f"internal error: {type(e).__name__}: {e}", "internal_error")
+
+    # ------------------------------------------------------------------ info routes
+    @app.get("/health")
+    async def health():
+        if not engine.alive():
+            return err(503, "the engine loop is not running", "service_unavailable")
+        return {"status": "ok", "in_flight": engine.num_in_flight()}
+
+    @app.get("/metrics")
+    async def metrics():
+        if engine.metrics is None:
+            return PlainTextResponse("", status_code=404)
+        body, ctype = engine.metrics.render()
+        return Response(body, media_type=ctype)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "dsserve", "max_model_len": core.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        if body.messages is not None:
+            ids = chat_prompt_ids(core.tokenizer, [m.model_dump(exclude_none=True) for m in body.messages])
+        else:
+            ids = core.tokenizer.encode(body.prompt or "", add_bos=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": core.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < core.cfg.vocab_size]
+        if bad:
+            raise ApiError(400, f"token ids must lie in [0, {core.cfg.vocab_size}); got {bad[:5]}", param="tokens")
+        return {"prompt": core.tokenizer.decode(body.tokens)}
+
+    # ------------------------------------------------------------------ generation routes
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served_model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {served_model_name!r}",
+                           "not_found_error", "model")
+
+    def plan(prompts: list, body, logprobs: int | None, max_tokens: int | None):
+        """Validate everything up front: [(prompt ids, params)] per choice, prompt-major."""
+        if max_tokens is not None:
+            body.max_tokens = max_tokens
+        try:
+            params = body.sampling_params(default_max_tokens, logprobs)
+            return [(core.validate(p, params), params) for p in prompts for _ in range(body.n)]
+        except (SamplingParamsError, RequestError, ChatFormatError, ValueError) as e:
+            raise ApiError(400, str(e), param=getattr(e, "field", None)) from None
+
+    async def run(choices, body, session_id: str | None):
+        rid = fmt.new_id("req")
+        sinks = []
+        try:
+            for i, (ids, params) in enumerate(choices):
+                if params.seed is not None and body.n > 1:  # n samples, not n copies of one
+                    params = dataclasses.replace(params, seed=params.seed + i % body.n)
+                sinks.append((f"{rid}-{i}", engine.submit(f"{rid}-{i}", ids, params, body.priority,
+                                                          body.cache_salt, session_id)))
+        except EngineOverloaded as e:
+            for sid, _ in sinks:
+                engine.abort(sid)
+            raise ApiError(503, str(e), "service_unavailable") from None
+        return sinks
+
+    async def merged(sinks) -> AsyncIterator[tuple[int, object]]:
+        """(choice index, output) from every choice as they come; ends when all have ended."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, sink):
+            while True:
+                item = await sink.get()
+                await queue.put((i, item))
+                if item is None or isinstance(item, Exception):
+                    return
+        tasks = [asyncio.create_task(pump(i, s)) for i, (_, s) in enumerate(sinks)]
+        live = len(sinks)
+        try:
+            while live:
+                i, item = await queue.get()
+                if item is None or isinstance(item, Exception):
+                    live -= 1
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def collect(sinks) -> list:
+        last: dict[int, object] = {}
+        async for i, item in merged(sinks):
+            if isinstance(item, Exception):
+                raise ApiError(500, str(item), "internal_error")
+            if item is not None:
+                last[i] = item
+        return [last[i] for i in range(len(sinks))]
+
+    def stream(sinks, chat: bool, model: str, include_usage: bool, top_n: int | None, n: int) -> StreamingResponse:
+        rid = fmt.new_id("chatcmpl" if chat else "cmpl")
+
+        async def events():
+            sent_text = [0] * len(sinks)
+            sent_tokens = [0] * len(sinks)
+            finals: dict[int, object] = {}
+            done = False
+            try:
+                if chat:
+                    for i in range(len(sinks)):
+                        yield _sse(fmt.stream_chunk(rid, model, True, i, None, None, role=True))
+                async for i, out in merged(sinks):
+                    if isinstance(out, Exception):
+                        yield _sse(fmt.error_body(str(out), "internal_error", 500))
+                        continue
+                    if out is None:
+                        continue
+                    c = out.outputs[0]
+                    delta = c.text[sent_text[i]:]
+                    lp = None
+                    if top_n is not None and c.logprobs is not None:
+                        lp = (fmt.chat_logprobs(c, sent_tokens[i], top_n) if chat
+                              else fmt.completion_logprobs(c, sent_tokens[i], sent_text[i], top_n))
+                    sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+                    if delta or c.finish_reason or lp:
+                        yield _sse(fmt.stream_chunk(rid, model, chat, i, delta, c.finish_reason, lp))
+                    if out.finished:
+                        finals[i] = out
+                if include_usage and len(finals) == len(sinks):
+                    yield _sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                "created": int(time.time()), "model": model, "choices": [],
+                                "usage": fmt.usage([finals[i] for i in range(len(sinks))], n)})
+                yield "data: [DONE]\n\n"
+                done = True
+            finally:
+                if not done:  # the client went away: free its cache now
+                    for sid, _ in sinks:
+                        engine.abort(sid)
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        p = body.prompt
+        prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        if not prompts:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        choices = plan(prompts, body, body.logprobs, None)
+        sinks = await run(choices, body, request.headers.get("x-session-id"))
+        model = served_model_name
+        if body.stream:
+            inc = bool(body.stream_options and body.stream_options.include_usage)
+            return stream(sinks, False, model, inc, body.logprobs, body.n)
+        return fmt.completion_body(fmt.new_id("cmpl"), model, await collect(sinks), body.logprobs, body.n)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        kwargs = dict(body.chat_template_kwargs or {})
+        try:
+            ids = chat_prompt_ids(core.tokenizer, [m.model_dump(exclude_none=True) for m in body.messages],
+                                  thinking=bool(kwargs.get("thinking", kwargs.get("enable_thinking", False))),
+                                  tools=body.tools)
+        except (ChatFormatError, ValueError) as e:
+            raise ApiError(400, str(e), param="messages") from None
+        top_n = (body.top_logprobs or 0) if body.logprobs else None
+        choices = plan([ids], body, top_n, body.max_completion_tokens)
+        sinks = await run(choices, body, request.headers.get("x-session-id"))
+        model = served_model_name
+        if body.stream:
+            inc = bool(body.stream_options and body.stream_options.include_usage)
+            return stream(sinks, True, model, inc, top_n, body.n)
+        return fmt.chat_body(fmt.new_id("chatcmpl"), model, await collect(sinks), top_n, body.n)
+
+    return app
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

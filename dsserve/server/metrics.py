@@ -1,0 +1,198 @@
+"""Prometheus metrics for the server, named like vLLM's (``vllm:`` -> ``dsserve:``) so its dashboards carry over.
+
+``EngineMetrics`` owns its own ``CollectorRegistry`` (not the global one), so tests and several servers in one
+process do not collide. The engine loop thread calls ``observe_step`` after every step (gauges from the
+scheduler and KV pools; counters from the deltas of ``engine.stats`` since the previous call) and
+``observe_output`` for every ``RequestOutput`` (tokens, inter-token latency; on finish the per-request
+histograms). The HTTP thread calls ``render``. prometheus_client objects are thread-safe; our own
+bookkeeping is guarded by a lock. Times come from ``RequestMetrics`` (the engine's ``time.monotonic`` clock).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+FINISH_REASONS = ("stop", "length", "abort")
+ERROR_KINDS = ("bad_request", "unavailable", "internal")  # exported at 0 from the start
+# Buckets as in vLLM's v1 PrometheusStatLogger.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# engine.stats field -> counter name (all monotone within one EngineStats)
+STAT_COUNTERS = {
+    "prefix_query_tokens": ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
+    "prefix_hit_tokens": ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
+    "replayed_rows": ("replayed_rows", "Rows run again through the encoder to rebuild windows after a hit."),
+    "prefill_rows": ("prefill_rows", "Prefill rows run through the model."),
+    "decoder_rows_skipped": ("decoder_rows_skipped", "Prefill rows that did not run the decoder (bounded replay)."),
+}
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    out, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10 ** exp
+            if v > max_value:
+                return out
+            out.append(v)
+        exp += 1
+
+
+@dataclass
+class _Seen:
+    num_tokens: int = 0
+    last_token_time: float | None = None
+    prompt_counted: bool = False
+
+
+class EngineMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "tiny",
+                 max_model_len: int = 131072):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_name = model_name
+        self._lock = threading.Lock()
+        self._requests: dict[str, _Seen] = {}
+        self._last_stats: dict[str, int] = {}
+        self._stats_obj = None
+        self._preemptions: dict[str, int] = {}
+        lbl, reg = ["model_name"], self.registry
+
+        def counter(name, doc, extra=()):
+            return Counter(f"dsserve:{name}", doc, lbl + list(extra), registry=reg)
+
+        def gauge(name, doc, extra=()):
+            return Gauge(f"dsserve:{name}", doc, lbl + list(extra), registry=reg)
+
+        def hist(name, doc, buckets):
+            return Histogram(f"dsserve:{name}", doc, lbl, buckets=buckets, registry=reg).labels(model_name)
+
+        self.request_success = counter("request_success", "Count of successfully processed requests.",
+                                       ["finished_reason"])
+        self.request_errors = counter("request_errors", "Requests that failed, by kind.", ["kind"])
+        for r in FINISH_REASONS:
+            self.request_success.labels(model_name, r)
+        for k in ERROR_KINDS:
+            self.request_errors.labels(model_name, k)
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.").labels(model_name)
+        self.generation_tokens = counter("generation_tokens",
+                                         "Number of generation tokens processed.").labels(model_name)
+        self.num_preemptions = counter("num_preemptions",
+                                       "Cumulative number of preemption from the engine.").labels(model_name)
+        self.stat_counters = {f: counter(n, d).labels(model_name) for f, (n, d) in STAT_COUNTERS.items()}
+
+        self.num_running = gauge("num_requests_running", "Number of requests in model execution batches."
+                                 ).labels(model_name)
+        self.num_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed."
+                                 ).labels(model_name)
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage by kind (global blocks, window slots). "
+                              "1 means 100 percent usage.", ["kind"])
+        self.kv_blocks = gauge("kv_cache_blocks", "KV-cache blocks (global) or slots (window), by state.",
+                               ["kind", "state"])
+
+        tok = build_1_2_5_buckets(max_model_len)
+        self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                         TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                        ITL_BUCKETS)
+        self.tpot = hist("time_per_output_token_seconds", "Histogram of time per output token in seconds "
+                         "(per token, as vLLM's; same samples as inter_token_latency).", ITL_BUCKETS)
+        self.request_tpot = hist("request_time_per_output_token_seconds",
+                                 "Histogram of each request's mean time per output token in seconds.", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                        REQUEST_LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+                          REQUEST_LATENCY_BUCKETS)
+        self.inference = hist("request_inference_time_seconds",
+                              "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.prefill = hist("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+                            REQUEST_LATENCY_BUCKETS)
+        self.decode = hist("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+                           REQUEST_LATENCY_BUCKETS)
+        self.req_prompt_tokens = hist("request_prompt_tokens", "Number of prefill tokens processed.", tok)
+        self.req_generation_tokens = hist("request_generation_tokens", "Number of generation tokens processed.",
+                                          tok)
+
+    # ------------------------------------------------------------------------- engine loop thread
+    def observe_step(self, engine) -> None:
+        """Gauges from the scheduler and KV pools; counters from the deltas of ``engine.stats`` and of the
+        live requests' preemption counts since the last call (call it after every step)."""
+        sched, kv, m = engine.scheduler, engine.kv, self.model_name
+        self.num_running.set(len(sched.running))
+        self.num_waiting.set(len(sched.waiting))
+        for kind, pool in (("global", kv.blocks), ("window", kv.slots)):
+            self.kv_usage.labels(m, kind).set(pool.num_used / pool.num_blocks if pool.num_blocks else 0.0)
+            self.kv_blocks.labels(m, kind, "used").set(pool.num_used)
+            self.kv_blocks.labels(m, kind, "total").set(pool.num_blocks)
+        with self._lock:
+            stats = engine.stats
+            if stats is not self._stats_obj:  # a new engine: its counts start from zero
+                self._stats_obj, self._last_stats = stats, {}
+            for field, c in self.stat_counters.items():
+                v = int(getattr(stats, field))
+                d = v - self._last_stats.get(field, 0)
+                if d > 0:
+                    c.inc(d)
+                self._last_stats[field] = v
+            # A preempted request goes back to the waiting queue, so it is still live at the next call.
+            now = {rid: r.num_preemptions for rid, r in sched.requests.items()}
+            d = sum(max(0, n - self._preemptions.get(rid, 0)) for rid, n in now.items())
+            if d:
+                self.num_preemptions.inc(d)
+            self._preemptions = now
+
+    def observe_output(self, out) -> None:
+        """One streamed ``RequestOutput``: new generation tokens and their inter-token latencies; when it is
+        finished, the success counter by reason and the per-request histograms; then forget the request."""
+        comp, m, rid = out.outputs[0], out.metrics, out.request_id
+        with self._lock:
+            seen = self._requests.setdefault(rid, _Seen())
+            n_new = len(comp.token_ids) - seen.num_tokens
+            t = m.last_token_time if m is not None else None
+            if n_new > 0:
+                self.generation_tokens.inc(n_new)
+                if not seen.prompt_counted:  # the prompt went through the model once it sampled a token
+                    self.prompt_tokens.inc(len(out.prompt_token_ids))
+                    seen.prompt_counted = True
+                prev, gaps = seen.last_token_time, n_new
+                if prev is None and m is not None:
+                    prev, gaps = m.first_token_time, n_new - 1  # the first token has no gap before it
+                if prev is not None and t is not None and gaps > 0:
+                    gap = max(0.0, t - prev) / gaps
+                    for _ in range(gaps):
+                        self.itl.observe(gap)
+                        self.tpot.observe(gap)
+                seen.num_tokens, seen.last_token_time = len(comp.token_ids), t
+            if not out.finished:
+                return
+            self._requests.pop(rid, None)
+        reason = comp.finish_reason if comp.finish_reason in FINISH_REASONS else "abort"
+        self.request_success.labels(self.model_name, reason).inc()
+        self.req_prompt_tokens.observe(len(out.prompt_token_ids))
+        self.req_generation_tokens.observe(len(comp.token_ids))
+        if m is None:
+            return
+        end = m.finished_time if m.finished_time is not None else time.monotonic()  # abort sets none
+        self.e2e.observe(max(0.0, end - m.arrival_time))
+        for h, v in ((self.ttft, m.ttft), (self.queue, m.time_in_queue), (self.request_tpot, m.tpot)):
+            if v is not None:
+                h.observe(max(0.0, v))
+        s, f, last = m.first_scheduled_time, m.first_token_time, m.last_token_time
+        if s is not None and f is not None and last is not None:
+            self.prefill.observe(max(0.0, f - s))
+            self.decode.observe(max(0.0, last - f))
+            self.inference.observe(max(0.0, last - s))
+
+    def observe_error(self, kind: str) -> None:
+        self.request_errors.labels(self.model_name, kind).inc()
+
+    # ------------------------------------------------------------------------- HTTP thread
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

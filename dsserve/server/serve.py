@@ -1,0 +1,76 @@
+"""``dsserve serve``: the engine behind uvicorn, with a graceful SIGTERM."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+
+from ..engine.args import EngineArgs
+
+log = logging.getLogger("dsserve.server")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("served_model", nargs="?", default=None, metavar="MODEL",
+                   help="preset name or checkpoint directory (default: --model, tiny)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: MODEL)")
+    p.add_argument("--max-waiting", type=int, default=1024, help="queued requests before 503 (default: 1024)")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger bodies get 413 (default: 8 MiB)")
+    p.add_argument("--default-max-tokens", type=int, default=256)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM (default: 30)")
+    EngineArgs.add_cli_args(p)
+
+
+def run_server(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..engine.core import EngineCore
+    from .app import build_app
+    from .async_engine import AsyncEngine
+    from .metrics import EngineMetrics
+
+    if ns.served_model:
+        ns.model = ns.served_model
+    args = EngineArgs.from_cli(ns)
+    core = EngineCore(args)
+    name = ns.served_model_name or args.model
+    engine = AsyncEngine(core, ns.max_waiting, EngineMetrics(model_name=name))
+    app = build_app(engine, name, ns.api_key, ns.max_body_bytes, ns.default_max_tokens)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        yield
+        engine.shutdown(ns.shutdown_timeout)  # uvicorn has stopped accepting; drain, then abort the rest
+
+    app.router.lifespan_context = lifespan
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level="warning",
+                            timeout_graceful_shutdown=ns.shutdown_timeout)
+    _GracefulServer(config).run()
+    return 0
+
+
+def _graceful_server_class():
+    import signal
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn re-raises SIGTERM after its graceful shutdown, so the process dies of the signal; a drained
+        shutdown is a normal exit here (status 0)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+    return GracefulServer
+
+
+def _GracefulServer(config):  # noqa: N802 - built lazily so importing this module does not import uvicorn
+    return _graceful_server_class()(config)

@@ -1,0 +1,202 @@
+"""EngineMetrics against a real tiny engine: counters move by the right amounts, gauges settle, names are prefixed."""
+import random
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("prometheus_client")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from dsserve.engine.args import EngineArgs  # noqa: E402
+from dsserve.engine.core import EngineCore  # noqa: E402
+from dsserve.engine.sampling_params import SamplingParams  # noqa: E402
+from dsserve.server.metrics import EngineMetrics  # noqa: E402
+
+
+def parse(metrics):
+    body, ctype = metrics.render()
+    assert ctype.startswith("text/plain")
+    fams = list(text_string_to_metric_families(body.decode()))
+    samples = {(s.name, frozenset(s.labels.items())): s.value for f in fams for s in f.samples}
+    return fams, samples
+
+
+def value(samples, name, model_name="tiny", **labels):
+    return samples[(name, frozenset({"model_name": model_name, **labels}.items()))]
+
+
+def drive(engine, metrics, finals, snapshots=None):
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        metrics.observe_step(engine)
+        for o in outs:
+            metrics.observe_output(o)
+            if o.finished:
+                finals[o.request_id] = o
+        if snapshots is not None:
+            snapshots.append(parse(metrics)[1])
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return EngineCore(EngineArgs(model="tiny", max_num_seqs=4))
+
+
+def test_counters_gauges_histograms(engine):
+    m = EngineMetrics(model_name="tiny")
+    rng = random.Random(0)
+    vocab = engine.cfg.vocab_size
+    long_prompt = [rng.randrange(3, vocab) for _ in range(80)]
+    short_prompt = [rng.randrange(3, vocab) for _ in range(20)]  # under one block: no prefix hit
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    finals = {}
+
+    # A greedy probe, then the same prompt stopped on its second token: finish reason "stop". "cache" puts a
+    # full block in the prefix cache that "hit" then reuses.
+    engine.add_request("probe", short_prompt, SamplingParams(max_tokens=3, **greedy))
+    engine.add_request("cache", long_prompt, SamplingParams(max_tokens=1, **greedy))
+    drive(engine, m, finals)
+    probe = finals["probe"].outputs[0].token_ids
+    engine.add_request("stop", short_prompt, SamplingParams(max_tokens=10, stop_token_ids=[probe[1]], **greedy))
+    engine.add_request("hit", long_prompt, SamplingParams(max_tokens=2, **greedy))
+    engine.add_request("abort", [5, 6, 7, 8], SamplingParams(max_tokens=50, **greedy))
+    # More than max_num_seqs=4 at once, so some wait.
+    for i in range(5):
+        p = [rng.randrange(3, vocab) for _ in range(rng.randrange(3, 40))]
+        engine.add_request(f"len{i}", p, SamplingParams(max_tokens=4 + i, **greedy))
+    snaps = []
+    for _ in range(3):
+        for o in engine.step():
+            m.observe_output(o)
+            if o.finished:
+                finals[o.request_id] = o
+        m.observe_step(engine)
+        snaps.append(parse(m)[1])
+    assert value(snaps[0], "dsserve:num_requests_waiting") > 0
+    ab = engine.abort_request("abort")
+    assert ab is not None and ab.outputs[0].token_ids  # still in flight (it asked for 50 tokens)
+    m.observe_output(ab)
+    finals["abort"] = ab
+    drive(engine, m, finals, snaps)
+    m.observe_step(engine)
+    m.observe_step(engine)  # idempotent on totals
+    m.observe_error("bad_request")
+    m.observe_error("bad_request")
+    m.observe_error("internal")
+
+    fams, s = parse(m)
+    assert fams and all(f.name.startswith("dsserve:") for f in fams)
+    outs = list(finals.values())
+    assert len(outs) == 10
+    reasons = [o.outputs[0].finish_reason for o in outs]
+    assert finals["stop"].outputs[0].finish_reason == "stop" and finals["abort"].outputs[0].finish_reason == "abort"
+    for r in ("stop", "length", "abort"):
+        assert value(s, "dsserve:request_success_total", finished_reason=r) == reasons.count(r)
+    assert reasons.count("length") == 8
+
+    gen = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert value(s, "dsserve:generation_tokens_total") == gen
+    with_tokens = [o for o in outs if o.outputs[0].token_ids]
+    assert value(s, "dsserve:prompt_tokens_total") == sum(len(o.prompt_token_ids) for o in with_tokens)
+
+    assert value(s, "dsserve:e2e_request_latency_seconds_count") == len(outs)
+    assert value(s, "dsserve:time_to_first_token_seconds_count") == len(with_tokens)
+    assert value(s, "dsserve:request_queue_time_seconds_count") == sum(
+        o.metrics.first_scheduled_time is not None for o in outs)
+    assert value(s, "dsserve:request_generation_tokens_count") == len(outs)
+    assert value(s, "dsserve:request_generation_tokens_sum") == gen
+    assert value(s, "dsserve:request_prompt_tokens_sum") == sum(len(o.prompt_token_ids) for o in outs)
+    itl = sum(len(o.outputs[0].token_ids) - 1 for o in with_tokens)
+    assert value(s, "dsserve:inter_token_latency_seconds_count") == itl
+    assert value(s, "dsserve:time_per_output_token_seconds_count") == itl
+    assert value(s, "dsserve:request_time_per_output_token_seconds_count") == sum(
+        len(o.outputs[0].token_ids) >= 2 for o in outs)
+    assert value(s, "dsserve:time_to_first_token_seconds_bucket", le="+Inf") == len(with_tokens)
+
+    st = engine.stats
+    assert value(s, "dsserve:prefix_cache_queries_total") == st.prefix_query_tokens > 0
+    assert value(s, "dsserve:prefix_cache_hits_total") == st.prefix_hit_tokens > 0  # "hit" reused "cache"'s block
+    assert value(s, "dsserve:replayed_rows_total") == st.replayed_rows
+    assert value(s, "dsserve:decoder_rows_skipped_total") == st.decoder_rows_skipped
+    assert value(s, "dsserve:num_preemptions_total") == 0
+    assert value(s, "dsserve:request_errors_total", kind="bad_request") == 2
+    assert value(s, "dsserve:request_errors_total", kind="internal") == 1
+
+    assert value(s, "dsserve:num_requests_running") == 0 and value(s, "dsserve:num_requests_waiting") == 0
+    assert max(value(x, "dsserve:num_requests_running") for x in snaps) == 4
+    assert value(s, "dsserve:kv_cache_usage_perc", kind="global") == 0
+    assert value(s, "dsserve:kv_cache_blocks", kind="global", state="total") == engine.kv.blocks.num_blocks
+    assert value(s, "dsserve:kv_cache_blocks", kind="window", state="total") == engine.kv.slots.num_blocks
+    peak = max(value(x, "dsserve:kv_cache_usage_perc", kind="window") for x in snaps)
+    assert 0 < peak <= 1
+    assert m._requests == {}  # finished requests are forgotten
+
+
+def test_waiting_abort_and_separate_registries(engine):
+    a, b = EngineMetrics(model_name="tiny"), EngineMetrics(model_name="other")
+    engine.add_request("w", [3, 4, 5], SamplingParams(max_tokens=2))
+    a.observe_step(engine)
+    assert value(parse(a)[1], "dsserve:num_requests_waiting") == 1
+    out = engine.abort_request("w")  # aborted before it was scheduled: no tokens, no prompt tokens counted
+    a.observe_output(out)
+    a.observe_step(engine)
+    s = parse(a)[1]
+    assert value(s, "dsserve:request_success_total", finished_reason="abort") == 1
+    assert value(s, "dsserve:prompt_tokens_total") == 0 and value(s, "dsserve:generation_tokens_total") == 0
+    assert value(s, "dsserve:e2e_request_latency_seconds_count") == 1
+    assert value(s, "dsserve:time_to_first_token_seconds_count") == 0
+    assert value(s, "dsserve:request_queue_time_seconds_count") == 0
+    assert value(s, "dsserve:num_requests_waiting") == 0
+    sb = parse(b)[1]
+    assert value(sb, "dsserve:request_success_total", model_name="other", finished_reason="abort") == 0
+
+
+def test_stat_deltas_and_preemptions_from_a_fake_engine():
+    pool = SimpleNamespace(num_blocks=10, num_used=3)
+    req = SimpleNamespace(num_preemptions=0)
+    stats = SimpleNamespace(prefix_query_tokens=100, prefix_hit_tokens=64, replayed_rows=5, prefill_rows=36,
+                            decoder_rows_skipped=7)
+    eng = SimpleNamespace(scheduler=SimpleNamespace(running=[req], waiting=[], requests={"r": req}),
+                          kv=SimpleNamespace(blocks=pool, slots=SimpleNamespace(num_blocks=4, num_used=1)),
+                          stats=stats)
+    m = EngineMetrics()
+    m.observe_step(eng)
+    m.observe_step(eng)
+    stats.prefix_query_tokens, req.num_preemptions = 130, 1
+    m.observe_step(eng)
+    m.observe_step(eng)
+    s = parse(m)[1]
+    assert value(s, "dsserve:prefix_cache_queries_total") == 130
+    assert value(s, "dsserve:prefix_cache_hits_total") == 64
+    assert value(s, "dsserve:num_preemptions_total") == 1
+    assert value(s, "dsserve:kv_cache_usage_perc", kind="global") == pytest.approx(0.3)
+    assert value(s, "dsserve:kv_cache_usage_perc", kind="window") == pytest.approx(0.25)
+    assert value(s, "dsserve:kv_cache_blocks", kind="global", state="used") == 3
+    # A new engine (new stats object) starts from zero: its totals add on, nothing goes backwards.
+    eng.stats = SimpleNamespace(prefix_query_tokens=20, prefix_hit_tokens=0, replayed_rows=0, prefill_rows=0,
+                                decoder_rows_skipped=0)
+    m.observe_step(eng)
+    assert value(parse(m)[1], "dsserve:prefix_cache_queries_total") == 150
+
+
+def test_render_from_another_thread_while_the_loop_observes(engine):
+    import threading
+    m, stop, errors = EngineMetrics(), threading.Event(), []
+
+    def scrape():
+        while not stop.is_set():
+            try:
+                parse(m)
+            except Exception as e:  # pragma: no cover - reported below
+                errors.append(e)
+
+    th = threading.Thread(target=scrape)
+    th.start()
+    finals = {}
+    for i in range(4):
+        engine.add_request(f"t{i}", [3 + i, 4, 5], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    drive(engine, m, finals)
+    stop.set()
+    th.join()
+    assert not errors
+    assert value(parse(m)[1], "dsserve:generation_tokens_total") == 24
