@@ -57,8 +57,9 @@ class AsyncEngine:
         The request is validated synchronously by the caller through ``validate`` first."""
         if not self._intake_open:
             raise EngineOverloaded("the server is shutting down")
-        if len(self._sinks) >= self.max_waiting + self.core.args.max_num_seqs:
-            raise EngineOverloaded(f"{len(self._sinks)} requests in flight; the queue is full")
+        if self.num_in_flight() >= self.max_waiting + self.core.args.max_num_seqs:
+            raise EngineOverloaded(f"{self.num_in_flight()} requests in flight; the waiting queue is full "
+                                   f"({self.max_waiting}); retry later")
         sink: asyncio.Queue = asyncio.Queue()
         self._inbox.put(_Submit(request_id, prompt, params, priority, cache_salt, session_id, sink,
                                 asyncio.get_running_loop()))
