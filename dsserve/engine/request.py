@@ -43,6 +43,7 @@ class Request:
     session_id: str | None = None  # an agent session whose blocks may outlive this request
     block_hashes: list = field(default_factory=list)  # hash chain of this request's full token blocks
     num_cached_tokens: int = 0  # prompt tokens whose global KV came from the prefix cache
+    counted_admission: int = -1  # the admission (preemption count) the engine's stats have counted
 
     def __post_init__(self):
         if self.params.seed is not None:

@@ -1,7 +1,7 @@
 """What the engine counts: prefix-cache queries and hits, replayed rows, and what bounded replay saves."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..kv.paged import KVLayout
 from ..models.accounting import layer_parts
@@ -18,14 +18,12 @@ class EngineStats:
     replayed_rows: int = 0  # rows run again through the encoder to rebuild windows after a hit
     prefill_rows: int = 0
     decoder_rows_skipped: int = 0  # prefill rows that did not run the decoder (decoder-side replay)
-    _seen: set = field(default_factory=set, repr=False)
 
     def admitted(self, plan: StepPlan) -> None:
         for c in plan.chunks:
             r = c.request
-            key = (r.request_id, r.num_preemptions)
-            if key not in self._seen:  # first step of this admission
-                self._seen.add(key)
+            if r.counted_admission != r.num_preemptions:  # first step of this admission
+                r.counted_admission = r.num_preemptions
                 self.prefix_query_tokens += r.num_tokens
                 self.prefix_hit_tokens += r.num_cached_tokens
                 self.replayed_rows += max(0, min(r.num_cached_tokens, r.num_tokens) - r.num_computed_tokens)
