@@ -191,6 +191,19 @@ def _add_serve(sub):
     p.set_defaults(func=run_server)
 
 
+# ------------------------------------------------------------------ bench
+
+
+def _add_bench(sub):
+    from .bench.forward import add_bench_forward_args, run_bench_forward
+
+    p = sub.add_parser("bench", help="benchmarks")
+    kinds = p.add_subparsers(dest="bench", metavar="KIND")
+    f = kinds.add_parser("forward", help="time the execute path on an exact batch (B requests at context C)")
+    add_bench_forward_args(f)
+    f.set_defaults(func=run_bench_forward)
+
+
 # ------------------------------------------------------------------ entry point
 
 
@@ -200,6 +213,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_info(sub)
     _add_generate(sub)
     _add_serve(sub)
+    _add_bench(sub)
     return ap
 
 

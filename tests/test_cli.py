@@ -53,3 +53,14 @@ def test_generate_on_the_default_model_subprocess():
 def test_generate_bad_input_is_a_clear_error(capsys):
     assert main(["generate", "--model", "tiny", "--max-tokens", "0"]) == 2
     assert "max_tokens=0" in capsys.readouterr().err
+
+
+def test_bench_forward_prints_a_table_and_a_json_line():
+    r = subprocess.run([sys.executable, "-m", "dsserve", "bench", "forward", "--batch", "2", "--context", "40",
+                        "--new-tokens", "3", "--repeats", "1"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "bench forward" in r.stdout and "attention" in r.stdout
+    last = json.loads(r.stdout.strip().splitlines()[-1])
+    res = last["results"][0]
+    assert last["bench"] == "forward" and res["context"] == 40 and res["new_tokens"] == 3 and res["seconds"] > 0
+    assert {"encoder", "decoder", "attention", "moe", "indexer", "sampler"} <= set(res["stages"])

@@ -19,30 +19,11 @@ from functools import lru_cache
 
 import numpy as np
 
-from .agentx_presets import ACCEPTANCE, PRESETS, Preset, check_acceptance
+from .agentx_presets import (ACCEPTANCE, PRESETS, Preset, check_acceptance, common_run_prefix,  # noqa: F401
+                             draw_int, draw_ln, seed_for, stream, trace_stats)
 
-__all__ = ["ACCEPTANCE", "PRESETS", "Request", "Session", "Trace", "check_acceptance", "generate",
-           "request_token_ids", "seed_for"]
 VERSION = "dsserve-agentx-gen/1"
 BLOCK = 64
-
-
-def seed_for(master: int, tag: str, i: int) -> int:
-    """§3.1: first 8 bytes of SHA-256(f"{master}:{tag}:{i}") as an unsigned integer."""
-    return int.from_bytes(hashlib.sha256(f"{master}:{tag}:{i}".encode()).digest()[:8], "big")
-
-
-def _rng(master: int, tag: str, i: int) -> np.random.Generator:
-    return np.random.Generator(np.random.PCG64(seed_for(master, tag, i)))
-
-
-def _ln(rng, d) -> float:
-    """Clamped lognormal: d = (median, log_sd, lo, hi)."""
-    return float(min(max(d[0] * np.exp(d[1] * rng.standard_normal()), d[2]), d[3]))
-
-
-def _ui(rng, d) -> int:
-    return int(rng.integers(d[0], d[1] + 1))
 
 
 @dataclass
@@ -77,10 +58,6 @@ class Request:
         return self.hit_blocks * BLOCK
 
     @property
-    def new_tokens(self) -> int:
-        return self.isl - self.cached_tokens
-
-    @property
     def hash_ids(self) -> list[int]:
         return [s + j for s, n in self.hash_id_runs for j in range(n)]
 
@@ -96,24 +73,11 @@ class Session:
     requests: list
 
 
-def _common_blocks(a: list, b: list) -> int:
-    """Length of the common leading id run of two run lists."""
-    i = j = oa = ob = n = 0
-    while i < len(a) and j < len(b) and a[i][0] + oa == b[j][0] + ob:
-        m = min(a[i][1] - oa, b[j][1] - ob)
-        n, oa, ob = n + m, oa + m, ob + m
-        if oa == a[i][1]:
-            i, oa = i + 1, 0
-        if ob == b[j][1]:
-            j, ob = j + 1, 0
-    return n
-
-
 def _conversation(rng, p: Preset, shape, prefix: int, s0: int) -> list[dict]:
     """One conversation's turns (§3.2): growing context, appends, outputs, think gaps, compaction."""
-    T = int(round(_ln(rng, shape.turns)))
+    T = int(round(draw_ln(rng, shape.turns)))
     ctx = min(int(s0), p.compact_at)
-    s_end = min(max(ctx + 20 * T, _ln(rng, shape.s_end)), p.max_ctx)
+    s_end = min(max(ctx + 20 * T, draw_ln(rng, shape.s_end)), p.max_ctx)
     w = np.exp(shape.append_sd * rng.standard_normal(T - 1))
     deltas = np.maximum(np.rint((s_end - ctx) * w / w.sum()), shape.min_append).astype(int) if T > 1 else []
     turns, epoch = [], 0
@@ -123,12 +87,12 @@ def _conversation(rng, p: Preset, shape, prefix: int, s0: int) -> list[dict]:
             human = bool(rng.random() < p.p_human)
             ctx += int(deltas[k - 1])
             if ctx > p.compact_at:  # auto-compact: prefix + summary, all new blocks after the prefix
-                ctx = prefix + int(min(_ln(rng, p.summary), p.compact_at - prefix))
+                ctx = prefix + int(min(draw_ln(rng, p.summary), p.compact_at - prefix))
                 epoch, compacted = epoch + 1, True
             else:
                 tool = 0 if human else int(deltas[k - 1]) - min(turns[-1]["osl"], int(deltas[k - 1]))
-        gap = round(_ln(rng, p.human_gap if human else p.tool_gap), 3) if k else 0.0
-        out = int(min(round(_ln(rng, shape.out)), p.max_ctx - ctx))
+        gap = round(draw_ln(rng, p.human_gap if human else p.tool_gap), 3) if k else 0.0
+        out = int(min(round(draw_ln(rng, shape.out)), p.max_ctx - ctx))
         turns.append(dict(isl=ctx, osl=out, epoch=epoch, compacted=compacted, think=gap, append_tool=int(tool),
                           input_type="tool_result" if k and not human else "text", human=human))
     for k, tr in enumerate(turns):
@@ -150,25 +114,19 @@ def _alloc(turns: list[dict], prefix: int, nxt: int) -> int:
         runs = [[pstart, min(n_p, full)], [ep[tr["epoch"]], full - n_p]]
         if tr["isl"] % BLOCK:
             runs, nxt = runs + [[nxt, 1]], nxt + 1
-        merged = []
-        for s, n in runs:
-            if n > 0 and merged and merged[-1][0] + merged[-1][1] == s:
-                merged[-1][1] += n
-            elif n > 0:
-                merged.append([s, n])
-        tr["runs"], tr["sys_blocks"] = merged, min(n_p, full)
+        tr["runs"], tr["sys_blocks"] = [r for r in runs if r[1] > 0], min(n_p, full)
     return nxt
 
 
 def _session(p: Preset, seed: int, i: int) -> Session:
-    rng = _rng(seed, "trace", i)
-    sys_t, tool_t = _ui(rng, p.sys_tokens), _ui(rng, p.tool_tokens)
+    rng = stream(seed, "trace", i)
+    sys_t, tool_t = draw_int(rng, p.sys_tokens), draw_int(rng, p.tool_tokens)
     prefix = sys_t + tool_t
     resumed = bool(rng.random() < p.p_resumed)
-    s0 = max(_ln(rng, p.s0_resumed), prefix + BLOCK) if resumed else prefix + _ln(rng, p.s0_fresh)
+    s0 = max(draw_ln(rng, p.s0_resumed), prefix + BLOCK) if resumed else prefix + draw_ln(rng, p.s0_fresh)
     convs = [dict(kind="helper", agent_id=f"helper{h}", model="small", prefix=0, turns=[dict(
-        isl=_ui(rng, p.helper_in), osl=_ui(rng, p.helper_out), epoch=0, compacted=False, think=0.0,
-        append_tool=0, input_type="text", stop="end_turn", t0=float(h))]) for h in range(p.n_helpers)]
+        isl=draw_int(rng, p.helper_in), osl=draw_int(rng, p.helper_out), epoch=0, compacted=False, think=0.0,
+        append_tool=0, input_type="text", stop="end_turn", t=float(h))]) for h in range(p.n_helpers)]
     root = dict(kind="root", agent_id="main", model="main", prefix=prefix,
                 turns=_conversation(rng, p, p.root, prefix, s0))
     convs.append(root)
@@ -176,9 +134,9 @@ def _session(p: Preset, seed: int, i: int) -> Session:
     for k in range(len(root["turns"]) - 1):
         if rng.random() < p.p_spawn:
             for _ in range(min(int(rng.geometric(0.5)), p.max_fanout)):
-                sp = int(_ln(rng, p.sub_prefix))
+                sp = int(draw_ln(rng, p.sub_prefix))
                 sub = dict(kind="subagent", agent_id=f"sa{len(convs) - p.n_helpers}", model="main", prefix=sp,
-                           turns=_conversation(rng, p, p.sub, sp, sp + _ln(rng, p.sub_task)),
+                           turns=_conversation(rng, p, p.sub, sp, sp + draw_ln(rng, p.sub_task)),
                            gating=bool(rng.random() < p.p_gating), spawned_at=k,
                            subagent_type=["Explore", "general-purpose"][int(rng.integers(2))])
                 spawns.setdefault(k, []).append(sub)
@@ -187,26 +145,19 @@ def _session(p: Preset, seed: int, i: int) -> Session:
     for c in convs:
         nxt = _alloc(c["turns"], c["prefix"], nxt)
         for j, tr in enumerate(c["turns"]):
-            tr.update(c=c, turn=j, api=round(tr["osl"] / p.out_tok_s + p.api_base, 3), after=[])
-            if j:
-                tr["after"] = [c["turns"][j - 1]]
+            tr.update(c=c, turn=j, api=round(tr["osl"] / p.out_tok_s + p.api_base, 3),
+                      after=[c["turns"][j - 1]] if j else [])
 
-    def end(tr):
-        return tr["t"] + tr["api"]
-
-    for c in convs[: p.n_helpers]:
-        c["turns"][0]["t"] = c["turns"][0]["t0"]
     for k, tr in enumerate(root["turns"]):
         if k == 0:
             tr["t"] = float(p.n_helpers)
         else:
             tr["after"] += [c["turns"][-1] for c in spawns.get(k - 1, []) if c["gating"]]
-            tr["t"] = round(max(end(a) for a in tr["after"]) + tr["think"], 3)
+            tr["t"] = round(max(a["t"] + a["api"] for a in tr["after"]) + tr["think"], 3)
         for c in spawns.get(k, []):
-            for j, st in enumerate(c["turns"]):
-                st["after"] = [tr] if j == 0 else st["after"]
-                st["think"] = 0.0 if j == 0 else st["think"]
-                st["t"] = round(end(st["after"][0]) + st["think"], 3)
+            c["turns"][0].update(after=[tr], think=0.0)
+            for st in c["turns"]:
+                st["t"] = round(st["after"][0]["t"] + st["after"][0]["api"] + st["think"], 3)
     order = sorted((tr for c in convs for tr in c["turns"]), key=lambda tr: tr["t"])  # stable
     for n, tr in enumerate(order):
         tr["idx"] = n
@@ -216,7 +167,7 @@ def _session(p: Preset, seed: int, i: int) -> Session:
         reqs.append(Request(
             session=i, idx=tr["idx"], kind=tr["c"]["kind"], agent_id=tr["c"]["agent_id"], turn=tr["turn"],
             t=tr["t"], isl=tr["isl"], osl=tr["osl"], hash_id_runs=tr["runs"], parent=par and par["idx"],
-            hit_blocks=_common_blocks(par["runs"], tr["runs"]) if par else 0, sys_blocks=tr["sys_blocks"],
+            hit_blocks=common_run_prefix(par["runs"], tr["runs"]) if par else 0, sys_blocks=tr["sys_blocks"],
             after=[a["idx"] for a in tr["after"]], think_time=tr["think"], api_time=tr["api"],
             input_type=tr["input_type"], append_tool=tr["append_tool"], stop=tr["stop"],
             compacted=tr["compacted"], model=tr["c"]["model"]))
@@ -224,3 +175,76 @@ def _session(p: Preset, seed: int, i: int) -> Session:
                  spawned_by=root["turns"][c["spawned_at"]]["idx"]) for c in convs if c["kind"] == "subagent"]
     return Session(index=i, id=f"agentx-{p.name}-s{seed}-{i:04d}", sys_tokens=sys_t, tool_tokens=tool_t,
                    resumed=resumed, subagents=subs, requests=reqs)
+
+
+@dataclass
+class Trace:
+    """A generated corpus: ``sessions[i]`` depends only on (preset, seed, i) (§3.1)."""
+
+    preset: str
+    seed: int
+    version: str
+    block_size: int
+    sessions: list
+
+    def requests(self):
+        return (r for s in self.sessions for r in s.requests)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Trace":
+        d = json.loads(text)
+        d["sessions"] = [Session(**{**s, "requests": [Request(**r) for r in s["requests"]]}) for s in d["sessions"]]
+        return cls(**d)
+
+    def sha256(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+    def stats(self) -> dict:
+        return trace_stats(self)
+
+    def write(self, path: str, check: bool = True) -> dict:
+        """Print the corpus stats and write JSON; refuse (ValueError) if a full preset corpus is off-band."""
+        st = self.stats()
+        print(json.dumps(st, sort_keys=True, indent=1))
+        full = self.preset in ACCEPTANCE and len(self.sessions) == PRESETS[self.preset].traces
+        if check and full and (bad := check_acceptance(st, self.preset)):
+            raise ValueError("corpus outside acceptance bands: " + "; ".join(bad))
+        with open(path, "w") as f:
+            f.write(self.to_json())
+        return st
+
+
+def generate(preset: str, seed: int = 42, num_sessions: int | None = None) -> Trace:
+    """Generate ``num_sessions`` (default: the preset's trace count) sessions of ``PRESETS[preset]``."""
+    p = PRESETS[preset]
+    n = p.traces if num_sessions is None else num_sessions
+    return Trace(preset=preset, seed=seed, version=VERSION, block_size=BLOCK,
+                 sessions=[_session(p, seed, i) for i in range(n)])
+
+
+@lru_cache(maxsize=8)
+def _allowed(vocab_size: int, reserved: frozenset) -> np.ndarray:
+    keep = np.ones(vocab_size, dtype=bool)
+    keep[[i for i in reserved if 0 <= i < vocab_size]] = False
+    return np.flatnonzero(keep)
+
+
+@lru_cache(maxsize=1 << 16)
+def _block_fill(master: int, tag: str, block: int, n: int) -> np.ndarray:
+    return stream(master, tag, block).integers(0, n, BLOCK)
+
+
+def request_token_ids(trace: Trace, request: Request, vocab_size: int, reserved_ids=(), salt: str | None = None
+                      ) -> list[int]:
+    """Exactly ``request.isl`` prompt token ids: block id b of session s is filled with 64 ids drawn from
+    stream ``tokens/<s>/<b>`` (§3.1) over ``range(vocab_size)`` minus ``reserved_ids`` (a partial last block
+    takes the first isl % 64), so equal hash ids give equal tokens and the theoretical hit is realisable.
+    ``salt`` (per-play cache bust, §1.3) changes every block after the system+tools prefix."""
+    allowed = _allowed(vocab_size, frozenset(reserved_ids))
+    s = request.session
+    parts = [_block_fill(trace.seed, f"tokens/{s}" if salt is None or pos < request.sys_blocks
+                         else f"tokens/{s}/{salt}", b, len(allowed)) for pos, b in enumerate(request.hash_ids)]
+    return allowed[np.concatenate(parts)[: request.isl]].tolist()

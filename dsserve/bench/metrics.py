@@ -1,5 +1,4 @@
 """AgentX / InferenceX metric math and result files (agentx.md §1.5, §3.4, §3.7, §4); no networking.
-
 Record = one dict per request (= a ``requests.jsonl`` row): ``phase`` (only "profile" counts), ``error``
 (falsy = success), ``start_ns``/``end_ns`` (int ns), ``ttft``/``e2el`` (s), ``isl``/``osl`` (server usage;
 isl includes cached), optional ``cached``, ``hit_blocks``/``total_blocks`` (theoretical), ``max_tokens``,
@@ -16,31 +15,29 @@ import numpy as np
 
 PCT_METHOD = "linear"
 TIERS = (30, 50, 75, 100, 150, 200)
-STAT_PCTS = (50, 75, 90, 95, 99)
 REQUEST_FIELDS = ("phase", "lane", "trace_id", "conversation_id", "root_id", "depth", "turn_idx", "isl", "osl",
                   "cached", "hit_blocks", "total_blocks", "start_ns", "end_ns", "ttft", "e2el", "itl", "error")
-META_KEYS = ("hw", "conc", "model", "framework", "precision", "spec_decoding", "disagg", "tp", "ep",
+META_KEYS = ("config", "hw", "conc", "model", "framework", "precision", "spec_decoding", "disagg", "tp", "ep",
              "dp_attention", "kv_offloading")
 POINT_COLS = ("config", "conc", "tput_per_gpu", "input_tput_per_gpu", "output_tput_per_gpu", "p90_intvty",
               "median_intvty", "p90_ttft", "p90_e2el", "cost_per_mtok", "on_frontier")
 
 
 def pct(values, p: float) -> float | None:
-    """p-th percentile, numpy "linear" (= AIPerf/InferenceX); None for an empty sample."""
+    """p-th percentile with numpy's "linear" method; None for an empty sample."""
     a = np.asarray(values, dtype=float)
     return float(np.percentile(a, p, method=PCT_METHOD)) if a.size else None
 
 
 def request_itl(ttft: float, e2el: float, osl: int) -> float | None:
-    """(E2EL - TTFT)/(OSL - 1); None for OSL <= 1 (spec: needs OSL >= 2). Such requests are left out of the
-    ITL/interactivity stats but still count in tokens, throughput, TTFT and E2EL."""
+    """(E2EL - TTFT)/(OSL - 1); None for OSL <= 1 (spec: OSL >= 2): out of ITL stats, still in tokens/TTFT."""
     return (e2el - ttft) / (osl - 1) if osl is not None and osl >= 2 else None
 
 
 def stats(values) -> dict:
-    """mean, p50, p75, p90, p95, p99, std (population, numpy default); values None when empty."""
+    """mean, p50, p75, p90, p95, p99, std (population, numpy default); all None when empty."""
     a = np.asarray([v for v in values if v is not None], dtype=float)
-    return {"mean": float(a.mean()) if a.size else None, **{f"p{p}": pct(a, p) for p in STAT_PCTS},
+    return {"mean": float(a.mean()) if a.size else None, **{f"p{p}": pct(a, p) for p in (50, 75, 90, 95, 99)},
             "std": float(a.std()) if a.size else None}
 
 
@@ -49,19 +46,10 @@ def interactivity(itls) -> dict:
     return {k: 1.0 / v if v is not None and v > 0 else None for k, v in stats(itls).items() if k != "std"}
 
 
-def successful(records) -> list[dict]:
-    return [r for r in records if r.get("phase", "profile") == "profile" and not r.get("error")]
-
-
-def window_duration(records) -> float:
-    """D = max(end) - min(start) over the given (successful profiling) records, in seconds."""
-    return (max(r["end_ns"] for r in records) - min(r["start_ns"] for r in records)) / 1e9 if records else 0.0
-
-
 def throughput(records, num_gpus: int, server_hit: float | None = None) -> dict:
-    """total = (sum isl incl. cached + sum osl)/D; per GPU = /num_gpus (all serving GPUs, prefill + decode).
-    cached input = sum(cached)/D if any record reports it, else input * server_hit (fallback), else None."""
-    d = window_duration(records)
+    """total = (sum isl incl. cached + sum osl)/D, D = max(end) - min(start) (s); per GPU = /num_gpus (all serving
+    GPUs). cached input = sum(cached)/D if any record reports it, else input * server_hit, else None."""
+    d = (max(r["end_ns"] for r in records) - min(r["start_ns"] for r in records)) / 1e9 if records else 0.0
     rate = (lambda n: n / d) if d > 0 else (lambda n: 0.0)
     isl, osl = sum(r["isl"] for r in records), sum(r["osl"] for r in records)
     cached = (rate(sum(r.get("cached") or 0 for r in records)) if any(r.get("cached") is not None for r in records)
@@ -78,15 +66,14 @@ def theoretical_hit_rate(records) -> float | None:
     return sum(r.get("hit_blocks") or 0 for r in records) / tot if tot else None
 
 
-def _delta(before, after, name):
-    v = [next((x for k, x in (d or {}).items() if k.split(":")[-1].removesuffix("_total") == name), None)
-         for d in (before, after)]
-    return None if None in v else v[1] - v[0]
-
-
-def server_hit_rate(before, after, hits="prefix_cache_hits", queries="prefix_cache_queries") -> float | None:
-    """delta hits / delta queries between two counter snapshots (keys may carry vllm:/dsserve: and _total)."""
-    h, q = _delta(before, after, hits), _delta(before, after, queries)
+def server_hit_rate(before: dict, after: dict, kind: str = "", per: str | None = None) -> float | None:
+    """delta <kind>prefix_cache_hits / delta <per or kind>prefix_cache_queries between two counter snapshots
+    (kind "" = GPU, "external_", "cpu_"); keys may carry a vllm:/dsserve: prefix and a _total suffix."""
+    def delta(name):
+        v = [next((x for k, x in (d or {}).items() if k.split(":")[-1].removesuffix("_total") == name), None)
+             for d in (before, after)]
+        return None if None in v else v[1] - v[0]
+    h, q = delta(f"{kind}prefix_cache_hits"), delta(f"{kind if per is None else per}prefix_cache_queries")
     return h / q if h is not None and q else None
 
 
@@ -100,19 +87,14 @@ def qps(records, t0_ns: int | None = None, t1_ns: int | None = None) -> dict:
     return {"mean": float(counts.mean()), **{f"p{p}": pct(counts, p) for p in (50, 75, 90, 95)}}
 
 
-def _xy(p, x, y):
-    return (p[0], p[1]) if isinstance(p, (tuple, list)) else (p.get(x), p.get(y))
-
-
-def pareto_frontier(points, x="p90_intvty", y="tput_per_gpu") -> list:
-    """Upper-left front: drop a point if another has >= x and >= y (one strictly); higher is better for both.
-    Exact duplicates keep the first; non-finite points are skipped. Returns the survivors sorted by x."""
-    ok = [p for p in points if all(v is not None and math.isfinite(v) for v in _xy(p, x, y))]
-    front, best = [], -math.inf
-    for p in sorted(ok, key=lambda q: (-_xy(q, x, y)[0], -_xy(q, x, y)[1])):  # stable sort
-        if _xy(p, x, y)[1] > best:
+def pareto_frontier(points: list[dict], x="p90_intvty", y="tput_per_gpu") -> list[dict]:
+    """Upper-left front (higher x and y better): drop p if another has >= x and >= y, one strictly. Duplicates
+    keep the first, non-finite points are skipped; sorted by x."""
+    ok = [p for p in points if all(p.get(k) is not None and math.isfinite(p[k]) for k in (x, y))]
+    front = []
+    for p in sorted(ok, key=lambda q: (-q[x], -q[y])):  # stable: duplicates keep their input order
+        if not front or p[y] > front[-1][y]:
             front.append(p)
-            best = _xy(p, x, y)[1]
     return front[::-1]
 
 
@@ -130,8 +112,7 @@ def monotone_slopes(xs, ys, method: str = "steffen") -> np.ndarray:
         m[1:-1] = sg * np.minimum(np.minimum(abs(s0), abs(s1)), 0.5 * abs((s0 * h1 + s1 * h0) / (h0 + h1)))
         m[0], m[-1] = (3 * s[0] - m[1]) / 2, (3 * s[-1] - m[-2]) / 2
         return m
-    if method != "pchip":
-        raise ValueError(f"unknown method {method!r}")
+    assert method == "pchip", method
     w1, w2, same = 2 * h1 + h0, h1 + 2 * h0, s0 * s1 > 0
     with np.errstate(divide="ignore", invalid="ignore"):
         m[1:-1] = np.where(same, (w1 + w2) / (w1 / s0 + w2 / s1), 0.0)
@@ -144,10 +125,8 @@ def monotone_slopes(xs, ys, method: str = "steffen") -> np.ndarray:
 def monotone_cubic(xs, ys, method: str = "steffen"):
     """Interpolant f(t) through strictly increasing knots; t outside [xs[0], xs[-1]] gives the end value."""
     x, y = np.asarray(xs, float), np.asarray(ys, float)
-    if len(x) == 0 or np.any(np.diff(x) <= 0):
-        raise ValueError("need strictly increasing knots")
-    if len(x) == 1:
-        return lambda t: np.full_like(np.asarray(t, float), y[0])
+    if len(x) < 2 or np.any(np.diff(x) <= 0):
+        raise ValueError("need >= 2 strictly increasing knots")
     m = monotone_slopes(x, y, method)
 
     def f(t):
@@ -160,15 +139,13 @@ def monotone_cubic(xs, ys, method: str = "steffen"):
     return f
 
 
-def tier_reads(front, tiers=TIERS, x="p90_intvty", y="tput_per_gpu", method="steffen") -> list[dict]:
-    """Throughput read off the frontier at each interactivity tier (§1.5): above the max-x knot "unreachable"
-    (value 0); below the min-x knot "clamped" to that knot's y; on a knot "exact"; else "estimated" =
-    monotone cubic clipped to the frontier's y-range."""
-    xs, ys = (np.array(v, float) for v in zip(*sorted(_xy(p, x, y) for p in front))) if front else ([], [])
-    f = monotone_cubic(xs, ys, method) if len(xs) else None
-    out = []
+def tier_reads(front: list[dict], tiers=TIERS, x="p90_intvty", y="tput_per_gpu", method="steffen") -> list[dict]:
+    """y read off the front at each tier (§1.5): above max-x knot "unreachable" (0, i.e. infinite cost); below the
+    min-x knot "clamped" to its y; on a knot "exact"; else "estimated" = monotone cubic clipped to the y-range."""
+    xs, ys = (np.array(v, float) for v in (zip(*sorted((p[x], p[y]) for p in front)) if front else ([], [])))
+    f, out = monotone_cubic(xs, ys, method) if len(xs) > 1 else None, []
     for t in tiers:
-        if f is None or t > xs[-1]:
+        if not len(xs) or t > xs[-1]:
             v, st = 0.0, "unreachable"
         elif t in xs:
             v, st = float(ys[np.flatnonzero(xs == t)[0]]), "exact"
@@ -176,58 +153,46 @@ def tier_reads(front, tiers=TIERS, x="p90_intvty", y="tput_per_gpu", method="ste
             v, st = float(ys[0]), "clamped"
         else:
             v, st = float(np.clip(f(t), ys.min(), ys.max())), "estimated"
-        out.append({"tier": t, "tput_per_gpu": v, "status": st})
+        out.append({"tier": t, y: v, "status": st})
     return out
-
-
-def cost_per_mtok(price_per_gpu_hr: float, tput_per_gpu: float) -> float | None:
-    """$/Mtok = $/GPU-hr * 1e6 / (3600 * tok/s/GPU); None (infinite cost) at zero throughput."""
-    return price_per_gpu_hr * 1e6 / (3600 * tput_per_gpu) if tput_per_gpu > 0 else None
 
 
 def aggregate(records: list[dict], window=None, num_gpus: int = 1, *, meta: dict | None = None,
               server: dict | None = None, dataset: dict | None = None, price_per_gpu_hr: float | None = None,
-              kw_per_gpu: float | None = None, min_duration_s: float = 900.0) -> dict:
-    """InferenceX-like agg dict (§3.7). Counts successful phase=="profile" records; throughput window
-    D = max(end) - min(start) over them (requests in flight at the deadline included). ``window`` = optional
-    (start_ns, end_ns) profiling window, used only for qps buckets and the 98% observation-coverage check.
+              min_duration_s: float = 900.0) -> dict:
+    """InferenceX-like agg dict (§3.7) over successful phase=="profile" records; D = max(end) - min(start) over
+    them. ``window`` = optional (start_ns, end_ns) profiling window, only for qps buckets and 98% coverage.
     ``server`` = {"before": counters, "after": counters, "gpu_usage_pct": .., "gpu_total_tokens": ..}."""
     meta, server, (t0, t1) = meta or {}, server or {}, window or (None, None)
     prof = [r for r in records if r.get("phase", "profile") == "profile"]
-    ok = successful(records)
+    ok = [r for r in prof if not r.get("error")]
     itls = [v for v in (request_itl(r["ttft"], r["e2el"], r["osl"]) for r in ok) if v is not None]
     b, a = server.get("before"), server.get("after")
-    gpu_hit, ext_hit = server_hit_rate(b, a), server_hit_rate(b, a, "external_prefix_cache_hits", "external_prefix_cache_queries")
-    # overall = (local hits + external/offload hits) / local queries
-    ov = None if gpu_hit is None else gpu_hit + (_delta(b, a, "external_prefix_cache_hits") or 0) / _delta(
-        b, a, "prefix_cache_queries")
-    tp = throughput(ok, num_gpus, gpu_hit)
+    gpu, ext = server_hit_rate(b, a), server_hit_rate(b, a, "external_")
+    overall = gpu if gpu is None else gpu + (server_hit_rate(b, a, "external_", "") or 0)  # (local+ext hits)/local q
+    tp = throughput(ok, num_gpus, gpu)
     lat = {"ttft": stats([r["ttft"] for r in ok]), "e2el": stats([r["e2el"] for r in ok]), "itl": stats(itls)}
     lat.update(tpot=lat["itl"], intvty=interactivity(itls),
                e2e_norm_intvty=interactivity([r["e2el"] / r["osl"] for r in ok if r["osl"] >= 1]))
-    last = max((r["end_ns"] for r in ok), default=None)
-    cov = (last - t0) / (t1 - t0) if window and last is not None and t1 > t0 else None
-    err = (len(prof) - len(ok)) / len(prof) if prof else None
-    dur_ok = tp["duration_seconds"] >= min_duration_s
-    return {**{k: meta.get(k) for k in META_KEYS}, "config": meta.get("config"), "num_gpus": num_gpus,
+    cov = (max(r["end_ns"] for r in ok) - t0) / (t1 - t0) if window and ok and t1 > t0 else None
+    err, dur_ok = (len(prof) - len(ok)) / len(prof) if prof else None, tp["duration_seconds"] >= min_duration_s
+    cost = price_per_gpu_hr * 1e6 / (3600 * tp["per_gpu"]) if price_per_gpu_hr and tp["per_gpu"] else None
+    return {**{k: meta.get(k) for k in META_KEYS}, "num_gpus": num_gpus,
             "num_requests_total": len(prof), "num_requests_successful": len(ok), "error_rate": err,
             "request_metrics": {
                 "qps": qps(ok, t0, t1), "latency": lat, "throughput": tp,
-                "tokens": {"input": sum(r["isl"] for r in ok), "output_actual": sum(r["osl"] for r in ok),
-                           "output_expected": sum(r.get("max_tokens") or 0 for r in ok),
-                           "cached_input": sum(r.get("cached") or 0 for r in ok)},
+                "tokens": {k: sum(r.get(f) or 0 for r in ok) for k, f in (("input", "isl"), ("output_actual", "osl"),
+                           ("output_expected", "max_tokens"), ("cached_input", "cached"))},
                 "cache": {"theoretical_cache_hit_rate": theoretical_hit_rate(ok)}},
             "server_metrics": {
-                "cache": {"gpu_hit_rate": gpu_hit, "external_hit_rate": ext_hit, "overall_hit_rate": ov,
-                          "cpu_hit_rate": server_hit_rate(b, a, "cpu_prefix_cache_hits", "cpu_prefix_cache_queries")},
+                "cache": {"gpu_hit_rate": gpu, "cpu_hit_rate": server_hit_rate(b, a, "cpu_"),
+                          "external_hit_rate": ext, "overall_hit_rate": overall},
                 "kv_cache": {k: server.get(k) for k in ("gpu_usage_pct", "gpu_total_tokens")}},
             "tput_per_gpu": tp["per_gpu"], "output_tput_per_gpu": tp["output_per_gpu"],
             "input_tput_per_gpu": tp["input_per_gpu"], "p90_intvty": lat["intvty"]["p90"],
             "median_intvty": lat["intvty"]["p50"], "mean_intvty": lat["intvty"]["mean"],
             "p90_e2e_norm_intvty": lat["e2e_norm_intvty"]["p90"], "p90_ttft": lat["ttft"]["p90"],
-            "p90_e2el": lat["e2el"]["p90"], "units": {"latency": "s", "throughput": "tok/s"},
-            "cost_per_mtok": None if price_per_gpu_hr is None else cost_per_mtok(price_per_gpu_hr, tp["per_gpu"]),
-            "tok_per_mw": tp["per_gpu"] / (kw_per_gpu / 1000) if kw_per_gpu else None, "dataset": dataset or {},
+            "p90_e2el": lat["e2el"]["p90"], "cost_per_mtok": cost, "dataset": dataset or {},
             "validity": {"coverage": cov, "duration_ok": dur_ok, "error_rate_ok": (err or 0) <= 0.10,
                          "valid": dur_ok and (err or 0) <= 0.10 and (cov is None or cov >= 0.98)}}
 
@@ -240,58 +205,46 @@ def write_agg(out_dir, agg: dict) -> Path:
 
 
 def write_requests_jsonl(path, records) -> Path:
-    """One row per request with REQUEST_FIELDS (itl filled in when absent) plus any extra keys."""
+    """One row per request: REQUEST_FIELDS first (itl computed when absent), then any extra keys."""
     with open(path, "w") as f:
         for r in records:
             row = {k: r.get(k) for k in REQUEST_FIELDS}
-            if row["itl"] is None and r.get("ttft") is not None and r.get("e2el") is not None:
+            if row["itl"] is None and None not in (r.get("ttft"), r.get("e2el")):
                 row["itl"] = request_itl(r["ttft"], r["e2el"], r.get("osl"))
-            f.write(json.dumps({**r, **row}, default=str) + "\n")
+            f.write(json.dumps({**row, **{k: v for k, v in r.items() if k not in row}}, default=str) + "\n")
     return Path(path)
 
 
-def write_points_csv(path, aggs) -> Path:
-    """One row per agg (config, conc, tput_per_gpu, p90_intvty, p90_ttft, cost...), on_frontier per config."""
-    front = {id(p) for c in {a.get("config") for a in aggs}
-             for p in pareto_frontier([a for a in aggs if a.get("config") == c])}
+def write_points_csv(path, aggs: list[dict]) -> Path:
+    """One row per agg (POINT_COLS); on_frontier = on its config's throughput-vs-P90-interactivity front."""
+    front = {id(p) for c in {a.get("config") for a in aggs} for p in pareto_frontier(
+        [a for a in aggs if a.get("config") == c])}
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=POINT_COLS)
+        w = csv.DictWriter(f, fieldnames=POINT_COLS, extrasaction="ignore")
         w.writeheader()
-        for a in aggs:
-            w.writerow({**{k: a.get(k) for k in POINT_COLS}, "on_frontier": int(id(a) in front)})
+        w.writerows({**a, "on_frontier": int(id(a) in front)} for a in aggs)
     return Path(path)
 
 
-def _plot(path, aggs, xkey, xlabel, title, frontier):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+def plot_points(path, aggs: list[dict], x: str = "p90_intvty") -> Path:
+    """PNG of y = tok/s/GPU vs x ("p90_intvty", or "p90_ttft" for the companion plot): a marker per
+    concurrency (C=..), a line per config and, for interactivity, the config's Pareto front."""
+    from matplotlib.figure import Figure  # OO API: Agg canvas, no pyplot state
+    fig = Figure(figsize=(8, 5.5))
+    ax = fig.subplots()
     for c in dict.fromkeys(a.get("config") for a in aggs):
-        g = sorted((a for a in aggs if a.get("config") == c and a.get(xkey) is not None), key=lambda a: a["conc"])
-        line, = ax.plot([a[xkey] for a in g], [a["tput_per_gpu"] for a in g], "o-", alpha=0.6, label=str(c))
+        g = sorted((a for a in aggs if a.get("config") == c and a.get(x) is not None), key=lambda a: a["conc"])
+        line, = ax.plot([a[x] for a in g], [a["tput_per_gpu"] for a in g], "o-", alpha=0.6, label=str(c))
         for a in g:
-            ax.annotate(f"C={a['conc']}", (a[xkey], a["tput_per_gpu"]), fontsize=7, textcoords="offset points",
-                        xytext=(4, 4))
-        fr = pareto_frontier(g) if frontier else []
-        if fr:  # the front as the monotone-cubic curve the tier reads use
-            xs = np.linspace(fr[0][xkey], fr[-1][xkey], 200)
-            ys = monotone_cubic([p[xkey] for p in fr], [p["tput_per_gpu"] for p in fr])(xs)
-            ax.plot(xs, ys, "-", lw=2.5, color=line.get_color(), label=f"{c} Pareto front")
-            ax.plot([p[xkey] for p in fr], [p["tput_per_gpu"] for p in fr], "*", ms=11, color=line.get_color())
-    ax.set(xlabel=xlabel, ylabel="Throughput per GPU (tok/s/GPU, cached + uncached input + output)", title=title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+            ax.annotate(f"C={a['conc']}", (a[x], a["tput_per_gpu"]), xytext=(4, 4), textcoords="offset points")
+        fr = pareto_frontier(g, x) if x == "p90_intvty" else []
+        if len(fr) > 1:  # the front, drawn as the monotone cubic the tier reads use
+            xs = np.linspace(fr[0][x], fr[-1][x], 200)
+            ax.plot(xs, monotone_cubic([p[x] for p in fr], [p["tput_per_gpu"] for p in fr])(xs), "-", lw=2.5,
+                    color=line.get_color(), label=f"{c} Pareto front")
+            ax.plot([p[x] for p in fr], [p["tput_per_gpu"] for p in fr], "*", ms=11, color=line.get_color())
+    ax.set(xlabel=(lbl := {"p90_intvty": "P90 interactivity (tok/s/user)", "p90_ttft": "P90 TTFT (s)"}.get(x, x)),
+           ylabel="Throughput per GPU (tok/s/GPU, cached + uncached input + output)", title=f"Throughput vs {lbl}")
+    ax.grid(alpha=0.3), ax.legend(fontsize=8)
     fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
     return Path(path)
-
-
-def plot_throughput_vs_interactivity(path, aggs, title="Token throughput per GPU vs P90 interactivity") -> Path:
-    """y = tok/s/GPU, x = P90 tok/s/user; a marker per concurrency (C=..), a line and a Pareto front per config."""
-    return _plot(path, aggs, "p90_intvty", "P90 interactivity (tok/s/user)", title, True)
-
-
-def plot_ttft_vs_throughput(path, aggs, title="Throughput per GPU vs P90 TTFT") -> Path:
-    """Companion plot: x = P90 TTFT (s), y = tok/s/GPU, a marker per concurrency."""
-    return _plot(path, aggs, "p90_ttft", "P90 TTFT (s)", title, False)
