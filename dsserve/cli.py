@@ -202,6 +202,18 @@ def _add_bench(sub):
     f = kinds.add_parser("forward", help="time the execute path on an exact batch (B requests at context C)")
     add_bench_forward_args(f)
     f.set_defaults(func=run_bench_forward)
+    from .bench.agentx import add_bench_agentx_args, run_bench_agentx
+    from .bench.offline import (add_bench_latency_args, add_bench_throughput_args, run_bench_latency,
+                                run_bench_throughput)
+    x = kinds.add_parser("agentx", help="closed-loop AgentX-like trace replay against an OpenAI-compatible server")
+    add_bench_agentx_args(x)
+    x.set_defaults(func=run_bench_agentx)
+    lat = kinds.add_parser("latency", help="in-process: time one batch generating a fixed number of tokens")
+    add_bench_latency_args(lat)
+    lat.set_defaults(func=run_bench_latency)
+    tp = kinds.add_parser("throughput", help="in-process: tokens/s for N prompts submitted at once")
+    add_bench_throughput_args(tp)
+    tp.set_defaults(func=run_bench_throughput)
 
 
 # ------------------------------------------------------------------ entry point

@@ -1,0 +1,250 @@
+"""``dsserve bench agentx``: closed-loop replay of a seeded AgentX-like trace on an OpenAI server (spec §3.3).
+
+Per concurrency C: C lanes each play one session tree at a time (seeded shuffle sampler); a request with no
+``after`` starts ``t`` s into its session, else ``think_time`` (capped at the per-tree idle cap) after its last
+``after`` ends; subagents run in parallel without lanes; with nothing in flight, timers shift to fire within the
+idle cap; nothing starts after warmup + duration (in-flight requests finish and count). Fresh cache-bust salt per
+play; streaming, max_tokens = trace output, ignore_eos, include_usage, X-Session-ID = conversation id.
+``--api chat`` sends /detokenize'd ids as one user message (refused without /detokenize). Not implemented: t*
+start points (warm-up = first ``--warmup`` s of each point), 1 s metric series. ``--scale`` < 1 keeps
+round(64*scale) tokens per 64-token block (prefix sharing kept) and scales outputs (min 2), for tiny models.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from . import metrics as M
+from .agentx_presets import PRESETS, stream
+from .agentx_trace import BLOCK, VERSION, generate, request_token_ids
+
+
+def parse_prom(text: str) -> dict:
+    """Prometheus text -> {metric name: value summed over label sets}."""
+    out: dict[str, float] = {}
+    for m in re.finditer(r"^([A-Za-z_:][\w:]*)(?:\{.*\})?\s+(\S+)\s*$", text, re.M):
+        out[m[1]] = out.get(m[1], 0.0) + float(m[2])
+    return out
+
+
+async def scrape(client) -> dict:
+    r = await client.get("/metrics")
+    return parse_prom(r.text) if r.status_code == 200 else {}
+
+
+def _table(title: str, cols) -> Table:
+    t = Table(title=title)
+    [t.add_column(c, justify="right") for c in cols]
+    return t
+
+
+class Replayer:
+    """One concurrency point: lanes, sampler, timers, records."""
+
+    def __init__(self, a, trace, client, conc: int, tag: str):
+        self.a, self.trace, self.client, self.conc, self.tag = a, trace, client, conc, tag
+        self.p = PRESETS[a.preset]
+        self.reserved = tuple(sorted({0, 1, 2, *a.reserved_ids}))
+        self.k = max(1, min(BLOCK, round(BLOCK * a.scale)))
+        self.records, self.timers, self.plays, self.in_flight, self.sent, self.skipped = [], {}, 0, 0, 0, 0
+        self.sampler = (i for ep in range(1 << 30) for i in stream(a.seed, "sampler", ep).permutation(
+            len(trace.sessions)).tolist())
+
+    async def sleep(self, delay: float) -> None:
+        self.timers[key := object()] = time.monotonic() + delay
+        try:
+            while (rem := self.timers[key] - time.monotonic()) > 0:
+                await asyncio.sleep(min(rem, 0.05))
+        finally:
+            del self.timers[key]
+
+    async def guard(self) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            if not self.in_flight and self.timers and (
+                    gap := min(self.timers.values()) - time.monotonic() - self.p.idle_cap_s) > 0:
+                self.timers.update({k: v - gap for k, v in self.timers.items()})
+
+    async def lane(self, j: int, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            await self.play(j, next(self.sampler), deadline)
+
+    async def play(self, lane: int, s: int, deadline: float) -> None:
+        sess, self.plays = self.trace.sessions[s], self.plays + 1
+        play = f"{self.tag}-c{self.conc}-p{self.plays}"
+        done = {r.idx: asyncio.Event() for r in sess.requests}
+
+        async def one(r):
+            try:
+                for i in r.after:
+                    await done[i].wait()
+                delay = min(r.think_time, self.p.tree_idle_cap_s) if r.after else r.t
+                await self.sleep(min(delay, deadline - time.monotonic()))
+                if time.monotonic() >= deadline:
+                    self.skipped += 1
+                    return
+                conv = {"root": play, "subagent": f"{play}::sa:{r.agent_id[2:]}"}.get(r.kind, f"{play}::{r.agent_id}")
+                await self.send(r, sess, conv, play, lane)
+            finally:
+                done[r.idx].set()
+        await asyncio.gather(*(one(r) for r in sess.requests))
+
+    async def prompt(self, r, salt: str):
+        ids = request_token_ids(self.trace, r, self.a.vocab_size, self.reserved, salt)
+        if self.k < BLOCK:
+            ids = [t for j in range(0, len(ids), BLOCK) for t in ids[j:j + self.k]]
+        if self.a.api == "completions":
+            return ids, {"prompt": ids}
+        d = (await self.client.post("/detokenize", json={"model": self.a.model, "tokens": ids})).json()
+        return ids, {"messages": [{"role": "user", "content": d["prompt"]}]}
+
+    async def send(self, r, sess, conv: str, play: str, lane: int) -> None:
+        self.in_flight, self.sent = self.in_flight + 1, self.sent + 1
+        osl = r.osl if self.a.scale >= 1 else max(2, round(r.osl * self.a.scale))
+        rec = dict(phase="warmup" if time.monotonic() < self.t_profile else "profile", lane=lane, trace_id=sess.id,
+                   conversation_id=conv, root_id=play, depth=int(r.kind == "subagent"), turn_idx=r.turn,
+                   kind=r.kind, request_idx=r.idx, isl=None, osl=0, cached=None, hit_blocks=r.hit_blocks,
+                   total_blocks=r.blocks, max_tokens=osl, conc=self.conc, error=None)
+        try:
+            ids, body = await self.prompt(r, play)
+            rec["isl"] = len(ids)
+            body.update(model=self.a.model, max_tokens=osl, ignore_eos=True, stream=True,
+                        stream_options={"include_usage": True})
+            rec["start_ns"] = t0 = time.time_ns()
+            ttft, chunks, url = None, 0, "/v1/completions" if self.a.api == "completions" else "/v1/chat/completions"
+            async with self.client.stream("POST", url, json=body, headers={"X-Session-ID": conv,
+                                                                          "X-Correlation-ID": conv}) as resp:
+                if resp.status_code != 200:
+                    rec["error"] = f"HTTP {resp.status_code}: {(await resp.aread())[:300].decode(errors='replace')}"
+                async for line in resp.aiter_lines():
+                    if rec["error"] or not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    d = json.loads(line[6:])
+                    if "error" in d:
+                        rec["error"] = str(d["error"])[:300]
+                    for c in d.get("choices") or []:
+                        if c.get("text") or (c.get("delta") or {}).get("content") or c.get("finish_reason"):
+                            chunks += 1
+                            ttft = ttft if ttft is not None else (time.time_ns() - t0) / 1e9
+                    if u := d.get("usage"):
+                        rec.update(isl=u["prompt_tokens"], osl=u["completion_tokens"],
+                                   cached=(u.get("prompt_tokens_details") or {}).get("cached_tokens"))
+            rec["end_ns"] = time.time_ns()
+            rec.update(e2el=(rec["end_ns"] - t0) / 1e9, ttft=(rec["end_ns"] - t0) / 1e9 if ttft is None else ttft)
+            if not rec["osl"] and not rec["error"]:
+                rec["osl"], rec["error"] = chunks, "no usage in the stream"
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            rec["error"] = rec["error"] or f"{type(e).__name__}: {e}"
+            for k, v in (("start_ns", time.time_ns()), ("end_ns", time.time_ns()), ("ttft", None), ("e2el", None)):
+                rec.setdefault(k, v)
+        finally:
+            self.in_flight -= 1
+        self.records.append(rec)
+
+    def panel(self, left: float) -> Table:
+        t = _table(f"agentx {self.a.preset} conc {self.conc}",
+                   ("phase", "left s", "plays", "sent", "done", "errors", "in flight", "timers"))
+        t.add_row("warmup" if time.monotonic() < self.t_profile else "profile", f"{max(left, 0):.0f}", *map(str, (
+            self.plays, self.sent, len(self.records), sum(bool(r["error"]) for r in self.records), self.in_flight,
+            len(self.timers))))
+        return t
+
+    async def run(self, con: Console):
+        start = time.monotonic()
+        self.t_profile, deadline = start + self.a.warmup, start + self.a.warmup + self.a.duration
+        now = time.time_ns()
+        window = (now + int(self.a.warmup * 1e9), now + int((self.a.warmup + self.a.duration) * 1e9))
+        before = await scrape(self.client)
+        guard = asyncio.create_task(self.guard())
+        lanes = [asyncio.create_task(self.lane(j, deadline)) for j in range(self.conc)]
+        with Live(self.panel(deadline - start), console=con, refresh_per_second=4, transient=False) as live:
+            while not all(t.done() for t in lanes):
+                await asyncio.wait(lanes, timeout=0.25)
+                live.update(self.panel(deadline - time.monotonic()))
+        guard.cancel()
+        [t.result() for t in lanes]
+        return window, before, await scrape(self.client)
+
+
+async def _main(a) -> int:
+    con, err, trace = Console(width=140), Console(stderr=True), generate(a.preset, a.seed, a.num_sessions)
+    out, tag, aggs, records, points = Path(a.output_dir), uuid.uuid4().hex[:12], [], [], []
+    out.mkdir(parents=True, exist_ok=True)
+    async with httpx.AsyncClient(base_url=a.base_url.rstrip("/"), timeout=httpx.Timeout(None),
+                                 headers={"Authorization": f"Bearer {a.api_key}"} if a.api_key else {},
+                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)) as client:
+        if a.model is None:
+            a.model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        if a.api == "chat":
+            probe = await client.post("/detokenize", json={"model": a.model, "tokens": [3, 4]})
+            if probe.status_code != 200:
+                return print(f"dsserve: error: --api chat needs /detokenize (HTTP {probe.status_code})") or 2
+        ds = {"source_type": "synthetic", "generator": VERSION, "preset": a.preset, "seed": a.seed,
+              "sha256": trace.sha256(), "entries": len(trace.sessions), "scale": a.scale}
+        for c in a.concurrency:
+            rp = Replayer(a, trace, client, c, tag)
+            window, before, after = await rp.run(err)
+            meta = {"config": a.config or f"{a.model}_{a.preset}", "conc": c, "model": a.model, "hw": a.hw,
+                    "framework": a.framework, "tp": a.num_gpus}
+            agg = M.aggregate(rp.records, window, a.num_gpus, meta=meta, server={"before": before, "after": after},
+                              dataset=ds, price_per_gpu_hr=a.price_per_gpu_hr)
+            M.write_agg(out, agg), aggs.append(agg), records.extend(rp.records)
+            h0, h1 = (next((v for k, v in d.items() if k.split(":")[-1] == "prefix_cache_hits_total"), None)
+                      for d in (before, after))
+            points.append({"conc": c, "requests": agg["num_requests_successful"], "all_requests": len(rp.records),
+                           "errors": sum(bool(r["error"]) for r in rp.records), "skipped": rp.skipped,
+                           **{k: agg[k] for k in ("p90_ttft", "p90_intvty", "tput_per_gpu")},
+                           "theoretical_hit": agg["request_metrics"]["cache"]["theoretical_cache_hit_rate"],
+                           "server_hit": agg["server_metrics"]["cache"]["gpu_hit_rate"],
+                           "usage_cached_tokens": sum(r.get("cached") or 0 for r in rp.records),  # all phases
+                           "server_hits_delta": None if None in (h0, h1) else h1 - h0})
+    M.write_requests_jsonl(out / "requests.jsonl", records)
+    M.write_points_csv(out / "points.csv", aggs)
+    [M.plot_points(out / f"tput_vs_{x[4:]}.png", aggs, x) for x in ("p90_intvty", "p90_ttft")]
+    f = lambda v, s="{:.3f}": "-" if v is None else s.format(v)  # noqa: E731
+    t = _table(f"bench agentx: {a.model}, preset {a.preset}, seed {a.seed}, {a.api}", ("conc", "requests", "errors",
+               "TTFT p50 s", "TTFT p90 s", "ITL p90 ms", "P90 intvty", "tok/s/GPU", "theo hit", "server hit"))
+    for g, p in zip(aggs, points):
+        lat = g["request_metrics"]["latency"]
+        t.add_row(str(g["conc"]), str(p["requests"]), str(p["errors"]), f(lat["ttft"]["p50"]), f(lat["ttft"]["p90"]),
+                  f(lat["itl"]["p90"] and lat["itl"]["p90"] * 1e3, "{:.1f}"), f(g["p90_intvty"], "{:.1f}"),
+                  f(g["tput_per_gpu"], "{:,.1f}"), f(p["theoretical_hit"]), f(p["server_hit"]))
+    con.print(t)
+    print(json.dumps({"bench": "agentx", "preset": a.preset, "seed": a.seed, "model": a.model, "api": a.api,
+                      "output_dir": str(out), "points": points}, default=str))
+    return 0
+
+
+def run_bench_agentx(a) -> int:
+    a.concurrency = a.concurrency or list(PRESETS[a.preset].concurrency)
+    a.duration = PRESETS[a.preset].duration_s if a.duration is None else a.duration
+    return asyncio.run(_main(a))
+
+
+def add_bench_agentx_args(p) -> None:
+    p.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    p.add_argument("--api", choices=("completions", "chat"), default="completions")
+    p.add_argument("--concurrency", type=int, nargs="+", default=None, help="points (default: the preset's)")
+    p.add_argument("--reserved-ids", type=int, nargs="*", default=[], help="token ids never used (plus 0 1 2)")
+    for flag, kind, default, doc in (
+            ("--base-url", str, "http://127.0.0.1:8000", ""), ("--seed", int, 42, "trace and sampler seed"),
+            ("--duration", float, None, "profiling seconds per point (default: the preset's)"),
+            ("--warmup", float, 0.0, "seconds at the start of each point recorded as phase warmup"),
+            ("--num-sessions", int, None, "trace sessions (default: the preset's)"),
+            ("--model", str, None, "served model name (default: the first of /v1/models)"),
+            ("--scale", float, 1.0, "< 1: shrink prompts block-wise and outputs (small test models)"),
+            ("--config", str, None, "config label in agg file names (default: <model>_<preset>)"),
+            ("--vocab-size", int, 8192, "token ids are drawn from [0, V) minus reserved ids"),
+            ("--num-gpus", int, 1, "GPUs serving (throughput per GPU)"), ("--output-dir", str, "agentx_out", ""),
+            ("--api-key", str, None, ""), ("--hw", str, None, ""), ("--framework", str, "dsserve", ""),
+            ("--price-per-gpu-hr", float, None, "")):
+        p.add_argument(flag, type=kind, default=default, help=doc or None)
