@@ -5,15 +5,15 @@ Per concurrency C: C lanes each play one session tree at a time (seeded shuffle 
 ``after`` ends; subagents run in parallel without lanes; with nothing in flight, timers shift to fire within the
 idle cap; nothing starts after warmup + duration (in-flight requests finish and count). Fresh cache-bust salt per
 play; streaming, max_tokens = trace output, ignore_eos, include_usage, X-Session-ID = conversation id.
-``--api chat`` sends /detokenize'd ids as one user message (refused without /detokenize). Not implemented: t*
-start points (warm-up = first ``--warmup`` s of each point), 1 s metric series. ``--scale`` < 1 keeps
+``--api chat`` sends /detokenize'd ids as one user message (refused without /detokenize). Warm-up (t* start
+points, ``--warmup-turns``, ``--fast``) and the 1 s /metrics series: ``agentx_warmup``. ``--scale`` < 1 keeps
 round(64*scale) tokens per 64-token block (prefix sharing kept) and scales outputs (min 2), for tiny models.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import re
+import math
 import time
 import uuid
 from pathlib import Path
@@ -26,19 +26,7 @@ from rich.table import Table
 from . import metrics as M
 from .agentx_presets import PRESETS, stream
 from .agentx_trace import BLOCK, VERSION, generate, request_token_ids
-
-
-def parse_prom(text: str) -> dict:
-    """Prometheus text -> {metric name: value summed over label sets}."""
-    out: dict[str, float] = {}
-    for m in re.finditer(r"^([A-Za-z_:][\w:]*)(?:\{.*\})?\s+(\S+)\s*$", text, re.M):
-        out[m[1]] = out.get(m[1], 0.0) + float(m[2])
-    return out
-
-
-async def scrape(client) -> dict:
-    r = await client.get("/metrics")
-    return parse_prom(r.text) if r.status_code == 200 else {}
+from .agentx_warmup import WarmupError, parse_prom, resumed, sample_metrics, scrape, warm_up, write_series  # noqa
 
 
 def _table(title: str, cols) -> Table:
@@ -56,6 +44,7 @@ class Replayer:
         self.reserved = tuple(sorted({0, 1, 2, *a.reserved_ids}))
         self.k = max(1, min(BLOCK, round(BLOCK * a.scale)))
         self.records, self.timers, self.plays, self.in_flight, self.sent, self.skipped = [], {}, 0, 0, 0, 0
+        self.series, self.t_profile, self.deadline = [], math.inf, math.inf
         self.sampler = (i for ep in range(1 << 30) for i in stream(a.seed, "sampler", ep).permutation(
             len(trace.sessions)).tolist())
 
@@ -74,20 +63,28 @@ class Replayer:
                     gap := min(self.timers.values()) - time.monotonic() - self.p.idle_cap_s) > 0:
                 self.timers.update({k: v - gap for k, v in self.timers.items()})
 
-    async def lane(self, j: int, deadline: float) -> None:
+    def new_play(self) -> str:
+        self.plays += 1
+        return f"{self.tag}-c{self.conc}-p{self.plays}"
+
+    async def lane(self, j: int, deadline: float, first: tuple) -> None:
+        if first[2] is not None:  # the warmed-up trace, resumed after its warm-up turns
+            await self.play(j, first[0], deadline, first[1], first[2])
         while time.monotonic() < deadline:
             await self.play(j, next(self.sampler), deadline)
 
-    async def play(self, lane: int, s: int, deadline: float) -> None:
-        sess, self.plays = self.trace.sessions[s], self.plays + 1
-        play = f"{self.tag}-c{self.conc}-p{self.plays}"
+    async def play(self, lane: int, s: int, deadline: float, play: str | None = None, start: int = 0) -> None:
+        sess, play = self.trace.sessions[s], play or self.new_play()
         done = {r.idx: asyncio.Event() for r in sess.requests}
+        keep = resumed(sess, start)
+        [done[r.idx].set() for r in sess.requests if r.idx not in keep]
 
         async def one(r):
             try:
                 for i in r.after:
                     await done[i].wait()
                 delay = min(r.think_time, self.p.tree_idle_cap_s) if r.after else r.t
+                delay = 0.0 if start and r.kind == "root" and r.turn == start else delay  # resumed: at once
                 await self.sleep(min(delay, deadline - time.monotonic()))
                 if time.monotonic() >= deadline:
                     self.skipped += 1
@@ -96,7 +93,7 @@ class Replayer:
                 await self.send(r, sess, conv, play, lane)
             finally:
                 done[r.idx].set()
-        await asyncio.gather(*(one(r) for r in sess.requests))
+        await asyncio.gather(*(one(r) for r in sess.requests if r.idx in keep))
 
     async def prompt(self, r, salt: str):
         ids = request_token_ids(self.trace, r, self.a.vocab_size, self.reserved, salt)
@@ -107,10 +104,10 @@ class Replayer:
         d = (await self.client.post("/detokenize", json={"model": self.a.model, "tokens": ids})).json()
         return ids, {"messages": [{"role": "user", "content": d["prompt"]}]}
 
-    async def send(self, r, sess, conv: str, play: str, lane: int) -> None:
+    async def send(self, r, sess, conv: str, play: str, lane: int, phase="profile", max_tokens=None) -> dict:
         self.in_flight, self.sent = self.in_flight + 1, self.sent + 1
-        osl = r.osl if self.a.scale >= 1 else max(2, round(r.osl * self.a.scale))
-        rec = dict(phase="warmup" if time.monotonic() < self.t_profile else "profile", lane=lane, trace_id=sess.id,
+        osl = max_tokens or (r.osl if self.a.scale >= 1 else max(2, round(r.osl * self.a.scale)))
+        rec = dict(phase=phase, lane=lane, trace_id=sess.id,
                    conversation_id=conv, root_id=play, depth=int(r.kind == "subagent"), turn_idx=r.turn,
                    kind=r.kind, request_idx=r.idx, isl=None, osl=0, cached=None, hit_blocks=r.hit_blocks,
                    total_blocks=r.blocks, max_tokens=osl, conc=self.conc, error=None)
@@ -149,35 +146,43 @@ class Replayer:
         finally:
             self.in_flight -= 1
         self.records.append(rec)
+        return rec
 
     def panel(self, left: float) -> Table:
         t = _table(f"agentx {self.a.preset} conc {self.conc}",
                    ("phase", "left s", "plays", "sent", "done", "errors", "in flight", "timers"))
-        t.add_row("warmup" if time.monotonic() < self.t_profile else "profile", f"{max(left, 0):.0f}", *map(str, (
-            self.plays, self.sent, len(self.records), sum(bool(r["error"]) for r in self.records), self.in_flight,
-            len(self.timers))))
+        t.add_row("warmup" if time.monotonic() < self.t_profile else "profile",
+                  "-" if math.isinf(left) else f"{max(left, 0):.0f}", *map(str, (
+                      self.plays, self.sent, len(self.records), sum(bool(r["error"]) for r in self.records),
+                      self.in_flight, len(self.timers))))
         return t
 
     async def run(self, con: Console):
-        start = time.monotonic()
-        self.t_profile, deadline = start + self.a.warmup, start + self.a.warmup + self.a.duration
-        now = time.time_ns()
-        window = (now + int(self.a.warmup * 1e9), now + int((self.a.warmup + self.a.duration) * 1e9))
-        before = await scrape(self.client)
-        guard = asyncio.create_task(self.guard())
-        lanes = [asyncio.create_task(self.lane(j, deadline)) for j in range(self.conc)]
-        with Live(self.panel(deadline - start), console=con, refresh_per_second=4, transient=False) as live:
-            while not all(t.done() for t in lanes):
-                await asyncio.wait(lanes, timeout=0.25)
-                live.update(self.panel(deadline - time.monotonic()))
-        guard.cancel()
-        [t.result() for t in lanes]
-        return window, before, await scrape(self.client)
+        """Warm-up, then ``duration`` s of closed-loop profiling; returns (window ns, counters before, after)."""
+        series = asyncio.create_task(sample_metrics(self, self.series))
+        guard, lanes = None, []
+        try:
+            with Live(self.panel(math.inf), console=con, refresh_per_second=4, transient=False) as live:
+                async def watch(tasks):
+                    while not all(t.done() for t in tasks):
+                        await asyncio.wait(tasks, timeout=0.25)
+                        live.update(self.panel(self.deadline - time.monotonic()))
+                    return [t.result() for t in tasks]
+                (firsts,) = await watch([asyncio.create_task(warm_up(self))])
+                before, now = await scrape(self.client), time.time_ns()
+                self.t_profile = time.monotonic()
+                self.deadline = self.t_profile + self.a.duration
+                guard = asyncio.create_task(self.guard())
+                lanes = [asyncio.create_task(self.lane(j, self.deadline, firsts[j])) for j in range(self.conc)]
+                await watch(lanes)
+        finally:
+            [t.cancel() for t in (series, guard, *lanes) if t]
+        return (now, now + int(self.a.duration * 1e9)), before, await scrape(self.client)
 
 
 async def _main(a) -> int:
     con, err, trace = Console(width=140), Console(stderr=True), generate(a.preset, a.seed, a.num_sessions)
-    out, tag, aggs, records, points = Path(a.output_dir), uuid.uuid4().hex[:12], [], [], []
+    out, tag, aggs, records, points, series, rc = Path(a.output_dir), uuid.uuid4().hex[:12], [], [], [], [], 0
     out.mkdir(parents=True, exist_ok=True)
     async with httpx.AsyncClient(base_url=a.base_url.rstrip("/"), timeout=httpx.Timeout(None),
                                  headers={"Authorization": f"Bearer {a.api_key}"} if a.api_key else {},
@@ -192,12 +197,19 @@ async def _main(a) -> int:
               "sha256": trace.sha256(), "entries": len(trace.sessions), "scale": a.scale}
         for c in a.concurrency:
             rp = Replayer(a, trace, client, c, tag)
-            window, before, after = await rp.run(err)
+            try:
+                window, before, after = await rp.run(err)
+            except WarmupError as e:
+                err.print(f"dsserve: error: aborting at concurrency {c}: {e}")
+                rc = 1
+                break
+            finally:
+                records.extend(rp.records), series.extend(rp.series)
             meta = {"config": a.config or f"{a.model}_{a.preset}", "conc": c, "model": a.model, "hw": a.hw,
                     "framework": a.framework, "tp": a.num_gpus}
             agg = M.aggregate(rp.records, window, a.num_gpus, meta=meta, server={"before": before, "after": after},
                               dataset=ds, price_per_gpu_hr=a.price_per_gpu_hr)
-            M.write_agg(out, agg), aggs.append(agg), records.extend(rp.records)
+            M.write_agg(out, agg), aggs.append(agg)
             h0, h1 = (next((v for k, v in d.items() if k.split(":")[-1] == "prefix_cache_hits_total"), None)
                       for d in (before, after))
             points.append({"conc": c, "requests": agg["num_requests_successful"], "all_requests": len(rp.records),
@@ -205,9 +217,14 @@ async def _main(a) -> int:
                            **{k: agg[k] for k in ("p90_ttft", "p90_intvty", "tput_per_gpu")},
                            "theoretical_hit": agg["request_metrics"]["cache"]["theoretical_cache_hit_rate"],
                            "server_hit": agg["server_metrics"]["cache"]["gpu_hit_rate"],
-                           "usage_cached_tokens": sum(r.get("cached") or 0 for r in rp.records),  # all phases
+                           "warmup_requests": sum(r["phase"] == "warmup" for r in rp.records),
+                           "usage_cached_tokens": sum(r.get("cached") or 0 for r in rp.records  # profiling phase
+                                                      if r["phase"] == "profile"),
                            "server_hits_delta": None if None in (h0, h1) else h1 - h0})
     M.write_requests_jsonl(out / "requests.jsonl", records)
+    write_series(out / "metrics_timeseries.csv", series)
+    if not aggs:
+        return rc
     M.write_points_csv(out / "points.csv", aggs)
     [M.plot_points(out / f"tput_vs_{x[4:]}.png", aggs, x) for x in ("p90_intvty", "p90_ttft")]
     f = lambda v, s="{:.3f}": "-" if v is None else s.format(v)  # noqa: E731
@@ -221,12 +238,13 @@ async def _main(a) -> int:
     con.print(t)
     print(json.dumps({"bench": "agentx", "preset": a.preset, "seed": a.seed, "model": a.model, "api": a.api,
                       "output_dir": str(out), "points": points}, default=str))
-    return 0
+    return rc
 
 
 def run_bench_agentx(a) -> int:
     a.concurrency = a.concurrency or list(PRESETS[a.preset].concurrency)
-    a.duration = PRESETS[a.preset].duration_s if a.duration is None else a.duration
+    dur = PRESETS[a.preset].duration_s
+    a.duration = (min(dur, 1200.0) if a.fast else dur) if a.duration is None else a.duration
     return asyncio.run(_main(a))
 
 
@@ -234,11 +252,12 @@ def add_bench_agentx_args(p) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="small")
     p.add_argument("--api", choices=("completions", "chat"), default="completions")
     p.add_argument("--concurrency", type=int, nargs="+", default=None, help="points (default: the preset's)")
+    p.add_argument("--fast", action="store_true", help="1 warm-up request per lane (default duration <= 1200 s)")
     p.add_argument("--reserved-ids", type=int, nargs="*", default=[], help="token ids never used (plus 0 1 2)")
     for flag, kind, default, doc in (
             ("--base-url", str, "http://127.0.0.1:8000", ""), ("--seed", int, 42, "trace and sampler seed"),
             ("--duration", float, None, "profiling seconds per point (default: the preset's)"),
-            ("--warmup", float, 0.0, "seconds at the start of each point recorded as phase warmup"),
+            ("--warmup-turns", int, 10, "root turns each lane sends after its t* turn (max_tokens 1, no think)"),
             ("--num-sessions", int, None, "trace sessions (default: the preset's)"),
             ("--model", str, None, "served model name (default: the first of /v1/models)"),
             ("--scale", float, 1.0, "< 1: shrink prompts block-wise and outputs (small test models)"),

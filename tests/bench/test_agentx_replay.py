@@ -2,52 +2,21 @@
 import csv
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from dsserve.cli import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from live_server import live_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny_server():
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dsserve", "serve", "tiny", "--port", str(port), "--dtype",
-                             "float64", "--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--block-size",
-                             "16", "--seed", "0", "--shutdown-timeout", "5"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError("server died:\n" + proc.stdout.read())
-        time.sleep(0.1)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not come up")
-    yield base
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with live_server() as base:
+        yield base
 
 
 def _last_json(out: str) -> dict:
@@ -57,15 +26,16 @@ def _last_json(out: str) -> dict:
 def test_agentx_replay_small(tiny_server, tmp_path, capsys):
     out = tmp_path / "ax"
     rc = main(["bench", "agentx", "--base-url", tiny_server, "--preset", "small", "--seed", "1", "--concurrency",
-               "2", "--duration", "5", "--warmup", "1", "--num-sessions", "3", "--scale", "0.02",
+               "2", "--duration", "5", "--fast", "--num-sessions", "3", "--scale", "0.02",
                "--output-dir", str(out)])
     text = capsys.readouterr().out
     assert rc == 0
     summary = _last_json(text)
     assert "bench agentx" in text and summary["bench"] == "agentx" and summary["model"] == "tiny"
     (pt,) = summary["points"]
-    assert pt["conc"] == 2 and pt["all_requests"] > 0 and pt["errors"] == 0
-    # the engine's cumulative hit counter moved by exactly the cached tokens the server reported in usage
+    assert pt["conc"] == 2 and pt["all_requests"] > 0 and pt["errors"] == 0 and pt["warmup_requests"] == 2
+    # over the profiling window the engine's cumulative hit counter moved by exactly the cached tokens the server
+    # reported in usage
     assert pt["usage_cached_tokens"] > 0
     assert pt["server_hits_delta"] == pt["usage_cached_tokens"]
     assert 0 < pt["server_hit"] <= 1 and 0 < pt["theoretical_hit"] <= 1
@@ -77,6 +47,19 @@ def test_agentx_replay_small(tiny_server, tmp_path, capsys):
     assert len(rows) == pt["all_requests"]
     assert {r["phase"] for r in rows} <= {"warmup", "profile"} and any(r["phase"] == "profile" for r in rows)
     assert agg["num_requests_total"] == sum(r["phase"] == "profile" for r in rows)
+    # --fast: one root warm-up turn per lane (the turn before t*), max_tokens 1, sent before any profiled request
+    warm = [r for r in rows if r["phase"] == "warmup"]
+    assert len(warm) == 2 and {r["lane"] for r in warm} == {0, 1}
+    assert all(r["max_tokens"] == 1 and r["kind"] == "root" and r["turn_idx"] >= 0 for r in warm)
+    assert max(r["end_ns"] for r in warm) <= min(r["start_ns"] for r in rows if r["phase"] == "profile")
+    # each warmed-up trace resumes (same conversation, cache reused) right after its t* turn
+    for w in warm:
+        nxt = [r for r in rows if r["phase"] == "profile" and r["conversation_id"] == w["conversation_id"]]
+        assert nxt and min(r["turn_idx"] for r in nxt) == w["turn_idx"] + 1
+    with open(out / "metrics_timeseries.csv") as f:
+        series = list(csv.DictReader(f))
+    assert len(series) >= 1 and all(s["conc"] == "2" for s in series)
+    assert float(series[-1]["prefix_cache_queries"]) > 0 and series[-1]["running"] != ""
     for r in rows:
         assert r["osl"] == r["max_tokens"] and r["isl"] > 0 and 0 <= r["ttft"] <= r["e2el"]
         assert r["end_ns"] >= r["start_ns"] and r["cached"] is not None and r["cached"] <= r["isl"]
@@ -89,6 +72,15 @@ def test_agentx_replay_small(tiny_server, tmp_path, capsys):
     for png in ("tput_vs_intvty.png", "tput_vs_ttft.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 
+
+def test_agentx_aborts_on_failed_root_warmup(tiny_server, tmp_path, capsys):
+    out = tmp_path / "bad"  # an unknown model name makes every request, so the root warm-up, fail (HTTP 404)
+    rc = main(["bench", "agentx", "--base-url", tiny_server, "--model", "nope", "--preset", "small", "--concurrency",
+               "2", "--duration", "5", "--num-sessions", "3", "--scale", "0.02", "--output-dir", str(out)])
+    assert rc == 1 and "root warm-up request failed" in capsys.readouterr().err
+    assert not (out / "points.csv").exists() and not list(out.glob("agg_*.json"))
+    rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert rows and all(r["phase"] == "warmup" and r["max_tokens"] == 1 and r["error"] for r in rows)
 
 def test_bench_latency_and_throughput(capsys):
     assert main(["bench", "latency", "--model", "tiny", "--input-len", "8", "--output-len", "4", "--batch-size", "2",

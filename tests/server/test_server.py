@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, os.path.dirname(__file__))
-from conftest import SERVER_ARGS  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from live_server import SERVER_ARGS  # noqa: E402
 
 
 @pytest.fixture(scope="module")

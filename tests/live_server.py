@@ -1,0 +1,54 @@
+"""A live `dsserve serve` on a free loopback port, for tests that talk HTTP to a real server process."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SERVER_ARGS = ["--dtype", "float64", "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
+               "--block-size", "16", "--seed", "0"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def live_server(model: str = "tiny", args=SERVER_ARGS):
+    """Yields the base URL; on exit sends SIGTERM, which must drain and exit 0."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "dsserve", "serve", model, "--port", str(port), *args,
+                             "--shutdown-timeout", "5"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                raise RuntimeError("server died:\n" + proc.stdout.read())
+            time.sleep(0.1)
+        else:
+            raise RuntimeError("server did not come up")
+        yield base
+    except BaseException:
+        proc.kill()
+        raise
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    if code != 0:
+        raise RuntimeError(f"server exited {code} after SIGTERM:\n" + proc.stdout.read())
