@@ -8,6 +8,8 @@ Pure torch functions; every computation runs in float32. Formats:
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FP8_MAX = 448.0
@@ -160,6 +162,14 @@ def fake_quant_fp4_pow2(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     return (q * s).flatten(-2).to(x.dtype)
 
 
+@functools.lru_cache(maxsize=8)
+def _hadamard(n: int, dtype: torch.dtype) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return (h / n ** 0.5).to(dtype)
+
+
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     """Orthonormal Walsh-Hadamard transform (Sylvester order, scale n^-1/2) of the last dim, a power of two.
 
@@ -168,8 +178,5 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[-1]
     if n & (n - 1):
         raise ValueError(f"Hadamard rotation needs a power-of-two width, got {n}")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return (x.to(torch.float64 if x.dtype == torch.float64 else torch.float32) @ (h / n ** 0.5).to(
-        torch.float64 if x.dtype == torch.float64 else torch.float32)).to(x.dtype)
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (x.to(dt) @ _hadamard(n, dt).to(x.device)).to(x.dtype)
