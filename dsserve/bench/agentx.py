@@ -5,8 +5,8 @@ Per concurrency C: C lanes each play one session tree at a time (seeded shuffle 
 ``after`` ends; subagents run in parallel without lanes; with nothing in flight, timers shift to fire within the
 idle cap; nothing starts after warmup + duration (in-flight requests finish and count). Fresh cache-bust salt per
 play; streaming, max_tokens = trace output, ignore_eos, include_usage, X-Session-ID = conversation id.
-``--api chat`` sends /detokenize'd ids as one user message (refused without /detokenize). Warm-up (t* start
-points, ``--warmup-turns``, ``--fast``) and the 1 s /metrics series: ``agentx_warmup``. ``--scale`` < 1 keeps
+``--api chat``: growing message arrays of exactly ISL tokens under ``--tokenizer`` (``agentx_chat``). Warm-up
+(t* points, ``--warmup-turns``, ``--fast``) and the 1 s /metrics series: ``agentx_warmup``. ``--scale`` < 1 keeps
 round(64*scale) tokens per 64-token block (prefix sharing kept) and scales outputs (min 2), for tiny models.
 """
 from __future__ import annotations
@@ -24,15 +24,14 @@ from rich.live import Live
 from rich.table import Table
 
 from . import metrics as M
+from .agentx_chat import ChatBuilder, mismatches
 from .agentx_presets import PRESETS, stream
 from .agentx_trace import BLOCK, VERSION, generate, request_token_ids
 from .agentx_warmup import WarmupError, parse_prom, resumed, sample_metrics, scrape, warm_up, write_series  # noqa
 
 
 def _table(title: str, cols) -> Table:
-    t = Table(title=title)
-    [t.add_column(c, justify="right") for c in cols]
-    return t
+    return (t := Table(title=title), [t.add_column(c, justify="right") for c in cols])[0]
 
 
 class Replayer:
@@ -95,14 +94,16 @@ class Replayer:
                 done[r.idx].set()
         await asyncio.gather(*(one(r) for r in sess.requests if r.idx in keep))
 
-    async def prompt(self, r, salt: str):
+    def ids(self, r, salt: str) -> list[int]:  # the request's (block-scaled) trace ids
         ids = request_token_ids(self.trace, r, self.a.vocab_size, self.reserved, salt)
-        if self.k < BLOCK:
-            ids = [t for j in range(0, len(ids), BLOCK) for t in ids[j:j + self.k]]
+        return [t for j in range(0, len(ids), BLOCK) for t in ids[j:j + self.k]] if self.k < BLOCK else ids
+
+    async def prompt(self, r, sess, salt: str, rec: dict):
         if self.a.api == "completions":
-            return ids, {"prompt": ids}
-        d = (await self.client.post("/detokenize", json={"model": self.a.model, "tokens": ids})).json()
-        return ids, {"messages": [{"role": "user", "content": d["prompt"]}]}
+            return (ids := self.ids(r, salt)), {"prompt": ids}
+        msgs, rec["isl_target"], rec["chat_isl"] = await asyncio.to_thread(
+            self.a.chat.build, self.trace, sess, r, lambda q: self.ids(q, salt), self.k, salt)
+        return range(rec["chat_isl"]), {"messages": msgs}
 
     async def send(self, r, sess, conv: str, play: str, lane: int, phase="profile", max_tokens=None) -> dict:
         self.in_flight, self.sent = self.in_flight + 1, self.sent + 1
@@ -112,7 +113,7 @@ class Replayer:
                    kind=r.kind, request_idx=r.idx, isl=None, osl=0, cached=None, hit_blocks=r.hit_blocks,
                    total_blocks=r.blocks, max_tokens=osl, conc=self.conc, error=None)
         try:
-            ids, body = await self.prompt(r, play)
+            ids, body = await self.prompt(r, sess, play, rec)
             rec["isl"] = len(ids)
             body.update(model=self.a.model, max_tokens=osl, ignore_eos=True, stream=True,
                         stream_options={"include_usage": True})
@@ -190,9 +191,10 @@ async def _main(a) -> int:
         if a.model is None:
             a.model = (await client.get("/v1/models")).json()["data"][0]["id"]
         if a.api == "chat":
-            probe = await client.post("/detokenize", json={"model": a.model, "tokens": [3, 4]})
-            if probe.status_code != 200:
-                return print(f"dsserve: error: --api chat needs /detokenize (HTTP {probe.status_code})") or 2
+            try:
+                a.chat = ChatBuilder(a.tokenizer or a.model)
+            except (ValueError, OSError) as e:
+                return print(f"dsserve: error: --api chat needs a tokenizer (--tokenizer): {e}") or 2
         ds = {"source_type": "synthetic", "generator": VERSION, "preset": a.preset, "seed": a.seed,
               "sha256": trace.sha256(), "entries": len(trace.sessions), "scale": a.scale}
         for c in a.concurrency:
@@ -220,7 +222,8 @@ async def _main(a) -> int:
                            "warmup_requests": sum(r["phase"] == "warmup" for r in rp.records),
                            "usage_cached_tokens": sum(r.get("cached") or 0 for r in rp.records  # profiling phase
                                                       if r["phase"] == "profile"),
-                           "server_hits_delta": None if None in (h0, h1) else h1 - h0})
+                           "server_hits_delta": None if None in (h0, h1) else h1 - h0,
+                           "chat_token_mismatch": mismatches(rp.records) if a.api == "chat" else None})
     M.write_requests_jsonl(out / "requests.jsonl", records)
     write_series(out / "metrics_timeseries.csv", series)
     if not aggs:
@@ -260,6 +263,7 @@ def add_bench_agentx_args(p) -> None:
             ("--warmup-turns", int, 10, "root turns each lane sends after its t* turn (max_tokens 1, no think)"),
             ("--num-sessions", int, None, "trace sessions (default: the preset's)"),
             ("--model", str, None, "served model name (default: the first of /v1/models)"),
+            ("--tokenizer", str, None, "--api chat: preset name or tokenizer dir (default: --model)"),
             ("--scale", float, 1.0, "< 1: shrink prompts block-wise and outputs (small test models)"),
             ("--config", str, None, "config label in agg file names (default: <model>_<preset>)"),
             ("--vocab-size", int, 8192, "token ids are drawn from [0, V) minus reserved ids"),

@@ -73,6 +73,27 @@ def test_agentx_replay_small(tiny_server, tmp_path, capsys):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_agentx_chat_exact_isl(tiny_server, tmp_path, capsys):
+    """--api chat: growing message arrays whose (the server's) chat encoding has exactly the trace's ISL."""
+    out = tmp_path / "chat"
+    rc = main(["bench", "agentx", "--base-url", tiny_server, "--api", "chat", "--preset", "small", "--seed", "1",
+               "--concurrency", "3", "--duration", "5", "--fast", "--num-sessions", "4", "--scale", "0.25", "--output-dir", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    (pt,) = _last_json(text)["points"]
+    rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    prof = [r for r in rows if r["phase"] == "profile"]
+    assert prof and pt["errors"] == 0 and not any(r["error"] for r in rows)
+    # the server's usage.prompt_tokens is the local chat count; a miss of the ISL is counted in chat_token_mismatch
+    assert all(r["isl"] == r["chat_isl"] for r in rows)
+    bad = [r for r in prof if r["isl"] != r["isl_target"]]
+    print(f"chat ISL mismatch: {len(bad)}/{len(prof)} profiled, {pt['chat_token_mismatch']}/{len(rows)} all")
+    assert len(bad) <= 0.05 * len(prof) and pt["chat_token_mismatch"] <= 0.05 * len(rows)
+    # later turns reuse the conversation's earlier messages verbatim: the server caches the shared prefix
+    later = [r for j, r in enumerate(rows) if any(q["conversation_id"] == r["conversation_id"] for q in rows[:j])]
+    assert later and all(r["cached"] > 0 for r in later)
+
+
 def test_agentx_aborts_on_failed_root_warmup(tiny_server, tmp_path, capsys):
     out = tmp_path / "bad"  # an unknown model name makes every request, so the root warm-up, fail (HTTP 404)
     rc = main(["bench", "agentx", "--base-url", tiny_server, "--model", "nope", "--preset", "small", "--concurrency",
@@ -92,3 +113,25 @@ def test_bench_latency_and_throughput(capsys):
     tp = _last_json(capsys.readouterr().out)
     assert tp["bench"] == "throughput" and tp["output_tokens"] == 16 and tp["input_tokens"] == 32
     assert tp["tokens_per_s"] > 0 and tp["output_tokens_per_s"] > 0
+
+
+def test_agentx_chat_builder_exact_and_prefix():
+    """Offline: every request of a trace encodes to exactly its (scaled) ISL; each turn reuses its parent's messages
+    verbatim (all but the last, which an append too short for a chat turn may extend)."""
+    from dsserve.bench.agentx_chat import ChatBuilder
+    from dsserve.bench.agentx_trace import generate, request_token_ids
+    b, tr, k = ChatBuilder("tiny"), generate("small", 2, 2), 16
+
+    def ids_of(q):
+        ids = request_token_ids(tr, q, 8192, (0, 1, 2), "salt")
+        return [t for j in range(0, len(ids), 64) for t in ids[j:j + k]]
+    built, n = {}, 0
+    for s in tr.sessions:
+        for r in sorted(s.requests, key=lambda r: r.idx):
+            msgs, target, got = built[r.idx] = b.build(tr, s, r, ids_of, k, "salt")
+            n += got != target
+            if r.parent is not None and not r.compacted:
+                head = built[r.parent][0]
+                assert msgs[:len(head) - 1] == head[:-1] and msgs[len(head) - 1]["content"].startswith(
+                    head[-1]["content"])
+    assert n == 0
