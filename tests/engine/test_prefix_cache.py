@@ -65,8 +65,10 @@ def rand_tokens(n, seed):
     return [rng.randrange(3, 8190) for _ in range(n)]
 
 
-@pytest.mark.parametrize("window,budget", [(32, 512), (31, 512), (32, 20), (33, 7)])
-@pytest.mark.parametrize("prefix_len,suffix_len", [(70, 25), (64, 1), (90, 50)])
+# windows 31/32/33 give both parities of the replay floor; budgets 20 and 7 chunk the replayed prefill;
+# prompts end mid-block (70+25), right after a block (64+1) and far past the hit (90+50)
+@pytest.mark.parametrize("window,budget,prefix_len,suffix_len", [
+    (32, 512, 70, 25), (31, 512, 64, 1), (33, 7, 90, 50), (32, 20, 64, 1), (31, 20, 70, 25), (32, 512, 90, 50)])
 def test_replay_after_a_hit_matches_the_truncated_reference(window, budget, prefix_len, suffix_len):
     llm = make_llm(True, window, budget)
     seen = capture_logits(llm)
