@@ -40,16 +40,29 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     def err(status: int, message: str, type_: str, param: str | None = None, headers=None) -> JSONResponse:
         return JSONResponse(fmt.error_body(message, type_, status, param), status_code=status, headers=headers)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if api_key and request.url.path not in OPEN_PATHS and \
-                request.headers.get("authorization") != f"Bearer {api_key}":
-            return err(401, "missing or wrong API key", "authentication_error")
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > max_body_bytes:
-            return err(413, f"request body of {size} bytes exceeds the limit of {max_body_bytes}",
-                       "invalid_request_error")
-        return await call_next(request)
+    class Guard:
+        """API key and body size, as plain ASGI: a BaseHTTPMiddleware would hide a client's disconnect from
+        the routes, and with it the abort that frees the request's cache."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] == "http":
+                headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+                bad = None
+                if api_key and scope["path"] not in OPEN_PATHS and \
+                        headers.get("authorization") != f"Bearer {api_key}":
+                    bad = err(401, "missing or wrong API key", "authentication_error")
+                size = headers.get("content-length", "")
+                if bad is None and size.isdigit() and int(size) > max_body_bytes:
+                    bad = err(413, f"request body of {size} bytes exceeds the limit of {max_body_bytes}",
+                              "invalid_request_error")
+                if bad is not None:
+                    return await bad(scope, receive, send)
+            await self.inner(scope, receive, send)
+
+    app.add_middleware(Guard)
 
     @app.exception_handler(ApiError)
     async def _api(_, e: ApiError):
@@ -165,14 +178,25 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             for t in tasks:
                 t.cancel()
 
-    async def collect(sinks) -> list:
-        last: dict[int, object] = {}
-        async for i, item in merged(sinks):
-            if isinstance(item, Exception):
-                raise ApiError(500, str(item), "internal_error")
-            if item is not None:
-                last[i] = item
-        return [last[i] for i in range(len(sinks))]
+    async def collect(sinks, request: Request) -> list:
+        """Final outputs of every choice; a client that hangs up first gets its requests aborted."""
+        async def gather():
+            last: dict[int, object] = {}
+            async for i, item in merged(sinks):
+                if isinstance(item, Exception):
+                    raise ApiError(500, str(item), "internal_error")
+                if item is not None:
+                    last[i] = item
+            return [last[i] for i in range(len(sinks))]
+        task = asyncio.create_task(gather())
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                for sid, _ in sinks:
+                    engine.abort(sid)
+                raise ApiError(499, "the client closed the connection", "client_closed_request")
+        return task.result()
 
     def stream(sinks, chat: bool, model: str, include_usage: bool, top_n: int | None, n: int) -> StreamingResponse:
         rid = fmt.new_id("chatcmpl" if chat else "cmpl")
@@ -228,7 +252,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         if body.stream:
             inc = bool(body.stream_options and body.stream_options.include_usage)
             return stream(sinks, False, model, inc, body.logprobs, body.n)
-        return fmt.completion_body(fmt.new_id("cmpl"), model, await collect(sinks), body.logprobs, body.n)
+        return fmt.completion_body(fmt.new_id("cmpl"), model, await collect(sinks, request), body.logprobs, body.n)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -247,7 +271,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         if body.stream:
             inc = bool(body.stream_options and body.stream_options.include_usage)
             return stream(sinks, True, model, inc, top_n, body.n)
-        return fmt.chat_body(fmt.new_id("chatcmpl"), model, await collect(sinks), top_n, body.n)
+        return fmt.chat_body(fmt.new_id("chatcmpl"), model, await collect(sinks, request), top_n, body.n)
 
     return app
 

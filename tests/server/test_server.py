@@ -159,3 +159,16 @@ def test_fuzzed_bodies_never_5xx(server, body, chat):
         err = r.json()["error"]
         assert isinstance(err["message"], str) and err["code"] == r.status_code
     assert httpx.get(server + "/health").status_code == 200
+
+
+def test_a_non_streaming_client_that_hangs_up_is_aborted(server):
+    before = metric(server, "dsserve:request_success_total", finished_reason="abort")
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server + "/v1/completions", json={"prompt": "slow " * 20, "max_tokens": 3000,
+                                                     "ignore_eos": True}, timeout=1.0)
+    for _ in range(100):
+        if metric(server, "dsserve:request_success_total", finished_reason="abort") > before:
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert metric(server, "dsserve:request_success_total", finished_reason="abort") == before + 1
+    assert metric(server, "dsserve:num_requests_running") == 0
