@@ -38,8 +38,29 @@ class EngineArgs:
     enable_prefix_caching: bool = field(default=True, metadata=_h("cache the global KV of full blocks"))
     session_retention: float = field(default=0.0, metadata=_h(
         "seconds a finished session request's blocks stay ahead of LRU (0: off)"))
+    quantization: str | None = field(default=None, metadata=_h(
+        "fp8: the attention projections in the release's FP8 e4m3 weights with 32x32 (V4: 128x128) ue8m0 block "
+        "scales, through the Triton FP8 kernel on GPU | None: the weights as loaded"))
+    device: str = field(default="auto", metadata=_h("auto (cuda when a GPU is visible) | cpu | cuda | cuda:N"))
+    attention_backend: str = field(default="auto", metadata=_h(
+        "paged: attention batched over the paged pools through the kernels | reference: the per-sequence "
+        "reference path | auto: paged on cuda, reference on cpu"))
+    reference_ops: str = field(default="", metadata=_h(
+        "ops of the paged path that run their torch reference instead of Triton, for bisecting: a comma list "
+        "of attention, indexer, topk, kv_write, linear, or all"))
 
     def __post_init__(self):
+        if self.quantization not in (None, "fp8"):
+            raise EngineArgsError(f"quantization must be fp8 or None, got {self.quantization!r}")
+        if self.attention_backend not in ("auto", "paged", "reference"):
+            raise EngineArgsError(f"attention_backend must be auto, paged or reference, got {self.attention_backend!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise EngineArgsError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        from ..kernels.ops import parse_reference_ops
+        try:
+            parse_reference_ops(self.reference_ops)
+        except ValueError as e:
+            raise EngineArgsError(str(e)) from None
         if self.replay_form not in ("report", "vllm"):
             raise EngineArgsError(f"replay_form must be 'report' or 'vllm', got {self.replay_form!r}")
         if self.replay_window is not None and self.replay_window < 1:

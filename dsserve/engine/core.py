@@ -13,9 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.ops import KernelOps
 from ..kv.paged import KVLayout, PagedKVCache
 from ..models.loader import DTYPES, load_model
-from .args import EngineArgs
+from ..models.quantize import quantize_dense_fp8, use_fp8_kernels
+from .args import EngineArgs, EngineArgsError
 from .detokenizer import StopChecker
 from .outputs import CompletionOutput, RequestOutput, make_logprob_dict
 from .request import Request, RequestStatus
@@ -29,11 +31,22 @@ log = logging.getLogger("dsserve")
 CPU_KV_CACHE_MEMORY = 256 << 20
 
 
-def kv_cache_budget(args: EngineArgs) -> int:
-    """Bytes for the KV cache: given, or a fraction of the memory free now (host memory on the CPU)."""
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise EngineArgsError(f"device {name!r} was asked for but this PyTorch sees no CUDA GPU; use --device cpu")
+    return dev
+
+
+def kv_cache_budget(args: EngineArgs, device: torch.device = torch.device("cpu")) -> int:
+    """Bytes for the KV cache: given, or a fraction of the memory free now (the GPU's, or host memory)."""
     if args.kv_cache_memory:
         return args.kv_cache_memory
     if args.kv_cache_memory_fraction:
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0] * args.kv_cache_memory_fraction)
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         return int(free * args.kv_cache_memory_fraction)
     return CPU_KV_CACHE_MEMORY
@@ -63,16 +76,26 @@ class EngineCore:
     def __init__(self, args: EngineArgs):
         self.args = args
         lm = load_model(args.model, args.load_format, args.dtype, args.seed, qat=args.qat)
-        self.model, self.cfg, self.tokenizer = lm.model, lm.cfg, lm.tokenizer
+        self.device = resolve_device(args.device)
+        self.model, self.cfg, self.tokenizer = lm.model.to(self.device), lm.cfg, lm.tokenizer
+        backend = args.attention_backend
+        if backend == "auto":
+            backend = "paged" if self.device.type == "cuda" else "reference"
+        ops = KernelOps.for_device(self.device, args.reference_ops)
+        if backend == "paged":
+            self.model.kernel_ops = ops
+        if args.quantization == "fp8":
+            quantize_dense_fp8(self.model, self.cfg.weight_block_size)
+            use_fp8_kernels(self.model, ops.uses_triton("linear"))
         dtype = DTYPES[args.dtype]
         replay = args.swa_bounded_replay and self.cfg.is_v41
         # Exact mode keeps window rows with the cached blocks, so a hit restores the window exactly.
         layout = KVLayout.build(self.cfg, args.block_size, args.kv_cache_dtype, dtype,
                                 window_in_blocks=args.enable_prefix_caching and not replay)
         self.max_model_len = args.max_model_len or self.cfg.max_position_embeddings
-        blocks, slots = layout.plan(kv_cache_budget(args), args.max_num_seqs)
+        blocks, slots = layout.plan(kv_cache_budget(args, self.device), args.max_num_seqs)
         self.kv = PagedKVCache(layout, blocks, slots, dtype, prefix_caching=args.enable_prefix_caching,
-                               engram_token_map=self.model.engram_token_map)
+                               engram_token_map=self.model.engram_token_map, device=self.device)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len, policy=args.scheduling_policy,

@@ -14,12 +14,13 @@ def greedy_generate(model: DeepseekForCausalLM, prompt: list[int], max_new_token
     cfg = model.cfg
     cache = model.new_cache()
     start = max(0, len(prompt) - cfg.sliding_window) if (bounded_replay and cfg.is_v41) else None
-    out = model(torch.tensor(prompt), cache, decoder_start=start)
+    dev = model.embed.weight.device
+    out = model(torch.tensor(prompt, device=dev), cache, decoder_start=start)
     generated: list[int] = []
     for _ in range(max_new_tokens):
         nxt = int(model.logits(out.hidden[-1:]).argmax(-1))
         generated.append(nxt)
         if nxt == eos_id:
             break
-        out = model(torch.tensor([nxt]), cache, decoder_start=start)
+        out = model(torch.tensor([nxt], device=dev), cache, decoder_start=start)
     return generated

@@ -132,8 +132,12 @@ def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None],
         q[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
             generator=shared)
     for i, g in enumerate(generators):
-        if g is not None:
+        if g is None:
+            continue
+        if g.device.type == probs.device.type:
             q[i].exponential_(generator=g)
+        else:  # a request's generator lives on the host: draw there, so its tokens match the CPU engine's
+            q[i] = torch.empty(probs.shape[1], dtype=probs.dtype, device=g.device).exponential_(generator=g)
     # q can be exactly 0 (probability ~2^-24 per draw): keep 0/q finite so masked tokens stay at 0.
     return (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
 

@@ -24,22 +24,24 @@ from .prefix_cache import PrefixCache, block_hashes
 
 class PagedKVCache:
     def __init__(self, layout: KVLayout, num_blocks: int, num_window_slots: int, dtype: torch.dtype = torch.float32,
-                 prefix_caching: bool = False, engram_token_map: torch.Tensor | None = None):
-        self.layout, self.dtype = layout, dtype
+                 prefix_caching: bool = False, engram_token_map: torch.Tensor | None = None,
+                 device: torch.device | str = "cpu"):
+        self.layout, self.dtype, self.device = layout, dtype, torch.device(device)
         self.prefix = PrefixCache() if prefix_caching else None
         self.engram_token_map = engram_token_map
         self.blocks = BlockPool(num_blocks, "global KV block", on_evict=self.prefix.evict if self.prefix is not None else None)
         self.slots = BlockPool(num_window_slots, "window slot")
-        u8 = torch.uint8
-        self.main = {s: torch.zeros(num_blocks, epb, layout.main_fmt.row_bytes, dtype=u8)
+        u8, dev = torch.uint8, self.device
+        self.main = {s: torch.zeros(num_blocks, epb, layout.main_fmt.row_bytes, dtype=u8, device=dev)
                      for s, (_, epb) in layout.sources.items()}
-        self.index = ({s: torch.zeros(num_blocks, epb, layout.index_fmt.row_bytes, dtype=u8)
+        self.index = ({s: torch.zeros(num_blocks, epb, layout.index_fmt.row_bytes, dtype=u8, device=dev)
                        for s, (_, epb) in layout.sources.items()} if layout.index_fmt else {})
         # The window: a ring per running request (slots), or, in exact-mode prefix caching, rows in the blocks.
         rows, n = (layout.block_size, num_blocks) if layout.window_in_blocks else (layout.window, num_window_slots)
-        self.window = {i: torch.zeros(n, rows, layout.window_fmt.row_bytes, dtype=u8) for i in layout.window_layers}
+        self.window = {i: torch.zeros(n, rows, layout.window_fmt.row_bytes, dtype=u8, device=dev)
+                       for i in layout.window_layers}
         self.window_pos = ({} if layout.window_in_blocks else
-                           {i: torch.full((n, rows), -1, dtype=torch.long) for i in layout.window_layers})
+                           {i: torch.full((n, rows), -1, dtype=torch.long, device=dev) for i in layout.window_layers})
 
     # -------------------------------------------------------------------------- per request
     def new_sequence(self) -> "SequenceKV":
@@ -66,7 +68,7 @@ class PagedKVCache:
         the window comes with the blocks and the model resumes at the hit.
         """
         self.blocks.touch(blocks)
-        seq.block_table = list(blocks)
+        seq.block_table, seq._table = list(blocks), None
         hit = len(blocks) * self.layout.block_size
         for source, (ratio, _) in self.layout.sources.items():
             seq._entries[source] = hit // ratio
@@ -75,7 +77,8 @@ class PagedKVCache:
         seq.num_tokens = start
         if self.engram_token_map is not None and start:
             lb = self.layout.engram_lookback
-            seq.engram_history = self.engram_token_map[torch.tensor(tokens[max(0, start - lb):start])]
+            seq.engram_history = self.engram_token_map[
+                torch.tensor(tokens[max(0, start - lb):start], device=self.engram_token_map.device)]
         return start
 
     def register_full_blocks(self, seq: "SequenceKV", hashes: list[bytes]) -> None:
@@ -97,7 +100,7 @@ class PagedKVCache:
     def release(self, seq: "SequenceKV", hold_until: float | None = None) -> None:
         self.blocks.free(seq.block_table, hold_until)
         self.slots.free([seq.slot])
-        seq.block_table, seq.slot = [], None
+        seq.block_table, seq.slot, seq._table = [], None, None
 
     def check(self, live: list["SequenceKV"]) -> None:
         """After every step: each live request's blocks and slot are owned once, nothing else is used."""
@@ -124,23 +127,31 @@ class SequenceKV:
     def __init__(self, cache: PagedKVCache, slot: int):
         self.cache, self.slot = cache, slot
         self.block_table: list[int] = []
+        self._table: torch.Tensor | None = None
         self.num_tokens = 0
         self.published_until = 0  # global entries of positions below this came from the prefix cache
         self._unpacked = None  # (source, entries, main, index) of the last global_kv read
         self.num_registered = 0  # leading blocks already in the prefix cache
         self._entries: dict[int, int] = {}
         self._pending: dict = {}
-        self.engram_history = torch.empty(0, dtype=torch.long)
+        self.engram_history = torch.empty(0, dtype=torch.long, device=cache.device)
+
+    def table(self) -> torch.Tensor:
+        """The block table as a LongTensor on the cache's device, rebuilt only when it grew (tables only
+        grow, or are replaced whole by attach_prefix / release, which drop this copy)."""
+        if self._table is None or self._table.shape[0] != len(self.block_table):
+            self._table = torch.tensor(self.block_table, dtype=torch.long, device=self.cache.device)
+        return self._table
 
     # window ---------------------------------------------------------------------------
     def window_rows(self, layer: int):
         c = self.cache
         if c.layout.window_in_blocks:
-            pos = torch.arange(max(0, self.num_tokens - c.layout.window), self.num_tokens)
+            pos = torch.arange(max(0, self.num_tokens - c.layout.window), self.num_tokens, device=c.device)
             if pos.numel() == 0:
                 return None, None
             bs = c.layout.block_size
-            phys = torch.tensor(self.block_table, dtype=torch.long)[pos // bs]
+            phys = self.table()[pos // bs]
             return c.layout.window_fmt.unpack(c.window[layer][phys, pos % bs], c.dtype), pos
         pos = c.window_pos[layer][self.slot]
         valid = pos >= 0
@@ -153,7 +164,7 @@ class SequenceKV:
         c, w = self.cache, self.cache.layout.window
         if c.layout.window_in_blocks:
             bs = c.layout.block_size
-            phys = torch.tensor(self.block_table, dtype=torch.long)[positions // bs]
+            phys = self.table()[positions // bs]
             c.window[layer][phys, positions % bs] = c.layout.window_fmt.pack(keys)
             return
         keys, positions = keys[-w:], positions[-w:]
@@ -173,7 +184,7 @@ class SequenceKV:
         if self._unpacked is not None and self._unpacked[:2] == (source, n):
             return self._unpacked[2:]
         _, epb = c.layout.sources[source]
-        table = torch.tensor(self.block_table[: -(-n // epb)], dtype=torch.long)
+        table = self.table()[: -(-n // epb)]
         main = c.layout.main_fmt.unpack(c.main[source][table].flatten(0, 1)[:n], c.dtype)
         index = (c.layout.index_fmt.unpack(c.index[source][table].flatten(0, 1)[:n], c.dtype)
                  if source in c.index else None)
@@ -185,16 +196,21 @@ class SequenceKV:
         n0, n = self.num_entries(source), main.shape[0]
         if n == 0:
             return
-        _, epb = c.layout.sources[source]
-        e = torch.arange(n0, n0 + n)
-        if int(e[-1]) // epb >= len(self.block_table):
-            raise InvariantError(f"entry {int(e[-1])} of source {source} has no block: the scheduler under-allocated")
-        phys = torch.tensor(self.block_table, dtype=torch.long)[e // epb]
+        rows = self.entry_rows(source, n0, n)
         # The model already fake-quantised these rows: store them exactly (see formats.pack_main_fp4).
-        c.main[source][phys, e % epb] = c.layout.main_fmt.pack(main, prequantized=True)
+        c.main[source].view(-1, c.main[source].shape[-1])[rows] = c.layout.main_fmt.pack(main, prequantized=True)
         if index_k is not None and source in c.index:
-            c.index[source][phys, e % epb] = c.layout.index_fmt.pack(index_k)
+            c.index[source].view(-1, c.index[source].shape[-1])[rows] = c.layout.index_fmt.pack(index_k)
         self._entries[source] = n0 + n
+
+    def entry_rows(self, source: int, first: int, n: int) -> torch.Tensor:
+        """Physical rows (in the source's pools seen as [blocks * epb, bytes]) of entries first..first+n-1."""
+        _, epb = self.cache.layout.sources[source]
+        last = first + n - 1
+        if last // epb >= len(self.block_table):
+            raise InvariantError(f"entry {last} of source {source} has no block: the scheduler under-allocated")
+        e = torch.arange(first, first + n, device=self.cache.device)
+        return self.table()[e // epb] * epb + e % epb
 
     # compressor rows and Engram lookback ---------------------------------------------------
     def pending(self, source: int):
@@ -208,4 +224,4 @@ class SequenceKV:
 
     def push_engram_history(self, compressed_ids: torch.Tensor) -> None:
         k = self.cache.layout.engram_lookback
-        self.engram_history = torch.cat((self.engram_history, compressed_ids))[-k:]
+        self.engram_history = torch.cat((self.engram_history.to(compressed_ids.device), compressed_ids))[-k:]

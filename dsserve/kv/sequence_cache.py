@@ -58,7 +58,8 @@ class SequenceCache:
 
     # Engram lookback -------------------------------------------------------------------
     def push_engram_history(self, compressed_ids: torch.Tensor) -> None:
-        self.engram_history = torch.cat((self.engram_history, compressed_ids))[-self.engram_lookback:]
+        hist = self.engram_history.to(compressed_ids.device)
+        self.engram_history = torch.cat((hist, compressed_ids))[-self.engram_lookback:]
 
     def num_entries(self, source: int) -> int:
         m = self._main.get(source)

@@ -93,15 +93,18 @@ class CSA2Attention(nn.Module):
             pub = seq.cache.published_until
             start = max(first, pub - pub % r)
             if start < first + seq.rows.stop - seq.rows.start:
-                self._compress_seq(x[seq.rows][start - first:], start, seq.cache, ctx.qat)
+                self._compress_seq(x[seq.rows][start - first:], start, seq.cache, ctx.qat, ctx)
 
-    def _compress_seq(self, x: torch.Tensor, first: int, cache, qat: bool) -> None:
+    def _compress_seq(self, x: torch.Tensor, first: int, cache, qat: bool, ctx: ForwardContext | None = None) -> None:
+        if ctx is not None and ctx.paged is not None:
+            from .attention_paged import compress_paged
+            return compress_paged(self, x, first, cache, ctx)
         layer, r = self.role.index, self.role.ratio
         emitted = cache.num_entries(layer)
         latent, pend = self.compressor(x, first, cache.pending(layer), emitted)
         if r > 1:
             cache.set_pending(layer, pend)
-        entry_pos = torch.arange(emitted, emitted + latent.shape[0]) * r
+        entry_pos = torch.arange(emitted, emitted + latent.shape[0], device=latent.device) * r
         main = self.rope(latent, entry_pos)
         if qat:  # V4.1's main KV is FP4 with E4M3 scales per 16; V4's is FP8 like its window
             main = quant.fake_quant_fp4_e4m3scale(main, 16) if self.cfg.is_v41 else self._kv_qat(main, True)
@@ -143,16 +146,22 @@ class CSA2Attention(nn.Module):
     def output(self, o: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """De-rotate (V = K carries RoPE; only relative offsets remain), then the grouped low-rank projection:
         wo_a is block-diagonal over the head groups."""
+        return self.project(self.rope(o, pos, inverse=True).to(dtype))
+
+    def project(self, o: torch.Tensor) -> torch.Tensor:
+        """[T, H, D] de-rotated attention output -> [T, hidden]."""
         t, g = o.shape[0], self.cfg.o_groups
-        o = self.rope(o, pos, inverse=True).to(dtype)
         u = torch.einsum("tgi,goi->tgo", o.view(t, g, -1), self.wo_a.weight.view(g, self.cfg.o_lora_rank, -1))
         return self.wo_b(u.flatten(1))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if ctx.paged is not None:
+            from .attention_paged import forward_paged  # the batched kernel path over the paged pools
+            return forward_paged(self, x, ctx)
         cfg, role, pos = self.cfg, self.role, ctx.positions
         q_lat, q = self.query(x, pos)
         kv = self.window_entry(x, pos, ctx.qat)
-        o = torch.empty(q.shape, dtype=acc(q).dtype)
+        o = torch.empty(q.shape, dtype=acc(q).dtype, device=q.device)
         select = role.ratio and (self.indexer is not None or role.index_source is None)
         if self.indexer is not None:
             ctx.log(role.index, "indexer")
@@ -186,7 +195,7 @@ class CSA2Attention(nn.Module):
         role, cfg = self.role, self.cfg
         if self.indexer is None:  # V4 HCA: dense over the visible entries
             n = cache.num_entries(role.kv_source)
-            idx = torch.arange(n).expand(x.shape[0], n)
+            idx = torch.arange(n, device=x.device).expand(x.shape[0], n)
             return idx, idx < visible_entries(pos, role.ratio)[:, None]
         s = self.indexer.scores(x, q_lat, pos, index_k, role.ratio, self.rope, ctx.qat)
         if role.candidate == "source":

@@ -34,6 +34,16 @@ class Compressor(nn.Module):
         """
         if self.ratio == 1:
             return self.norm(self.wkv(x)), None
+        u, z, first_pos, done, new_pending = self.projected(x, first_pos, pending)
+        if done > emitted:
+            pooled = self._pool(u, z, first_pos, emitted, done)
+        else:
+            pooled = u.new_zeros(0, self.head_dim)
+        return self.norm(pooled.to(x.dtype)), new_pending
+
+    def projected(self, x: torch.Tensor, first_pos: int, pending):
+        """(u, z) of the pending rows then x's, the position of their first row, the number of complete
+        groups, and the state to carry: the part of forward the fused cache-write kernel does not do."""
         # Pooling runs in fp32 like the release's reference (x.float() before the projection).
         u = acc(x) @ acc(self.wkv.weight).t()
         z = acc(x) @ acc(self.wgate.weight).t()
@@ -41,20 +51,16 @@ class Compressor(nn.Module):
             u, z, first_pos = torch.cat((pending[0], u)), torch.cat((pending[1], z)), pending[2]
         r, end = self.ratio, first_pos + u.shape[0]
         done = end // r  # groups [0, done) are complete
-        if done > emitted:
-            pooled = self._pool(u, z, first_pos, emitted, done)
-        else:
-            pooled = u.new_zeros(0, self.head_dim)
         keep_from = max(0, (done - 1) * r) if self.overlap else done * r
         keep_from = max(keep_from, first_pos)
         cut = keep_from - first_pos
         new_pending = (u[cut:], z[cut:], keep_from) if cut < u.shape[0] else None
-        return self.norm(pooled.to(x.dtype)), new_pending
+        return u, z, first_pos, done, new_pending
 
     def _pool(self, u, z, first_pos, g0, g1):
         r, c = self.ratio, self.head_dim
         if self.ape is not None:
-            slot = (torch.arange(first_pos, first_pos + u.shape[0]) % r)
+            slot = (torch.arange(first_pos, first_pos + u.shape[0], device=u.device) % r)
             z = z + self.ape.to(z.dtype)[slot]
         if not self.overlap:
             s, n = g0 * r - first_pos, g1 - g0

@@ -32,6 +32,9 @@ class ForwardContext:
     # Published within a forward by the latest index source / candidate source, per sequence.
     topk: list = field(default_factory=list)  # (entry ids [T, K], valid [T, K]) per sequence
     candidates: list = field(default_factory=list)  # [T, n_entries] bool per sequence
+    # The batched path over a paged cache (None: the per-sequence reference path) and its op choices.
+    paged: object | None = None  # kv.paged_batch.PagedBatch
+    ops: object | None = None  # kernels.ops.KernelOps
 
     def log(self, layer: int, op: str) -> None:
         if self.trace is not None:
@@ -57,4 +60,5 @@ class ForwardContext:
         return ForwardContext(tokens=self.tokens[keep], positions=self.positions[keep], seqs=seqs, qat=self.qat,
                               is_image=None if self.is_image is None else self.is_image[keep], trace=self.trace,
                               engram_ids=None if self.engram_ids is None else self.engram_ids[keep],
-                              engram_history=hist, topk=topk, candidates=cands)
+                              engram_history=hist, topk=topk, candidates=cands,
+                              paged=None if self.paged is None else self.paged.narrow(keep, seqs), ops=self.ops)

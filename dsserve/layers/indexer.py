@@ -36,14 +36,14 @@ def candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, block: int, to
     """[T, N] bool mask of the entries inside the best blocks; the newest visible block is pinned."""
     t, n = scores.shape
     nb = -(-n // block)
-    padded = torch.full((t, nb * block), NEG_INF, dtype=scores.dtype)
+    padded = torch.full((t, nb * block), NEG_INF, dtype=scores.dtype, device=scores.device)
     padded[:, :n] = scores
     bscore = padded.view(t, nb, block).amax(-1)
     newest = torch.div(n_visible - 1, block, rounding_mode="floor")
     has = n_visible > 0
     bscore[has, newest[has]] = float("inf")
     bidx, bvalid = stable_topk(bscore, top_blocks)
-    keep = torch.zeros(t, nb, dtype=torch.bool)
+    keep = torch.zeros(t, nb, dtype=torch.bool, device=scores.device)
     keep.scatter_(1, bidx, bvalid)
     return keep.repeat_interleave(block, dim=1)[:, :n]
 
@@ -76,5 +76,5 @@ class Indexer(nn.Module):
         w = acc(self.weights_proj(x)) * (self.index_dim ** -0.5 * self.n_heads ** -0.5)
         logits = torch.relu(torch.einsum("thd,nd->thn", acc(q), acc(keys)))
         s = torch.einsum("thn,th->tn", logits, w)
-        visible = torch.arange(keys.shape[0])[None, :] < visible_entries(positions, ratio)[:, None]
+        visible = torch.arange(keys.shape[0], device=keys.device)[None, :] < visible_entries(positions, ratio)[:, None]
         return s.masked_fill(~visible, NEG_INF)

@@ -71,7 +71,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor, is_image: torch.Tensor | None = None) -> torch.Tensor:
         ids, w = self.gate(x, tokens, is_image)
-        out = torch.zeros(x.shape, dtype=acc(x).dtype)
+        out = torch.zeros(x.shape, dtype=acc(x).dtype, device=x.device)
         w1, w2, w3 = self.experts["w1"], self.experts["w2"], self.experts["w3"]
         for e in torch.unique(ids).tolist():
             rows, slot = torch.nonzero(ids == e, as_tuple=True)

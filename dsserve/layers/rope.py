@@ -45,9 +45,14 @@ class Rope:
     def __init__(self, spec: RopeSpec):
         self.spec = spec
         self.inv_freq = inv_freq(spec)
+        self._on_device = {self.inv_freq.device: self.inv_freq}
 
     def _cos_sin(self, positions: torch.Tensor):
-        ang = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
+        """(cos, sin) [T, rope_dim/2] in fp64 for these positions, on their device."""
+        f = self._on_device.get(positions.device)
+        if f is None:
+            f = self._on_device[positions.device] = self.inv_freq.to(positions.device)
+        ang = positions.to(torch.float64)[:, None] * f[None, :]
         return torch.cos(ang), torch.sin(ang)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..kv.paged_batch import PagedBatch
 from ..kv.sequence_cache import SequenceCache
 from ..layers.context import ForwardContext, SeqRows
 from ..layers.mhc import collapse, hc_head_pre
@@ -37,6 +38,9 @@ class DeepseekForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        # Set by the engine: run attention batched over the paged pools with these ops (None: the
+        # per-sequence reference path, which the oracle always uses).
+        self.kernel_ops = None
         d, n = cfg.hidden_size, cfg.hc_mult
         self.embed = nn.Embedding(cfg.vocab_size, d)
         self.layers = nn.ModuleList(Block(cfg, role) for role in cfg.roles)
@@ -84,7 +88,7 @@ class DeepseekForCausalLM(nn.Module):
         if sum(s.rows.stop - s.rows.start for s in seqs) != tokens.shape[0]:
             raise ModelInputError("the sequences' rows must cover the batch exactly")
         positions = torch.cat([torch.arange(s.cache.num_tokens, s.cache.num_tokens + s.rows.stop - s.rows.start)
-                               for s in seqs])
+                               for s in seqs]).to(tokens.device)
         if int(positions.max()) >= cfg.max_position_embeddings:
             raise ModelInputError(f"position {int(positions.max())} exceeds max_position_embeddings="
                                   f"{cfg.max_position_embeddings}")
@@ -96,6 +100,8 @@ class DeepseekForCausalLM(nn.Module):
             raise ModelInputError("bounded replay (decoder_start) needs the V4.1 encoder/decoder split")
         ctx = ForwardContext(tokens=tokens, positions=positions, seqs=list(seqs),
                              qat=cfg.qat if qat is None else qat, is_image=is_image, trace=trace)
+        if self.kernel_ops is not None and cfg.is_v41 and PagedBatch.supports(seqs):
+            ctx.paged, ctx.ops = PagedBatch(seqs[0].cache.cache, seqs, positions), self.kernel_ops
         if cfg.engram_layer_ids:
             if self.engram_token_map is None:
                 raise ModelInputError("this model's Engram needs the tokenizer's compressed-token map; "
@@ -104,7 +110,7 @@ class DeepseekForCausalLM(nn.Module):
             ctx.engram_history = [s.cache.engram_history for s in seqs]
 
         x = self.embed(tokens)[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
-        pre = torch.zeros(tokens.shape[0], cfg.hc_mult)
+        pre = torch.zeros(tokens.shape[0], cfg.hc_mult, device=tokens.device)
         pre[:, 0] = 1.0  # the copies are identical, so collapsing with copy 0 returns the embedding
         taps = {}
         for block in self.layers:
@@ -113,7 +119,7 @@ class DeepseekForCausalLM(nn.Module):
                 taps[i] = acc(x).mean(1).to(x.dtype)
             keep = None
             if replay and i == narrow_at:
-                floor = torch.cat([torch.full((s.rows.stop - s.rows.start,), s.decoder_start or 0) for s in seqs])
+                floor = torch.cat([torch.full((s.rows.stop - s.rows.start,), s.decoder_start or 0) for s in seqs]).to(tokens.device)
                 keep = positions >= floor
                 taps = {k: v[keep] for k, v in taps.items()}
             x, pre, ctx = block(x, pre, ctx, keep)

@@ -34,12 +34,14 @@ def references(tiny_models):
     return out
 
 
-def run_engine(model, prompts, chunk, num_blocks=None, abort_at=None, block_size=None, kv_dtype="auto"):
+def run_engine(model, prompts, chunk, num_blocks=None, abort_at=None, block_size=None, kv_dtype="auto",
+               dtype=torch.float64, device="cpu", window_in_blocks=False):
     cfg = model.cfg
-    layout = KVLayout.build(cfg, block_size=block_size, kv_cache_dtype=kv_dtype, dtype=torch.float64)
+    layout = KVLayout.build(cfg, block_size=block_size, kv_cache_dtype=kv_dtype, dtype=dtype,
+                            window_in_blocks=window_in_blocks)
     if num_blocks is None:
         num_blocks = sum(-(-(len(p) + MAX_NEW) // layout.block_size) for p in prompts)
-    kv = PagedKVCache(layout, num_blocks, N_REQ, dtype=torch.float64)
+    kv = PagedKVCache(layout, num_blocks, N_REQ, dtype=dtype, device=device)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=N_REQ, long_prefill_token_threshold=chunk),
                       kv)
     runner = ModelRunner(model)

@@ -1,0 +1,249 @@
+"""Dense projections with FP8 e4m3 weights on b x b ue8m0 block scales (release format; b = 32 V4.1, 128 V4).
+
+* x [M, K] bf16 / fp16 / fp32 (the reference: any float dtype) -> out [M, N] in x's dtype, row-major.
+* w_q float8_e4m3fn [N, K]; w_s uint8 e8m0 exponent bytes (float8_e8m0fnu accepted) [ceil(N/b), ceil(K/b)];
+  W[n, k] = w_q[n, k] * 2^(w_s[n // b, k // b] - 127), i.e. quant.dequant_fp8_block.
+
+W8A16 (default; numerics of fp8_linear_ref: exact fp32 W cast to x's dtype, matmul): e4m3 tiles are bitcast, scaled
+by their pow2 block scale (exact) and fed to x-dtype tensor-core dots, fp32 accumulation. Decode is bound by the
+weight bytes (half of bf16's), so small M splits K over programs (fp32 partials summed after: no atomics).
+W8A8 (act_quant=True; fp8_linear_w8a8_ref): x -> e4m3 with a pow2 scale per (row, act_group columns), the
+reference act_quant (quant.fake_quant_fp8_pow2); e4m3 dots per 32-wide K step, both scales on each fp32 partial.
+
+torch._scaled_mm does not fit: it takes per-tensor / per-row fp32 scales and, on sm90, blockwise 1x128 activation x
+128x128 weight scales (1x32 is MXFP8, sm100 only); nothing describes 32x32 weight blocks, and its fp8 activations
+rule out W8A16 numerics. Even for V4's 128x128 blocks, PyTorch 2.11 on the H200 refused the model's shapes
+(CUBLAS_STATUS_NOT_SUPPORTED at M=1, "Invalid scaling configuration" for the padded scale layouts), 2026-11-29.
+So every block size runs through Triton.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from ..layers.quant import dequant_fp8_block, fake_quant_fp8_pow2, quant_fp8_block
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The Triton 3.9 interpreter gets bf16 dots wrong; fp32 dots of the same (exact) products stand in there.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _e8m0(e):  # exponent byte -> fp32 2^(e - 127); e = 0 is the subnormal 2^-127
+    e = e.to(tl.int32)
+    return tl.where(e == 0, 1 << 22, e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _w8a16_kernel(x_ptr, w_ptr, s_ptr, o_ptr, M, N, sxm, som, sos, K: tl.constexpr, BLOCK: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, K_TILES: tl.constexpr, DOT_F32: tl.constexpr):
+    KS: tl.constexpr = (K + BLOCK - 1) // BLOCK
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    acc = tl.zeros((BM, BN), tl.float32)
+    for t in range(K_TILES):
+        k0 = (tl.program_id(2) * K_TILES + t) * BK
+        kk = k0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        # [BK, BN] view of the [N, K] weight: K-major, the operand layout fp8/bf16 MMAs want for B
+        wq = tl.load(w_ptr + rn[None, :] * K + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0)
+        if BK > BLOCK:  # BK // BLOCK scale rows per tile, each repeated over its BLOCK k's
+            kb = k0 // BLOCK + tl.arange(0, BK // BLOCK)
+            e = tl.load(s_ptr + (rn[None, :] // BLOCK) * KS + kb[:, None], mask=(rn[None, :] < N) & (kb[:, None] < KS),
+                        other=127)
+            sc = tl.reshape(tl.broadcast_to(_e8m0(e)[:, None, :], (BK // BLOCK, BLOCK, BN)), (BK, BN))
+        else:  # the tile lies inside one scale block (BK divides BLOCK)
+            e = tl.load(s_ptr + (rn // BLOCK) * KS + k0 // BLOCK, mask=(rn < N) & (rn * 0 + k0 < K), other=127)
+            sc = _e8m0(e)[None, :]
+        w = wq.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc  # exactly the reference's fp32 W
+        if DOT_F32:
+            acc += tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(x, w.to(x.dtype))
+    om = o_ptr + tl.program_id(2) * sos + rm[:, None] * som + rn[None, :]
+    tl.store(om, acc.to(o_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, sxm, sqm, ssm, ssg, G: tl.constexpr, BM: tl.constexpr):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    kk = tl.program_id(1) * G + tl.arange(0, G)
+    x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=rm[:, None] < M, other=0.0).to(tl.float32)
+    # s = 2^ceil(log2(max(amax, 1e-4) / 448)) from the bits of the correctly rounded quotient, as pow2_ceil does
+    bits = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4), 448.0).to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1/s, exact: x * inv == x / s
+    v = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
+    # RNE onto the e4m3 grid by hand (ulp 2^(exp-3), 2^-9 for subnormals): the Triton interpreter's fp32->e4m3
+    # cast drops a rounding carry into the exponent (7.99 -> 4); on the grid every cast is exact.
+    ue = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121) - 3
+    y = v * ((254 - ue) << 23).to(tl.float32, bitcast=True)
+    v = ((y + 12582912.0) - 12582912.0) * (ue << 23).to(tl.float32, bitcast=True)  # 1.5 * 2^23: rint for |y| < 2^22
+    q = v.to(tl.float8e4nv)
+    tl.store(q_ptr + rm[:, None] * sqm + kk[None, :], q.to(tl.uint8, bitcast=True), mask=rm[:, None] < M)
+    tl.store(s_ptr + rm * ssm + tl.program_id(1) * ssg, (e << 23).to(tl.float32, bitcast=True), mask=rm < M)
+
+
+@triton.jit
+def _w8a8_kernel(q_ptr, qs_ptr, w_ptr, s_ptr, o_ptr, M, N, sqm, ssm, ssg, som, K: tl.constexpr, BLOCK: tl.constexpr,
+                 G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    KS: tl.constexpr = (K + BLOCK - 1) // BLOCK
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    acc = tl.zeros((BM, BN), tl.float32)
+    for t in range(K // 32):  # 32 = the finest scale granularity (act group or weight block) on either side
+        kk = t * 32 + tl.arange(0, 32)
+        a = tl.load(q_ptr + rm[:, None] * sqm + kk[None, :], mask=rm[:, None] < M, other=0)
+        b = tl.load(w_ptr + rn[None, :] * K + kk[:, None], mask=rn[None, :] < N, other=0)
+        p = tl.dot(a.to(tl.float8e4nv, bitcast=True), b.to(tl.float8e4nv, bitcast=True))
+        sa = tl.load(qs_ptr + rm * ssm + (t * 32 // G) * ssg, mask=rm < M, other=0.0)
+        sb = _e8m0(tl.load(s_ptr + (rn // BLOCK) * KS + t * 32 // BLOCK, mask=rn < N, other=127))
+        acc += p * sa[:, None] * sb[None, :]
+    tl.store(o_ptr + rm[:, None] * som + rn[None, :], acc.to(o_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def _check(x, w_q, w_s, block, act_quant, act_group, kernel):
+    """Validate the operands; returns (x, w_q as float8_e4m3fn, w_s as uint8)."""
+    if block not in (32, 64, 128):  # powers of two (tile reshapes), >= the 32-wide fp8 K step
+        raise ValueError(f"block {block} not supported (allowed: 32, 64, 128)")
+    if w_q.dim() != 2 or w_q.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise ValueError(f"w_q must be float8_e4m3fn [N, K], got {w_q.dtype} {tuple(w_q.shape)}")
+    n, k = w_q.shape
+    if tuple(w_s.shape) != (-(-n // block), -(-k // block)) or w_s.element_size() != 1:
+        raise ValueError(f"w_s must be uint8/e8m0 [{-(-n // block)}, {-(-k // block)}], got {w_s.dtype} {w_s.shape}")
+    if x.dim() != 2 or x.shape[1] != k or not x.is_floating_point():
+        raise ValueError(f"x must be a float [M, {k}] tensor, got {x.dtype} {tuple(x.shape)}")
+    if kernel and x.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"x dtype {x.dtype} not supported by the kernel (allowed: {KERNEL_DTYPES})")
+    if act_quant and (act_group not in (32, 128) or k % act_group):
+        raise ValueError(f"act_quant needs act_group in (32, 128) dividing K={k}, got {act_group}")
+    return x, w_q.view(torch.float8_e4m3fn), w_s.view(torch.uint8)
+
+
+def fp8_linear_ref(x, w_q, w_s, block: int, *, act_quant: bool = False, act_group: int = 32) -> torch.Tensor:
+    """x @ W^T: W dequantised (fp32, dequant_fp8_block), cast to x's dtype, plain matmul. act_quant: see w8a8_ref."""
+    x, w_q, w_s = _check(x, w_q, w_s, block, act_quant, act_group, kernel=False)
+    if act_quant:
+        x = fake_quant_fp8_pow2(x, act_group)
+    return x @ dequant_fp8_block(w_q, w_s, block).to(x.dtype).t()
+
+
+def fp8_linear_w8a8_ref(x, w_q, w_s, block: int, *, act_group: int = 32) -> torch.Tensor:
+    """W8A8 numerics: x fake-quantised to e4m3 per (row, act_group columns) with pow2 scales, then fp8_linear_ref."""
+    return fp8_linear_ref(x, w_q, w_s, block, act_quant=True, act_group=act_group)
+
+
+def fp8_linear(x, w_q, w_s, block: int, *, act_quant: bool = False, act_group: int = 32,
+               config: dict | None = None) -> torch.Tensor:
+    """Triton x @ W^T, same semantics as fp8_linear_ref. config overrides the tiles (BM, BN, BK, SPLIT_K,
+    num_warps, num_stages; tests and benchmarks only)."""
+    x, w_q, w_s = _check(x, w_q, w_s, block, act_quant, act_group, kernel=True)
+    x = x.contiguous()
+    (m, k), n, cfg = x.shape, w_q.shape[0], dict(config or {})
+    if m == 0:  # an empty grid is not launchable
+        return x.new_empty(0, n)
+    if act_quant:
+        q, qs = _act_quant(x, act_group, m_major=False)
+        bm, bn = cfg.get("BM", min(128, max(16, triton.next_power_of_2(m)))), cfg.get("BN", 128)
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        _w8a8_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+            q, qs, w_q.view(torch.uint8), w_s, out, m, n, q.stride(0), qs.stride(0), qs.stride(1), out.stride(0),
+            K=k, BLOCK=block, G=act_group, BM=bm, BN=bn, num_warps=cfg.get("num_warps", 8 if bm >= 128 else 4),
+            num_stages=cfg.get("num_stages", 4))
+        return out
+    small = m <= 64  # decode: weight-bandwidth bound, small BM, split K; else 128x128 tiles
+    bm = cfg.get("BM", max(16, triton.next_power_of_2(m)) if small else 128)
+    bn, bk = cfg.get("BN", 64 if small else 128), cfg.get("BK", 128 if small else 64)
+    tiles, k_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn), triton.cdiv(k, bk)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+    split = min(k_tiles, cfg.get("SPLIT_K", max(1, 2 * sms // tiles)))
+    per = triton.cdiv(k_tiles, split)
+    split = triton.cdiv(k_tiles, per)  # no empty programs
+    out = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+    _w8a16_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
+        x, w_q.view(torch.uint8), w_s, out, m, n, x.stride(0), out.stride(1), out.stride(0), K=k, BLOCK=block,
+        BM=bm, BN=bn, BK=bk, K_TILES=per, DOT_F32=_INTERPRET or x.dtype == torch.float32,
+        num_warps=cfg.get("num_warps", 4 if small else 8), num_stages=cfg.get("num_stages", 4 if small else 3))
+    return out[0] if split == 1 else out.sum(0).to(x.dtype)
+
+
+def _act_quant(x, group, m_major):
+    """x [M, K] -> (e4m3 bytes uint8 [M, K], fp32 pow2 scales [M, K/group]; M-major storage if m_major)."""
+    (m, k), dev = x.shape, x.device
+    q = torch.empty(m, k, dtype=torch.uint8, device=dev)
+    qs = torch.empty(k // group, m, device=dev).t() if m_major else torch.empty(m, k // group, device=dev)
+    _act_quant_kernel[(triton.cdiv(m, 16), k // group)](x, q, qs, m, x.stride(0), q.stride(0), qs.stride(0),
+                                                       qs.stride(1), G=group, BM=16)
+    return q, qs
+
+
+class Fp8Linear(nn.Module):
+    """Bias-free linear layer on the release's FP8 block weights. `use_kernel` (set by the engine) picks Triton
+    over the reference; rows >= `act_quant_min_m` (None: never) take the W8A8 numerics, in both."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, block: int):
+        super().__init__()
+        _check(weight.new_empty(0, weight.shape[1], dtype=torch.float32), weight, weight_scale, block, False, 32, False)
+        self.register_buffer("weight", weight.view(torch.float8_e4m3fn))
+        self.register_buffer("weight_scale", weight_scale.view(torch.uint8))  # uint8: every PyTorch has it
+        self.block, self.out_features, self.in_features = block, *weight.shape
+        self.use_kernel, self.act_quant_min_m = False, None
+
+    @classmethod
+    def from_quantized(cls, weight: torch.Tensor, weight_scale: torch.Tensor, block: int) -> "Fp8Linear":
+        return cls(weight, weight_scale, block)
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, block: int) -> "Fp8Linear":
+        if lin.bias is not None:
+            raise ValueError("Fp8Linear has no bias; got an nn.Linear with one")
+        return cls(*quant_fp8_block(lin.weight.detach(), block), block)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """float32 [N, K], exactly what the checkpoint loader puts into an nn.Linear."""
+        return dequant_fp8_block(self.weight, self.weight_scale, self.block)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        aq = self.act_quant_min_m is not None and x2.shape[0] >= self.act_quant_min_m
+        fn = fp8_linear if self.use_kernel else fp8_linear_ref
+        return fn(x2, self.weight, self.weight_scale, self.block, act_quant=aq).view(*x.shape[:-1], self.out_features)
+
+    def _apply(self, fn, recurse=True):
+        # model.double() / .to(dtype) would convert fp8 buffers (they count as floating point); moving uint8
+        # views instead keeps the bytes and still follows device moves.
+        for name in ("weight", "weight_scale"):
+            t = self._buffers[name]
+            self._buffers[name] = fn(t.view(torch.uint8)).view(t.dtype)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
+
+
+BENCH_SHAPES = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wo_b": (5120, 8192)}  # name: (N, K)
+
+
+def bench(device="cuda", block: int = 32) -> dict:
+    """Median times (ms) of W8A16, W8A8 and a bf16 torch.matmul on the model's projection shapes, with the weight
+    bandwidth achieved (GB/s: fp8 bytes for ours, bf16 bytes for matmul) and TFLOP/s. Keys "name M=m"."""
+    from triton.testing import do_bench
+    res = {}
+    for name, (n, k) in BENCH_SHAPES.items():
+        w = torch.randn(n, k, device=device) * 0.02
+        (w_q, w_s), w_b = quant_fp8_block(w, block), w.bfloat16()
+        for m in (1, 16, 64, 4096):
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            runs = {"w8a16": (lambda: fp8_linear(x, w_q, w_s, block), n * k),
+                    "w8a8": (lambda: fp8_linear(x, w_q, w_s, block, act_quant=True), n * k),
+                    "bf16": (lambda: x @ w_b.t(), 2 * n * k)}
+            row = res[f"{name} M={m}"] = {}
+            for kind, (fn, wbytes) in runs.items():
+                ms = do_bench(fn, return_mode="median")
+                row[kind] = {"ms": ms, "weight_GBps": wbytes / ms / 1e6, "TFLOPs": 2 * m * n * k / ms / 1e9}
+    return res

@@ -1,0 +1,130 @@
+"""The paged cache as one forward's kernels see it: per-row tables of physical rows, built once per step.
+
+The per-sequence reference path unpacks each sequence's rows into dense tensors. The batched path instead
+hands the kernels flat pools ([rows, bytes]) plus, per query row t of the step:
+- ``block_rows`` [T, MB] int32: the row's sequence's block table (-1 padded), for global entries and the
+  exact-mode window (entry e of a source lives at row block_rows[t, e // epb] * epb + e % epb);
+- ``row_first`` [T] int32: the first row of t's sequence in this step, for the step's own window rows;
+- per layer, ``old_window_rows`` [T, W] int32: the window rows written by earlier steps (-1 absent);
+- ``window_store_rows`` [T] int64: where this step's window rows go (-1: overwritten within the step).
+It also carries what index sources publish to later layers of the same forward (top-k, candidate blocks).
+"""
+from __future__ import annotations
+
+import torch
+
+from .paged import PagedKVCache
+
+FORMAT_KIND = {"swa_fp8": "fp8", "main_fp4": "fp4", "index_fp4": "fp4", "bf16": "bf16"}
+
+
+class PagedBatch:
+    def __init__(self, cache: PagedKVCache, seqs, positions: torch.Tensor):
+        self.cache, self.seqs, self.positions = cache, list(seqs), positions
+        dev = positions.device
+        counts = [s.rows.stop - s.rows.start for s in seqs]
+        firsts, row = [], 0
+        for n in counts:
+            firsts += [row] * n
+            row += n
+        self.row_first = torch.tensor(firsts, dtype=torch.int32, device=dev)
+        self.row_seq = torch.repeat_interleave(torch.arange(len(seqs), device=dev),
+                                               torch.tensor(counts, device=dev))
+        mb = max(1, max(len(s.cache.block_table) for s in seqs))
+        tables = torch.full((len(seqs), mb), -1, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            tables[i, :len(s.cache.block_table)] = torch.tensor(s.cache.block_table, dtype=torch.int32)
+        self.seq_tables = tables.to(dev)
+        self.block_rows = self.seq_tables[self.row_seq]
+        self.slots = torch.tensor([s.cache.slot for s in seqs], dtype=torch.long, device=dev)[self.row_seq]
+        self.topk: tuple[torch.Tensor, torch.Tensor] | None = None  # (entry ids [T, K], valid [T, K])
+        self.cand_blocks: torch.Tensor | None = None  # [T, top_blocks] int32, -1 none
+        self._cos_sin: dict = {}
+
+    @classmethod
+    def supports(cls, seqs) -> bool:
+        """Packed V4.1 formats over one paged cache (V4's raw rows take the reference path)."""
+        caches = {id(getattr(s.cache, "cache", None)) for s in seqs}
+        c = getattr(seqs[0].cache, "cache", None) if seqs else None
+        return (len(caches) == 1 and isinstance(c, PagedKVCache)
+                and all(f is None or getattr(f, "name", None) in FORMAT_KIND
+                        for f in (c.layout.window_fmt, c.layout.main_fmt, c.layout.index_fmt)))
+
+    # -------------------------------------------------------------------------- per rope
+    def cos_sin(self, rope, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, R/2] at the rows' positions, once per rope per step: fp32 (what the kernels take), or fp64
+        for an fp64 model, whose reference path rotates in fp64."""
+        dt = torch.float64 if dtype == torch.float64 else torch.float32
+        key = (rope.spec, dt)
+        if key not in self._cos_sin:
+            c, s = rope._cos_sin(self.positions)
+            self._cos_sin[key] = (c.to(dt).contiguous(), s.to(dt).contiguous())
+        return self._cos_sin[key]
+
+    # -------------------------------------------------------------------------- window
+    def _first_positions(self) -> torch.Tensor:
+        return self.positions[self.row_first.long()]
+
+    def old_window_rows(self, layer: int) -> torch.Tensor:
+        """[T, W] int32: physical rows of positions p-W+1..p written before this step, -1 if absent."""
+        lay = self.cache.layout
+        w = lay.window
+        q = self.positions[:, None] - (w - 1) + torch.arange(w, device=self.positions.device)[None, :]
+        ok = (q >= 0) & (q < self._first_positions()[:, None])
+        qc = q.clamp_min(0)
+        if lay.window_in_blocks:
+            bs = lay.block_size
+            blk = self.block_rows.long().gather(1, (qc // bs).clamp(max=self.block_rows.shape[1] - 1))
+            rows = blk * bs + qc % bs
+        else:
+            ring = qc % w
+            ok &= self.cache.window_pos[layer][self.slots[:, None], ring] == q
+            rows = self.slots[:, None] * w + ring
+        return torch.where(ok, rows, -1).to(torch.int32)
+
+    def window_store_rows(self) -> torch.Tensor:
+        """[T] int64: this step's window row destinations. A ring keeps only each sequence's last W rows
+        (an earlier row would share a slot with a later one in the same launch)."""
+        lay = self.cache.layout
+        p = self.positions
+        if lay.window_in_blocks:
+            bs = lay.block_size
+            return self.block_rows.long().gather(1, (p // bs)[:, None])[:, 0] * bs + p % bs
+        last = torch.full((len(self.seqs),), -1, dtype=p.dtype, device=p.device)
+        last.scatter_reduce_(0, self.row_seq, p, reduce="amax")
+        keep = p > last[self.row_seq] - lay.window
+        return torch.where(keep, self.slots * lay.window + p % lay.window, -1)
+
+    def record_window(self, layer: int, rows: torch.Tensor) -> None:
+        """The ring's position tags for the rows just stored (exact mode stores by position: no tags)."""
+        if not self.cache.layout.window_in_blocks:
+            ok = rows >= 0
+            self.cache.window_pos[layer].view(-1)[rows[ok]] = self.positions[ok]
+
+    # -------------------------------------------------------------------------- global entries
+    def entry_rows(self, entries: torch.Tensor, valid: torch.Tensor, epb: int) -> torch.Tensor:
+        """Entry ids [T, K] of each row's sequence -> physical pool rows, -1 where not valid."""
+        e = entries.long().clamp_min(0)
+        blk = self.block_rows.long().gather(1, (e // epb).clamp(max=self.block_rows.shape[1] - 1))
+        return torch.where(valid & (blk >= 0), blk * epb + e % epb, -1).to(torch.int32)
+
+    def num_entries(self, source: int) -> int:
+        return max(s.cache.num_entries(source) for s in self.seqs)
+
+    # -------------------------------------------------------------------------- bounded replay
+    def narrow(self, keep: torch.Tensor, seqs) -> "PagedBatch":
+        """The same step restricted to the kept rows (a suffix of each sequence's rows)."""
+        out = object.__new__(PagedBatch)
+        out.cache, out.seqs, out.positions = self.cache, list(seqs), self.positions[keep]
+        counts = [s.rows.stop - s.rows.start for s in seqs]
+        firsts, row = [], 0
+        for n in counts:
+            firsts += [row] * n
+            row += n
+        out.row_first = torch.tensor(firsts, dtype=torch.int32, device=self.positions.device)
+        out.row_seq, out.seq_tables = self.row_seq[keep], self.seq_tables
+        out.block_rows, out.slots = self.block_rows[keep], self.slots[keep]
+        out.topk = None if self.topk is None else (self.topk[0][keep], self.topk[1][keep])
+        out.cand_blocks = None if self.cand_blocks is None else self.cand_blocks[keep]
+        out._cos_sin = {k: (c[keep], s[keep]) for k, (c, s) in self._cos_sin.items()}
+        return out

@@ -1,0 +1,122 @@
+"""CSA2 attention over the paged pools, batched over every row of the step: the path the kernels plug into.
+
+Same layer, same weights and the same function as ``CSA2Attention.forward``'s per-sequence reference loop,
+but no sequence's rows are unpacked into dense tensors: the window entry is normalised, rotated and
+quantised by ``store_window``; the indexer scores keys straight from the FP4 pool (consumers of the
+candidate pool score only the candidate positions); the sparse attention reads FP8 window rows and FP4
+global rows by physical row id and de-rotates its output. Each op runs its Triton kernel or its torch
+reference (``ctx.ops``).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kv.paged_batch import FORMAT_KIND
+from . import quant
+from .context import ForwardContext
+from .indexer import visible_entries
+from .numerics import acc
+
+
+def _pad_topk(idx: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fewer columns than top-k (a short context): pad with invalid picks so kernels see a fixed K."""
+    n = idx.shape[1]
+    if n == k:
+        return idx, valid
+    pad = k - n
+    return (torch.cat((idx, idx.new_zeros(idx.shape[0], pad)), 1),
+            torch.cat((valid, valid.new_zeros(valid.shape[0], pad)), 1))
+
+
+def _select(attn, x, q_lat, ctx: ForwardContext, cos, sin):
+    """This layer's top-k (entry ids [T, K], valid [T, K]): its own indexer's, or the latest published."""
+    cfg, role, step, ops = attn.cfg, attn.role, ctx.paged, ctx.ops
+    if attn.indexer is None:
+        ctx.log(role.index, "reuse")
+        return step.topk
+    ctx.log(role.index, "indexer")
+    ix, cache = attn.indexer, step.cache
+    t = x.shape[0]
+    q = attn.rope(ix.wq_b(q_lat).view(t, ix.n_heads, ix.index_dim), ctx.positions)
+    if ctx.qat:
+        q = quant.fake_quant_fp4_pow2(q, 32)
+    w = (acc(ix.weights_proj(x)) * (ix.index_dim ** -0.5 * ix.n_heads ** -0.5)).float()
+    src = role.kv_source
+    pool = cache.index[src].flatten(0, 1)
+    fmt = FORMAT_KIND[cache.layout.index_fmt.name]
+    epb = cache.layout.sources[src][1]
+    n_vis = visible_entries(ctx.positions, role.ratio).to(torch.int32)
+    k, cbs = cfg.index_topk, cfg.candidate_block_size
+    if role.candidate == "consumer":
+        s = ops.index_scores_candidates(q, w, pool, fmt, step.block_rows, epb, step.cand_blocks, cbs, n_vis)
+        idx, valid = ops.topk(s, k)
+        from ..kernels.indexer import candidate_entries
+        idx = candidate_entries(step.cand_blocks, cbs, idx)
+    else:
+        s = ops.index_scores(q, w, pool, fmt, step.block_rows, epb, n_vis, step.num_entries(src))
+        if role.candidate == "source":
+            step.cand_blocks = ops.candidate_blocks(s, n_vis, cbs, cfg.candidate_topk_blocks)
+        idx, valid = ops.topk(s, k)
+    step.topk = _pad_topk(idx, valid, k)
+    return step.topk
+
+
+def forward_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    cfg, role, step, ops = attn.cfg, attn.role, ctx.paged, ctx.ops
+    cache, lay = step.cache, step.cache.layout
+    cos, sin = step.cos_sin(attn.rope, x.dtype)
+    q_lat, q = attn.query(x, ctx.positions)
+
+    # The step's own window rows: computed now, stored after the attention (storing first would overwrite
+    # ring rows that earlier rows of a long chunk still read).
+    kv_proj = attn.wkv(x)
+    win_pool = cache.window[role.index].flatten(0, 1)
+    win_fmt = FORMAT_KIND[lay.window_fmt.name]
+    norm = attn.kv_norm
+    no_rows = torch.full((x.shape[0],), -1, dtype=torch.long, device=x.device)
+    kv = ops.store_window(kv_proj, norm.weight, norm.eps, cos, sin, win_pool, no_rows, win_fmt, qat=ctx.qat)
+
+    main_pool = sel_rows = None
+    main_fmt = "fp4"
+    if role.ratio:
+        idx, valid = _select(attn, x, q_lat, ctx, cos, sin)
+        src = role.kv_source
+        main_pool = cache.main[src].flatten(0, 1)
+        main_fmt = FORMAT_KIND[lay.main_fmt.name]
+        sel_rows = step.entry_rows(idx, valid, lay.sources[src][1])
+    o = ops.sparse_attention(q, cos, sin, win_pool, win_fmt, step.old_window_rows(role.index), kv,
+                             step.row_first, main_pool, main_fmt, sel_rows, attn.attn_sink.float(),
+                             cfg.head_dim ** -0.5, out_dtype=x.dtype)
+
+    rows = step.window_store_rows()
+    ops.store_window(kv_proj, norm.weight, norm.eps, cos, sin, win_pool, rows, win_fmt, qat=ctx.qat)
+    step.record_window(role.index, rows)
+    return attn.project(o)
+
+
+def compress_paged(attn, x: torch.Tensor, first: int, seq_kv, ctx: ForwardContext) -> None:
+    """One sequence's new global entries (V4.1: ratio 2 gated pairs, or ratio 1): the projections in torch,
+    then pooling, norm, RoPE, FP4 quantisation and the paged store of main and index rows fused."""
+    layer, r, comp, ops = attn.role.index, attn.role.ratio, attn.compressor, ctx.ops
+    cache, lay = ctx.paged.cache, ctx.paged.cache.layout
+    emitted = seq_kv.num_entries(layer)
+    if r == 1:
+        u, z, n = comp.wkv(x), None, x.shape[0]
+    else:
+        u, z, first_pos, done, pend = comp.projected(x, first, seq_kv.pending(layer))
+        seq_kv.set_pending(layer, pend)
+        n = done - emitted
+        s = emitted * r - first_pos
+        u, z = u[s:s + n * r], z[s:s + n * r]
+    if n <= 0:
+        return
+    entry_pos = torch.arange(emitted, emitted + n, device=x.device) * r
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    cos, sin = (t.to(dt) for t in attn.rope._cos_sin(entry_pos))
+    rows = seq_kv.entry_rows(layer, emitted, n)
+    latent, _ = ops.store_main(u, z, r, comp.norm.weight, comp.norm.eps, cos, sin, cache.main[layer].flatten(0, 1),
+                               rows, FORMAT_KIND[lay.main_fmt.name], qat=ctx.qat, out_dtype=x.dtype)
+    ix = attn.indexer
+    ops.store_index(ix.wk(latent), ix.k_norm.weight, ix.eps, cos, sin, cache.index[layer].flatten(0, 1), rows,
+                    FORMAT_KIND[lay.index_fmt.name], qat=ctx.qat)
+    seq_kv._entries[layer] = emitted + n

@@ -1,0 +1,38 @@
+"""``--quantization fp8``: the attention's dense projections in the release's weight format.
+
+The release stores these weights FP8 e4m3 with one ue8m0 (power-of-two) scale per 32x32 block (V4: 128x128),
+and the loader dequantises them. Re-quantising a dequantised release weight is lossless (its blocks are
+already on the pow2-scaled e4m3 grid), so the bytes equal the checkpoint's; random dummy weights are rounded
+once, and the reference forward then runs the same rounded weights (the oracle uses the same modules).
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from ..kernels.fp8_linear import Fp8Linear
+
+QUANTIZATIONS = (None, "fp8")
+# Projections read through nn.Linear.__call__; wo_a (a grouped einsum) and the compressor (fp32 pooling over
+# .weight) keep their dtype.
+ATTENTION_PROJECTIONS = ("wq_a", "wq_b", "wkv", "wo_b")
+INDEXER_PROJECTIONS = ("wq_b",)
+
+
+def quantize_dense_fp8(model: nn.Module, block: int) -> int:
+    """Replace the attention projections of every layer by Fp8Linear in place; returns how many."""
+    n = 0
+    for layer in model.layers:
+        attn = layer.attn
+        for owner, names in ((attn, ATTENTION_PROJECTIONS), (attn.indexer, INDEXER_PROJECTIONS)):
+            for name in names if owner is not None else ():
+                lin = getattr(owner, name, None)
+                if isinstance(lin, nn.Linear):
+                    setattr(owner, name, Fp8Linear.from_linear(lin, block).to(lin.weight.device))
+                    n += 1
+    return n
+
+
+def use_fp8_kernels(model: nn.Module, on: bool) -> None:
+    for m in model.modules():
+        if isinstance(m, Fp8Linear):
+            m.use_kernel = on
