@@ -286,6 +286,9 @@ def main() -> None:
                 res.setdefault("errors", {})[name] = repr(e)
                 print(f"section {name} failed: {e!r}")
             torch.cuda.empty_cache()
+            os.makedirs(a.out, exist_ok=True)  # after every section, so a cut-short run keeps what it measured
+            with open(os.path.join(a.out, "attention.json"), "w") as f:
+                json.dump(res, f, indent=1)
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 {ceil['bf16_TFLOPs']:.0f} TFLOP/s, "
           f"fp8 {ceil['fp8_TFLOPs']:.0f} TFLOP/s")
     for r in res["rows"]:
