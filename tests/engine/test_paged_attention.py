@@ -57,23 +57,59 @@ def test_paged_path_exact_mode_prefix_window_in_blocks(tiny_models):
     assert [r.output_token_ids for r in reqs] == conts
 
 
-def _kernels_vs_reference(device, prompt_ids, max_new, chunk=0):
+# fp32 with QAT is chaotic: a last-bit difference (another summation order, another batch shape) can move a
+# value across an FP4/FP8 rounding boundary or a score across the top-k cut. Measured on the CPU (paged path,
+# torch references, 16 prompts x 10 tokens, oracle run on the engine's own continuation): logit error median
+# 5e-6, 99th percentile 4e-3 (one-shot prefill) / 0.22 (7-row chunks), and the only greedy choices that differ
+# from the oracle's had top-2 margins of 0.004 and 0.039. So in fp32 the test asks: the typical error is
+# rounding-sized, and every choice whose margin clears both 0.05 and twice that step's own error agrees.
+# fp64 (above) is where equality is exact.
+
+
+def _greedy_agrees_with_oracle(device, prompt_ids, max_new, chunk, ops):
     m = _tiny(torch.float32, device)
     prompts = [make_prompts(m.cfg, seed=3)[i] for i in prompt_ids]
-    conts = [greedy_generate(m, p, max_new, bounded_replay=False) for p in prompts]
-    reqs, _, _ = _engine(m, prompts, chunk, KernelOps(), torch.float32, device, max_new)
-    return [r.output_token_ids for r in reqs], conts
+    reqs, _, logits = _engine(m, prompts, chunk, ops, torch.float32, device, max_new)
+    errs, checked, steps = [], 0, 0
+    for p, r, got in zip(prompts, reqs, logits):
+        with torch.no_grad():
+            ref = m.reference_logits(torch.tensor((p + r.output_token_ids)[:-1], device=device))[len(p) - 1:]
+        err = (got - ref).abs().amax(-1)
+        errs.append(err)
+        top2 = ref.topk(2, dim=-1).values
+        for tok, row, e, (a, b) in zip(r.output_token_ids, ref, err.tolist(), top2.tolist()):
+            steps += 1
+            if a - b > max(0.05, 2 * e):
+                assert tok == int(row.argmax())
+                checked += 1
+    assert float(torch.cat(errs).median()) < 1e-4  # a broken kernel moves every logit by far more
+    assert checked >= steps // 2  # the check is not vacuous
+    return checked, steps
 
 
 def test_paged_path_with_triton_kernels_interpreted():
     """One 40-token prompt (past the 32-row window, 20 ratio-2 entries > top-16) and two decodes: the
-    interpreter runs a program at a time, so this is kept small."""
-    got, expected = _kernels_vs_reference("cpu", [14], 3)
-    assert got == expected
+    interpreter runs a program at a time, so this is kept small. fp32 tokens equal the oracle's here."""
+    m = _tiny(torch.float32, "cpu")
+    p = make_prompts(m.cfg, seed=3)[14]
+    reqs, _, _ = _engine(m, [p], 0, KernelOps(), torch.float32, "cpu", 3)
+    assert reqs[0].output_token_ids == greedy_generate(m, p, 3, bounded_replay=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_paged_path_on_gpu_is_exact_in_fp64_with_reference_ops(tiny_models):
+    """The device plumbing (pools, row tables, ring tags on the GPU) is exact: fp64 greedy output and logits
+    equal the oracle's on the GPU."""
+    m = _tiny(torch.float64, "cuda")
+    prompts = make_prompts(m.cfg, seed=3)
+    conts = [greedy_generate(m, p, 6, bounded_replay=False) for p in prompts]
+    reqs, _, _ = _engine(m, prompts, 7, KernelOps(frozenset(OPS)), torch.float64, "cuda", 6)
+    assert [r.output_token_ids for r in reqs] == conts
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("chunk", [0, 7])
-def test_paged_path_with_triton_kernels_on_gpu(chunk):
-    got, expected = _kernels_vs_reference("cuda", range(16), 10, chunk)
-    assert got == expected
+@pytest.mark.parametrize("reference", [False, True])
+def test_paged_path_with_triton_kernels_on_gpu(chunk, reference):
+    """16 ragged prompts, 10 greedy tokens each, all kernels (and, as the control, all references)."""
+    _greedy_agrees_with_oracle("cuda", range(16), 10, chunk, KernelOps(frozenset(OPS) if reference else frozenset()))
