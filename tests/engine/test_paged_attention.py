@@ -113,3 +113,20 @@ def test_paged_path_on_gpu_is_exact_in_fp64_with_reference_ops(tiny_models):
 def test_paged_path_with_triton_kernels_on_gpu(chunk, reference):
     """16 ragged prompts, 10 greedy tokens each, all kernels (and, as the control, all references)."""
     _greedy_agrees_with_oracle("cuda", range(16), 10, chunk, KernelOps(frozenset(OPS) if reference else frozenset()))
+
+
+def test_paged_path_matches_reference_path_under_bounded_replay():
+    """Prefix hits with bounded replay (narrowed decoder rows, ring tags of skipped decoder rows) and exact-mode
+    hits (window rows read from the blocks): the paged path gives the reference path's tokens, fp64."""
+    from dsserve import LLM, SamplingParams
+    base = make_prompts(preset("tiny"), seed=4)[11][:100]
+    prompts = [base + [7, 8, 9], base + [10, 11]]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    for replay in (True, False):
+        outs = []
+        for backend in ("reference", "paged"):
+            llm = LLM(model="tiny", dtype="float64", attention_backend=backend, reference_ops="all",
+                      swa_bounded_replay=replay, max_num_batched_tokens=64)
+            outs.append([o.outputs[0].token_ids for p in prompts for o in llm.generate([p], params)])
+            assert llm.engine.stats.as_dict()["prefix_hit_tokens"] > 0
+        assert outs[0] == outs[1]
