@@ -40,6 +40,7 @@ class PagedBatch:
         self.topk: tuple[torch.Tensor, torch.Tensor] | None = None  # (entry ids [T, K], valid [T, K])
         self.cand_blocks: torch.Tensor | None = None  # [T, top_blocks] int32, -1 none
         self._cos_sin: dict = {}
+        self._store_rows: torch.Tensor | None = None
 
     @classmethod
     def supports(cls, seqs) -> bool:
@@ -83,8 +84,13 @@ class PagedBatch:
         return torch.where(ok, rows, -1).to(torch.int32)
 
     def window_store_rows(self) -> torch.Tensor:
-        """[T] int64: this step's window row destinations. A ring keeps only each sequence's last W rows
-        (an earlier row would share a slot with a later one in the same launch)."""
+        """[T] int64: this step's window row destinations, the same for every layer (computed once). A ring
+        keeps only each sequence's last W rows (an earlier row would share a slot with a later one)."""
+        if self._store_rows is None:
+            self._store_rows = self._window_store_rows()
+        return self._store_rows
+
+    def _window_store_rows(self) -> torch.Tensor:
         lay = self.cache.layout
         p = self.positions
         if lay.window_in_blocks:
@@ -127,4 +133,5 @@ class PagedBatch:
         out.topk = None if self.topk is None else (self.topk[0][keep], self.topk[1][keep])
         out.cand_blocks = None if self.cand_blocks is None else self.cand_blocks[keep]
         out._cos_sin = {k: (c[keep], s[keep]) for k, (c, s) in self._cos_sin.items()}
+        out._store_rows = None  # the kept rows' last W per sequence differ from the full step's
         return out

@@ -12,10 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..kv.paged_batch import FORMAT_KIND
-from . import quant
 from .context import ForwardContext
 from .indexer import visible_entries
-from .numerics import acc
 
 
 def _pad_topk(idx: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,11 +34,8 @@ def _select(attn, x, q_lat, ctx: ForwardContext, cos, sin):
         return step.topk
     ctx.log(role.index, "indexer")
     ix, cache = attn.indexer, step.cache
-    t = x.shape[0]
-    q = attn.rope(ix.wq_b(q_lat).view(t, ix.n_heads, ix.index_dim), ctx.positions)
-    if ctx.qat:
-        q = quant.fake_quant_fp4_pow2(q, 32)
-    w = (acc(ix.weights_proj(x)) * (ix.index_dim ** -0.5 * ix.n_heads ** -0.5)).float()
+    q, w = ix.query(x, q_lat, ctx.positions, attn.rope, ctx.qat)
+    w = w.float()
     src = role.kv_source
     pool = cache.index[src].flatten(0, 1)
     fmt = FORMAT_KIND[cache.layout.index_fmt.name]

@@ -67,13 +67,17 @@ class Indexer(nn.Module):
         k = rope(self.k_norm(self.wk(latent)), entry_pos)
         return quant.fake_quant_fp4_pow2(k, 32) if qat else k
 
-    def scores(self, x: torch.Tensor, q_lat: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
-               ratio: int, rope: Rope, qat: bool) -> torch.Tensor:
+    def query(self, x: torch.Tensor, q_lat: torch.Tensor, positions: torch.Tensor, rope: Rope, qat: bool):
+        """(q [T, heads, dim] rotated and fake-quantised, per-head weights [T, heads] with both scales folded in)."""
         t = x.shape[0]
         q = rope(self.wq_b(q_lat).view(t, self.n_heads, self.index_dim), positions)
         if qat:
             q = quant.fake_quant_fp4_pow2(quant.hadamard_rotate(q) if self.rotate else q, 32)
-        w = acc(self.weights_proj(x)) * (self.index_dim ** -0.5 * self.n_heads ** -0.5)
+        return q, acc(self.weights_proj(x)) * (self.index_dim ** -0.5 * self.n_heads ** -0.5)
+
+    def scores(self, x: torch.Tensor, q_lat: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+               ratio: int, rope: Rope, qat: bool) -> torch.Tensor:
+        q, w = self.query(x, q_lat, positions, rope, qat)
         logits = torch.relu(torch.einsum("thd,nd->thn", acc(q), acc(keys)))
         s = torch.einsum("thn,th->tn", logits, w)
         visible = torch.arange(keys.shape[0], device=keys.device)[None, :] < visible_entries(positions, ratio)[:, None]
