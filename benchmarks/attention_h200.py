@@ -4,7 +4,9 @@
 
 Real V4.1-Flash shapes (H 64 x D 512, R 64, window 128, top-512; index 32 x 128; candidates 2048 x 8) on
 synthetic paged pools. Every figure is a median of CUDA-event timings (triton.testing.do_bench) over inputs
-rotated among several sets so that repeated runs do not just re-read L2. Each is printed next to its floor:
+rotated among several sets so that repeated runs do not just re-read L2. Decode attention and the consumer
+indexer are timed twice: one eager call (the host's launch path included) and the device time per call inside
+a CUDA graph of 20 calls (what a graph-captured decode step pays). Each is printed next to its floor:
 the bytes it must move at the copy bandwidth measured in this run, and its FLOPs at the matmul rate
 measured in this run. Prints a table and, last, one JSON line; writes JSON + PNG under --out.
 """
@@ -19,6 +21,7 @@ import time
 import torch
 import triton.testing
 
+from dsserve.bench.device_timing import eager_ms, graph_ms
 from dsserve.kernels.indexer import index_scores, index_scores_candidates
 from dsserve.kernels.sparse_attention import sparse_attention
 from dsserve.kernels.topk import topk
@@ -29,17 +32,6 @@ HI, DI, NB, CBS = 32, 128, 2048, 8
 EPB = 64  # entries per block at ratio 1 with 64-token blocks
 ROT = 4   # input sets rotated through
 DEV = "cuda"
-
-
-GRAPHS = False  # --graphs: time CUDA-graph replays (device time without the host's launch overhead)
-
-
-def bench(fn, sets=ROT) -> float:
-    """Median ms of fn(i), i cycling over the input sets (under a graph, the capture holds every set)."""
-    it = iter(range(10 ** 9))
-    if GRAPHS and sets > 1:
-        return triton.testing.do_bench_cudagraph(lambda: fn(next(it) % sets), rep=200, return_mode="median")
-    return triton.testing.do_bench(lambda: fn(next(it) % sets), warmup=25, rep=200, return_mode="median")
 
 
 def ceilings() -> dict:
@@ -106,13 +98,15 @@ def decode_attention(ceil: dict) -> list[dict]:
         for ctx in ctxs:
             for b in bs:
                 sets = attention_case(b, min(ctx, pool_rows), main_fmt, pool_rows, pools[main_fmt], win_pool)
-                ms = bench(lambda i: sparse_attention(*sets[i], D ** -0.5))
+                ms = eager_ms(lambda i: sparse_attention(*sets[i], D ** -0.5), ROT)
+                gms = graph_ms(lambda i: sparse_attention(*sets[i], D ** -0.5), ROT)
                 row_b = (MAIN_FP4 if main_fmt == "fp4" else SWA_FP8).row_bytes
                 nbytes = b * (K * row_b + W * SWA_FP8.row_bytes + 2 * H * D * 2 + K * 4 + W * 4)
                 flops = b * 4 * H * D * (K + W)
                 fb, ff = floor_ms(nbytes, flops, ceil)
                 rows.append({"op": "decode_attention", "main_fmt": main_fmt, "B": b, "ctx": ctx, "ms": ms,
-                             "bytes": nbytes, "flops": flops, "floor_bytes_ms": fb, "floor_flops_ms": ff,
+                             "graph_ms": gms, "bytes": nbytes, "flops": flops, "floor_bytes_ms": fb,
+                             "floor_flops_ms": ff,
                              "GBps": nbytes / ms / 1e6, "TFLOPs": flops / ms / 1e9})
     return rows
 
@@ -127,6 +121,7 @@ def consumer_indexer(ceil: dict) -> list[dict]:
             table = torch.arange(b * nblk, device=DEV, dtype=torch.int32).view(b, nblk)
             table = table[:, torch.randperm(nblk, device=DEV)].contiguous()  # blocks scattered in the pool
             n_vis = torch.full((b,), ctx, device=DEV, dtype=torch.int32)
+            row_seq = torch.arange(b, device=DEV, dtype=torch.int32)  # one decode row per sequence
             sets = []
             for _ in range(ROT):
                 q = torch.randn(b, HI, DI, device=DEV, dtype=torch.bfloat16)
@@ -139,12 +134,12 @@ def consumer_indexer(ceil: dict) -> list[dict]:
 
             def cand_path(i):
                 q, w, cand = sets[i]
-                s = index_scores_candidates(q, w, pool, "fp4", table, EPB, cand, CBS, n_vis)
+                s = index_scores_candidates(q, w, pool, "fp4", table, row_seq, EPB, cand, CBS, n_vis)
                 return topk(s, K)
 
             def dense_path(i):  # score every visible entry, then mask to the candidates
                 q, w, cand = sets[i]
-                s = index_scores(q, w, pool, "fp4", table, EPB, n_vis, ctx)
+                s = index_scores(q, w, pool, "fp4", table, row_seq, EPB, n_vis, ctx)
                 keep = torch.zeros(b, -(-ctx // CBS), dtype=torch.bool, device=DEV)
                 keep.scatter_(1, cand.clamp_min(0).long(), cand >= 0)
                 s = s.masked_fill(~keep.repeat_interleave(CBS, 1)[:, :ctx], float("-inf"))
@@ -157,9 +152,10 @@ def consumer_indexer(ceil: dict) -> list[dict]:
             for name, fn, nb_, fl in (("candidates", cand_path, nbytes, flops),
                                       ("dense_then_mask", dense_path, b * ctx * INDEX_FP4.row_bytes,
                                        b * ctx * HI * DI * 2)):
-                ms = bench(fn)
+                ms, gms = eager_ms(fn, ROT), graph_ms(fn, ROT)
                 fb, ff = floor_ms(nb_, fl, ceil)
-                rows.append({"op": "consumer_indexer", "path": name, "B": b, "ctx": ctx, "ms": ms, "bytes": nb_,
+                rows.append({"op": "consumer_indexer", "path": name, "B": b, "ctx": ctx, "ms": ms, "graph_ms": gms,
+                             "bytes": nb_,
                              "flops": fl, "floor_bytes_ms": fb, "floor_flops_ms": ff, "GBps": nb_ / ms / 1e6})
             del pool
     return rows
@@ -179,7 +175,8 @@ def prefill(ceil: dict, chunk: int = 4096) -> list[dict]:
         for c0 in range(0, n, chunk):
             t = min(chunk, n - c0)
             pos = torch.arange(c0, c0 + t, device=DEV)
-            table = torch.arange(nblk, device=DEV, dtype=torch.int32)[None].expand(t, nblk).contiguous()
+            table = torch.arange(nblk, device=DEV, dtype=torch.int32)[None]  # the one sequence's blocks
+            row_seq = torch.zeros(t, device=DEV, dtype=torch.int32)
             q_i = torch.randn(t, HI, DI, device=DEV, dtype=torch.bfloat16)
             w = torch.randn(t, HI, device=DEV)
             n_vis = (pos + 1).to(torch.int32)
@@ -188,11 +185,11 @@ def prefill(ceil: dict, chunk: int = 4096) -> list[dict]:
             state = {}
 
             def index_step(_):
-                s = index_scores(q_i, w, ipool, "fp4", table, EPB, n_vis, n_max)
+                s = index_scores(q_i, w, ipool, "fp4", table, row_seq, EPB, n_vis, n_max)
                 state["sel"] = topk(s, K)
 
-            t_idx += bench(index_step, 1)
-            t_scores += bench(lambda _: index_scores(q_i, w, ipool, "fp4", table, EPB, n_vis, n_max), 1)
+            t_idx += eager_ms(index_step)
+            t_scores += eager_ms(lambda _: index_scores(q_i, w, ipool, "fp4", table, row_seq, EPB, n_vis, n_max))
             idx, valid = state["sel"]
             if idx.shape[1] < K:
                 pad = K - idx.shape[1]
@@ -206,7 +203,7 @@ def prefill(ceil: dict, chunk: int = 4096) -> list[dict]:
             first = torch.zeros(t, device=DEV, dtype=torch.int32)
             args = (q, ang.cos(), ang.sin(), wpool, "fp8", old, fresh, first, mpool, "fp4", sel,
                     torch.randn(H, device=DEV), D ** -0.5)
-            t_att += bench(lambda _: sparse_attention(*args), 1)
+            t_att += eager_ms(lambda _: sparse_attention(*args))
         pairs = n * (n + 1) / 2
         idx_flops = pairs * HI * DI * 2
         att_flops = 4 * H * D * (K + W) * n
@@ -240,19 +237,21 @@ def plot(res: dict, path: str) -> None:
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
     dec = [r for r in res["rows"] if r["op"] == "decode_attention" and r["main_fmt"] == "fp4"]
     for b in sorted({r["B"] for r in dec}):
-        pts = sorted((r["ctx"], r["ms"] * 1e3, r["floor_bytes_ms"] * 1e3) for r in dec if r["B"] == b)
+        pts = sorted((r["ctx"], r["graph_ms"] * 1e3, r["ms"] * 1e3, r["floor_bytes_ms"] * 1e3)
+                     for r in dec if r["B"] == b)
         line, = ax[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"B={b}")
-        ax[0].plot([p[0] for p in pts], [p[2] for p in pts], ":", color=line.get_color())
+        ax[0].plot([p[0] for p in pts], [p[2] for p in pts], "x--", color=line.get_color())
+        ax[0].plot([p[0] for p in pts], [p[3] for p in pts], ":", color=line.get_color())
     ax[0].set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="us per layer",
-              title="decode sparse attention (dotted: bytes floor)")
+              title="decode sparse attention (solid: graph, dashed: eager, dotted: bytes floor)")
     ax[0].legend()
     ci = [r for r in res["rows"] if r["op"] == "consumer_indexer"]
     labels, vals = [], []
     for r in ci:
         labels.append(f"{r['path'][:5]} B{r['B']} {r['ctx'] // 1024}K")
-        vals.append(r["ms"] * 1e3)
+        vals.append(r["graph_ms"] * 1e3)
     ax[1].barh(labels, vals)
-    ax[1].set(xscale="log", xlabel="us per layer", title="consumer indexer + top-k")
+    ax[1].set(xscale="log", xlabel="us per layer (graph)", title="consumer indexer + top-k")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -261,14 +260,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="benchmarks/results/attention-h200")
     p.add_argument("--skip", default="", help="comma list of sections to skip: decode,indexer,prefill,dense")
-    p.add_argument("--graphs", action="store_true", help="decode and indexer sections: time CUDA-graph replays")
     a = p.parse_args()
-    global GRAPHS
-    GRAPHS = a.graphs
     skip = set(a.skip.split(","))
     torch.manual_seed(0)
-    meta = {"command": "python benchmarks/attention_h200.py --out " + a.out + (" --graphs" if a.graphs else "")
-            + (f" --skip {a.skip}" if a.skip else ""), "graphs": a.graphs, "device": torch.cuda.get_device_name(),
+    meta = {"command": "python benchmarks/attention_h200.py --out " + a.out + (f" --skip {a.skip}" if a.skip else ""),
+            "device": torch.cuda.get_device_name(),
             "torch": torch.__version__, "triton": triton.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -295,9 +291,11 @@ def main() -> None:
         keys = ("op", "main_fmt", "path", "B", "ctx", "new_tokens", "proj", "M", "kind")
         head = " ".join(f"{k}={r[k]}" for k in keys if k in r)
         if r["op"] == "dense":
-            print(f"{head:50s} {r['ms'] * 1e3:9.1f} us  {r['weight_GBps']:7.0f} GB/s weights  {r['TFLOPs']:6.1f} TFLOP/s")
+            print(f"{head:50s} {r['ms'] * 1e3:9.1f} us graph  {r['weight_GBps']:7.0f} GB/s weights  "
+                  f"{r['TFLOPs']:6.1f} TFLOP/s")
         elif "ms" in r:
-            print(f"{head:50s} {r['ms'] * 1e3:9.1f} us  floor bytes {r['floor_bytes_ms'] * 1e3:7.1f} us  "
+            print(f"{head:50s} {r['ms'] * 1e3:9.1f} us eager {r['graph_ms'] * 1e3:9.1f} us graph  "
+                  f"floor bytes {r['floor_bytes_ms'] * 1e3:7.1f} us  "
                   f"flops {r['floor_flops_ms'] * 1e3:7.1f} us")
         else:
             print(f"{head:50s} indexer {r['indexer_ms']:8.2f} ms (scores alone {r['indexer_scores_only_ms']:.2f}; "

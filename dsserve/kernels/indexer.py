@@ -9,14 +9,22 @@ Layouts and dtypes:
 * w [T, Hi] fp32, already multiplied by Di**-0.5 * Hi**-0.5.
 * pool [Nrows, B] uint8 packed rows: fmt "fp4" = INDEX_FP4 with Di channels (Di/2 e2m1 bytes, even element in the
   low nibble, then Di/32 ue8m0 bytes; 68 B at Di=128) or "bf16" = BF16_ROWS (2*Di bytes).
-* Entry e of row t lives in physical row block_table[t, e // epb] * epb + e % epb (block_table [T, MB] int32).
+* Block tables are per sequence: block_table [S, MB] int32, row_seq [T] int (row t belongs to sequence
+  row_seq[t]). Entry e of row t lives in physical row block_table[row_seq[t], e // epb] * epb + e % epb.
   Entry e is visible to row t iff e < n_visible[t] and e < MB * epb (past the table's reach nothing is mapped).
-  Physical block ids of visible entries must be valid pool blocks (not checked: that would need a device sync).
+  row_seq values and the physical block ids of visible entries must be valid (not checked: that would need a
+  device sync).
 * index_scores -> [T, n_max] fp32 (the refs return fp64 for fp64 q).
 * index_scores_candidates: cand_blocks [T, NB] int32 candidate-block ids (block b = entries [b*cbs, (b+1)*cbs)),
   -1 = none, any order. Output column c is entry cand_blocks[t, c // cbs] * cbs + c % cbs -> [T, NB*cbs] fp32,
   -inf where the block is -1 or the entry is not visible. Its cost is NB*cbs per row whatever the context.
 Both ops take an optional `out` (written in full, returned) so callers and tests can reuse or poison buffers.
+
+Kernels: index_scores tiles BLOCK_M consecutive rows x BLOCK_N entries. When the tile's rows share one sequence
+(prefill chunks) each key is fetched and decoded once and scored for all rows in one dot of BLOCK_M*BLOCK_H
+(row, head) pairs; otherwise (decode batches, the tile holding a sequence boundary) its rows are scored one by
+one. Candidates differ per row, so index_scores_candidates scores one row per program. Key rows are read as int32
+words when 4-byte aligned (68 B at Di = 128), else as bytes, and decoded to natural channel order: one dot over Di.
 """
 from __future__ import annotations
 
@@ -26,183 +34,160 @@ import torch
 import triton
 import triton.language as tl
 
-from dsserve.kv.formats import BF16_ROWS, INDEX_FP4, RowFormat
-from dsserve.layers.numerics import acc
+from dsserve.kernels.indexer_ref import (  # noqa: F401  (the refs are looked up here by KernelOps)
+    _check, _check_cands, _out, _row_format, candidate_entries, index_scores_candidates_ref, index_scores_ref)
 
-BLOCK_N = 64   # entries per program: 64 x Di/2 key halves keep registers low; decode grids stay >= 1 wave at 8K+
-MAX_BLOCK_H = 64
+# Tuning (module constants so the H200 sweep can monkeypatch them; read at every call).
+PREFILL_M = 128  # dot rows of a shared-key tile: BLOCK_M query rows x BLOCK_H heads (Hi = 32 -> 4 rows)
+BLOCK_N = 64     # entries per index_scores tile
+N_TILES = 4      # entry tiles per program (q loaded once), used when the grid still has _FILL programs:
+_FILL = 8192     # ~60 per SM; smaller grids (decode batches, short chunks) keep one tile per program for latency
 NUM_WARPS = 4
+CAND_BLOCK_N = 64  # candidate columns per program
+CAND_WARPS = 4
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels are decorated, as Triton does
-_REF_CHUNK = 1 << 19  # ref: rows per chunk * n bounded so gathered keys stay ~0.5 GB at Di = 128
 
 
-# ------------------------------------------------------------------ checks shared by refs and kernels
-def _row_format(fmt: str, di: int) -> RowFormat:
-    if fmt == "fp4":
-        return INDEX_FP4.with_channels(di)
-    if fmt == "bf16":
-        return BF16_ROWS.with_channels(di)
-    raise ValueError(f"unknown index pool format {fmt!r}; expected 'fp4' or 'bf16'")
-
-
-def _check(q, w, pool, fmt, block_table, epb, n_visible) -> RowFormat:
-    if q.dim() != 3:
-        raise ValueError(f"q must be [T, Hi, Di], got {tuple(q.shape)}")
-    t, h, di = q.shape
-    if tuple(w.shape) != (t, h):
-        raise ValueError(f"w must be [T, Hi] = {(t, h)}, got {tuple(w.shape)}")
-    rf = _row_format(fmt, di)
-    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != rf.row_bytes:
-        raise ValueError(f"pool must be uint8 [Nrows, {rf.row_bytes}] for {fmt} with Di={di}, "
-                         f"got {pool.dtype} {tuple(pool.shape)}")
-    if block_table.dim() != 2 or block_table.shape[0] != t or block_table.is_floating_point():
-        raise ValueError(f"block_table must be integer [T={t}, MB], got {block_table.dtype} {tuple(block_table.shape)}")
-    if not isinstance(epb, int) or epb <= 0:
-        raise ValueError(f"epb (entries per block) must be a positive int, got {epb!r}")
-    if tuple(n_visible.shape) != (t,) or n_visible.is_floating_point():
-        raise ValueError(f"n_visible must be integer [T={t}], got {n_visible.dtype} {tuple(n_visible.shape)}")
-    return rf
-
-
-def _check_cands(cand_blocks, cbs, t):
-    if cand_blocks.dim() != 2 or cand_blocks.shape[0] != t or cand_blocks.is_floating_point():
-        raise ValueError(f"cand_blocks must be integer [T={t}, NB], got {cand_blocks.dtype} {tuple(cand_blocks.shape)}")
-    if not isinstance(cbs, int) or cbs <= 0:
-        raise ValueError(f"cand_block_size must be a positive int, got {cbs!r}")
-
-
-def _out(out, t, n, dtype, device):
-    if out is None:
-        return torch.empty(t, n, dtype=dtype, device=device)
-    if tuple(out.shape) != (t, n) or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous {dtype} [{t}, {n}], got {out.dtype} {tuple(out.shape)}")
-    return out
-
-
-# ------------------------------------------------------------------ references
-def _entry_scores(q, w, pool, rf, block_table, epb, n_visible, entries):
-    """Scores of entries [T, N] (int64, any value) for each row; -inf where not visible."""
-    mb = block_table.shape[1]
-    vis = (entries >= 0) & (entries < n_visible.long()[:, None]) & (entries < mb * epb)
-    col = torch.where(vis, entries // epb, 0)
-    phys = torch.where(vis, block_table.long().gather(1, col) * epb + entries % epb, 0)
-    dt = acc(q).dtype
-    out = torch.empty(entries.shape, dtype=dt, device=q.device)
-    step = max(1, _REF_CHUNK // max(1, entries.shape[1]))
-    for a in range(0, q.shape[0], step):  # chunks bound the gathered [rows, N, Di] keys
-        keys = rf.unpack(pool[phys[a:a + step]], dt)
-        logits = torch.relu(torch.einsum("thd,tnd->thn", acc(q[a:a + step]), keys))
-        out[a:a + step] = torch.einsum("thn,th->tn", logits, acc(w[a:a + step]).to(dt))
-    return out.masked_fill(~vis, float("-inf"))
-
-
-def index_scores_ref(q, w, pool, fmt, block_table, epb, n_visible, n_max, out=None):
-    rf = _check(q, w, pool, fmt, block_table, epb, n_visible)
-    entries = torch.arange(n_max, device=q.device).expand(q.shape[0], n_max)
-    s = _entry_scores(q, w, pool, rf, block_table, epb, n_visible, entries)
-    return s if out is None else _out(out, *s.shape, s.dtype, s.device).copy_(s)
-
-
-def index_scores_candidates_ref(q, w, pool, fmt, block_table, epb, cand_blocks, cand_block_size, n_visible,
-                                out=None):
-    """Dense then mask: every entry the block table reaches, then the candidate columns gathered."""
-    _check(q, w, pool, fmt, block_table, epb, n_visible)
-    _check_cands(cand_blocks, cand_block_size, q.shape[0])
-    reach = block_table.shape[1] * epb
-    dense = index_scores_ref(q, w, pool, fmt, block_table, epb, n_visible, reach)
-    ent = candidate_entries(cand_blocks, cand_block_size,
-                            torch.arange(cand_blocks.shape[1] * cand_block_size, device=q.device))
-    ok = (ent >= 0) & (ent < reach)
-    s = dense.gather(1, torch.where(ok, ent, 0)).masked_fill(~ok, float("-inf"))
-    return s if out is None else _out(out, *s.shape, s.dtype, s.device).copy_(s)
-
-
-def candidate_entries(cand_blocks: torch.Tensor, cand_block_size: int, idx: torch.Tensor) -> torch.Tensor:
-    """Compact column indices idx ([T, k] or [k]) -> entry ids int64 [T, k]; -1 where the block is -1."""
-    idx = idx.long().expand(cand_blocks.shape[0], -1) if idx.dim() == 1 else idx.long()
-    blk = cand_blocks.long().gather(1, idx // cand_block_size)
-    return torch.where(blk >= 0, blk * cand_block_size + idx % cand_block_size, -1)
-
-
-# ------------------------------------------------------------------ Triton
-@triton.jit
-def _e2m1(code):
-    """e2m1 nibble -> fp32 from the bits: magnitude code m = 2e + b is 0.5*b (e = 0) or (1 + b/2) * 2^(e-1)."""
-    c = code.to(tl.int32)
-    e = (c >> 1) & 3
-    b = c & 1
-    normal = (((e + 126) << 23) | (b << 22)).to(tl.float32, bitcast=True)
-    mag = tl.where(e == 0, b.to(tl.float32) * 0.5, normal)
-    return tl.where((c & 8) != 0, -mag, mag)  # code 8 is -0.0, as in formats
+# ------------------------------------------------------------------ Triton: key decoding and scoring
+_SIGN = tl.constexpr(-(1 << 31))
+_MAG = tl.constexpr(7 << 22)
+_TWO126 = tl.constexpr(2.0 ** 126)
 
 
 @triton.jit
-def _score_tile(q_ptr, w_ptr, pool_ptr, t, phys, vis, H, row_stride,
-                DI: tl.constexpr, BLOCK_H: tl.constexpr, NUM_HB: tl.constexpr, BLOCK_N: tl.constexpr,
-                FP4: tl.constexpr, BF16_DOT: tl.constexpr):
-    """[BLOCK_N] scores of the key rows phys (int64) of row t; keys decoded once as even/odd channel halves."""
-    i = tl.arange(0, DI // 2)
-    row = pool_ptr + phys[:, None] * row_stride
+def _key_tile(pool_ptr, phys, vis, row_stride, DI: tl.constexpr, BLOCK_N: tl.constexpr, FP4: tl.constexpr,
+              WORDS: tl.constexpr, BF16_DOT: tl.constexpr):
+    """Keys of pool rows phys (int64 [BLOCK_N]) as the dot operand [DI, BLOCK_N]; rows not vis are 0."""
+    m = vis[:, None]
+    wrow = pool_ptr.to(tl.pointer_type(tl.int32)) + phys[:, None] * (row_stride // 4)
+    brow = pool_ptr + phys[:, None] * row_stride
     if FP4:
-        byte = tl.load(row + i[None, :], mask=vis[:, None], other=0)
-        e8 = tl.load(row + DI // 2 + i[None, :] // 16, mask=vis[:, None], other=127).to(tl.int32)
-        scale = tl.where(e8 == 0, 1 << 22, e8 << 23).to(tl.float32, bitcast=True)  # 2^(e8-127), e8=0 subnormal
-        k_e = _e2m1(byte & 15) * scale
-        k_o = _e2m1(byte >> 4) * scale
+        g = tl.arange(0, DI // 32)
+        if WORDS:  # little-endian words: byte 4i + j is word i >> 8j (bits above the byte are masked below)
+            x = tl.load(wrow + tl.arange(0, DI // 8)[None, :], mask=m, other=0)
+            b = tl.reshape(tl.join(tl.join(x, x >> 16), tl.join(x >> 8, x >> 24)), [BLOCK_N, DI // 2])
+            sw = tl.load(wrow + DI // 8 + (g // 4)[None, :], mask=m, other=0)  # 4 lanes share each scale word
+            e8 = (sw >> ((g % 4) * 8)[None, :]) & 255
+        else:
+            b = tl.load(brow + tl.arange(0, DI // 2)[None, :], mask=m, other=0).to(tl.int32)
+            e8 = tl.load(brow + DI // 2 + g[None, :], mask=m, other=0).to(tl.int32)
+        # e2m1 nibble -> fp32 bits: sign to bit 31, exponent + mantissa to bits 24..22. That is the value times
+        # 2^-126 exactly (e = 0 lands on fp32 subnormals as e2m1's own subnormals do), so no select is needed.
+        lo = ((b << 28) & _SIGN) | ((b << 22) & _MAG)
+        hi = ((b << 24) & _SIGN) | ((b << 18) & _MAG)
+        bits = tl.reshape(tl.join(lo, hi), [BLOCK_N, DI])  # even channel in the low nibble
+        s = tl.where(e8 == 0, 1 << 22, e8 << 23).to(tl.float32, bitcast=True)  # 2^(e8-127), e8 = 0 subnormal
+        k = bits.to(tl.float32, bitcast=True) * _TWO126  # exact: the e2m1 value; then fp32 v * s as formats does
+        k = tl.reshape(tl.reshape(k, [BLOCK_N, DI // 32, 32]) * s[:, :, None], [BLOCK_N, DI])
+    elif WORDS:  # bf16 pairs as one little-endian int32: channel 2i in the low half
+        x = tl.load(wrow + tl.arange(0, DI // 2)[None, :], mask=m, other=0)
+        k = tl.reshape(tl.join((x << 16).to(tl.float32, bitcast=True), (x & -65536).to(tl.float32, bitcast=True)),
+                       [BLOCK_N, DI])
     else:
-        k_e = tl.load(row + 2 * i[None, :], mask=vis[:, None], other=0.0).to(tl.float32)
-        k_o = tl.load(row + 2 * i[None, :] + 1, mask=vis[:, None], other=0.0).to(tl.float32)
-    k_e = tl.trans(k_e)
-    k_o = tl.trans(k_o)
+        j = 2 * tl.arange(0, DI)[None, :]
+        lo = tl.load(brow + j, mask=m, other=0).to(tl.int32)
+        hi = tl.load(brow + j + 1, mask=m, other=0).to(tl.int32)
+        k = ((hi << 24) | (lo << 16)).to(tl.float32, bitcast=True)
     if BF16_DOT:
-        k_e = k_e.to(tl.bfloat16)
-        k_o = k_o.to(tl.bfloat16)
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for hb in tl.static_range(NUM_HB):
-        h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-        hm = h < H
-        qp = q_ptr + (t * H + h[:, None]).to(tl.int64) * DI + 2 * i[None, :]
-        q_e = tl.load(qp, mask=hm[:, None], other=0.0)  # padded heads: q = 0 and w = 0 contribute nothing
-        q_o = tl.load(qp + 1, mask=hm[:, None], other=0.0)
-        if BF16_DOT:
-            lg = tl.dot(q_o.to(tl.bfloat16), k_o, tl.dot(q_e.to(tl.bfloat16), k_e))
-        else:  # fp32 q, or bf16 q under the interpreter (its bf16 dot multiplies the raw uint16 bits)
-            lg = tl.dot(q_e.to(tl.float32), k_e, input_precision="ieee")
-            lg = tl.dot(q_o.to(tl.float32), k_o, lg, input_precision="ieee")
-        wv = tl.load(w_ptr + t * H + h, mask=hm, other=0.0)
-        total += tl.sum(tl.maximum(lg, 0.0) * wv[:, None], axis=0)
-    return total
+        k = k.to(tl.bfloat16)
+    return tl.trans(k)
+
+
+@triton.jit
+def _q_tile(q_ptr, w_ptr, row0, T, H, RM: tl.constexpr, RH: tl.constexpr, DI: tl.constexpr,
+            BF16_DOT: tl.constexpr):
+    """q of rows row0 + i // RH, heads i % RH as the dot operand [RM*RH, DI], and w [RM*RH]; padding is 0."""
+    i = tl.arange(0, RM * RH)
+    h = i % RH
+    r = row0 + i // RH
+    ok = (r < T) & (h < H)  # padded rows/heads: q = 0 and w = 0 contribute nothing
+    qh = r.to(tl.int64) * H + h
+    q = tl.load(q_ptr + qh[:, None] * DI + tl.arange(0, DI)[None, :], mask=ok[:, None], other=0.0)
+    w = tl.load(w_ptr + qh, mask=ok, other=0.0)
+    if BF16_DOT:
+        q = q.to(tl.bfloat16)
+    else:  # fp32 q, or bf16 q in the interpreter (its bf16 dot multiplies the raw bits)
+        q = q.to(tl.float32)
+    return q, w
+
+
+@triton.jit
+def _score(q, w, kT, RM: tl.constexpr, RH: tl.constexpr, BLOCK_N: tl.constexpr, BF16_DOT: tl.constexpr):
+    """Scores [RM, BLOCK_N] ([BLOCK_N] for RM = 1): one dot for every (row, head), ReLU, weights, sum over heads."""
+    if BF16_DOT:
+        lg = tl.dot(q, kT)
+    else:
+        lg = tl.dot(q, kT, input_precision="ieee")  # "ieee": fp32 q must not drop to tf32
+    p = tl.maximum(lg, 0.0) * w[:, None]
+    if RM == 1:
+        s = tl.sum(p, axis=0)
+    else:
+        s = tl.sum(tl.reshape(p, [RM, RH, BLOCK_N]), axis=1)
+    return s
 
 
 # Rows are 68 B apart, so a row start is only 4-byte aligned. With epb (64) specialised as a multiple of 16,
-# Triton 3.6 inferred 16-byte aligned row starts and issued misaligned 16-byte loads on the H200; keep the
-# integers that enter the row address unspecialised.
-_ROW_ARGS = ["row_stride", "epb", "bt_stride", "reach"]
+# Triton 3.6 inferred 16-byte aligned row starts (it carried phys's divisibility into the broadcast row axis) and
+# issued misaligned 16-byte loads on the H200. The word path has the same row-address arithmetic in words, so
+# the integers that enter a row address stay unspecialised (T too: it only masks, and would recompile per batch).
+_ROW_ARGS = ["T", "row_stride", "epb", "bt_stride", "reach"]
 
 
 @triton.jit(do_not_specialize=_ROW_ARGS)
-def _index_scores_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, nvis_ptr, out_ptr, n_max, H, row_stride, bt_stride, epb,
-                         reach, DI: tl.constexpr, BLOCK_H: tl.constexpr, NUM_HB: tl.constexpr,
-                         BLOCK_N: tl.constexpr, FP4: tl.constexpr, BF16_DOT: tl.constexpr):
-    t = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    limit = tl.minimum(tl.load(nvis_ptr + t), reach)
-    dst = out_ptr + t.to(tl.int64) * n_max + n
-    if tl.program_id(1) * BLOCK_N < limit:
-        vis = n < limit
-        blk = tl.load(bt_ptr + t.to(tl.int64) * bt_stride + n // epb, mask=vis, other=0)
-        phys = blk.to(tl.int64) * epb + n % epb
-        s = _score_tile(q_ptr, w_ptr, pool_ptr, t, phys, vis, H, row_stride, DI, BLOCK_H, NUM_HB, BLOCK_N,
-                        FP4, BF16_DOT)
-        tl.store(dst, tl.where(vis, s, float("-inf")), mask=n < n_max)
-    else:  # the whole tile is past n_visible: no key traffic
-        tl.store(dst, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=n < n_max)
+def _index_scores_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, seq_ptr, nvis_ptr, out_ptr, T, n_max, H, row_stride,
+                         bt_stride, epb, reach, DI: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_H1: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_TILES: tl.constexpr, FP4: tl.constexpr,
+                         WORDS: tl.constexpr, BF16_DOT: tl.constexpr):
+    row0 = tl.program_id(0) * BLOCK_M
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rm = rows < T
+    seq = tl.load(seq_ptr + rows, mask=rm, other=0)
+    lim = tl.where(rm, tl.minimum(tl.load(nvis_ptr + rows, mask=rm, other=0), reach), 0)
+    top = tl.max(lim, axis=0)
+    s_lo = tl.min(tl.where(rm, seq, 2147483647), axis=0)
+    s_hi = tl.max(tl.where(rm, seq, -1), axis=0)
+    jj = tl.arange(0, BLOCK_N)
+    tile0 = tl.program_id(1) * N_TILES
+    if s_lo == s_hi:  # one sequence: decode each key once for all rows of the tile
+        q, w = _q_tile(q_ptr, w_ptr, row0, T, H, BLOCK_M, BLOCK_H, DI, BF16_DOT)
+        for i in range(N_TILES):  # constexpr trip count (runtime bounds break the Triton 3.6 interpreter)
+            n = (tile0 + i) * BLOCK_N + jj
+            dst = out_ptr + rows.to(tl.int64)[:, None] * n_max + n[None, :]
+            om = rm[:, None] & (n < n_max)[None, :]
+            if (tile0 + i) * BLOCK_N < top:
+                vis = n < top
+                blk = tl.load(bt_ptr + s_lo.to(tl.int64) * bt_stride + n // epb, mask=vis, other=0)
+                kT = _key_tile(pool_ptr, blk.to(tl.int64) * epb + n % epb, vis, row_stride, DI, BLOCK_N, FP4, WORDS,
+                               BF16_DOT)
+                s = _score(q, w, kT, BLOCK_M, BLOCK_H, BLOCK_N, BF16_DOT)
+                tl.store(dst, tl.where(n[None, :] < lim[:, None], s, float("-inf")), mask=om)
+            else:  # the whole tile is past every row's n_visible: no key traffic
+                tl.store(dst, tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32), mask=om)
+    else:  # rows of several sequences: one at a time (a loop, not static_range: tiny Hi gives BLOCK_M up to 64)
+        for r in range(BLOCK_M):
+            t = row0 + r
+            if t < T:
+                q1, w1 = _q_tile(q_ptr, w_ptr, t, T, H, 1, BLOCK_H1, DI, BF16_DOT)
+                lim1 = tl.minimum(tl.load(nvis_ptr + t), reach)
+                bt_row = bt_ptr + tl.load(seq_ptr + t).to(tl.int64) * bt_stride
+                for i in range(N_TILES):
+                    n = (tile0 + i) * BLOCK_N + jj
+                    dst = out_ptr + t.to(tl.int64) * n_max + n
+                    if (tile0 + i) * BLOCK_N < lim1:
+                        vis = n < lim1
+                        blk = tl.load(bt_row + n // epb, mask=vis, other=0)
+                        kT = _key_tile(pool_ptr, blk.to(tl.int64) * epb + n % epb, vis, row_stride, DI, BLOCK_N,
+                                       FP4, WORDS, BF16_DOT)
+                        s = _score(q1, w1, kT, 1, BLOCK_H1, BLOCK_N, BF16_DOT)
+                        tl.store(dst, tl.where(vis, s, float("-inf")), mask=n < n_max)
+                    else:
+                        tl.store(dst, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=n < n_max)
 
 
 @triton.jit(do_not_specialize=_ROW_ARGS + ["cbs", "cand_stride"])
-def _index_scores_cand_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, nvis_ptr, cand_ptr, out_ptr, ncols, cand_stride, cbs,
-                              H, row_stride, bt_stride, epb, reach, DI: tl.constexpr, BLOCK_H: tl.constexpr,
-                              NUM_HB: tl.constexpr, BLOCK_N: tl.constexpr, FP4: tl.constexpr,
+def _index_scores_cand_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, seq_ptr, nvis_ptr, cand_ptr, out_ptr, T, ncols,
+                              cand_stride, cbs, H, row_stride, bt_stride, epb, reach, DI: tl.constexpr,
+                              BLOCK_H1: tl.constexpr, BLOCK_N: tl.constexpr, FP4: tl.constexpr, WORDS: tl.constexpr,
                               BF16_DOT: tl.constexpr):
     t = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -212,18 +197,20 @@ def _index_scores_cand_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, nvis_ptr, cand_ptr
     vis = cm & (blk >= 0) & (e < tl.minimum(tl.load(nvis_ptr + t), reach))
     dst = out_ptr + t.to(tl.int64) * ncols + c
     if tl.max(vis.to(tl.int32), axis=0) > 0:
-        pb = tl.load(bt_ptr + t.to(tl.int64) * bt_stride + e // epb, mask=vis, other=0)
-        phys = pb.to(tl.int64) * epb + e % epb
-        s = _score_tile(q_ptr, w_ptr, pool_ptr, t, phys, vis, H, row_stride, DI, BLOCK_H, NUM_HB, BLOCK_N,
-                        FP4, BF16_DOT)
+        bt_row = bt_ptr + tl.load(seq_ptr + t).to(tl.int64) * bt_stride
+        pb = tl.load(bt_row + e // epb, mask=vis, other=0)
+        kT = _key_tile(pool_ptr, pb.to(tl.int64) * epb + e % epb, vis, row_stride, DI, BLOCK_N, FP4, WORDS,
+                       BF16_DOT)
+        q, w = _q_tile(q_ptr, w_ptr, t, T, H, 1, BLOCK_H1, DI, BF16_DOT)
+        s = _score(q, w, kT, 1, BLOCK_H1, BLOCK_N, BF16_DOT)
         tl.store(dst, tl.where(vis, s, float("-inf")), mask=cm)
     else:  # -1 padding (short contexts) costs only this store
         tl.store(dst, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=cm)
 
 
-def _prepare(q, w, pool, fmt, block_table, epb, n_visible):
-    """Validated, contiguous kernel operands plus the constexpr meta-parameters."""
-    rf = _check(q, w, pool, fmt, block_table, epb, n_visible)
+def _prepare(q, w, pool, fmt, block_table, row_seq, epb, n_visible):
+    """Validated, contiguous kernel operands, the shared constexprs, BLOCK_H, the row stride and the table reach."""
+    _check(q, w, pool, fmt, block_table, row_seq, epb, n_visible)
     t, h, di = q.shape
     if not q.is_floating_point():
         raise ValueError(f"q must be a float tensor, got {q.dtype}")
@@ -231,35 +218,43 @@ def _prepare(q, w, pool, fmt, block_table, epb, n_visible):
         q = q.float()
     if di < 32 or di & (di - 1):
         raise ValueError(f"Di must be a power of two >= 32 for the Triton kernel, got {di}")
-    pool_t = pool.contiguous() if fmt == "fp4" else pool.contiguous().view(torch.bfloat16)
-    block_h = min(MAX_BLOCK_H, max(16, triton.next_power_of_2(h)))  # tl.dot needs M >= 16
-    args = (q.contiguous(), w.float().contiguous(), pool_t, block_table.to(torch.int32).contiguous(),
-            n_visible.to(torch.int32).contiguous())
-    meta = dict(DI=di, BLOCK_H=block_h, NUM_HB=triton.cdiv(h, block_h), BLOCK_N=BLOCK_N, FP4=fmt == "fp4",
-                BF16_DOT=q.dtype == torch.bfloat16 and not _INTERPRET, num_warps=NUM_WARPS)
-    return args, meta, pool_t.stride(0), block_table.shape[1] * epb
+    pool = pool.contiguous()
+    words = pool.stride(0) % 4 == 0 and pool.data_ptr() % 4 == 0
+    args = (q.contiguous(), w.float().contiguous(), pool, block_table.to(torch.int32).contiguous(),
+            row_seq.to(torch.int32).contiguous(), n_visible.to(torch.int32).contiguous())
+    meta = dict(DI=di, FP4=fmt == "fp4", WORDS=words, BF16_DOT=q.dtype == torch.bfloat16 and not _INTERPRET)
+    return args, meta, triton.next_power_of_2(h), pool.stride(0), block_table.shape[1] * epb
 
 
-def index_scores(q, w, pool, fmt, block_table, epb, n_visible, n_max, out=None):
-    """Scores of every entry < n_max -> [T, n_max] fp32; programs past n_visible[t] only write -inf."""
-    (q, w, pool_t, bt, nv), meta, row_stride, reach = _prepare(q, w, pool, fmt, block_table, epb, n_visible)
-    out = _out(out, q.shape[0], n_max, torch.float32, q.device)
+def index_scores(q, w, pool, fmt, block_table, row_seq, epb, n_visible, n_max, out=None):
+    """Scores of every entry < n_max -> [T, n_max] fp32; tiles past every row's n_visible only write -inf."""
+    (q, w, pool, bt, seq, nv), meta, bh, row_stride, reach = _prepare(q, w, pool, fmt, block_table, row_seq, epb,
+                                                                     n_visible)
+    t = q.shape[0]
+    out = _out(out, t, n_max, torch.float32, q.device)
     if out.numel():
-        grid = (q.shape[0], triton.cdiv(n_max, BLOCK_N))
-        _index_scores_kernel[grid](q, w, pool_t, bt, nv, out, n_max, q.shape[1], row_stride, bt.stride(0), epb,
-                                   reach, **meta)
+        # about PREFILL_M dot rows; no more rows than the batch has (decode), but >= 16 dot rows (tl.dot's minimum)
+        bm = max(min(max(1, PREFILL_M // bh), triton.next_power_of_2(t)), triton.cdiv(16, bh))
+        tiles = N_TILES if triton.cdiv(t, bm) * triton.cdiv(n_max, BLOCK_N * N_TILES) >= _FILL else 1
+        grid = (triton.cdiv(t, bm), triton.cdiv(n_max, BLOCK_N * tiles))
+        _index_scores_kernel[grid](q, w, pool, bt, seq, nv, out, t, n_max, q.shape[1], row_stride, bt.stride(0), epb,
+                                   reach, BLOCK_H=bh, BLOCK_H1=max(16, bh), BLOCK_M=bm, BLOCK_N=BLOCK_N,
+                                   N_TILES=tiles, num_warps=NUM_WARPS, **meta)
     return out
 
 
-def index_scores_candidates(q, w, pool, fmt, block_table, epb, cand_blocks, cand_block_size, n_visible, out=None):
+def index_scores_candidates(q, w, pool, fmt, block_table, row_seq, epb, cand_blocks, cand_block_size, n_visible,
+                            out=None):
     """Scores of the candidate blocks' entries only -> [T, NB * cand_block_size] fp32 (see module doc)."""
-    (q, w, pool_t, bt, nv), meta, row_stride, reach = _prepare(q, w, pool, fmt, block_table, epb, n_visible)
+    (q, w, pool, bt, seq, nv), meta, bh, row_stride, reach = _prepare(q, w, pool, fmt, block_table, row_seq, epb,
+                                                                     n_visible)
     _check_cands(cand_blocks, cand_block_size, q.shape[0])
     cand = cand_blocks.to(torch.int32).contiguous()
     ncols = cand.shape[1] * cand_block_size
     out = _out(out, q.shape[0], ncols, torch.float32, q.device)
     if out.numel():
-        grid = (q.shape[0], triton.cdiv(ncols, BLOCK_N))
-        _index_scores_cand_kernel[grid](q, w, pool_t, bt, nv, cand, out, ncols, cand.stride(0), cand_block_size,
-                                        q.shape[1], row_stride, bt.stride(0), epb, reach, **meta)
+        grid = (q.shape[0], triton.cdiv(ncols, CAND_BLOCK_N))
+        _index_scores_cand_kernel[grid](q, w, pool, bt, seq, nv, cand, out, q.shape[0], ncols, cand.stride(0),
+                                        cand_block_size, q.shape[1], row_stride, bt.stride(0), epb, reach,
+                                        BLOCK_H1=max(16, bh), BLOCK_N=CAND_BLOCK_N, num_warps=CAND_WARPS, **meta)
     return out

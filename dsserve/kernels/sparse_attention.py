@@ -172,7 +172,7 @@ def _sparse_attention_kernel(q, sq_t, sq_h, sq_d, cos, sin, wpool, w_stride, old
                              D: tl.constexpr, R2: tl.constexpr, W: tl.constexpr, K: tl.constexpr,
                              WFMT: tl.constexpr, MFMT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                              NUM_SPLITS: tl.constexpr, BPS: tl.constexpr, IT_W: tl.constexpr, IT_K: tl.constexpr,
-                             UPCAST: tl.constexpr):
+                             UPCAST: tl.constexpr, SKIP_EMPTY: tl.constexpr):
     D2: tl.constexpr = D // 2
     NB_W: tl.constexpr = (W + BLOCK_N - 1) // BLOCK_N
     DT: tl.constexpr = q.dtype.element_ty
@@ -204,7 +204,7 @@ def _sparse_attention_kernel(q, sq_t, sq_h, sq_d, cos, sin, wpool, w_stride, old
             n0 = (lo + i) * BLOCK_N
             rows = tl.load(old_rows + t * W + n0 + nn, mask=n0 + nn < W, other=-1)
             valid = rows >= 0
-            if tl.max(valid.to(tl.int32), 0) > 0:
+            if (not SKIP_EMPTY) or tl.max(valid.to(tl.int32), 0) > 0:
                 k_e, k_o = _decode_rows(wpool, w_stride, rows, valid, WFMT, D, BLOCK_N)
                 m_i, l_i, acc_e, acc_o = _online(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, qk_scale,
                                                  DT, UPCAST)
@@ -227,7 +227,7 @@ def _sparse_attention_kernel(q, sq_t, sq_h, sq_d, cos, sin, wpool, w_stride, old
             n0 = (g0 + i) * BLOCK_N
             rows = tl.load(sel_rows + t * K + n0 + nn, mask=n0 + nn < k_end, other=-1)
             valid = rows >= 0
-            if tl.max(valid.to(tl.int32), 0) > 0:
+            if (not SKIP_EMPTY) or tl.max(valid.to(tl.int32), 0) > 0:
                 k_e, k_o = _decode_rows(mpool, m_stride, rows, valid, MFMT, D, BLOCK_N)
                 m_i, l_i, acc_e, acc_o = _online(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, qk_scale,
                                                  DT, UPCAST)
@@ -242,10 +242,27 @@ def _sparse_attention_kernel(q, sq_t, sq_h, sq_d, cos, sin, wpool, w_stride, old
         tl.store(acc_ws + ms[:, None] * D + D2 + jj, acc_o, mask=hm[:, None])
 
 
-def num_splits(programs, blocks):
+def num_splits(programs, blocks, fill=_FILL):
     """Split-K factor for `programs` = T * cdiv(H, BLOCK_H) programs over `blocks` virtual key blocks per row: 1 when
-    they already fill the GPU (prefill), else enough splits for about _FILL programs, at most one per block."""
-    return 1 if programs >= _FILL else max(1, min(blocks, triton.cdiv(_FILL, programs)))
+    they already fill the GPU (prefill), else enough splits for about `fill` programs, at most one per block."""
+    return 1 if programs >= fill else max(1, min(blocks, triton.cdiv(fill, programs)))
+
+
+TILE_OVERRIDE: dict | None = None  # tuning sweeps only: keys of _tiles' result to force
+
+
+def _tiles(t, h, d):
+    """Tile and launch parameters for T rows of H heads x D channels, from a sweep on the H200 at D = 512, H = 64
+    (benchmarks/results/attention-h200/tile_sweep.md): all heads in one program (BLOCK_H = 64) decode each key once
+    instead of once per head block, which beat 16/32-head blocks at B = 1, 16, 64 and in 4096-row prefill
+    (e.g. B = 64: 139 vs 179 us; prefill 4.6 vs 10.4 ms); BLOCK_N = 32 keys per step with 8 warps (16 warps:
+    2-3x slower).
+    num_stages = 2 (pipelined loads, no skipping of empty blocks) was no faster at this tile size."""
+    block_h = min(64, max(16, triton.next_power_of_2(h)))  # dot dims >= 16
+    cfg = dict(block_h=block_h, block_n=32 if d >= 256 else 16, num_warps=8 if block_h * d >= 64 * 256 else 4,
+               num_stages=1, skip_empty=True, fill=_FILL)
+    cfg.update(TILE_OVERRIDE or {})
+    return cfg
 
 
 def sparse_attention(q, cos, sin, window_pool, window_fmt, old_rows, fresh_kv, row_first, main_pool, main_fmt,
@@ -272,18 +289,13 @@ def sparse_attention(q, cos, sin, window_pool, window_fmt, old_rows, fresh_kv, r
     old_rows, row_first = (x.to(torch.int32).contiguous() for x in (old_rows, row_first))
     sel = old_rows if sel_rows is None else sel_rows.to(torch.int32).contiguous()  # dummy pointer when K = 0
     mpool = window_pool if main_pool is None else main_pool
-    # Tiles: dot dims must be >= 16. BLOCK_H = 32 halves the per-program key decoding (the costly part: every
-    # program decodes all its row's keys) versus 16, but with few rows (decode) 16 gives twice the programs.
-    # BLOCK_N = 32 at D = 512 keeps a decoded fp32 key tile at 64 regs/thread with 8 warps; 8 warps for the
-    # [32, 512] fp32 accumulators (64 regs/thread), 4 for BLOCK_H = 16. num_stages=1: the key loads sit under
-    # a data-dependent `if` (skipped empty blocks), which the software pipeliner does not stage anyway.
-    block_h = 16 if h <= 16 or t * triton.cdiv(h, 32) < 128 else 32
-    block_n = 32 if d >= 256 else 16
+    cfg = _tiles(t, h, d)
+    block_h, block_n = cfg["block_h"], cfg["block_n"]
     # Split-K (decode): few programs each walking ~20 key blocks serially is latency-bound, so spread each row's
     # blocks over S programs and merge the partial softmaxes in a second small launch.
     nb_w, nb_k = triton.cdiv(w, block_n), triton.cdiv(k, block_n)
-    bps = triton.cdiv(2 * nb_w + nb_k, num_splits(t * triton.cdiv(h, block_h), 2 * nb_w + nb_k) if splits is None
-                      else splits)  # key blocks per split; then no split is empty
+    bps = triton.cdiv(2 * nb_w + nb_k, num_splits(t * triton.cdiv(h, block_h), 2 * nb_w + nb_k, cfg["fill"])
+                      if splits is None else splits)  # key blocks per split; then no split is empty
     n_split = triton.cdiv(2 * nb_w + nb_k, bps)
     cos, sin, sink = cos.float().contiguous(), sin.float().contiguous(), sink.float().contiguous()
     # The single pass writes o directly; its workspace pointers are unused.
@@ -294,7 +306,8 @@ def sparse_attention(q, cos, sin, window_pool, window_fmt, old_rows, fresh_kv, r
         mpool, mpool.stride(0), sel, sink, out, m_ws, l_ws, acc_ws, h, float(scale) * math.log2(math.e),
         D=d, R2=r2, W=w, K=k, WFMT=_FMT_CODE[window_fmt], MFMT=_FMT_CODE[main_fmt] if mf is not None else 0,
         BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=n_split, BPS=bps, IT_W=min(bps, nb_w), IT_K=min(bps, nb_k),
-        UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16, num_warps=4 if block_h == 16 else 8, num_stages=1)
+        UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16, SKIP_EMPTY=cfg["skip_empty"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if n_split > 1:
         combine_splits(m_ws, l_ws, acc_ws, sink, cos, sin, out, r2)
     return out

@@ -34,27 +34,27 @@ def _derotate_store(o, cos, sin, t, offs_h, hm, o_e, o_o, H, D: tl.constexpr, R2
 
 @triton.jit
 def _combine_kernel(m_ws, l_ws, acc_ws, sink, cos, sin, o, H, D: tl.constexpr, R2: tl.constexpr,
-                    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr):
+                    NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr):
+    # One program per (row, head) reads all its splits as one [S_PAD, D/2] tile per half: the loads are
+    # independent (a loop over the splits chained them, which dominated decode at B = 1 on the H200).
     D2: tl.constexpr = D // 2
     t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    hm = offs_h < H
-    ms = (t * H + offs_h) * NUM_SPLITS  # [BLOCK_H] offsets of split 0 in m_ws / l_ws
-    sink2 = tl.load(sink + offs_h, mask=hm, other=0.0) * 1.4426950408889634
-    m_max = sink2
-    for s in range(NUM_SPLITS):
-        m_max = tl.maximum(m_max, tl.load(m_ws + ms + s, mask=hm, other=0.0))
-    l_sum = tl.exp2(sink2 - m_max)  # the sink enters the denominator once
+    h = tl.program_id(1)
+    offs_h = h + tl.arange(0, 1)
+    sp = tl.arange(0, S_PAD)
+    sm = sp < NUM_SPLITS
+    ms = (t * H + h) * NUM_SPLITS + sp
+    m_s = tl.load(m_ws + ms, mask=sm, other=float("-inf"))
+    sink2 = tl.load(sink + h) * 1.4426950408889634
+    m_max = tl.maximum(tl.max(m_s, 0), sink2)
+    w = tl.exp2(m_s - m_max)  # masked splits: 2^-inf = 0
+    l_sum = tl.exp2(sink2 - m_max) + tl.sum(w * tl.load(l_ws + ms, mask=sm, other=0.0), 0)  # sink counted once
     jj = tl.arange(0, D2)
-    acc_e = tl.full([BLOCK_H, D2], 0.0, tl.float32)
-    acc_o = tl.full([BLOCK_H, D2], 0.0, tl.float32)
-    for s in range(NUM_SPLITS):
-        w = tl.exp2(tl.load(m_ws + ms + s, mask=hm, other=0.0) - m_max)
-        l_sum += w * tl.load(l_ws + ms + s, mask=hm, other=0.0)
-        base = acc_ws + (ms + s)[:, None] * D + jj[None, :]
-        acc_e += w[:, None] * tl.load(base, mask=hm[:, None], other=0.0)
-        acc_o += w[:, None] * tl.load(base + D2, mask=hm[:, None], other=0.0)
-    _derotate_store(o, cos, sin, t, offs_h, hm, acc_e / l_sum[:, None], acc_o / l_sum[:, None], H, D, R2, BLOCK_H)
+    base = acc_ws + ms[:, None] * D + jj[None, :]
+    acc_e = tl.sum(w[:, None] * tl.load(base, mask=sm[:, None], other=0.0), 0)
+    acc_o = tl.sum(w[:, None] * tl.load(base + D2, mask=sm[:, None], other=0.0), 0)
+    _derotate_store(o, cos, sin, t, offs_h, offs_h < H, (acc_e / l_sum)[None, :], (acc_o / l_sum)[None, :], H, D,
+                    R2, 1)
 
 
 def split_workspace(t, h, s, d, device):
@@ -67,8 +67,7 @@ def combine_splits(m_ws, l_ws, acc_ws, sink, cos, sin, out, r2):
     """Merges the S partial softmaxes of m_ws/l_ws [T, H, S], acc_ws [T, H, S, D] (fp32, contiguous; layout above)
     with sink [H] fp32, de-rotates with cos/sin [T, R2] fp32 and writes out [T, H, D] (contiguous, any float dtype)."""
     t, h, s, d = acc_ws.shape
-    # A few heads per program: at decode (T small) the merge is latency-bound, so favour many small programs.
-    block_h = 2 if d >= 256 else 4
-    _combine_kernel[(t, triton.cdiv(h, block_h))](m_ws, l_ws, acc_ws, sink, cos, sin, out, h, D=d, R2=r2,
-                                                  NUM_SPLITS=s, BLOCK_H=block_h, num_warps=4)
+    s_pad = triton.next_power_of_2(s)
+    _combine_kernel[(t, h)](m_ws, l_ws, acc_ws, sink, cos, sin, out, h, D=d, R2=r2, NUM_SPLITS=s, S_PAD=s_pad,
+                            num_warps=8 if s_pad * d >= 8192 else 4)
     return out

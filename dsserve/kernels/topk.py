@@ -12,6 +12,8 @@ Both ops are GPU-friendly: no Python loops over rows, no .item() syncs, fixed ou
   bf16/fp16 scores are upcast (exact); fp64 scores use stable_topk itself (the key has no room for 64 bits).
   (A variant with an fp32 radix select plus a running count for the ties was measured on the H200: no faster on
   long prefill rows, where scoring dominates, and 3x slower at decode, where its dozen launches dominate.)
+  Rows of at most row_topk.MAX_N scores (decode: the consumers' 16384 candidates) go to row_topk, one Triton
+  program per row with the same result; the int64 torch.topk above cost 280-330 us there on the H200.
 * candidate_blocks(scores [T, N], n_visible [T], block, top_blocks) -> int32 [T, top_blocks]: the block ids whose
   entries candidate_pool keeps (block score = max over its entries, the block holding entry n_visible-1 pinned
   with +inf, best top_blocks by the rule above), valid ids ascending first, then -1 padding.
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from dsserve.kernels.ops import triton_runs_on
+from dsserve.kernels.row_topk import MAX_N, row_topk
 from dsserve.layers.indexer import candidate_pool, stable_topk
 
 NEG_INF = float("-inf")
@@ -40,6 +44,13 @@ def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"topk: k must be a non-negative int, got {k!r}")
     if scores.dtype == torch.float64:
         return stable_topk(scores, k)
+    if scores.shape[1] <= MAX_N and triton_runs_on(scores.device):
+        return row_topk(scores, k)
+    return topk_int64_keys(scores, k)
+
+
+def topk_int64_keys(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk's torch path (any N, fp32/bf16/fp16 scores): one torch.topk on the unique int64 keys."""
     t, n = scores.shape
     k = min(k, n)
     bits = (scores.float() + 0.0).view(torch.int32)

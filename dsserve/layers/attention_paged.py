@@ -43,12 +43,13 @@ def _select(attn, x, q_lat, ctx: ForwardContext, cos, sin):
     n_vis = visible_entries(ctx.positions, role.ratio).to(torch.int32)
     k, cbs = cfg.index_topk, cfg.candidate_block_size
     if role.candidate == "consumer":
-        s = ops.index_scores_candidates(q, w, pool, fmt, step.block_rows, epb, step.cand_blocks, cbs, n_vis)
+        s = ops.index_scores_candidates(q, w, pool, fmt, step.seq_tables, step.row_seq, epb, step.cand_blocks, cbs,
+                                        n_vis)
         idx, valid = ops.topk(s, k)
         from ..kernels.indexer import candidate_entries
         idx = candidate_entries(step.cand_blocks, cbs, idx)
     else:
-        s = ops.index_scores(q, w, pool, fmt, step.block_rows, epb, n_vis, step.num_entries(src))
+        s = ops.index_scores(q, w, pool, fmt, step.seq_tables, step.row_seq, epb, n_vis, step.num_entries(src))
         if role.candidate == "source":
             step.cand_blocks = ops.candidate_blocks(s, n_vis, cbs, cfg.candidate_topk_blocks)
         idx, valid = ops.topk(s, k)
