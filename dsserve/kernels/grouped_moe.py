@@ -1,0 +1,307 @@
+"""Routed experts of the MoE (spec 2.5) as two grouped GEMMs over expert-sorted pairs; bf16, FP8 32x32, MXFP4.
+
+* x [T, d] bf16 / fp16 / fp32 (the reference: any float dtype); ids int64 [T, k] (int32 accepted), experts in [0, E);
+  weights [T, k] float, the routing weights of MoE.gate (renormalised, x1.5).
+* y [T, d] in x's dtype: sum_j weights[t, j] * W2_e(clamped_swiglu(W1_e x_t, W3_e x_t)) with e = ids[t, j], the
+  routed part of MoE.forward (no shared expert) with its roundings: x-dtype matmul outputs and SwiGLU, the routing
+  weight multiplied (fp32) into the activation before the down projection, an fp32 sum over the k picks.
+* ExpertWeights(fmt, w1, w3, w2, s1, s3, s2): W1, W3 [E, inter, d] and W2 [E, d, inter] ([E, out, in]) as
+  - "bf16": plain float weights (bf16 in the model), no scales;
+  - "fp8": e4m3 [E, out, in] + e8m0 bytes [E, ceil(out/32), ceil(in/32)] (quant.dequant_fp8_block, block 32);
+  - "mxfp4": uint8 [E, out, in/2], two e2m1 per byte, the even element in the low nibble, + e8m0 bytes
+    [E, out, in/32] (quant.pack_mxfp4). Hopper has no FP4 MMA: weight-only, decoded in registers to x's dtype.
+  Quantised tensors are held as uint8 views (every PyTorch has them); in the kernels W is exactly the reference's
+  (pow2 scales: the fp32 products are exact, and so is their cast to bf16).
+
+Plan: moe_permute sorts the T*k (token, slot) pairs by expert into BM-row tiles (grid independent of the routing,
+no host sync). The up kernel, per (tile, BN columns of inter), gathers x rows, runs the W1 and W3 dots in one K pass,
+applies the clamped SwiGLU and the routing weight, and writes h [T*k, inter] (x dtype, sorted order). The down kernel
+multiplies h by W2_e^T and stores each row at its pair index t*k + j; y is their fp32 sum over j: deterministic,
+no atomics. Tiles past the real count, and so empty experts, exit at once.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..layers.moe import clamped_swiglu
+from ..layers.numerics import acc
+from ..layers.quant import MX_BLOCK, dequant_fp8_block, dequant_mxfp4, pack_mxfp4, quant_fp8_block
+from .fp8_linear import _e8m0
+from .moe_permute import expert_tiles
+
+FMTS = ("bf16", "fp8", "mxfp4")
+FP8_BLOCK = 32  # V4.1's weight_block_size; MXFP4 blocks are quant.MX_BLOCK (also 32) along `in`
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The Triton 3.9 interpreter gets bf16 dots wrong; fp32 dots of the same (exact) operands stand in there.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_empty = torch.empty  # scratch and output allocation; tests swap in a NaN fill so that unwritten rows show
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One layer's routed experts in one storage format (see the module docstring for the layouts)."""
+    fmt: str
+    w1: torch.Tensor
+    w3: torch.Tensor
+    w2: torch.Tensor
+    s1: torch.Tensor | None = None
+    s3: torch.Tensor | None = None
+    s2: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.fmt not in FMTS:
+            raise ValueError(f"fmt {self.fmt!r} not supported (allowed: {FMTS})")
+        if self.w1.dim() != 3:
+            raise ValueError(f"w1 must be [E, inter, in], got {tuple(self.w1.shape)}")
+        pack = 2 if self.fmt == "mxfp4" else 1
+        e, inter, d = self.w1.shape[0], self.w1.shape[1], self.w1.shape[2] * pack
+        for name, (out, inn) in (("w1", (inter, d)), ("w3", (inter, d)), ("w2", (d, inter))):
+            w, s = getattr(self, name), getattr(self, "s" + name[1])
+            if tuple(w.shape) != (e, out, inn // pack) or inn % pack:
+                raise ValueError(f"{name} must be [{e}, {out}, {inn // pack}], got {tuple(w.shape)}")
+            object.__setattr__(self, name, w.contiguous())  # the kernels index [E, out, in] densely
+            if self.fmt == "bf16":
+                if not w.is_floating_point() or s is not None:
+                    raise ValueError(f"fmt bf16 takes float {name} and no scale, got {w.dtype}, s={s is not None}")
+                continue
+            if w.element_size() != 1 or s is None or s.element_size() != 1:
+                raise ValueError(f"fmt {self.fmt} takes 1-byte {name} and its 1-byte scale")
+            blocks = ((-(-out // FP8_BLOCK), -(-inn // FP8_BLOCK)) if self.fmt == "fp8" else
+                      (out, inn // MX_BLOCK))
+            if tuple(s.shape) != (e, *blocks) or (self.fmt == "mxfp4" and inn % MX_BLOCK):
+                raise ValueError(f"s{name[1]} must be [{e}, {blocks[0]}, {blocks[1]}] for {name} [{e}, {out}, "
+                                 f"{inn}] ({self.fmt}), got {tuple(s.shape)}")
+            object.__setattr__(self, name, w.contiguous().view(torch.uint8))
+            object.__setattr__(self, "s" + name[1], s.contiguous().view(torch.uint8))
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(E, d, inter)."""
+        return self.w2.shape[0], self.w2.shape[1], self.w1.shape[1]
+
+    @classmethod
+    def from_dense(cls, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, fmt: str) -> "ExpertWeights":
+        """Quantise dense [E, out, in] weights as the release stores them (bf16: a plain cast)."""
+        if fmt == "bf16":
+            return cls(fmt, w1.bfloat16(), w3.bfloat16(), w2.bfloat16())
+        if fmt == "fp8":  # quant_fp8_block is 2-D: one expert at a time, stacked as bytes
+            qs = [[[t.view(torch.uint8) for t in quant_fp8_block(m, FP8_BLOCK)] for m in w] for w in (w1, w3, w2)]
+            qs = [(torch.stack([q for q, _ in p]), torch.stack([s for _, s in p])) for p in qs]
+        elif fmt == "mxfp4":
+            qs = [pack_mxfp4(w) for w in (w1, w3, w2)]
+        else:
+            raise ValueError(f"fmt {fmt!r} not supported (allowed: {FMTS})")
+        return cls(fmt, *(w for w, _ in qs), *(s for _, s in qs))
+
+    def dequant(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Expert e's (W1, W3, W2): float32 for the quantised formats, as stored for bf16."""
+        if self.fmt == "bf16":
+            return self.w1[e], self.w3[e], self.w2[e]
+        if self.fmt == "fp8":
+            return tuple(dequant_fp8_block(w[e], s[e], FP8_BLOCK) for w, s in self._pairs())
+        return tuple(dequant_mxfp4(w[e], s[e]) for w, s in self._pairs())
+
+    def _pairs(self):
+        return (self.w1, self.s1), (self.w3, self.s3), (self.w2, self.s2)
+
+
+@triton.jit
+def _e2m1(c):  # nibble (int32) -> fp32: bit 3 sign, bits 1-2 exponent (bias 1, 0 = subnormal), bit 0 mantissa
+    ex, m = (c >> 1) & 3, c & 1
+    bits = tl.where(ex == 0, m * (126 << 23), ((ex + 126) << 23) | (m << 22))
+    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _w_tile(w_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr,
+            BK: tl.constexpr):
+    """fp32 [BN, BK] tile W_e[rn, k0:k0 + BK] (0 outside), exactly the reference's dequantised weight."""
+    kk = k0 + tl.arange(0, BK)
+    nm = rn[:, None] < N
+    e = e.to(tl.int64)  # E * N * K passes 2^31 for a whole (non-EP) layer
+    if FMT == 0:
+        w = tl.load(w_ptr + e * N * K + rn[:, None] * K + kk[None, :], mask=nm & (kk[None, :] < K), other=0.0)
+        w = w.to(tl.float32)
+    else:
+        KS: tl.constexpr = (K + 31) // 32  # scale columns (MXFP4: K is a multiple of 32)
+        kb = k0 // 32 + tl.arange(0, BK // 32)  # the tile's scale columns (k0 is a multiple of BK >= 32)
+        if FMT == 1:
+            q = tl.load(w_ptr + e * N * K + rn[:, None] * K + kk[None, :], mask=nm & (kk[None, :] < K), other=0)
+            w = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            sp = s_ptr + e * ((N + 31) // 32) * KS + (rn[:, None] // 32) * KS + kb[None, :]
+        else:
+            KH: tl.constexpr = K // 2
+            kh = k0 // 2 + tl.arange(0, BK // 2)
+            b = tl.load(w_ptr + e * N * KH + rn[:, None] * KH + kh[None, :], mask=nm & (kh[None, :] < KH), other=0)
+            b = b.to(tl.int32)
+            w = tl.reshape(tl.join(_e2m1(b & 15), _e2m1(b >> 4)), (BN, BK))  # element 2i: low nibble, 2i+1: high
+            sp = s_ptr + e * N * KS + rn[:, None] * KS + kb[None, :]
+        sc = tl.load(sp, mask=nm & (kb[None, :] < KS), other=127)
+        w = w * tl.reshape(tl.broadcast_to(_e8m0(sc)[:, :, None], (BN, BK // 32, 32)), (BN, BK))
+    return w
+
+
+@triton.jit
+def _dot(acc, a, w, DOT_F32: tl.constexpr):  # acc + a [BM, BK] @ w[BN, BK]^T, w cast to a's dtype as the ref does
+    if DOT_F32:
+        acc += tl.dot(a.to(tl.float32), tl.trans(w.to(a.dtype).to(tl.float32)), input_precision="ieee")
+    else:
+        acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc)
+    return acc
+
+
+@triton.jit
+def _tile(tiles_ptr, n_tiles, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """(expert, sorted positions [BM], their mask, output columns [BN]) of this program; GROUP_M row tiles share
+    the column sweep, so an expert's weights and its gathered rows stay in L2 across them."""
+    n_n: tl.constexpr = (N + BN - 1) // BN
+    pid = tl.program_id(0)
+    first = (pid // (GROUP_M * n_n)) * GROUP_M
+    size = tl.minimum(n_tiles - first, GROUP_M)
+    pid_m = first + (pid % (GROUP_M * n_n)) % size
+    pid_n = (pid % (GROUP_M * n_n)) // size
+    e = tl.load(tiles_ptr + pid_m)
+    p = tl.load(tiles_ptr + n_tiles + pid_m) + tl.arange(0, BM)
+    return e, p, p < tl.load(tiles_ptr + 2 * n_tiles + pid_m), pid_n * BN + tl.arange(0, BN)
+
+
+@triton.jit
+def _up_kernel(x_ptr, sxm, tiles_ptr, order_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, n_tiles, n_experts,
+               limit, KSLOT: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr,
+               BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr):
+    e, p, pm, rn = _tile(tiles_ptr, n_tiles, I, BM, BN, GROUP_M)
+    if e >= n_experts:  # past the last real tile
+        return
+    pair = tl.load(order_ptr + p, mask=pm, other=0)
+    xrow = x_ptr + (pair // KSLOT) * sxm
+    acc1 = tl.zeros((BM, BN), tl.float32)
+    acc3 = tl.zeros((BM, BN), tl.float32)
+    for t in range((D + BK - 1) // BK):
+        kk = t * BK + tl.arange(0, BK)
+        a = tl.load(xrow[:, None] + kk[None, :], mask=pm[:, None] & (kk[None, :] < D), other=0.0)
+        acc1 = _dot(acc1, a, _w_tile(w1_ptr, s1_ptr, e, rn, t * BK, I, D, FMT, BN, BK), DOT_F32)
+        acc3 = _dot(acc3, a, _w_tile(w3_ptr, s3_ptr, e, rn, t * BK, I, D, FMT, BN, BK), DOT_F32)
+    # the reference's roundings: x-dtype matmul outputs, x-dtype silu and product, then the fp32 routing weight
+    dt = h_ptr.dtype.element_ty
+    g = tl.minimum(acc1.to(dt).to(tl.float32), limit)
+    u = tl.minimum(tl.maximum(acc3.to(dt).to(tl.float32), -limit), limit)
+    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    a = (s * u).to(dt).to(tl.float32) * tl.load(rw_ptr + pair, mask=pm, other=0.0)[:, None]
+    tl.store(h_ptr + p.to(tl.int64)[:, None] * I + rn[None, :], a.to(dt), mask=pm[:, None] & (rn[None, :] < I))
+
+
+@triton.jit
+def _down_kernel(h_ptr, tiles_ptr, order_ptr, w2_ptr, s2_ptr, y_ptr, n_tiles, n_experts, D: tl.constexpr,
+                 I: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 GROUP_M: tl.constexpr, DOT_F32: tl.constexpr):
+    e, p, pm, rn = _tile(tiles_ptr, n_tiles, D, BM, BN, GROUP_M)
+    if e >= n_experts:
+        return
+    hrow = h_ptr + p.to(tl.int64) * I
+    acc = tl.zeros((BM, BN), tl.float32)
+    for t in range((I + BK - 1) // BK):
+        kk = t * BK + tl.arange(0, BK)
+        a = tl.load(hrow[:, None] + kk[None, :], mask=pm[:, None] & (kk[None, :] < I), other=0.0)
+        acc = _dot(acc, a, _w_tile(w2_ptr, s2_ptr, e, rn, t * BK, D, I, FMT, BN, BK), DOT_F32)
+    pair = tl.load(order_ptr + p, mask=pm, other=0)
+    tl.store(y_ptr + pair[:, None] * D + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=pm[:, None] & (rn[None, :] < D))
+
+
+def _check(x, ids, weights, experts, kernel):
+    if not isinstance(experts, ExpertWeights):
+        raise ValueError(f"experts must be an ExpertWeights, got {type(experts).__name__}")
+    n_exp, d, _ = experts.shape
+    if x.dim() != 2 or x.shape[1] != d or not x.is_floating_point():
+        raise ValueError(f"x must be a float [T, {d}] tensor, got {x.dtype} {tuple(x.shape)}")
+    if ids.dim() != 2 or ids.shape[0] != x.shape[0] or ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"ids must be int64/int32 [{x.shape[0]}, k], got {ids.dtype} {tuple(ids.shape)}")
+    if tuple(weights.shape) != tuple(ids.shape) or not weights.is_floating_point():
+        raise ValueError(f"weights must be float {tuple(ids.shape)}, got {weights.dtype} {tuple(weights.shape)}")
+    if kernel and (x.dtype not in KERNEL_DTYPES or experts.w1.dtype not in KERNEL_DTYPES + (torch.uint8,)):
+        raise ValueError(f"x {x.dtype} / weights {experts.w1.dtype} not supported by the kernel "
+                         f"(allowed: {KERNEL_DTYPES}, quantised weights)")
+    if not kernel and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n_exp):
+        raise ValueError(f"ids must lie in [0, {n_exp}), got [{int(ids.min())}, {int(ids.max())}]")
+
+
+def routed_experts_ref(x, ids, weights, experts: ExpertWeights, limit: float) -> torch.Tensor:
+    """MoE.forward's per-expert loop on the dequantised weights (cast to x's dtype), without the shared expert."""
+    _check(x, ids, weights, experts, kernel=False)
+    out = torch.zeros(x.shape, dtype=acc(x).dtype, device=x.device)
+    for e in torch.unique(ids).tolist():
+        rows, slot = torch.nonzero(ids == e, as_tuple=True)
+        w1, w3, w2 = (w.to(x.dtype) for w in experts.dequant(e))
+        xe = x[rows]
+        he = clamped_swiglu(xe @ w1.t(), xe @ w3.t(), limit)
+        ye = (acc(he) * weights[rows, slot, None]).to(x.dtype) @ w2.t()
+        out.index_add_(0, rows, acc(ye))
+    return out.to(x.dtype)
+
+
+def _config(n, n_exp, d, inter, cfg):
+    rows = -(-n // min(n, n_exp))  # rows per used expert under even routing
+    bm = cfg.get("BM", min(64, max(16, triton.next_power_of_2(rows))))
+    big = bm >= 64  # prefill: compute-bound 64 x 128 tiles; else decode, weight-bandwidth bound
+    c = {"BM": bm, "BN": 128 if big else 64, "BK": 64 if big else 128, "GROUP_M": 8,
+         "num_warps": 8 if big else 4, "num_stages": 3 if big else 4, **cfg}
+    for key, low in (("BM", 16), ("BN", 16), ("BK", 32)):  # tl.dot dims >= 16; BK spans whole 32-wide scale blocks
+        if c[key] < low or c[key] & (c[key] - 1):
+            raise ValueError(f"config {key}={c[key]} must be a power of two >= {low}")
+    # never wider than the dims each kernel runs over (tiny shapes), kept at those minimums
+    c["BN_UP"], c["BN_DOWN"] = (max(16, min(c["BN"], triton.next_power_of_2(m))) for m in (inter, d))
+    c["BK_UP"], c["BK_DOWN"] = (max(32, min(c["BK"], triton.next_power_of_2(m))) for m in (d, inter))
+    return c
+
+
+def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *, config: dict | None = None):
+    """Triton grouped GEMMs, same semantics as routed_experts_ref. Ids must lie in [0, E) (not checked: that would
+    need a host sync); a pick outside leaves its row undefined. config overrides BM, BN, BK, GROUP_M, num_warps,
+    num_stages (tests and benchmarks only)."""
+    _check(x, ids, weights, experts, kernel=True)
+    (t, k), (n_exp, d, inter) = ids.shape, experts.shape
+    if t * k == 0:
+        return torch.zeros(t, d, dtype=x.dtype, device=x.device)
+    c = _config(t * k, n_exp, d, inter, dict(config or {}))
+    order, tiles = expert_tiles(ids, n_exp, c["BM"])
+    nt, fmt = tiles.shape[1], FMTS.index(experts.fmt)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    rw = weights.float().contiguous()
+    h = _empty((t * k, inter), dtype=x.dtype, device=x.device)
+    yk = _empty((t * k, d), dtype=x.dtype, device=x.device)
+    s1, s3, s2 = (s if s is not None else w for w, s in experts._pairs())  # bf16: unused, any pointer does
+    common = dict(FMT=fmt, BM=c["BM"], GROUP_M=c["GROUP_M"], DOT_F32=_INTERPRET or x.dtype == torch.float32,
+                  num_warps=c["num_warps"], num_stages=c["num_stages"])
+    _up_kernel[(nt * triton.cdiv(inter, c["BN_UP"]),)](
+        x, x.stride(0), tiles, order, rw, experts.w1, s1, experts.w3, s3, h, nt, n_exp, float(limit), KSLOT=k, D=d,
+        I=inter, BN=c["BN_UP"], BK=c["BK_UP"], **common)
+    _down_kernel[(nt * triton.cdiv(d, c["BN_DOWN"]),)](
+        h, tiles, order, experts.w2, s2, yk, nt, n_exp, D=d, I=inter, BN=c["BN_DOWN"], BK=c["BK_DOWN"], **common)
+    return yk.view(t, k, d).float().sum(1).to(x.dtype)
+
+
+def bench(device="cuda", d: int = 5120, inter: int = 2304, n_experts: int = 48, k: int = 6, sets: int = 4,
+          tokens=(1, 8, 32, 128, 4096)) -> dict:
+    """Median device ms of routed_experts (CUDA graphs) and routed_experts_ref (eager: its torch.unique syncs) on one
+    EP rank's MXFP4 experts, over `sets` random routings; weight_GBps = bytes of the experts touched / time."""
+    from ..bench.device_timing import eager_ms, graph_ms
+    g = torch.Generator(device=device).manual_seed(0)
+    ex = ExpertWeights.from_dense(*(torch.randn(n_experts, o, i, device=device, generator=g) * i ** -0.5
+                                    for o, i in ((inter, d), (inter, d), (d, inter))), "mxfp4")
+    per_expert = sum(w[0].numel() + s[0].numel() for w, s in ex._pairs())
+    res = {}
+    for t in tokens:
+        xs = [torch.randn(t, d, device=device, generator=g, dtype=torch.bfloat16) for _ in range(sets)]
+        ids = [torch.rand(t, n_experts, device=device, generator=g).argsort(1)[:, :k] for _ in range(sets)]
+        ws = [torch.rand(t, k, device=device, generator=g) for _ in range(sets)]
+        used = sum(i.unique().numel() for i in ids) / sets
+        ms = graph_ms(lambda i: routed_experts(xs[i], ids[i], ws[i], ex, 10.0), sets)
+        ref_ms = eager_ms(lambda i: routed_experts_ref(xs[i], ids[i], ws[i], ex, 10.0), sets)
+        res[f"T={t}"] = {"ms": ms, "ref_ms": ref_ms, "experts_touched": used,
+                         "weight_GBps": used * per_expert / ms / 1e6}
+    return res
