@@ -255,9 +255,8 @@ def _tiles(t, h, d):
     """Tile and launch parameters for T rows of H heads x D channels, from a sweep on the H200 at D = 512, H = 64
     (benchmarks/results/attention-h200/tile_sweep.md): all heads in one program (BLOCK_H = 64) decode each key once
     instead of once per head block, which beat 16/32-head blocks at B = 1, 16, 64 and in 4096-row prefill
-    (e.g. B = 64: 139 vs 179 us; prefill 4.6 vs 10.4 ms); BLOCK_N = 32 keys per step with 8 warps (16 warps:
-    2-3x slower).
-    num_stages = 2 (pipelined loads, no skipping of empty blocks) was no faster at this tile size."""
+    (e.g. B = 64: 139 vs 179 us; prefill 4.6 vs 10.4 ms); BLOCK_N = 32 keys per step with 8 warps (16 warps were
+    2-3x slower). num_stages = 2 (pipelined loads, so no skipping of empty blocks) was no faster at this tile."""
     block_h = min(64, max(16, triton.next_power_of_2(h)))  # dot dims >= 16
     cfg = dict(block_h=block_h, block_n=32 if d >= 256 else 16, num_warps=8 if block_h * d >= 64 * 256 else 4,
                num_stages=1, skip_empty=True, fill=_FILL)
