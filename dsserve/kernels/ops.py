@@ -1,6 +1,7 @@
 """Which implementation runs each kernelised op: Triton, or its torch reference (for bisecting).
 
-The engine builds one ``KernelOps`` from ``--reference-ops``; the paged attention path calls ops through it.
+The engine builds one ``KernelOps`` from ``--reference-ops``; the paged attention path, the MoE (router and
+routed experts) and the mHC sites call ops through it.
 Every op's reference has the kernel's signature, so switching one op never changes anything else.
 """
 from __future__ import annotations
@@ -18,6 +19,9 @@ OPS = {
     "topk": ("topk", ("topk", "candidate_blocks")),
     "kv_write": ("kv_write", ("store_window", "store_main", "store_index")),
     "linear": ("fp8_linear", ("fp8_linear",)),
+    "router": ("router", ("route",)),
+    "moe": ("grouped_moe", ("routed_experts",)),
+    "mhc": ("mhc", ("mhc_site", "mhc_expand")),
 }
 
 

@@ -68,9 +68,43 @@ class MoE(nn.Module):
             "w3": nn.Parameter(torch.zeros(n_experts, inter, d)),
         })
         self.shared_experts = Expert(d, inter * cfg.n_shared_experts, cfg.swiglu_limit)
+        # Routed experts in a release storage format (kernels.grouped_moe.ExpertWeights), set by
+        # models.quantize.quantize_experts; None: the dense parameters above, as plain float weights.
+        self.packed = None
 
-    def forward(self, x: torch.Tensor, tokens: torch.Tensor, is_image: torch.Tensor | None = None) -> torch.Tensor:
+    def expert_weights(self):
+        """The routed experts as the grouped-MoE ops take them."""
+        if self.packed is not None:
+            return self.packed
+        from ..kernels.grouped_moe import ExpertWeights  # import here: the kernels import this module
+        return ExpertWeights("bf16", self.experts["w1"], self.experts["w3"], self.experts["w2"])
+
+    def _apply(self, fn, recurse=True):
+        # .to(device) / .double() must follow the packed experts too: quantised bytes (uint8) move unchanged,
+        # plain float experts change dtype like parameters.
+        super()._apply(fn, recurse)
+        p = self.packed
+        if p is not None:
+            self.packed = type(p)(p.fmt, *(None if t is None else fn(t) for t in (p.w1, p.w3, p.w2, p.s1, p.s3, p.s2)))
+        return self
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor, is_image: torch.Tensor | None = None,
+                ops=None) -> torch.Tensor:
+        """``ops`` (kernels.ops.KernelOps): the fused router and the grouped routed experts, Triton or their
+        references; None: the loop below, the oracle (which the references reproduce)."""
+        if ops is not None:
+            g = self.gate
+            if g.hash_routed:
+                ids, w = g(x, tokens, is_image)
+            else:
+                ids, w = ops.route(x, g.weight, g.bias, g.topk, g.temp, g.scale, g.bias_vl, is_image)
+            routed = ops.routed_experts(x, ids, w, self.expert_weights(), self.limit)
+            return (acc(routed) + acc(self.shared_experts(x))).to(x.dtype)
         ids, w = self.gate(x, tokens, is_image)
+        if self.packed is not None and "w1" not in self.experts:  # packed only: dequantise expert by expert
+            from ..kernels.grouped_moe import routed_experts_ref
+            return (acc(routed_experts_ref(x, ids, w, self.packed, self.limit))
+                    + acc(self.shared_experts(x))).to(x.dtype)
         out = torch.zeros(x.shape, dtype=acc(x).dtype, device=x.device)
         w1, w2, w3 = self.experts["w1"], self.experts["w2"], self.experts["w3"]
         for e in torch.unique(ids).tolist():

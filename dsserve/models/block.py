@@ -40,6 +40,20 @@ class Block(nn.Module):
         return hc_mix(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
                       getattr(self, f"hc_{site}_scale"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
 
+    def site(self, name: str, x: torch.Tensor, pre: torch.Tensor, norm: RMSNorm, ops):
+        """V4.1's single pass at a mixing site: (norm(collapse(x, pre)), the site's pre, post, comb)."""
+        if ops is None:
+            p, post, comb = self.mix(name, x)
+            return norm(collapse(x, pre)), p, post, comb
+        c = self.cfg
+        return ops.mhc_site(x, getattr(self, f"hc_{name}_fn"), getattr(self, f"hc_{name}_base"),
+                            getattr(self, f"hc_{name}_scale"), pre, norm.weight, norm.eps, c.rms_norm_eps, c.hc_eps,
+                            c.hc_sinkhorn_iters)
+
+    @staticmethod
+    def expand(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, ops) -> torch.Tensor:
+        return expand(y, x, post, comb) if ops is None else ops.mhc_expand(y, x, post, comb)
+
     def forward(self, x: torch.Tensor, pre: torch.Tensor | None, ctx: ForwardContext,
                 keep: torch.Tensor | None = None):
         """x: stream [T, n, d]; pre: the collapse weights handed over by the previous layer (V4.1).
@@ -50,12 +64,12 @@ class Block(nn.Module):
         if self.engram is not None:
             ctx.log(self.role.index, "engram")
             x = self.engram(x, ctx.engram_ids, [s.rows for s in ctx.seqs], ctx.engram_history)
+        ops = ctx.ops  # kernels.ops.KernelOps, or None: the torch forward (the oracle)
         if self.cfg.is_v41:
-            a_pre, a_post, a_comb = self.mix("attn", x)
+            h, a_pre, a_post, a_comb = self.site("attn", x, pre, self.attn_norm, ops)
         else:
             pre, a_post, a_comb = self.mix("attn", x)
-            a_pre = None
-        h = self.attn_norm(collapse(x, pre))
+            a_pre, h = None, self.attn_norm(collapse(x, pre))
         if self.attn.compressor is not None:
             self.attn.compress(h, ctx)
         if keep is not None:
@@ -63,8 +77,11 @@ class Block(nn.Module):
             a_pre = None if a_pre is None else a_pre[keep]
             if x.shape[0] == 0:  # every row is before the replay window: only the global KV was needed
                 return x, h.new_zeros(0, self.cfg.hc_mult), ctx
-        x = expand(self.attn(h, ctx), x, a_post, a_comb)
-        f_pre, f_post, f_comb = self.mix("ffn", x)
-        h = self.ffn_norm(collapse(x, a_pre if self.cfg.is_v41 else f_pre))
-        x = expand(self.ffn(h, ctx.tokens, ctx.is_image), x, f_post, f_comb)
+        x = self.expand(self.attn(h, ctx), x, a_post, a_comb, ops)
+        if self.cfg.is_v41:
+            h, f_pre, f_post, f_comb = self.site("ffn", x, a_pre, self.ffn_norm, ops)
+        else:
+            f_pre, f_post, f_comb = self.mix("ffn", x)
+            h = self.ffn_norm(collapse(x, f_pre))
+        x = self.expand(self.ffn(h, ctx.tokens, ctx.is_image, ops), x, f_post, f_comb, ops)
         return x, f_pre, ctx

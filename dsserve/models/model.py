@@ -100,8 +100,9 @@ class DeepseekForCausalLM(nn.Module):
             raise ModelInputError("bounded replay (decoder_start) needs the V4.1 encoder/decoder split")
         ctx = ForwardContext(tokens=tokens, positions=positions, seqs=list(seqs),
                              qat=cfg.qat if qat is None else qat, is_image=is_image, trace=trace)
+        ctx.ops = self.kernel_ops  # row-wise ops (MoE, mHC) run on either attention path
         if self.kernel_ops is not None and cfg.is_v41 and PagedBatch.supports(seqs):
-            ctx.paged, ctx.ops = PagedBatch(seqs[0].cache.cache, seqs, positions), self.kernel_ops
+            ctx.paged = PagedBatch(seqs[0].cache.cache, seqs, positions)
         if cfg.engram_layer_ids:
             if self.engram_token_map is None:
                 raise ModelInputError("this model's Engram needs the tokenizer's compressed-token map; "

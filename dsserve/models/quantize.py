@@ -12,6 +12,7 @@ from torch import nn
 from ..kernels.fp8_linear import Fp8Linear
 
 QUANTIZATIONS = (None, "fp8")
+EXPERT_FORMATS = ("fp8", "mxfp4")  # the routed experts: FP8 32x32 blocks, or MXFP4 as the release ships them
 # Projections read through nn.Linear.__call__; wo_a (a grouped einsum) and the compressor (fp32 pooling over
 # .weight) keep their dtype.
 ATTENTION_PROJECTIONS = ("wq_a", "wq_b", "wkv", "wo_b")
@@ -36,3 +37,29 @@ def use_fp8_kernels(model: nn.Module, on: bool) -> None:
     for m in model.modules():
         if isinstance(m, Fp8Linear):
             m.use_kernel = on
+
+
+def quantize_experts(model: nn.Module, fmt: str, keep_dense: bool = True) -> int:
+    """Pack every MoE's routed experts in `fmt` (kernels.grouped_moe.ExpertWeights) for the grouped-MoE ops;
+    returns how many layers. keep_dense: also round the dense parameters to the packed values, so the oracle
+    runs the same weights (tests, tiny models); False drops them (a proxy at real widths: the reference path
+    then dequantises expert by expert)."""
+    import torch
+
+    from ..kernels.grouped_moe import ExpertWeights
+    if fmt not in EXPERT_FORMATS:
+        raise ValueError(f"expert format {fmt!r}: expected one of {EXPERT_FORMATS}")
+    n = 0
+    for layer in model.layers:
+        moe = layer.ffn
+        ex = moe.experts
+        with torch.no_grad():
+            moe.packed = ExpertWeights.from_dense(ex["w1"].float(), ex["w3"].float(), ex["w2"].float(), fmt)
+            if keep_dense:
+                for i, name in enumerate(("w1", "w3", "w2")):
+                    ex[name].copy_(torch.stack([moe.packed.dequant(e)[i] for e in range(ex[name].shape[0])]))
+            else:
+                for name in ("w1", "w3", "w2"):
+                    del ex[name]
+        n += 1
+    return n

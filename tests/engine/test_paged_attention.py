@@ -89,10 +89,11 @@ def _greedy_agrees_with_oracle(device, prompt_ids, max_new, chunk, ops):
 
 def test_paged_path_with_triton_kernels_interpreted():
     """One 40-token prompt (past the 32-row window, 20 ratio-2 entries > top-16) and two decodes: the
-    interpreter runs a program at a time, so this is kept small. fp32 tokens equal the oracle's here."""
+    interpreter runs a program at a time, so this is kept small. fp32 tokens equal the oracle's here. The
+    row-wise ops (router, MoE, mHC) run their references: tests/models/test_rowwise_ops.py has their kernels."""
     m = _tiny(torch.float32, "cpu")
     p = make_prompts(m.cfg, seed=3)[14]
-    reqs, _, _ = _engine(m, [p], 0, KernelOps(), torch.float32, "cpu", 3)
+    reqs, _, _ = _engine(m, [p], 0, KernelOps(frozenset({"router", "moe", "mhc"})), torch.float32, "cpu", 3)
     assert reqs[0].output_token_ids == greedy_generate(m, p, 3, bounded_replay=False)
 
 
