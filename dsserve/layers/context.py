@@ -29,6 +29,9 @@ class ForwardContext:
     trace: list | None = None  # optional (layer, op) log for tests
     engram_ids: torch.Tensor | None = None  # [N] compressed ids (-1 = dead) for Engram layers
     engram_history: list[torch.Tensor] = field(default_factory=list)  # per sequence: the ids before its rows
+    # Host-table Engram layers: layer -> prefetch handle (layers.engram_table.EngramRows) started before layer 0.
+    # A handle narrows itself to the sequences' current rows (EngramRows.for_seqs), so narrow passes it on.
+    engram_rows: dict = field(default_factory=dict)
     # Published within a forward by the latest index source / candidate source, per sequence.
     topk: list = field(default_factory=list)  # (entry ids [T, K], valid [T, K]) per sequence
     candidates: list = field(default_factory=list)  # [T, n_entries] bool per sequence
@@ -60,5 +63,5 @@ class ForwardContext:
         return ForwardContext(tokens=self.tokens[keep], positions=self.positions[keep], seqs=seqs, qat=self.qat,
                               is_image=None if self.is_image is None else self.is_image[keep], trace=self.trace,
                               engram_ids=None if self.engram_ids is None else self.engram_ids[keep],
-                              engram_history=hist, topk=topk, candidates=cands,
+                              engram_history=hist, engram_rows=self.engram_rows, topk=topk, candidates=cands,
                               paged=None if self.paged is None else self.paged.narrow(keep, seqs), ops=self.ops)

@@ -3,6 +3,11 @@
 Rows come from the token ids alone (``EngramHasher``); the gathered [columns x head_dim] row concatenation is
 projected to one key per copy and one shared value, and a per-copy gate from the dot product of two RMS
 norms decides how much value each copy receives. Dead tokens (image spans) get gate 0.
+
+Host tables: ``move_table_to_host`` moves the table [rows, head_dim] into an ``EngramTable`` in host memory
+("float", "bf16" or "fp8" layout) and leaves ``embed`` an empty placeholder, so ``.to(cuda)`` never copies the
+table. Load the checkpoint (or dummy weights) into ``embed.weight`` BEFORE the move: the loader fills that name.
+The model then hashes and prefetches each step's rows before layer 0 (``prefetch``); ``forward`` consumes them.
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from torch import nn
 
 from ..models.config import ModelConfig
 from .engram_hash import EngramHasher, engram_rows_per_layer
+from .engram_table import EngramRows, EngramTable
 from .numerics import acc
 
 
@@ -25,15 +31,47 @@ class Engram(nn.Module):
         self.wkv = nn.Linear(cfg.engram_columns * cfg.engram_head_dim, (n + 1) * d, bias=False)
         self.q_weight = nn.Parameter(torch.ones(n, d))
         self.k_weight = nn.Parameter(torch.ones(n, d))
+        self.table: EngramTable | None = None  # set by move_table_to_host
+
+    def move_table_to_host(self, fmt: str = "bf16", huge_pages: bool = False) -> EngramTable:
+        """Move ``embed.weight`` into a host ``EngramTable`` and replace ``embed`` with an empty placeholder
+        (same name, 0 rows). Weights must already be loaded; the checkpoint loader cannot fill it afterwards."""
+        if self.table is not None:
+            raise ValueError("this Engram table is already in host memory")
+        w = self.embed.weight
+        self.table = EngramTable.from_weight(w.detach(), fmt, huge_pages)
+        self.embed = nn.Embedding(0, w.shape[1], device=w.device, dtype=w.dtype)
+        return self.table
+
+    def row_ids(self, compressed_ids: torch.Tensor, seq_rows: list[slice], histories: list[torch.Tensor]):
+        """LongTensor [T, columns] of table rows, hashed per sequence on the ids' device."""
+        return torch.cat([self.hasher.rows(compressed_ids[r], h) for r, h in zip(seq_rows, histories)])
+
+    def prefetch(self, compressed_ids: torch.Tensor, seq_rows: list[slice], histories: list[torch.Tensor],
+                 device, dtype: torch.dtype) -> EngramRows:
+        """Hash on the host and start copying this step's rows (host tables only); pass the handle to
+        ``forward`` as ``rows``."""
+        if self.table is None:
+            raise ValueError("prefetch needs a host table (move_table_to_host)")
+        ids = self.row_ids(compressed_ids.cpu(), seq_rows, [h.cpu() for h in histories])
+        return self.table.prefetch(ids, device, dtype, [r.stop - r.start for r in seq_rows])
 
     def forward(self, x: torch.Tensor, compressed_ids: torch.Tensor, seq_rows: list[slice],
-                histories: list[torch.Tensor]) -> torch.Tensor:
+                histories: list[torch.Tensor], rows: torch.Tensor | EngramRows | None = None) -> torch.Tensor:
         """x: the mHC stream [T, n, d]; compressed_ids [T] (-1 = dead); per sequence its rows and the ids
-        before them (hashing looks back across chunk boundaries, never across sequences)."""
+        before them (hashing looks back across chunk boundaries, never across sequences). ``rows``: this
+        step's gathered table rows [T, columns, head_dim] (or their prefetch handle, narrowed to ``seq_rows``);
+        None: gather now."""
         t, n, d = x.shape
         eps = self.cfg.rms_norm_eps
-        rows = torch.cat([self.hasher.rows(compressed_ids[r], h) for r, h in zip(seq_rows, histories)])
-        e = self.embed.weight[rows].flatten(1).to(x.dtype)
+        if isinstance(rows, EngramRows):
+            rows = rows.for_seqs(seq_rows)
+        if rows is None:
+            ids = self.row_ids(compressed_ids, seq_rows, histories)
+            rows = self.embed.weight[ids] if self.table is None else self.table.gather(ids, x.device, x.dtype)
+        if rows.shape[0] != t:
+            raise ValueError(f"rows cover {rows.shape[0]} tokens, the stream has {t}")
+        e = rows.flatten(1).to(x.dtype)
         kv = self.wkv(e)
         key, value = acc(kv[:, : n * d].view(t, n, d)), acc(kv[:, n * d:])
         xf = acc(x)

@@ -109,6 +109,7 @@ class DeepseekForCausalLM(nn.Module):
                                       "load it with the checkpoint's tokenizer")
             ctx.engram_ids = self._engram_ids(tokens, is_image)
             ctx.engram_history = [s.cache.engram_history for s in seqs]
+            ctx.engram_rows = self._prefetch_engram(ctx)
 
         x = self.embed(tokens)[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
         pre = torch.zeros(tokens.shape[0], cfg.hc_mult, device=tokens.device)
@@ -138,6 +139,12 @@ class DeepseekForCausalLM(nn.Module):
         if not cfg.is_v41:
             pre = hc_head_pre(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg.rms_norm_eps, cfg.hc_eps)
         return ForwardOutput(collapse(x, pre), ctx.positions, taps, ctx.seqs)
+
+    def _prefetch_engram(self, ctx: ForwardContext) -> dict:
+        """Host-table Engram layers: hash this step's rows and start their copies before layer 0 runs."""
+        return {b.role.index: b.engram.prefetch(ctx.engram_ids, [s.rows for s in ctx.seqs], ctx.engram_history,
+                                                ctx.tokens.device, self.embed.weight.dtype)
+                for b in self.layers if b.engram is not None and b.engram.table is not None}
 
     def _engram_ids(self, tokens: torch.Tensor, is_image: torch.Tensor | None) -> torch.Tensor:
         ids = self.engram_token_map[tokens]
