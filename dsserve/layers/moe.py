@@ -85,7 +85,8 @@ class MoE(nn.Module):
         super()._apply(fn, recurse)
         p = self.packed
         if p is not None:
-            self.packed = type(p)(p.fmt, *(None if t is None else fn(t) for t in (p.w1, p.w3, p.w2, p.s1, p.s3, p.s2)))
+            tensors = (p.w1, p.w3, p.w2, p.s1, p.s3, p.s2)
+            self.packed = type(p)(p.fmt, *(None if t is None else fn(t) for t in tensors))
         return self
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor, is_image: torch.Tensor | None = None,

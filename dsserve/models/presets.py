@@ -38,6 +38,18 @@ def _proxy_h200() -> ModelConfig:
                        dspark_n_routed_experts=8)
 
 
+def _proxy_h200_release() -> ModelConfig:
+    """proxy-h200 (spec 5.2: every per-layer width, the full schedule) with the routed experts of one rank of an
+    8-way expert-parallel deployment (384 / 8 = 48, top-6 kept) and the Engram buckets cut 4x further than
+    proxy-h200's (65,536: about 1/245 of real), so the tables stay small. The construction is plain bf16/fp32
+    like every preset; the release's storage formats come after construction, from `--quantization fp8` /
+    models.quantize.quantize_dense_fp8 (FP8 e4m3 dense projections, 32x32 ue8m0 blocks) and
+    quantize_experts(model, "mxfp4", keep_dense=False) (MXFP4 experts, the dense copies dropped): about 36 GB of
+    experts + 15 GB of the rest, one H200. Dummy weights only."""
+    return ModelConfig(name="proxy-h200-release", n_routed_experts=48, engram_vocab_size=65_536,
+                       dspark_n_routed_experts=8)
+
+
 def _v41_flash() -> ModelConfig:
     return ModelConfig(name="v41-flash")
 
@@ -51,7 +63,8 @@ def _v4_flash() -> ModelConfig:
         dspark_target_layer_ids=(), weight_block_size=128)
 
 
-PRESETS = {"tiny": _tiny, "tiny-v4": _tiny_v4, "proxy-h200": _proxy_h200, "v41-flash": _v41_flash,
+PRESETS = {"tiny": _tiny, "tiny-v4": _tiny_v4, "proxy-h200": _proxy_h200,
+           "proxy-h200-release": _proxy_h200_release, "v41-flash": _v41_flash,
            "v4-flash": _v4_flash}
 DEFAULT_MODEL = "tiny"
 

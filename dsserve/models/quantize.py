@@ -7,9 +7,11 @@ once, and the reference forward then runs the same rounded weights (the oracle u
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..kernels.fp8_linear import Fp8Linear
+from ..kernels.grouped_moe import ExpertWeights
 
 QUANTIZATIONS = (None, "fp8")
 EXPERT_FORMATS = ("fp8", "mxfp4")  # the routed experts: FP8 32x32 blocks, or MXFP4 as the release ships them
@@ -44,9 +46,6 @@ def quantize_experts(model: nn.Module, fmt: str, keep_dense: bool = True) -> int
     returns how many layers. keep_dense: also round the dense parameters to the packed values, so the oracle
     runs the same weights (tests, tiny models); False drops them (a proxy at real widths: the reference path
     then dequantises expert by expert)."""
-    import torch
-
-    from ..kernels.grouped_moe import ExpertWeights
     if fmt not in EXPERT_FORMATS:
         raise ValueError(f"expert format {fmt!r}: expected one of {EXPERT_FORMATS}")
     n = 0
