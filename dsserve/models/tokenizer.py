@@ -22,7 +22,7 @@ from .config import ConfigError, ModelConfig
 
 TINY_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "tiny")
 TINY_PRESETS = ("tiny", "tiny-v4")
-REAL_PRESETS = ("v41-flash", "v4-flash", "proxy-h200")
+REAL_PRESETS = ("v41-flash", "v4-flash", "proxy-h200", "proxy-h200-release")
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
 _SENTINEL = "\ue000"  # private-use char standing in for a lone space while Strip() runs
 
