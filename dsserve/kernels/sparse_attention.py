@@ -24,6 +24,7 @@ key blocks and leave fp32 partials that sparse_attention_combine merges; see num
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -38,6 +39,7 @@ _MAIN_FMTS = {"fp4": formats.MAIN_FP4, "fp8": formats.SWA_FP8, "bf16": formats.B
 _FMT_CODE = {"fp8": 0, "fp4": 1, "bf16": 2}
 _REF_CHUNK = 256  # reference: query rows per batched einsum (bounds the [rows, W + K, D] gathered keys)
 _FILL = 264  # programs that fill the H200 (2 per SM x 132 SMs); fewer rows * head blocks than this get split-K
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read at import, as Triton does
 
 
 def _row_format(name, pool, fmts, fmt, d):
@@ -258,8 +260,9 @@ def _tiles(t, h, d):
     (e.g. B = 64: 139 vs 179 us; prefill 4.6 vs 10.4 ms); BLOCK_N = 32 keys per step with 8 warps (16 warps were
     2-3x slower). num_stages = 2 (pipelined loads, so no skipping of empty blocks) was no faster at this tile."""
     block_h = min(64, max(16, triton.next_power_of_2(h)))  # dot dims >= 16
+    # The interpreter runs one program at a time: split-K there only costs (tests force `splits` to cover it).
     cfg = dict(block_h=block_h, block_n=32 if d >= 256 else 16, num_warps=8 if block_h * d >= 64 * 256 else 4,
-               num_stages=1, skip_empty=True, fill=_FILL)
+               num_stages=1, skip_empty=True, fill=1 if _INTERPRET else _FILL)
     cfg.update(TILE_OVERRIDE or {})
     return cfg
 

@@ -90,7 +90,8 @@ def _greedy_agrees_with_oracle(device, prompt_ids, max_new, chunk, ops):
 def test_paged_path_with_triton_kernels_interpreted():
     """One 40-token prompt (past the 32-row window, 20 ratio-2 entries > top-16) and two decodes: the
     interpreter runs a program at a time, so this is kept small. fp32 tokens equal the oracle's here. The
-    row-wise ops (router, MoE, mHC) run their references: tests/models/test_rowwise_ops.py has their kernels."""
+    row-wise ops (router, MoE, mHC) run their references to keep CI inside its budget: their kernels are
+    checked in tests/models/test_rowwise_ops.py."""
     m = _tiny(torch.float32, "cpu")
     p = make_prompts(m.cfg, seed=3)[14]
     reqs, _, _ = _engine(m, [p], 0, KernelOps(frozenset({"router", "moe", "mhc"})), torch.float32, "cpu", 3)
