@@ -71,13 +71,18 @@ class MoE(nn.Module):
         # Routed experts in a release storage format (kernels.grouped_moe.ExpertWeights), set by
         # models.quantize.quantize_experts; None: the dense parameters above, as plain float weights.
         self.packed = None
+        self._plain = None  # expert_weights()'s view of the dense parameters
 
     def expert_weights(self):
         """The routed experts as the grouped-MoE ops take them."""
         if self.packed is not None:
             return self.packed
-        from ..kernels.grouped_moe import ExpertWeights  # import here: the kernels import this module
-        return ExpertWeights("bf16", self.experts["w1"], self.experts["w3"], self.experts["w2"])
+        ex, view = self.experts, self._plain
+        if view is None or view.w1 is not ex["w1"] or view.w3 is not ex["w3"] or view.w2 is not ex["w2"]:
+            from ..kernels.grouped_moe import ExpertWeights  # import here: the kernels import this module
+            # built once (per parameter set), not per step: the checks in ExpertWeights cost host time per layer
+            view = self._plain = ExpertWeights("bf16", ex["w1"], ex["w3"], ex["w2"])
+        return view
 
     def _apply(self, fn, recurse=True):
         # .to(device) / .double() must follow the packed experts too: quantised bytes (uint8) move unchanged,
