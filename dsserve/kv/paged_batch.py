@@ -28,7 +28,8 @@ class PagedBatch:
             firsts += [row] * n
             row += n
         self.row_first = torch.tensor(firsts, dtype=torch.int32, device=dev)
-        self.row_seq = torch.repeat_interleave(torch.arange(len(seqs), device=dev),
+        # int32: the indexer kernels take it as is (no per-layer conversion)
+        self.row_seq = torch.repeat_interleave(torch.arange(len(seqs), dtype=torch.int32, device=dev),
                                                torch.tensor(counts, device=dev))
         mb = max(1, max(len(s.cache.block_table) for s in seqs))
         tables = torch.full((len(seqs), mb), -1, dtype=torch.int32)
@@ -97,7 +98,7 @@ class PagedBatch:
             bs = lay.block_size
             return self.block_rows.long().gather(1, (p // bs)[:, None])[:, 0] * bs + p % bs
         last = torch.full((len(self.seqs),), -1, dtype=p.dtype, device=p.device)
-        last.scatter_reduce_(0, self.row_seq, p, reduce="amax")
+        last.scatter_reduce_(0, self.row_seq.long(), p, reduce="amax")
         keep = p > last[self.row_seq] - lay.window
         return torch.where(keep, self.slots * lay.window + p % lay.window, -1)
 
