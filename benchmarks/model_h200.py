@@ -254,22 +254,60 @@ def prefill_flops(core, context: int, new: int) -> float:
     return 2.0 * active * new + att + idx
 
 
+def device_busy(core, b: int, context: int) -> dict:
+    """One more decode step under torch.profiler: the device time of its kernels and copies summed (what the step
+    would cost with the host's launch path out of the way, as in a CUDA graph), its launch count, the top kernels.
+    Eager steps here are bound by the host: thousands of small launches, so wall time and this differ."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dsserve.engine.request import Request
+    from dsserve.engine.sampling_params import SamplingParams
+    from dsserve.engine.scheduler import ScheduledChunk, StepPlan
+    gen, reqs = torch.Generator().manual_seed(1), []
+    for i in range(b):
+        r = Request(f"busy-{i}", [3] * (context + 1), SamplingParams(temperature=0, max_tokens=1))
+        r.kv = core.kv.new_sequence()
+        fwd._fill(core, r, context, 1, gen)
+        reqs.append(r)
+    _sync()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV == "cuda" else [])) as prof:
+        core.runner.execute(StepPlan([ScheduledChunk(r, 1) for r in reqs], []))
+        _sync()
+    wall_ms = (time.perf_counter() - t) * 1e3
+    for r in reqs:
+        core.kv.release(r.kv)
+    per_kernel, launches = {}, 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:  # kernels and copies as the device ran them
+            per_kernel[e.name[:60]] = per_kernel.get(e.name[:60], 0.0) + e.time_range.elapsed_us() / 1e3
+        elif e.name.startswith(("cudaLaunchKernel", "cuLaunchKernel")):
+            launches += 1
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8]
+    # the CPU smoke has no device: the profiled step's wall time stands in
+    return {"busy_ms": sum(per_kernel.values()) if DEV == "cuda" else wall_ms, "launches": launches, "top": dict(top)}
+
+
 # ------------------------------------------------------------------ sections
 def decode(plan: dict, ceil: dict, res: dict) -> list[dict]:
     core, info = build_core(plan["model"], plan["kv_tokens"], release=True, smoke=SMOKE)
     res["decode_model"] = info
-    rows = []
+    rows = res["decode"] = []  # filled row by row and saved after each: a run cut by its time limit keeps them
     try:
         for ctx in plan["contexts"]:
             for b in plan["batches"]:
                 r = fwd.bench_forward(core, b, ctx, 1, plan["repeats"])
                 f = decode_floor(core, b, ctx, ceil)
+                busy = device_busy(core, b, ctx)
                 rows.append({"B": b, "ctx": ctx, "ms": r.seconds * 1e3, "tokens_per_s": r.tokens_per_s,
                              "floor_ms": f["floor_ms"], "over_floor": r.seconds * 1e3 / f["floor_ms"],
+                             "device_busy_ms": busy["busy_ms"], "busy_over_floor": busy["busy_ms"] / f["floor_ms"],
+                             "launches": busy["launches"], "top_kernels_ms": busy["top"],
                              "goal_met": (r.seconds * 1e3 / f["floor_ms"] <= 1.25) if b <= 32 else None,
                              **{k: v for k, v in f.items() if k != "floor_ms"},
                              "stages_ms": {k: v * 1e3 for k, v in r.stages.items()}})
                 print(f"decode B={b} ctx={ctx}: {r.seconds * 1e3:.2f} ms (floor {f['floor_ms']:.2f})", flush=True)
+                save(res)
         for new, ctxs in plan["prefill"]:
             secs = flops = 0.0
             for c in ctxs:  # the engine's chunks, each on the cache the previous ones left
@@ -282,6 +320,7 @@ def decode(plan: dict, ceil: dict, res: dict) -> list[dict]:
                          "tokens_per_s": n / secs, "flops": flops, "floor_ms": floor_ms,
                          "matmul_fraction": floor_ms / (secs * 1e3), "goal_met": floor_ms / (secs * 1e3) >= 0.5})
             print(f"prefill {n} new on {ctxs[0]}: {secs * 1e3:.1f} ms (floor {floor_ms:.1f})", flush=True)
+            save(res)
     finally:
         free_core(core)
     return rows
@@ -431,6 +470,15 @@ def plans(smoke: bool) -> dict:
             "peer_ctx": 1024, "peer_prefill": 8192, "peer_steps": 8}
 
 
+OUT_JSON = []  # the path main() writes to
+
+
+def save(res: dict) -> None:
+    if OUT_JSON:
+        with open(OUT_JSON[0], "w") as f:
+            json.dump(res, f, indent=1, default=str)
+
+
 def _finite(x) -> bool:
     if isinstance(x, dict):
         return all(_finite(v) for v in x.values())
@@ -446,8 +494,10 @@ def plot(res: dict, path: str) -> None:
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
     dec = [r for r in res.get("decode", []) if "B" in r]
     for ctx in sorted({r["ctx"] for r in dec}):
-        pts = sorted((r["B"], r["ms"], r["floor_ms"]) for r in dec if r["ctx"] == ctx)
-        line, = ax[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"ctx {ctx}")
+        pts = sorted((r["B"], r["ms"], r["floor_ms"], r.get("device_busy_ms", float("nan"))) for r in dec
+                     if r["ctx"] == ctx)
+        line, = ax[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"ctx {ctx}: eager step")
+        ax[0].plot([p[0] for p in pts], [p[3] for p in pts], "s--", color=line.get_color(), label=f"ctx {ctx}: device busy")
         ax[0].plot([p[0] for p in pts], [p[2] for p in pts], ":", color=line.get_color())
     ax[0].set(xscale="log", yscale="log", xlabel="batch", ylabel="ms per decode step",
               title="whole-model decode (dotted: bytes floor)")
@@ -475,6 +525,7 @@ def main() -> None:
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "smoke": a.smoke},
            "ceilings": ceilings(), "seconds": {}}
     os.makedirs(a.out, exist_ok=True)
+    OUT_JSON.append(os.path.join(a.out, "model.json"))
     for name, fn in (("decode", decode), ("kernels", kernels), ("peer", peer)):
         if name in skip:
             continue
@@ -485,15 +536,15 @@ def main() -> None:
             res.setdefault("errors", {})[name] = repr(e)
             print(f"section {name} failed: {e!r}", flush=True)
         res["seconds"][name] = time.perf_counter() - t
-        with open(os.path.join(a.out, "model.json"), "w") as f:  # after every section: a cut run keeps its part
-            json.dump(res, f, indent=1, default=str)
+        save(res)
     c = res["ceilings"]
     print(f"ceilings: copy {c['copy_GBps']:.0f} GB/s, bf16 {c['bf16_TFLOPs']:.1f} TFLOP/s, fp8 {c['fp8_TFLOPs']:.1f}")
-    print(f"{'case':34s} {'ms':>10s} {'floor ms':>10s} {'ratio':>7s} {'tok/s':>10s}")
+    print(f"{'case':34s} {'ms':>10s} {'floor ms':>10s} {'ratio':>7s} {'tok/s':>10s} {'busy ms':>9s} {'ratio':>7s}")
     for r in res.get("decode", []):
         if "B" in r:
             print(f"{'decode B=%d ctx=%d' % (r['B'], r['ctx']):34s} {r['ms']:10.2f} {r['floor_ms']:10.2f} "
-                  f"{r['over_floor']:6.2f}x {r['tokens_per_s']:10.0f}")
+                  f"{r['over_floor']:6.2f}x {r['tokens_per_s']:10.0f} {r['device_busy_ms']:9.2f} "
+                  f"{r['busy_over_floor']:6.2f}x")
         else:
             print(f"{'prefill %d new on %d' % (r['new_tokens'], r['cached']):34s} {r['ms']:10.1f} "
                   f"{r['floor_ms']:10.1f} {r['matmul_fraction']:6.0%}  {r['tokens_per_s']:10.0f}")
@@ -504,8 +555,7 @@ def main() -> None:
         print(f"peer {k}: dsserve {v:,.1f}  transformers {peer_res['transformers'].get(k, float('nan')):,.1f}")
     if "decode" in res:
         plot(res, os.path.join(a.out, "model.png"))
-    with open(os.path.join(a.out, "model.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
+    save(res)
     summary = {"ceilings": c, "errors": res.get("errors", {}), "finite": _finite(
         {k: res.get(k) for k in ("decode", "peer")}), "sections": [k for k in ("decode", "kernels", "peer") if k in res]}
     print(json.dumps(summary, default=str))

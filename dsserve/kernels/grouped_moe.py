@@ -244,7 +244,11 @@ def routed_experts_ref(x, ids, weights, experts: ExpertWeights, limit: float) ->
     return out.to(x.dtype)
 
 
-def _config(n, n_exp, d, inter, cfg):
+SMEM_BUDGET = 160 * 1024  # of the H200's 227 KiB per block: headroom for Triton's own buffers
+
+
+def _config(n, n_exp, d, inter, cfg, elem: int = 2):
+    """Tiles for n (row, expert) pairs; elem = the widest operand's bytes (4 for fp32 experts or rows)."""
     rows = -(-n // min(n, n_exp))  # rows per used expert under even routing
     bm = cfg.get("BM", min(64, max(16, triton.next_power_of_2(rows))))
     big = bm >= 64  # prefill: compute-bound 64 x 128 tiles; else decode, weight-bandwidth bound
@@ -256,6 +260,12 @@ def _config(n, n_exp, d, inter, cfg):
     # never wider than the dims each kernel runs over (tiny shapes), kept at those minimums
     c["BN_UP"], c["BN_DOWN"] = (max(16, min(c["BN"], triton.next_power_of_2(m))) for m in (inter, d))
     c["BK_UP"], c["BK_DOWN"] = (max(32, min(c["BK"], triton.next_power_of_2(m))) for m in (d, inter))
+    c.update({key: cfg[key] for key in ("BN_UP", "BN_DOWN", "BK_UP", "BK_DOWN") if key in cfg})  # per-kernel sweeps
+    # each pipeline stage holds a row tile and the up kernel's two weight tiles (w1, w3): fp32 prefill tiles need
+    # 80 KiB a stage, so three stages would not fit
+    stage = elem * max(c["BM"] * c["BK_UP"] + 2 * c["BN_UP"] * c["BK_UP"], c["BM"] * c["BK_DOWN"] + c["BN_DOWN"] * c["BK_DOWN"])
+    if "num_stages" not in cfg:
+        c["num_stages"] = max(1, min(c["num_stages"], SMEM_BUDGET // stage))
     return c
 
 
@@ -267,7 +277,7 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *, con
     (t, k), (n_exp, d, inter) = ids.shape, experts.shape
     if t * k == 0:
         return torch.zeros(t, d, dtype=x.dtype, device=x.device)
-    c = _config(t * k, n_exp, d, inter, dict(config or {}))
+    c = _config(t * k, n_exp, d, inter, dict(config or {}), max(x.element_size(), experts.w1.element_size()))
     order, tiles = expert_tiles(ids, n_exp, c["BM"])
     nt, fmt = tiles.shape[1], FMTS.index(experts.fmt)
     x = x if x.stride(1) == 1 else x.contiguous()

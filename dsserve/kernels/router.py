@@ -155,9 +155,13 @@ def route_ref(x, weight, bias, k: int, temp: float, scale: float, bias_alt=None,
     return Gate.forward(gate, x, None, use_alt)
 
 
-def _plan(t, e, d, sms, cfg):
+SMEM_BUDGET = 160 * 1024  # of the H200's 227 KiB per block: headroom for Triton's own buffers
+
+
+def _plan(t, e, d, sms, cfg, elem: int = 2):
     """Tile choice (see the module doc); cfg keys override: fused, BT, BE, BK, SPLIT, BT_SELECT, num_warps,
-    num_stages. fused forces one program per row block over all experts and all of d."""
+    num_stages. fused forces one program per row block over all experts and all of d. elem: the widest operand's
+    bytes (fp32 tiles take twice the shared memory a stage, so fewer stages fit)."""
     ep = max(16, triton.next_power_of_2(e))  # tl.dot wants every dim >= 16
     if cfg.get("fused", t >= FUSED_MIN_T):
         p = dict(BT=64, BE=ep, BK=32, SPLIT=1, num_warps=8, num_stages=3)
@@ -166,6 +170,8 @@ def _plan(t, e, d, sms, cfg):
     else:
         p = dict(BT=64, BE=128, BK=64, num_warps=4, num_stages=3)
     p.update({key: v for key, v in cfg.items() if key != "fused"})
+    if "num_stages" not in cfg:
+        p["num_stages"] = max(1, min(p["num_stages"], SMEM_BUDGET // (elem * p["BK"] * (p["BT"] + p["BE"]))))
     tiles, k_tiles = triton.cdiv(t, p["BT"]) * triton.cdiv(e, p["BE"]), triton.cdiv(d, p["BK"])
     split = min(k_tiles, p.get("SPLIT", max(1, sms // tiles)))
     p["K_TILES"] = triton.cdiv(k_tiles, split)
@@ -195,7 +201,7 @@ def route(x, weight, bias, k: int, temp: float, scale: float, bias_alt=None, use
     b = bias.contiguous() if bias is not None else wo  # else a dummy pointer, never read (HAS_BIAS False)
     ba, u = (bias_alt.contiguous(), use_alt.contiguous().view(torch.uint8)) if has_alt else (b, ids)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if x.is_cuda else 1
-    p, ep = _plan(t, e, d, sms, dict(config or {}))
+    p, ep = _plan(t, e, d, sms, dict(config or {}), max(x.element_size(), weight.element_size()))
     kp = triton.next_power_of_2(k)
     part = wo if p["FUSED"] else torch.empty(p["SPLIT"], t, e, dtype=torch.float32, device=dev)
     dot_f32 = _INTERPRET or x.dtype == torch.float32 or x.dtype != weight.dtype
