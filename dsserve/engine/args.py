@@ -45,9 +45,7 @@ class EngineArgs:
     attention_backend: str = field(default="auto", metadata=_h(
         "paged: attention batched over the paged pools through the kernels | reference: the per-sequence "
         "reference path | auto: paged on cuda, reference on cpu"))
-    # The row-wise kernels (router, moe, mhc) pass their own tests on the GPU but have not yet run inside the
-    # engine there, so they stay on their references unless asked for ("" runs every op through Triton).
-    reference_ops: str = field(default="router,moe,mhc", metadata=_h(
+    reference_ops: str = field(default="", metadata=_h(
         "ops that run their torch reference instead of Triton (on the paged backend), for bisecting: a comma "
         "list of attention, indexer, topk, kv_write, linear, router, moe, mhc, or all, or '' for none"))
 

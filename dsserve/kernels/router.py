@@ -14,9 +14,10 @@ of d, the same program then runs k rounds of (row max, lowest column at the max,
 weights. Otherwise it stores fp32 partial logits [SPLIT, T, E] and _select_kernel sums them and selects.
 Tiles (H200, 132 SMs): T <= 64 is bound by reading W (384 x 5120 bf16 = 3.9 MB) and one program per row block
 would stream it through a single SM, so E is split in 32-expert tiles and d into ~one wave of programs (~32 KB of
-W each), then a second tiny pass selects. T >= FUSED_MIN_T is compute-bound: BT = 64 rows x all E (384 padded to
-512) per program, 8 warps (the 64 x 512 fp32 tile is 128 registers a thread), BK = 32 for 3 smem stages in
-~108 KB; W is read once per 64 rows (~55 flop/byte of L2 traffic). Between them: 64 x 128 tiles plus split-K.
+W each), then a second tiny pass selects. Longer batches: 64 x 128 tiles plus split-K and the same selection pass.
+The one-launch variant (BT = 64 rows x all E, 384 padded to 512, per program; 8 warps; BK = 32 for 3 smem stages
+in ~108 KB) is kept behind config={"fused": True}: on the H200 at T = 4096 it took 0.236 ms against the split
+path's 0.077 ms (benchmarks/results/model-h200), its 64 programs being too few to fill 132 SMs.
 """
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ from ..layers.moe import Gate
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_E = 1024  # the selection holds a [rows, next_pow2(E)] fp32 tile in registers
-FUSED_MIN_T = 4096  # from here the one-launch kernel has >= 64 programs of 64 rows (see the module doc)
 # The Triton 3.9 interpreter gets bf16 dots wrong; fp32 dots of the same (exact) products stand in there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -163,7 +163,7 @@ def _plan(t, e, d, sms, cfg, elem: int = 2):
     num_stages. fused forces one program per row block over all experts and all of d. elem: the widest operand's
     bytes (fp32 tiles take twice the shared memory a stage, so fewer stages fit)."""
     ep = max(16, triton.next_power_of_2(e))  # tl.dot wants every dim >= 16
-    if cfg.get("fused", t >= FUSED_MIN_T):
+    if cfg.get("fused", False):
         p = dict(BT=64, BE=ep, BK=32, SPLIT=1, num_warps=8, num_stages=3)
     elif t <= 64:
         p = dict(BT=max(16, triton.next_power_of_2(t)), BE=32, BK=128, num_warps=4, num_stages=4)
