@@ -6,7 +6,8 @@
 Sections (each skippable with --skip a,b; the JSON is rewritten after each, so a cut-short run keeps its numbers):
 - ceilings: copy bandwidth (bytes read + written), bf16 and fp8 matmul rates, measured in this run;
 - decode: the engine's execute path (dsserve.bench.forward) on `proxy-h200-release` with dummy weights, dense
-  projections FP8 and routed experts MXFP4 (keep_dense=False), every op through Triton (reference_ops ""), at
+  projections FP8 and routed experts MXFP4 (keep_dense=False), Engram tables in pinned host memory in the FP8
+  layout (--engram-tables; host rows prefetched on a side stream), every op through Triton (reference_ops ""), at
   B in {1, 8, 32, 128} x context {8K, 128K}; floor = bytes a step must move / copy bandwidth, where bytes =
   the non-expert weights read once (embedding table, Engram tables and draft modules excluded) + the routed
   experts touched (expected distinct experts of B x top-k draws from E under uniform routing) + per row and
@@ -105,9 +106,10 @@ def model_bytes(cfg, release: bool) -> float:
     return experts * ((0.5 + 1 / 32) if release else 2) + rest * 2
 
 
-def build_core(cfg_or_name, kv_tokens: tuple[int, int], release: bool, smoke: bool):
+def build_core(cfg_or_name, kv_tokens: tuple[int, int], release: bool, smoke: bool, engram_tables: str = "device"):
     """An EngineCore around a model built on the device with dummy weights. release: routed experts packed
-    MXFP4 as each MoE is constructed (so the bf16/fp32 experts of all layers never coexist), dense FP8."""
+    MXFP4 as each MoE is constructed (so the bf16/fp32 experts of all layers never coexist), dense FP8, and the
+    Engram tables where `engram_tables` says (an EngineArgs value)."""
     from dsserve.engine import core as core_mod
     from dsserve.kv.layout import KVLayout
     from dsserve.layers.moe import MoE
@@ -161,6 +163,7 @@ def build_core(cfg_or_name, kv_tokens: tuple[int, int], release: bool, smoke: bo
     seqs, tokens = kv_tokens
     blocks = seqs * (math.ceil(tokens / lay.block_size) + 1)
     args = EngineArgs(model="tiny", dtype=dtype, seed=0, quantization="fp8" if release else None,
+                      engram_tables=engram_tables if release else "device",
                       max_num_seqs=seqs, enable_prefix_caching=False,
                       reference_ops="" if DEV == "cuda" else "all",  # the CPU smoke: no interpreted kernels
                       kv_cache_memory=blocks * lay.bytes_per_block + seqs * lay.bytes_per_window_slot + (1 << 20))
@@ -290,7 +293,9 @@ def device_busy(core, b: int, context: int) -> dict:
 
 # ------------------------------------------------------------------ sections
 def decode(plan: dict, ceil: dict, res: dict) -> list[dict]:
-    core, info = build_core(plan["model"], plan["kv_tokens"], release=True, smoke=SMOKE)
+    core, info = build_core(plan["model"], plan["kv_tokens"], release=True, smoke=SMOKE,
+                            engram_tables=plan["engram_tables"])
+    info["engram_tables"] = plan["engram_tables"]
     res["decode_model"] = info
     rows = res["decode"] = []  # filled row by row and saved after each: a run cut by its time limit keeps them
     try:
@@ -514,12 +519,21 @@ def plot(res: dict, path: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="benchmarks/results/model-h200")
-    p.add_argument("--skip", default="", help="comma list of sections to skip: decode,kernels,peer")
+    p.add_argument("--skip", default="", help="comma list of sections to skip: decode,prefill,kernels,peer")
     p.add_argument("--smoke", action="store_true", help="every section on tiny shapes (CPU ok), < 60 s")
+    p.add_argument("--batches", default="", help="decode batch sizes, comma list (default 1,8,32,128)")
+    p.add_argument("--contexts", default="", help="decode contexts, comma list (default 8192,131072)")
+    p.add_argument("--engram-tables", default="host-fp8", help="where the proxy's Engram tables live (EngineArgs)")
     a = p.parse_args()
     skip = set(a.skip.split(",")) - {""}
     torch.manual_seed(0)
     plan = plans(a.smoke)
+    plan["engram_tables"] = a.engram_tables
+    for key, val in (("batches", a.batches), ("contexts", a.contexts)):
+        if val:
+            plan[key] = tuple(int(v) for v in val.split(","))
+    if "prefill" in skip:
+        plan["prefill"] = []
     res = {"meta": {"command": " ".join(["python", "benchmarks/model_h200.py"] + sys.argv[1:]),
                     "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "torch": torch.__version__,
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "smoke": a.smoke},

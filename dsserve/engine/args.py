@@ -41,6 +41,10 @@ class EngineArgs:
     quantization: str | None = field(default=None, metadata=_h(
         "fp8: the attention projections in the release's FP8 e4m3 weights with 32x32 (V4: 128x128) ue8m0 block "
         "scales, through the Triton FP8 kernel on GPU | None: the weights as loaded"))
+    engram_tables: str = field(default="device", metadata=_h(
+        "where the Engram n-gram tables live: device | host (pinned host memory, the model's values; each step's "
+        "rows are copied on a side stream while earlier layers run) | host-fp8 (host, in the release's FP8 "
+        "layout, half the bytes of bf16)"))
     device: str = field(default="auto", metadata=_h("auto (cuda when a GPU is visible) | cpu | cuda | cuda:N"))
     attention_backend: str = field(default="auto", metadata=_h(
         "paged: attention batched over the paged pools through the kernels | reference: the per-sequence "
@@ -61,6 +65,8 @@ class EngineArgs:
             parse_reference_ops(self.reference_ops)
         except ValueError as e:
             raise EngineArgsError(str(e)) from None
+        if self.engram_tables not in ("device", "host", "host-fp8"):
+            raise EngineArgsError(f"engram_tables must be device, host or host-fp8, got {self.engram_tables!r}")
         if self.replay_form not in ("report", "vllm"):
             raise EngineArgsError(f"replay_form must be 'report' or 'vllm', got {self.replay_form!r}")
         if self.replay_window is not None and self.replay_window < 1:

@@ -77,6 +77,11 @@ class EngineCore:
         self.args = args
         lm = load_model(args.model, args.load_format, args.dtype, args.seed, qat=args.qat)
         self.device = resolve_device(args.device)
+        if args.engram_tables != "device":  # before .to(device): the real tables are hundreds of GB
+            fmt = "fp8" if args.engram_tables == "host-fp8" else "float"
+            for block in lm.model.layers:
+                if block.engram is not None and block.engram.table is None:
+                    block.engram.move_table_to_host(fmt)
         self.model, self.cfg, self.tokenizer = lm.model.to(self.device), lm.cfg, lm.tokenizer
         backend = args.attention_backend
         if backend == "auto":

@@ -45,7 +45,7 @@ class Engram(nn.Module):
 
     def row_ids(self, compressed_ids: torch.Tensor, seq_rows: list[slice], histories: list[torch.Tensor]):
         """LongTensor [T, columns] of table rows, hashed per sequence on the ids' device."""
-        return torch.cat([self.hasher.rows(compressed_ids[r], h) for r, h in zip(seq_rows, histories)])
+        return self.hasher.rows_of_seqs(compressed_ids, seq_rows, histories)
 
     def prefetch(self, compressed_ids: torch.Tensor, seq_rows: list[slice], histories: list[torch.Tensor],
                  device, dtype: torch.dtype) -> EngramRows:

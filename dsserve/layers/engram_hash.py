@@ -146,20 +146,32 @@ class EngramHasher:
         """LongTensor[T, columns] of global rows into this layer's table, column c = (n-2)*heads + h."""
         if ids.dim() != 1:
             raise ValueError(f"ids must be 1-D (one sequence), got shape {tuple(ids.shape)}")
+        return self.rows_of_seqs(ids, [slice(0, ids.numel())], [history], check)
+
+    def rows_of_seqs(self, ids: torch.Tensor, seq_rows: list[slice], histories: list, check: bool = True):
+        """``rows`` of every sequence (its slice of ``ids``, with its history; None = it starts there) in one pass:
+        the same ops whatever the number of sequences, where a loop over them costs ~50 launches each."""
         ids = ids.to(torch.int64)
         k = self.max_ngram - 1
-        hist = ids.new_empty(0) if history is None or k == 0 else history.to(ids).reshape(-1)[-k:]
-        if check and ids.device.type == "cpu":
-            both = torch.cat([hist, ids])
-            if both.numel() and (int(both.min()) < DEAD or int(both.max()) >= self.compressed_vocab_size):
+        lead = ids.new_full((k,), _BEFORE_START)
+        # ext: per sequence, k lookback slots (history right-aligned, the rest marked before-start), then its ids
+        pieces, where, base = [], [], 0
+        for r, h in zip(seq_rows, histories):
+            hist = ids[:0] if h is None or k == 0 else h.to(ids).reshape(-1)[-k:]
+            pieces += [lead[: k - hist.numel()], hist, ids[r]]
+            where.append((base + k, r.stop - r.start))
+            base += k + r.stop - r.start
+        ext = torch.cat(pieces) if pieces else ids[:0]
+        if check and ids.device.type == "cpu" and ext.numel():
+            real = ext[ext != _BEFORE_START]
+            if real.numel() and (int(real.min()) < DEAD or int(real.max()) >= self.compressed_vocab_size):
                 raise ValueError(f"compressed ids must lie in [-1, {self.compressed_vocab_size})")
-        T = ids.numel()
+        at = torch.cat([torch.arange(b, b + n) for b, n in where]) if where else torch.zeros(0, dtype=torch.int64)
+        at = at.to(ids.device, non_blocking=True)
         mult, primes, offs = self._consts(ids.device)
-        # ext[j] = token at position j - k relative to ids[0]; positions before the sequence start are marked.
-        lead = ids.new_full((k - hist.numel(),), _BEFORE_START)
-        ext = torch.cat([lead, hist, ids])
-        # src[t, s] = token at lookback s from position t
-        src = torch.stack([ext[k - s: k - s + T] for s in range(self.max_ngram)], dim=1)
+        T = at.numel()
+        # src[t, s] = token at lookback s from row t (within its sequence's ext segment)
+        src = ext[at[:, None] - torch.arange(self.max_ngram, device=ids.device)[None, :]]
         blocked = torch.cumsum((src < 0).to(torch.int64), dim=1) > 0  # sticky
         v = torch.where(blocked, torch.full_like(src, self.pad_id), src)
         prod = v * mult  # int64, wraps on overflow (never for in-range ids)

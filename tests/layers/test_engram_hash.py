@@ -159,3 +159,27 @@ def test_batch_of_histories_independent_of_context_before_history():
     ids = torch.tensor(np.arange(10, 20))
     assert torch.equal(h.rows(ids, torch.tensor([1, 2, 3])), h.rows(ids, torch.tensor([9, 9, 1, 2, 3])))
     assert not torch.equal(h.rows(ids, torch.tensor([1, 2, 3]))[:3], h.rows(ids, torch.tensor([2, 3]))[:3])
+
+
+def test_rows_of_seqs_equals_hashing_each_sequence():
+    """The batched form (one pass over every sequence of a step) against rows() per sequence: ragged lengths,
+    histories of 0 to more than max_ngram - 1 ids (or None), DEAD ids inside rows and histories."""
+    cfg = preset("v41-flash")
+    h = EngramHasher(cfg, 14)
+    g = torch.Generator().manual_seed(3)
+    lens, hist_lens = [1, 5, 1, 17, 2, 1, 9], [None, 0, 1, 2, 3, 6, 3]
+    ids = torch.randint(0, cfg.engram_compressed_vocab_size, (sum(lens),), generator=g)
+    ids[[3, 4, 20]] = DEAD
+    seq_rows, hists, start = [], [], 0
+    for n, m in zip(lens, hist_lens):
+        seq_rows.append(slice(start, start + n))
+        start += n
+        hist = None if m is None else torch.randint(0, cfg.engram_compressed_vocab_size, (m,), generator=g)
+        if m and m > 2:
+            hist[-2] = DEAD
+        hists.append(hist)
+    want = torch.cat([h.rows(ids[r], hi) for r, hi in zip(seq_rows, hists)])
+    assert torch.equal(h.rows_of_seqs(ids, seq_rows, hists), want)
+    assert h.rows_of_seqs(ids, [], []).shape == (0, h.columns)
+    with pytest.raises(ValueError, match="compressed ids must lie in"):
+        h.rows_of_seqs(ids, seq_rows[:2], [torch.tensor([cfg.engram_compressed_vocab_size]), None])

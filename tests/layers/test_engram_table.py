@@ -147,35 +147,41 @@ def test_fp8_host_tables_equal_the_dequantised_table(tiny_models):
 
 
 def test_engine_chunked_prefill_decode_and_replay_hit_are_exact():
-    """Same LLM, same requests under two cache salts: device tables, then host tables (cold cache again)."""
+    """The same requests on an engine with device tables and on one with engram_tables="host": chunked prefill,
+    decode and a prefix hit with bounded replay give the same tokens and logits."""
     import random
 
     from dsserve import LLM, SamplingParams
-    llm = LLM(model="tiny", dtype="float64", block_size=16, max_num_batched_tokens=20, max_num_seqs=4,
-              swa_bounded_replay=True, replay_window=16, enable_prefix_caching=True)
     rng = random.Random(7)
     prefix = [rng.randrange(3, 8190) for _ in range(34)]
     prompts = [prefix + [5, 6], prefix + [7, 8, 9]]  # the second hits 32 cached tokens and replays
-    seen, execute = [], llm.engine.runner.execute
-
-    def capture(plan):
-        reqs, logits = execute(plan)
-        seen.extend(logits)
-        return reqs, logits
-    llm.engine.runner.execute = capture
     sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
-    def run(salt):
-        seen.clear()
-        outs = [llm.generate([{"prompt_token_ids": p, "cache_salt": salt}], sp, use_tqdm=False)[0] for p in prompts]
-        assert outs[1].num_cached_tokens == 32
-        return [o.outputs[0].token_ids for o in outs], torch.stack(seen)
-    ref_tokens, ref_logits = run("device")
-    for e in engram_layers(llm.engine.model):
-        e.move_table_to_host("float")
-    tokens, logits = run("host")
+    def run(tables):
+        llm = LLM(model="tiny", dtype="float64", block_size=16, max_num_batched_tokens=20, max_num_seqs=4,
+                  swa_bounded_replay=True, replay_window=16, enable_prefix_caching=True, engram_tables=tables)
+        seen, execute = [], llm.engine.runner.execute
+
+        def capture(plan):
+            reqs, logits = execute(plan)
+            seen.extend(logits)
+            return reqs, logits
+        llm.engine.runner.execute = capture
+        outs = [llm.generate([p], sp, use_tqdm=False)[0] for p in prompts]
+        assert outs[1].num_cached_tokens == 32 and llm.engine.stats.replayed_rows > 0
+        hosted = [e.table is not None and e.embed.weight.numel() == 0 for e in engram_layers(llm.engine.model)]
+        return [o.outputs[0].token_ids for o in outs], torch.stack(seen), hosted
+    ref_tokens, ref_logits, hosted = run("device")
+    assert hosted and not any(hosted)
+    tokens, logits, hosted = run("host")
+    assert all(hosted)
     assert tokens == ref_tokens and torch.equal(logits, ref_logits)
-    assert llm.engine.stats.replayed_rows > 0
+
+
+def test_engram_tables_option_rejects_unknown_places():
+    from dsserve.engine.args import EngineArgs, EngineArgsError
+    with pytest.raises(EngineArgsError, match="engram_tables must be device, host or host-fp8"):
+        EngineArgs(engram_tables="gpu")
 
 
 # ------------------------------------------------------------------ GPU
