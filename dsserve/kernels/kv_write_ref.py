@@ -14,7 +14,7 @@ from dsserve.kv.formats import RowFormat
 from dsserve.layers import quant
 from dsserve.layers.compressor import Compressor
 from dsserve.layers.norm import rms_norm
-from dsserve.layers.rope import Rope
+from dsserve.layers.rope import rotate
 
 # Kinds of quantiser, shared by the fake-quant (FQ) and the store (ST) constexprs.
 NONE, FP8_POW2, FP4_E4M3, FP4_POW2, BF16 = 0, 1, 2, 3, 4
@@ -34,9 +34,8 @@ _OPS = {  # op: (fmt names it accepts, fake-quant of its returned values, its ow
 
 
 def _rope(cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Rope.__call__ itself, on the caller's cos/sin [T, R/2] instead of angles computed from positions."""
-    given = SimpleNamespace(spec=SimpleNamespace(rope_dim=2 * cos.shape[-1]), _cos_sin=lambda positions: (cos, sin))
-    return Rope.__call__(given, x, None)
+    """The model's rotation, on the caller's cos/sin [T, R/2] instead of angles computed from positions."""
+    return rotate(x, cos, sin)
 
 
 def _resolve(op: str, fmt, channels: int) -> RowFormat:

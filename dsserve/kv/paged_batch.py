@@ -42,6 +42,7 @@ class PagedBatch:
         self.cand_blocks: torch.Tensor | None = None  # [T, top_blocks] int32, -1 none
         self._cos_sin: dict = {}
         self._store_rows: torch.Tensor | None = None
+        self._window = None  # old_window_rows' layer-independent part, built on first use
 
     @classmethod
     def supports(cls, seqs) -> bool:
@@ -69,6 +70,17 @@ class PagedBatch:
 
     def old_window_rows(self, layer: int) -> torch.Tensor:
         """[T, W] int32: physical rows of positions p-W+1..p written before this step, -1 if absent."""
+        if self._window is None:
+            self._window = self._window_candidates()
+        q, ok, ring, rows = self._window
+        if ring is None:  # exact mode: the rows come from the block tables, the same for every layer
+            return rows
+        # the ring's slot holds position q only if this layer's tag says so (the slot may hold an older one)
+        return torch.where(ok & (self.cache.window_pos[layer][self.slots[:, None], ring] == q), rows, -1)
+
+    def _window_candidates(self):
+        """The layer-independent part of old_window_rows, once per step: positions q [T, W], their mask (before
+        this step, not negative), ring slots and physical rows (int32); exact mode: the final rows."""
         lay = self.cache.layout
         w = lay.window
         q = self.positions[:, None] - (w - 1) + torch.arange(w, device=self.positions.device)[None, :]
@@ -77,12 +89,9 @@ class PagedBatch:
         if lay.window_in_blocks:
             bs = lay.block_size
             blk = self.block_rows.long().gather(1, (qc // bs).clamp(max=self.block_rows.shape[1] - 1))
-            rows = blk * bs + qc % bs
-        else:
-            ring = qc % w
-            ok &= self.cache.window_pos[layer][self.slots[:, None], ring] == q
-            rows = self.slots[:, None] * w + ring
-        return torch.where(ok, rows, -1).to(torch.int32)
+            return q, ok, None, torch.where(ok, blk * bs + qc % bs, -1).to(torch.int32)
+        ring = qc % w
+        return q, ok, ring, (self.slots[:, None] * w + ring).to(torch.int32)
 
     def window_store_rows(self) -> torch.Tensor:
         """[T] int64: this step's window row destinations, the same for every layer (computed once). A ring
@@ -135,4 +144,5 @@ class PagedBatch:
         out.cand_blocks = None if self.cand_blocks is None else self.cand_blocks[keep]
         out._cos_sin = {k: (c[keep], s[keep]) for k, (c, s) in self._cos_sin.items()}
         out._store_rows = None  # the kept rows' last W per sequence differ from the full step's
+        out._window = None
         return out

@@ -8,3 +8,8 @@ import torch
 
 def acc(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``acc`` gives a tensor of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

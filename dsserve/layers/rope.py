@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from .numerics import acc
+from .numerics import acc, acc_dtype
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,12 @@ def inv_freq(spec: RopeSpec) -> torch.Tensor:
     return base * (1 - ramp) + base / spec.yarn_factor * ramp
 
 
+# One forward rotates several tensors per layer at the same positions: the cos / sin tables of the last positions
+# tensor seen are kept per spec (a live reference, so its identity cannot be reused; its version guards in-place
+# edits). On a GPU each table costs six small launches, ~25 a layer at decode.
+_TABLES: dict = {}
+
+
 class Rope:
     """Rotates the tail channels of vectors at given absolute positions (and back, for de-rotation)."""
 
@@ -55,16 +61,33 @@ class Rope:
         ang = positions.to(torch.float64)[:, None] * f[None, :]
         return torch.cos(ang), torch.sin(ang)
 
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype, inverse: bool = False):
+        """(cos, sin) [T, rope_dim/2] in ``dtype`` (sin negated for the inverse rotation), rounded from fp64."""
+        try:
+            version = positions._version
+        except RuntimeError:  # an inference tensor keeps no version: no reuse
+            version = None
+        memo = _TABLES.get(self.spec)
+        if memo is None or memo[0] is not positions or memo[1] != version or version is None:
+            memo = _TABLES[self.spec] = (positions, version, {})
+        key = (dtype, inverse)
+        if key not in memo[2]:
+            cos, sin = self._cos_sin(positions)
+            memo[2][key] = (cos.to(dtype), (-sin if inverse else sin).to(dtype))
+        return memo[2][key]
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """x: [T, ..., D]; positions: [T]. Returns x with its last rope_dim channels rotated."""
-        rd = self.spec.rope_dim
-        cos, sin = self._cos_sin(positions)
-        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rd // 2,)
-        cos, sin = cos.view(shape), sin.view(shape)
-        if inverse:
-            sin = -sin
-        tail = acc(x[..., -rd:]).unflatten(-1, (rd // 2, 2))
-        cos, sin = cos.to(tail.dtype), sin.to(tail.dtype)
-        a, b = tail[..., 0], tail[..., 1]
-        rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
-        return torch.cat((x[..., :-rd], rot.to(x.dtype)), dim=-1)
+        return rotate(x, *self.tables(positions, acc_dtype(x.dtype), inverse))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, ..., D] with its last 2 * cos.shape[-1] channels rotated by the per-row tables [T, R/2] (cast to the
+    rotation's dtype: fp32, or fp64 for fp64 x)."""
+    rd = 2 * cos.shape[-1]
+    tail = acc(x[..., -rd:]).unflatten(-1, (rd // 2, 2))
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rd // 2,)
+    cos, sin = cos.to(tail.dtype).view(shape), sin.to(tail.dtype).view(shape)
+    a, b = tail[..., 0], tail[..., 1]
+    rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    return torch.cat((x[..., :-rd], rot.to(x.dtype)), dim=-1)
