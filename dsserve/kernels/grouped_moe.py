@@ -263,7 +263,8 @@ def _config(n, n_exp, d, inter, cfg, elem: int = 2):
     c.update({key: cfg[key] for key in ("BN_UP", "BN_DOWN", "BK_UP", "BK_DOWN") if key in cfg})  # per-kernel sweeps
     # each pipeline stage holds a row tile and the up kernel's two weight tiles (w1, w3): fp32 prefill tiles need
     # 80 KiB a stage, so three stages would not fit
-    stage = elem * max(c["BM"] * c["BK_UP"] + 2 * c["BN_UP"] * c["BK_UP"], c["BM"] * c["BK_DOWN"] + c["BN_DOWN"] * c["BK_DOWN"])
+    stage = elem * max(c["BM"] * c["BK_UP"] + 2 * c["BN_UP"] * c["BK_UP"],
+                       c["BM"] * c["BK_DOWN"] + c["BN_DOWN"] * c["BK_DOWN"])
     if "num_stages" not in cfg:
         c["num_stages"] = max(1, min(c["num_stages"], SMEM_BUDGET // stage))
     return c
