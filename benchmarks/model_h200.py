@@ -75,29 +75,6 @@ def is_routed_expert(name: str) -> bool:
     return ".ffn.experts." in name
 
 
-def _fast_fill(core, req, context: int, new_tokens: int, gen) -> None:
-    """forward._fill with the synthetic rows drawn once on the device: at B 128 x 128K its per-request CPU randn
-    (about 1 s each) would cost minutes. Same pushes, same positions; the values do not change the work."""
-    cfg, kv = core.cfg, req.kv
-    core.kv.grow(kv, context + new_tokens)
-    key = (context, str(core.device))
-    if _NOISE.get("key") != key:
-        g = torch.Generator(device=core.device).manual_seed(0)
-        _NOISE.update(key=key, main=torch.randn(context, cfg.head_dim, generator=g, device=core.device),
-                      idx=torch.randn(context, cfg.index_head_dim, generator=g, device=core.device))
-    for src, (ratio, _) in core.kv.layout.sources.items():
-        n = context // ratio
-        kv.push_global(src, _NOISE["main"][:n], _NOISE["idx"][:n] if core.kv.index else None)
-    w = min(cfg.sliding_window, context)
-    pos = torch.arange(context - w, context, device=core.device)
-    for layer in core.kv.layout.window_layers:
-        kv.push_window(layer, _NOISE["main"][context - w:context], pos)
-    kv.num_tokens = req.num_computed_tokens = context
-
-
-_NOISE: dict = {}
-
-
 def model_bytes(cfg, release: bool) -> float:
     """Estimated device bytes of the model: MXFP4 (or bf16) routed experts, bf16 for the rest."""
     pc = param_counts(cfg)
@@ -110,7 +87,7 @@ def build_core(cfg_or_name, kv_tokens: tuple[int, int], release: bool, smoke: bo
     """An EngineCore around a model built on the device with dummy weights. release: routed experts packed
     MXFP4 as each MoE is constructed (so the bf16/fp32 experts of all layers never coexist), dense FP8, and the
     Engram tables where `engram_tables` says (an EngineArgs value)."""
-    from dsserve.engine import core as core_mod
+    from dsserve.engine.core import EngineCore
     from dsserve.kv.layout import KVLayout
     from dsserve.layers.moe import MoE
     from dsserve.models.checkpoint import dummy_weights
@@ -167,21 +144,7 @@ def build_core(cfg_or_name, kv_tokens: tuple[int, int], release: bool, smoke: bo
                       max_num_seqs=seqs, enable_prefix_caching=False,
                       reference_ops="" if DEV == "cuda" else "all",  # the CPU smoke: no interpreted kernels
                       kv_cache_memory=blocks * lay.bytes_per_block + seqs * lay.bytes_per_window_slot + (1 << 20))
-    loader = core_mod.load_model
-    core_mod.load_model = lambda *a, **k: LoadedModel(net, cfg, tokenizer, "dummy")
-    try:
-        core = core_mod.EngineCore(args)
-    finally:
-        core_mod.load_model = loader
-    sampler = core.sampler
-
-    def synced(*a, **k):  # bench_forward stops its clock after the sampler: make that the device's end too
-        out = sampler(*a, **k)
-        if DEV == "cuda":
-            torch.cuda.synchronize()
-        return out
-    core.sampler = synced
-    fwd._fill = _fast_fill
+    core = EngineCore(args, loaded=LoadedModel(net, cfg, tokenizer, "dummy"))
     if DEV == "cuda":
         info["allocated_bytes"] = torch.cuda.memory_allocated()
     return core, info
@@ -189,7 +152,7 @@ def build_core(cfg_or_name, kv_tokens: tuple[int, int], release: bool, smoke: bo
 
 def free_core(core) -> None:
     core.model = core.runner = core.kv = None
-    _NOISE.clear()
+    fwd.release_noise()
     gc.collect()
     if DEV == "cuda":
         torch.cuda.empty_cache()

@@ -2,8 +2,9 @@
 
 A batch is B requests, each with C tokens already in the cache and N new rows (N = 1: a decode step;
 N > 1: a prefill chunk on top of a cached prefix). The caches are filled with synthetic values, so no
-prefill is needed to reach context C. Time is wall time on the CPU and CUDA events on a GPU; the
-breakdown comes from hooks on the modules of each stage. FLOP/s counts 2 x active parameters per row;
+prefill is needed to reach context C. Time is wall time, on a GPU from a synchronised start to a
+synchronised end; the breakdown comes from hooks on the modules of each stage (host time: on a GPU it
+shows where launches are issued, not where the device spends its time). FLOP/s counts 2 x active parameters per row;
 bandwidth counts the active weights read once per step plus the KV rows the step reads.
 """
 from __future__ import annotations
@@ -59,20 +60,39 @@ class _Timer:
         self.total[stage] = self.total.get(stage, 0.0) + time.perf_counter() - t
 
 
+_NOISE: dict = {}  # synthetic rows, drawn once per (context, device, widths) on the cache's device
+
+
 def _fill(core: EngineCore, req: Request, context: int, new_tokens: int, gen: torch.Generator) -> None:
-    """Give ``req`` a cache at ``context`` tokens with synthetic entries, as if its prefix had run."""
+    """Give ``req`` a cache at ``context`` tokens with synthetic entries, as if its prefix had run. The rows are
+    drawn once on the device and shared by every request (at B 128 x 128K a per-request CPU randn took about 1 s
+    each); the values do not change the work. ``gen`` seeds the first draw."""
     cfg, kv = core.cfg, req.kv
     core.kv.grow(kv, context + new_tokens)
-    d = cfg.head_dim
+    key = (context, str(core.device), cfg.head_dim, cfg.index_head_dim)
+    if _NOISE.get("key") != key:
+        seed = int(torch.randint(0, 1 << 30, (1,), generator=gen))
+        g = torch.Generator(device=core.device).manual_seed(seed)
+        _NOISE.update(key=key, main=torch.randn(context, cfg.head_dim, generator=g, device=core.device),
+                      idx=torch.randn(context, cfg.index_head_dim, generator=g, device=core.device))
     for src, (ratio, _) in core.kv.layout.sources.items():
         n = context // ratio
-        idx = torch.randn(n, cfg.index_head_dim, generator=gen) if core.kv.index else None
-        kv.push_global(src, torch.randn(n, d, generator=gen), idx)
+        kv.push_global(src, _NOISE["main"][:n], _NOISE["idx"][:n] if core.kv.index else None)
     w = min(cfg.sliding_window, context)
-    pos = torch.arange(context - w, context)
+    pos = torch.arange(context - w, context, device=core.device)
     for layer in core.kv.layout.window_layers:
-        kv.push_window(layer, torch.randn(w, d, generator=gen), pos)
+        kv.push_window(layer, _NOISE["main"][context - w:context], pos)
     kv.num_tokens = req.num_computed_tokens = context
+
+
+def release_noise() -> None:
+    """Drop the synthetic rows (before freeing a model to build another)."""
+    _NOISE.clear()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def bench_forward(core: EngineCore, batch: int, context: int, new_tokens: int, repeats: int = 3) -> ForwardResult:
@@ -104,10 +124,12 @@ def bench_forward(core: EngineCore, batch: int, context: int, new_tokens: int, r
                 reqs.append(r)
             plan = StepPlan([ScheduledChunk(r, new_tokens) for r in reqs], [])
             timer.total.clear()
+            _sync(core.device)
             t0 = time.perf_counter()
             sampling, logits = core.runner.execute(plan)
             with timer.around("sampler"):
                 core.sampler(logits.float(), sampling)
+            _sync(core.device)  # the step ends when the device is done, not when its launches are
             elapsed = time.perf_counter() - t0
             for r in reqs:
                 core.kv.release(r.kv)

@@ -15,7 +15,7 @@ import torch
 
 from ..kernels.ops import KernelOps
 from ..kv.paged import KVLayout, PagedKVCache
-from ..models.loader import DTYPES, load_model
+from ..models.loader import DTYPES, LoadedModel, load_model
 from ..models.quantize import quantize_dense_fp8, use_fp8_kernels
 from .args import EngineArgs, EngineArgsError
 from .detokenizer import StopChecker
@@ -73,9 +73,11 @@ class _Tracked:
 
 
 class EngineCore:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None):
+        """``loaded``: a model already built (benchmarks build dummy-weight proxies straight on the device);
+        None loads ``args.model``."""
         self.args = args
-        lm = load_model(args.model, args.load_format, args.dtype, args.seed, qat=args.qat)
+        lm = loaded or load_model(args.model, args.load_format, args.dtype, args.seed, qat=args.qat)
         self.device = resolve_device(args.device)
         if args.engram_tables != "device":  # before .to(device): the real tables are hundreds of GB
             fmt = "fp8" if args.engram_tables == "host-fp8" else "float"
