@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..layers.indexer import visible_entries
 from .paged import PagedKVCache
 
 FORMAT_KIND = {"swa_fp8": "fp8", "main_fp4": "fp4", "index_fp4": "fp4", "bf16": "bf16"}
@@ -43,6 +44,8 @@ class PagedBatch:
         self._cos_sin: dict = {}
         self._store_rows: torch.Tensor | None = None
         self._window = None  # old_window_rows' layer-independent part, built on first use
+        self._visible: dict = {}
+        self._no_rows: torch.Tensor | None = None
 
     @classmethod
     def supports(cls, seqs) -> bool:
@@ -63,6 +66,18 @@ class PagedBatch:
             c, s = rope._cos_sin(self.positions)
             self._cos_sin[key] = (c.to(dt).contiguous(), s.to(dt).contiguous())
         return self._cos_sin[key]
+
+    def visible(self, ratio: int) -> torch.Tensor:
+        """[T] int32: entries of a ratio-r source each row may read, once per ratio per step."""
+        if ratio not in self._visible:
+            self._visible[ratio] = visible_entries(self.positions, ratio).to(torch.int32)
+        return self._visible[ratio]
+
+    def no_rows(self) -> torch.Tensor:
+        """[T] int64 of -1: store nothing (the window entry computed before the attention, stored after)."""
+        if self._no_rows is None:
+            self._no_rows = torch.full(self.positions.shape, -1, dtype=torch.long, device=self.positions.device)
+        return self._no_rows
 
     # -------------------------------------------------------------------------- window
     def _first_positions(self) -> torch.Tensor:
@@ -144,5 +159,5 @@ class PagedBatch:
         out.cand_blocks = None if self.cand_blocks is None else self.cand_blocks[keep]
         out._cos_sin = {k: (c[keep], s[keep]) for k, (c, s) in self._cos_sin.items()}
         out._store_rows = None  # the kept rows' last W per sequence differ from the full step's
-        out._window = None
+        out._window, out._visible, out._no_rows = None, {}, None
         return out

@@ -13,7 +13,6 @@ import torch
 
 from ..kv.paged_batch import FORMAT_KIND
 from .context import ForwardContext
-from .indexer import visible_entries
 
 
 def _pad_topk(idx: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,7 +39,7 @@ def _select(attn, x, q_lat, ctx: ForwardContext, cos, sin):
     pool = cache.index[src].flatten(0, 1)
     fmt = FORMAT_KIND[cache.layout.index_fmt.name]
     epb = cache.layout.sources[src][1]
-    n_vis = visible_entries(ctx.positions, role.ratio).to(torch.int32)
+    n_vis = step.visible(role.ratio)
     k, cbs = cfg.index_topk, cfg.candidate_block_size
     if role.candidate == "consumer":
         s = ops.index_scores_candidates(q, w, pool, fmt, step.seq_tables, step.row_seq, epb, step.cand_blocks, cbs,
@@ -69,8 +68,7 @@ def forward_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
     win_pool = cache.window[role.index].flatten(0, 1)
     win_fmt = FORMAT_KIND[lay.window_fmt.name]
     norm = attn.kv_norm
-    no_rows = torch.full((x.shape[0],), -1, dtype=torch.long, device=x.device)
-    kv = ops.store_window(kv_proj, norm.weight, norm.eps, cos, sin, win_pool, no_rows, win_fmt, qat=ctx.qat)
+    kv = ops.store_window(kv_proj, norm.weight, norm.eps, cos, sin, win_pool, step.no_rows(), win_fmt, qat=ctx.qat)
 
     main_pool = sel_rows = None
     main_fmt = "fp4"
