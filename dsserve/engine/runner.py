@@ -23,7 +23,7 @@ class ModelRunner:
             ids.extend(r.all_token_ids[start:start + c.num_tokens])
             seqs.append(SeqRows(slice(row, row + c.num_tokens), r.kv, r.decoder_start))
             row += c.num_tokens
-        tokens = torch.tensor(ids, dtype=torch.long).to(self.model.embed.weight.device, non_blocking=True)
+        tokens = torch.tensor(ids, dtype=torch.long)  # on the host: forward_batch checks, then moves them
         out = self.model.forward_batch(tokens, seqs, replay_form=self.replay_form)
         self.decoder_rows_skipped += len(ids) - out.hidden.shape[0]
         last_rows = [s.rows.stop - 1 for c, s in zip(plan.chunks, out.seqs) if c.samples]

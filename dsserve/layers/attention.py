@@ -87,7 +87,7 @@ class CSA2Attention(nn.Module):
         for seq in ctx.seqs:
             if seq.rows.stop == seq.rows.start:
                 continue
-            first = int(ctx.positions[seq.rows.start])
+            first = seq.first if seq.first is not None else int(ctx.positions[seq.rows.start])
             # Entries below ``published_until`` came from the prefix cache: read-only. At an odd boundary
             # the last cached raw row is pooled again to rebuild the carried half-group.
             pub = seq.cache.published_until

@@ -17,6 +17,7 @@ class SeqRows:
     rows: slice  # this sequence's rows in the flat batch (consecutive positions)
     cache: object  # SequenceCache or a paged view with the same methods
     decoder_start: int | None = None  # bounded replay: the decoder runs only on positions >= this
+    first: int | None = None  # position of its first row, known on the host (reading it back would sync)
 
 
 @dataclass
@@ -50,7 +51,9 @@ class ForwardContext:
         for i, s in enumerate(self.seqs):
             k = keep[s.rows]
             n = int(k.sum())
-            seqs.append(SeqRows(slice(start, start + n), s.cache, s.decoder_start))
+            dropped = s.rows.stop - s.rows.start - n  # a suffix is kept
+            seqs.append(SeqRows(slice(start, start + n), s.cache, s.decoder_start,
+                                None if s.first is None else s.first + dropped))
             start += n
             # a selection already published (narrowing after the index source) follows its rows
             t = self.topk[i] if i < len(self.topk) else None

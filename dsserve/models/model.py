@@ -7,7 +7,7 @@ decoder only on rows at or after ``decoder_start`` (spec 2.9).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -84,14 +84,16 @@ class DeepseekForCausalLM(nn.Module):
         every row, 21-39 on the window). Both publish the same global KV.
         """
         cfg = self.cfg
-        tokens = self._check_tokens(tokens)
+        # checked where they are (the runner hands host tensors: no device read-back), then moved
+        tokens = self._check_tokens(tokens).to(self.embed.weight.device, non_blocking=True)
         if sum(s.rows.stop - s.rows.start for s in seqs) != tokens.shape[0]:
             raise ModelInputError("the sequences' rows must cover the batch exactly")
-        positions = torch.cat([torch.arange(s.cache.num_tokens, s.cache.num_tokens + s.rows.stop - s.rows.start)
-                               for s in seqs]).to(tokens.device)
-        if int(positions.max()) >= cfg.max_position_embeddings:
-            raise ModelInputError(f"position {int(positions.max())} exceeds max_position_embeddings="
-                                  f"{cfg.max_position_embeddings}")
+        last = max(s.cache.num_tokens + s.rows.stop - s.rows.start - 1 for s in seqs)
+        if last >= cfg.max_position_embeddings:
+            raise ModelInputError(f"position {last} exceeds max_position_embeddings={cfg.max_position_embeddings}")
+        seqs = [replace(s, first=s.cache.num_tokens) for s in seqs]  # host positions, for the compressor
+        positions = torch.cat([torch.arange(s.first, s.first + s.rows.stop - s.rows.start)
+                               for s in seqs]).to(tokens.device, non_blocking=True)
         replay = any(s.decoder_start is not None for s in seqs)
         if replay_form not in ("report", "vllm"):
             raise ModelInputError(f"replay_form must be 'report' or 'vllm', got {replay_form!r}")
