@@ -1,0 +1,106 @@
+"""Kernel launches of one decode step, counted on the CPU: what the host must issue per step on a GPU.
+
+    python benchmarks/launch_count.py --model tiny --batches 1,9 --out benchmarks/results/launch-count-cpu
+
+The engine runs the batched paged path with every kernelised op on its torch reference (no interpreter); each
+reference call counts as one launch (its kernel's), every other top-level torch op as one. Eager decode on the
+H200 is bound by exactly these launches (benchmarks/results/model-h200: 6300-16600 a step, ~30 us of host time
+each), and each one that survives into a CUDA graph still costs the device a few microseconds. Prints a table
+(top call sites at the smallest batch, and what each extra sequence adds), then one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+
+os.environ.pop("TRITON_INTERPRET", None)  # references, not interpreted kernels: counting, not running them
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+
+def count(model: str, batch: int, steps_before: int = 2) -> tuple[int, collections.Counter]:
+    from dsserve import LLM, SamplingParams
+    llm = LLM(model=model, dtype="float32", attention_backend="paged", reference_ops="all",
+              enable_prefix_caching=False, seed=0, max_num_seqs=max(16, batch))
+    eng = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=steps_before + 2, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(f"r{i}", list(range(5, 45 + i)), sp)  # ragged prompts, one prefill step, then decodes
+    prof = None
+    for step in range(steps_before + 1):
+        if step == steps_before:
+            with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+                eng.step()
+        else:
+            eng.step()
+    sites, seen = collections.Counter(), set()
+    for e in prof.events():
+        if not e.name.startswith("aten::") or (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")):
+            continue
+        p, chain, ref = e.cpu_parent, [], None
+        while p is not None:  # the innermost dsserve frame names the site; a *_ref ancestor is one kernel
+            if "dsserve/kernels/" in p.name and "_ref" in p.name.split(":")[-1]:
+                ref = p
+            if "dsserve/" in p.name:
+                chain.append(p.name.split("dsserve/")[-1])
+            p = p.cpu_parent
+        if ref is not None:
+            if id(ref) not in seen:
+                seen.add(id(ref))
+                sites["[kernel] " + ref.name.split("dsserve/")[-1]] += 1
+            continue
+        sites[chain[0] if chain else "(outside dsserve)"] += 1
+    return sum(sites.values()), sites
+
+
+def plot(sites: collections.Counter, extra: dict, b0: int, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(1, 2, figsize=(13, 5))
+    top = sites.most_common(15)[::-1]
+    ax[0].barh([k[:45] for k, _ in top], [v for _, v in top])
+    ax[0].set(xlabel="launches", title=f"one decode step at B={b0}: top call sites")
+    top = sorted(extra.items(), key=lambda kv: kv[1])[-10:]
+    ax[1].barh([k[:45] for k, _ in top], [v for _, v in top])
+    ax[1].set(xlabel="launches", title="what each extra sequence adds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--batches", default="1,9", help="two batch sizes: the per-sequence cost is their difference")
+    p.add_argument("--out", default="")
+    a = p.parse_args()
+    b0, b1 = (int(v) for v in a.batches.split(","))
+    t = time.perf_counter()
+    (n0, s0), (n1, s1) = count(a.model, b0), count(a.model, b1)
+    per_seq = (n1 - n0) / (b1 - b0)
+    extra = {k: (s1[k] - s0[k]) / (b1 - b0) for k in set(s0) | set(s1)}
+    print(f"{a.model}: launches per decode step: B={b0}: {n0}, B={b1}: {n1}, per extra sequence {per_seq:.1f}")
+    print(f"{'launches at B=%d' % b0:>18s}  call site")
+    for k, v in s0.most_common(25):
+        print(f"{v:18d}  {k}")
+    print(f"{'per extra seq':>18s}  call site")
+    for k, v in sorted(extra.items(), key=lambda kv: -kv[1])[:10]:
+        print(f"{v:18.1f}  {k}")
+    res = {"model": a.model, "batches": [b0, b1], "launches": [n0, n1], "per_extra_sequence": per_seq,
+           "sites": dict(s0.most_common(40)), "extra_per_sequence": dict(sorted(extra.items(), key=lambda kv: -kv[1])[:15]),
+           "seconds": time.perf_counter() - t, "torch": torch.__version__}
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "launch_count.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        plot(s0, extra, b0, os.path.join(a.out, "launch_count.png"))
+    print(json.dumps({k: res[k] for k in ("model", "batches", "launches", "per_extra_sequence")}))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
