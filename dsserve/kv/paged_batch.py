@@ -129,8 +129,12 @@ class PagedBatch:
     def record_window(self, layer: int, rows: torch.Tensor) -> None:
         """The ring's position tags for the rows just stored (exact mode stores by position: no tags)."""
         if not self.cache.layout.window_in_blocks:
-            ok = rows >= 0
-            self.cache.window_pos[layer].view(-1)[rows[ok]] = self.positions[ok]
+            # no boolean indexing (it reads the count back from the device: a sync per layer): every row adds
+            # its change at its slot, rows that store nothing add 0 at slot 0; the stored rows' slots are distinct
+            tags = self.cache.window_pos[layer].view(-1)
+            at = rows.clamp_min(0)
+            delta = torch.where(rows >= 0, self.positions - tags[at], 0).to(tags.dtype)
+            tags.index_put_((at,), delta, accumulate=True)
 
     # -------------------------------------------------------------------------- global entries
     def entry_rows(self, entries: torch.Tensor, valid: torch.Tensor, epb: int) -> torch.Tensor:
