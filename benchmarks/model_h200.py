@@ -230,8 +230,10 @@ def device_busy(core, b: int, context: int) -> dict:
     from dsserve.engine.sampling_params import SamplingParams
     from dsserve.engine.scheduler import ScheduledChunk, StepPlan
     gen, reqs = torch.Generator().manual_seed(1), []
-    for i in range(b):
-        r = Request(f"busy-{i}", [3] * (context + 1), SamplingParams(temperature=0, max_tokens=1))
+    vocab = core.cfg.vocab_size
+    for i in range(b):  # random ids as bench_forward draws them: one id in every row would route every row alike
+        ids = torch.randint(3, vocab - 2, (context + 1,), generator=gen).tolist()
+        r = Request(f"busy-{i}", ids, SamplingParams(temperature=0, max_tokens=1))
         r.kv = core.kv.new_sequence()
         fwd._fill(core, r, context, 1, gen)
         reqs.append(r)
