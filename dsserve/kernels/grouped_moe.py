@@ -147,6 +147,20 @@ def _w_tile(w_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr, FMT: tl.c
 
 
 @triton.jit
+def _w_nibbles(w_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """MXFP4 only: W_e[rn, k0:k0 + BK] as its even and odd columns, two fp32 [BN, BK/2] tiles straight from the
+    low and high nibbles (no interleave: the caller dots them with x's even and odd columns)."""
+    KH: tl.constexpr = K // 2
+    KS: tl.constexpr = (K + 31) // 32
+    kh = k0 // 2 + tl.arange(0, BK // 2)  # byte columns; element 2j and 2j + 1 share scale column j // 16
+    m = (rn[:, None] < N) & (kh[None, :] < KH)
+    e = e.to(tl.int64)
+    b = tl.load(w_ptr + e * N * KH + rn[:, None] * KH + kh[None, :], mask=m, other=0).to(tl.int32)
+    s = _e8m0(tl.load(s_ptr + e * N * KS + rn[:, None] * KS + kh[None, :] // 16, mask=m, other=127))
+    return _e2m1(b & 15) * s, _e2m1(b >> 4) * s
+
+
+@triton.jit
 def _dot(acc, a, w, DOT_F32: tl.constexpr):  # acc + a [BM, BK] @ w[BN, BK]^T, w cast to a's dtype as the ref does
     if DOT_F32:
         acc += tl.dot(a.to(tl.float32), tl.trans(w.to(a.dtype).to(tl.float32)), input_precision="ieee")
@@ -173,7 +187,8 @@ def _tile(tiles_ptr, n_tiles, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexp
 @triton.jit
 def _up_kernel(x_ptr, sxm, tiles_ptr, order_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, n_tiles, n_experts,
                limit, KSLOT: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr,
-               BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr):
+               BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
+               NIBBLES: tl.constexpr):
     e, p, pm, rn = _tile(tiles_ptr, n_tiles, I, BM, BN, GROUP_M)
     if e >= n_experts:  # past the last real tile
         return
@@ -182,10 +197,20 @@ def _up_kernel(x_ptr, sxm, tiles_ptr, order_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr,
     acc1 = tl.zeros((BM, BN), tl.float32)
     acc3 = tl.zeros((BM, BN), tl.float32)
     for t in range((D + BK - 1) // BK):
-        kk = t * BK + tl.arange(0, BK)
-        a = tl.load(xrow[:, None] + kk[None, :], mask=pm[:, None] & (kk[None, :] < D), other=0.0)
-        acc1 = _dot(acc1, a, _w_tile(w1_ptr, s1_ptr, e, rn, t * BK, I, D, FMT, BN, BK), DOT_F32)
-        acc3 = _dot(acc3, a, _w_tile(w3_ptr, s3_ptr, e, rn, t * BK, I, D, FMT, BN, BK), DOT_F32)
+        if NIBBLES:  # MXFP4: x's even / odd columns against the low / high nibbles
+            kk = t * BK + 2 * tl.arange(0, BK // 2)
+            am = pm[:, None] & (kk[None, :] < D)
+            a0 = tl.load(xrow[:, None] + kk[None, :], mask=am, other=0.0)
+            a1 = tl.load(xrow[:, None] + kk[None, :] + 1, mask=am, other=0.0)
+            w0, w1 = _w_nibbles(w1_ptr, s1_ptr, e, rn, t * BK, I, D, BN, BK)
+            acc1 = _dot(_dot(acc1, a0, w0, DOT_F32), a1, w1, DOT_F32)
+            w0, w1 = _w_nibbles(w3_ptr, s3_ptr, e, rn, t * BK, I, D, BN, BK)
+            acc3 = _dot(_dot(acc3, a0, w0, DOT_F32), a1, w1, DOT_F32)
+        else:
+            kk = t * BK + tl.arange(0, BK)
+            a = tl.load(xrow[:, None] + kk[None, :], mask=pm[:, None] & (kk[None, :] < D), other=0.0)
+            acc1 = _dot(acc1, a, _w_tile(w1_ptr, s1_ptr, e, rn, t * BK, I, D, FMT, BN, BK), DOT_F32)
+            acc3 = _dot(acc3, a, _w_tile(w3_ptr, s3_ptr, e, rn, t * BK, I, D, FMT, BN, BK), DOT_F32)
     # the reference's roundings: x-dtype matmul outputs, x-dtype silu and product, then the fp32 routing weight
     dt = h_ptr.dtype.element_ty
     g = tl.minimum(acc1.to(dt).to(tl.float32), limit)
@@ -198,16 +223,24 @@ def _up_kernel(x_ptr, sxm, tiles_ptr, order_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr,
 @triton.jit
 def _down_kernel(h_ptr, tiles_ptr, order_ptr, w2_ptr, s2_ptr, y_ptr, n_tiles, n_experts, D: tl.constexpr,
                  I: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 GROUP_M: tl.constexpr, DOT_F32: tl.constexpr):
+                 GROUP_M: tl.constexpr, DOT_F32: tl.constexpr, NIBBLES: tl.constexpr):
     e, p, pm, rn = _tile(tiles_ptr, n_tiles, D, BM, BN, GROUP_M)
     if e >= n_experts:
         return
     hrow = h_ptr + p.to(tl.int64) * I
     acc = tl.zeros((BM, BN), tl.float32)
     for t in range((I + BK - 1) // BK):
-        kk = t * BK + tl.arange(0, BK)
-        a = tl.load(hrow[:, None] + kk[None, :], mask=pm[:, None] & (kk[None, :] < I), other=0.0)
-        acc = _dot(acc, a, _w_tile(w2_ptr, s2_ptr, e, rn, t * BK, D, I, FMT, BN, BK), DOT_F32)
+        if NIBBLES:
+            kk = t * BK + 2 * tl.arange(0, BK // 2)
+            am = pm[:, None] & (kk[None, :] < I)
+            a0 = tl.load(hrow[:, None] + kk[None, :], mask=am, other=0.0)
+            a1 = tl.load(hrow[:, None] + kk[None, :] + 1, mask=am, other=0.0)
+            w0, w1 = _w_nibbles(w2_ptr, s2_ptr, e, rn, t * BK, D, I, BN, BK)
+            acc = _dot(_dot(acc, a0, w0, DOT_F32), a1, w1, DOT_F32)
+        else:
+            kk = t * BK + tl.arange(0, BK)
+            a = tl.load(hrow[:, None] + kk[None, :], mask=pm[:, None] & (kk[None, :] < I), other=0.0)
+            acc = _dot(acc, a, _w_tile(w2_ptr, s2_ptr, e, rn, t * BK, D, I, FMT, BN, BK), DOT_F32)
     pair = tl.load(order_ptr + p, mask=pm, other=0)
     tl.store(y_ptr + pair[:, None] * D + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=pm[:, None] & (rn[None, :] < D))
@@ -252,7 +285,7 @@ def _config(n, n_exp, d, inter, cfg, elem: int = 2):
     rows = -(-n // min(n, n_exp))  # rows per used expert under even routing
     bm = cfg.get("BM", min(64, max(16, triton.next_power_of_2(rows))))
     big = bm >= 64  # prefill: compute-bound 64 x 128 tiles; else decode, weight-bandwidth bound
-    c = {"BM": bm, "BN": 128 if big else 64, "BK": 64 if big else 128, "GROUP_M": 8,
+    c = {"BM": bm, "BN": 128 if big else 64, "BK": 64 if big else 128, "GROUP_M": 8, "nibbles": False,
          "num_warps": 8 if big else 4, "num_stages": 3 if big else 4, **cfg}
     for key, low in (("BM", 16), ("BN", 16), ("BK", 32)):  # tl.dot dims >= 16; BK spans whole 32-wide scale blocks
         if c[key] < low or c[key] & (c[key] - 1):
@@ -273,7 +306,9 @@ def _config(n, n_exp, d, inter, cfg, elem: int = 2):
 def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *, config: dict | None = None):
     """Triton grouped GEMMs, same semantics as routed_experts_ref. Ids must lie in [0, E) (not checked: that would
     need a host sync); a pick outside leaves its row undefined. config overrides BM, BN, BK, GROUP_M, num_warps,
-    num_stages (tests and benchmarks only)."""
+    num_stages and nibbles (tests and benchmarks only). nibbles (MXFP4): dot x's even and odd columns with the
+    low and high nibbles as two half-width tiles instead of interleaving them into one; off by default until it
+    has been timed on a GPU (the interleaving's layout shuffles are a suspect for the MXFP4 decode rate)."""
     _check(x, ids, weights, experts, kernel=True)
     (t, k), (n_exp, d, inter) = ids.shape, experts.shape
     if t * k == 0:
@@ -287,6 +322,7 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *, con
     yk = _empty((t * k, d), dtype=x.dtype, device=x.device)
     s1, s3, s2 = (s if s is not None else w for w, s in experts._pairs())  # bf16: unused, any pointer does
     common = dict(FMT=fmt, BM=c["BM"], GROUP_M=c["GROUP_M"], DOT_F32=_INTERPRET or x.dtype == torch.float32,
+                  NIBBLES=experts.fmt == "mxfp4" and c["nibbles"],
                   num_warps=c["num_warps"], num_stages=c["num_stages"])
     _up_kernel[(nt * triton.cdiv(inter, c["BN_UP"]),)](
         x, x.stride(0), tiles, order, rw, experts.w1, s1, experts.w3, s3, h, nt, n_exp, float(limit), KSLOT=k, D=d,

@@ -89,6 +89,18 @@ def test_uneven_routing_and_empty_experts(tiny_experts, fmt):
     assert out.isfinite().all() and rel(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("t,k,bk", [(1, 3, 32), (17, 2, 64), (9, 3, 128)])
+def test_mxfp4_nibble_split_matches_ref(tiny_experts, t, k, bk):
+    """The nibbles variant (x's even / odd columns against the low / high nibbles) against the reference: one and
+    several K steps (BK 32, 64; 128 is cut to the dims), unused experts poisoned."""
+    ids, w = routing(t, k, E, seed=40 + t)
+    unused = [e for e in range(E) if e not in set(ids.flatten().tolist())]
+    ex = poison(tiny_experts["mxfp4"], torch.tensor(unused, dtype=torch.long))
+    x = torch.randn(t, D, generator=torch.Generator().manual_seed(41 + t))
+    out = G.routed_experts(x, ids, w, ex, LIMIT, config={"nibbles": True, "BK": bk})
+    assert out.isfinite().all() and rel(out, G.routed_experts_ref(x, ids, w, ex, LIMIT)) < 1e-5
+
+
 def test_ragged_fp8_small_tiles_and_half_x():
     # d, inter off the tile sizes: partial 32x32 scale blocks, masked K tails, several N tiles, a GROUP_M split
     ex = G.ExpertWeights.from_dense(*dense(E, 96, 48, seed=2), "fp8")
@@ -182,13 +194,13 @@ def gpu_experts():
 
 
 @cuda
-@pytest.mark.parametrize("fmt", G.FMTS)
+@pytest.mark.parametrize("fmt,nibbles", [(f, False) for f in G.FMTS] + [("mxfp4", True)])
 @pytest.mark.parametrize("t", [1, 16, 256, 1024])  # BM 16, 16, 32, 64: decode and prefill tiles
-def test_gpu_model_shapes(gpu_experts, fmt, t):
+def test_gpu_model_shapes(gpu_experts, fmt, nibbles, t):
     ex = gpu_experts[fmt]
     ids, w = routing(t, GK, GE, "cuda", seed=t)
     x = torch.randn(t, GD, device="cuda", dtype=torch.bfloat16)
-    out = G.routed_experts(x, ids, w, ex, 10.0)
+    out = G.routed_experts(x, ids, w, ex, 10.0, config={"nibbles": nibbles})
     assert out.isfinite().all()
     assert rel(out, G.routed_experts_ref(x, ids, w, ex, 10.0)) < 1e-2
     assert rel(out, G.routed_experts_ref(x.float(), ids, w, ex, 10.0)) < 1e-2
