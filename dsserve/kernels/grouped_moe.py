@@ -334,8 +334,9 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *, con
 
 def bench(device="cuda", d: int = 5120, inter: int = 2304, n_experts: int = 48, k: int = 6, sets: int = 4,
           tokens=(1, 8, 32, 128, 4096)) -> dict:
-    """Median device ms of routed_experts (CUDA graphs) and routed_experts_ref (eager: its torch.unique syncs) on one
-    EP rank's MXFP4 experts, over `sets` random routings; weight_GBps = bytes of the experts touched / time."""
+    """Median device ms of routed_experts (CUDA graphs; also its nibbles variant) and routed_experts_ref (eager: its
+    torch.unique syncs) on one EP rank's MXFP4 experts, over `sets` random routings; weight_GBps = bytes of the
+    experts touched / time."""
     from ..bench.device_timing import eager_ms, graph_ms
     g = torch.Generator(device=device).manual_seed(0)
     ex = ExpertWeights.from_dense(*(torch.randn(n_experts, o, i, device=device, generator=g) * i ** -0.5
@@ -348,7 +349,10 @@ def bench(device="cuda", d: int = 5120, inter: int = 2304, n_experts: int = 48, 
         ws = [torch.rand(t, k, device=device, generator=g) for _ in range(sets)]
         used = sum(i.unique().numel() for i in ids) / sets
         ms = graph_ms(lambda i: routed_experts(xs[i], ids[i], ws[i], ex, 10.0), sets)
+        nib = {"nibbles": True}
+        nib_ms = graph_ms(lambda i: routed_experts(xs[i], ids[i], ws[i], ex, 10.0, config=nib), sets)
         ref_ms = eager_ms(lambda i: routed_experts_ref(xs[i], ids[i], ws[i], ex, 10.0), sets)
-        res[f"T={t}"] = {"ms": ms, "ref_ms": ref_ms, "experts_touched": used,
-                         "weight_GBps": used * per_expert / ms / 1e6}
+        res[f"T={t}"] = {"ms": ms, "nibbles_ms": nib_ms, "ref_ms": ref_ms, "experts_touched": used,
+                         "weight_GBps": used * per_expert / ms / 1e6,
+                         "nibbles_weight_GBps": used * per_expert / nib_ms / 1e6}
     return res
