@@ -2,8 +2,9 @@
 
     python benchmarks/launch_count.py --model tiny --batches 1,9 --out benchmarks/results/launch-count-cpu
 
-The engine runs the batched paged path with every kernelised op on its torch reference (no interpreter); each
-reference call counts as one launch (its kernel's), every other top-level torch op as one. Eager decode on the
+The engine runs the batched paged path (bf16, as on the GPU) with every kernelised op on its torch reference (no
+interpreter); each reference call counts as one launch (its kernel's), every other top-level torch op that runs
+a kernel as one (views, allocations and conversions that do not copy are not counted). Eager decode on the
 H200 is bound by exactly these launches (benchmarks/results/model-h200: 6300-16600 a step, ~30 us of host time
 each), and each one that survives into a CUDA graph still costs the device a few microseconds. Prints a table
 (top call sites at the smallest batch, and what each extra sequence adds), then one JSON line.
@@ -23,9 +24,32 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 
-def count(model: str, batch: int, steps_before: int = 2) -> tuple[int, collections.Counter]:
+# ops that launch no kernel: views, metadata, allocations; a conversion launches only if it really copies
+_NO_LAUNCH = {"aten::" + n for n in (
+    "view", "reshape", "_reshape_alias", "unflatten", "flatten", "select", "slice", "expand", "expand_as", "as_strided",
+    "permute", "transpose", "t", "unsqueeze", "squeeze", "detach", "alias", "unbind", "split", "chunk", "narrow",
+    "diagonal", "view_as", "view_as_real", "view_as_complex", "empty", "empty_like", "empty_strided", "lift_fresh",
+    "resize_", "_unsafe_view", "split_with_sizes", "numpy_T", "result_type", "size", "stride", "is_nonzero",
+    "_local_scalar_dense", "item", "to", "contiguous", "type_as", "float", "long", "int", "set_", "dim")}
+_COPIES = {"aten::_to_copy", "aten::copy_", "aten::clone"}
+
+
+def _launches(e) -> bool:
+    """Whether a top-level op runs a kernel: not a view / allocation, and a conversion only if it copies."""
+    if e.name not in _NO_LAUNCH:
+        return True
+    stack = list(e.cpu_children)
+    while stack:
+        c = stack.pop()
+        if c.name in _COPIES:
+            return True
+        stack.extend(c.cpu_children)
+    return False
+
+
+def count(model: str, batch: int, dtype: str = "bfloat16", steps_before: int = 2) -> tuple[int, collections.Counter]:
     from dsserve import LLM, SamplingParams
-    llm = LLM(model=model, dtype="float32", attention_backend="paged", reference_ops="all",
+    llm = LLM(model=model, dtype=dtype, attention_backend="paged", reference_ops="all",
               enable_prefix_caching=False, seed=0, max_num_seqs=max(16, batch))
     eng = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=steps_before + 2, ignore_eos=True)
@@ -41,6 +65,8 @@ def count(model: str, batch: int, steps_before: int = 2) -> tuple[int, collectio
     sites, seen = collections.Counter(), set()
     for e in prof.events():
         if not e.name.startswith("aten::") or (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")):
+            continue
+        if not _launches(e):
             continue
         p, chain, ref = e.cpu_parent, [], None
         while p is not None:  # the innermost dsserve frame names the site; a *_ref ancestor is one kernel
@@ -77,21 +103,22 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="tiny")
     p.add_argument("--batches", default="1,9", help="two batch sizes: the per-sequence cost is their difference")
+    p.add_argument("--dtype", default="bfloat16", help="the model's dtype (bfloat16: the GPU's conversions)")
     p.add_argument("--out", default="")
     a = p.parse_args()
     b0, b1 = (int(v) for v in a.batches.split(","))
     t = time.perf_counter()
-    (n0, s0), (n1, s1) = count(a.model, b0), count(a.model, b1)
+    (n0, s0), (n1, s1) = count(a.model, b0, a.dtype), count(a.model, b1, a.dtype)
     per_seq = (n1 - n0) / (b1 - b0)
     extra = {k: (s1[k] - s0[k]) / (b1 - b0) for k in set(s0) | set(s1)}
-    print(f"{a.model}: launches per decode step: B={b0}: {n0}, B={b1}: {n1}, per extra sequence {per_seq:.1f}")
+    print(f"{a.model} ({a.dtype}): launches per decode step: B={b0}: {n0}, B={b1}: {n1}, per extra sequence {per_seq:.1f}")
     print(f"{'launches at B=%d' % b0:>18s}  call site")
     for k, v in s0.most_common(25):
         print(f"{v:18d}  {k}")
     print(f"{'per extra seq':>18s}  call site")
     for k, v in sorted(extra.items(), key=lambda kv: -kv[1])[:10]:
         print(f"{v:18.1f}  {k}")
-    res = {"model": a.model, "batches": [b0, b1], "launches": [n0, n1], "per_extra_sequence": per_seq,
+    res = {"model": a.model, "dtype": a.dtype, "batches": [b0, b1], "launches": [n0, n1], "per_extra_sequence": per_seq,
            "sites": dict(s0.most_common(40)), "extra_per_sequence": dict(sorted(extra.items(), key=lambda kv: -kv[1])[:15]),
            "seconds": time.perf_counter() - t, "torch": torch.__version__}
     if a.out:
@@ -99,7 +126,7 @@ def main() -> None:
         with open(os.path.join(a.out, "launch_count.json"), "w") as f:
             json.dump(res, f, indent=1)
         plot(s0, extra, b0, os.path.join(a.out, "launch_count.png"))
-    print(json.dumps({k: res[k] for k in ("model", "batches", "launches", "per_extra_sequence")}))
+    print(json.dumps({k: res[k] for k in ("model", "dtype", "batches", "launches", "per_extra_sequence")}))
 
 
 if __name__ == "__main__":
