@@ -140,7 +140,7 @@ class SequenceKV:
         """The block table as a LongTensor on the cache's device, rebuilt only when it grew (tables only
         grow, or are replaced whole by attach_prefix / release, which drop this copy)."""
         if self._table is None or self._table.shape[0] != len(self.block_table):
-            self._table = torch.tensor(self.block_table, dtype=torch.long, device=self.cache.device)
+            self._table = torch.tensor(self.block_table, dtype=torch.long).to(self.cache.device, non_blocking=True)
         return self._table
 
     # window ---------------------------------------------------------------------------

@@ -19,6 +19,12 @@ from .paged import PagedKVCache
 FORMAT_KIND = {"swa_fp8": "fp8", "main_fp4": "fp4", "index_fp4": "fp4", "bf16": "bf16"}
 
 
+def _upload(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device`` without a stream sync (the copy from pageable memory is staged first, so ``t``
+    may be dropped at once)."""
+    return t.to(device, non_blocking=True)
+
+
 class PagedBatch:
     def __init__(self, cache: PagedKVCache, seqs, positions: torch.Tensor):
         self.cache, self.seqs, self.positions = cache, list(seqs), positions
@@ -28,17 +34,18 @@ class PagedBatch:
         for n in counts:
             firsts += [row] * n
             row += n
-        self.row_first = torch.tensor(firsts, dtype=torch.int32, device=dev)
+        # built on the host and copied without waiting: nothing here reads the device back (CUDA-graph ready)
+        self.row_first = _upload(torch.tensor(firsts, dtype=torch.int32), dev)
         # int32: the indexer kernels take it as is (no per-layer conversion)
-        self.row_seq = torch.repeat_interleave(torch.arange(len(seqs), dtype=torch.int32, device=dev),
-                                               torch.tensor(counts, device=dev))
+        row_seq = torch.repeat_interleave(torch.arange(len(seqs), dtype=torch.int32), torch.tensor(counts))
+        self.row_seq = _upload(row_seq, dev)
         mb = max(1, max(len(s.cache.block_table) for s in seqs))
         tables = torch.full((len(seqs), mb), -1, dtype=torch.int32)
         for i, s in enumerate(seqs):
             tables[i, :len(s.cache.block_table)] = torch.tensor(s.cache.block_table, dtype=torch.int32)
-        self.seq_tables = tables.to(dev)
+        self.seq_tables = _upload(tables, dev)
         self.block_rows = self.seq_tables[self.row_seq]
-        self.slots = torch.tensor([s.cache.slot for s in seqs], dtype=torch.long, device=dev)[self.row_seq]
+        self.slots = _upload(torch.tensor([s.cache.slot for s in seqs], dtype=torch.long)[row_seq.long()], dev)
         self.topk: tuple[torch.Tensor, torch.Tensor] | None = None  # (entry ids [T, K], valid [T, K])
         self.cand_blocks: torch.Tensor | None = None  # [T, top_blocks] int32, -1 none
         self._cos_sin: dict = {}
@@ -156,7 +163,7 @@ class PagedBatch:
         for n in counts:
             firsts += [row] * n
             row += n
-        out.row_first = torch.tensor(firsts, dtype=torch.int32, device=self.positions.device)
+        out.row_first = _upload(torch.tensor(firsts, dtype=torch.int32), self.positions.device)
         out.row_seq, out.seq_tables = self.row_seq[keep], self.seq_tables
         out.block_rows, out.slots = self.block_rows[keep], self.slots[keep]
         out.topk = None if self.topk is None else (self.topk[0][keep], self.topk[1][keep])

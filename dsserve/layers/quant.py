@@ -162,12 +162,13 @@ def fake_quant_fp4_pow2(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     return (q * s).flatten(-2).to(x.dtype)
 
 
-@functools.lru_cache(maxsize=8)
-def _hadamard(n: int, dtype: torch.dtype) -> torch.Tensor:
+@functools.lru_cache(maxsize=16)
+def _hadamard(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Kept per device: copying it from the host at every call would be an upload (and a wait) per indexer layer."""
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return (h / n ** 0.5).to(dtype)
+    return (h / n ** 0.5).to(dtype).to(device)
 
 
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
@@ -179,4 +180,4 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     if n & (n - 1):
         raise ValueError(f"Hadamard rotation needs a power-of-two width, got {n}")
     dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return (x.to(dt) @ _hadamard(n, dt).to(x.device)).to(x.dtype)
+    return (x.to(dt) @ _hadamard(n, dt, x.device)).to(x.dtype)

@@ -1,0 +1,35 @@
+"""A decode step's batched forward reads nothing back from the GPU (what CUDA graphs and an async scheduler need).
+
+torch's sync debug mode raises on any call that makes the host wait for the device (a .item(), a boolean mask
+index, a blocking copy). Skipped without CUDA.
+"""
+import pytest
+import torch
+
+from dsserve import LLM, SamplingParams
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+def test_decode_step_forward_makes_no_host_sync():
+    llm = LLM(model="tiny", dtype="bfloat16", device="cuda", enable_prefix_caching=False, max_num_seqs=4)
+    eng, model = llm.engine, llm.engine.model
+    for i in range(3):  # ragged prompts, longer than the 32-row window: ring, compressor and indexer all run
+        eng.add_request(f"r{i}", list(range(5, 45 + 7 * i)), SamplingParams(temperature=0, max_tokens=4,
+                                                                           ignore_eos=True))
+    eng.step()  # the prefill, unguarded
+    forward, guarded = model.forward_batch, []
+
+    def no_sync(*a, **k):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return forward(*a, **k)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            guarded.append(True)
+    model.forward_batch = no_sync
+    for _ in range(2):  # decode steps: every row one token
+        eng.step()
+    assert len(guarded) == 2
