@@ -161,6 +161,22 @@ def _w_nibbles(w_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr, BN: tl
 
 
 @triton.jit
+def _x_halves(rows, pm, k0, K: tl.constexpr, BK: tl.constexpr):
+    """Columns k0 + 2j and k0 + 2j + 1 (j < BK/2) of the gathered rows: what the low and high nibbles multiply."""
+    kk = k0 + 2 * tl.arange(0, BK // 2)
+    m = pm[:, None] & (kk[None, :] < K)
+    return tl.load(rows[:, None] + kk[None, :], mask=m, other=0.0), tl.load(rows[:, None] + kk[None, :] + 1, mask=m,
+                                                                             other=0.0)
+
+
+@triton.jit
+def _dot_nibbles(acc, a0, a1, w_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, DOT_F32: tl.constexpr):
+    w0, w1 = _w_nibbles(w_ptr, s_ptr, e, rn, k0, N, K, BN, BK)
+    return _dot(_dot(acc, a0, w0, DOT_F32), a1, w1, DOT_F32)
+
+
+@triton.jit
 def _dot(acc, a, w, DOT_F32: tl.constexpr):  # acc + a [BM, BK] @ w[BN, BK]^T, w cast to a's dtype as the ref does
     if DOT_F32:
         acc += tl.dot(a.to(tl.float32), tl.trans(w.to(a.dtype).to(tl.float32)), input_precision="ieee")
@@ -198,14 +214,9 @@ def _up_kernel(x_ptr, sxm, tiles_ptr, order_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr,
     acc3 = tl.zeros((BM, BN), tl.float32)
     for t in range((D + BK - 1) // BK):
         if NIBBLES:  # MXFP4: x's even / odd columns against the low / high nibbles
-            kk = t * BK + 2 * tl.arange(0, BK // 2)
-            am = pm[:, None] & (kk[None, :] < D)
-            a0 = tl.load(xrow[:, None] + kk[None, :], mask=am, other=0.0)
-            a1 = tl.load(xrow[:, None] + kk[None, :] + 1, mask=am, other=0.0)
-            w0, w1 = _w_nibbles(w1_ptr, s1_ptr, e, rn, t * BK, I, D, BN, BK)
-            acc1 = _dot(_dot(acc1, a0, w0, DOT_F32), a1, w1, DOT_F32)
-            w0, w1 = _w_nibbles(w3_ptr, s3_ptr, e, rn, t * BK, I, D, BN, BK)
-            acc3 = _dot(_dot(acc3, a0, w0, DOT_F32), a1, w1, DOT_F32)
+            a0, a1 = _x_halves(xrow, pm, t * BK, D, BK)
+            acc1 = _dot_nibbles(acc1, a0, a1, w1_ptr, s1_ptr, e, rn, t * BK, I, D, BN, BK, DOT_F32)
+            acc3 = _dot_nibbles(acc3, a0, a1, w3_ptr, s3_ptr, e, rn, t * BK, I, D, BN, BK, DOT_F32)
         else:
             kk = t * BK + tl.arange(0, BK)
             a = tl.load(xrow[:, None] + kk[None, :], mask=pm[:, None] & (kk[None, :] < D), other=0.0)
@@ -231,12 +242,8 @@ def _down_kernel(h_ptr, tiles_ptr, order_ptr, w2_ptr, s2_ptr, y_ptr, n_tiles, n_
     acc = tl.zeros((BM, BN), tl.float32)
     for t in range((I + BK - 1) // BK):
         if NIBBLES:
-            kk = t * BK + 2 * tl.arange(0, BK // 2)
-            am = pm[:, None] & (kk[None, :] < I)
-            a0 = tl.load(hrow[:, None] + kk[None, :], mask=am, other=0.0)
-            a1 = tl.load(hrow[:, None] + kk[None, :] + 1, mask=am, other=0.0)
-            w0, w1 = _w_nibbles(w2_ptr, s2_ptr, e, rn, t * BK, D, I, BN, BK)
-            acc = _dot(_dot(acc, a0, w0, DOT_F32), a1, w1, DOT_F32)
+            a0, a1 = _x_halves(hrow, pm, t * BK, I, BK)
+            acc = _dot_nibbles(acc, a0, a1, w2_ptr, s2_ptr, e, rn, t * BK, D, I, BN, BK, DOT_F32)
         else:
             kk = t * BK + tl.arange(0, BK)
             a = tl.load(hrow[:, None] + kk[None, :], mask=pm[:, None] & (kk[None, :] < I), other=0.0)
