@@ -111,7 +111,8 @@ def main() -> None:
     (n0, s0), (n1, s1) = count(a.model, b0, a.dtype), count(a.model, b1, a.dtype)
     per_seq = (n1 - n0) / (b1 - b0)
     extra = {k: (s1[k] - s0[k]) / (b1 - b0) for k in set(s0) | set(s1)}
-    print(f"{a.model} ({a.dtype}): launches per decode step: B={b0}: {n0}, B={b1}: {n1}, per extra sequence {per_seq:.1f}")
+    print(f"{a.model} ({a.dtype}): launches per decode step: B={b0}: {n0}, B={b1}: {n1}, "
+          f"per extra sequence {per_seq:.1f}")
     print(f"{'launches at B=%d' % b0:>18s}  call site")
     for k, v in s0.most_common(25):
         print(f"{v:18d}  {k}")
@@ -119,7 +120,8 @@ def main() -> None:
     for k, v in sorted(extra.items(), key=lambda kv: -kv[1])[:10]:
         print(f"{v:18.1f}  {k}")
     res = {"model": a.model, "dtype": a.dtype, "batches": [b0, b1], "launches": [n0, n1], "per_extra_sequence": per_seq,
-           "sites": dict(s0.most_common(40)), "extra_per_sequence": dict(sorted(extra.items(), key=lambda kv: -kv[1])[:15]),
+           "sites": dict(s0.most_common(40)),
+           "extra_per_sequence": dict(sorted(extra.items(), key=lambda kv: -kv[1])[:15]),
            "seconds": time.perf_counter() - t, "torch": torch.__version__}
     if a.out:
         os.makedirs(a.out, exist_ok=True)

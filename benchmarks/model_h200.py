@@ -467,7 +467,8 @@ def plot(res: dict, path: str) -> None:
         pts = sorted((r["B"], r["ms"], r["floor_ms"], r.get("device_busy_ms", float("nan"))) for r in dec
                      if r["ctx"] == ctx)
         line, = ax[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"ctx {ctx}: eager step")
-        ax[0].plot([p[0] for p in pts], [p[3] for p in pts], "s--", color=line.get_color(), label=f"ctx {ctx}: device busy")
+        ax[0].plot([p[0] for p in pts], [p[3] for p in pts], "s--", color=line.get_color(),
+                   label=f"ctx {ctx}: device busy")
         ax[0].plot([p[0] for p in pts], [p[2] for p in pts], ":", color=line.get_color())
     ax[0].set(xscale="log", yscale="log", xlabel="batch", ylabel="ms per decode step",
               title="whole-model decode (dotted: bytes floor)")
@@ -535,8 +536,9 @@ def main() -> None:
     if "decode" in res:
         plot(res, os.path.join(a.out, "model.png"))
     save(res)
-    summary = {"ceilings": c, "errors": res.get("errors", {}), "finite": _finite(
-        {k: res.get(k) for k in ("decode", "peer")}), "sections": [k for k in ("decode", "kernels", "peer") if k in res]}
+    summary = {"ceilings": c, "errors": res.get("errors", {}),
+               "finite": _finite({k: res.get(k) for k in ("decode", "peer")}),
+               "sections": [k for k in ("decode", "kernels", "peer") if k in res]}
     print(json.dumps(summary, default=str))
 
 

@@ -4,8 +4,8 @@ A batch is B requests, each with C tokens already in the cache and N new rows (N
 N > 1: a prefill chunk on top of a cached prefix). The caches are filled with synthetic values, so no
 prefill is needed to reach context C. Time is wall time, on a GPU from a synchronised start to a
 synchronised end; the breakdown comes from hooks on the modules of each stage (host time: on a GPU it
-shows where launches are issued, not where the device spends its time). FLOP/s counts 2 x active parameters per row;
-bandwidth counts the active weights read once per step plus the KV rows the step reads.
+shows where launches are issued, not where the device spends its time). FLOP/s counts 2 x active
+parameters per row; bandwidth counts the active weights read once per step plus the KV rows the step reads.
 """
 from __future__ import annotations
 

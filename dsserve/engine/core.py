@@ -83,7 +83,10 @@ class EngineCore:
             fmt = "fp8" if args.engram_tables == "host-fp8" else "float"
             for block in lm.model.layers:
                 if block.engram is not None and block.engram.table is None:
-                    block.engram.move_table_to_host(fmt)
+                    try:
+                        block.engram.move_table_to_host(fmt)
+                    except ValueError as e:  # e.g. an FP8 layout the table's width does not fit
+                        raise EngineArgsError(f"engram_tables={args.engram_tables!r}: {e}") from None
         self.model, self.cfg, self.tokenizer = lm.model.to(self.device), lm.cfg, lm.tokenizer
         backend = args.attention_backend
         if backend == "auto":

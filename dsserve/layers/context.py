@@ -62,7 +62,8 @@ class ForwardContext:
             cands.append(None if c is None else c[k])
             if self.engram_ids is not None:
                 dropped = self.engram_ids[s.rows][: k.shape[0] - n]
-                hist.append(torch.cat((self.engram_history[i].to(dropped.device), dropped)))  # a fresh history is on the CPU
+                # a fresh sequence's history is an empty CPU tensor
+                hist.append(torch.cat((self.engram_history[i].to(dropped.device), dropped)))
         return ForwardContext(tokens=self.tokens[keep], positions=self.positions[keep], seqs=seqs, qat=self.qat,
                               is_image=None if self.is_image is None else self.is_image[keep], trace=self.trace,
                               engram_ids=None if self.engram_ids is None else self.engram_ids[keep],

@@ -162,9 +162,8 @@ class EngramHasher:
             where.append((base + k, r.stop - r.start))
             base += k + r.stop - r.start
         ext = torch.cat(pieces) if pieces else ids[:0]
-        real = [p for i, p in enumerate(pieces) if i % 3]  # histories and ids, not the before-start marks
-        if check and ids.device.type == "cpu" and real:
-            real = torch.cat(real)
+        if check and ids.device.type == "cpu" and pieces:
+            real = torch.cat([p for i, p in enumerate(pieces) if i % 3])  # histories and ids, not the marks
             if real.numel() and (int(real.min()) < DEAD or int(real.max()) >= self.compressed_vocab_size):
                 raise ValueError(f"compressed ids must lie in [-1, {self.compressed_vocab_size})")
         at = torch.cat([torch.arange(b, b + n) for b, n in where]) if where else torch.zeros(0, dtype=torch.int64)

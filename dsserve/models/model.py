@@ -123,7 +123,8 @@ class DeepseekForCausalLM(nn.Module):
                 taps[i] = acc(x).mean(1).to(x.dtype)
             keep = None
             if replay and i == narrow_at:
-                floor = torch.cat([torch.full((s.rows.stop - s.rows.start,), s.decoder_start or 0) for s in seqs]).to(tokens.device, non_blocking=True)
+                floor = torch.cat([torch.full((s.rows.stop - s.rows.start,), s.decoder_start or 0)
+                                   for s in seqs]).to(tokens.device, non_blocking=True)
                 keep = positions >= floor
                 taps = {k: v[keep] for k, v in taps.items()}
             x, pre, ctx = block(x, pre, ctx, keep)

@@ -221,3 +221,16 @@ def test_host_tables_on_cuda_give_the_same_logits(tiny_models):
                 assert torch.equal(got, ref), (fmt, kw)
             else:
                 assert ((got - ref).norm() / ref.norm()).item() < 1e-5, (fmt, kw)
+
+
+def test_engram_tables_the_table_cannot_take_is_an_engine_args_error(monkeypatch):
+    """A layout the table does not fit (here: forced) fails engine start-up with the option named."""
+    from dsserve import LLM
+    from dsserve.engine.args import EngineArgsError
+    from dsserve.layers.engram import Engram
+
+    def refuse(self, fmt="bf16", huge_pages=False):
+        raise ValueError("fp8 needs D a multiple of 32, got 48")
+    monkeypatch.setattr(Engram, "move_table_to_host", refuse)
+    with pytest.raises(EngineArgsError, match="engram_tables='host-fp8': fp8 needs D a multiple of 32"):
+        LLM(model="tiny", engram_tables="host-fp8")
