@@ -9,7 +9,8 @@
   - "bf16": plain float weights (bf16 in the model), no scales;
   - "fp8": e4m3 [E, out, in] + e8m0 bytes [E, ceil(out/32), ceil(in/32)] (quant.dequant_fp8_block, block 32);
   - "mxfp4": uint8 [E, out, in/2], two e2m1 per byte, the even element in the low nibble, + e8m0 bytes
-    [E, out, in/32] (quant.pack_mxfp4). Hopper has no FP4 MMA: weight-only, decoded in registers to x's dtype.
+    [E, out, in/32] (quant.pack_mxfp4). Hopper has no FP4 MMA: weight-only, upcast in registers to x's dtype
+    (bf16 rows: by tl.dot_scaled; other dtypes: the kernel's own nibble decode).
   Quantised tensors are held as uint8 views (every PyTorch has them); in the kernels W is exactly the reference's
   (pow2 scales: the fp32 products are exact, and so is their cast to bf16).
 
@@ -147,33 +148,18 @@ def _w_tile(w_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr, FMT: tl.c
 
 
 @triton.jit
-def _w_nibbles(w_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """MXFP4 only: W_e[rn, k0:k0 + BK] as its even and odd columns, two fp32 [BN, BK/2] tiles straight from the
-    low and high nibbles (no interleave: the caller dots them with x's even and odd columns)."""
+def _dot_scaled(acc, a, w_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """MXFP4 with bf16 rows: acc + a @ W_e[rn, k0:k0 + BK]^T by tl.dot_scaled, which upcasts the packed nibbles
+    and their e8m0 scales to bf16 itself (Hopper has no FP4 MMA): the reference's bf16 weight, exactly."""
     KH: tl.constexpr = K // 2
-    KS: tl.constexpr = (K + 31) // 32
-    kh = k0 // 2 + tl.arange(0, BK // 2)  # byte columns; element 2j and 2j + 1 share scale column j // 16
-    m = (rn[:, None] < N) & (kh[None, :] < KH)
+    KS: tl.constexpr = K // 32
+    kh = k0 // 2 + tl.arange(0, BK // 2)
+    ks = k0 // 32 + tl.arange(0, BK // 32)
+    nm = rn[:, None] < N
     e = e.to(tl.int64)
-    b = tl.load(w_ptr + e * N * KH + rn[:, None] * KH + kh[None, :], mask=m, other=0).to(tl.int32)
-    s = _e8m0(tl.load(s_ptr + e * N * KS + rn[:, None] * KS + kh[None, :] // 16, mask=m, other=127))
-    return _e2m1(b & 15) * s, _e2m1(b >> 4) * s
-
-
-@triton.jit
-def _x_halves(rows, pm, k0, K: tl.constexpr, BK: tl.constexpr):
-    """Columns k0 + 2j and k0 + 2j + 1 (j < BK/2) of the gathered rows: what the low and high nibbles multiply."""
-    kk = k0 + 2 * tl.arange(0, BK // 2)
-    m = pm[:, None] & (kk[None, :] < K)
-    return tl.load(rows[:, None] + kk[None, :], mask=m, other=0.0), tl.load(rows[:, None] + kk[None, :] + 1, mask=m,
-                                                                             other=0.0)
-
-
-@triton.jit
-def _dot_nibbles(acc, a0, a1, w_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, DOT_F32: tl.constexpr):
-    w0, w1 = _w_nibbles(w_ptr, s_ptr, e, rn, k0, N, K, BN, BK)
-    return _dot(_dot(acc, a0, w0, DOT_F32), a1, w1, DOT_F32)
+    b = tl.load(w_ptr + e * N * KH + rn[:, None] * KH + kh[None, :], mask=nm & (kh[None, :] < KH), other=0)
+    s = tl.load(s_ptr + e * N * KS + rn[:, None] * KS + ks[None, :], mask=nm & (ks[None, :] < KS), other=127)
+    return tl.dot_scaled(a, None, "bf16", tl.trans(b), s, "e2m1", acc, fast_math=True)
 
 
 @triton.jit
@@ -204,7 +190,7 @@ def _tile(tiles_ptr, n_tiles, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexp
 def _up_kernel(x_ptr, sxm, tiles_ptr, order_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, n_tiles, n_experts,
                limit, KSLOT: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr,
                BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
-               NIBBLES: tl.constexpr):
+               SCALED: tl.constexpr):
     e, p, pm, rn = _tile(tiles_ptr, n_tiles, I, BM, BN, GROUP_M)
     if e >= n_experts:  # past the last real tile
         return
@@ -213,13 +199,12 @@ def _up_kernel(x_ptr, sxm, tiles_ptr, order_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr,
     acc1 = tl.zeros((BM, BN), tl.float32)
     acc3 = tl.zeros((BM, BN), tl.float32)
     for t in range((D + BK - 1) // BK):
-        if NIBBLES:  # MXFP4: x's even / odd columns against the low / high nibbles
-            a0, a1 = _x_halves(xrow, pm, t * BK, D, BK)
-            acc1 = _dot_nibbles(acc1, a0, a1, w1_ptr, s1_ptr, e, rn, t * BK, I, D, BN, BK, DOT_F32)
-            acc3 = _dot_nibbles(acc3, a0, a1, w3_ptr, s3_ptr, e, rn, t * BK, I, D, BN, BK, DOT_F32)
+        kk = t * BK + tl.arange(0, BK)
+        a = tl.load(xrow[:, None] + kk[None, :], mask=pm[:, None] & (kk[None, :] < D), other=0.0)
+        if SCALED:
+            acc1 = _dot_scaled(acc1, a, w1_ptr, s1_ptr, e, rn, t * BK, I, D, BK)
+            acc3 = _dot_scaled(acc3, a, w3_ptr, s3_ptr, e, rn, t * BK, I, D, BK)
         else:
-            kk = t * BK + tl.arange(0, BK)
-            a = tl.load(xrow[:, None] + kk[None, :], mask=pm[:, None] & (kk[None, :] < D), other=0.0)
             acc1 = _dot(acc1, a, _w_tile(w1_ptr, s1_ptr, e, rn, t * BK, I, D, FMT, BN, BK), DOT_F32)
             acc3 = _dot(acc3, a, _w_tile(w3_ptr, s3_ptr, e, rn, t * BK, I, D, FMT, BN, BK), DOT_F32)
     # the reference's roundings: x-dtype matmul outputs, x-dtype silu and product, then the fp32 routing weight
@@ -234,19 +219,18 @@ def _up_kernel(x_ptr, sxm, tiles_ptr, order_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr,
 @triton.jit
 def _down_kernel(h_ptr, tiles_ptr, order_ptr, w2_ptr, s2_ptr, y_ptr, n_tiles, n_experts, D: tl.constexpr,
                  I: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 GROUP_M: tl.constexpr, DOT_F32: tl.constexpr, NIBBLES: tl.constexpr):
+                 GROUP_M: tl.constexpr, DOT_F32: tl.constexpr, SCALED: tl.constexpr):
     e, p, pm, rn = _tile(tiles_ptr, n_tiles, D, BM, BN, GROUP_M)
     if e >= n_experts:
         return
     hrow = h_ptr + p.to(tl.int64) * I
     acc = tl.zeros((BM, BN), tl.float32)
     for t in range((I + BK - 1) // BK):
-        if NIBBLES:
-            a0, a1 = _x_halves(hrow, pm, t * BK, I, BK)
-            acc = _dot_nibbles(acc, a0, a1, w2_ptr, s2_ptr, e, rn, t * BK, D, I, BN, BK, DOT_F32)
+        kk = t * BK + tl.arange(0, BK)
+        a = tl.load(hrow[:, None] + kk[None, :], mask=pm[:, None] & (kk[None, :] < I), other=0.0)
+        if SCALED:
+            acc = _dot_scaled(acc, a, w2_ptr, s2_ptr, e, rn, t * BK, D, I, BK)
         else:
-            kk = t * BK + tl.arange(0, BK)
-            a = tl.load(hrow[:, None] + kk[None, :], mask=pm[:, None] & (kk[None, :] < I), other=0.0)
             acc = _dot(acc, a, _w_tile(w2_ptr, s2_ptr, e, rn, t * BK, D, I, FMT, BN, BK), DOT_F32)
     pair = tl.load(order_ptr + p, mask=pm, other=0)
     tl.store(y_ptr + pair[:, None] * D + rn[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -287,13 +271,14 @@ def routed_experts_ref(x, ids, weights, experts: ExpertWeights, limit: float) ->
 SMEM_BUDGET = 160 * 1024  # of the H200's 227 KiB per block: headroom for Triton's own buffers
 
 
-def _config(n, n_exp, d, inter, cfg, elem: int = 2):
-    """Tiles for n (row, expert) pairs; elem = the widest operand's bytes (4 for fp32 experts or rows)."""
+def _config(n, n_exp, d, inter, cfg, elem: int = 2, scaled: bool = False):
+    """Tiles for n (row, expert) pairs; elem = the widest operand's bytes (4 for fp32 experts or rows); scaled:
+    MXFP4 by tl.dot_scaled (packed weight tiles, half a byte an element, and larger prefill tiles)."""
     rows = -(-n // min(n, n_exp))  # rows per used expert under even routing
-    bm = cfg.get("BM", min(64, max(16, triton.next_power_of_2(rows))))
-    big = bm >= 64  # prefill: compute-bound 64 x 128 tiles; else decode, weight-bandwidth bound
-    c = {"BM": bm, "BN": 128 if big else 64, "BK": 64 if big else 128, "GROUP_M": 8, "nibbles": False,
-         "num_warps": 8 if big else 4, "num_stages": 3 if big else 4, **cfg}
+    bm = cfg.get("BM", min(128 if scaled else 64, max(16, triton.next_power_of_2(rows))))
+    big = bm >= 64  # prefill: compute-bound tiles; else decode, weight-bandwidth bound
+    c = {"BM": bm, "BN": 128 if big else 64, "BK": (128 if scaled else 64) if big else 128, "GROUP_M": 8,
+         "num_warps": 8 if big else 4, "num_stages": 3 if big else 4, **cfg, "scaled": scaled}
     for key, low in (("BM", 16), ("BN", 16), ("BK", 32)):  # tl.dot dims >= 16; BK spans whole 32-wide scale blocks
         if c[key] < low or c[key] & (c[key] - 1):
             raise ValueError(f"config {key}={c[key]} must be a power of two >= {low}")
@@ -303,24 +288,27 @@ def _config(n, n_exp, d, inter, cfg, elem: int = 2):
     c.update({key: cfg[key] for key in ("BN_UP", "BN_DOWN", "BK_UP", "BK_DOWN") if key in cfg})  # per-kernel sweeps
     # each pipeline stage holds a row tile and the up kernel's two weight tiles (w1, w3): fp32 prefill tiles need
     # 80 KiB a stage, so three stages would not fit
-    stage = elem * max(c["BM"] * c["BK_UP"] + 2 * c["BN_UP"] * c["BK_UP"],
-                       c["BM"] * c["BK_DOWN"] + c["BN_DOWN"] * c["BK_DOWN"])
+    w_elem = 0.5 if scaled else elem
+    stage = max(elem * c["BM"] * c["BK_UP"] + w_elem * 2 * c["BN_UP"] * c["BK_UP"],
+                elem * c["BM"] * c["BK_DOWN"] + w_elem * c["BN_DOWN"] * c["BK_DOWN"])
     if "num_stages" not in cfg:
-        c["num_stages"] = max(1, min(c["num_stages"], SMEM_BUDGET // stage))
+        c["num_stages"] = max(1, min(c["num_stages"], int(SMEM_BUDGET // stage)))
     return c
 
 
 def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *, config: dict | None = None):
     """Triton grouped GEMMs, same semantics as routed_experts_ref. Ids must lie in [0, E) (not checked: that would
     need a host sync); a pick outside leaves its row undefined. config overrides BM, BN, BK, GROUP_M, num_warps,
-    num_stages and nibbles (tests and benchmarks only). nibbles (MXFP4): dot x's even and odd columns with the
-    low and high nibbles as two half-width tiles instead of interleaving them into one; off by default until it
-    has been timed on a GPU (the interleaving's layout shuffles are a suspect for the MXFP4 decode rate)."""
+    num_stages and scaled (tests and benchmarks only). scaled (default; MXFP4 with bf16 rows): tl.dot_scaled
+    upcasts the weights; off, the kernel decodes each nibble itself (1.8-2.2x slower on the H200, 2026-11-29; what
+    fp16 / fp32 rows always take)."""
     _check(x, ids, weights, experts, kernel=True)
     (t, k), (n_exp, d, inter) = ids.shape, experts.shape
     if t * k == 0:
         return torch.zeros(t, d, dtype=x.dtype, device=x.device)
-    c = _config(t * k, n_exp, d, inter, dict(config or {}), max(x.element_size(), experts.w1.element_size()))
+    cfg = dict(config or {})
+    scaled = experts.fmt == "mxfp4" and x.dtype == torch.bfloat16 and cfg.pop("scaled", True)
+    c = _config(t * k, n_exp, d, inter, cfg, max(x.element_size(), experts.w1.element_size()), scaled)
     order, tiles = expert_tiles(ids, n_exp, c["BM"])
     nt, fmt = tiles.shape[1], FMTS.index(experts.fmt)
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -329,7 +317,7 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *, con
     yk = _empty((t * k, d), dtype=x.dtype, device=x.device)
     s1, s3, s2 = (s if s is not None else w for w, s in experts._pairs())  # bf16: unused, any pointer does
     common = dict(FMT=fmt, BM=c["BM"], GROUP_M=c["GROUP_M"], DOT_F32=_INTERPRET or x.dtype == torch.float32,
-                  NIBBLES=experts.fmt == "mxfp4" and c["nibbles"],
+                  SCALED=c["scaled"],
                   num_warps=c["num_warps"], num_stages=c["num_stages"])
     _up_kernel[(nt * triton.cdiv(inter, c["BN_UP"]),)](
         x, x.stride(0), tiles, order, rw, experts.w1, s1, experts.w3, s3, h, nt, n_exp, float(limit), KSLOT=k, D=d,
@@ -341,7 +329,8 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *, con
 
 def bench(device="cuda", d: int = 5120, inter: int = 2304, n_experts: int = 48, k: int = 6, sets: int = 4,
           tokens=(1, 8, 32, 128, 4096)) -> dict:
-    """Median device ms of routed_experts (CUDA graphs; also its nibbles variant) and routed_experts_ref (eager: its
+    """Median device ms of routed_experts (CUDA graphs; also with the in-kernel nibble decode instead of
+    tl.dot_scaled) and routed_experts_ref (eager: its
     torch.unique syncs) on one EP rank's MXFP4 experts, over `sets` random routings; weight_GBps = bytes of the
     experts touched / time."""
     from ..bench.device_timing import eager_ms, graph_ms
@@ -356,10 +345,11 @@ def bench(device="cuda", d: int = 5120, inter: int = 2304, n_experts: int = 48, 
         ws = [torch.rand(t, k, device=device, generator=g) for _ in range(sets)]
         used = sum(i.unique().numel() for i in ids) / sets
         ms = graph_ms(lambda i: routed_experts(xs[i], ids[i], ws[i], ex, 10.0), sets)
-        nib = {"nibbles": True}
-        nib_ms = graph_ms(lambda i: routed_experts(xs[i], ids[i], ws[i], ex, 10.0, config=nib), sets)
+        own = {"scaled": False}
+        own_ms = graph_ms(lambda i: routed_experts(xs[i], ids[i], ws[i], ex, 10.0, config=own), sets)
         ref_ms = eager_ms(lambda i: routed_experts_ref(xs[i], ids[i], ws[i], ex, 10.0), sets)
-        res[f"T={t}"] = {"ms": ms, "nibbles_ms": nib_ms, "ref_ms": ref_ms, "experts_touched": used,
+        res[f"T={t}"] = {"ms": ms, "own_decode_ms": own_ms, "ref_ms": ref_ms, "experts_touched": used,
                          "weight_GBps": used * per_expert / ms / 1e6,
-                         "nibbles_weight_GBps": used * per_expert / nib_ms / 1e6}
+                         "own_decode_weight_GBps": used * per_expert / own_ms / 1e6,
+                         "TFLOPs": 6 * t * k * d * inter / ms / 1e9}
     return res

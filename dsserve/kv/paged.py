@@ -28,7 +28,9 @@ class PagedKVCache:
                  device: torch.device | str = "cpu"):
         self.layout, self.dtype, self.device = layout, dtype, torch.device(device)
         self.prefix = PrefixCache() if prefix_caching else None
-        self.engram_token_map = engram_token_map
+        # Engram histories live on the host (a few ids a sequence): the host-table prefetch hashes them there,
+        # and the device path uploads them without a wait
+        self.engram_token_map = None if engram_token_map is None else engram_token_map.cpu()
         self.blocks = BlockPool(num_blocks, "global KV block", on_evict=self.prefix.evict if self.prefix is not None else None)
         self.slots = BlockPool(num_window_slots, "window slot")
         u8, dev = torch.uint8, self.device
@@ -77,8 +79,7 @@ class PagedKVCache:
         seq.num_tokens = start
         if self.engram_token_map is not None and start:
             lb = self.layout.engram_lookback
-            seq.engram_history = self.engram_token_map[
-                torch.tensor(tokens[max(0, start - lb):start], device=self.engram_token_map.device)]
+            seq.engram_history = self.engram_token_map[torch.tensor(tokens[max(0, start - lb):start])]
         return start
 
     def register_full_blocks(self, seq: "SequenceKV", hashes: list[bytes]) -> None:
@@ -134,7 +135,7 @@ class SequenceKV:
         self.num_registered = 0  # leading blocks already in the prefix cache
         self._entries: dict[int, int] = {}
         self._pending: dict = {}
-        self.engram_history = torch.empty(0, dtype=torch.long, device=cache.device)
+        self.engram_history = torch.empty(0, dtype=torch.long)  # host, see PagedKVCache
 
     def table(self) -> torch.Tensor:
         """The block table as a LongTensor on the cache's device, rebuilt only when it grew (tables only

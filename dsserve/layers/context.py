@@ -20,6 +20,20 @@ class SeqRows:
     first: int | None = None  # position of its first row, known on the host (reading it back would sync)
 
 
+@dataclass(frozen=True)
+class KeptRows:
+    """Bounded replay's narrowing, decided on the host: per sequence the number of its last rows that continue
+    (a suffix), and their indices in the flat batch (uploaded without a wait)."""
+    counts: tuple[int, ...]
+    index: torch.Tensor  # [sum(counts)] int64 on the rows' device
+
+    @classmethod
+    def suffixes(cls, seqs: list[SeqRows], counts, device) -> "KeptRows":
+        idx = [torch.arange(s.rows.stop - c, s.rows.stop) for s, c in zip(seqs, counts)]
+        idx = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)
+        return cls(tuple(counts), idx.to(device, non_blocking=True))
+
+
 @dataclass
 class ForwardContext:
     tokens: torch.Tensor  # [N] token ids of the rows in flight
@@ -44,28 +58,26 @@ class ForwardContext:
         if self.trace is not None:
             self.trace.append((layer, op))
 
-    def narrow(self, keep: torch.Tensor) -> "ForwardContext":
-        """The same forward restricted to the rows in ``keep`` (bounded replay's decoder window). Each
-        sequence keeps a suffix of its rows; dropped rows become Engram lookback."""
-        seqs, hist, topk, cands, start = [], [], [], [], 0
-        for i, s in enumerate(self.seqs):
-            k = keep[s.rows]
-            n = int(k.sum())
-            dropped = s.rows.stop - s.rows.start - n  # a suffix is kept
+    def narrow(self, keep: KeptRows) -> "ForwardContext":
+        """The same forward restricted to the kept rows (bounded replay's decoder window): each sequence keeps
+        a suffix of its rows; dropped rows become Engram lookback. Nothing here reads the device back."""
+        seqs, hist, topk, cands, start, idx = [], [], [], [], 0, keep.index
+        for i, (s, n) in enumerate(zip(self.seqs, keep.counts)):
+            dropped = s.rows.stop - s.rows.start - n
             seqs.append(SeqRows(slice(start, start + n), s.cache, s.decoder_start,
                                 None if s.first is None else s.first + dropped))
             start += n
             # a selection already published (narrowing after the index source) follows its rows
             t = self.topk[i] if i < len(self.topk) else None
-            topk.append(None if t is None else (t[0][k], t[1][k]))
+            topk.append(None if t is None else (t[0][dropped:], t[1][dropped:]))
             c = self.candidates[i] if i < len(self.candidates) else None
-            cands.append(None if c is None else c[k])
+            cands.append(None if c is None else c[dropped:])
             if self.engram_ids is not None:
-                dropped = self.engram_ids[s.rows][: k.shape[0] - n]
+                gone = self.engram_ids[s.rows][:dropped]
                 # a fresh sequence's history is an empty CPU tensor
-                hist.append(torch.cat((self.engram_history[i].to(dropped.device), dropped)))
-        return ForwardContext(tokens=self.tokens[keep], positions=self.positions[keep], seqs=seqs, qat=self.qat,
-                              is_image=None if self.is_image is None else self.is_image[keep], trace=self.trace,
-                              engram_ids=None if self.engram_ids is None else self.engram_ids[keep],
+                hist.append(torch.cat((self.engram_history[i].to(gone.device, non_blocking=True), gone)))
+        return ForwardContext(tokens=self.tokens[idx], positions=self.positions[idx], seqs=seqs, qat=self.qat,
+                              is_image=None if self.is_image is None else self.is_image[idx], trace=self.trace,
+                              engram_ids=None if self.engram_ids is None else self.engram_ids[idx],
                               engram_history=hist, engram_rows=self.engram_rows, topk=topk, candidates=cands,
-                              paged=None if self.paged is None else self.paged.narrow(keep, seqs), ops=self.ops)
+                              paged=None if self.paged is None else self.paged.narrow(idx, seqs), ops=self.ops)

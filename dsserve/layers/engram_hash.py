@@ -157,7 +157,8 @@ class EngramHasher:
         # ext: per sequence, k lookback slots (history right-aligned, the rest marked before-start), then its ids
         pieces, where, base = [], [], 0
         for r, h in zip(seq_rows, histories):
-            hist = ids[:0] if h is None or k == 0 else h.to(ids).reshape(-1)[-k:]
+            hist = ids[:0] if h is None or k == 0 else h.reshape(-1)[-k:].to(ids.device, torch.int64,
+                                                                              non_blocking=True)
             pieces += [lead[: k - hist.numel()], hist, ids[r]]
             where.append((base + k, r.stop - r.start))
             base += k + r.stop - r.start

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..layers.attention import CSA2Attention
-from ..layers.context import ForwardContext
+from ..layers.context import ForwardContext, KeptRows
 from ..layers.engram import Engram
 from ..layers.mhc import collapse, expand, hc_mix
 from ..layers.moe import MoE
@@ -55,7 +55,7 @@ class Block(nn.Module):
         return expand(y, x, post, comb) if ops is None else ops.mhc_expand(y, x, post, comb)
 
     def forward(self, x: torch.Tensor, pre: torch.Tensor | None, ctx: ForwardContext,
-                keep: torch.Tensor | None = None):
+                keep: KeptRows | None = None):
         """x: stream [T, n, d]; pre: the collapse weights handed over by the previous layer (V4.1).
 
         ``keep`` (bounded replay): after this layer has published its global KV from every row, continue
@@ -74,8 +74,9 @@ class Block(nn.Module):
         if self.attn.compressor is not None:
             self.attn.compress(h, ctx)
         if keep is not None:
-            x, h, a_post, a_comb, ctx = x[keep], h[keep], a_post[keep], a_comb[keep], ctx.narrow(keep)
-            a_pre = None if a_pre is None else a_pre[keep]
+            idx = keep.index
+            x, h, a_post, a_comb, ctx = x[idx], h[idx], a_post[idx], a_comb[idx], ctx.narrow(keep)
+            a_pre = None if a_pre is None else a_pre[idx]
             if x.shape[0] == 0:  # every row is before the replay window: only the global KV was needed
                 return x, h.new_zeros(0, self.cfg.hc_mult), ctx
         x = self.expand(self.attn(h, ctx), x, a_post, a_comb, ops)

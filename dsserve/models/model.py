@@ -14,7 +14,7 @@ from torch import nn
 
 from ..kv.paged_batch import PagedBatch
 from ..kv.sequence_cache import SequenceCache
-from ..layers.context import ForwardContext, SeqRows
+from ..layers.context import ForwardContext, KeptRows, SeqRows
 from ..layers.mhc import collapse, hc_head_pre
 from ..layers.norm import RMSNorm
 from ..layers.numerics import acc
@@ -85,7 +85,8 @@ class DeepseekForCausalLM(nn.Module):
         """
         cfg = self.cfg
         # checked where they are (the runner hands host tensors: no device read-back), then moved
-        tokens = self._check_tokens(tokens).to(self.embed.weight.device, non_blocking=True)
+        host_tokens = self._check_tokens(tokens)
+        tokens = host_tokens.to(self.embed.weight.device, non_blocking=True)
         if sum(s.rows.stop - s.rows.start for s in seqs) != tokens.shape[0]:
             raise ModelInputError("the sequences' rows must cover the batch exactly")
         last = max(s.cache.num_tokens + s.rows.stop - s.rows.start - 1 for s in seqs)
@@ -109,9 +110,11 @@ class DeepseekForCausalLM(nn.Module):
             if self.engram_token_map is None:
                 raise ModelInputError("this model's Engram needs the tokenizer's compressed-token map; "
                                       "load it with the checkpoint's tokenizer")
-            ctx.engram_ids = self._engram_ids(tokens, is_image)
+            # hashed from the host's copy of the ids: the host-table prefetch needs them there before layer 0
+            host_ids = self._engram_ids(host_tokens, None if is_image is None else is_image.cpu())
+            ctx.engram_ids = host_ids.to(tokens.device, non_blocking=True)
             ctx.engram_history = [s.cache.engram_history for s in seqs]
-            ctx.engram_rows = self._prefetch_engram(ctx)
+            ctx.engram_rows = self._prefetch_engram(ctx, host_ids)
 
         x = self.embed(tokens)[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
         pre = torch.zeros(tokens.shape[0], cfg.hc_mult, device=tokens.device)
@@ -123,10 +126,8 @@ class DeepseekForCausalLM(nn.Module):
                 taps[i] = acc(x).mean(1).to(x.dtype)
             keep = None
             if replay and i == narrow_at:
-                floor = torch.cat([torch.full((s.rows.stop - s.rows.start,), s.decoder_start or 0)
-                                   for s in seqs]).to(tokens.device, non_blocking=True)
-                keep = positions >= floor
-                taps = {k: v[keep] for k, v in taps.items()}
+                keep = self._replay_rows(seqs, tokens.device)
+                taps = taps if keep is None else {k: v[keep.index] for k, v in taps.items()}
             x, pre, ctx = block(x, pre, ctx, keep)
             if x.shape[0] == 0:  # every row is before its replay window: only the global KV was needed
                 break
@@ -135,22 +136,36 @@ class DeepseekForCausalLM(nn.Module):
             n = s.rows.stop - s.rows.start
             s.cache.num_tokens += n
             if cfg.engram_layer_ids:
-                s.cache.push_engram_history(self._engram_ids(tokens[s.rows], None if is_image is None
-                                                             else is_image[s.rows]))
+                s.cache.push_engram_history(host_ids[s.rows])
         if x.shape[0] == 0:
             return ForwardOutput(x.new_zeros(0, cfg.hidden_size), ctx.positions[:0], taps, ctx.seqs)
         if not cfg.is_v41:
             pre = hc_head_pre(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg.rms_norm_eps, cfg.hc_eps)
         return ForwardOutput(collapse(x, pre), ctx.positions, taps, ctx.seqs)
 
-    def _prefetch_engram(self, ctx: ForwardContext) -> dict:
+    @staticmethod
+    def _replay_rows(seqs: list[SeqRows], device) -> KeptRows | None:
+        """The rows at or past each sequence's decoder_start (from host positions), or None when every row is
+        (a decode step: nothing to narrow)."""
+        counts = [n - min(n, max(0, (s.decoder_start or 0) - s.first))
+                  for s, n in ((s, s.rows.stop - s.rows.start) for s in seqs)]
+        if all(c == s.rows.stop - s.rows.start for s, c in zip(seqs, counts)):
+            return None
+        return KeptRows.suffixes(seqs, counts, device)
+
+    def _prefetch_engram(self, ctx: ForwardContext, host_ids: torch.Tensor) -> dict:
         """Host-table Engram layers: hash this step's rows and start their copies before layer 0 runs."""
-        return {b.role.index: b.engram.prefetch(ctx.engram_ids, [s.rows for s in ctx.seqs], ctx.engram_history,
+        return {b.role.index: b.engram.prefetch(host_ids, [s.rows for s in ctx.seqs], ctx.engram_history,
                                                 ctx.tokens.device, self.embed.weight.dtype)
                 for b in self.layers if b.engram is not None and b.engram.table is not None}
 
     def _engram_ids(self, tokens: torch.Tensor, is_image: torch.Tensor | None) -> torch.Tensor:
-        ids = self.engram_token_map[tokens]
+        """Compressed ids of the tokens, on the host (the map's host copy is made once; tokens handed on the
+        device, as the oracle's callers may, are read back)."""
+        m = self.engram_token_map
+        if getattr(self, "_host_token_map", (None, None))[0] is not m:
+            self._host_token_map = (m, m.cpu())
+        ids = self._host_token_map[1][tokens.cpu()]
         return ids if is_image is None else ids.masked_fill(is_image, -1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -90,15 +90,19 @@ def test_uneven_routing_and_empty_experts(tiny_experts, fmt):
 
 
 @pytest.mark.parametrize("t,k,bk", [(1, 3, 32), (17, 2, 64), (9, 3, 128)])
-def test_mxfp4_nibble_split_matches_ref(tiny_experts, t, k, bk):
-    """The nibbles variant (x's even / odd columns against the low / high nibbles) against the reference: one and
-    several K steps (BK 32, 64; 128 is cut to the dims), unused experts poisoned."""
-    ids, w = routing(t, k, E, seed=40 + t)
+def test_mxfp4_dot_scaled_matches_default(tiny_experts, t, k, bk):
+    """bf16 rows take tl.dot_scaled (it upcasts the nibbles) by default: against the kernel's own nibble decode on
+    the same rows (same epilogue and roundings: equal up to fp32 summation order) and the reference (loose: the
+    interpreter truncates fp32 -> bf16 where the reference rounds); one and several K steps (BK 32, 64; 128 is cut
+    to the dims), unused experts poisoned."""
+    ids, w = routing(t, k, E, seed=50 + t)
     unused = [e for e in range(E) if e not in set(ids.flatten().tolist())]
     ex = poison(tiny_experts["mxfp4"], torch.tensor(unused, dtype=torch.long))
-    x = torch.randn(t, D, generator=torch.Generator().manual_seed(41 + t))
-    out = G.routed_experts(x, ids, w, ex, LIMIT, config={"nibbles": True, "BK": bk})
-    assert out.isfinite().all() and rel(out, G.routed_experts_ref(x, ids, w, ex, LIMIT)) < 1e-5
+    x = torch.randn(t, D, generator=torch.Generator().manual_seed(51 + t)).bfloat16()
+    out = G.routed_experts(x, ids, w, ex, LIMIT, config={"BK": bk})
+    assert out.isfinite().all() and out.dtype == torch.bfloat16
+    assert rel(out, G.routed_experts(x, ids, w, ex, LIMIT, config={"scaled": False, "BK": bk})) < 1e-5
+    assert rel(out, G.routed_experts_ref(x, ids, w, ex, LIMIT)) < 5e-2  # bf16 h: 8 mantissa bits, truncated
 
 
 def test_ragged_fp8_small_tiles_and_half_x():
@@ -194,13 +198,13 @@ def gpu_experts():
 
 
 @cuda
-@pytest.mark.parametrize("fmt,nibbles", [(f, False) for f in G.FMTS] + [("mxfp4", True)])
-@pytest.mark.parametrize("t", [1, 16, 256, 1024])  # BM 16, 16, 32, 64: decode and prefill tiles
-def test_gpu_model_shapes(gpu_experts, fmt, nibbles, t):
+@pytest.mark.parametrize("fmt,scaled", [(f, True) for f in G.FMTS] + [("mxfp4", False)])
+@pytest.mark.parametrize("t", [1, 16, 256, 1024])  # BM 16, 16, 32, 128 (64 unscaled): decode and prefill tiles
+def test_gpu_model_shapes(gpu_experts, fmt, scaled, t):
     ex = gpu_experts[fmt]
     ids, w = routing(t, GK, GE, "cuda", seed=t)
     x = torch.randn(t, GD, device="cuda", dtype=torch.bfloat16)
-    out = G.routed_experts(x, ids, w, ex, 10.0, config={"nibbles": nibbles})
+    out = G.routed_experts(x, ids, w, ex, 10.0, config={"scaled": scaled})
     assert out.isfinite().all()
     assert rel(out, G.routed_experts_ref(x, ids, w, ex, 10.0)) < 1e-2
     assert rel(out, G.routed_experts_ref(x.float(), ids, w, ex, 10.0)) < 1e-2

@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 
-from dsserve.layers.context import ForwardContext, SeqRows
+from dsserve.layers.context import ForwardContext, KeptRows, SeqRows
 from dsserve.layers.engram import Engram
 from dsserve.layers.engram_table import EngramRows, EngramTable, allocate_host
 from dsserve.layers.quant import dequant_engram, quant_engram
@@ -115,9 +115,8 @@ def test_prefetched_rows_follow_bounded_replay_narrowing():
     ctx = ForwardContext(tokens=ids, positions=torch.arange(11), seqs=[SeqRows(slice(0, 5), None),
                          SeqRows(slice(5, 11), None)], engram_ids=ids, engram_history=hist)
     ctx.engram_rows = {1: host.prefetch(ids, [s.rows for s in ctx.seqs], hist, "cpu", torch.float64)}
-    keep = torch.tensor([False, False, True, True, True, False, True, True, True, True, True])
-    n = ctx.narrow(keep)
-    x = torch.randn(int(keep.sum()), cfg.hc_mult, cfg.hidden_size, dtype=torch.float64)
+    n = ctx.narrow(KeptRows.suffixes(ctx.seqs, (3, 5), "cpu"))  # rows 2-4 and 6-10
+    x = torch.randn(8, cfg.hc_mult, cfg.hidden_size, dtype=torch.float64)
     args = (x, n.engram_ids, [s.rows for s in n.seqs], n.engram_history)
     ref = dev(*args)
     assert torch.equal(host(*args, rows=n.engram_rows[1]), ref)
