@@ -1,7 +1,7 @@
 """Which implementation runs each kernelised op: Triton, or its torch reference (for bisecting).
 
-The engine builds one ``KernelOps`` from ``--reference-ops``; the paged attention path, the MoE (router and
-routed experts) and the mHC sites call ops through it.
+The engine builds one ``KernelOps`` from ``--reference-ops``; the paged attention path (its query path's norm, RoPE
+and fake-quant included), the MoE (router and routed experts) and the mHC sites call ops through it.
 Every op's reference has the kernel's signature, so switching one op never changes anything else.
 """
 from __future__ import annotations
@@ -22,6 +22,8 @@ OPS = {
     "router": ("router", ("route",)),
     "moe": ("grouped_moe", ("routed_experts",)),
     "mhc": ("mhc", ("mhc_site", "mhc_expand")),
+    "rowwise": ("rowwise", ("rms_norm", "rope_inplace", "fake_quant_fp4_pow2")),
+    "entry_rows": ("entry_rows", ("entry_rows",)),
 }
 
 

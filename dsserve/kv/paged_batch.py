@@ -2,10 +2,11 @@
 
 The per-sequence reference path unpacks each sequence's rows into dense tensors. The batched path instead
 hands the kernels flat pools ([rows, bytes]) plus, per query row t of the step:
-- ``block_rows`` [T, MB] int32: the row's sequence's block table (-1 padded), for global entries and the
-  exact-mode window (entry e of a source lives at row block_rows[t, e // epb] * epb + e % epb);
+- ``block_rows`` [T, MB] int32: the row's sequence's block table (-1 padded), for the exact-mode window;
 - ``row_first`` [T] int32: the first row of t's sequence in this step, for the step's own window rows;
 - per layer, ``old_window_rows`` [T, W] int32: the window rows written by earlier steps (-1 absent);
+- ``seq_tables`` [S, MB] int32 and ``row_seq`` [T] int32: kernels.entry_rows maps a selected entry e of a source
+  to pool row seq_tables[row_seq[t], e // epb] * epb + e % epb;
 - ``window_store_rows`` [T] int64: where this step's window rows go (-1: overwritten within the step).
 It also carries what index sources publish to later layers of the same forward (top-k, candidate blocks).
 """
@@ -137,19 +138,14 @@ class PagedBatch:
         """The ring's position tags for the rows just stored (exact mode stores by position: no tags)."""
         if not self.cache.layout.window_in_blocks:
             # no boolean indexing (it reads the count back from the device: a sync per layer): every row adds
-            # its change at its slot, rows that store nothing add 0 at slot 0; the stored rows' slots are distinct
+            # its change at its slot, rows that store nothing add 0 at slot 0; the stored rows' slots are distinct.
+            # scatter_add_: integer atomics (exact in any order), where index_put_'s accumulate sorts the indices
             tags = self.cache.window_pos[layer].view(-1)
             at = rows.clamp_min(0)
             delta = torch.where(rows >= 0, self.positions - tags[at], 0).to(tags.dtype)
-            tags.index_put_((at,), delta, accumulate=True)
+            tags.scatter_add_(0, at, delta)
 
     # -------------------------------------------------------------------------- global entries
-    def entry_rows(self, entries: torch.Tensor, valid: torch.Tensor, epb: int) -> torch.Tensor:
-        """Entry ids [T, K] of each row's sequence -> physical pool rows, -1 where not valid."""
-        e = entries.long().clamp_min(0)
-        blk = self.block_rows.long().gather(1, (e // epb).clamp(max=self.block_rows.shape[1] - 1))
-        return torch.where(valid & (blk >= 0), blk * epb + e % epb, -1).to(torch.int32)
-
     def num_entries(self, source: int) -> int:
         return max(s.cache.num_entries(source) for s in self.seqs)
 

@@ -120,18 +120,24 @@ class CSA2Attention(nn.Module):
         cache.push_global(layer, main, index_k)
 
     # ------------------------------------------------------------------ the layer
-    def query(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q_lat [T, q_lora], rotated q [T, H, D]); V4 also normalises each head, without a weight."""
+    def query(self, x: torch.Tensor, pos: torch.Tensor, ops=None, cos_sin=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q_lat [T, q_lora], rotated q [T, H, D]); V4 also normalises each head, without a weight. ops (the
+        batched path's kernels.ops.KernelOps) with cos_sin (its fp32 tables at pos): the norm and RoPE kernels."""
         cfg = self.cfg
-        q_lat = self.q_norm(self.wq_a(x))
+        if ops is None:
+            q_lat = self.q_norm(self.wq_a(x))
+        else:
+            q_lat = ops.rms_norm(self.wq_a(x), self.q_norm.weight, self.q_norm.eps)
         q = self.wq_b(q_lat).view(x.shape[0], cfg.num_attention_heads, cfg.head_dim)
         if not cfg.is_v41:
-            q = rms_norm(q, None, cfg.rms_norm_eps)
-        return q_lat, self.rope(q, pos)
+            q = rms_norm(q, None, cfg.rms_norm_eps) if ops is None else ops.rms_norm(q, None, cfg.rms_norm_eps)
+        if ops is None:
+            return q_lat, self.rope(q, pos, inplace=True)
+        return q_lat, ops.rope_inplace(q, *cos_sin)
 
     def window_entry(self, x: torch.Tensor, pos: torch.Tensor, qat: bool) -> torch.Tensor:
         """The row's own K = V latent for the sliding window, post-RoPE, FP8 fake-quantised under QAT."""
-        return self._kv_qat(self.rope(self.kv_norm(self.wkv(x)), pos), qat)
+        return self._kv_qat(self.rope(self.kv_norm(self.wkv(x)), pos, inplace=True), qat)
 
     def _kv_qat(self, kv: torch.Tensor, qat: bool) -> torch.Tensor:
         """V4.1 stores all 512 channels FP8 (per 32); V4 stores the non-RoPE channels FP8 (per 64), RoPE in BF16."""

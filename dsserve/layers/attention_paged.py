@@ -33,7 +33,7 @@ def _select(attn, x, q_lat, ctx: ForwardContext, cos, sin):
         return step.topk
     ctx.log(role.index, "indexer")
     ix, cache = attn.indexer, step.cache
-    q, w = ix.query(x, q_lat, ctx.positions, attn.rope, ctx.qat)
+    q, w = ix.query(x, q_lat, ctx.positions, attn.rope, ctx.qat, ops, (cos, sin))
     w = w.float()
     src = role.kv_source
     pool = cache.index[src].flatten(0, 1)
@@ -60,7 +60,7 @@ def forward_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
     cfg, role, step, ops = attn.cfg, attn.role, ctx.paged, ctx.ops
     cache, lay = step.cache, step.cache.layout
     cos, sin = step.cos_sin(attn.rope, x.dtype)
-    q_lat, q = attn.query(x, ctx.positions)
+    q_lat, q = attn.query(x, ctx.positions, ops, (cos, sin))
 
     # The step's own window rows: computed now, stored after the attention (storing first would overwrite
     # ring rows that earlier rows of a long chunk still read).
@@ -77,7 +77,7 @@ def forward_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         src = role.kv_source
         main_pool = cache.main[src].flatten(0, 1)
         main_fmt = FORMAT_KIND[lay.main_fmt.name]
-        sel_rows = step.entry_rows(idx, valid, lay.sources[src][1])
+        sel_rows = ops.entry_rows(idx, valid, step.seq_tables, step.row_seq, lay.sources[src][1])
     o = ops.sparse_attention(q, cos, sin, win_pool, win_fmt, step.old_window_rows(role.index), kv,
                              step.row_first, main_pool, main_fmt, sel_rows, attn.attn_sink.float(),
                              cfg.head_dim ** -0.5, out_dtype=x.dtype)

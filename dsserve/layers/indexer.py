@@ -64,15 +64,19 @@ class Indexer(nn.Module):
 
     def index_keys(self, latent: torch.Tensor, entry_pos: torch.Tensor, rope: Rope, qat: bool) -> torch.Tensor:
         """V4.1: index keys from the compressor's pre-RoPE latent, rotated at the entry's position."""
-        k = rope(self.k_norm(self.wk(latent)), entry_pos)
+        k = rope(self.k_norm(self.wk(latent)), entry_pos, inplace=True)
         return quant.fake_quant_fp4_pow2(k, 32) if qat else k
 
-    def query(self, x: torch.Tensor, q_lat: torch.Tensor, positions: torch.Tensor, rope: Rope, qat: bool):
-        """(q [T, heads, dim] rotated and fake-quantised, per-head weights [T, heads] with both scales folded in)."""
+    def query(self, x: torch.Tensor, q_lat: torch.Tensor, positions: torch.Tensor, rope: Rope, qat: bool,
+              ops=None, cos_sin=None):
+        """(q [T, heads, dim] rotated and fake-quantised, per-head weights [T, heads] with both scales folded in).
+        ops (kernels.ops.KernelOps) with cos_sin (fp32 tables at positions): the RoPE and fake-quant kernels."""
         t = x.shape[0]
-        q = rope(self.wq_b(q_lat).view(t, self.n_heads, self.index_dim), positions)
+        q = self.wq_b(q_lat).view(t, self.n_heads, self.index_dim)
+        q = rope(q, positions, inplace=True) if ops is None else ops.rope_inplace(q, *cos_sin)
         if qat:
-            q = quant.fake_quant_fp4_pow2(quant.hadamard_rotate(q) if self.rotate else q, 32)
+            q = quant.hadamard_rotate(q) if self.rotate else q
+            q = quant.fake_quant_fp4_pow2(q, 32) if ops is None else ops.fake_quant_fp4_pow2(q, 32)
         return q, acc(self.weights_proj(x)) * (self.index_dim ** -0.5 * self.n_heads ** -0.5)
 
     def scores(self, x: torch.Tensor, q_lat: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,

@@ -76,18 +76,23 @@ class Rope:
             memo[2][key] = (cos.to(dtype), (-sin if inverse else sin).to(dtype))
         return memo[2][key]
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """x: [T, ..., D]; positions: [T]. Returns x with its last rope_dim channels rotated."""
-        return rotate(x, *self.tables(positions, acc_dtype(x.dtype), inverse))
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False,
+                 inplace: bool = False) -> torch.Tensor:
+        """x: [T, ..., D]; positions: [T]. Returns x with its last rope_dim channels rotated (see rotate)."""
+        return rotate(x, *self.tables(positions, acc_dtype(x.dtype), inverse), inplace=inplace)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     """x [T, ..., D] with its last 2 * cos.shape[-1] channels rotated by the per-row tables [T, R/2] (cast to the
-    rotation's dtype: fp32, or fp64 for fp64 x)."""
+    rotation's dtype: fp32, or fp64 for fp64 x). inplace: x is the caller's own fresh tensor; its tail is
+    overwritten and the other channels are not copied (a prefill's 64-head q is half a GB a layer)."""
     rd = 2 * cos.shape[-1]
     tail = acc(x[..., -rd:]).unflatten(-1, (rd // 2, 2))
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rd // 2,)
     cos, sin = cos.to(tail.dtype).view(shape), sin.to(tail.dtype).view(shape)
     a, b = tail[..., 0], tail[..., 1]
     rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    if inplace:
+        x[..., -rd:] = rot
+        return x
     return torch.cat((x[..., :-rd], rot.to(x.dtype)), dim=-1)
