@@ -300,8 +300,8 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *, con
     """Triton grouped GEMMs, same semantics as routed_experts_ref. Ids must lie in [0, E) (not checked: that would
     need a host sync); a pick outside leaves its row undefined. config overrides BM, BN, BK, GROUP_M, num_warps,
     num_stages and scaled (tests and benchmarks only). scaled (default; MXFP4 with bf16 rows): tl.dot_scaled
-    upcasts the weights; off, the kernel decodes each nibble itself (1.8-2.2x slower on the H200, 2026-11-29; what
-    fp16 / fp32 rows always take)."""
+    upcasts the weights; off, the kernel decodes each nibble itself (1.7-2.2x slower on the H200, 2026-11-29:
+    benchmarks/results/model-h200; what fp16 / fp32 rows always take)."""
     _check(x, ids, weights, experts, kernel=True)
     (t, k), (n_exp, d, inter) = ids.shape, experts.shape
     if t * k == 0:
@@ -329,10 +329,9 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *, con
 
 def bench(device="cuda", d: int = 5120, inter: int = 2304, n_experts: int = 48, k: int = 6, sets: int = 4,
           tokens=(1, 8, 32, 128, 4096)) -> dict:
-    """Median device ms of routed_experts (CUDA graphs; also with the in-kernel nibble decode instead of
-    tl.dot_scaled) and routed_experts_ref (eager: its
-    torch.unique syncs) on one EP rank's MXFP4 experts, over `sets` random routings; weight_GBps = bytes of the
-    experts touched / time."""
+    """Median device ms of routed_experts (CUDA graphs; also with its own nibble decode instead of tl.dot_scaled)
+    and routed_experts_ref (eager: its torch.unique syncs) on one EP rank's MXFP4 experts, over `sets` random
+    routings; weight_GBps = bytes of the experts touched / time, TFLOPs = the three GEMMs' FLOPs / time."""
     from ..bench.device_timing import eager_ms, graph_ms
     g = torch.Generator(device=device).manual_seed(0)
     ex = ExpertWeights.from_dense(*(torch.randn(n_experts, o, i, device=device, generator=g) * i ** -0.5
