@@ -83,6 +83,9 @@ class CSA2Attention(nn.Module):
     def compress(self, x: torch.Tensor, ctx: ForwardContext) -> None:
         """Pool this layer's input into new global entries and publish them to each sequence's cache."""
         ctx.log(self.role.index, "compressor")
+        if ctx.paged is not None:
+            from .attention_paged import compress_paged
+            return compress_paged(self, x, ctx)
         r = self.role.ratio
         for seq in ctx.seqs:
             if seq.rows.stop == seq.rows.start:
@@ -96,9 +99,6 @@ class CSA2Attention(nn.Module):
                 self._compress_seq(x[seq.rows][start - first:], start, seq.cache, ctx.qat, ctx)
 
     def _compress_seq(self, x: torch.Tensor, first: int, cache, qat: bool, ctx: ForwardContext | None = None) -> None:
-        if ctx is not None and ctx.paged is not None:
-            from .attention_paged import compress_paged
-            return compress_paged(self, x, first, cache, ctx)
         layer, r = self.role.index, self.role.ratio
         emitted = cache.num_entries(layer)
         latent, pend = self.compressor(x, first, cache.pending(layer), emitted)
