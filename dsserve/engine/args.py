@@ -51,7 +51,8 @@ class EngineArgs:
         "reference path | auto: paged on cuda, reference on cpu"))
     reference_ops: str = field(default="", metadata=_h(
         "ops that run their torch reference instead of Triton (on the paged backend), for bisecting: a comma "
-        "list of attention, indexer, topk, kv_write, linear, router, moe, mhc, or all, or '' for none"))
+        "list of attention, indexer, topk, kv_write, linear, router, moe, mhc, rowwise, entry_rows, or all, or '' "
+        "for none"))
 
     def __post_init__(self):
         if self.quantization not in (None, "fp8"):
