@@ -42,8 +42,12 @@ class PagedKVCache:
         rows, n = (layout.block_size, num_blocks) if layout.window_in_blocks else (layout.window, num_window_slots)
         self.window = {i: torch.zeros(n, rows, layout.window_fmt.row_bytes, dtype=u8, device=dev)
                        for i in layout.window_layers}
-        self.window_pos = ({} if layout.window_in_blocks else
-                           {i: torch.full((n, rows), -1, dtype=torch.long, device=dev) for i in layout.window_layers})
+        # The ring's position tags [slots, W] per layer, over a flat buffer with one spare element at the end: a
+        # step's rows that store nothing scatter their tags there (no mask, so no count read back from the device)
+        self.window_tags = ({} if layout.window_in_blocks else
+                            {i: torch.full((n * rows + 1,), -1, dtype=torch.long, device=dev)
+                             for i in layout.window_layers})
+        self.window_pos = {i: t[:-1].view(n, rows) for i, t in self.window_tags.items()}
 
     # -------------------------------------------------------------------------- per request
     def new_sequence(self) -> "SequenceKV":

@@ -54,6 +54,7 @@ class PagedBatch:
         self._window = None  # old_window_rows' layer-independent part, built on first use
         self._visible: dict = {}
         self._no_rows: torch.Tensor | None = None
+        self._tag_rows = None  # (window_store_rows, their tag indices), see record_window
 
     @classmethod
     def supports(cls, seqs) -> bool:
@@ -95,15 +96,16 @@ class PagedBatch:
         """[T, W] int32: physical rows of positions p-W+1..p written before this step, -1 if absent."""
         if self._window is None:
             self._window = self._window_candidates()
-        q, ok, ring, rows = self._window
-        if ring is None:  # exact mode: the rows come from the block tables, the same for every layer
+        q, tag_at, rows = self._window
+        if tag_at is None:  # exact mode: the rows come from the block tables, the same for every layer
             return rows
         # the ring's slot holds position q only if this layer's tag says so (the slot may hold an older one)
-        return torch.where(ok & (self.cache.window_pos[layer][self.slots[:, None], ring] == q), rows, -1)
+        return torch.where(self.cache.window_tags[layer][tag_at] == q, rows, -1)
 
     def _window_candidates(self):
-        """The layer-independent part of old_window_rows, once per step: positions q [T, W], their mask (before
-        this step, not negative), ring slots and physical rows (int32); exact mode: the final rows."""
+        """The layer-independent part of old_window_rows, once per step: positions q [T, W], the ring rows whose
+        tags to compare (flat indices into window_tags) and the physical rows (int32, -1 where q is negative or
+        not before this step); exact mode: (q, None, the final rows)."""
         lay = self.cache.layout
         w = lay.window
         q = self.positions[:, None] - (w - 1) + torch.arange(w, device=self.positions.device)[None, :]
@@ -112,9 +114,9 @@ class PagedBatch:
         if lay.window_in_blocks:
             bs = lay.block_size
             blk = self.block_rows.long().gather(1, (qc // bs).clamp(max=self.block_rows.shape[1] - 1))
-            return q, ok, None, torch.where(ok, blk * bs + qc % bs, -1).to(torch.int32)
-        ring = qc % w
-        return q, ok, ring, (self.slots[:, None] * w + ring).to(torch.int32)
+            return q, None, torch.where(ok, blk * bs + qc % bs, -1).to(torch.int32)
+        at = self.slots[:, None] * w + qc % w
+        return q, at, torch.where(ok, at, -1).to(torch.int32)
 
     def window_store_rows(self) -> torch.Tensor:
         """[T] int64: this step's window row destinations, the same for every layer (computed once). A ring
@@ -137,13 +139,12 @@ class PagedBatch:
     def record_window(self, layer: int, rows: torch.Tensor) -> None:
         """The ring's position tags for the rows just stored (exact mode stores by position: no tags)."""
         if not self.cache.layout.window_in_blocks:
-            # no boolean indexing (it reads the count back from the device: a sync per layer): every row adds
-            # its change at its slot, rows that store nothing add 0 at slot 0; the stored rows' slots are distinct.
-            # scatter_add_: integer atomics (exact in any order), where index_put_'s accumulate sorts the indices
-            tags = self.cache.window_pos[layer].view(-1)
-            at = rows.clamp_min(0)
-            delta = torch.where(rows >= 0, self.positions - tags[at], 0).to(tags.dtype)
-            tags.scatter_add_(0, at, delta)
+            # one scatter, no mask: the stored rows' slots are distinct, rows that store nothing write the spare
+            # element at the end (boolean indexing would read the count back from the device)
+            tags = self.cache.window_tags[layer]
+            if self._tag_rows is None or self._tag_rows[0] is not rows:
+                self._tag_rows = (rows, torch.where(rows >= 0, rows, tags.numel() - 1))
+            tags.scatter_(0, self._tag_rows[1], self.positions)
 
     # -------------------------------------------------------------------------- global entries
     def num_entries(self, source: int) -> int:
@@ -166,5 +167,5 @@ class PagedBatch:
         out.cand_blocks = None if self.cand_blocks is None else self.cand_blocks[keep]
         out._cos_sin = {k: (c[keep], s[keep]) for k, (c, s) in self._cos_sin.items()}
         out._store_rows = None  # the kept rows' last W per sequence differ from the full step's
-        out._window, out._visible, out._no_rows = None, {}, None
+        out._window, out._visible, out._no_rows, out._tag_rows = None, {}, None, None
         return out
