@@ -29,6 +29,7 @@ import triton.language as tl
 
 from dsserve.layers.mhc import collapse, expand, hc_mix
 from dsserve.layers.norm import rms_norm
+from dsserve.layers.numerics import fp32_param
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels are decorated, as Triton does
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -190,14 +191,14 @@ def mhc_site(x, fn, base, scale, pre_in, norm_w, norm_eps, rms_eps, hc_eps, sink
     pm, ps = _alloc(split, t, mixp, dtype=f32, device=dev), _alloc(split, t, 2, dtype=f32, device=dev)
     x = x.contiguous()
     _site_partial[(triton.cdiv(t, block_t), split)](
-        x, fn.to(f32).contiguous(), pre_in.to(f32).contiguous(), h, pm, ps, t, d, (2 + n) * n, N=n, MIXP=mixp,
+        x, fp32_param(fn).contiguous(), pre_in.to(f32).contiguous(), h, pm, ps, t, d, (2 + n) * n, N=n, MIXP=mixp,
         BLOCK_T=block_t, BLOCK_D=32, D_ITERS=d_iters, PREC="tf32x3", DT=_TL[x.dtype], num_warps=8, num_stages=3)
     split_p = triton.next_power_of_2(split)
     block_r = max(1, min(16, (8 if _INTERPRET else 256) // split_p))  # [BLOCK_R, SPLIT_P, n, n] comb partials
     block_h = 64 if _INTERPRET else 256
     _site_finish[(triton.cdiv(t, block_r), triton.cdiv(d, block_h))](
-        h, norm_w.contiguous(), pm, ps, base.to(f32).contiguous(), scale.to(f32).contiguous(), pre, post, comb, t,
-        d, split, float(norm_eps), float(rms_eps), float(hc_eps), N=n, MIXP=mixp, SPLIT_P=split_p,
+        h, norm_w.contiguous(), pm, ps, fp32_param(base).contiguous(), fp32_param(scale).contiguous(), pre, post,
+        comb, t, d, split, float(norm_eps), float(rms_eps), float(hc_eps), N=n, MIXP=mixp, SPLIT_P=split_p,
         ITERS=sinkhorn_iters, BLOCK_R=block_r, BLOCK_H=block_h, DT=_TL[x.dtype], num_warps=4)
     return h, pre, post, comb
 

@@ -14,7 +14,7 @@ import torch
 from ..kv.block_pool import InvariantError
 from ..kv.paged_batch import FORMAT_KIND
 from .context import ForwardContext
-from .numerics import acc
+from .numerics import acc, acc_param, fp32_param
 
 
 def _pad_topk(idx: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +81,7 @@ def forward_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         main_fmt = FORMAT_KIND[lay.main_fmt.name]
         sel_rows = ops.entry_rows(idx, valid, step.seq_tables, step.row_seq, lay.sources[src][1])
     o = ops.sparse_attention(q, cos, sin, win_pool, win_fmt, step.old_window_rows(role.index), kv,
-                             step.row_first, main_pool, main_fmt, sel_rows, attn.attn_sink.float(),
+                             step.row_first, main_pool, main_fmt, sel_rows, fp32_param(attn.attn_sink),
                              cfg.head_dim ** -0.5, out_dtype=x.dtype)
 
     rows = step.window_store_rows()
@@ -114,7 +114,7 @@ def compress_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> None:
     if r == 1:
         u, z = comp.wkv(xs), None
     else:  # Compressor.projected's fp32 projections, for all sequences in one GEMM each
-        u, z = acc(xs) @ acc(comp.wkv.weight).t(), acc(xs) @ acc(comp.wgate.weight).t()
+        u, z = acc(xs) @ acc_param(comp.wkv.weight).t(), acc(xs) @ acc_param(comp.wgate.weight).t()
     # The rows each sequence pools: its carried half-group (if any) then its new rows, one flat tensor for all;
     # host lists of the picked flat rows, the new entries and their pool rows (plain ints: decode adds one or none).
     pieces, carried, pick, entries, rows, off, at = [], [], [], [], [], 0, 0

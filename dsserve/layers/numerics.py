@@ -13,3 +13,27 @@ def acc(x: torch.Tensor) -> torch.Tensor:
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype ``acc`` gives a tensor of ``dtype``."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def fp32_param(p: torch.Tensor) -> torch.Tensor:
+    """A parameter in fp32, converted once per value: a cast at every call is a launch and a copy per layer and
+    step. The copy is kept on the tensor with a view of the storage it came from (held, so no later tensor can
+    take its address) and that storage's version: a load in place or a swap of ``.data`` converts again."""
+    if p.dtype == torch.float32:
+        return p
+    try:
+        version = p._version
+    except RuntimeError:  # an inference tensor keeps no version: convert every time
+        return p.float()
+    hit = getattr(p, "_fp32_copy", None)
+    if (hit is None or hit[1] != version or hit[0].data_ptr() != p.data_ptr() or hit[0].device != p.device
+            or hit[0].dtype != p.dtype):
+        src = p.detach()
+        hit = (src, version, src.float())
+        p._fp32_copy = hit
+    return hit[2]
+
+
+def acc_param(p: torch.Tensor) -> torch.Tensor:
+    """acc(p) for a parameter: fp64 kept, anything else fp32_param."""
+    return p if p.dtype == torch.float64 else fp32_param(p)
