@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from . import quant
-from .norm import RMSNorm, rms_norm
+from .norm import RMSNorm
 from .rope import Rope
 from .numerics import acc
 
