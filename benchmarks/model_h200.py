@@ -11,7 +11,9 @@ Sections (each skippable with --skip a,b; the JSON is rewritten after each, so a
   B in {1, 8, 32, 128} x context {8K, 128K}; floor = bytes a step must move / copy bandwidth, where bytes =
   the non-expert weights read once (embedding table, Engram tables and draft modules excluded) + the routed
   experts touched (expected distinct experts of B x top-k draws from E under uniform routing) + per row and
-  layer the window and top-k KV rows and the indexer keys scored + the embedding and Engram rows gathered;
+  layer the window and top-k KV rows and the indexer keys scored + the embedding and Engram rows gathered; each
+  case timed with the engine's CUDA graphs of decode steps (captured in the warm-up repeat) and eager, and the
+  eager step's device-busy time under the profiler;
 - prefill: 8K and 32K new tokens cold (in 8K chunks, as the engine chunks) and 8K new on 128K cached; floor =
   the FLOPs (2 x active params per row + sparse attention + indexer scoring) at the bf16 matmul rate;
 - kernels: the bench() of the router, mHC and grouped-MoE kernels (fused vs the unfused torch path) and of
@@ -264,20 +266,32 @@ def decode(plan: dict, ceil: dict, res: dict) -> list[dict]:
     res["decode_model"] = info
     rows = res["decode"] = []  # filled row by row and saved after each: a run cut by its time limit keeps them
     try:
+        graphs = core.runner.decode_graphs  # None on the CPU smoke: no capture there
         for ctx in plan["contexts"]:
             for b in plan["batches"]:
+                # the engine's default (decode steps as CUDA graphs; the warm-up repeat captures), then eager
                 r = fwd.bench_forward(core, b, ctx, 1, plan["repeats"])
+                core.runner.decode_graphs = None
+                try:
+                    e = fwd.bench_forward(core, b, ctx, 1, plan["repeats"]) if graphs is not None else r
+                    busy = device_busy(core, b, ctx)
+                finally:
+                    core.runner.decode_graphs = graphs
                 f = decode_floor(core, b, ctx, ceil)
-                busy = device_busy(core, b, ctx)
-                rows.append({"B": b, "ctx": ctx, "ms": r.seconds * 1e3, "tokens_per_s": r.tokens_per_s,
-                             "floor_ms": f["floor_ms"], "over_floor": r.seconds * 1e3 / f["floor_ms"],
+                ms = r.seconds * 1e3
+                rows.append({"B": b, "ctx": ctx, "ms": ms, "graphs": graphs is not None, "eager_ms": e.seconds * 1e3,
+                             "eager_over_graph": e.seconds / r.seconds, "tokens_per_s": r.tokens_per_s,
+                             "floor_ms": f["floor_ms"], "over_floor": ms / f["floor_ms"],
                              "device_busy_ms": busy["busy_ms"], "busy_over_floor": busy["busy_ms"] / f["floor_ms"],
                              "launches": busy["launches"], "top_kernels_ms": busy["top"],
-                             "goal_met": (r.seconds * 1e3 / f["floor_ms"] <= 1.25) if b <= 32 else None,
+                             "goal_met": (ms / f["floor_ms"] <= 1.25) if b <= 32 else None,
                              **{k: v for k, v in f.items() if k != "floor_ms"},
-                             "stages_ms": {k: v * 1e3 for k, v in r.stages.items()}})
-                print(f"decode B={b} ctx={ctx}: {r.seconds * 1e3:.2f} ms (floor {f['floor_ms']:.2f})", flush=True)
+                             "eager_stages_ms": {k: v * 1e3 for k, v in e.stages.items()}})
+                print(f"decode B={b} ctx={ctx}: {ms:.2f} ms graphs, {e.seconds * 1e3:.2f} eager "
+                      f"(floor {f['floor_ms']:.2f})", flush=True)
                 save(res)
+        if graphs is not None:
+            res["decode_graphs"] = graphs.report()
         for new, ctxs in plan["prefill"]:
             secs = flops = 0.0
             for c in ctxs:  # the engine's chunks, each on the cache the previous ones left
@@ -466,7 +480,9 @@ def plot(res: dict, path: str) -> None:
     for ctx in sorted({r["ctx"] for r in dec}):
         pts = sorted((r["B"], r["ms"], r["floor_ms"], r.get("device_busy_ms", float("nan"))) for r in dec
                      if r["ctx"] == ctx)
-        line, = ax[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"ctx {ctx}: eager step")
+        line, = ax[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"ctx {ctx}: step (graphs)")
+        ax[0].plot([p[0] for p in pts], [r["eager_ms"] for r in sorted(dec, key=lambda r: r["B"]) if r["ctx"] == ctx],
+                   "^-.", color=line.get_color(), alpha=0.5, label=f"ctx {ctx}: eager step")
         ax[0].plot([p[0] for p in pts], [p[3] for p in pts], "s--", color=line.get_color(),
                    label=f"ctx {ctx}: device busy")
         ax[0].plot([p[0] for p in pts], [p[2] for p in pts], ":", color=line.get_color())
@@ -519,12 +535,13 @@ def main() -> None:
         save(res)
     c = res["ceilings"]
     print(f"ceilings: copy {c['copy_GBps']:.0f} GB/s, bf16 {c['bf16_TFLOPs']:.1f} TFLOP/s, fp8 {c['fp8_TFLOPs']:.1f}")
-    print(f"{'case':34s} {'ms':>10s} {'floor ms':>10s} {'ratio':>7s} {'tok/s':>10s} {'busy ms':>9s} {'ratio':>7s}")
+    print(f"{'case':34s} {'ms':>10s} {'floor ms':>10s} {'ratio':>7s} {'tok/s':>10s} {'busy ms':>9s} {'ratio':>7s} "
+          f"{'eager ms':>9s}")
     for r in res.get("decode", []):
         if "B" in r:
             print(f"{'decode B=%d ctx=%d' % (r['B'], r['ctx']):34s} {r['ms']:10.2f} {r['floor_ms']:10.2f} "
                   f"{r['over_floor']:6.2f}x {r['tokens_per_s']:10.0f} {r['device_busy_ms']:9.2f} "
-                  f"{r['busy_over_floor']:6.2f}x")
+                  f"{r['busy_over_floor']:6.2f}x {r['eager_ms']:9.2f}")
         else:
             print(f"{'prefill %d new on %d' % (r['new_tokens'], r['cached']):34s} {r['ms']:10.1f} "
                   f"{r['floor_ms']:10.1f} {r['matmul_fraction']:6.0%}  {r['tokens_per_s']:10.0f}")

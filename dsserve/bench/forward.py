@@ -83,6 +83,7 @@ def _fill(core: EngineCore, req: Request, context: int, new_tokens: int, gen: to
     for layer in core.kv.layout.window_layers:
         kv.push_window(layer, _NOISE["main"][context - w:context], pos)
     kv.num_tokens = req.num_computed_tokens = context
+    kv.host_table()  # a running request's host copy of its table is built as it grows, not in its next step
 
 
 def release_noise() -> None:

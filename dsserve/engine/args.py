@@ -49,6 +49,9 @@ class EngineArgs:
     attention_backend: str = field(default="auto", metadata=_h(
         "paged: attention batched over the paged pools through the kernels | reference: the per-sequence "
         "reference path | auto: paged on cuda, reference on cpu"))
+    enforce_eager: bool = field(default=False, metadata=_h(
+        "run every step eagerly; otherwise decode steps on a GPU (paged backend, V4.1) run as CUDA graphs captured "
+        "per batch and context bucket on first use"))
     reference_ops: str = field(default="", metadata=_h(
         "ops that run their torch reference instead of Triton (on the paged backend), for bisecting: a comma "
         "list of attention, indexer, topk, kv_write, linear, router, moe, mhc, rowwise, entry_rows, or all, or '' "

@@ -18,6 +18,7 @@ from ..kv.paged import KVLayout, PagedKVCache
 from ..models.loader import DTYPES, LoadedModel, load_model
 from ..models.quantize import quantize_dense_fp8, use_fp8_kernels
 from .args import EngineArgs, EngineArgsError
+from .decode_graphs import DecodeGraphs
 from .detokenizer import StopChecker
 from .outputs import CompletionOutput, RequestOutput, make_logprob_dict
 from .request import Request, RequestStatus
@@ -114,7 +115,11 @@ class EngineCore:
             replay_window=args.replay_window or self.cfg.sliding_window,
             enable_prefix_caching=args.enable_prefix_caching, session_retention_s=args.session_retention), self.kv)
         self.stats = EngineStats(layout, self.cfg)
-        self.runner = ModelRunner(self.model, args.replay_form)
+        graphs = None
+        if backend == "paged" and self.device.type == "cuda" and self.cfg.is_v41 and not args.enforce_eager:
+            graphs = DecodeGraphs(self.model, self.kv, args.max_num_seqs, capture=True,
+                                  min_context=-(-1024 // (2 * layout.block_size)) * 2 * layout.block_size)
+        self.runner = ModelRunner(self.model, args.replay_form, graphs)
         self.sampler = Sampler(eos_token_id=self.tokenizer.eos_id)
         self._tracked: dict[str, _Tracked] = {}
         r = self.kv.report()

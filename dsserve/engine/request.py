@@ -63,6 +63,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """``all_token_ids[start:stop]`` without building the whole list (a 128K prompt is ~0.5 ms to copy, per
+        request and step)."""
+        p, n = self.prompt_token_ids, len(self.prompt_token_ids)
+        if stop <= n:
+            return p[start:stop]
+        out = self.output_token_ids[max(0, start - n):stop - n]
+        return p[start:] + out if start < n else out
+
     @property
     def num_pending_tokens(self) -> int:
         """Tokens known but not yet through the model (a prompt's rest, or the last sampled token)."""

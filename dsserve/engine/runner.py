@@ -10,17 +10,25 @@ from .scheduler import StepPlan
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekForCausalLM, replay_form: str = "report"):
-        self.model, self.replay_form = model, replay_form
+    def __init__(self, model: DeepseekForCausalLM, replay_form: str = "report", decode_graphs=None):
+        """``decode_graphs`` (engine.decode_graphs.DecodeGraphs): plain decode steps run through it, in fixed
+        shapes (CUDA graphs on a GPU); None: every step runs ``forward_batch``."""
+        self.model, self.replay_form, self.decode_graphs = model, replay_form, decode_graphs
         self.decoder_rows_skipped = 0  # prefill rows bounded replay kept out of the decoder
 
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> tuple[list[Request], torch.Tensor]:
         """Runs the plan's rows; returns the requests that sample this step and their logits [B, V]."""
+        key = None if self.decode_graphs is None else self.decode_graphs.key(plan)
+        if key is not None:
+            logits = self.decode_graphs.run(plan, key)
+            for c in plan.chunks:
+                c.request.num_computed_tokens += 1
+            return [c.request for c in plan.chunks], logits
         ids, seqs, row = [], [], 0
         for c in plan.chunks:
             r, start = c.request, c.request.num_computed_tokens
-            ids.extend(r.all_token_ids[start:start + c.num_tokens])
+            ids.extend(r.token_ids(start, start + c.num_tokens))
             seqs.append(SeqRows(slice(row, row + c.num_tokens), r.kv, r.decoder_start))
             row += c.num_tokens
         tokens = torch.tensor(ids, dtype=torch.long)  # on the host: forward_batch checks, then moves them

@@ -192,10 +192,10 @@ class Scheduler:
         for r in reqs:
             if r.kv is None:
                 continue
-            toks, bs = r.all_token_ids, self.kv.layout.block_size
-            if len(toks) // bs > len(r.block_hashes):
+            bs = self.kv.layout.block_size
+            if r.num_tokens // bs > len(r.block_hashes):  # the token list is built only when a block filled
                 parent = r.block_hashes[-1] if r.block_hashes else None
-                r.block_hashes += block_hashes(toks, bs, r.cache_salt, len(r.block_hashes), parent)
+                r.block_hashes += block_hashes(r.all_token_ids, bs, r.cache_salt, len(r.block_hashes), parent)
             self.kv.register_full_blocks(r.kv, r.block_hashes)
 
     # ------------------------------------------------------------------------- invariants

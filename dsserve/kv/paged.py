@@ -48,6 +48,18 @@ class PagedKVCache:
                             {i: torch.full((n * rows + 1,), -1, dtype=torch.long, device=dev)
                              for i in layout.window_layers})
         self.window_pos = {i: t[:-1].view(n, rows) for i, t in self.window_tags.items()}
+        self._carry: dict = {}  # see carry()
+
+    def carry(self, source: int, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compressor's not-yet-pooled rows of a ratio-r source on the batched path: (u, z) projections
+        [window slots + 1, r - 1, width] indexed by window slot (a sequence carries at most r - 1 rows; which of them
+        are live is host state, ``SequenceKV.carried``). The spare last slot takes the writes of a decode batch's
+        padding rows. On the device, so a captured decode step reads and writes them in place."""
+        if source not in self._carry:
+            r = self.layout.sources[source][0]
+            shape = (self.slots.num_blocks + 1, r - 1, width)
+            self._carry[source] = tuple(torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(2))
+        return self._carry[source]
 
     # -------------------------------------------------------------------------- per request
     def new_sequence(self) -> "SequenceKV":
@@ -74,7 +86,7 @@ class PagedKVCache:
         the window comes with the blocks and the model resumes at the hit.
         """
         self.blocks.touch(blocks)
-        seq.block_table, seq._table = list(blocks), None
+        seq.block_table, seq._table, seq._host_table = list(blocks), None, None
         hit = len(blocks) * self.layout.block_size
         for source, (ratio, _) in self.layout.sources.items():
             seq._entries[source] = hit // ratio
@@ -105,7 +117,7 @@ class PagedKVCache:
     def release(self, seq: "SequenceKV", hold_until: float | None = None) -> None:
         self.blocks.free(seq.block_table, hold_until)
         self.slots.free([seq.slot])
-        seq.block_table, seq.slot, seq._table = [], None, None
+        seq.block_table, seq.slot, seq._table, seq._host_table = [], None, None, None
 
     def check(self, live: list["SequenceKV"]) -> None:
         """After every step: each live request's blocks and slot are owned once, nothing else is used."""
@@ -133,12 +145,14 @@ class SequenceKV:
         self.cache, self.slot = cache, slot
         self.block_table: list[int] = []
         self._table: torch.Tensor | None = None
+        self._host_table: torch.Tensor | None = None
         self.num_tokens = 0
         self.published_until = 0  # global entries of positions below this came from the prefix cache
         self._unpacked = None  # (source, entries, main, index) of the last global_kv read
         self.num_registered = 0  # leading blocks already in the prefix cache
         self._entries: dict[int, int] = {}
-        self._pending: dict = {}
+        self._pending: dict = {}  # the per-sequence reference path's carried rows (tensors)
+        self.carried: dict[int, int] = {}  # batched path: source -> carried rows in PagedKVCache.carry (0: none)
         self.engram_history = torch.empty(0, dtype=torch.long)  # host, see PagedKVCache
 
     def table(self) -> torch.Tensor:
@@ -147,6 +161,12 @@ class SequenceKV:
         if self._table is None or self._table.shape[0] != len(self.block_table):
             self._table = torch.tensor(self.block_table, dtype=torch.long).to(self.cache.device, non_blocking=True)
         return self._table
+
+    def host_table(self) -> torch.Tensor:
+        """The block table as a host int32 tensor, rebuilt only when it grew (see ``table``)."""
+        if self._host_table is None or self._host_table.shape[0] != len(self.block_table):
+            self._host_table = torch.tensor(self.block_table, dtype=torch.int32)
+        return self._host_table
 
     # window ---------------------------------------------------------------------------
     def window_rows(self, layer: int):

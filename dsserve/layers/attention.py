@@ -84,7 +84,7 @@ class CSA2Attention(nn.Module):
         """Pool this layer's input into new global entries and publish them to each sequence's cache."""
         ctx.log(self.role.index, "compressor")
         if ctx.paged is not None:
-            from .attention_paged import compress_paged
+            from .compress_paged import compress_paged
             return compress_paged(self, x, ctx)
         r = self.role.ratio
         for seq in ctx.seqs:

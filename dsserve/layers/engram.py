@@ -60,14 +60,14 @@ class Engram(nn.Module):
                 histories: list[torch.Tensor], rows: torch.Tensor | EngramRows | None = None) -> torch.Tensor:
         """x: the mHC stream [T, n, d]; compressed_ids [T] (-1 = dead); per sequence its rows and the ids
         before them (hashing looks back across chunk boundaries, never across sequences). ``rows``: this
-        step's gathered table rows [T, columns, head_dim] (or their prefetch handle, narrowed to ``seq_rows``);
-        None: gather now."""
+        step's gathered table rows [T, columns, head_dim] (or their prefetch handle, narrowed to ``seq_rows``), or
+        their row ids [T, columns] (int64, hashed beforehand: a fixed-shape decode step); None: hash and gather now."""
         t, n, d = x.shape
         eps = self.cfg.rms_norm_eps
         if isinstance(rows, EngramRows):
             rows = rows.for_seqs(seq_rows)
-        if rows is None:
-            ids = self.row_ids(compressed_ids, seq_rows, histories)
+        if rows is None or rows.dtype == torch.int64:
+            ids = self.row_ids(compressed_ids, seq_rows, histories) if rows is None else rows
             rows = self.embed.weight[ids] if self.table is None else self.table.gather(ids, x.device, x.dtype)
         if rows.shape[0] != t:
             raise ValueError(f"rows cover {rows.shape[0]} tokens, the stream has {t}")

@@ -169,14 +169,28 @@ class EngramHasher:
                 raise ValueError(f"compressed ids must lie in [-1, {self.compressed_vocab_size})")
         at = torch.cat([torch.arange(b, b + n) for b, n in where]) if where else torch.zeros(0, dtype=torch.int64)
         at = at.to(ids.device, non_blocking=True)
-        mult, primes, offs = self._consts(ids.device)
-        T = at.numel()
         # src[t, s] = token at lookback s from row t (within its sequence's ext segment)
-        src = ext[at[:, None] - torch.arange(self.max_ngram, device=ids.device)[None, :]]
+        return self.rows_of_lookbacks(ext[at[:, None] - torch.arange(self.max_ngram, device=ids.device)[None, :]])
+
+    def lookbacks(self, ids: torch.Tensor, histories: list) -> torch.Tensor:
+        """[T, max_ngram] for rows that each continue their own sequence (a decode step: row t's history is
+        ``histories[t]``): column s is the id s tokens back, -2 before the sequence start."""
+        k = self.max_ngram - 1
+        src = torch.full((ids.shape[0], k + 1), _BEFORE_START, dtype=torch.int64)
+        src[:, 0] = ids
+        for t, h in enumerate(histories):
+            h = h.reshape(-1)[-k:] if k else h[:0]
+            src[t, 1:1 + h.numel()] = h.flip(0)
+        return src
+
+    def rows_of_lookbacks(self, src: torch.Tensor) -> torch.Tensor:
+        """Table rows [T, columns] from each row's id and lookbacks ([T, max_ngram], see ``lookbacks``)."""
+        mult, primes, offs = self._consts(src.device)
+        T = src.shape[0]
         blocked = torch.cumsum((src < 0).to(torch.int64), dim=1) > 0  # sticky
         v = torch.where(blocked, torch.full_like(src, self.pad_id), src)
         prod = v * mult  # int64, wraps on overflow (never for in-range ids)
-        out = torch.empty(T, self.columns, dtype=torch.int64, device=ids.device)
+        out = torch.empty(T, self.columns, dtype=torch.int64, device=src.device)
         r = prod[:, 0]
         for s in range(1, self.max_ngram):
             r = r ^ prod[:, s]

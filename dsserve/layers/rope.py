@@ -45,6 +45,12 @@ def inv_freq(spec: RopeSpec) -> torch.Tensor:
 _TABLES: dict = {}
 
 
+def forget_tables() -> None:
+    """Drop the kept tables: a CUDA graph's capture must record computing them (its positions are a buffer whose
+    values change between replays, not its version)."""
+    _TABLES.clear()
+
+
 class Rope:
     """Rotates the tail channels of vectors at given absolute positions (and back, for de-rotation)."""
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from ..kv.decode_batch import DecodeBatch
 from ..kv.paged_batch import PagedBatch
 from ..kv.sequence_cache import SequenceCache
 from ..layers.context import ForwardContext, KeptRows, SeqRows
@@ -116,9 +117,7 @@ class DeepseekForCausalLM(nn.Module):
             ctx.engram_history = [s.cache.engram_history for s in seqs]
             ctx.engram_rows = self._prefetch_engram(ctx, host_ids)
 
-        x = self.embed(tokens)[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
-        pre = torch.zeros(tokens.shape[0], cfg.hc_mult, device=tokens.device)
-        pre[:, 0] = 1.0  # the copies are identical, so collapsing with copy 0 returns the embedding
+        x, pre = self._embed(tokens)
         taps = {}
         for block in self.layers:
             i = block.role.index
@@ -142,6 +141,66 @@ class DeepseekForCausalLM(nn.Module):
         if not cfg.is_v41:
             pre = hc_head_pre(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg.rms_norm_eps, cfg.hc_eps)
         return ForwardOutput(collapse(x, pre), ctx.positions, taps, ctx.seqs)
+
+    # ---------------------------------------------------------------- fixed-shape decode steps (CUDA graphs)
+    def fill_decode(self, batch: DecodeBatch, seqs: list, tokens: list[int]) -> None:
+        """A decode step's inputs into ``batch``'s buffers (sequence i decodes ``tokens[i]``), Engram rows hashed on
+        the host and, for host tables, copied in; then ``forward_decode`` runs (or replays) on them."""
+        batch.fill(seqs, tokens)
+        if not self.cfg.engram_layer_ids:
+            return
+        cap, pad = batch.capacity, batch.capacity - len(seqs)
+        host_ids = self._engram_ids(torch.tensor(tokens + tokens[:1] * pad), None)
+        hist = [kv.engram_history for kv in seqs] + [seqs[0].engram_history] * pad
+        if batch.engram_ids is None:
+            batch.engram_ids = torch.zeros(cap, dtype=torch.long, device=batch.tokens.device)
+        batch.engram_ids.copy_(host_ids, non_blocking=True)
+        dtype = self.embed.weight.dtype
+        src = next(b.engram.hasher for b in self.layers if b.engram is not None).lookbacks(host_ids, hist)
+        for b in self.layers:
+            if b.engram is None:
+                continue
+            ids = b.engram.hasher.rows_of_lookbacks(src)
+            held = ids if b.engram.table is None else b.engram.table.prefetch(
+                ids, batch.tokens.device, dtype, [1] * cap).wait()
+            if b.role.index not in batch.engram_rows:
+                batch.engram_rows[b.role.index] = torch.empty_like(held, device=batch.tokens.device)
+            batch.engram_rows[b.role.index].copy_(held, non_blocking=True)
+
+    def forward_decode(self, batch: DecodeBatch) -> torch.Tensor:
+        """Logits [capacity, V] of the decode step in ``batch``: fixed shapes, no host reads or writes, so a CUDA
+        graph can capture it. The host's bookkeeping follows in ``commit_decode``."""
+        cfg = self.cfg
+        batch.begin()
+        ctx = ForwardContext(tokens=batch.tokens, positions=batch.positions, seqs=batch.seqs, qat=cfg.qat,
+                             engram_ids=batch.engram_ids, engram_rows=batch.engram_rows, paged=batch,
+                             ops=self.kernel_ops)
+        x, pre = self._embed(batch.tokens)
+        for block in self.layers:
+            x, pre, ctx = block(x, pre, ctx)
+        return self.logits(collapse(x, pre))
+
+    def commit_decode(self, seqs: list, tokens: list[int]) -> None:
+        """The host's side of a decode step run by ``forward_decode``: token counts, the compressor's entry and
+        carried-row counts, Engram histories."""
+        ids = self._engram_ids(torch.tensor(tokens), None) if self.cfg.engram_layer_ids else None
+        for i, kv in enumerate(seqs):
+            p = kv.num_tokens
+            for src, (r, _) in kv.cache.layout.sources.items():
+                kv._entries[src] = (p + 1) // r
+                if r > 1:
+                    kv.carried[src] = (p + 1) % r
+            kv.num_tokens = p + 1
+            if ids is not None:
+                kv.push_engram_history(ids[i:i + 1])
+
+    def _embed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mHC streams [T, n, d] (n copies of the embedding) and the first collapse weights."""
+        n = self.cfg.hc_mult
+        x = self.embed(tokens)[:, None, :].expand(-1, n, -1).contiguous()
+        pre = torch.zeros(tokens.shape[0], n, device=tokens.device)
+        pre[:, 0] = 1.0  # the copies are identical, so collapsing with copy 0 returns the embedding
+        return x, pre
 
     @staticmethod
     def _replay_rows(seqs: list[SeqRows], device) -> KeptRows | None:

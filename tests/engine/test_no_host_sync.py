@@ -11,14 +11,21 @@ from dsserve import LLM, SamplingParams
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@needs_cuda
-def test_decode_step_forward_makes_no_host_sync():
-    llm = LLM(model="tiny", dtype="bfloat16", device="cuda", enable_prefix_caching=False, max_num_seqs=4)
-    eng, model = llm.engine, llm.engine.model
+def _engine(**kw):
+    llm = LLM(model="tiny", dtype="bfloat16", device="cuda", enable_prefix_caching=False, max_num_seqs=4, **kw)
+    eng = llm.engine
     for i in range(3):  # ragged prompts, longer than the 32-row window: ring, compressor and indexer all run
         eng.add_request(f"r{i}", list(range(5, 45 + 7 * i)), SamplingParams(temperature=0, max_tokens=4,
                                                                            ignore_eos=True))
     eng.step()  # the prefill, unguarded
+    return eng
+
+
+@needs_cuda
+def test_decode_step_forward_makes_no_host_sync():
+    """The eager decode step."""
+    eng = _engine(enforce_eager=True)
+    model = eng.model
     forward, guarded = model.forward_batch, []
 
     def no_sync(*a, **k):
@@ -33,3 +40,26 @@ def test_decode_step_forward_makes_no_host_sync():
     for _ in range(2):  # decode steps: every row one token
         eng.step()
     assert len(guarded) == 2
+
+
+@needs_cuda
+def test_graph_decode_step_makes_no_host_sync():
+    """A decode step replayed from a CUDA graph: refilling its buffers, the replay, the host's bookkeeping."""
+    eng = _engine()
+    graphs = eng.runner.decode_graphs
+    run, guarded = graphs.run, []
+
+    def no_sync(plan, key):
+        if key not in graphs._steps:  # the first step of a bucket captures (and synchronises): unguarded
+            return run(plan, key)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return run(plan, key)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            guarded.append(True)
+    graphs.run = no_sync
+    for _ in range(3):
+        eng.step()
+    assert len(guarded) == 2 and graphs.replays == 3

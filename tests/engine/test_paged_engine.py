@@ -35,7 +35,8 @@ def references(tiny_models):
 
 
 def run_engine(model, prompts, chunk, num_blocks=None, abort_at=None, block_size=None, kv_dtype="auto",
-               dtype=torch.float64, device="cpu", window_in_blocks=False):
+               dtype=torch.float64, device="cpu", window_in_blocks=False, decode_graphs=None):
+    """``decode_graphs``: kv cache -> engine.decode_graphs.DecodeGraphs for the runner (None: every step eager)."""
     cfg = model.cfg
     layout = KVLayout.build(cfg, block_size=block_size, kv_cache_dtype=kv_dtype, dtype=dtype,
                             window_in_blocks=window_in_blocks)
@@ -44,7 +45,7 @@ def run_engine(model, prompts, chunk, num_blocks=None, abort_at=None, block_size
     kv = PagedKVCache(layout, num_blocks, N_REQ, dtype=dtype, device=device)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=N_REQ, long_prefill_token_threshold=chunk),
                       kv)
-    runner = ModelRunner(model)
+    runner = ModelRunner(model, decode_graphs=None if decode_graphs is None else decode_graphs(kv))
     reqs = [Request(str(i), list(p), SamplingParams(temperature=0, max_tokens=MAX_NEW)) for i, p in enumerate(prompts)]
     logits_seen = {r.request_id: [] for r in reqs}
     for r in reqs:

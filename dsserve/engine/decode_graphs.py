@@ -1,0 +1,122 @@
+"""Decode steps in fixed shapes, one per (batch bucket, context bucket), captured as CUDA graphs and replayed.
+
+A decode step of B sequences runs as ``DecodeBatch`` buffers of ``batch_bucket(B)`` rows whose index sources
+score ``context_bucket(max position + 1)`` positions' worth of entries (-inf past each row's own); the model's ``forward_decode`` over those
+buffers has no host reads or writes, so on a GPU it is captured once per bucket pair (on first use) and replayed
+with the buffers refilled. Without capture (the CPU) the same fixed-shape step runs eagerly: the tests check
+that path against the reference forward, and the GPU tests check replay against it.
+
+Steps that are not plain decodes (prefill chunks, bounded-replay narrowing, a batch past the largest bucket) and
+sequences whose compressor state a fixed-shape step cannot continue fall back to the eager ``forward_batch``;
+``fallbacks`` counts why.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from ..kv.decode_batch import DecodeBatch
+from ..kv.paged import PagedKVCache
+from ..models.model import DeepseekForCausalLM
+from .scheduler import StepPlan
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def batch_bucket(b: int, max_batch: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> int:
+    """The captured batch size for b rows: the smallest bucket >= b (max_batch itself is the last bucket)."""
+    return min([x for x in buckets if b <= x < max_batch] + [max_batch])
+
+
+def context_bucket(n: int, min_context: int) -> int:
+    """The position bound for a step whose longest row needs n positions: min_context m, then steps of m up to
+    8m, then a quarter of the power-of-two multiple of m below (8m, 10m, 12m, 14m, 16m, 20m, ...): the index sources
+    score at most 1.25x the entries they need past 8m."""
+    b = min_context
+    while b < n:
+        step = min_context
+        while step * 8 <= b:
+            step *= 2
+        b += step
+    return b
+
+
+class DecodeGraphs:
+    def __init__(self, model: DeepseekForCausalLM, kv: PagedKVCache, max_batch: int, capture: bool,
+                 min_context: int = 1024, batch_buckets: tuple[int, ...] = BATCH_BUCKETS):
+        if min_context % (2 * kv.layout.block_size):
+            raise ValueError(f"min_context {min_context} must be a multiple of twice the block size "
+                             f"{kv.layout.block_size} (so that every context bucket is a whole number of blocks)")
+        self.model, self.kv, self.max_batch, self.capture = model, kv, max_batch, capture
+        self.min_context, self.batch_buckets = min_context, batch_buckets
+        self._steps: dict[tuple[int, int], tuple[DecodeBatch, torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+        self._pool = None  # one memory pool shared by every graph: they never run at once
+        self.replays, self.padded_rows, self.fallbacks = 0, 0, Counter()
+
+    def key(self, plan: StepPlan) -> tuple[int, int] | None:
+        """(batch bucket, context bucket) of a plan that can run as a fixed-shape decode step, or None."""
+        why = self._unfit(plan)
+        if why is not None:
+            self.fallbacks[why] += 1
+            return None
+        seqs = [c.request.kv for c in plan.chunks]
+        return (batch_bucket(len(seqs), self.max_batch, self.batch_buckets),
+                context_bucket(max(kv.num_tokens for kv in seqs) + 1, self.min_context))
+
+    def _unfit(self, plan: StepPlan) -> str | None:
+        if self.model.kernel_ops is None or not self.model.cfg.is_v41:
+            return "not the paged V4.1 path"
+        if not plan.chunks or len(plan.chunks) > self.max_batch:
+            return "batch size outside the buckets"
+        for c in plan.chunks:
+            r = c.request
+            if c.num_tokens != 1 or not c.samples or r.num_computed_tokens != r.num_tokens - 1:
+                return "not a decode step"
+            if r.decoder_start is not None and r.num_computed_tokens < r.decoder_start:
+                return "bounded replay narrows the step"
+            if r.kv.cache is not self.kv:
+                return "another cache"
+        return DecodeBatch.fits([c.request.kv for c in plan.chunks])
+
+    @torch.no_grad()
+    def run(self, plan: StepPlan, key: tuple[int, int]) -> torch.Tensor:
+        """The step's logits [B, V] (copied out of the graph's output buffer, which the next replay overwrites)."""
+        seqs = [c.request.kv for c in plan.chunks]
+        tokens = [c.request.token_ids(c.request.num_computed_tokens, c.request.num_tokens)[0] for c in plan.chunks]
+        if key not in self._steps:
+            self._steps[key] = self._build(key, seqs, tokens)
+        batch, graph, logits = self._steps[key]
+        self.model.fill_decode(batch, seqs, tokens)
+        self.padded_rows += batch.capacity - len(seqs)
+        if graph is None:
+            logits = self.model.forward_decode(batch)
+        else:
+            graph.replay()
+            self.replays += 1
+        self.model.commit_decode(seqs, tokens)
+        return logits[:len(seqs)].clone()
+
+    def _build(self, key, seqs, tokens):
+        batch = DecodeBatch(self.kv, *key)
+        if not self.capture:
+            return batch, None, None
+        # Warm up on this step's inputs with every write masked (the runs must not move the cache: the compressor's
+        # carry is read then overwritten), so Triton compiles and lazily built buffers exist before the capture.
+        self.model.fill_decode(batch, seqs, tokens)
+        batch.mask_writes()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.model.forward_decode(batch)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            logits = self.model.forward_decode(batch)
+        self._pool = graph.pool()
+        return batch, graph, logits
+
+    def report(self) -> dict:
+        return {"graphs": sorted(k for k, v in self._steps.items() if v[1] is not None),
+                "fixed_shape_steps": sorted(self._steps), "replays": self.replays, "padded_rows": self.padded_rows, "fallbacks": dict(self.fallbacks)}

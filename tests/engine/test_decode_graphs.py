@@ -1,0 +1,113 @@
+"""Fixed-shape decode steps (the form CUDA graphs capture) against the reference forward.
+
+On the CPU the fixed-shape step runs eagerly: padded batch buckets, block tables and index scores sized by the
+context bucket, the compressor's carry in device buffers, host bookkeeping after the step. With every op on its
+torch reference in fp64 it must equal the oracle exactly. On a GPU, graph replay must equal the same fixed-shape
+step run eagerly, bit for bit, and the engine's greedy tokens must agree with the oracle.
+"""
+import pytest
+import torch
+
+from dsserve.engine.decode_graphs import DecodeGraphs, batch_bucket, context_bucket
+from dsserve.engine.greedy import greedy_generate
+from dsserve.kernels.ops import OPS, KernelOps
+from test_paged_attention import _engine, _greedy_agrees_with_oracle, _tiny
+from test_paged_engine import make_prompts
+
+
+def test_buckets():
+    assert [batch_bucket(b, 64) for b in (1, 3, 8, 9, 33, 64)] == [1, 4, 8, 16, 48, 64]
+    assert batch_bucket(5, 6) == 6  # the engine's max_num_seqs is the last bucket
+    assert [context_bucket(n, 1024) for n in (1, 1024, 1025, 3000, 8192, 8193, 16385, 131073)] == [
+        1024, 1024, 2048, 3072, 8192, 10240, 20480, 163840]
+
+
+def _graphs(capture, made, min_context=128, **kw):
+    def make(kv):
+        g = DecodeGraphs(model, kv, max_batch=8, capture=capture, min_context=min_context, **kw)  # 5 rows pad to 8
+        made.append(g)
+        return g
+    return make
+
+
+def test_fixed_shape_decode_is_exact(tiny_models, chunk=7):
+    """Ragged prompts (mixed steps fall back to the eager path) and decode steps of several batch buckets, some
+    padded, whose positions cross two context buckets (odd and even positions: the compressor's carry): fp64 logits
+    equal the oracle's."""
+    global model
+    model = m = tiny_models["tiny"]
+    prompts = [make_prompts(m.cfg, seed=1)[i] for i in (11, 3, 9, 0, 6)]
+    conts = [greedy_generate(m, p, 40, bounded_replay=False) for p in prompts]
+    with torch.no_grad():
+        ref = [m.reference_logits(torch.tensor(p + c[:-1]))[len(p) - 1:] for p, c in zip(prompts, conts)]
+    made = []
+    reqs, _, logits = _engine(m, prompts, chunk, KernelOps(frozenset(OPS)), torch.float64, "cpu", 40,
+                              decode_graphs=_graphs(False, made))
+    assert [r.output_token_ids for r in reqs] == conts
+    assert max(float((g - r).abs().max()) for g, r in zip(logits, ref)) < 1e-9
+    rep = made[0].report()
+    assert {c for _, c in rep["fixed_shape_steps"]} == {128, 256}
+    assert rep["padded_rows"] > 0
+    assert rep["fallbacks"]["not a decode step"] > 0
+
+
+@pytest.mark.parametrize("where", ["window in blocks", "host Engram tables"])
+def test_fixed_shape_decode_exact_mode_and_host_tables(where):
+    """Exact-mode prefix caching (window rows in the blocks, no ring) and Engram tables in host memory (rows
+    prefetched into the step's buffers): still the oracle's logits."""
+    global model
+    model = m = _tiny(torch.float64)
+    prompts = [make_prompts(m.cfg, seed=4)[i] for i in (3, 9, 0)]
+    conts = [greedy_generate(m, p, 12, bounded_replay=False) for p in prompts]
+    with torch.no_grad():
+        ref = [m.reference_logits(torch.tensor(p + c[:-1]))[len(p) - 1:] for p, c in zip(prompts, conts)]
+    if where == "host Engram tables":
+        for b in m.layers:
+            if b.engram is not None:
+                b.engram.move_table_to_host("float")
+    made = []
+    reqs, _, logits = _engine(m, prompts, 0, KernelOps(frozenset(OPS)), torch.float64, "cpu", 12,
+                              decode_graphs=_graphs(False, made), window_in_blocks=where == "window in blocks")
+    assert [r.output_token_ids for r in reqs] == conts
+    assert max(float((g - r).abs().max()) for g, r in zip(logits, ref)) < 1e-9
+    assert made[0].report()["fixed_shape_steps"]
+
+
+def test_paged_kernels_interpreted_eager_prefill_then_fixed_shape_decode():
+    """The paged path's kernels on the interpreter: a 40-token prompt (past the 32-row window, 20 ratio-2 entries >
+    top-16) prefilled eagerly, then decode steps padded to 2 rows (masked stores, index scores over the context
+    bucket). The interpreter runs a program at a time, so this is kept small; the row-wise ops (router, MoE, mHC)
+    run their references to keep CI inside its budget (their kernels: tests/models/test_rowwise_ops.py). fp32
+    tokens equal the oracle's here."""
+    global model
+    model = m = _tiny(torch.float32)
+    p = make_prompts(m.cfg, seed=3)[14]
+    made = []
+    reqs, _, _ = _engine(m, [p], 0, KernelOps(frozenset({"router", "moe", "mhc"})), torch.float32, "cpu", 3,
+                         decode_graphs=_graphs(False, made, batch_buckets=(2,)))
+    assert reqs[0].output_token_ids == greedy_generate(m, p, 3, bounded_replay=False)
+    assert made[0].report()["padded_rows"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_replay_equals_the_fixed_shape_step_on_gpu():
+    """CUDA graphs captured per bucket and replayed give the same logits, bit for bit, as the same fixed-shape
+    steps run eagerly; and the engine's greedy tokens with graphs agree with the oracle (as in test_paged_attention:
+    every choice whose top-2 margin clears the rounding noise)."""
+    global model
+    runs = {}
+    for capture in (False, True):
+        model = m = _tiny(torch.float32, "cuda")
+        prompts = [make_prompts(m.cfg, seed=3)[i] for i in (11, 3, 9, 0, 6)]
+        made = []
+        reqs, _, logits = _engine(m, prompts, 7, KernelOps(), torch.float32, "cuda", 24,
+                                  decode_graphs=_graphs(capture, made))
+        runs[capture] = [r.output_token_ids for r in reqs], logits, made[0].report()
+    assert runs[True][0] == runs[False][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1]))
+    assert runs[True][2]["replays"] > 0 and runs[True][2]["graphs"] == runs[False][2]["fixed_shape_steps"]
+    made = []
+    model = _tiny(torch.float32, "cuda")
+    _greedy_agrees_with_oracle("cuda", range(16), 10, 0, KernelOps(), model=model,
+                               decode_graphs=_graphs(True, made))
+    assert made[0].report()["replays"] > 0
