@@ -113,16 +113,21 @@ def bench_forward(core: EngineCore, batch: int, context: int, new_tokens: int, r
         with timer.around("indexer"):
             return scores(self, *a, **k)
     Indexer.scores = timed_scores
-    runs = []
+    runs, reqs = [], []
+    decode = new_tokens == 1  # a running batch: the same requests decode one more token each repeat
     try:
-        for rep in range(repeats + 1):  # the first run warms up
-            reqs = []
-            for b in range(batch):
-                ids = torch.randint(3, cfg.vocab_size - 2, (context + new_tokens,), generator=gen).tolist()
-                r = Request(f"bench-{rep}-{b}", ids, SamplingParams(temperature=0, max_tokens=1))
-                r.kv = core.kv.new_sequence()
-                _fill(core, r, context, new_tokens, gen)
-                reqs.append(r)
+        for rep in range(repeats + 1):  # the first run warms up (and captures the decode step's CUDA graph)
+            if decode and reqs:
+                for r in reqs:
+                    r.output_token_ids.append(int(torch.randint(3, cfg.vocab_size - 2, (1,), generator=gen)))
+            else:
+                reqs = []
+                for b in range(batch):
+                    ids = torch.randint(3, cfg.vocab_size - 2, (context + new_tokens,), generator=gen).tolist()
+                    r = Request(f"bench-{rep}-{b}", ids, SamplingParams(temperature=0, max_tokens=repeats + 1))
+                    r.kv = core.kv.new_sequence()
+                    _fill(core, r, context, new_tokens + (repeats if decode else 0), gen)
+                    reqs.append(r)
             plan = StepPlan([ScheduledChunk(r, new_tokens) for r in reqs], [])
             timer.total.clear()
             _sync(core.device)
@@ -132,8 +137,9 @@ def bench_forward(core: EngineCore, batch: int, context: int, new_tokens: int, r
                 core.sampler(logits.float(), sampling)
             _sync(core.device)  # the step ends when the device is done, not when its launches are
             elapsed = time.perf_counter() - t0
-            for r in reqs:
-                core.kv.release(r.kv)
+            if not decode or rep == repeats:
+                for r in reqs:
+                    core.kv.release(r.kv)
             if rep:
                 runs.append((elapsed, dict(timer.total)))
     finally:
