@@ -71,8 +71,9 @@ def run_engine(model, prompts, chunk, num_blocks=None, abort_at=None, block_size
                                for r in reqs]
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-v4"])
-@pytest.mark.parametrize("chunk", [1, 7, 64, 0])
+# one-token chunks on V4 too would add ~25 s of CI for what its 7-token chunks and decode steps already cover
+@pytest.mark.parametrize("name, chunk", [("tiny", 1), ("tiny", 7), ("tiny", 64), ("tiny", 0), ("tiny-v4", 7),
+                                         ("tiny-v4", 64), ("tiny-v4", 0)])
 def test_engine_greedy_equals_reference(tiny_models, references, name, chunk):
     prompts, expected, ref_logits = references[name]
     reqs, _, logits = run_engine(tiny_models[name], prompts, chunk)

@@ -166,7 +166,7 @@ def test_cache_salt_isolates_tenants():
 
 @pytest.mark.parametrize("retention", [0.0, 3600.0])
 def test_session_retention_keeps_a_paused_agents_prefix(retention):
-    llm = make_llm(True, 32, kv_cache_memory=1 << 20, session_retention=retention)
+    llm = make_llm(True, 32, kv_cache_memory=600_000, session_retention=retention)
     blocks = llm.engine.kv.blocks.num_blocks
     agent = rand_tokens(64, 12)
     llm.generate([{"prompt_token_ids": agent, "session_id": "s1"}], SamplingParams(max_tokens=2), use_tqdm=False)
