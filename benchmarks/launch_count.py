@@ -47,17 +47,39 @@ def _launches(e) -> bool:
     return False
 
 
-def count(model: str, batch: int, dtype: str = "bfloat16", steps_before: int = 2) -> tuple[int, collections.Counter]:
+def count(model: str, batch: int, dtype: str = "bfloat16", steps_before: int = 2,
+          fixed_shape: bool = False) -> tuple[int, collections.Counter]:
+    """fixed_shape: the decode step as a CUDA graph would capture it (DecodeGraphs' forward_decode, run eagerly
+    here), counting only that forward (its buffers' refill is host work)."""
     from dsserve import LLM, SamplingParams
+    from dsserve.engine.decode_graphs import DecodeGraphs
     llm = LLM(model=model, dtype=dtype, attention_backend="paged", reference_ops="all",
               enable_prefix_caching=False, seed=0, max_num_seqs=max(16, batch))
     eng = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=steps_before + 2, ignore_eos=True)
     for i in range(batch):
         eng.add_request(f"r{i}", list(range(5, 45 + i)), sp)  # ragged prompts, one prefill step, then decodes
+    captured = {}
+    if fixed_shape:
+        eng.runner.decode_graphs = DecodeGraphs(eng.model, eng.kv, eng.args.max_num_seqs, capture=False,
+                                                batch_buckets=(batch,))
+        forward = eng.model.forward_decode
+
+        def profiled(b):
+            if not captured.get("on"):
+                return forward(b)
+            with profile(activities=[ProfilerActivity.CPU], with_stack=True) as p:
+                out = forward(b)
+            captured["prof"] = p
+            return out
+        eng.model.forward_decode = profiled
     prof = None
     for step in range(steps_before + 1):
-        if step == steps_before:
+        if step == steps_before and fixed_shape:
+            captured["on"] = True
+            eng.step()
+            prof = captured["prof"]
+        elif step == steps_before:
             with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
                 eng.step()
         else:
@@ -104,11 +126,12 @@ def main() -> None:
     p.add_argument("--model", default="tiny")
     p.add_argument("--batches", default="1,9", help="two batch sizes: the per-sequence cost is their difference")
     p.add_argument("--dtype", default="bfloat16", help="the model's dtype (bfloat16: the GPU's conversions)")
+    p.add_argument("--fixed-shape", action="store_true", help="the step's forward as a CUDA graph captures it")
     p.add_argument("--out", default="")
     a = p.parse_args()
     b0, b1 = (int(v) for v in a.batches.split(","))
     t = time.perf_counter()
-    (n0, s0), (n1, s1) = count(a.model, b0, a.dtype), count(a.model, b1, a.dtype)
+    (n0, s0), (n1, s1) = (count(a.model, b, a.dtype, fixed_shape=a.fixed_shape) for b in (b0, b1))
     per_seq = (n1 - n0) / (b1 - b0)
     extra = {k: (s1[k] - s0[k]) / (b1 - b0) for k in set(s0) | set(s1)}
     print(f"{a.model} ({a.dtype}): launches per decode step: B={b0}: {n0}, B={b1}: {n1}, "
@@ -119,7 +142,7 @@ def main() -> None:
     print(f"{'per extra seq':>18s}  call site")
     for k, v in sorted(extra.items(), key=lambda kv: -kv[1])[:10]:
         print(f"{v:18.1f}  {k}")
-    res = {"model": a.model, "dtype": a.dtype, "batches": [b0, b1], "launches": [n0, n1], "per_extra_sequence": per_seq,
+    res = {"model": a.model, "dtype": a.dtype, "fixed_shape": a.fixed_shape, "batches": [b0, b1], "launches": [n0, n1], "per_extra_sequence": per_seq,
            "sites": dict(s0.most_common(40)),
            "extra_per_sequence": dict(sorted(extra.items(), key=lambda kv: -kv[1])[:15]),
            "seconds": time.perf_counter() - t, "torch": torch.__version__}

@@ -43,7 +43,7 @@ class DecodeBatch(PagedBatch):
     def begin(self) -> None:
         """Drop what the previous run derived from the buffers (a graph's capture must record computing it)."""
         self.topk = self.cand_blocks = None
-        self._cos_sin, self._visible = {}, {}
+        self._cos_sin, self._visible, self._entry_stores = {}, {}, {}
         self._store_rows = self._window = self._no_rows = self._tag_rows = None
         forget_tables()
 
@@ -89,6 +89,20 @@ class DecodeBatch(PagedBatch):
         """Every row a padding row (stores nothing): for the warm-up runs before a capture."""
         self.real.fill_(False)
         self.carry_slots.fill_(self.cache.slots.num_blocks)
+
+    def entry_stores(self, ratio: int, rope, dtype: torch.dtype):
+        """Per row, where a ratio-r source stores the entry the row completes (-1: none completes, or padding) and
+        the RoPE tables at that entry's position; the same for every source of the ratio (the pools share block
+        tables), so computed once per ratio per step."""
+        key = (ratio, rope.spec, dtype == torch.float64)
+        if key not in self._entry_stores:
+            bs, p = self.cache.layout.block_size, self.positions
+            epb = bs // ratio
+            e = torch.div(p, ratio, rounding_mode="floor")  # the entry whose group holds p
+            done = ((p + 1) % ratio == 0) & self.real
+            rows = torch.where(done, self.seq_tables.long().gather(1, (p // bs)[:, None])[:, 0] * epb + e % epb, -1)
+            self._entry_stores[key] = rows, rope.kernel_tables(e * ratio, dtype)
+        return self._entry_stores[key]
 
     def num_entries(self, source: int) -> int:
         return self.bound // self.cache.layout.sources[source][0]

@@ -69,11 +69,9 @@ class PagedBatch:
     def cos_sin(self, rope, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, R/2] at the rows' positions, once per rope per step: fp32 (what the kernels take), or fp64
         for an fp64 model, whose reference path rotates in fp64."""
-        dt = torch.float64 if dtype == torch.float64 else torch.float32
-        key = (rope.spec, dt)
+        key = (rope.spec, dtype == torch.float64)
         if key not in self._cos_sin:
-            c, s = rope._cos_sin(self.positions)
-            self._cos_sin[key] = (c.to(dt).contiguous(), s.to(dt).contiguous())
+            self._cos_sin[key] = rope.kernel_tables(self.positions, dtype)
         return self._cos_sin[key]
 
     def visible(self, ratio: int) -> torch.Tensor:

@@ -28,13 +28,12 @@ def _projections(comp, x: torch.Tensor, r: int):
     return acc(x) @ acc_param(comp.wkv.weight).t(), acc(x) @ acc_param(comp.wgate.weight).t()
 
 
-def _store(attn, ctx: ForwardContext, u, z, r: int, entry_pos: torch.Tensor, rows: torch.Tensor, dtype) -> None:
-    """Pool ``u``/``z`` (groups of r rows, one per entry), normalise, rotate at the entries' positions, quantise and
+def _store(attn, ctx: ForwardContext, u, z, r: int, cos_sin, rows: torch.Tensor, dtype) -> None:
+    """Pool ``u``/``z`` (groups of r rows, one per entry), normalise, rotate by the entries' (cos, sin), quantise and
     store main and index rows at pool ``rows`` (-1: compute, store nothing)."""
     layer, comp, ops = attn.role.index, attn.compressor, ctx.ops
     cache, lay = ctx.paged.cache, ctx.paged.cache.layout
-    dt = torch.float64 if dtype == torch.float64 else torch.float32
-    cos, sin = (t.to(dt) for t in attn.rope._cos_sin(entry_pos))
+    cos, sin = cos_sin
     latent, _ = ops.store_main(u, z, r, comp.norm.weight, comp.norm.eps, cos, sin, cache.main[layer].flatten(0, 1),
                                rows, FORMAT_KIND[lay.main_fmt.name], qat=ctx.qat, out_dtype=dtype)
     ix = attn.indexer
@@ -108,7 +107,7 @@ def compress_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> None:
     if pick != list(range(u.shape[0])):  # all rows in order (a one-shot prefill) needs no gather
         idx = _upload(torch.tensor(pick), dev)
         u, z = u[idx], None if z is None else z[idx]
-    _store(attn, ctx, u, z, r, _upload(torch.tensor(entries) * r, dev),
+    _store(attn, ctx, u, z, r, attn.rope.kernel_tables(_upload(torch.tensor(entries) * r, dev), x.dtype),
            _upload(torch.tensor(rows, dtype=torch.long), dev), x.dtype)
 
 
@@ -119,13 +118,10 @@ def compress_decode(attn, x: torch.Tensor, ctx: ForwardContext) -> None:
     and carry into the spare slot."""
     layer, r = attn.role.index, attn.role.ratio
     step = ctx.paged
-    epb = step.cache.layout.sources[layer][1]
     u, z = _projections(attn.compressor, x, r)
-    p = step.positions
-    e = torch.div(p, r, rounding_mode="floor")  # the entry whose group holds p
-    done = ((p + 1) % r == 0) & step.real
-    rows = torch.where(done, step.seq_tables.long().gather(1, (e // epb)[:, None])[:, 0] * epb + e % epb, -1)
+    rows, cos_sin = step.entry_stores(r, attn.rope, x.dtype)  # the same for every source of this ratio
     if r > 1:
+        p = step.positions
         cu, cz = step.cache.carry(layer, u.shape[1], u.dtype)
         slot = step.carry_slots
         pu, pz = torch.cat((cu[slot], u[:, None]), 1), torch.cat((cz[slot], z[:, None]), 1)  # [T, r, width]
@@ -134,7 +130,7 @@ def compress_decode(attn, x: torch.Tensor, ctx: ForwardContext) -> None:
         cu.flatten(0, 1).index_copy_(0, dst, u)
         cz.flatten(0, 1).index_copy_(0, dst, z)
         u, z = pu.flatten(0, 1), pz.flatten(0, 1)
-    _store(attn, ctx, u, z, r, e * r, rows, x.dtype)
+    _store(attn, ctx, u, z, r, cos_sin, rows, x.dtype)
 
 
 def _upload(t: torch.Tensor, device) -> torch.Tensor:

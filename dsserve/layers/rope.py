@@ -67,6 +67,13 @@ class Rope:
         ang = positions.to(torch.float64)[:, None] * f[None, :]
         return torch.cos(ang), torch.sin(ang)
 
+    def kernel_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, rope_dim/2] as the kernels take them: fp32, or fp64 for an fp64 model (``dtype``), whose
+        reference path rotates in fp64."""
+        dt = torch.float64 if dtype == torch.float64 else torch.float32
+        c, s = self._cos_sin(positions)
+        return c.to(dt).contiguous(), s.to(dt).contiguous()
+
     def tables(self, positions: torch.Tensor, dtype: torch.dtype, inverse: bool = False):
         """(cos, sin) [T, rope_dim/2] in ``dtype`` (sin negated for the inverse rotation), rounded from fp64."""
         try:

@@ -146,6 +146,8 @@ class DeepseekForCausalLM(nn.Module):
     def fill_decode(self, batch: DecodeBatch, seqs: list, tokens: list[int]) -> None:
         """A decode step's inputs into ``batch``'s buffers (sequence i decodes ``tokens[i]``), Engram rows hashed on
         the host and, for host tables, copied in; then ``forward_decode`` runs (or replays) on them."""
+        if not self.cfg.is_v41:  # V4's head collapses with its own mHC weights, and it has no paged batched path
+            raise ModelInputError("fixed-shape decode steps need a V4.1 model on the paged batched path")
         batch.fill(seqs, tokens)
         if not self.cfg.engram_layer_ids:
             return
