@@ -178,6 +178,7 @@ class EngineCore:
 
     # ------------------------------------------------------------------------- one step
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         self.kv.blocks.expire_holds(time.monotonic())
         plan = self.scheduler.schedule()
         if not plan.chunks:
@@ -185,15 +186,20 @@ class EngineCore:
         self.stats.admitted(plan)
         sampling, logits = self.runner.execute(plan)
         self.stats.decoder_rows_skipped = self.runner.decoder_rows_skipped
+        self.stats.graph_steps = self.runner.graph_steps
         self.scheduler.register_full_blocks([c.request for c in plan.chunks])
         if not sampling:
+            self.stats.step_done(time.perf_counter() - t0, 0.0)
             return []
         out = self.sampler(logits.float(), sampling)
+        t1 = time.perf_counter()
+        tokens = out.sampled_token_ids.tolist()  # the step's one copy back: here the host waits for the device
+        t2 = time.perf_counter()
         now = time.monotonic()
         results = []
         for i, req in enumerate(sampling):
             t = self._tracked[req.request_id]
-            tok = int(out.sampled_token_ids[i])
+            tok = tokens[i]
             req.output_token_ids.append(tok)
             req.metrics.record_token(now)
             if t.logprobs is not None and out.logprobs[i] is not None:
@@ -209,6 +215,7 @@ class EngineCore:
                 req.metrics.finished_time = now
                 self._tracked.pop(req.request_id)
             results.append(self._output(t, t.stops.finish_reason))
+        self.stats.step_done(time.perf_counter() - t0 - (t2 - t1), t2 - t1)
         return results
 
     def _output(self, t: _Tracked, finish_reason: str | None) -> RequestOutput:

@@ -15,6 +15,7 @@ class ModelRunner:
         shapes (CUDA graphs on a GPU); None: every step runs ``forward_batch``."""
         self.model, self.replay_form, self.decode_graphs = model, replay_form, decode_graphs
         self.decoder_rows_skipped = 0  # prefill rows bounded replay kept out of the decoder
+        self.graph_steps = 0  # steps run by decode_graphs
 
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> tuple[list[Request], torch.Tensor]:
@@ -22,6 +23,7 @@ class ModelRunner:
         key = None if self.decode_graphs is None else self.decode_graphs.key(plan)
         if key is not None:
             logits = self.decode_graphs.run(plan, key)
+            self.graph_steps += 1
             for c in plan.chunks:
                 c.request.num_computed_tokens += 1
             return [c.request for c in plan.chunks], logits

@@ -18,6 +18,17 @@ class EngineStats:
     replayed_rows: int = 0  # rows run again through the encoder to rebuild windows after a hit
     prefill_rows: int = 0
     decoder_rows_skipped: int = 0  # prefill rows that did not run the decoder (decoder-side replay)
+    graph_steps: int = 0  # decode steps run in fixed shapes (replayed CUDA graphs on a GPU)
+    steps: int = 0
+    # A step's wall time split at its one copy back of the sampled tokens: host work (scheduling, launching or
+    # refilling and replaying, sampling's launches, detokenising, stop checks) and the wait for the device there.
+    step_host_seconds: float = 0.0
+    step_wait_seconds: float = 0.0
+
+    def step_done(self, host_s: float, wait_s: float) -> None:
+        self.steps += 1
+        self.step_host_seconds += host_s
+        self.step_wait_seconds += wait_s
 
     def admitted(self, plan: StepPlan) -> None:
         for c in plan.chunks:
@@ -44,6 +55,8 @@ class EngineStats:
             "prefix_hit_rate": self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0,
             "replayed_rows": self.replayed_rows, "prefill_rows": self.prefill_rows,
             "decoder_rows_skipped": self.decoder_rows_skipped, "decoder_flops_saved": self.decoder_flops_saved,
+            "graph_steps": self.graph_steps, "steps": self.steps, "step_host_seconds": self.step_host_seconds,
+            "step_wait_seconds": self.step_wait_seconds,
             **persistent_bytes(lay),
         }
 

@@ -31,6 +31,7 @@ STAT_COUNTERS = {
     "replayed_rows": ("replayed_rows", "Rows run again through the encoder to rebuild windows after a hit."),
     "prefill_rows": ("prefill_rows", "Prefill rows run through the model."),
     "decoder_rows_skipped": ("decoder_rows_skipped", "Prefill rows that did not run the decoder (bounded replay)."),
+    "graph_steps": ("decode_graph_steps", "Decode steps run in fixed shapes (replayed CUDA graphs on a GPU)."),
 }
 
 

@@ -118,6 +118,8 @@ def test_counters_gauges_histograms(engine):
     assert value(s, "dsserve:prefix_cache_hits_total") == st.prefix_hit_tokens > 0  # "hit" reused "cache"'s block
     assert value(s, "dsserve:replayed_rows_total") == st.replayed_rows
     assert value(s, "dsserve:decoder_rows_skipped_total") == st.decoder_rows_skipped
+    assert value(s, "dsserve:decode_graph_steps_total") == st.graph_steps  # 0 on the CPU: no capture
+    assert st.steps > 0 and st.step_host_seconds > 0 and st.step_wait_seconds >= 0
     assert value(s, "dsserve:num_preemptions_total") == 0
     assert value(s, "dsserve:request_errors_total", kind="bad_request") == 2
     assert value(s, "dsserve:request_errors_total", kind="internal") == 1
@@ -155,7 +157,7 @@ def test_stat_deltas_and_preemptions_from_a_fake_engine():
     pool = SimpleNamespace(num_blocks=10, num_used=3)
     req = SimpleNamespace(num_preemptions=0)
     stats = SimpleNamespace(prefix_query_tokens=100, prefix_hit_tokens=64, replayed_rows=5, prefill_rows=36,
-                            decoder_rows_skipped=7)
+                            decoder_rows_skipped=7, graph_steps=3)
     eng = SimpleNamespace(scheduler=SimpleNamespace(running=[req], waiting=[], requests={"r": req}),
                           kv=SimpleNamespace(blocks=pool, slots=SimpleNamespace(num_blocks=4, num_used=1)),
                           stats=stats)
@@ -168,13 +170,14 @@ def test_stat_deltas_and_preemptions_from_a_fake_engine():
     s = parse(m)[1]
     assert value(s, "dsserve:prefix_cache_queries_total") == 130
     assert value(s, "dsserve:prefix_cache_hits_total") == 64
+    assert value(s, "dsserve:decode_graph_steps_total") == 3
     assert value(s, "dsserve:num_preemptions_total") == 1
     assert value(s, "dsserve:kv_cache_usage_perc", kind="global") == pytest.approx(0.3)
     assert value(s, "dsserve:kv_cache_usage_perc", kind="window") == pytest.approx(0.25)
     assert value(s, "dsserve:kv_cache_blocks", kind="global", state="used") == 3
     # A new engine (new stats object) starts from zero: its totals add on, nothing goes backwards.
     eng.stats = SimpleNamespace(prefix_query_tokens=20, prefix_hit_tokens=0, replayed_rows=0, prefill_rows=0,
-                                decoder_rows_skipped=0)
+                                decoder_rows_skipped=0, graph_steps=0)
     m.observe_step(eng)
     assert value(parse(m)[1], "dsserve:prefix_cache_queries_total") == 150
 
