@@ -111,3 +111,31 @@ def test_graph_replay_equals_the_fixed_shape_step_on_gpu():
     _greedy_agrees_with_oracle("cuda", range(16), 10, 0, KernelOps(), model=model,
                                decode_graphs=_graphs(True, made))
     assert made[0].report()["replays"] > 0
+
+
+def test_fixed_shape_decode_after_prefix_hits_with_and_without_bounded_replay():
+    """The engine's defaults: prefix hits, bounded replay (a hit resumes at the replay floor; the compressor skips
+    the cached entries) and exact mode: decode steps in fixed shapes give the reference path's tokens and
+    logprobs, fp64."""
+    from dsserve import LLM, SamplingParams
+    from dsserve.models.presets import preset
+    base = make_prompts(preset("tiny"), seed=4)[11][:100]
+    prompts = [base + [7, 8, 9], base + [10, 11]]
+    params = SamplingParams(temperature=0, max_tokens=9, logprobs=2)
+    for replay in (True, False):
+        outs = []
+        for backend in ("reference", "paged"):
+            llm = LLM(model="tiny", dtype="float64", attention_backend=backend, reference_ops="all",
+                      swa_bounded_replay=replay, max_num_batched_tokens=64)
+            eng = llm.engine
+            if backend == "paged":
+                eng.runner.decode_graphs = DecodeGraphs(eng.model, eng.kv, 4, capture=False, min_context=128)
+            got = [o.outputs[0] for p in prompts for o in llm.generate([p], params)]
+            outs.append([(c.token_ids, [sorted(d.items()) for d in c.logprobs]) for c in got])
+            assert eng.stats.as_dict()["prefix_hit_tokens"] > 0
+        assert eng.stats.graph_steps >= 2 * 8  # every decode step of both requests ran in fixed shapes
+        for (tok_a, lp_a), (tok_b, lp_b) in zip(*outs):
+            assert tok_a == tok_b
+            for da, db in zip(lp_a, lp_b):
+                assert [k for k, _ in da] == [k for k, _ in db]
+                assert all(abs(a.logprob - b.logprob) < 1e-9 for (_, a), (_, b) in zip(da, db))
