@@ -34,7 +34,6 @@ class DecodeBatch(PagedBatch):
         self.row_first = self.row_seq = torch.arange(capacity, dtype=i32, device=dev)  # each row its own sequence
         self.block_rows = self.seq_tables
         self.seqs = [SeqRows(slice(t, t + 1), None) for t in range(capacity)]
-        self.num_real = 0
         # Engram (filled by the model's fill_decode): compressed ids [capacity], per layer row ids or rows
         self.engram_ids: torch.Tensor | None = None
         self.engram_rows: dict[int, torch.Tensor] = {}
@@ -83,7 +82,6 @@ class DecodeBatch(PagedBatch):
         put(self.slots, torch.tensor(slots + [slots[0] for _ in pad]))
         put(self.carry_slots, torch.tensor(slots + [spare for _ in pad]))
         put(self.real, torch.tensor([True] * b + [False for _ in pad]))
-        self.num_real = b
 
     def mask_writes(self) -> None:
         """Every row a padding row (stores nothing): for the warm-up runs before a capture."""
