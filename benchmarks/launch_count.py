@@ -61,7 +61,7 @@ def count(model: str, batch: int, dtype: str = "bfloat16", steps_before: int = 2
         eng.add_request(f"r{i}", list(range(5, 45 + i)), sp)  # ragged prompts, one prefill step, then decodes
     captured = {}
     if fixed_shape:
-        eng.runner.decode_graphs = DecodeGraphs(eng.model, eng.kv, eng.args.max_num_seqs, capture=False,
+        eng.runner.decode_graphs = DecodeGraphs(eng.model, eng.kv, eng.args.max_num_seqs, capture=None,
                                                 batch_buckets=(batch,))
         forward = eng.model.forward_decode
 

@@ -87,15 +87,12 @@ def model_bytes(cfg, release: bool) -> float:
 
 def build_core(cfg_or_name, kv_tokens: tuple[int, int], release: bool, smoke: bool, engram_tables: str = "device"):
     """An EngineCore around a model built on the device with dummy weights. release: routed experts packed
-    MXFP4 as each MoE is constructed (so the bf16/fp32 experts of all layers never coexist), dense FP8, and the
-    Engram tables where `engram_tables` says (an EngineArgs value)."""
+    MXFP4 layer by layer as they are filled (models.dummy_build: the fp32 experts of all layers never coexist),
+    dense FP8, and the Engram tables where `engram_tables` says (an EngineArgs value)."""
     from dsserve.engine.core import EngineCore
     from dsserve.kv.layout import KVLayout
-    from dsserve.layers.moe import MoE
-    from dsserve.models.checkpoint import dummy_weights
+    from dsserve.models.dummy_build import build_dummy_model
     from dsserve.models.loader import LoadedModel, resolve_config
-    from dsserve.models.model import DeepseekForCausalLM
-    from dsserve.models.quantize import quantize_experts
     from dsserve.models.tokenizer import Tokenizer, engram_token_map
 
     cfg = resolve_config(cfg_or_name) if isinstance(cfg_or_name, str) else cfg_or_name
@@ -113,27 +110,8 @@ def build_core(cfg_or_name, kv_tokens: tuple[int, int], release: bool, smoke: bo
     tok_name = cfg.name if cfg.name in ("tiny", "tiny-v4", "v41-flash", "v4-flash", "proxy-h200") else (
         "v4-flash" if not cfg.is_v41 else "proxy-h200")
     tokenizer = Tokenizer.for_preset(tok_name)
-    init, seed = MoE.__init__, [0]
-
-    def packed_init(self, c, n_experts, *a, **k):
-        init(self, c, n_experts, *a, **k)
-        if n_experts != cfg.n_routed_experts:  # the draft's experts stay as built
-            return
-        with torch.no_grad():
-            g = torch.Generator(device=DEV).manual_seed(seed[0])
-            seed[0] += 1
-            for w in self.experts.values():
-                w.copy_(torch.randn(w.shape, generator=g, device=DEV) * w.shape[-1] ** -0.5)
-        quantize_experts(type("One", (), {"layers": [type("L", (), {"ffn": self})]}), "mxfp4", keep_dense=False)
-
-    try:
-        if release:
-            MoE.__init__ = packed_init
-        with torch.device(DEV):
-            net = DeepseekForCausalLM(cfg).eval()
-    finally:
-        MoE.__init__ = init
-    dummy_weights(net, cfg, 0)  # every tensor still present: the dropped experts are skipped
+    # release: each layer's experts filled and packed in turn on the device (the dense copies dropped)
+    net = build_dummy_model(cfg, 0, "mxfp4" if release else None, DEV, keep_dense=False)
     net = net.to(torch.bfloat16 if dtype == "bfloat16" else torch.float32)
     token_map = engram_token_map(cfg, tokenizer)
     if token_map is not None:
@@ -142,6 +120,7 @@ def build_core(cfg_or_name, kv_tokens: tuple[int, int], release: bool, smoke: bo
     seqs, tokens = kv_tokens
     blocks = seqs * (math.ceil(tokens / lay.block_size) + 1)
     args = EngineArgs(model="tiny", dtype=dtype, seed=0, quantization="fp8" if release else None,
+                      expert_format="mxfp4" if release else None,
                       engram_tables=engram_tables if release else "device",
                       max_num_seqs=seqs, enable_prefix_caching=False,
                       reference_ops="" if DEV == "cuda" else "all",  # the CPU smoke: no interpreted kernels

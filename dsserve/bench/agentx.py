@@ -229,7 +229,7 @@ async def _main(a) -> int:
     if not aggs:
         return rc
     M.write_points_csv(out / "points.csv", aggs)
-    [M.plot_points(out / f"tput_vs_{x[4:]}.png", aggs, x) for x in ("p90_intvty", "p90_ttft")]
+    [M.plot_points(out / f"tput_vs_{x[4:]}.png", aggs, x, tier=a.tier_tok_s) for x in ("p90_intvty", "p90_ttft")]
     f = lambda v, s="{:.3f}": "-" if v is None else s.format(v)  # noqa: E731
     t = _table(f"bench agentx: {a.model}, preset {a.preset}, seed {a.seed}, {a.api}", ("conc", "requests", "errors",
                "TTFT p50 s", "TTFT p90 s", "ITL p90 ms", "P90 intvty", "tok/s/GPU", "theo hit", "server hit"))
@@ -239,8 +239,14 @@ async def _main(a) -> int:
                   f(lat["itl"]["p90"] and lat["itl"]["p90"] * 1e3, "{:.1f}"), f(g["p90_intvty"], "{:.1f}"),
                   f(g["tput_per_gpu"], "{:,.1f}"), f(p["theoretical_hit"]), f(p["server_hit"]))
     con.print(t)
-    print(json.dumps({"bench": "agentx", "preset": a.preset, "seed": a.seed, "model": a.model, "api": a.api,
-                      "output_dir": str(out), "points": points}, default=str))
+    tier = M.tier_summary(aggs, a.tier_tok_s)
+    con.print(f"tier {a.tier_tok_s:g} tok/s/user (P90 interactivity): " + (
+        f"best {tier['best_tput_per_gpu']:,.1f} tok/s/GPU at conc {tier['best_conc']}" if tier["best_conc"] is not None
+        else "no point reaches it") + f"; front read {tier['front_tput_per_gpu']:,.1f} ({tier['front_status']})")
+    summary = json.dumps({"bench": "agentx", "preset": a.preset, "seed": a.seed, "model": a.model, "api": a.api,
+                          "output_dir": str(out), "points": points, "tier": tier}, default=str)
+    (out / "summary.json").write_text(summary + "\n")
+    print(summary)
     return rc
 
 
@@ -269,5 +275,7 @@ def add_bench_agentx_args(p) -> None:
             ("--vocab-size", int, 8192, "token ids are drawn from [0, V) minus reserved ids"),
             ("--num-gpus", int, 1, "GPUs serving (throughput per GPU)"), ("--output-dir", str, "agentx_out", ""),
             ("--api-key", str, None, ""), ("--hw", str, None, ""), ("--framework", str, "dsserve", ""),
-            ("--price-per-gpu-hr", float, None, "")):
+            ("--price-per-gpu-hr", float, None, ""),
+            ("--tier-tok-s", float, 150.0, "per-user speed (tok/s at P90 interactivity) whose tier is read: the "
+                                           "best tok/s/GPU among points at or above it, and the front's value")):
         p.add_argument(flag, type=kind, default=default, help=doc or None)

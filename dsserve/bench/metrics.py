@@ -157,6 +157,24 @@ def tier_reads(front: list[dict], tiers=TIERS, x="p90_intvty", y="tput_per_gpu",
     return out
 
 
+def tier_best(points: list[dict], tier: float, x="p90_intvty", y="tput_per_gpu") -> dict | None:
+    """The measured point with the most y among those whose x (P90 interactivity) reaches the tier: the best
+    throughput a deployment gets while its slow-tail user still sees `tier` tok/s; None if no point does. Unlike
+    tier_reads, nothing is interpolated."""
+    ok = [p for p in points if p.get(x) is not None and p.get(y) is not None and p[x] >= tier]
+    return max(ok, key=lambda p: p[y]) if ok else None
+
+
+def tier_summary(points: list[dict], tier: float, x="p90_intvty", y="tput_per_gpu") -> dict:
+    """For one config: the best measured point at or above the tier (tier_best) and the front's read there
+    (tier_reads: exact / estimated / clamped / unreachable)."""
+    best = tier_best(points, tier, x, y)
+    (read,) = tier_reads(pareto_frontier(points, x, y), (tier,), x, y)
+    return {"tier_tok_s_per_user": tier, "best_" + y: None if best is None else best[y],
+            "best_conc": None if best is None else best.get("conc"),
+            "best_" + x: None if best is None else best[x], "front_" + y: read[y], "front_status": read["status"]}
+
+
 def aggregate(records: list[dict], window=None, num_gpus: int = 1, *, meta: dict | None = None,
               server: dict | None = None, dataset: dict | None = None, price_per_gpu_hr: float | None = None,
               min_duration_s: float = 900.0) -> dict:
@@ -226,9 +244,10 @@ def write_points_csv(path, aggs: list[dict]) -> Path:
     return Path(path)
 
 
-def plot_points(path, aggs: list[dict], x: str = "p90_intvty") -> Path:
+def plot_points(path, aggs: list[dict], x: str = "p90_intvty", tier: float | None = None) -> Path:
     """PNG of y = tok/s/GPU vs x ("p90_intvty", or "p90_ttft" for the companion plot): a marker per
-    concurrency (C=..), a line per config and, for interactivity, the config's Pareto front."""
+    concurrency (C=..), a line per config and, for interactivity, the config's Pareto front and the tier
+    (tok/s/user) as a dashed line."""
     from matplotlib.figure import Figure  # OO API: Agg canvas, no pyplot state
     fig = Figure(figsize=(8, 5.5))
     ax = fig.subplots()
@@ -243,6 +262,8 @@ def plot_points(path, aggs: list[dict], x: str = "p90_intvty") -> Path:
             ax.plot(xs, monotone_cubic([p[x] for p in fr], [p["tput_per_gpu"] for p in fr])(xs), "-", lw=2.5,
                     color=line.get_color(), label=f"{c} Pareto front")
             ax.plot([p[x] for p in fr], [p["tput_per_gpu"] for p in fr], "*", ms=11, color=line.get_color())
+    if tier is not None and x == "p90_intvty":
+        ax.axvline(tier, ls="--", color="grey", lw=1, label=f"tier {tier:g} tok/s/user")
     ax.set(xlabel=(lbl := {"p90_intvty": "P90 interactivity (tok/s/user)", "p90_ttft": "P90 TTFT (s)"}.get(x, x)),
            ylabel="Throughput per GPU (tok/s/GPU, cached + uncached input + output)", title=f"Throughput vs {lbl}")
     ax.grid(alpha=0.3), ax.legend(fontsize=8)

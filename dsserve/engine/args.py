@@ -41,6 +41,10 @@ class EngineArgs:
     quantization: str | None = field(default=None, metadata=_h(
         "fp8: the attention projections in the release's FP8 e4m3 weights with 32x32 (V4: 128x128) ue8m0 block "
         "scales, through the Triton FP8 kernel on GPU | None: the weights as loaded"))
+    expert_format: str | None = field(default=None, metadata=_h(
+        "the routed experts' storage: mxfp4 (the release's) | fp8 (32x32 ue8m0 blocks) | None: as loaded. With "
+        "dummy weights they are built on the device and packed layer by layer (the release proxy fits one "
+        "H200); the dense copies are kept, rounded, only on the CPU"))
     engram_tables: str = field(default="device", metadata=_h(
         "where the Engram n-gram tables live: device | host (pinned host memory, the model's values; each step's "
         "rows are copied on a side stream while earlier layers run) | host-fp8 (host, in the release's FP8 "
@@ -50,8 +54,9 @@ class EngineArgs:
         "paged: attention batched over the paged pools through the kernels | reference: the per-sequence "
         "reference path | auto: paged on cuda, reference on cpu"))
     enforce_eager: bool = field(default=False, metadata=_h(
-        "run every step eagerly; otherwise decode steps on a GPU (paged backend, V4.1) run as CUDA graphs captured "
-        "per batch and context bucket on first use"))
+        "run every step eagerly; otherwise on a GPU (paged backend, V4.1) decode steps, and the decoder rows of other "
+        "steps after bounded replay's narrowing, run as CUDA graphs captured per row and context bucket on first "
+        "use"))
     reference_ops: str = field(default="", metadata=_h(
         "ops that run their torch reference instead of Triton (on the paged backend), for bisecting: a comma "
         "list of attention, indexer, topk, kv_write, linear, router, moe, mhc, rowwise, entry_rows, or all, or '' "
@@ -60,6 +65,8 @@ class EngineArgs:
     def __post_init__(self):
         if self.quantization not in (None, "fp8"):
             raise EngineArgsError(f"quantization must be fp8 or None, got {self.quantization!r}")
+        if self.expert_format not in (None, "fp8", "mxfp4"):  # models.quantize.EXPERT_FORMATS
+            raise EngineArgsError(f"expert_format must be mxfp4, fp8 or None, got {self.expert_format!r}")
         if self.attention_backend not in ("auto", "paged", "reference"):
             raise EngineArgsError(f"attention_backend must be auto, paged or reference, got {self.attention_backend!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

@@ -16,9 +16,11 @@ import torch
 from ..kernels.ops import KernelOps
 from ..kv.paged import KVLayout, PagedKVCache
 from ..models.loader import DTYPES, LoadedModel, load_model
-from ..models.quantize import quantize_dense_fp8, use_fp8_kernels
+from ..models.quantize import quantize_dense_fp8, quantize_experts, use_fp8_kernels
 from .args import EngineArgs, EngineArgsError
 from .decode_graphs import DecodeGraphs
+from .graph_capture import GraphCapture
+from .replay_graphs import ReplayGraphs
 from .detokenizer import StopChecker
 from .outputs import CompletionOutput, RequestOutput, make_logprob_dict
 from .request import Request, RequestStatus
@@ -78,8 +80,11 @@ class EngineCore:
         """``loaded``: a model already built (benchmarks build dummy-weight proxies straight on the device);
         None loads ``args.model``."""
         self.args = args
-        lm = loaded or load_model(args.model, args.load_format, args.dtype, args.seed, qat=args.qat)
-        self.device = resolve_device(args.device)
+        self.device = resolve_device(args.device)  # first: a dummy model with packed experts is built there
+        lm = loaded or load_model(args.model, args.load_format, args.dtype, args.seed, qat=args.qat,
+                                  expert_format=args.expert_format, device=self.device)
+        if loaded is not None and args.expert_format:  # layers already packed in that format are left alone
+            quantize_experts(lm.model, args.expert_format, keep_dense=self.device.type == "cpu")
         if args.engram_tables != "device":  # before .to(device): the real tables are hundreds of GB
             fmt = "fp8" if args.engram_tables == "host-fp8" else "float"
             for block in lm.model.layers:
@@ -115,11 +120,15 @@ class EngineCore:
             replay_window=args.replay_window or self.cfg.sliding_window,
             enable_prefix_caching=args.enable_prefix_caching, session_retention_s=args.session_retention), self.kv)
         self.stats = EngineStats(layout, self.cfg)
-        graphs = None
+        graphs = replay_graphs = None
         if backend == "paged" and self.device.type == "cuda" and self.cfg.is_v41 and not args.enforce_eager:
-            graphs = DecodeGraphs(self.model, self.kv, args.max_num_seqs, capture=True,
-                                  min_context=-(-1024 // (2 * layout.block_size)) * 2 * layout.block_size)
-        self.runner = ModelRunner(self.model, args.replay_form, graphs)
+            capture = GraphCapture()  # every graph in one memory pool
+            min_context = -(-1024 // (2 * layout.block_size)) * 2 * layout.block_size
+            graphs = DecodeGraphs(self.model, self.kv, args.max_num_seqs, capture, min_context=min_context)
+            if replay:
+                replay_graphs = ReplayGraphs(self.model, self.kv, min(1024, args.max_num_batched_tokens),
+                                             args.max_num_seqs, capture, min_context=min_context)
+        self.runner = ModelRunner(self.model, args.replay_form, graphs, replay_graphs)
         self.sampler = Sampler(eos_token_id=self.tokenizer.eos_id)
         self._tracked: dict[str, _Tracked] = {}
         r = self.kv.report()
@@ -187,6 +196,7 @@ class EngineCore:
         sampling, logits = self.runner.execute(plan)
         self.stats.decoder_rows_skipped = self.runner.decoder_rows_skipped
         self.stats.graph_steps = self.runner.graph_steps
+        self.stats.replay_graph_steps = 0 if self.runner.replay_graphs is None else self.runner.replay_graphs.runs
         self.scheduler.register_full_blocks([c.request for c in plan.chunks])
         if not sampling:
             self.stats.step_done(time.perf_counter() - t0, 0.0)

@@ -19,6 +19,7 @@ import torch
 from ..kv.decode_batch import DecodeBatch
 from ..kv.paged import PagedKVCache
 from ..models.model import DeepseekForCausalLM
+from .graph_capture import GraphCapture
 from .scheduler import StepPlan
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -43,15 +44,16 @@ def context_bucket(n: int, min_context: int) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, model: DeepseekForCausalLM, kv: PagedKVCache, max_batch: int, capture: bool,
+    def __init__(self, model: DeepseekForCausalLM, kv: PagedKVCache, max_batch: int, capture: GraphCapture | None,
                  min_context: int = 1024, batch_buckets: tuple[int, ...] = BATCH_BUCKETS):
+        """``capture``: how graphs are captured (shared with the engine's other graphs); None runs the fixed-shape
+        steps eagerly (the CPU, the tests)."""
         if min_context % (2 * kv.layout.block_size):
             raise ValueError(f"min_context {min_context} must be a multiple of twice the block size "
                              f"{kv.layout.block_size} (so that every context bucket is a whole number of blocks)")
         self.model, self.kv, self.max_batch, self.capture = model, kv, max_batch, capture
         self.min_context, self.batch_buckets = min_context, batch_buckets
         self._steps: dict[tuple[int, int], tuple[DecodeBatch, torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
-        self._pool = None  # one memory pool shared by every graph: they never run at once
         self.replays, self.padded_rows, self.fallbacks = 0, 0, Counter()
 
     def key(self, plan: StepPlan) -> tuple[int, int] | None:
@@ -99,22 +101,13 @@ class DecodeGraphs:
 
     def _build(self, key, seqs, tokens):
         batch = DecodeBatch(self.kv, *key)
-        if not self.capture:
+        if self.capture is None:
             return batch, None, None
         # Warm up on this step's inputs with every write masked (the runs must not move the cache: the compressor's
-        # carry is read then overwritten), so Triton compiles and lazily built buffers exist before the capture.
+        # carry is read then overwritten); the step refills the buffers before the first replay.
         self.model.fill_decode(batch, seqs, tokens)
         batch.mask_writes()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.model.forward_decode(batch)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits = self.model.forward_decode(batch)
-        self._pool = graph.pool()
+        graph, logits = self.capture(lambda: self.model.forward_decode(batch))
         return batch, graph, logits
 
     def report(self) -> dict:

@@ -19,6 +19,7 @@ class EngineStats:
     prefill_rows: int = 0
     decoder_rows_skipped: int = 0  # prefill rows that did not run the decoder (decoder-side replay)
     graph_steps: int = 0  # decode steps run in fixed shapes (replayed CUDA graphs on a GPU)
+    replay_graph_steps: int = 0  # steps whose decoder rows ran in fixed shapes after bounded replay's narrowing
     steps: int = 0
     # A step's wall time split at its one copy back of the sampled tokens: host work (scheduling, launching or
     # refilling and replaying, sampling's launches, detokenising, stop checks) and the wait for the device there.
@@ -55,7 +56,8 @@ class EngineStats:
             "prefix_hit_rate": self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0,
             "replayed_rows": self.replayed_rows, "prefill_rows": self.prefill_rows,
             "decoder_rows_skipped": self.decoder_rows_skipped, "decoder_flops_saved": self.decoder_flops_saved,
-            "graph_steps": self.graph_steps, "steps": self.steps, "step_host_seconds": self.step_host_seconds,
+            "graph_steps": self.graph_steps, "replay_graph_steps": self.replay_graph_steps,
+            "steps": self.steps, "step_host_seconds": self.step_host_seconds,
             "step_wait_seconds": self.step_wait_seconds,
             **persistent_bytes(lay),
         }

@@ -1,50 +1,38 @@
-"""A decode step's ``PagedBatch`` in fixed shapes: the static buffers a CUDA graph of the step reads.
+"""A decode step's fixed-shape batch (``FixedBatch``): one row per sequence, padded to ``capacity`` rows.
 
-One row per sequence, padded to ``capacity`` rows; every per-step value the kernels read is data in a buffer
-refilled before each run (``fill``), never a Python scalar or a shape: block tables are [capacity, bound / block]
-and the index sources score ``bound / r`` entries (``num_entries``), where ``bound`` is the context bucket (a
-position bound over every row). Padding rows repeat row 0's inputs, so they read only valid rows, and write
-nothing: their window and entry stores go to row -1 and their compressor carry to the spare slot (``real``).
+The whole model runs on it (``DeepseekForCausalLM.forward_decode``), the compressors included: padding rows repeat
+row 0's inputs and write nothing, their window and entry stores going to row -1 and their compressor carry to the
+spare slot (``carry_slots``).
 """
 from __future__ import annotations
 
 import torch
 
 from ..layers.context import SeqRows
-from ..layers.rope import forget_tables
+from .fixed_batch import FixedBatch
 from .paged import PagedKVCache, SequenceKV
-from .paged_batch import PagedBatch
 
 
-class DecodeBatch(PagedBatch):
+class DecodeBatch(FixedBatch):
     is_decode = True
 
     def __init__(self, cache: PagedKVCache, capacity: int, bound: int):
-        if bound % cache.layout.block_size:
-            raise ValueError(f"the context bound {bound} must be a multiple of the block size "
-                             f"{cache.layout.block_size}")
-        dev, i32, i64 = cache.device, torch.int32, torch.long
-        self.cache, self.capacity, self.bound = cache, capacity, bound
-        self.tokens = torch.zeros(capacity, dtype=i64, device=dev)
-        self.positions = torch.zeros(capacity, dtype=i64, device=dev)
-        self.seq_tables = torch.full((capacity, bound // cache.layout.block_size), -1, dtype=i32, device=dev)
-        self.slots = torch.zeros(capacity, dtype=i64, device=dev)
-        self.carry_slots = torch.zeros(capacity, dtype=i64, device=dev)  # the spare slot for padding rows
-        self.real = torch.zeros(capacity, dtype=torch.bool, device=dev)
-        self.row_first = self.row_seq = torch.arange(capacity, dtype=i32, device=dev)  # each row its own sequence
-        self.block_rows = self.seq_tables
+        super().__init__(cache, capacity, capacity, bound)
+        self.carry_slots = torch.zeros(capacity, dtype=torch.long, device=cache.device)  # spare slot: padding
+        self.row_first.copy_(torch.arange(capacity))  # each row its own sequence
+        self.row_seq.copy_(torch.arange(capacity))
         self.seqs = [SeqRows(slice(t, t + 1), None) for t in range(capacity)]
         # Engram (filled by the model's fill_decode): compressed ids [capacity], per layer row ids or rows
         self.engram_ids: torch.Tensor | None = None
         self.engram_rows: dict[int, torch.Tensor] = {}
-        self.begin()
 
     def begin(self) -> None:
-        """Drop what the previous run derived from the buffers (a graph's capture must record computing it)."""
-        self.topk = self.cand_blocks = None
-        self._cos_sin, self._visible, self._entry_stores = {}, {}, {}
-        self._store_rows = self._window = self._no_rows = self._tag_rows = None
-        forget_tables()
+        super().begin()
+        self._entry_stores = {}
+
+    @property
+    def block_rows(self) -> torch.Tensor:
+        return self.seq_tables  # row t is sequence t
 
     @staticmethod
     def fits(seqs: list[SequenceKV]) -> str | None:
@@ -67,13 +55,9 @@ class DecodeBatch(PagedBatch):
             raise ValueError(f"a decode batch of {b} rows does not fit capacity {cap}")
         pad = [0] * (cap - b)
         pos = [kv.num_tokens for kv in seqs]
-        if max(pos) >= self.bound:
-            raise ValueError(f"position {max(pos)} is past the batch's context bound {self.bound}")
+        self.check_bound(max(pos))
         spare = self.cache.slots.num_blocks
-        width = self.seq_tables.shape[1]
-        rows = [kv.host_table()[:width] for kv in seqs]
-        tables = torch.nn.utils.rnn.pad_sequence(rows + rows[:1] * (cap - b), batch_first=True, padding_value=-1)
-        tables = torch.nn.functional.pad(tables, (0, width - tables.shape[1]), value=-1)
+        tables = self.tables(seqs, cap)
         slots = [kv.slot for kv in seqs]
         put = lambda dst, src: dst.copy_(src, non_blocking=True)  # noqa: E731
         put(self.tokens, torch.tensor(tokens + [tokens[0] for _ in pad]))
@@ -101,12 +85,3 @@ class DecodeBatch(PagedBatch):
             rows = torch.where(done, self.seq_tables.long().gather(1, (p // bs)[:, None])[:, 0] * epb + e % epb, -1)
             self._entry_stores[key] = rows, rope.kernel_tables(e * ratio, dtype)
         return self._entry_stores[key]
-
-    def num_entries(self, source: int) -> int:
-        return self.bound // self.cache.layout.sources[source][0]
-
-    def _window_store_rows(self) -> torch.Tensor:
-        return torch.where(self.real, super()._window_store_rows(), -1)
-
-    def narrow(self, keep, seqs):
-        raise NotImplementedError("a decode step keeps every row: bounded replay never narrows it")

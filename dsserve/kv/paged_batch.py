@@ -129,7 +129,7 @@ class PagedBatch:
         if lay.window_in_blocks:
             bs = lay.block_size
             return self.block_rows.long().gather(1, (p // bs)[:, None])[:, 0] * bs + p % bs
-        last = torch.full((len(self.seqs),), -1, dtype=p.dtype, device=p.device)
+        last = torch.full((self.seq_tables.shape[0],), -1, dtype=p.dtype, device=p.device)  # per sequence
         last.scatter_reduce_(0, self.row_seq.long(), p, reduce="amax")
         keep = p > last[self.row_seq] - lay.window
         return torch.where(keep, self.slots * lay.window + p % lay.window, -1)

@@ -2,6 +2,9 @@
 SwiGLU experts and one shared expert. V4's first layers route by a frozen token -> experts table."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,6 +57,20 @@ class Gate(nn.Module):
         return ids, w / (w.sum(-1, keepdim=True) + 1e-20) * self.scale
 
 
+_DEFER_EXPERTS = contextvars.ContextVar("defer_experts", default=False)
+
+
+@contextlib.contextmanager
+def deferred_experts():
+    """MoEs built inside hold their routed experts on the meta device (no memory): a builder then fills and
+    packs them one layer at a time (models.dummy_build), so the dense experts of all layers never coexist."""
+    token = _DEFER_EXPERTS.set(True)
+    try:
+        yield
+    finally:
+        _DEFER_EXPERTS.reset(token)
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, n_experts: int, topk: int, hash_routed: bool = False):
         super().__init__()
@@ -62,10 +79,11 @@ class MoE(nn.Module):
         self.gate = Gate(d, n_experts, topk, hash_routed, cfg.is_v41, cfg.vocab_size, cfg.gate_temp,
                          cfg.routed_scaling_factor)
         # Routed experts stacked per layer ([E, out, in]); the checkpoint stores them one by one.
+        where = {"device": "meta"} if _DEFER_EXPERTS.get() else {}
         self.experts = nn.ParameterDict({
-            "w1": nn.Parameter(torch.zeros(n_experts, inter, d)),
-            "w2": nn.Parameter(torch.zeros(n_experts, d, inter)),
-            "w3": nn.Parameter(torch.zeros(n_experts, inter, d)),
+            "w1": nn.Parameter(torch.zeros(n_experts, inter, d, **where)),
+            "w2": nn.Parameter(torch.zeros(n_experts, d, inter, **where)),
+            "w3": nn.Parameter(torch.zeros(n_experts, inter, d, **where)),
         })
         self.shared_experts = Expert(d, inter * cfg.n_shared_experts, cfg.swiglu_limit)
         # Routed experts in a release storage format (kernels.grouped_moe.ExpertWeights), set by

@@ -61,6 +61,15 @@ class Block(nn.Module):
         ``keep`` (bounded replay): after this layer has published its global KV from every row, continue
         with only these rows. Returns (stream, pre_out, ctx) for the rows kept.
         """
+        x, h, a_pre, a_post, a_comb, ctx = self.head(x, pre, ctx, keep)
+        if x.shape[0] == 0:  # every row is before the replay window: only the global KV was needed
+            return x, h.new_zeros(0, self.cfg.hc_mult), ctx
+        return self.tail(x, h, a_pre, a_post, a_comb, ctx)
+
+    def head(self, x: torch.Tensor, pre: torch.Tensor | None, ctx: ForwardContext, keep: KeptRows | None = None):
+        """Up to the attention: Engram, the attention site's mix, the compressor on every row, then bounded
+        replay's narrowing. Returns (stream, attention input h, the site's pre, post, comb, ctx) of the kept rows;
+        ``tail`` continues (split so that a CUDA graph of the decoder can start after the narrowing)."""
         if self.engram is not None:
             ctx.log(self.role.index, "engram")
             x = self.engram(x, ctx.engram_ids, [s.rows for s in ctx.seqs], ctx.engram_history,
@@ -77,8 +86,12 @@ class Block(nn.Module):
             idx = keep.index
             x, h, a_post, a_comb, ctx = x[idx], h[idx], a_post[idx], a_comb[idx], ctx.narrow(keep)
             a_pre = None if a_pre is None else a_pre[idx]
-            if x.shape[0] == 0:  # every row is before the replay window: only the global KV was needed
-                return x, h.new_zeros(0, self.cfg.hc_mult), ctx
+        return x, h, a_pre, a_post, a_comb, ctx
+
+    def tail(self, x: torch.Tensor, h: torch.Tensor, a_pre, a_post: torch.Tensor, a_comb: torch.Tensor,
+             ctx: ForwardContext):
+        """The attention and the MoE with their expansions (see ``head``). Returns (stream, pre_out, ctx)."""
+        ops = ctx.ops
         x = self.expand(self.attn(h, ctx), x, a_post, a_comb, ops)
         if self.cfg.is_v41:
             h, f_pre, f_post, f_comb = self.site("ffn", x, a_pre, self.ffn_norm, ops)

@@ -24,7 +24,7 @@ from .checkpoint_layout import (IGNORED_PREFIXES, ST_DTYPES, TensorSpec, model_n
 from .config import ModelConfig
 
 __all__ = ["CheckpointError", "TensorSpec", "release_layout", "model_name_for", "model_shapes",
-           "load_checkpoint", "save_checkpoint", "dummy_weights"]
+           "load_checkpoint", "save_checkpoint", "dummy_weights", "dummy_tensor"]
 
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -217,36 +217,41 @@ def dummy_weights(model: torch.nn.Module, cfg: ModelConfig, seed: int = 0) -> No
     embeddings ~ N(0, 1); Engram tables ~ 0.1 N(0, 1); hc_*_fn ~ 0.5 N(0, 1)/sqrt(fan_in) so the 24 mixes are
     N(0, 1/4) (varied, O(1) pre/post/comb); every other weight ~ N(0, 1)/sqrt(fan_in) with fan_in = last dim;
     tid2eid = distinct random experts per token. Each tensor draws from its own torch.Generator (on the tensor's
-    device) seeded from (seed, name), so the result is independent of iteration order."""
+    device) seeded from (seed, name), so the result is independent of iteration order. Tensors on the meta
+    device (experts deferred by layers.moe.deferred_experts) are skipped: their builder fills them with
+    dummy_tensor, to the same values."""
     sd = model.state_dict()
+    for name in model_shapes(cfg):
+        if name in sd and not sd[name].is_meta:
+            dummy_tensor(name, sd[name], cfg, seed)
+
+
+def dummy_tensor(name: str, t: torch.Tensor, cfg: ModelConfig, seed: int = 0) -> None:
+    """Fill the model tensor `name` in place as dummy_weights does (see there)."""
     with torch.no_grad():
-        for name in model_shapes(cfg):
-            if name not in sd:
-                continue
-            t = sd[name]
-            g = torch.Generator(device=t.device)
-            g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62))
-            if _ONES.search(name):
-                t.fill_(1.0)
-            elif _ZEROS.search(name):
-                t.zero_()
-            elif name.endswith("tid2eid"):
-                n_exp = cfg.n_routed_experts
-                r = torch.rand(t.shape[0], n_exp, generator=g, device=t.device)
-                t.copy_(r.argsort(dim=-1)[:, :t.shape[1]])
+        g = torch.Generator(device=t.device)
+        g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62))
+        if _ONES.search(name):
+            t.fill_(1.0)
+        elif _ZEROS.search(name):
+            t.zero_()
+        elif name.endswith("tid2eid"):
+            n_exp = cfg.n_routed_experts
+            r = torch.rand(t.shape[0], n_exp, generator=g, device=t.device)
+            t.copy_(r.argsort(dim=-1)[:, :t.shape[1]])
+        else:
+            if _UNIT_NORMAL.search(name):
+                std = 1.0
+            elif _HALF_NORMAL.search(name):
+                std = 0.5
+            elif name.endswith("engram.embed.weight"):
+                std = 0.1
+            elif re.search(r"hc_\w+_fn$", name):
+                std = 0.5 / t.shape[-1] ** 0.5
             else:
-                if _UNIT_NORMAL.search(name):
-                    std = 1.0
-                elif _HALF_NORMAL.search(name):
-                    std = 0.5
-                elif name.endswith("engram.embed.weight"):
-                    std = 0.1
-                elif re.search(r"hc_\w+_fn$", name):
-                    std = 0.5 / t.shape[-1] ** 0.5
-                else:
-                    std = 1.0 / t.shape[-1] ** 0.5
-                rows = t.view(-1, t.shape[-1])
-                step = max(1, ROW_CHUNK_ELEMS // t.shape[-1])
-                for r in range(0, rows.shape[0], step):
-                    chunk = rows[r:r + step]
-                    chunk.copy_(torch.randn(chunk.shape, generator=g, device=t.device) * std)
+                std = 1.0 / t.shape[-1] ** 0.5
+            rows = t.view(-1, t.shape[-1])
+            step = max(1, ROW_CHUNK_ELEMS // t.shape[-1])
+            for r in range(0, rows.shape[0], step):
+                chunk = rows[r:r + step]
+                chunk.copy_(torch.randn(chunk.shape, generator=g, device=t.device) * std)

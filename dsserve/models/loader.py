@@ -8,8 +8,10 @@ import torch
 
 from .checkpoint import dummy_weights, load_checkpoint
 from .config import ConfigError, ModelConfig
+from .dummy_build import build_dummy_model
 from .model import DeepseekForCausalLM
 from .presets import PRESETS, preset
+from .quantize import EXPERT_FORMATS, quantize_experts
 from .tokenizer import Tokenizer, engram_token_map
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -34,9 +36,18 @@ def resolve_config(model: str) -> ModelConfig:
 
 
 def load_model(model: str, load_format: str = "auto", dtype: str = "float32", seed: int = 0,
-               qat: bool | None = None) -> LoadedModel:
+               qat: bool | None = None, expert_format: str | None = None,
+               device: str | torch.device | None = None) -> LoadedModel:
     """``auto`` reads safetensors from a checkpoint directory; a preset has no weights, so it gets ``dummy``
-    (seeded random weights), as vLLM's ``--load-format dummy``."""
+    (seeded random weights), as vLLM's ``--load-format dummy``.
+
+    ``expert_format`` (fp8 | mxfp4): the routed experts packed in it (models.quantize.quantize_experts); None:
+    as loaded. ``device``: where the model will run (default cpu). Dummy weights with an expert format are
+    built on that device, each layer's experts packed as they are filled (models.dummy_build), so the 36 GB
+    MXFP4 release proxy loads on one H200 without its 270 GB of dense experts; everything else is loaded on the
+    host as before and moved by the caller. The dense experts are kept (rounded to the packed values) only
+    when the device is the CPU: there the reference backend and the tests' oracle read them on tiny models;
+    on a GPU the grouped-MoE ops read the packed experts alone (and the reference path dequantises them)."""
     if load_format not in LOAD_FORMATS:
         raise ConfigError(f"load format {load_format!r} is not one of {LOAD_FORMATS}")
     if dtype not in DTYPES:
@@ -49,13 +60,24 @@ def load_model(model: str, load_format: str = "auto", dtype: str = "float32", se
         load_format = "safetensors" if is_dir else "dummy"
     if load_format == "safetensors" and not is_dir:
         raise ConfigError(f"{model!r} is a preset with no weights; use --load-format dummy or a checkpoint directory")
+    if expert_format is not None and expert_format not in EXPERT_FORMATS:
+        raise ConfigError(f"expert format {expert_format!r} is not one of {EXPERT_FORMATS} (or None)")
     tokenizer = Tokenizer.from_dir(model) if is_dir else Tokenizer.for_preset(model)
-    net = DeepseekForCausalLM(cfg).eval()
-    if load_format == "dummy":
-        dummy_weights(net, cfg, seed)
+    device = torch.device(device or "cpu")
+    keep_dense = device.type == "cpu"
+    if load_format == "dummy" and expert_format is not None:
+        net = build_dummy_model(cfg, seed, expert_format, device, keep_dense)
     else:
-        load_checkpoint(net, cfg, model)
+        net = DeepseekForCausalLM(cfg).eval()
+        if load_format == "dummy":
+            dummy_weights(net, cfg, seed)
+        else:
+            load_checkpoint(net, cfg, model)
+        if expert_format is not None:  # packed from the float32 values, before the cast below
+            quantize_experts(net, expert_format, keep_dense)
     net = net.to(DTYPES[dtype])
+    if device.type == "cuda":  # the float32 build's blocks back to the driver: the KV budget reads free memory
+        torch.cuda.empty_cache()
     token_map = engram_token_map(cfg, tokenizer)
     if token_map is not None:
         net.engram_token_map = torch.as_tensor(token_map, dtype=torch.long)

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..kv.decode_batch import DecodeBatch
 from ..kv.paged_batch import PagedBatch
+from ..kv.replay_batch import ReplayBatch
 from ..kv.sequence_cache import SequenceCache
 from ..layers.context import ForwardContext, KeptRows, SeqRows
 from ..layers.mhc import collapse, hc_head_pre
@@ -75,14 +76,16 @@ class DeepseekForCausalLM(nn.Module):
 
     def forward_batch(self, tokens: torch.Tensor, seqs: list[SeqRows], qat: bool | None = None,
                       is_image: torch.Tensor | None = None, trace: list | None = None,
-                      replay_form: str = "report") -> ForwardOutput:
+                      replay_form: str = "report", decoder_rows=None) -> ForwardOutput:
         """A flat batch of rows from several sequences: ``seqs`` says which rows are whose, in order.
 
         Each sequence's rows continue its cache at ``cache.num_tokens``. Returns the hidden states of the
         rows that ran the decoder, with ``seqs`` narrowed to them. Bounded replay narrows the rows at the
         decoder's KV source (``report``: layer 20 publishes global KV from every row, then its attention
         and FFN run on the window, as the V4.1 report and TRT-LLM do) or after it (``vllm``: layer 20 on
-        every row, 21-39 on the window). Both publish the same global KV.
+        every row, 21-39 on the window). Both publish the same global KV. ``decoder_rows``
+        (engine.replay_graphs.ReplayGraphs) may run the narrowed rows from there on in fixed shapes (a CUDA
+        graph); it returns None for a step it does not take. The DSpark taps of layers it runs are not returned.
         """
         cfg = self.cfg
         # checked where they are (the runner hands host tensors: no device read-back), then moved
@@ -118,7 +121,7 @@ class DeepseekForCausalLM(nn.Module):
             ctx.engram_rows = self._prefetch_engram(ctx, host_ids)
 
         x, pre = self._embed(tokens)
-        taps = {}
+        taps, hidden = {}, None
         for block in self.layers:
             i = block.role.index
             if i in cfg.dspark_target_layer_ids:
@@ -127,7 +130,14 @@ class DeepseekForCausalLM(nn.Module):
             if replay and i == narrow_at:
                 keep = self._replay_rows(seqs, tokens.device)
                 taps = taps if keep is None else {k: v[keep.index] for k, v in taps.items()}
-            x, pre, ctx = block(x, pre, ctx, keep)
+            if keep is not None and decoder_rows is not None:  # the split: the decoder rows may run as a graph
+                x, h, a_pre, a_post, a_comb, ctx = block.head(x, pre, ctx, keep)
+                if x.shape[0] and (hidden := decoder_rows.run(i, (x, h, a_pre, a_post, a_comb), ctx)) is not None:
+                    break
+                if x.shape[0]:
+                    x, pre, ctx = block.tail(x, h, a_pre, a_post, a_comb, ctx)
+            else:
+                x, pre, ctx = block(x, pre, ctx, keep)
             if x.shape[0] == 0:  # every row is before its replay window: only the global KV was needed
                 break
 
@@ -138,6 +148,8 @@ class DeepseekForCausalLM(nn.Module):
                 s.cache.push_engram_history(host_ids[s.rows])
         if x.shape[0] == 0:
             return ForwardOutput(x.new_zeros(0, cfg.hidden_size), ctx.positions[:0], taps, ctx.seqs)
+        if hidden is not None:
+            return ForwardOutput(hidden, ctx.positions, taps, ctx.seqs)
         if not cfg.is_v41:
             pre = hc_head_pre(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg.rms_norm_eps, cfg.hc_eps)
         return ForwardOutput(collapse(x, pre), ctx.positions, taps, ctx.seqs)
@@ -181,6 +193,20 @@ class DeepseekForCausalLM(nn.Module):
         for block in self.layers:
             x, pre, ctx = block(x, pre, ctx)
         return self.logits(collapse(x, pre))
+
+    def forward_decoder_rows(self, batch: ReplayBatch, start: int, x: torch.Tensor, h: torch.Tensor,
+                             a_pre: torch.Tensor, a_post: torch.Tensor, a_comb: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [capacity, d] of bounded replay's decoder rows in ``batch``: layer ``start``'s
+        attention and MoE (``Block.tail``, on its ``head``'s outputs x, h, a_pre, a_post, a_comb, padded to the
+        batch's rows), then every later layer. Fixed shapes, no host reads or writes: a CUDA graph can capture
+        it."""
+        batch.begin()
+        ctx = ForwardContext(tokens=batch.tokens, positions=batch.positions, seqs=batch.seqs, qat=self.cfg.qat,
+                             paged=batch, ops=self.kernel_ops)
+        x, pre, ctx = self.layers[start].tail(x, h, a_pre, a_post, a_comb, ctx)
+        for block in self.layers[start + 1:]:
+            x, pre, ctx = block(x, pre, ctx)
+        return collapse(x, pre)
 
     def commit_decode(self, seqs: list, tokens: list[int]) -> None:
         """The host's side of a decode step run by ``forward_decode``: token counts, the compressor's entry and

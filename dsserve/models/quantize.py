@@ -45,20 +45,26 @@ def quantize_experts(model: nn.Module, fmt: str, keep_dense: bool = True) -> int
     """Pack every MoE's routed experts in `fmt` (kernels.grouped_moe.ExpertWeights) for the grouped-MoE ops;
     returns how many layers. keep_dense: also round the dense parameters to the packed values, so the oracle
     runs the same weights (tests, tiny models); False drops them (a proxy at real widths: the reference path
-    then dequantises expert by expert)."""
+    then dequantises expert by expert). Layers already packed in `fmt` are left as they are."""
+    for layer in model.layers:
+        pack_experts(layer.ffn, fmt, keep_dense)
+    return len(model.layers)
+
+
+def pack_experts(moe: nn.Module, fmt: str, keep_dense: bool = True) -> None:
+    """quantize_experts for one MoE (a builder packs each layer as it fills it: models.dummy_build)."""
     if fmt not in EXPERT_FORMATS:
         raise ValueError(f"expert format {fmt!r}: expected one of {EXPERT_FORMATS}")
-    n = 0
-    for layer in model.layers:
-        moe = layer.ffn
-        ex = moe.experts
-        with torch.no_grad():
-            moe.packed = ExpertWeights.from_dense(ex["w1"].float(), ex["w3"].float(), ex["w2"].float(), fmt)
-            if keep_dense:
-                for i, name in enumerate(("w1", "w3", "w2")):
-                    ex[name].copy_(torch.stack([moe.packed.dequant(e)[i] for e in range(ex[name].shape[0])]))
-            else:
-                for name in ("w1", "w3", "w2"):
-                    del ex[name]
-        n += 1
-    return n
+    if moe.packed is not None:
+        if moe.packed.fmt != fmt:
+            raise ValueError(f"routed experts already packed as {moe.packed.fmt}, cannot repack as {fmt}")
+        return
+    ex = moe.experts
+    with torch.no_grad():
+        moe.packed = ExpertWeights.from_dense(ex["w1"].float(), ex["w3"].float(), ex["w2"].float(), fmt)
+        if keep_dense:
+            for i, name in enumerate(("w1", "w3", "w2")):
+                ex[name].copy_(torch.stack([moe.packed.dequant(e)[i] for e in range(ex[name].shape[0])]))
+        else:
+            for name in ("w1", "w3", "w2"):
+                del ex[name]

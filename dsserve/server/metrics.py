@@ -32,6 +32,8 @@ STAT_COUNTERS = {
     "prefill_rows": ("prefill_rows", "Prefill rows run through the model."),
     "decoder_rows_skipped": ("decoder_rows_skipped", "Prefill rows that did not run the decoder (bounded replay)."),
     "graph_steps": ("decode_graph_steps", "Decode steps run in fixed shapes (replayed CUDA graphs on a GPU)."),
+    "replay_graph_steps": ("replay_graph_steps", "Steps whose decoder rows ran in fixed shapes after bounded "
+                           "replay's narrowing (replayed CUDA graphs on a GPU)."),
 }
 
 

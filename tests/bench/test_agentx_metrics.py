@@ -265,3 +265,39 @@ def test_writers_produce_parseable_files(tmp_path):
     for x in ("p90_intvty", "p90_ttft"):
         png = M.plot_points(tmp_path / f"{x}.png", aggs, x)
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+# ---------------------------------------------------------------- the tier at a per-user speed
+
+def test_tier_best_is_the_best_measured_point_at_or_above_the_tier():
+    pts = [pt(200, 300, conc=1), pt(150, 700, conc=8), pt(149.9, 2000, conc=16), pt(40, 3000, conc=32)]
+    assert M.tier_best(pts, 150)["conc"] == 8  # 149.9 does not reach 150; among the rest 700 is the most
+    assert M.tier_best(pts, 201) is None and M.tier_best([], 150) is None
+    assert M.tier_best(pts + [pt(None, 9000, conc=64)], 100)["conc"] == 16  # a point without a P90 never counts
+    s = M.tier_summary(pts, 150)
+    assert s == {"tier_tok_s_per_user": 150, "best_tput_per_gpu": 700, "best_conc": 8, "best_p90_intvty": 150,
+                 "front_tput_per_gpu": 700.0, "front_status": "exact"}
+    s = M.tier_summary(pts, 250)
+    assert s["best_tput_per_gpu"] is None and s["best_conc"] is None and s["front_status"] == "unreachable"
+    assert M.tier_summary(pts, 100)["front_status"] == "estimated"
+
+
+def test_agentx_summary_reads_agg_files_of_several_runs(tmp_path):
+    from dsserve.bench import agentx_summary as S
+    for cfg, pts in (("replay-on", ((1, 180, 400), (8, 120, 1500))), ("replay-off", ((1, 160, 350), (8, 90, 1700)))):
+        (tmp_path / cfg).mkdir()
+        for conc, x, y in pts:
+            a = make_agg(conc, config=cfg)
+            a.update(p90_intvty=x, tput_per_gpu=y)
+            M.write_agg(tmp_path / cfg, a)
+    out = tmp_path / "sum"
+    assert S.main(["--tier-tok-s", "150", "--out", str(out), str(tmp_path / "replay-on"),
+                   str(tmp_path / "replay-off")]) == 0
+    res = json.loads((out / "agentx-summary.json").read_text())
+    assert list(res["configs"]) == ["replay-on", "replay-off"] and res["tier_tok_s_per_user"] == 150
+    on, off = res["configs"]["replay-on"], res["configs"]["replay-off"]
+    assert [p["conc"] for p in on["points"]] == [1, 8] and on["points"][1]["tput_per_gpu"] == 1500
+    assert on["tier"]["best_tput_per_gpu"] == 400 and on["tier"]["front_status"] == "estimated"
+    assert off["tier"]["best_conc"] == 1 and off["tier"]["best_tput_per_gpu"] == 350
+    assert (out / "agentx-frontier.png").read_bytes()[:4] == b"\x89PNG"
+    assert S.main(["--out", str(out), str(tmp_path / "nothing-here")]) == 1

@@ -39,6 +39,12 @@ def test_agentx_replay_small(tiny_server, tmp_path, capsys):
     assert pt["usage_cached_tokens"] > 0
     assert pt["server_hits_delta"] == pt["usage_cached_tokens"]
     assert 0 < pt["server_hit"] <= 1 and 0 < pt["theoretical_hit"] <= 1
+    # the tier read at --tier-tok-s (default 150 tok/s/user): the tiny CPU server is far slower, so no point
+    # reaches it; the same JSON is written as summary.json
+    assert summary["tier"]["tier_tok_s_per_user"] == 150 and summary["tier"]["front_status"] in (
+        "unreachable", "exact", "estimated", "clamped")
+    assert (summary["tier"]["best_conc"] is None) == (pt["p90_intvty"] < 150)
+    assert "tier 150 tok/s/user" in text and json.loads((out / "summary.json").read_text()) == summary
 
     agg = json.loads((out / "agg_tiny_small_conc2.json").read_text())
     assert agg["conc"] == 2 and agg["dataset"]["preset"] == "small" and agg["tput_per_gpu"] > 0

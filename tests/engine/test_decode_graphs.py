@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dsserve.engine.decode_graphs import DecodeGraphs, batch_bucket, context_bucket
+from dsserve.engine.graph_capture import GraphCapture
 from dsserve.engine.greedy import greedy_generate
 from dsserve.kernels.ops import OPS, KernelOps
 from test_paged_attention import _engine, _greedy_agrees_with_oracle, _tiny
@@ -24,7 +25,8 @@ def test_buckets():
 
 def _graphs(capture, made, min_context=128, **kw):
     def make(kv):
-        g = DecodeGraphs(model, kv, max_batch=8, capture=capture, min_context=min_context, **kw)  # 5 rows pad to 8
+        g = DecodeGraphs(model, kv, max_batch=8, capture=GraphCapture() if capture else None, min_context=min_context,
+                         **kw)  # 5 rows pad to 8
         made.append(g)
         return g
     return make
@@ -129,7 +131,7 @@ def test_fixed_shape_decode_after_prefix_hits_with_and_without_bounded_replay():
                       swa_bounded_replay=replay, max_num_batched_tokens=64)
             eng = llm.engine
             if backend == "paged":
-                eng.runner.decode_graphs = DecodeGraphs(eng.model, eng.kv, 4, capture=False, min_context=128)
+                eng.runner.decode_graphs = DecodeGraphs(eng.model, eng.kv, 4, capture=None, min_context=128)
             got = [o.outputs[0] for p in prompts for o in llm.generate([p], params)]
             outs.append([(c.token_ids, [sorted(d.items()) for d in c.logprobs]) for c in got])
             assert eng.stats.as_dict()["prefix_hit_tokens"] > 0

@@ -63,3 +63,30 @@ def test_graph_decode_step_makes_no_host_sync():
     for _ in range(3):
         eng.step()
     assert len(guarded) == 2 and graphs.replays == 3
+
+
+@needs_cuda
+def test_replay_graph_step_makes_no_host_sync():
+    """Bounded replay's decoder rows replayed from a CUDA graph (a prefill step past the window): refilling the
+    buffers, copying the narrowed stream in, the replay."""
+    llm = LLM(model="tiny", dtype="bfloat16", device="cuda", enable_prefix_caching=False, max_num_seqs=4,
+              swa_bounded_replay=True)
+    eng = llm.engine
+    graphs = eng.runner.replay_graphs
+    run, guarded = graphs.run, []
+
+    def no_sync(start, parts, ctx):
+        if graphs.key(ctx) not in graphs._steps:  # the bucket's first step captures (and synchronises): unguarded
+            return run(start, parts, ctx)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return run(start, parts, ctx)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            guarded.append(True)
+    graphs.run = no_sync
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for i in range(3):  # same length: one bucket pair, captured by the first
+        llm.generate([list(range(5 + i, 85 + i))], params)
+    assert len(guarded) == 2 and graphs.replays == 3

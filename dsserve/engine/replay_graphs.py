@@ -1,0 +1,110 @@
+"""Bounded replay's decoder rows in fixed shapes, one per (row bucket, context bucket), captured as CUDA graphs.
+
+With bounded replay a prefill step narrows at the decoder's KV source (layer 20 of V4.1): the encoder and layer
+20's compressor ran on every row, and from layer 20's attention on only each prefill's last ``replay_window``
+prompt rows continue, plus the step's decode rows. That is a few hundred rows at most, however long the prompts,
+through 20 layers: little device work and thousands of launches, so the split (the seeds' piecewise graphs) runs
+it as a graph: ``ReplayBatch`` buffers of ``row_bucket(R)`` rows whose index sources score
+``context_bucket(max position + 1)`` positions' worth of entries, and the narrowed stream, attention input and
+mHC coefficients copied into static buffers. The encoder side stays eager (its chunks are thousands of rows:
+matmul-bound, and a graph would need a bucket per chunk length). Without capture (the CPU) the same fixed-shape
+forward runs eagerly: the tests check it against the eager path.
+
+``run`` returns None, counted in ``fallbacks`` by reason, for a step it does not take.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from ..kv.paged import PagedKVCache
+from ..kv.paged_batch import PagedBatch
+from ..kv.replay_batch import ReplayBatch
+from ..layers.context import ForwardContext
+from ..models.model import DeepseekForCausalLM
+from .decode_graphs import batch_bucket, context_bucket
+from .graph_capture import GraphCapture
+
+ROW_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024)
+
+
+class ReplayGraphs:
+    def __init__(self, model: DeepseekForCausalLM, kv: PagedKVCache, max_rows: int, max_seqs: int,
+                 capture: GraphCapture | None, min_context: int = 1024, row_buckets: tuple[int, ...] = ROW_BUCKETS):
+        """``max_rows``: the largest row bucket (a step's kept rows past it run eagerly); ``capture``: None runs
+        the fixed-shape forward eagerly (the CPU, the tests)."""
+        if min_context % (2 * kv.layout.block_size):
+            raise ValueError(f"min_context {min_context} must be a multiple of twice the block size "
+                             f"{kv.layout.block_size}")
+        self.model, self.kv, self.max_rows, self.max_seqs = model, kv, max_rows, max_seqs
+        self.capture, self.min_context, self.row_buckets = capture, min_context, row_buckets
+        self.split = model.cfg.encoder_layers  # the report form's narrowing: layer 20's attention on
+        self._steps: dict[tuple[int, int], tuple[ReplayBatch, list[torch.Tensor], object, torch.Tensor]] = {}
+        self.replays, self.runs, self.padded_rows, self.fallbacks = 0, 0, 0, Counter()
+
+    def _unfit(self, start: int, ctx: ForwardContext) -> str | None:
+        cfg = self.model.cfg
+        if start != self.split:
+            return "not narrowed at the decoder's KV source (replay form)"
+        if self.model.kernel_ops is None or type(ctx.paged) is not PagedBatch or ctx.paged.cache is not self.kv:
+            return "not the paged batched path"
+        if any(b.engram is not None for b in self.model.layers[start:]):
+            return "Engram in the decoder"
+        if ctx.trace is not None or ctx.is_image is not None or ctx.qat != cfg.qat:
+            return "traced, image rows or a qat override"
+        rows = sum(s.rows.stop - s.rows.start for s in ctx.seqs)
+        live = sum(s.rows.stop > s.rows.start for s in ctx.seqs)
+        if rows > self.max_rows or live > self.max_seqs:
+            return "rows outside the buckets"
+        return None
+
+    def key(self, ctx: ForwardContext) -> tuple[int, int]:
+        rows = sum(s.rows.stop - s.rows.start for s in ctx.seqs)
+        last = max(s.first + s.rows.stop - s.rows.start for s in ctx.seqs if s.rows.stop > s.rows.start)
+        return (batch_bucket(rows, self.max_rows, self.row_buckets), context_bucket(last, self.min_context))
+
+    @torch.no_grad()
+    def run(self, start: int, parts: tuple, ctx: ForwardContext) -> torch.Tensor | None:
+        """Final hidden states [R, d] of the narrowed rows of ``ctx`` from layer ``start``'s attention on, given
+        that layer's ``Block.head`` outputs ``parts`` = (x, h, a_pre, a_post, a_comb); None: not taken."""
+        why = self._unfit(start, ctx)
+        if why is not None:
+            self.fallbacks[why] += 1
+            return None
+        key = self.key(ctx)
+        if key not in self._steps:
+            self._steps[key] = self._build(key, parts, ctx)
+        batch, inputs, graph, hidden = self._steps[key]
+        rows = self._fill(batch, inputs, parts, ctx)
+        self.runs += 1
+        self.padded_rows += batch.capacity - rows
+        if graph is None:
+            hidden = self.model.forward_decoder_rows(batch, start, *inputs)
+        else:
+            graph.replay()
+            self.replays += 1
+        return hidden[:rows].clone()  # the next replay overwrites the graph's output buffer
+
+    def _fill(self, batch: ReplayBatch, inputs: list[torch.Tensor], parts: tuple, ctx: ForwardContext) -> int:
+        index = batch.fill(ctx.seqs, ctx.tokens, ctx.positions)
+        for buf, t in zip(inputs, parts):
+            torch.index_select(t, 0, index, out=buf)
+        return parts[0].shape[0]
+
+    def _build(self, key, parts, ctx):
+        rows, bound = key
+        batch = ReplayBatch(self.kv, rows, min(rows, self.max_seqs), bound)
+        inputs = [t.new_empty((rows,) + tuple(t.shape[1:])) for t in parts]
+        if self.capture is None:
+            return batch, inputs, None, None
+        # Warm up on this step's inputs with every write masked; the step refills the buffers before the replay.
+        self._fill(batch, inputs, parts, ctx)
+        batch.mask_writes()
+        graph, hidden = self.capture(lambda: self.model.forward_decoder_rows(batch, self.split, *inputs))
+        return batch, inputs, graph, hidden
+
+    def report(self) -> dict:
+        return {"graphs": sorted(k for k, v in self._steps.items() if v[2] is not None),
+                "fixed_shape_steps": sorted(self._steps), "runs": self.runs, "replays": self.replays,
+                "padded_rows": self.padded_rows, "fallbacks": dict(self.fallbacks)}

@@ -1,0 +1,96 @@
+"""Bounded replay's decoder rows in fixed shapes (the form their CUDA graphs capture) against the eager paths.
+
+The Triton kernels on fixed shapes (padded rows, context-bucketed entry counts) run under the interpreter in
+test_decode_graphs; here on a GPU only (the interpreter takes ~40 s for one prompt through every layer).
+"""
+import pytest
+import torch
+
+from dsserve import LLM, SamplingParams
+from dsserve.engine.graph_capture import GraphCapture
+from dsserve.engine.replay_graphs import ReplayGraphs
+from dsserve.models.presets import preset
+from test_paged_engine import make_prompts
+
+PARAMS = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
+
+
+def _prompts():
+    ps = make_prompts(preset("tiny"), seed=4)
+    base = ps[11][:100]
+    # two rounds: fresh prompts longer and shorter than the 32-row replay window, then prefix hits on the first
+    return [[base + [7, 8, 9], ps[3], ps[0]], [base + [10, 11], ps[5]]]
+
+
+def _run(graphs=None, **kw):
+    """Each round's prompts submitted together (mixed steps: one prompt's prefill chunk with the others' decode
+    rows). graphs: None (the engine's default), False (every replay step eager) or a ReplayGraphs factory."""
+    llm = LLM(model="tiny", swa_bounded_replay=True, max_num_batched_tokens=64, **kw)
+    eng = llm.engine
+    if graphs is not None:
+        eng.runner.replay_graphs = graphs(eng) if graphs else None
+    outs = [o.outputs[0] for batch in _prompts() for o in llm.generate(batch, PARAMS)]
+    assert eng.stats.as_dict()["prefix_hit_tokens"] > 0 and eng.stats.as_dict()["decoder_rows_skipped"] > 0
+    return [(c.token_ids, [sorted((k, v.logprob) for k, v in d.items()) for d in c.logprobs]) for c in outs], eng
+
+
+def _fixed_shape(made, capture=None, row_buckets=(16, 32, 64)):
+    def make(eng):
+        made.append(ReplayGraphs(eng.model, eng.kv, row_buckets[-1], 4, capture, min_context=128,
+                                 row_buckets=row_buckets))
+        return made[-1]
+    return make
+
+
+def test_fixed_shape_decoder_rows_are_exact():
+    """fp64, every op on its torch reference: the decoder rows of replayed prefill steps (fresh prompts, prefix hits,
+    mixed with decode rows, padded to a row bucket) give the reference path's tokens and logprobs."""
+    ref, _ = _run(False, dtype="float64", attention_backend="reference")
+    made = []
+    got, eng = _run(_fixed_shape(made), dtype="float64", attention_backend="paged", reference_ops="all")
+    for (tok_a, lp_a), (tok_b, lp_b) in zip(ref, got):
+        assert tok_a == tok_b
+        assert max(abs(a[1] - b[1]) for da, db in zip(lp_a, lp_b) for a, b in zip(da, db)) < 1e-9
+    rep = made[0].report()
+    assert rep["runs"] == eng.stats.replay_graph_steps > 0 and rep["padded_rows"] > 0
+    assert len({rows for rows, _ in rep["fixed_shape_steps"]}) > 1  # several row buckets
+    assert not rep["fallbacks"]
+
+
+def test_other_replay_form_falls_back():
+    """The vllm form narrows after layer 20's attention (its top-k already published): that step runs eagerly,
+    counted, and the output is the eager path's."""
+    made = []
+    eager, _ = _run(False, dtype="float64", attention_backend="paged", reference_ops="all", replay_form="vllm")
+    got, _ = _run(_fixed_shape(made), dtype="float64", attention_backend="paged", reference_ops="all",
+                  replay_form="vllm")
+    assert got == eager
+    rep = made[0].report()
+    assert rep["runs"] == 0 and rep["fallbacks"]["not narrowed at the decoder's KV source (replay form)"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_replay_graphs_on_gpu():
+    """The engine's default on a GPU captures the decoder rows' graphs: replaying them gives the same tokens and
+    logprobs, bit for bit, as the same fixed-shape forward run eagerly; and the same greedy tokens as the fully
+    eager engine (--enforce-eager) wherever that engine's top-2 margin clears fp32 noise."""
+    kw = dict(dtype="float32", device="cuda")
+    made = []
+    fixed, _ = _run(_fixed_shape(made), **kw)
+    captured, _ = _run(_fixed_shape(made, GraphCapture()), **kw)
+    assert captured == fixed
+    assert made[1].report()["replays"] > 0 and made[1].report()["graphs"] == made[0].report()["fixed_shape_steps"]
+    graphed, eng = _run(None, **kw)  # the engine's own buckets
+    rep = eng.runner.replay_graphs.report()
+    assert rep["replays"] > 0 and not rep["fallbacks"]
+    eager, _ = _run(False, enforce_eager=True, **kw)
+    checked = 0
+    for (tok_g, _), (tok_e, lp_e) in zip(graphed, eager):
+        for a, b, lps in zip(tok_g, tok_e, lp_e):
+            top = sorted((v for _, v in lps), reverse=True)
+            if top[0] - top[1] < 0.05:
+                break  # a near-tie may go either way, and everything after follows it
+            assert a == b
+            checked += 1
+    assert checked >= sum(len(t) for t, _ in eager) // 2
+
