@@ -120,9 +120,9 @@ class EngineCore:
             replay_window=args.replay_window or self.cfg.sliding_window,
             enable_prefix_caching=args.enable_prefix_caching, session_retention_s=args.session_retention), self.kv)
         self.stats = EngineStats(layout, self.cfg)
-        graphs = replay_graphs = None
+        graphs = replay_graphs = self.graph_capture = None
         if backend == "paged" and self.device.type == "cuda" and self.cfg.is_v41 and not args.enforce_eager:
-            capture = GraphCapture()  # every graph in one memory pool
+            capture = self.graph_capture = GraphCapture()  # every graph in one memory pool
             min_context = -(-1024 // (2 * layout.block_size)) * 2 * layout.block_size
             graphs = DecodeGraphs(self.model, self.kv, args.max_num_seqs, capture, min_context=min_context)
             if replay:
@@ -197,6 +197,7 @@ class EngineCore:
         self.stats.decoder_rows_skipped = self.runner.decoder_rows_skipped
         self.stats.graph_steps = self.runner.graph_steps
         self.stats.replay_graph_steps = 0 if self.runner.replay_graphs is None else self.runner.replay_graphs.runs
+        self.stats.graph_captures = 0 if self.graph_capture is None else self.graph_capture.captured
         self.scheduler.register_full_blocks([c.request for c in plan.chunks])
         if not sampling:
             self.stats.step_done(time.perf_counter() - t0, 0.0)

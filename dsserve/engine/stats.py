@@ -20,6 +20,7 @@ class EngineStats:
     decoder_rows_skipped: int = 0  # prefill rows that did not run the decoder (decoder-side replay)
     graph_steps: int = 0  # decode steps run in fixed shapes (replayed CUDA graphs on a GPU)
     replay_graph_steps: int = 0  # steps whose decoder rows ran in fixed shapes after bounded replay's narrowing
+    graph_captures: int = 0  # CUDA graphs captured (each stalls its step once: 0.2-1.6 s on the release proxy)
     steps: int = 0
     # A step's wall time split at its one copy back of the sampled tokens: host work (scheduling, launching or
     # refilling and replaying, sampling's launches, detokenising, stop checks) and the wait for the device there.
@@ -57,6 +58,7 @@ class EngineStats:
             "replayed_rows": self.replayed_rows, "prefill_rows": self.prefill_rows,
             "decoder_rows_skipped": self.decoder_rows_skipped, "decoder_flops_saved": self.decoder_flops_saved,
             "graph_steps": self.graph_steps, "replay_graph_steps": self.replay_graph_steps,
+            "graph_captures": self.graph_captures,
             "steps": self.steps, "step_host_seconds": self.step_host_seconds,
             "step_wait_seconds": self.step_wait_seconds,
             **persistent_bytes(lay),

@@ -34,6 +34,7 @@ STAT_COUNTERS = {
     "graph_steps": ("decode_graph_steps", "Decode steps run in fixed shapes (replayed CUDA graphs on a GPU)."),
     "replay_graph_steps": ("replay_graph_steps", "Steps whose decoder rows ran in fixed shapes after bounded "
                            "replay's narrowing (replayed CUDA graphs on a GPU)."),
+    "graph_captures": ("graph_captures", "CUDA graphs captured (each capture stalls the step that needs it once)."),
 }
 
 
