@@ -5,7 +5,7 @@ With bounded replay a prefill step narrows at the decoder's KV source (layer 20 
 prompt rows continue, plus the step's decode rows. That is a few hundred rows at most, however long the prompts,
 through 20 layers: little device work and thousands of launches, so the split (the seeds' piecewise graphs) runs
 it as a graph: ``ReplayBatch`` buffers of ``row_bucket(R)`` rows whose index sources score
-``context_bucket(max position + 1)`` positions' worth of entries, and the narrowed stream, attention input and
+``decoder_context_bucket(max position + 1)`` positions' worth of entries, and the narrowed stream, attention input and
 mHC coefficients copied into static buffers. The encoder side stays eager (its chunks are thousands of rows:
 matmul-bound, and a graph would need a bucket per chunk length). Without capture (the CPU) the same fixed-shape
 forward runs eagerly: the tests check it against the eager path.
@@ -23,10 +23,20 @@ from ..kv.paged_batch import PagedBatch
 from ..kv.replay_batch import ReplayBatch
 from ..layers.context import ForwardContext
 from ..models.model import DeepseekForCausalLM
-from .decode_graphs import batch_bucket, context_bucket
+from .decode_graphs import batch_bucket
 from .graph_capture import GraphCapture
 
 ROW_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024)
+
+
+def decoder_context_bucket(n: int, min_context: int) -> int:
+    """The position bound for decoder rows whose longest needs n positions: min_context doubled until it holds.
+    Coarser than the decode steps' buckets: here only layer 20's index scores (a few hundred rows) widen with the
+    bound (<= 2x), while every bucket pair costs a capture, and mixed steps vary in both rows and contexts."""
+    b = min_context
+    while b < n:
+        b *= 2
+    return b
 
 
 class ReplayGraphs:
@@ -40,6 +50,7 @@ class ReplayGraphs:
         self.model, self.kv, self.max_rows, self.max_seqs = model, kv, max_rows, max_seqs
         self.capture, self.min_context, self.row_buckets = capture, min_context, row_buckets
         self.split = model.cfg.encoder_layers  # the report form's narrowing: layer 20's attention on
+        self.decoder_engram = any(b.engram is not None for b in model.layers[self.split:])
         self._steps: dict[tuple[int, int], tuple[ReplayBatch, list[torch.Tensor], object, torch.Tensor]] = {}
         self.replays, self.runs, self.padded_rows, self.fallbacks = 0, 0, 0, Counter()
 
@@ -49,7 +60,7 @@ class ReplayGraphs:
             return "not narrowed at the decoder's KV source (replay form)"
         if self.model.kernel_ops is None or type(ctx.paged) is not PagedBatch or ctx.paged.cache is not self.kv:
             return "not the paged batched path"
-        if any(b.engram is not None for b in self.model.layers[start:]):
+        if self.decoder_engram:  # its rows would need hashing on the host per step
             return "Engram in the decoder"
         if ctx.trace is not None or ctx.is_image is not None or ctx.qat != cfg.qat:
             return "traced, image rows or a qat override"
@@ -62,7 +73,7 @@ class ReplayGraphs:
     def key(self, ctx: ForwardContext) -> tuple[int, int]:
         rows = sum(s.rows.stop - s.rows.start for s in ctx.seqs)
         last = max(s.first + s.rows.stop - s.rows.start for s in ctx.seqs if s.rows.stop > s.rows.start)
-        return (batch_bucket(rows, self.max_rows, self.row_buckets), context_bucket(last, self.min_context))
+        return (batch_bucket(rows, self.max_rows, self.row_buckets), decoder_context_bucket(last, self.min_context))
 
     @torch.no_grad()
     def run(self, start: int, parts: tuple, ctx: ForwardContext) -> torch.Tensor | None:

@@ -8,7 +8,7 @@ import torch
 
 from dsserve import LLM, SamplingParams
 from dsserve.engine.graph_capture import GraphCapture
-from dsserve.engine.replay_graphs import ReplayGraphs
+from dsserve.engine.replay_graphs import ReplayGraphs, decoder_context_bucket
 from dsserve.models.presets import preset
 from test_paged_engine import make_prompts
 
@@ -20,6 +20,11 @@ def _prompts():
     base = ps[11][:100]
     # two rounds: fresh prompts longer and shorter than the 32-row replay window, then prefix hits on the first
     return [[base + [7, 8, 9], ps[3], ps[0]], [base + [10, 11], ps[5]]]
+
+
+def test_decoder_context_buckets():
+    assert [decoder_context_bucket(n, 1024) for n in (1, 1024, 1025, 5000, 40000, 131073)] == [
+        1024, 1024, 2048, 8192, 65536, 262144]
 
 
 def _run(graphs=None, **kw):
