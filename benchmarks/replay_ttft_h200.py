@@ -45,6 +45,7 @@ MODES = {"a_replay_off": dict(swa_bounded_replay=False),
 
 def engine(loaded: LoadedModel, mode: dict, kv_bytes: int, max_len: int, smoke: bool) -> EngineCore:
     args = EngineArgs(model="tiny", dtype="bfloat16" if DEV == "cuda" else "float32",
+                      # "device": leave the tables where build_core put them (host, FP8) for every engine
                       quantization="fp8" if not smoke else None, engram_tables="device",
                       max_num_seqs=4, max_num_batched_tokens=256 if smoke else 8192, max_model_len=max_len,
                       enable_prefix_caching=True, kv_cache_memory=kv_bytes,

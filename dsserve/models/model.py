@@ -154,7 +154,7 @@ class DeepseekForCausalLM(nn.Module):
             pre = hc_head_pre(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg.rms_norm_eps, cfg.hc_eps)
         return ForwardOutput(collapse(x, pre), ctx.positions, taps, ctx.seqs)
 
-    # ---------------------------------------------------------------- fixed-shape decode steps (CUDA graphs)
+    # ------------------------------ fixed-shape forwards (CUDA graphs): decode steps, bounded replay's decoder rows
     def fill_decode(self, batch: DecodeBatch, seqs: list, tokens: list[int]) -> None:
         """A decode step's inputs into ``batch``'s buffers (sequence i decodes ``tokens[i]``), Engram rows hashed on
         the host and, for host tables, copied in; then ``forward_decode`` runs (or replays) on them."""
