@@ -1,6 +1,6 @@
 """Where a CUDA-graph decode step's time goes on the release proxy (issue 9): per case, the host phases of a
 steady-state step (bucket lookup, refilling the buffers, launching the replay, waiting for it, the host's
-bookkeeping) and the replayed kernels' device time (torch.profiler), top kernels first.
+bookkeeping) and the replayed kernels' device time (torch.profiler): every kernel's total ms and launch count.
 
     python benchmarks/graph_step_profile.py --out benchmarks/results/model-h200-graphs
 
@@ -72,27 +72,33 @@ def profile_case(core, b: int, ctx: int, gen: torch.Generator, steps: int = 3) -
             r.num_computed_tokens += 1
         if step < steps:
             phases.append({"key": t1 - t0, "fill": t2 - t1, "launch": t3 - t2, "wait": t4 - t3, "commit": t5 - t4})
-    per = {}
+    per, count = {}, {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             per[e.name[:70]] = per.get(e.name[:70], 0.0) + e.time_range.elapsed_us() / 1e3
+            count[e.name[:70]] = count.get(e.name[:70], 0) + 1
     for r in reqs:
         core.kv.release(r.kv)
     med = {k: sorted(p[k] for p in phases)[len(phases) // 2] * 1e3 for k in phases[0]}
     return {"B": b, "ctx": ctx, "bucket": list(key), "capture_step_s": first_s, "phases_ms": med,
             "replay_kernels_ms": sum(per.values()),
-            "top_kernels_ms": dict(sorted(per.items(), key=lambda kv: -kv[1])[:12])}
+            "kernels_launched": sum(count.values()),
+            "top_kernels_ms": dict(sorted(per.items(), key=lambda kv: -kv[1])[:12]),
+            "kernels": {n: {"ms": ms, "count": count[n]} for n, ms in sorted(per.items(), key=lambda kv: -kv[1])}}
 
 
 def main() -> None:
     import model_h200 as M
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="benchmarks/results/model-h200-graphs")
+    p.add_argument("--cases", default=",".join(f"{b}:{c}" for b, c in CASES), help="B:context,... (default: %(default)s)")
     a = p.parse_args()
-    core, info = M.build_core("proxy-h200-release", (128, 131072 + 8192 + 1), release=True, smoke=False,
+    cases = [tuple(int(v) for v in c.split(":")) for c in a.cases.split(",")]
+    core, info = M.build_core("proxy-h200-release", (max(b for b, _ in cases), max(c for _, c in cases) + 8192 + 1),
+                              release=True, smoke=False,
                               engram_tables="host-fp8")
     gen = torch.Generator().manual_seed(0)
-    rows = [profile_case(core, b, ctx, gen) for b, ctx in CASES]
+    rows = [profile_case(core, b, ctx, gen) for b, ctx in cases]
     print(f"{'case':22s} {'key':>6s} {'fill':>6s} {'launch':>7s} {'wait':>7s} {'commit':>7s} {'kernels':>8s}")
     for r in rows:
         ph = r["phases_ms"]

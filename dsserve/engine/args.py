@@ -39,8 +39,9 @@ class EngineArgs:
     session_retention: float = field(default=0.0, metadata=_h(
         "seconds a finished session request's blocks stay ahead of LRU (0: off)"))
     quantization: str | None = field(default=None, metadata=_h(
-        "fp8: the attention projections in the release's FP8 e4m3 weights with 32x32 (V4: 128x128) ue8m0 block "
-        "scales, through the Triton FP8 kernel on GPU | None: the weights as loaded"))
+        "fp8: the dense projections the release stores in FP8 (attention, indexer wq_b, shared experts, Engram "
+        "wkv) in its e4m3 weights with 32x32 (V4: 128x128) ue8m0 block scales, through the Triton FP8 kernel on "
+        "GPU | None: the weights as loaded"))
     expert_format: str | None = field(default=None, metadata=_h(
         "the routed experts' storage: mxfp4 (the release's) | fp8 (32x32 ue8m0 blocks) | None: as loaded. With "
         "dummy weights they are built on the device and packed layer by layer (the release proxy fits one "

@@ -4,6 +4,11 @@
 * w_q float8_e4m3fn [N, K]; w_s uint8 e8m0 exponent bytes (float8_e8m0fnu accepted) [ceil(N/b), ceil(K/b)];
   W[n, k] = w_q[n, k] * 2^(w_s[n // b, k // b] - 127), i.e. quant.dequant_fp8_block.
 
+Grouped (groups = G > 1, a block-diagonal weight: attn.wo_a): w_q [G*O, I] holds G stacked [O, I] blocks, x is
+[M, G*I], out [M, G*O] with out[:, g*O:(g+1)*O] = x[:, g*I:(g+1)*I] @ W[g*O:(g+1)*O]^T. O must be a multiple of b,
+so that no scale block straddles two groups. One launch covers every group: a program's BN output columns lie in
+one group (BN divides O), and it reads that group's x columns.
+
 W8A16 (default; numerics of fp8_linear_ref: exact fp32 W cast to x's dtype, matmul): e4m3 tiles are bitcast, scaled
 by their pow2 block scale (exact) and fed to x-dtype tensor-core dots, fp32 accumulation. Decode is bound by the
 weight bytes (half of bf16's), so small M splits K over programs (fp32 partials summed after: no atomics).
@@ -40,10 +45,13 @@ def _e8m0(e):  # exponent byte -> fp32 2^(e - 127); e = 0 is the subnormal 2^-12
 
 @triton.jit
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, o_ptr, M, N, sxm, som, sos, K: tl.constexpr, BLOCK: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, K_TILES: tl.constexpr, DOT_F32: tl.constexpr):
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, K_TILES: tl.constexpr, DOT_F32: tl.constexpr,
+                  GROUP_N: tl.constexpr = 0):
     KS: tl.constexpr = (K + BLOCK - 1) // BLOCK
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    if GROUP_N:  # block-diagonal weight: this program's columns (BN divides GROUP_N) read their group's x slice
+        x_ptr = x_ptr + (tl.program_id(1) * BN // GROUP_N) * K
     acc = tl.zeros((BM, BN), tl.float32)
     for t in range(K_TILES):
         k0 = (tl.program_id(2) * K_TILES + t) * BK
@@ -90,10 +98,14 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, sxm, sqm, ssm, ssg, G: tl.constexp
 
 @triton.jit
 def _w8a8_kernel(q_ptr, qs_ptr, w_ptr, s_ptr, o_ptr, M, N, sqm, ssm, ssg, som, K: tl.constexpr, BLOCK: tl.constexpr,
-                 G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                 G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_N: tl.constexpr = 0):
     KS: tl.constexpr = (K + BLOCK - 1) // BLOCK
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    if GROUP_N:  # as in _w8a16_kernel; G divides K, so the group's activation scales start at column g*K/G
+        grp = tl.program_id(1) * BN // GROUP_N
+        q_ptr = q_ptr + grp * K
+        qs_ptr = qs_ptr + grp * (K // G) * ssg
     acc = tl.zeros((BM, BN), tl.float32)
     for t in range(K // 32):  # 32 = the finest scale granularity (act group or weight block) on either side
         kk = t * 32 + tl.arange(0, 32)
@@ -107,7 +119,7 @@ def _w8a8_kernel(q_ptr, qs_ptr, w_ptr, s_ptr, o_ptr, M, N, sqm, ssm, ssg, som, K
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def _check(x, w_q, w_s, block, act_quant, act_group, kernel):
+def _check(x, w_q, w_s, block, act_quant, act_group, kernel, groups=1):
     """Validate the operands; returns (x, w_q as float8_e4m3fn, w_s as uint8)."""
     if block not in (32, 64, 128):  # powers of two (tile reshapes), >= the 32-wide fp8 K step
         raise ValueError(f"block {block} not supported (allowed: 32, 64, 128)")
@@ -116,8 +128,13 @@ def _check(x, w_q, w_s, block, act_quant, act_group, kernel):
     n, k = w_q.shape
     if tuple(w_s.shape) != (-(-n // block), -(-k // block)) or w_s.element_size() != 1:
         raise ValueError(f"w_s must be uint8/e8m0 [{-(-n // block)}, {-(-k // block)}], got {w_s.dtype} {w_s.shape}")
-    if x.dim() != 2 or x.shape[1] != k or not x.is_floating_point():
-        raise ValueError(f"x must be a float [M, {k}] tensor, got {x.dtype} {tuple(x.shape)}")
+    if not isinstance(groups, int) or groups < 1 or n % groups:
+        raise ValueError(f"groups must be a positive int dividing N={n}, got {groups!r}")
+    if groups > 1 and (n // groups) % block:
+        raise ValueError(f"groups={groups}: the rows per group O={n // groups} must be a multiple of block={block} "
+                         "(no scale block may straddle two groups)")
+    if x.dim() != 2 or x.shape[1] != groups * k or not x.is_floating_point():
+        raise ValueError(f"x must be a float [M, {groups * k}] tensor (groups x K), got {x.dtype} {tuple(x.shape)}")
     if kernel and x.dtype not in KERNEL_DTYPES:
         raise ValueError(f"x dtype {x.dtype} not supported by the kernel (allowed: {KERNEL_DTYPES})")
     if act_quant and (act_group not in (32, 128) or k % act_group):
@@ -125,40 +142,58 @@ def _check(x, w_q, w_s, block, act_quant, act_group, kernel):
     return x, w_q.view(torch.float8_e4m3fn), w_s.view(torch.uint8)
 
 
-def fp8_linear_ref(x, w_q, w_s, block: int, *, act_quant: bool = False, act_group: int = 32) -> torch.Tensor:
-    """x @ W^T: W dequantised (fp32, dequant_fp8_block), cast to x's dtype, plain matmul. act_quant: see w8a8_ref."""
-    x, w_q, w_s = _check(x, w_q, w_s, block, act_quant, act_group, kernel=False)
-    if act_quant:
+def fp8_linear_ref(x, w_q, w_s, block: int, *, act_quant: bool = False, act_group: int = 32,
+                   groups: int = 1) -> torch.Tensor:
+    """x @ W^T: W dequantised (fp32, dequant_fp8_block), cast to x's dtype, plain matmul; groups > 1: the
+    block-diagonal product (module docstring), one batched matmul over the groups. act_quant: see w8a8_ref."""
+    x, w_q, w_s = _check(x, w_q, w_s, block, act_quant, act_group, kernel=False, groups=groups)
+    if act_quant:  # act_group divides K, so no activation group straddles two weight groups
         x = fake_quant_fp8_pow2(x, act_group)
-    return x @ dequant_fp8_block(w_q, w_s, block).to(x.dtype).t()
+    w = dequant_fp8_block(w_q, w_s, block).to(x.dtype)
+    if groups == 1:
+        return x @ w.t()
+    (m, _), (n, k) = x.shape, w.shape
+    return torch.bmm(x.view(m, groups, k).transpose(0, 1), w.view(groups, n // groups, k).transpose(1, 2)
+                     ).transpose(0, 1).reshape(m, n)
 
 
-def fp8_linear_w8a8_ref(x, w_q, w_s, block: int, *, act_group: int = 32) -> torch.Tensor:
+def fp8_linear_w8a8_ref(x, w_q, w_s, block: int, *, act_group: int = 32, groups: int = 1) -> torch.Tensor:
     """W8A8 numerics: x fake-quantised to e4m3 per (row, act_group columns) with pow2 scales, then fp8_linear_ref."""
-    return fp8_linear_ref(x, w_q, w_s, block, act_quant=True, act_group=act_group)
+    return fp8_linear_ref(x, w_q, w_s, block, act_quant=True, act_group=act_group, groups=groups)
 
 
-def fp8_linear(x, w_q, w_s, block: int, *, act_quant: bool = False, act_group: int = 32,
+def _bn(cfg, default, group_n):
+    """The N tile: `default`, or for a grouped weight the largest power of two <= default dividing O."""
+    if not group_n:
+        return cfg.get("BN", default)
+    bn = cfg.get("BN", min(default, group_n & -group_n))
+    if group_n % bn:
+        raise ValueError(f"config BN={bn} must divide the rows per group O={group_n}")
+    return bn
+
+
+def fp8_linear(x, w_q, w_s, block: int, *, act_quant: bool = False, act_group: int = 32, groups: int = 1,
                config: dict | None = None) -> torch.Tensor:
     """Triton x @ W^T, same semantics as fp8_linear_ref. config overrides the tiles (BM, BN, BK, SPLIT_K,
     num_warps, num_stages; tests and benchmarks only)."""
-    x, w_q, w_s = _check(x, w_q, w_s, block, act_quant, act_group, kernel=True)
+    x, w_q, w_s = _check(x, w_q, w_s, block, act_quant, act_group, kernel=True, groups=groups)
     x = x.contiguous()
-    (m, k), n, cfg = x.shape, w_q.shape[0], dict(config or {})
+    (m, _), (n, k), cfg = x.shape, w_q.shape, dict(config or {})
+    group_n = n // groups if groups > 1 else 0  # GROUP_N: 0 = one plain [N, K] weight
     if m == 0:  # an empty grid is not launchable
         return x.new_empty(0, n)
     if act_quant:
         q, qs = _act_quant(x, act_group, m_major=False)
-        bm, bn = cfg.get("BM", min(128, max(16, triton.next_power_of_2(m)))), cfg.get("BN", 128)
+        bm, bn = cfg.get("BM", min(128, max(16, triton.next_power_of_2(m)))), _bn(cfg, 128, group_n)
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         _w8a8_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
             q, qs, w_q.view(torch.uint8), w_s, out, m, n, q.stride(0), qs.stride(0), qs.stride(1), out.stride(0),
-            K=k, BLOCK=block, G=act_group, BM=bm, BN=bn, num_warps=cfg.get("num_warps", 8 if bm >= 128 else 4),
-            num_stages=cfg.get("num_stages", 4))
+            K=k, BLOCK=block, G=act_group, BM=bm, BN=bn, GROUP_N=group_n,
+            num_warps=cfg.get("num_warps", 8 if bm >= 128 else 4), num_stages=cfg.get("num_stages", 4))
         return out
     small = m <= 64  # decode: weight-bandwidth bound, small BM, split K; else 128x128 tiles
     bm = cfg.get("BM", max(16, triton.next_power_of_2(m)) if small else 128)
-    bn, bk = cfg.get("BN", 64 if small else 128), cfg.get("BK", 128 if small else 64)
+    bn, bk = _bn(cfg, 64 if small else 128, group_n), cfg.get("BK", 128 if small else 64)
     tiles, k_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn), triton.cdiv(k, bk)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
     split = min(k_tiles, cfg.get("SPLIT_K", max(1, 2 * sms // tiles)))
@@ -167,7 +202,7 @@ def fp8_linear(x, w_q, w_s, block: int, *, act_quant: bool = False, act_group: i
     out = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
     _w8a16_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
         x, w_q.view(torch.uint8), w_s, out, m, n, x.stride(0), out.stride(1), out.stride(0), K=k, BLOCK=block,
-        BM=bm, BN=bn, BK=bk, K_TILES=per, DOT_F32=_INTERPRET or x.dtype == torch.float32,
+        BM=bm, BN=bn, BK=bk, K_TILES=per, DOT_F32=_INTERPRET or x.dtype == torch.float32, GROUP_N=group_n,
         num_warps=cfg.get("num_warps", 4 if small else 8), num_stages=cfg.get("num_stages", 4 if small else 3))
     return out[0] if split == 1 else out.sum(0).to(x.dtype)
 
@@ -184,35 +219,41 @@ def _act_quant(x, group, m_major):
 
 class Fp8Linear(nn.Module):
     """Bias-free linear layer on the release's FP8 block weights. `use_kernel` (set by the engine) picks Triton
-    over the reference; rows >= `act_quant_min_m` (None: never) take the W8A8 numerics, in both."""
+    over the reference; rows >= `act_quant_min_m` (None: never) take the W8A8 numerics, in both.
+    groups > 1: the block-diagonal weight of the module docstring; `in_features` stays the weight's columns I
+    (one group's input width: the module maps [..., groups * I] -> [..., out_features], out_features = G*O)."""
 
-    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, block: int):
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, block: int, groups: int = 1):
         super().__init__()
-        _check(weight.new_empty(0, weight.shape[1], dtype=torch.float32), weight, weight_scale, block, False, 32, False)
+        _check(weight.new_empty(0, groups * weight.shape[1], dtype=torch.float32), weight, weight_scale, block, False,
+               32, False, groups)
         self.register_buffer("weight", weight.view(torch.float8_e4m3fn))
         self.register_buffer("weight_scale", weight_scale.view(torch.uint8))  # uint8: every PyTorch has it
-        self.block, self.out_features, self.in_features = block, *weight.shape
+        self.block, self.groups, self.out_features, self.in_features = block, groups, *weight.shape
         self.use_kernel, self.act_quant_min_m = False, None
 
     @classmethod
-    def from_quantized(cls, weight: torch.Tensor, weight_scale: torch.Tensor, block: int) -> "Fp8Linear":
-        return cls(weight, weight_scale, block)
+    def from_quantized(cls, weight: torch.Tensor, weight_scale: torch.Tensor, block: int,
+                       groups: int = 1) -> "Fp8Linear":
+        return cls(weight, weight_scale, block, groups)
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, block: int) -> "Fp8Linear":
+    def from_linear(cls, lin: nn.Linear, block: int, groups: int = 1) -> "Fp8Linear":
+        """lin.weight [G*O, I] (a block-diagonal one when groups > 1, as attn.wo_a stores it)."""
         if lin.bias is not None:
             raise ValueError("Fp8Linear has no bias; got an nn.Linear with one")
-        return cls(*quant_fp8_block(lin.weight.detach(), block), block)
+        return cls(*quant_fp8_block(lin.weight.detach(), block), block, groups)
 
     def dequantized_weight(self) -> torch.Tensor:
         """float32 [N, K], exactly what the checkpoint loader puts into an nn.Linear."""
         return dequant_fp8_block(self.weight, self.weight_scale, self.block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x.reshape(-1, self.groups * self.in_features)
         aq = self.act_quant_min_m is not None and x2.shape[0] >= self.act_quant_min_m
         fn = fp8_linear if self.use_kernel else fp8_linear_ref
-        return fn(x2, self.weight, self.weight_scale, self.block, act_quant=aq).view(*x.shape[:-1], self.out_features)
+        y = fn(x2, self.weight, self.weight_scale, self.block, act_quant=aq, groups=self.groups)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def _apply(self, fn, recurse=True):
         # model.double() / .to(dtype) would convert fp8 buffers (they count as floating point); moving uint8
@@ -223,7 +264,8 @@ class Fp8Linear(nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
+        g = f", groups={self.groups}" if self.groups > 1 else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}{g}"
 
 
 BENCH_SHAPES = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wo_b": (5120, 8192)}  # name: (N, K)

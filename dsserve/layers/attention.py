@@ -157,6 +157,8 @@ class CSA2Attention(nn.Module):
     def project(self, o: torch.Tensor) -> torch.Tensor:
         """[T, H, D] de-rotated attention output -> [T, hidden]."""
         t, g = o.shape[0], self.cfg.o_groups
+        if not isinstance(self.wo_a, nn.Linear):  # an Fp8Linear (--quantization fp8, groups = o_groups): the grouped
+            return self.wo_b(self.wo_a(o.view(t, -1)))  # product; not imported here: layers load no Triton module
         u = torch.einsum("tgi,goi->tgo", o.view(t, g, -1), self.wo_a.weight.view(g, self.cfg.o_lora_rank, -1))
         return self.wo_b(u.flatten(1))
 

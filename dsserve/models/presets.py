@@ -43,7 +43,8 @@ def _proxy_h200_release() -> ModelConfig:
     8-way expert-parallel deployment (384 / 8 = 48, top-6 kept) and the Engram buckets cut 4x further than
     proxy-h200's (65,536: about 1/245 of real), so the tables stay small. The construction is plain bf16/fp32
     like every preset; the release's storage formats come after construction, from `--quantization fp8` /
-    models.quantize.quantize_dense_fp8 (FP8 e4m3 dense projections, 32x32 ue8m0 blocks) and
+    models.quantize.quantize_dense_fp8 (the release's FP8 e4m3 dense projections: attention incl. the
+    grouped wo_a, indexer wq_b, shared experts, Engram wkv; 32x32 ue8m0 blocks) and
     quantize_experts(model, "mxfp4", keep_dense=False) (MXFP4 experts, the dense copies dropped; `--expert-format
     mxfp4` builds it so, layer by layer on the device: models.dummy_build): about 36 GB of experts + 15 GB of the
     rest, one H200. Dummy weights only."""

@@ -1,9 +1,13 @@
-"""``--quantization fp8``: the attention's dense projections in the release's weight format.
+"""``--quantization fp8``: the dense projections the release stores in FP8, in its weight format.
 
 The release stores these weights FP8 e4m3 with one ue8m0 (power-of-two) scale per 32x32 block (V4: 128x128),
-and the loader dequantises them. Re-quantising a dequantised release weight is lossless (its blocks are
-already on the pow2-scaled e4m3 grid), so the bytes equal the checkpoint's; random dummy weights are rounded
-once, and the reference forward then runs the same rounded weights (the oracle uses the same modules).
+and the loader dequantises them: per layer attn.wq_a/wq_b/wkv/wo_a/wo_b, attn.indexer.wq_b,
+ffn.shared_experts.w1/w2/w3 and engram.wkv (spec 1.7, 4.2). wo_a [G*o_lora_rank, H*D/G] is block-diagonal over the
+G = o_groups head groups: an Fp8Linear with groups = G (attention.project calls it on the flat [T, H*D] output).
+Re-quantising a dequantised release weight is lossless (its blocks are already on the pow2-scaled e4m3 grid), so
+the bytes equal the checkpoint's; random dummy weights are rounded once, and the reference forward then runs the
+same rounded weights (the oracle uses the same modules). Not converted here: the DSpark stages (model.mtp) and
+mtp.0.main_proj, which the release also stores in FP8.
 """
 from __future__ import annotations
 
@@ -15,23 +19,31 @@ from ..kernels.grouped_moe import ExpertWeights
 
 QUANTIZATIONS = (None, "fp8")
 EXPERT_FORMATS = ("fp8", "mxfp4")  # the routed experts: FP8 32x32 blocks, or MXFP4 as the release ships them
-# Projections read through nn.Linear.__call__; wo_a (a grouped einsum) and the compressor (fp32 pooling over
-# .weight) keep their dtype.
-ATTENTION_PROJECTIONS = ("wq_a", "wq_b", "wkv", "wo_b")
+# Projections read through module calls (wo_a: attention.project switches to the grouped Fp8Linear); the
+# compressor (fp32 pooling over .weight) keeps its dtype, as the release stores it in bf16.
+ATTENTION_PROJECTIONS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
 INDEXER_PROJECTIONS = ("wq_b",)
+SHARED_EXPERT_PROJECTIONS = ("w1", "w2", "w3")
+ENGRAM_PROJECTIONS = ("wkv",)
 
 
 def quantize_dense_fp8(model: nn.Module, block: int) -> int:
-    """Replace the attention projections of every layer by Fp8Linear in place; returns how many."""
+    """Replace the release's FP8 dense projections of every layer (module docstring) by Fp8Linear in place;
+    returns how many. wo_a stays as it is when o_lora_rank is not a multiple of `block` (a scale block would
+    straddle two groups: tiny-v4's 64 rows per group on 128x128 blocks; every release has 1024)."""
     n = 0
     for layer in model.layers:
         attn = layer.attn
-        for owner, names in ((attn, ATTENTION_PROJECTIONS), (attn.indexer, INDEXER_PROJECTIONS)):
+        owners = ((attn, ATTENTION_PROJECTIONS), (attn.indexer, INDEXER_PROJECTIONS),
+                  (layer.ffn.shared_experts, SHARED_EXPERT_PROJECTIONS), (layer.engram, ENGRAM_PROJECTIONS))
+        for owner, names in owners:
             for name in names if owner is not None else ():
                 lin = getattr(owner, name, None)
-                if isinstance(lin, nn.Linear):
-                    setattr(owner, name, Fp8Linear.from_linear(lin, block).to(lin.weight.device))
-                    n += 1
+                groups = attn.cfg.o_groups if owner is attn and name == "wo_a" else 1
+                if not isinstance(lin, nn.Linear) or (groups > 1 and lin.out_features // groups % block):
+                    continue
+                setattr(owner, name, Fp8Linear.from_linear(lin, block, groups).to(lin.weight.device))
+                n += 1
     return n
 
 

@@ -97,6 +97,74 @@ def test_rejects_bad_operands():
         F.Fp8Linear.from_linear(nn.Linear(64, 64), 32)
 
 
+def grouped_loop(x, w_q, w_s, block, groups):
+    """The block-diagonal product group by group: each group's own rows and scale rows, a plain matmul."""
+    n, k = w_q.shape
+    o, ob = n // groups, n // groups // block
+    outs = [x[:, g * k:(g + 1) * k] @ dequant_fp8_block(w_q[g * o:(g + 1) * o], w_s[g * ob:(g + 1) * ob], block)
+            .to(x.dtype).t() for g in range(groups)]
+    return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("groups,m,o,k", [(2, 5, 64, 96), (4, 3, 32, 64), (8, 1, 32, 32)])
+def test_grouped_ref_is_the_per_group_loop(groups, m, o, k):
+    w_q, w_s = make(groups * o, k, 32, seed=groups)
+    x = torch.randn(m, groups * k, generator=torch.Generator().manual_seed(6))
+    ref = F.fp8_linear_ref(x, w_q, w_s, 32, groups=groups)
+    assert ref.shape == (m, groups * o)
+    assert rel(ref, grouped_loop(x, w_q, w_s, 32, groups)) < 1e-6
+    # not the dense product: the off-diagonal blocks are zero, not W's other groups
+    dense = x[:, :k] @ dequant_fp8_block(w_q, w_s, 32).t()
+    assert rel(ref[:, :o], dense[:, :o]) < 1e-6 and rel(ref[:, o:], dense[:, o:]) > 0.1
+    aq = F.fp8_linear_w8a8_ref(x, w_q, w_s, 32, groups=groups)
+    assert rel(aq, grouped_loop(fake_quant_fp8_pow2(x, 32), w_q, w_s, 32, groups)) < 1e-6
+
+
+@pytest.mark.parametrize("groups,m,o,k,dtype,config", [
+    (2, 1, 64, 256, torch.float32, {"SPLIT_K": 2}),           # decode: BN 64 = O, 2 K tiles over 2 programs
+    (4, 5, 32, 64, torch.bfloat16, None),                     # default tiles, BN 32 = O: one program per group
+    (2, 5, 64, 128, torch.float32, {"BN": 32, "BK": 32, "SPLIT_K": 3}),  # 2 programs a group, 4 K tiles over 2
+    (4, 70, 32, 64, torch.float32, None),                     # M > 64: BM 128, BK 64
+])
+def test_grouped_w8a16_matches_ref(groups, m, o, k, dtype, config):
+    w_q, w_s = make(groups * o, k, 32, seed=m)
+    x = torch.randn(m, groups * k, generator=torch.Generator().manual_seed(7)).to(dtype)
+    out = F.fp8_linear(x, w_q, w_s, 32, groups=groups, config=config)
+    ref = F.fp8_linear_ref(x, w_q, w_s, 32, groups=groups)
+    assert out.dtype == dtype and out.shape == (m, groups * o)
+    assert rel(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_grouped_w8a8_and_module():
+    w_q, w_s = make(4 * 32, 64, 32, seed=8)
+    x = torch.randn(5, 4 * 64, generator=torch.Generator().manual_seed(9))
+    out = F.fp8_linear(x, w_q, w_s, 32, act_quant=True, groups=4)
+    assert rel(out, F.fp8_linear_w8a8_ref(x, w_q, w_s, 32, groups=4)) < 1e-5
+    mod = F.Fp8Linear.from_quantized(w_q, w_s, 32, groups=4)
+    assert (mod.in_features, mod.out_features) == (64, 128) and "groups=4" in repr(mod)
+    ref = F.fp8_linear_ref(x, w_q, w_s, 32, groups=4)
+    assert rel(mod(x.view(5, 1, 256)).view(5, 128), ref) < 1e-6
+    mod.use_kernel = True
+    assert rel(mod(x), ref) < 1e-5
+    lin = nn.Linear(64, 128, bias=False)
+    assert F.Fp8Linear.from_linear(lin, 32, groups=4).groups == 4
+
+
+def test_grouped_rejects_bad_operands():
+    w_q, w_s = make(96, 64, 32)
+    x = torch.randn(2, 128)
+    with pytest.raises(ValueError, match="groups"):
+        F.fp8_linear_ref(x, w_q, w_s, 32, groups=5)          # 96 rows do not split into 5
+    with pytest.raises(ValueError, match="multiple of block"):
+        F.fp8_linear(torch.randn(2, 256), w_q, w_s, 32, groups=4)  # O = 24: a scale block straddles groups
+    with pytest.raises(ValueError, match="x must be"):
+        F.fp8_linear(torch.randn(2, 64), w_q, w_s, 32, groups=3)   # x must be [M, groups * K]
+    with pytest.raises(ValueError, match="BN"):
+        F.fp8_linear(torch.randn(2, 192), w_q, w_s, 32, groups=3, config={"BN": 64})  # O = 32
+    with pytest.raises(ValueError, match="multiple of block"):
+        F.Fp8Linear.from_linear(nn.Linear(64, 96, bias=False), 32, groups=2)  # O = 48
+
+
 def _poisoned_call(fn, m, n):
     # fill the allocator's next block of this size with NaN so that an unwritten output element shows
     torch.full((m, n), float("nan"), device="cuda", dtype=torch.float32)
@@ -131,3 +199,19 @@ def test_gpu_fp32_split_k_and_bk_fallback():
         assert rel(F.fp8_linear(x, w_q, w_s, 32, config=cfg), ref) < 1e-5
     out = F.fp8_linear(x, w_q, w_s, 32, act_quant=True)
     assert rel(out, F.fp8_linear_w8a8_ref(x, w_q, w_s, 32)) < 1e-5
+
+
+@cuda
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_gpu_grouped_wo_a(m):
+    n, k, groups = 8192, 4096, 8  # attn.wo_a: 8 groups x 1024 rows, each on its own 4096 columns
+    w_q, w_s = make(n, k, 32, "cuda", seed=m)
+    x = torch.randn(m, groups * k, device="cuda", dtype=torch.bfloat16)
+    out = _poisoned_call(lambda: F.fp8_linear(x, w_q, w_s, 32, groups=groups), m, n)
+    assert not out.isnan().any()
+    ref = F.fp8_linear_ref(x.float(), w_q, w_s, 32, groups=groups)
+    assert rel(out, ref) < 1e-2
+    assert rel(F.fp8_linear(x.float(), w_q, w_s, 32, groups=groups), ref) < 1e-5
+    assert rel(ref.cpu(), grouped_loop(x.float().cpu(), w_q.cpu(), w_s.cpu(), 32, groups)) < 1e-5
+    out = _poisoned_call(lambda: F.fp8_linear(x, w_q, w_s, 32, act_quant=True, groups=groups), m, n)
+    assert rel(out, F.fp8_linear_w8a8_ref(x.float(), w_q, w_s, 32, groups=groups)) < 1e-2
