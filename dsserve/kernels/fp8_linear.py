@@ -11,7 +11,8 @@ one group (BN divides O), and it reads that group's x columns.
 
 W8A16 (default; numerics of fp8_linear_ref: exact fp32 W cast to x's dtype, matmul): e4m3 tiles are bitcast, scaled
 by their pow2 block scale (exact) and fed to x-dtype tensor-core dots, fp32 accumulation. Decode is bound by the
-weight bytes (half of bf16's), so small M splits K over programs (fp32 partials summed after: no atomics).
+weight bytes (half of bf16's), so small M splits K over programs; each output tile's last program sums the fp32
+partials in split order (kernels.split_k: deterministic, no extra launches).
 W8A8 (act_quant=True; fp8_linear_w8a8_ref): x -> e4m3 with a pow2 scale per (row, act_group columns), the
 reference act_quant (quant.fake_quant_fp8_pow2); e4m3 dots per 32-wide K step, both scales on each fp32 partial.
 
@@ -31,6 +32,7 @@ import triton.language as tl
 from torch import nn
 
 from ..layers.quant import dequant_fp8_block, fake_quant_fp8_pow2, quant_fp8_block
+from .split_k import store_split, tile_counters
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The Triton 3.9 interpreter gets bf16 dots wrong; fp32 dots of the same (exact) products stand in there.
@@ -44,9 +46,9 @@ def _e8m0(e):  # exponent byte -> fp32 2^(e - 127); e = 0 is the subnormal 2^-12
 
 
 @triton.jit
-def _w8a16_kernel(x_ptr, w_ptr, s_ptr, o_ptr, M, N, sxm, som, sos, K: tl.constexpr, BLOCK: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, K_TILES: tl.constexpr, DOT_F32: tl.constexpr,
-                  GROUP_N: tl.constexpr = 0):
+def _w8a16_kernel(x_ptr, w_ptr, s_ptr, o_ptr, part_ptr, cnt_ptr, M, N, sxm, som, K: tl.constexpr, BLOCK: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, K_TILES: tl.constexpr, SPLIT: tl.constexpr,
+                  DOT_F32: tl.constexpr, GROUP_N: tl.constexpr = 0):
     KS: tl.constexpr = (K + BLOCK - 1) // BLOCK
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -72,8 +74,12 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, o_ptr, M, N, sxm, som, sos, K: tl.constex
             acc += tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(x, w.to(x.dtype))
-    om = o_ptr + tl.program_id(2) * sos + rm[:, None] * som + rn[None, :]
-    tl.store(om, acc.to(o_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    if SPLIT == 1:
+        tl.store(o_ptr + rm[:, None] * som + rn[None, :], acc.to(o_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+    else:  # partial [SPLIT, M, N] fp32, contiguous
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        store_split(acc, rm, rn, M, N, part_ptr, N, M * N, o_ptr, som, cnt_ptr, tile, tl.program_id(2), SPLIT)
 
 
 @triton.jit
@@ -199,12 +205,17 @@ def fp8_linear(x, w_q, w_s, block: int, *, act_quant: bool = False, act_group: i
     split = min(k_tiles, cfg.get("SPLIT_K", max(1, 2 * sms // tiles)))
     per = triton.cdiv(k_tiles, split)
     split = triton.cdiv(k_tiles, per)  # no empty programs
-    out = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
-    _w8a16_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
-        x, w_q.view(torch.uint8), w_s, out, m, n, x.stride(0), out.stride(1), out.stride(0), K=k, BLOCK=block,
-        BM=bm, BN=bn, BK=bk, K_TILES=per, DOT_F32=_INTERPRET or x.dtype == torch.float32, GROUP_N=group_n,
-        num_warps=cfg.get("num_warps", 4 if small else 8), num_stages=cfg.get("num_stages", 4 if small else 3))
-    return out[0] if split == 1 else out.sum(0).to(x.dtype)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
+    # split > 1: fp32 partials, summed by each tile's last program (split_k); split == 1 writes out directly
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    cnt = tile_counters(x.device, grid[0] * grid[1]) if split > 1 else out
+    _w8a16_kernel[grid](
+        x, w_q.view(torch.uint8), w_s, out, part, cnt, m, n, x.stride(0), out.stride(0), K=k, BLOCK=block,
+        BM=bm, BN=bn, BK=bk, K_TILES=per, SPLIT=split, DOT_F32=_INTERPRET or x.dtype == torch.float32,
+        GROUP_N=group_n, num_warps=cfg.get("num_warps", 4 if small else 8),
+        num_stages=cfg.get("num_stages", 4 if small else 3))
+    return out
 
 
 def _act_quant(x, group, m_major):
