@@ -143,12 +143,16 @@ def free_core(core) -> None:
 def weight_bytes(core) -> tuple[float, float]:
     """(bytes read once per decode step outside the routed experts, bytes of one routed expert of one layer)."""
     skip = ("engram.embed", "dspark", "mtp")
-    dense = 0
+    dense, seen = 0, set()
     for name, t in list(core.model.named_parameters()) + list(core.model.named_buffers()):
         if is_routed_expert(name) or any(s in name for s in skip) or name == "embed.weight" \
                 or name.endswith("tid2eid") or name.endswith("engram_token_map"):
             continue
-        dense += t.numel() * t.element_size()
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:  # views of one weight (the shared expert's fused w13 and its w1, w3)
+            continue
+        seen.add(storage.data_ptr())
+        dense += storage.nbytes()
     per_expert = []
     for layer in core.model.layers:
         p = layer.ffn.expert_weights()

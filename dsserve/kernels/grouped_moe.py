@@ -317,13 +317,17 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *, con
     yk = _empty((t * k, d), dtype=x.dtype, device=x.device)
     s1, s3, s2 = (s if s is not None else w for w, s in experts._pairs())  # bf16: unused, any pointer does
     common = dict(FMT=fmt, BM=c["BM"], GROUP_M=c["GROUP_M"], DOT_F32=_INTERPRET or x.dtype == torch.float32,
-                  SCALED=c["scaled"],
-                  num_warps=c["num_warps"], num_stages=c["num_stages"])
+                  SCALED=c["scaled"], num_warps=c["num_warps"])
+    # decode with many row tiles (T >= 8 on the release proxy): the up kernel unpipelined fits more programs per
+    # SM, which beat the pipeline's overlap: 233 vs 256 us (T = 8), 347 vs 392 us (T = 32), but 88 vs 71 us at
+    # T = 1 (6 tiles), H200, 2026-11-30 (scratch sweep)
+    up_stages = 1 if c["BM"] < 64 and nt >= 16 and "num_stages" not in cfg else c["num_stages"]
     _up_kernel[(nt * triton.cdiv(inter, c["BN_UP"]),)](
         x, x.stride(0), tiles, order, rw, experts.w1, s1, experts.w3, s3, h, nt, n_exp, float(limit), KSLOT=k, D=d,
-        I=inter, BN=c["BN_UP"], BK=c["BK_UP"], **common)
+        I=inter, BN=c["BN_UP"], BK=c["BK_UP"], num_stages=up_stages, **common)
     _down_kernel[(nt * triton.cdiv(d, c["BN_DOWN"]),)](
-        h, tiles, order, experts.w2, s2, yk, nt, n_exp, D=d, I=inter, BN=c["BN_DOWN"], BK=c["BK_DOWN"], **common)
+        h, tiles, order, experts.w2, s2, yk, nt, n_exp, D=d, I=inter, BN=c["BN_DOWN"], BK=c["BK_DOWN"],
+        num_stages=c["num_stages"], **common)
     return yk.view(t, k, d).sum(1, dtype=torch.float32).to(x.dtype)  # fp32 sum, no fp32 copy of yk
 
 

@@ -9,10 +9,13 @@ Each expert's run is cut into ceil(count / BM) tiles; at most min(E, T*k) expert
 BM - 1 rows, so n_tiles = (T*k + min(E, T*k) * (BM - 1)) // BM bounds the real tile count whatever the routing.
 The launch grid therefore depends only on (T, k, E, BM): no host sync, and the whole call is CUDA-graph capturable.
 
-The kernel is a counting sort in one program (a decode step has T*k <= a few hundred pairs; a prefill chunk's
-~50K take two passes of one-hot counts over [BLK, E] blocks): it replaces a radix sort, three searchsorted and
-a scan, ~12 launches and 20-40 us of a decode step's MoE layer on the H200. Ids outside [0, E) are placed after
-every run (expert_tiles_ref sorts negative ones first) and land in no tile.
+The kernel, for decode-sized calls (T*k <= MAX_KERNEL_PAIRS), is one program: per-expert counts by one-hot sums,
+each pair's sorted position by counting the pairs that sort before it (pairwise over [BLK, BLK] blocks: no scan
+along the pairs), the tile table from the counts. It replaces a radix sort, three searchsorted and a scan, ~12
+launches and 20-40 us of a decode step's MoE layer on the H200 (a first version with a 2-D cumsum over
+[pairs, E] one-hot blocks took 190 us: Triton scans across that layout badly). Prefill chunks (~50K pairs) keep
+the torch version, whose launches do not matter there. Ids outside [0, E) are placed after every run
+(expert_tiles_ref sorts negative ones first) and land in no tile.
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ import triton
 import triton.language as tl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-BLK = 256  # pairs per block of the one-hot passes
+BLK = 128  # pairs per block of the kernel's passes
+MAX_KERNEL_PAIRS = 1024  # larger (prefill) calls take the torch version: the kernel's pairwise ranking is O(pairs^2)
 
 
 def tile_count(n_pairs: int, n_experts: int, block_m: int) -> int:
@@ -37,31 +41,28 @@ def _expert_tiles_kernel(ids_ptr, n, order_ptr, tiles_ptr, n_tiles, E: tl.conste
     ex = tl.arange(0, EP)
     lane = tl.arange(0, BLK)
     counts = tl.zeros((EP,), tl.int32)
-    for b in range(N_BLOCKS):  # pass 1: pairs per expert
+    for b in range(N_BLOCKS):  # pairs per expert (ids outside [0, E) count nowhere)
         i = b * BLK + lane
         e = tl.load(ids_ptr + i, mask=i < n, other=-1).to(tl.int32)
         counts += tl.sum(((e[:, None] == ex[None, :]) & (ex[None, :] < E)).to(tl.int32), axis=0)
-    start = tl.cumsum(counts, axis=0) - counts  # first sorted position of each expert's run
     per = (counts + BM - 1) // BM
     tile_end = tl.cumsum(per, axis=0)
-    n_valid = tl.sum(counts, axis=0)
-    running = tl.zeros((EP,), tl.int32)
-    invalid = n_valid * 0
-    for b in range(N_BLOCKS):  # pass 2: each pair's sorted position, stable within its expert
+    start = tl.cumsum(counts, axis=0) - counts  # first sorted position of each expert's run
+    for b in range(N_BLOCKS):  # each pair's sorted position: the pairs that sort before it, counted pairwise
         i = b * BLK + lane
         live = i < n
         e = tl.load(ids_ptr + i, mask=live, other=-1).to(tl.int32)
-        oh = ((e[:, None] == ex[None, :]) & (ex[None, :] < E) & live[:, None]).to(tl.int32)
-        rank = tl.cumsum(oh, axis=0) - oh + running[None, :] + start[None, :]
-        pos = tl.sum(oh * rank, axis=1)
-        bad = (live & ((e < 0) | (e >= E))).to(tl.int32)
-        pos = tl.where(bad != 0, n_valid + invalid + tl.cumsum(bad, axis=0) - bad, pos)
+        key = tl.where((e >= 0) & (e < E), e, E)  # out-of-range ids sort after every run, in pair order
+        pos = tl.zeros((BLK,), tl.int32)
+        for c in range(N_BLOCKS):
+            j = c * BLK + lane
+            f = tl.load(ids_ptr + j, mask=j < n, other=-1).to(tl.int32)
+            kj = tl.where((f >= 0) & (f < E), f, E)
+            before = (kj[None, :] < key[:, None]) | ((kj[None, :] == key[:, None]) & (j[None, :] < i[:, None]))
+            pos += tl.sum((before & (j[None, :] < n)).to(tl.int32), axis=1)
         tl.store(order_ptr + pos, i.to(tl.int64), mask=live)
-        running += tl.sum(oh, axis=0)
-        invalid += tl.sum(bad, axis=0)
-    jl = tl.arange(0, BLK)
     for b in range(T_BLOCKS):  # the tile table
-        j = b * BLK + jl
+        j = b * BLK + lane
         te = tl.sum(((tile_end[None, :] <= j[:, None]) & (ex[None, :] < E)).to(tl.int32), axis=1)
         sel = (ex[None, :] == tl.minimum(te, E - 1)[:, None]).to(tl.int32)
         first = tl.sum(sel * start[None, :], axis=1)
@@ -76,7 +77,7 @@ def _expert_tiles_kernel(ids_ptr, n, order_ptr, tiles_ptr, n_tiles, E: tl.conste
 def expert_tiles(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(order int64 [T*k], tiles int32 [3, tile_count]) as described in the module docstring: the kernel on CUDA
     (and under the Triton interpreter), expert_tiles_ref elsewhere."""
-    if not (ids.is_cuda or _INTERPRET):
+    if not (ids.is_cuda or _INTERPRET) or ids.numel() > MAX_KERNEL_PAIRS:
         return expert_tiles_ref(ids, n_experts, block_m)
     flat = ids.reshape(-1).contiguous()
     n = flat.numel()

@@ -25,8 +25,14 @@ class Expert(nn.Module):
         self.w1 = nn.Linear(dim, inter, bias=False)
         self.w2 = nn.Linear(inter, dim, bias=False)
         self.w3 = nn.Linear(dim, inter, bias=False)
+        # optional [2 * inter, dim] module computing w1 and w3 in one product (models.quantize.fuse_gate_up:
+        # w1 and w3 then hold views of its rows)
+        self.w13: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w13 is not None:
+            gate, up = self.w13(x).chunk(2, dim=-1)
+            return self.w2(clamped_swiglu(gate, up, self.limit))
         return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
 
 

@@ -57,7 +57,12 @@ def test_every_release_fp8_tensor_is_fp8linear(models):
         assert mod.groups == (cfg.o_groups if name.endswith("wo_a") else 1), name
     # nothing else: the compressor, indexer wk / weights_proj, gate and head stay as they are (bf16 in the release)
     fp8 = {n for n, m in q.named_modules() if isinstance(m, Fp8Linear)}
-    assert fp8 == set(names)
+    fused = {f"layers.{i}.ffn.shared_experts.w13" for i in range(len(q.layers))}
+    assert fp8 == set(names) | fused
+    # the fused gate/up product holds the bytes once: w1 and w3 are views of its rows
+    sh = q.layers[0].ffn.shared_experts
+    assert sh.w1.weight.data_ptr() == sh.w13.weight.data_ptr()
+    assert sh.w3.weight.data_ptr() == sh.w13.weight[sh.w1.out_features:].data_ptr()
     assert isinstance(q.layers[2].attn.compressor.wkv, nn.Linear) and isinstance(q.head, nn.Linear)
     assert quantize_dense_fp8(q, cfg.weight_block_size) == 0  # already converted
 
