@@ -66,10 +66,12 @@ def test_paged_path_exact_mode_prefix_window_in_blocks(tiny_models):
 # fp64 (above) is where equality is exact.
 
 
-def _greedy_agrees_with_oracle(device, prompt_ids, max_new, chunk, ops, model=None, **kw):
+def _greedy_agrees_with_oracle(device, prompt_ids, max_new, chunk, ops, model=None, before_oracle=None, **kw):
     m = model if model is not None else _tiny(torch.float32, device)
     prompts = [make_prompts(m.cfg, seed=3)[i] for i in prompt_ids]
     reqs, _, logits = _engine(m, prompts, chunk, ops, torch.float32, device, max_new, **kw)
+    if before_oracle is not None:
+        before_oracle(m)
     errs, checked, steps = [], 0, 0
     for p, r, got in zip(prompts, reqs, logits):
         with torch.no_grad():
@@ -104,6 +106,18 @@ def test_paged_path_on_gpu_is_exact_in_fp64_with_reference_ops(tiny_models):
 def test_paged_path_with_triton_kernels_on_gpu(chunk, reference):
     """16 ragged prompts, 10 greedy tokens each, all kernels (and, as the control, all references)."""
     _greedy_agrees_with_oracle("cuda", range(16), 10, chunk, KernelOps(frozenset(OPS) if reference else frozenset()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_release_format_on_gpu():
+    """--quantization fp8 (grouped wo_a, the shared expert's fused w1/w3, in-kernel split-K) through the Triton
+    FP8 kernels agrees with the oracle running the same FP8 weights through the torch reference."""
+    from dsserve.models.quantize import quantize_dense_fp8, use_fp8_kernels
+    m = _tiny(torch.float32, "cuda")
+    assert quantize_dense_fp8(m, m.cfg.weight_block_size) > 0
+    use_fp8_kernels(m, True)
+    _greedy_agrees_with_oracle("cuda", range(8), 8, 7, KernelOps(frozenset()), model=m,
+                               before_oracle=lambda mod: use_fp8_kernels(mod, False))
 
 
 def test_paged_path_matches_reference_path_under_bounded_replay():
