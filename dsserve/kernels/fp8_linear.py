@@ -11,8 +11,8 @@ one group (BN divides O), and it reads that group's x columns.
 
 W8A16 (default; numerics of fp8_linear_ref: exact fp32 W cast to x's dtype, matmul): e4m3 tiles are bitcast, scaled
 by their pow2 block scale (exact) and fed to x-dtype tensor-core dots, fp32 accumulation. Decode is bound by the
-weight bytes (half of bf16's), so small M splits K over programs; each output tile's last program sums the fp32
-partials in split order (kernels.split_k: deterministic, no extra launches).
+weight bytes (half of bf16's), so small M splits K over programs; up to 16 rows each output tile's last program
+sums the fp32 partials in split order (kernels.split_k: deterministic, no extra launches), above that torch does.
 W8A8 (act_quant=True; fp8_linear_w8a8_ref): x -> e4m3 with a pow2 scale per (row, act_group columns), the
 reference act_quant (quant.fake_quant_fp8_pow2); e4m3 dots per 32-wide K step, both scales on each fp32 partial.
 
@@ -34,6 +34,8 @@ from torch import nn
 from ..layers.quant import dequant_fp8_block, fake_quant_fp8_pow2, quant_fp8_block
 from .split_k import store_split, tile_counters
 
+IN_KERNEL_SPLIT_ROWS = 16  # split-K partials summed in the kernel up to this many rows (see fp8_linear)
+
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The Triton 3.9 interpreter gets bf16 dots wrong; fp32 dots of the same (exact) products stand in there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -46,9 +48,9 @@ def _e8m0(e):  # exponent byte -> fp32 2^(e - 127); e = 0 is the subnormal 2^-12
 
 
 @triton.jit
-def _w8a16_kernel(x_ptr, w_ptr, s_ptr, o_ptr, part_ptr, cnt_ptr, M, N, sxm, som, K: tl.constexpr, BLOCK: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, K_TILES: tl.constexpr, SPLIT: tl.constexpr,
-                  DOT_F32: tl.constexpr, GROUP_N: tl.constexpr = 0):
+def _w8a16_kernel(x_ptr, w_ptr, s_ptr, o_ptr, part_ptr, cnt_ptr, M, N, sxm, som, sos, K: tl.constexpr,
+                  BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, K_TILES: tl.constexpr,
+                  SPLIT: tl.constexpr, DOT_F32: tl.constexpr, GROUP_N: tl.constexpr = 0):
     KS: tl.constexpr = (K + BLOCK - 1) // BLOCK
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -74,8 +76,8 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, o_ptr, part_ptr, cnt_ptr, M, N, sxm, som,
             acc += tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(x, w.to(x.dtype))
-    if SPLIT == 1:
-        tl.store(o_ptr + rm[:, None] * som + rn[None, :], acc.to(o_ptr.dtype.element_ty),
+    if SPLIT == 1:  # the output, or (sos > 0) this program's split of the partials torch sums afterwards
+        tl.store(o_ptr + tl.program_id(2) * sos + rm[:, None] * som + rn[None, :], acc.to(o_ptr.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
     else:  # partial [SPLIT, M, N] fp32, contiguous
         tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
@@ -205,17 +207,20 @@ def fp8_linear(x, w_q, w_s, block: int, *, act_quant: bool = False, act_group: i
     split = min(k_tiles, cfg.get("SPLIT_K", max(1, 2 * sms // tiles)))
     per = triton.cdiv(k_tiles, split)
     split = triton.cdiv(k_tiles, per)  # no empty programs
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
-    # split > 1: fp32 partials, summed by each tile's last program (split_k); split == 1 writes out directly
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    cnt = tile_counters(x.device, grid[0] * grid[1]) if split > 1 else out
+    # split > 1 with few rows: fp32 partials summed by each tile's last program (split_k), no extra launches. With
+    # more rows one program summing a tile's partials is a serial tail (B = 128 decode steps 68 -> 86 ms on the
+    # H200, 2026-11-30), so there the partials go to torch's sum, which spreads over the whole GPU.
+    in_kernel = split > 1 and m <= IN_KERNEL_SPLIT_ROWS
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else None
+    out = part if split > 1 and not in_kernel else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    cnt = tile_counters(x.device, grid[0] * grid[1]) if in_kernel else out
     _w8a16_kernel[grid](
-        x, w_q.view(torch.uint8), w_s, out, part, cnt, m, n, x.stride(0), out.stride(0), K=k, BLOCK=block,
-        BM=bm, BN=bn, BK=bk, K_TILES=per, SPLIT=split, DOT_F32=_INTERPRET or x.dtype == torch.float32,
-        GROUP_N=group_n, num_warps=cfg.get("num_warps", 4 if small else 8),
-        num_stages=cfg.get("num_stages", 4 if small else 3))
-    return out
+        x, w_q.view(torch.uint8), w_s, out, part if in_kernel else out, cnt, m, n, x.stride(0), out.stride(-2),
+        out.stride(0) if out.dim() == 3 else 0, K=k, BLOCK=block, BM=bm, BN=bn, BK=bk, K_TILES=per,
+        SPLIT=split if in_kernel else 1, DOT_F32=_INTERPRET or x.dtype == torch.float32, GROUP_N=group_n,
+        num_warps=cfg.get("num_warps", 4 if small else 8), num_stages=cfg.get("num_stages", 4 if small else 3))
+    return out if out.dim() == 2 else out.sum(0).to(x.dtype)
 
 
 def _act_quant(x, group, m_major):

@@ -15,8 +15,9 @@ def operands(m, n, k, seed):
     return torch.randn(m, k, generator=g).to(DEV), w_q.to(DEV), w_s.view(torch.uint8).to(DEV)
 
 
-@pytest.mark.parametrize("m,n,k,split", [(3, 96, 256, 4), (1, 64, 160, 5)])
-def test_in_kernel_split_sum_repeats_and_resets(m, n, k, split):
+@pytest.mark.parametrize("m,n,k,split", [(3, 96, 256, 4), (1, 64, 160, 5), (F.IN_KERNEL_SPLIT_ROWS + 4, 64, 160, 3)])
+def test_split_sum_repeats_and_resets(m, n, k, split):
+    """In-kernel sums up to IN_KERNEL_SPLIT_ROWS rows, torch's above: both equal the reference, call after call."""
     x, w_q, w_s = operands(m, n, k, split)
     cfg = {"SPLIT_K": split, "BK": 32, "BN": 32}
     ref = F.fp8_linear_ref(x, w_q, w_s, 32)
