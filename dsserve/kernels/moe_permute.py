@@ -9,13 +9,13 @@ Each expert's run is cut into ceil(count / BM) tiles; at most min(E, T*k) expert
 BM - 1 rows, so n_tiles = (T*k + min(E, T*k) * (BM - 1)) // BM bounds the real tile count whatever the routing.
 The launch grid therefore depends only on (T, k, E, BM): no host sync, and the whole call is CUDA-graph capturable.
 
-The kernel, for decode-sized calls (T*k <= MAX_KERNEL_PAIRS), is one program: per-expert counts by one-hot sums,
-each pair's sorted position by counting the pairs that sort before it (pairwise over [BLK, BLK] blocks: no scan
+The kernel, for small decode calls (T*k <= MAX_KERNEL_PAIRS: B <= 42 at top-6), is one program: per-expert
+counts by one-hot sums, each pair's sorted position by counting the pairs that sort before it (pairwise over [BLK, BLK] blocks: no scan
 along the pairs), the tile table from the counts. It replaces a radix sort, three searchsorted and a scan, ~12
 launches and 20-40 us of a decode step's MoE layer on the H200: this kernel takes 9 us at 6 pairs and 29 us at
 192 (2026-11-30; a first version with a 2-D cumsum over [pairs, E] one-hot blocks took 190 us, Triton scans
-across that layout badly; unrolling the block loops made 192 pairs slower, 43 us). Prefill chunks (~50K pairs) keep
-the torch version, whose launches do not matter there. Ids outside [0, E) are placed after every run
+across that layout badly; unrolling the block loops made 192 pairs slower, 43 us). Larger batches and prefill
+chunks keep the torch version. Ids outside [0, E) are placed after every run
 (expert_tiles_ref sorts negative ones first) and land in no tile.
 """
 from __future__ import annotations
@@ -28,7 +28,10 @@ import triton.language as tl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLK = 128  # pairs per block of the kernel's passes
-MAX_KERNEL_PAIRS = 1024  # larger (prefill) calls take the torch version: the kernel's pairwise ranking is O(pairs^2)
+# larger calls take the torch version: the kernel's pairwise ranking is O(pairs^2) and its block loops a chain of
+# dependent loads (H200, 2026-11-30: 9 us at 6 pairs, 29 us at 192, 402 us at 768 where torch's ~12 launches
+# take ~40 us)
+MAX_KERNEL_PAIRS = 256
 
 
 def tile_count(n_pairs: int, n_experts: int, block_m: int) -> int:

@@ -7,13 +7,13 @@ from dsserve.kernels.moe_permute import MAX_KERNEL_PAIRS, expert_tiles, expert_t
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("t,k,e,bm", [(1, 6, 48, 16), (7, 2, 8, 16), (150, 2, 8, 16), (170, 6, 48, 64),
+@pytest.mark.parametrize("t,k,e,bm", [(1, 6, 48, 16), (7, 2, 8, 16), (120, 2, 8, 16), (40, 6, 48, 64),
                                       (5, 3, 5, 16)])
 def test_kernel_equals_reference(t, k, e, bm):
     assert t * k <= MAX_KERNEL_PAIRS  # the kernel's path, not the reference compared with itself
     g = torch.Generator().manual_seed(t * 100 + e)
     ids = torch.rand(t, e, generator=g).argsort(1)[:, :k]
-    if t == 150:
+    if t == 120:
         ids[:100] = 3  # one crowded expert over several tiles and both one-hot blocks
         ids[:100, 1] = 5
     ids = ids.to(DEV)
