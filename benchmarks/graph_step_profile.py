@@ -91,7 +91,8 @@ def main() -> None:
     import model_h200 as M
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="benchmarks/results/model-h200-graphs")
-    p.add_argument("--cases", default=",".join(f"{b}:{c}" for b, c in CASES), help="B:context,... (default: %(default)s)")
+    p.add_argument("--cases", default=",".join(f"{b}:{c}" for b, c in CASES),
+                   help="B:context,... (default: %(default)s)")
     a = p.parse_args()
     cases = [tuple(int(v) for v in c.split(":")) for c in a.cases.split(",")]
     core, info = M.build_core("proxy-h200-release", (max(b for b, _ in cases), max(c for _, c in cases) + 8192 + 1),

@@ -10,12 +10,12 @@ BM - 1 rows, so n_tiles = (T*k + min(E, T*k) * (BM - 1)) // BM bounds the real t
 The launch grid therefore depends only on (T, k, E, BM): no host sync, and the whole call is CUDA-graph capturable.
 
 The kernel, for small decode calls (T*k <= MAX_KERNEL_PAIRS: B <= 42 at top-6), is one program: per-expert
-counts by one-hot sums, each pair's sorted position by counting the pairs that sort before it (pairwise over [BLK, BLK] blocks: no scan
-along the pairs), the tile table from the counts. It replaces a radix sort, three searchsorted and a scan, ~12
-launches and 20-40 us of a decode step's MoE layer on the H200: this kernel takes 9 us at 6 pairs and 29 us at
-192 (2026-11-30; a first version with a 2-D cumsum over [pairs, E] one-hot blocks took 190 us, Triton scans
-across that layout badly; unrolling the block loops made 192 pairs slower, 43 us). Larger batches and prefill
-chunks keep the torch version. Ids outside [0, E) are placed after every run
+counts by one-hot sums, each pair's sorted position by counting the pairs that sort before it (pairwise over
+[BLK, BLK] blocks: no scan along the pairs), the tile table from the counts. It replaces a radix sort, three
+searchsorted and a scan, ~12 launches and 20-40 us of a decode step's MoE layer on the H200: this kernel takes
+9 us at 6 pairs and 29 us at 192 (2026-11-30; a first version with a 2-D cumsum over [pairs, E] one-hot blocks
+took 190 us, Triton scans across that layout badly; unrolling the block loops made 192 pairs slower, 43 us).
+Larger batches and prefill chunks keep the torch version. Ids outside [0, E) are placed after every run
 (expert_tiles_ref sorts negative ones first) and land in no tile.
 """
 from __future__ import annotations
