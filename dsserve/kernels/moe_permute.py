@@ -20,13 +20,10 @@ Larger batches and prefill chunks keep the torch version. Ids outside [0, E) are
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLK = 128  # pairs per block of the kernel's passes
 # larger calls take the torch version: the kernel's pairwise ranking is O(pairs^2) and its block loops a chain of
 # dependent loads (H200, 2026-11-30: 9 us at 6 pairs, 29 us at 192, 402 us at 768 where torch's ~12 launches
@@ -80,9 +77,16 @@ def _expert_tiles_kernel(ids_ptr, n, order_ptr, tiles_ptr, n_tiles, E: tl.conste
 
 def expert_tiles(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(order int64 [T*k], tiles int32 [3, tile_count]) as described in the module docstring: the kernel on CUDA
-    (and under the Triton interpreter), expert_tiles_ref elsewhere."""
-    if not (ids.is_cuda or _INTERPRET) or ids.numel() > MAX_KERNEL_PAIRS:
+    for up to MAX_KERNEL_PAIRS pairs, expert_tiles_ref otherwise (also on the CPU: under the Triton interpreter
+    the kernel takes ~30 ms a call, which engine tests would pay in every MoE layer; its own tests call
+    expert_tiles_kernel)."""
+    if not ids.is_cuda or ids.numel() > MAX_KERNEL_PAIRS:
         return expert_tiles_ref(ids, n_experts, block_m)
+    return expert_tiles_kernel(ids, n_experts, block_m)
+
+
+def expert_tiles_kernel(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """expert_tiles by the one-program kernel, whatever the size and device (CUDA or the Triton interpreter)."""
     flat = ids.reshape(-1).contiguous()
     n = flat.numel()
     n_tiles = tile_count(n, n_experts, block_m)

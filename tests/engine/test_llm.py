@@ -31,7 +31,7 @@ def prompts(n, seed):
 @pytest.mark.parametrize("replay", [False, True])
 def test_greedy_batch_equals_reference(llm, llm_replay, replay):
     engine = llm_replay if replay else llm
-    ps = prompts(16, seed=replay)
+    ps = prompts(10, seed=replay)
     outs = engine.generate(ps, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     model = engine.engine.model
     for p, o in zip(ps, outs):

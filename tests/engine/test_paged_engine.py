@@ -76,6 +76,8 @@ def run_engine(model, prompts, chunk, num_blocks=None, abort_at=None, block_size
                                          ("tiny-v4", 64), ("tiny-v4", 0)])
 def test_engine_greedy_equals_reference(tiny_models, references, name, chunk):
     prompts, expected, ref_logits = references[name]
+    if chunk == 1:  # one-token chunks: 8 of the 16 requests (prompt lengths 1 to 90) keep CI time in bounds
+        prompts, expected, ref_logits = prompts[:8], expected[:8], ref_logits[:8]
     reqs, _, logits = run_engine(tiny_models[name], prompts, chunk)
     assert [r.output_token_ids for r in reqs] == expected
     for got, ref in zip(logits, ref_logits):
