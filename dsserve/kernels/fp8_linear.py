@@ -76,7 +76,7 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, o_ptr, part_ptr, cnt_ptr, M, N, sxm, som,
             acc += tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(x, w.to(x.dtype))
-    if SPLIT == 1:  # the output, or (sos > 0) this program's split of the partials torch sums afterwards
+    if SPLIT == 1:  # the output, or (sos > 0) this program's split of partials that torch sums afterwards
         tl.store(o_ptr + tl.program_id(2) * sos + rm[:, None] * som + rn[None, :], acc.to(o_ptr.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
     else:  # partial [SPLIT, M, N] fp32, contiguous
@@ -208,19 +208,26 @@ def fp8_linear(x, w_q, w_s, block: int, *, act_quant: bool = False, act_group: i
     per = triton.cdiv(k_tiles, split)
     split = triton.cdiv(k_tiles, per)  # no empty programs
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
-    # split > 1 with few rows: fp32 partials summed by each tile's last program (split_k), no extra launches. With
-    # more rows one program summing a tile's partials is a serial tail (B = 128 decode steps 68 -> 86 ms on the
-    # H200, 2026-11-30), so there the partials go to torch's sum, which spreads over the whole GPU.
-    in_kernel = split > 1 and m <= IN_KERNEL_SPLIT_ROWS
+
+    def launch(o, part, cnt, sos, in_kernel_split):
+        _w8a16_kernel[grid](
+            x, w_q.view(torch.uint8), w_s, o, part, cnt, m, n, x.stride(0), n, sos, K=k, BLOCK=block, BM=bm, BN=bn,
+            BK=bk, K_TILES=per, SPLIT=in_kernel_split, DOT_F32=_INTERPRET or x.dtype == torch.float32,
+            GROUP_N=group_n, num_warps=cfg.get("num_warps", 4 if small else 8),
+            num_stages=cfg.get("num_stages", 4 if small else 3))
+
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else None
-    out = part if split > 1 and not in_kernel else torch.empty((m, n), dtype=x.dtype, device=x.device)
-    cnt = tile_counters(x.device, grid[0] * grid[1]) if in_kernel else out
-    _w8a16_kernel[grid](
-        x, w_q.view(torch.uint8), w_s, out, part if in_kernel else out, cnt, m, n, x.stride(0), out.stride(-2),
-        out.stride(0) if out.dim() == 3 else 0, K=k, BLOCK=block, BM=bm, BN=bn, BK=bk, K_TILES=per,
-        SPLIT=split if in_kernel else 1, DOT_F32=_INTERPRET or x.dtype == torch.float32, GROUP_N=group_n,
-        num_warps=cfg.get("num_warps", 4 if small else 8), num_stages=cfg.get("num_stages", 4 if small else 3))
-    return out if out.dim() == 2 else out.sum(0).to(x.dtype)
+    if split > 1 and m > IN_KERNEL_SPLIT_ROWS:
+        # one program summing a many-row tile's partials is a serial tail (B = 128 decode steps 68 -> 86 ms on the
+        # H200, 2026-11-30): each program stores its split (SPLIT=1, stride sos) and torch's sum spreads the rest
+        launch(part, part, part, m * n, 1)
+        return part.sum(0).to(x.dtype)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if split == 1:
+        launch(out, out, out, 0, 1)
+    else:  # few rows: each tile's last program sums the fp32 partials (split_k), no extra launches
+        launch(out, part, tile_counters(x.device, grid[0] * grid[1]), 0, split)
+    return out
 
 
 def _act_quant(x, group, m_major):
