@@ -148,16 +148,22 @@ def _w_tile(w_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr, FMT: tl.c
 
 
 @triton.jit
-def _dot_scaled(acc, a, w_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+def _dot_scaled(acc, a, w_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                TMA: tl.constexpr = False):
     """MXFP4 with bf16 rows: acc + a @ W_e[rn, k0:k0 + BK]^T by tl.dot_scaled, which upcasts the packed nibbles
-    and their e8m0 scales to bf16 itself (Hopper has no FP4 MMA): the reference's bf16 weight, exactly."""
+    and their e8m0 scales to bf16 itself (Hopper has no FP4 MMA): the reference's bf16 weight, exactly. TMA:
+    w_ptr is a tensor descriptor of the packed weights as [E * N, K / 2] rows (tiles past the array read 0; rows
+    past expert e's N belong to the next expert and only reach output columns that are never stored)."""
     KH: tl.constexpr = K // 2
     KS: tl.constexpr = K // 32
     kh = k0 // 2 + tl.arange(0, BK // 2)
     ks = k0 // 32 + tl.arange(0, BK // 32)
     nm = rn[:, None] < N
     e = e.to(tl.int64)
-    b = tl.load(w_ptr + e * N * KH + rn[:, None] * KH + kh[None, :], mask=nm & (kh[None, :] < KH), other=0)
+    if TMA:
+        b = w_ptr.load([(e * N + tl.min(rn, axis=0)).to(tl.int32), k0 // 2])
+    else:
+        b = tl.load(w_ptr + e * N * KH + rn[:, None] * KH + kh[None, :], mask=nm & (kh[None, :] < KH), other=0)
     s = tl.load(s_ptr + e * N * KS + rn[:, None] * KS + ks[None, :], mask=nm & (ks[None, :] < KS), other=127)
     return tl.dot_scaled(a, None, "bf16", tl.trans(b), s, "e2m1", acc, fast_math=True)
 
@@ -190,7 +196,7 @@ def _tile(tiles_ptr, n_tiles, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexp
 def _up_kernel(x_ptr, sxm, tiles_ptr, order_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, n_tiles, n_experts,
                limit, KSLOT: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr,
                BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
-               SCALED: tl.constexpr):
+               SCALED: tl.constexpr, TMA: tl.constexpr = False):
     e, p, pm, rn = _tile(tiles_ptr, n_tiles, I, BM, BN, GROUP_M)
     if e >= n_experts:  # past the last real tile
         return
@@ -202,8 +208,8 @@ def _up_kernel(x_ptr, sxm, tiles_ptr, order_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr,
         kk = t * BK + tl.arange(0, BK)
         a = tl.load(xrow[:, None] + kk[None, :], mask=pm[:, None] & (kk[None, :] < D), other=0.0)
         if SCALED:
-            acc1 = _dot_scaled(acc1, a, w1_ptr, s1_ptr, e, rn, t * BK, I, D, BK)
-            acc3 = _dot_scaled(acc3, a, w3_ptr, s3_ptr, e, rn, t * BK, I, D, BK)
+            acc1 = _dot_scaled(acc1, a, w1_ptr, s1_ptr, e, rn, t * BK, I, D, BK, TMA)
+            acc3 = _dot_scaled(acc3, a, w3_ptr, s3_ptr, e, rn, t * BK, I, D, BK, TMA)
         else:
             acc1 = _dot(acc1, a, _w_tile(w1_ptr, s1_ptr, e, rn, t * BK, I, D, FMT, BN, BK), DOT_F32)
             acc3 = _dot(acc3, a, _w_tile(w3_ptr, s3_ptr, e, rn, t * BK, I, D, FMT, BN, BK), DOT_F32)
@@ -219,7 +225,7 @@ def _up_kernel(x_ptr, sxm, tiles_ptr, order_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr,
 @triton.jit
 def _down_kernel(h_ptr, tiles_ptr, order_ptr, w2_ptr, s2_ptr, y_ptr, n_tiles, n_experts, D: tl.constexpr,
                  I: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 GROUP_M: tl.constexpr, DOT_F32: tl.constexpr, SCALED: tl.constexpr):
+                 GROUP_M: tl.constexpr, DOT_F32: tl.constexpr, SCALED: tl.constexpr, TMA: tl.constexpr = False):
     e, p, pm, rn = _tile(tiles_ptr, n_tiles, D, BM, BN, GROUP_M)
     if e >= n_experts:
         return
@@ -229,7 +235,7 @@ def _down_kernel(h_ptr, tiles_ptr, order_ptr, w2_ptr, s2_ptr, y_ptr, n_tiles, n_
         kk = t * BK + tl.arange(0, BK)
         a = tl.load(hrow[:, None] + kk[None, :], mask=pm[:, None] & (kk[None, :] < I), other=0.0)
         if SCALED:
-            acc = _dot_scaled(acc, a, w2_ptr, s2_ptr, e, rn, t * BK, D, I, BK)
+            acc = _dot_scaled(acc, a, w2_ptr, s2_ptr, e, rn, t * BK, D, I, BK, TMA)
         else:
             acc = _dot(acc, a, _w_tile(w2_ptr, s2_ptr, e, rn, t * BK, D, I, FMT, BN, BK), DOT_F32)
     pair = tl.load(order_ptr + p, mask=pm, other=0)
@@ -296,18 +302,28 @@ def _config(n, n_exp, d, inter, cfg, elem: int = 2, scaled: bool = False):
     return c
 
 
+def _weight_desc(w: torch.Tensor, bn: int, bk: int):
+    """A host TMA descriptor of packed MXFP4 weights [E, N, K/2] as [E * N, K/2] rows, [bn, bk/2] byte tiles (the
+    rows are 16-byte multiples for every K the kernels take: K % 32 == 0)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    e, n, kh = w.shape
+    return TensorDescriptor(w.view(e * n, kh), [e * n, kh], [kh, 1], [bn, bk // 2])
+
+
 def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *, config: dict | None = None):
     """Triton grouped GEMMs, same semantics as routed_experts_ref. Ids must lie in [0, E) (not checked: that would
     need a host sync); a pick outside leaves its row undefined. config overrides BM, BN, BK, GROUP_M, num_warps,
-    num_stages and scaled (tests and benchmarks only). scaled (default; MXFP4 with bf16 rows): tl.dot_scaled
+    num_stages, scaled and tma (tests and benchmarks only). scaled (default; MXFP4 with bf16 rows): tl.dot_scaled
     upcasts the weights; off, the kernel decodes each nibble itself (1.7-2.2x slower on the H200, 2026-11-29:
-    benchmarks/results/model-h200; what fp16 / fp32 rows always take)."""
+    benchmarks/results/model-h200; what fp16 / fp32 rows always take). tma (scaled only; off until measured on
+    the GPU): the packed weight tiles are loaded by TMA from host tensor descriptors."""
     _check(x, ids, weights, experts, kernel=True)
     (t, k), (n_exp, d, inter) = ids.shape, experts.shape
     if t * k == 0:
         return torch.zeros(t, d, dtype=x.dtype, device=x.device)
     cfg = dict(config or {})
     scaled = experts.fmt == "mxfp4" and x.dtype == torch.bfloat16 and cfg.pop("scaled", True)
+    tma = scaled and cfg.pop("tma", False)
     c = _config(t * k, n_exp, d, inter, cfg, max(x.element_size(), experts.w1.element_size()), scaled)
     order, tiles = expert_tiles(ids, n_exp, c["BM"])
     nt, fmt = tiles.shape[1], FMTS.index(experts.fmt)
@@ -322,20 +338,25 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *, con
     # SM, which beat the pipeline's overlap: 233 vs 256 us (T = 8), 347 vs 392 us (T = 32), but 88 vs 71 us at
     # T = 1 (6 tiles), H200, 2026-11-30 (scratch sweep)
     up_stages = 1 if c["BM"] < 64 and nt >= 16 and "num_stages" not in cfg else c["num_stages"]
+    w1, w3, w2 = experts.w1, experts.w3, experts.w2
+    if tma:  # packed weight tiles by TMA: no per-element address arithmetic (K step 1173 -> 827 SASS, sm_90)
+        w1, w3 = (_weight_desc(w, c["BN_UP"], c["BK_UP"]) for w in (w1, w3))
+        w2 = _weight_desc(w2, c["BN_DOWN"], c["BK_DOWN"])
     _up_kernel[(nt * triton.cdiv(inter, c["BN_UP"]),)](
-        x, x.stride(0), tiles, order, rw, experts.w1, s1, experts.w3, s3, h, nt, n_exp, float(limit), KSLOT=k, D=d,
-        I=inter, BN=c["BN_UP"], BK=c["BK_UP"], num_stages=up_stages, **common)
+        x, x.stride(0), tiles, order, rw, w1, s1, w3, s3, h, nt, n_exp, float(limit), KSLOT=k, D=d,
+        I=inter, BN=c["BN_UP"], BK=c["BK_UP"], num_stages=up_stages, TMA=tma, **common)
     _down_kernel[(nt * triton.cdiv(d, c["BN_DOWN"]),)](
-        h, tiles, order, experts.w2, s2, yk, nt, n_exp, D=d, I=inter, BN=c["BN_DOWN"], BK=c["BK_DOWN"],
-        num_stages=c["num_stages"], **common)
+        h, tiles, order, w2, s2, yk, nt, n_exp, D=d, I=inter, BN=c["BN_DOWN"], BK=c["BK_DOWN"],
+        num_stages=c["num_stages"], TMA=tma, **common)
     return yk.view(t, k, d).sum(1, dtype=torch.float32).to(x.dtype)  # fp32 sum, no fp32 copy of yk
 
 
 def bench(device="cuda", d: int = 5120, inter: int = 2304, n_experts: int = 48, k: int = 6, sets: int = 4,
           tokens=(1, 8, 32, 128, 4096)) -> dict:
-    """Median device ms of routed_experts (CUDA graphs; also with its own nibble decode instead of tl.dot_scaled)
-    and routed_experts_ref (eager: its torch.unique syncs) on one EP rank's MXFP4 experts, over `sets` random
-    routings; weight_GBps = bytes of the experts touched / time, TFLOPs = the three GEMMs' FLOPs / time."""
+    """Median device ms of routed_experts (CUDA graphs; also with its own nibble decode instead of tl.dot_scaled,
+    and with TMA weight tiles) and routed_experts_ref (eager: its torch.unique syncs) on one EP rank's MXFP4
+    experts, over `sets` random routings; weight_GBps = bytes of the experts touched / time, TFLOPs = the three
+    GEMMs' FLOPs / time."""
     from ..bench.device_timing import eager_ms, graph_ms
     g = torch.Generator(device=device).manual_seed(0)
     ex = ExpertWeights.from_dense(*(torch.randn(n_experts, o, i, device=device, generator=g) * i ** -0.5
@@ -350,9 +371,14 @@ def bench(device="cuda", d: int = 5120, inter: int = 2304, n_experts: int = 48, 
         ms = graph_ms(lambda i: routed_experts(xs[i], ids[i], ws[i], ex, 10.0), sets)
         own = {"scaled": False}
         own_ms = graph_ms(lambda i: routed_experts(xs[i], ids[i], ws[i], ex, 10.0, config=own), sets)
+        try:  # TMA descriptors from the host are newer than some Tritons: keep the other numbers if they fail
+            tma_ms = graph_ms(lambda i: routed_experts(xs[i], ids[i], ws[i], ex, 10.0, config={"tma": True}), sets)
+        except Exception as e:  # noqa: BLE001 - recorded, not hidden
+            tma_ms, res.setdefault("errors", {})[f"tma T={t}"] = float("nan"), repr(e)[:300]
         ref_ms = eager_ms(lambda i: routed_experts_ref(xs[i], ids[i], ws[i], ex, 10.0), sets)
-        res[f"T={t}"] = {"ms": ms, "own_decode_ms": own_ms, "ref_ms": ref_ms, "experts_touched": used,
-                         "weight_GBps": used * per_expert / ms / 1e6,
+        res[f"T={t}"] = {"ms": ms, "own_decode_ms": own_ms, "tma_ms": tma_ms, "ref_ms": ref_ms,
+                         "experts_touched": used, "weight_GBps": used * per_expert / ms / 1e6,
                          "own_decode_weight_GBps": used * per_expert / own_ms / 1e6,
+                         "tma_weight_GBps": used * per_expert / tma_ms / 1e6,
                          "TFLOPs": 6 * t * k * d * inter / ms / 1e9}
     return res

@@ -105,6 +105,20 @@ def test_mxfp4_dot_scaled_matches_default(tiny_experts, t, k, bk):
     assert rel(out, G.routed_experts_ref(x, ids, w, ex, LIMIT)) < 5e-2  # bf16 h: 8 mantissa bits, truncated
 
 
+@pytest.mark.parametrize("d,inter,cfg", [(D, INTER, {"BK": 64}), (96, 96, {"BN": 64, "BK": 32})])
+def test_mxfp4_tma_weight_tiles_equal_pointer_loads(d, inter, cfg):
+    """config tma: the packed weight tiles come by TMA (host descriptors over [E * N, K / 2] rows); the same
+    numbers as the pointer loads, bit for bit, including tiles that run past an expert's rows (96 rows in 64-row
+    tiles: the next expert's rows, or zeros past the last one, reach only unstored columns)."""
+    ex = G.ExpertWeights.from_dense(*dense(E, d, inter, seed=9), "mxfp4")
+    ids, w = routing(9, 3, E, seed=10)
+    ids[0, 0] = E - 1  # the last expert: its spill-over tile reads past the array (zero-filled)
+    x = torch.randn(9, d, generator=torch.Generator().manual_seed(11)).bfloat16()
+    out = G.routed_experts(x, ids, w, ex, LIMIT, config=dict(cfg, tma=True))
+    assert out.isfinite().all()
+    assert torch.equal(out, G.routed_experts(x, ids, w, ex, LIMIT, config=cfg))
+
+
 def test_ragged_fp8_small_tiles_and_half_x():
     # d, inter off the tile sizes: partial 32x32 scale blocks, masked K tails, several N tiles, a GROUP_M split
     ex = G.ExpertWeights.from_dense(*dense(E, 96, 48, seed=2), "fp8")
