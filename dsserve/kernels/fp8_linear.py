@@ -50,7 +50,7 @@ def _e8m0(e):  # exponent byte -> fp32 2^(e - 127); e = 0 is the subnormal 2^-12
 @triton.jit
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, o_ptr, part_ptr, cnt_ptr, M, N, sxm, som, sos, K: tl.constexpr,
                   BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, K_TILES: tl.constexpr,
-                  SPLIT: tl.constexpr, DOT_F32: tl.constexpr, GROUP_N: tl.constexpr = 0):
+                  SPLIT: tl.constexpr, DOT_F32: tl.constexpr, GROUP_N: tl.constexpr = 0, TMA: tl.constexpr = False):
     KS: tl.constexpr = (K + BLOCK - 1) // BLOCK
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -62,7 +62,10 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, o_ptr, part_ptr, cnt_ptr, M, N, sxm, som,
         kk = k0 + tl.arange(0, BK)
         x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
         # [BK, BN] view of the [N, K] weight: K-major, the operand layout fp8/bf16 MMAs want for B
-        wq = tl.load(w_ptr + rn[None, :] * K + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0)
+        if TMA:  # w_ptr: a tensor descriptor of the [N, K] bytes, [BN, BK] tiles (zeros past the edges)
+            wq = tl.trans(w_ptr.load([tl.program_id(1) * BN, k0]))
+        else:
+            wq = tl.load(w_ptr + rn[None, :] * K + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0)
         if BK > BLOCK:  # BK // BLOCK scale rows per tile, each repeated over its BLOCK k's
             kb = k0 // BLOCK + tl.arange(0, BK // BLOCK)
             e = tl.load(s_ptr + (rn[None, :] // BLOCK) * KS + kb[:, None], mask=(rn[None, :] < N) & (kb[:, None] < KS),
@@ -183,7 +186,7 @@ def _bn(cfg, default, group_n):
 def fp8_linear(x, w_q, w_s, block: int, *, act_quant: bool = False, act_group: int = 32, groups: int = 1,
                config: dict | None = None) -> torch.Tensor:
     """Triton x @ W^T, same semantics as fp8_linear_ref. config overrides the tiles (BM, BN, BK, SPLIT_K,
-    num_warps, num_stages; tests and benchmarks only)."""
+    num_warps, num_stages) and tma (W8A16 weight tiles by TMA, when K % 16 == 0); tests and benchmarks only."""
     x, w_q, w_s = _check(x, w_q, w_s, block, act_quant, act_group, kernel=True, groups=groups)
     x = x.contiguous()
     (m, _), (n, k), cfg = x.shape, w_q.shape, dict(config or {})
@@ -209,12 +212,18 @@ def fp8_linear(x, w_q, w_s, block: int, *, act_quant: bool = False, act_group: i
     split = triton.cdiv(k_tiles, per)  # no empty programs
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
 
+    # tma (off until measured on the GPU): weight tiles by TMA from a host descriptor; rows must be 16-byte multiples
+    tma = cfg.get("tma", False) and k % 16 == 0
+    w = w_q.view(torch.uint8)
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        w = TensorDescriptor(w, [n, k], [k, 1], [bn, bk])
+
     def launch(o, part, cnt, sos, in_kernel_split):
         _w8a16_kernel[grid](
-            x, w_q.view(torch.uint8), w_s, o, part, cnt, m, n, x.stride(0), n, sos, K=k, BLOCK=block, BM=bm, BN=bn,
-            BK=bk, K_TILES=per, SPLIT=in_kernel_split, DOT_F32=_INTERPRET or x.dtype == torch.float32,
-            GROUP_N=group_n, num_warps=cfg.get("num_warps", 4 if small else 8),
-            num_stages=cfg.get("num_stages", 4 if small else 3))
+            x, w, w_s, o, part, cnt, m, n, x.stride(0), n, sos, K=k, BLOCK=block, BM=bm, BN=bn, BK=bk, K_TILES=per,
+            SPLIT=in_kernel_split, DOT_F32=_INTERPRET or x.dtype == torch.float32, GROUP_N=group_n, TMA=tma,
+            num_warps=cfg.get("num_warps", 4 if small else 8), num_stages=cfg.get("num_stages", 4 if small else 3))
 
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else None
     if split > 1 and m > IN_KERNEL_SPLIT_ROWS:

@@ -135,6 +135,20 @@ def test_grouped_w8a16_matches_ref(groups, m, o, k, dtype, config):
     assert rel(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("m,n,k,groups,config", [
+    (1, 80, 96, 1, {"BK": 32, "SPLIT_K": 2}),    # N tail past the weight (zero-filled tile), split summed in-kernel
+    (5, 128, 128, 2, {"BK": 32}),                # grouped: the descriptor spans every group's rows
+    (70, 96, 64, 1, None),                       # many rows: 128-row tiles
+])
+def test_w8a16_tma_weight_tiles_equal_pointer_loads(m, n, k, groups, config):
+    """config tma: the weight tiles by TMA from a host descriptor give the pointer loads' numbers, bit for bit."""
+    w_q, w_s = make(n, k, 32)
+    x = torch.randn(m, groups * k, generator=torch.Generator().manual_seed(4))
+    out = F.fp8_linear(x, w_q, w_s, 32, groups=groups, config=dict(config or {}, tma=True))
+    assert torch.equal(out, F.fp8_linear(x, w_q, w_s, 32, groups=groups, config=config))
+    assert rel(out, F.fp8_linear_ref(x, w_q, w_s, 32, groups=groups)) < 1e-5
+
+
 def test_grouped_w8a8_and_module():
     w_q, w_s = make(4 * 32, 64, 32, seed=8)
     x = torch.randn(5, 4 * 64, generator=torch.Generator().manual_seed(9))
