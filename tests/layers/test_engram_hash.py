@@ -183,3 +183,20 @@ def test_rows_of_seqs_equals_hashing_each_sequence():
     assert h.rows_of_seqs(ids, [], []).shape == (0, h.columns)
     with pytest.raises(ValueError, match="compressed ids must lie in"):
         h.rows_of_seqs(ids, seq_rows[:2], [torch.tensor([cfg.engram_compressed_vocab_size]), None])
+
+
+def test_lookbacks_of_full_and_short_histories():
+    """A decode step's lookbacks: column s is the id s tokens back (-2 before the start), whether every history is
+    full (one stacked copy) or some are short (per row)."""
+    cfg = preset("tiny")
+    h = EngramHasher(cfg, cfg.engram_layer_ids[0])
+    k = h.max_ngram - 1
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 100, (4,), generator=g)
+    full = [torch.randint(0, 100, (k + 2,), generator=g) for _ in range(4)]
+    short = full[:2] + [full[2][:1], full[3][:0]]
+    for hist in (full, short):
+        src = h.lookbacks(ids, hist)
+        for t in range(4):
+            want = [int(ids[t])] + [int(hist[t][-s]) if s <= min(k, hist[t].numel()) else -2 for s in range(1, k + 1)]
+            assert src[t].tolist() == want
