@@ -176,14 +176,10 @@ class EngramHasher:
         """[T, max_ngram] for rows that each continue their own sequence (a decode step: row t's history is
         ``histories[t]``): column s is the id s tokens back, -2 before the sequence start."""
         k = self.max_ngram - 1
-        src = torch.full((ids.shape[0], k + 1), _BEFORE_START, dtype=torch.int64)
-        src[:, 0] = ids
-        if not k or not histories:
-            return src
-        # one tensor from host lists: torch ops per row cost more than the rows' values (CPU, B = 32: 356 -> 177 us)
-        back = [h.reshape(-1).tolist()[-k:][::-1] for h in histories]
-        src[:, 1:] = torch.tensor([b + [_BEFORE_START] * (k - len(b)) for b in back], dtype=torch.int64)
-        return src
+        # one tensor from host lists: torch ops per row cost more than the rows' values (CPU, B = 32: 356 -> 173 us)
+        back = [h.reshape(-1).tolist()[-k:][::-1] if k else [] for h in histories]
+        rows = [[i] + b + [_BEFORE_START] * (k - len(b)) for i, b in zip(ids.tolist(), back)]
+        return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), k + 1)
 
     def rows_of_lookbacks(self, src: torch.Tensor) -> torch.Tensor:
         """Table rows [T, columns] from each row's id and lookbacks ([T, max_ngram], see ``lookbacks``)."""
