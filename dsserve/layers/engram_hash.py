@@ -178,6 +178,7 @@ class EngramHasher:
         k = self.max_ngram - 1
         # one tensor from host lists: torch ops per row cost more than the rows' values (CPU, B = 32: 356 -> 173 us)
         back = [h.reshape(-1).tolist()[-k:][::-1] if k else [] for h in histories]
+        back += [[]] * (ids.shape[0] - len(back))  # rows without a history start their sequence
         rows = [[i] + b + [_BEFORE_START] * (k - len(b)) for i, b in zip(ids.tolist(), back)]
         return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), k + 1)
 

@@ -195,8 +195,10 @@ def test_lookbacks_of_full_and_short_histories():
     ids = torch.randint(0, 100, (4,), generator=g)
     full = [torch.randint(0, 100, (k + 2,), generator=g) for _ in range(4)]
     short = full[:2] + [full[2][:1], full[3][:0]]
-    for hist in (full, short):
+    for hist in (full, short, full[:3]):  # the last: row 3 has no history, so it starts its sequence
         src = h.lookbacks(ids, hist)
+        assert src.shape == (4, k + 1)
         for t in range(4):
-            want = [int(ids[t])] + [int(hist[t][-s]) if s <= min(k, hist[t].numel()) else -2 for s in range(1, k + 1)]
+            ht = hist[t] if t < len(hist) else ids[:0]
+            want = [int(ids[t])] + [int(ht[-s]) if s <= min(k, ht.numel()) else -2 for s in range(1, k + 1)]
             assert src[t].tolist() == want
