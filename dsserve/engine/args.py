@@ -58,6 +58,11 @@ class EngineArgs:
         "run every step eagerly; otherwise on a GPU (paged backend, V4.1) decode steps, and the decoder rows of other "
         "steps after bounded replay's narrowing, run as CUDA graphs captured per row and context bucket on first "
         "use"))
+    async_scheduling: bool | None = field(default=None, metadata=_h(
+        "launch the next decode step before the host has read the current one's tokens (it takes them from the "
+        "device), so scheduling, refills and output processing overlap the device's work; steps with prefill "
+        "chunks, penalties or unmet min_tokens stay synchronous. None: on wherever decode steps run in fixed "
+        "shapes (a GPU's CUDA graphs); True also runs the CPU's paged decode steps in fixed shapes"))
     reference_ops: str = field(default="", metadata=_h(
         "ops that run their torch reference instead of Triton (on the paged backend), for bisecting: a comma "
         "list of attention, indexer, topk, kv_write, linear, router, moe, mhc, rowwise, entry_rows, or all, or '' "

@@ -27,7 +27,7 @@ from .request import Request, RequestStatus
 from .runner import ModelRunner
 from .sampler import Sampler
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepPlan
 from .stats import EngineStats
 
 log = logging.getLogger("dsserve")
@@ -73,6 +73,17 @@ class _Tracked:
     stops: StopChecker
     logprobs: list | None
     cumulative_logprob: float | None
+
+
+@dataclass
+class _Launched:
+    """A step that sampled: its tokens on the device, and their copy to the host under way."""
+    requests: list[Request]  # the rows that sample, in order
+    sampled: torch.Tensor  # [B] int64 on the device
+    host: torch.Tensor  # [B] the copy (pinned on a GPU)
+    ready: "torch.cuda.Event | None"  # recorded after the copy
+    logprobs: list  # the sampler's per-row logprobs (None where not asked)
+    fixed_shape: bool  # ran as a fixed-shape decode step (the next one may launch from its device tokens)
 
 
 class EngineCore:
@@ -121,13 +132,18 @@ class EngineCore:
             enable_prefix_caching=args.enable_prefix_caching, session_retention_s=args.session_retention), self.kv)
         self.stats = EngineStats(layout, self.cfg)
         graphs = replay_graphs = self.graph_capture = None
+        min_context = -(-1024 // (2 * layout.block_size)) * 2 * layout.block_size
         if backend == "paged" and self.device.type == "cuda" and self.cfg.is_v41 and not args.enforce_eager:
             capture = self.graph_capture = GraphCapture()  # every graph in one memory pool
-            min_context = -(-1024 // (2 * layout.block_size)) * 2 * layout.block_size
             graphs = DecodeGraphs(self.model, self.kv, args.max_num_seqs, capture, min_context=min_context)
             if replay:
                 replay_graphs = ReplayGraphs(self.model, self.kv, min(1024, args.max_num_batched_tokens),
                                              args.max_num_seqs, capture, min_context=min_context)
+        elif backend == "paged" and self.cfg.is_v41 and args.async_scheduling:  # fixed shapes, eager (the CPU)
+            graphs = DecodeGraphs(self.model, self.kv, args.max_num_seqs, None, min_context=min_context)
+        # Asynchronous scheduling runs only fixed-shape decode steps ahead: they take their tokens from the device.
+        self.async_scheduling = graphs is not None and args.async_scheduling is not False
+        self._in_flight: _Launched | None = None  # a step whose tokens the host has not read yet
         self.runner = ModelRunner(self.model, args.replay_form, graphs, replay_graphs)
         self.sampler = Sampler(eos_token_id=self.tokenizer.eos_id)
         self._tracked: dict[str, _Tracked] = {}
@@ -183,38 +199,132 @@ class EngineCore:
         return self._output(t, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ------------------------------------------------------------------------- one step
     def step(self) -> list[RequestOutput]:
+        """One scheduled step; returns the outputs of the tokens the host read in it. With asynchronous
+        scheduling a decode step's tokens are read in the next call, after that call launched its own step."""
         t0 = time.perf_counter()
         self.kv.blocks.expire_holds(time.monotonic())
+        results, wait = [], 0.0
+        prev, self._in_flight = self._in_flight, None
+        if prev is not None:
+            ahead = self._launch_ahead(prev)
+            out, wait = self._read(prev, ahead)
+            if ahead is not None:
+                self._in_flight = ahead
+                self.stats.step_done(time.perf_counter() - t0 - wait, wait)
+                return out
+            results = out  # the next step depends on what the host just read: run it the synchronous way
         plan = self.scheduler.schedule()
         if not plan.chunks:
-            return []
+            return results
         self.stats.admitted(plan)
         sampling, logits = self.runner.execute(plan)
+        self._count_runs()
+        self.scheduler.register_full_blocks([c.request for c in plan.chunks])
+        if not sampling:
+            self.stats.step_done(time.perf_counter() - t0 - wait, wait)
+            return results
+        launched = self._sample(sampling, logits, self.runner.last_fixed_shape)
+        if self.async_scheduling and launched.fixed_shape:
+            self._in_flight = launched  # read in the next call, after it launched the next step
+        else:
+            out, w = self._read(launched, None)
+            results, wait = results + out, wait + w
+        self.stats.step_done(time.perf_counter() - t0 - wait, wait)
+        return results
+
+    def _count_runs(self) -> None:
         self.stats.decoder_rows_skipped = self.runner.decoder_rows_skipped
         self.stats.graph_steps = self.runner.graph_steps
         self.stats.replay_graph_steps = 0 if self.runner.replay_graphs is None else self.runner.replay_graphs.runs
         self.stats.graph_captures = 0 if self.graph_capture is None else self.graph_capture.captured
-        self.scheduler.register_full_blocks([c.request for c in plan.chunks])
-        if not sampling:
-            self.stats.step_done(time.perf_counter() - t0, 0.0)
-            return []
+
+    def _sample(self, sampling: list[Request], logits: torch.Tensor, fixed_shape: bool) -> _Launched:
         out = self.sampler(logits.float(), sampling)
+        ids = out.sampled_token_ids
+        ready = None
+        if ids.device.type == "cuda":
+            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host.copy_(ids, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host = ids
+        return _Launched(sampling, ids, host, ready, out.logprobs, fixed_shape)
+
+    def _launch_ahead(self, prev: _Launched) -> _Launched | None:
+        """The next decode step of ``prev``'s requests, launched before the host reads ``prev``'s tokens (they
+        are its inputs, taken on the device), when that step is certain to be what the scheduler would plan:
+        nobody waits, every running request is one of ``prev``'s and will not finish by length, its sampling
+        needs no host history, and the cache has room. None: the caller reads ``prev`` first."""
+        sched, graphs = self.scheduler, self.runner.decode_graphs
+        if not prev.fixed_shape or sched.waiting or len(sched.running) != len(prev.requests):
+            return None
+        if len(prev.requests) > sched.config.max_num_batched_tokens:
+            return None
+        row_of = {id(r): i for i, r in enumerate(prev.requests)}
+        for r in sched.running:
+            if id(r) not in row_of or not self._may_run_ahead(r):
+                return None
+        if sum(self.kv.blocks_needed(r.kv, r.num_computed_tokens + 1) for r in sched.running) > \
+                self.kv.blocks.num_free:
+            return None
+        order = sched._by_priority(sched.running)  # the order schedule() would give
+        plan = StepPlan([ScheduledChunk(r, 1) for r in order], [])
+        key = graphs.key(plan, ahead=True)
+        if key is None:
+            return None
+        for r in order:
+            self.kv.grow(r.kv, r.num_computed_tokens + 1)
+        rows = [row_of[id(r)] for r in order]
+        tokens = prev.sampled
+        if rows != list(range(len(rows))):  # (a pinned upload: a pageable one would wait for the device)
+            idx = torch.tensor(rows, pin_memory=tokens.device.type == "cuda")
+            tokens = tokens[idx.to(tokens.device, non_blocking=True)]
+        logits = graphs.run(plan, key, tokens)
+        for r in order:
+            r.num_computed_tokens += 1
+        self.runner.graph_steps += 1
+        self.stats.ahead_steps += 1
+        self._count_runs()
+        return self._sample(order, logits, True)
+
+    def _may_run_ahead(self, r: Request) -> bool:
+        """Whether r's next step can run before the host reads its pending token: that token cannot end it by
+        length, and its sampling reads no token history (penalties, min_tokens still banning stops)."""
+        p, n_out = r.params, len(r.output_token_ids) + 1  # counting the pending token
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or r.num_tokens + 1 >= self.max_model_len:
+            return False
+        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+            return False
+        return len(r.output_token_ids) >= p.min_tokens
+
+    def _read(self, launched: _Launched, ahead: _Launched | None) -> tuple[list[RequestOutput], float]:
+        """Waits for ``launched``'s tokens on the host, then appends them, checks stops and frees finished
+        requests. ``ahead``: the step already launched on these tokens (their Engram histories are pushed now,
+        and its rows of requests finished here are dropped when it is read). Returns the outputs and the wait."""
         t1 = time.perf_counter()
-        tokens = out.sampled_token_ids.tolist()  # the step's one copy back: here the host waits for the device
-        t2 = time.perf_counter()
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        tokens = launched.host.tolist()  # here the host waits for the device
+        wait = time.perf_counter() - t1
+        if ahead is not None:
+            tok_of = {id(r): tok for r, tok in zip(launched.requests, tokens)}
+            self.model.push_decode_history([r.kv for r in ahead.requests], [tok_of[id(r)] for r in ahead.requests])
         now = time.monotonic()
         results = []
-        for i, req in enumerate(sampling):
-            t = self._tracked[req.request_id]
+        for i, req in enumerate(launched.requests):
+            t = self._tracked.get(req.request_id)
+            if t is None or t.request is not req or req.status.finished:
+                continue  # aborted, or finished while this step ran ahead of reading its last token
             tok = tokens[i]
             req.output_token_ids.append(tok)
             req.metrics.record_token(now)
-            if t.logprobs is not None and out.logprobs[i] is not None:
-                lp = out.logprobs[i]
+            if t.logprobs is not None and launched.logprobs[i] is not None:
+                lp = launched.logprobs[i]
                 t.logprobs.append(make_logprob_dict(tok, lp.sampled_logprob, lp.sampled_rank, lp.top_token_ids,
                                                     lp.top_logprobs, self.tokenizer))
                 t.cumulative_logprob += lp.sampled_logprob
@@ -226,8 +336,9 @@ class EngineCore:
                 req.metrics.finished_time = now
                 self._tracked.pop(req.request_id)
             results.append(self._output(t, t.stops.finish_reason))
-        self.stats.step_done(time.perf_counter() - t0 - (t2 - t1), t2 - t1)
-        return results
+        if ahead is not None:
+            self.scheduler.register_full_blocks([r for r in ahead.requests if not r.status.finished])
+        return results, wait
 
     def _output(self, t: _Tracked, finish_reason: str | None) -> RequestOutput:
         req = t.request

@@ -56,9 +56,10 @@ class DecodeGraphs:
         self._steps: dict[tuple[int, int], tuple[DecodeBatch, torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self.replays, self.padded_rows, self.fallbacks = 0, 0, Counter()
 
-    def key(self, plan: StepPlan) -> tuple[int, int] | None:
-        """(batch bucket, context bucket) of a plan that can run as a fixed-shape decode step, or None."""
-        why = self._unfit(plan)
+    def key(self, plan: StepPlan, ahead: bool = False) -> tuple[int, int] | None:
+        """(batch bucket, context bucket) of a plan that can run as a fixed-shape decode step, or None.
+        ``ahead``: the rows' input tokens are still on the device (not yet appended to the requests)."""
+        why = self._unfit(plan, ahead)
         if why is not None:
             self.fallbacks[why] += 1
             return None
@@ -66,14 +67,15 @@ class DecodeGraphs:
         return (batch_bucket(len(seqs), self.max_batch, self.batch_buckets),
                 context_bucket(max(kv.num_tokens for kv in seqs) + 1, self.min_context))
 
-    def _unfit(self, plan: StepPlan) -> str | None:
+    def _unfit(self, plan: StepPlan, ahead: bool = False) -> str | None:
         if self.model.kernel_ops is None or not self.model.cfg.is_v41:
             return "not the paged V4.1 path"
         if not plan.chunks or len(plan.chunks) > self.max_batch:
             return "batch size outside the buckets"
         for c in plan.chunks:
             r = c.request
-            if c.num_tokens != 1 or not c.samples or r.num_computed_tokens != r.num_tokens - 1:
+            known = r.num_tokens + ahead  # the pending token counts
+            if c.num_tokens != 1 or r.num_computed_tokens != known - 1 or not (ahead or c.samples):
                 return "not a decode step"
             if r.decoder_start is not None and r.num_computed_tokens < r.decoder_start:
                 return "bounded replay narrows the step"
@@ -82,25 +84,31 @@ class DecodeGraphs:
         return DecodeBatch.fits([c.request.kv for c in plan.chunks])
 
     @torch.no_grad()
-    def run(self, plan: StepPlan, key: tuple[int, int]) -> torch.Tensor:
-        """The step's logits [B, V] (copied out of the graph's output buffer, which the next replay overwrites)."""
+    def run(self, plan: StepPlan, key: tuple[int, int], tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's logits [B, V] (copied out of the graph's output buffer, which the next replay overwrites).
+        ``tokens``: the rows' input ids as a device tensor when the host does not have them yet (asynchronous
+        scheduling: the previous step's samples; the Engram histories then wait for
+        ``model.push_decode_history``); None: each request's last token."""
         seqs = [c.request.kv for c in plan.chunks]
-        tokens = [c.request.token_ids(c.request.num_computed_tokens, c.request.num_tokens)[0] for c in plan.chunks]
+        host = None
+        if tokens is None:
+            host = [c.request.token_ids(c.request.num_computed_tokens, c.request.num_tokens)[0] for c in plan.chunks]
         if key not in self._steps:
-            self._steps[key] = self._build(key, seqs, tokens)
+            self._steps[key] = self._build(key, seqs, host if tokens is None else tokens)
         batch, graph, logits = self._steps[key]
-        self.model.fill_decode(batch, seqs, tokens)
+        self.model.fill_decode(batch, seqs, host if tokens is None else tokens)
         self.padded_rows += batch.capacity - len(seqs)
         if graph is None:
             logits = self.model.forward_decode(batch)
         else:
             graph.replay()
             self.replays += 1
-        self.model.commit_decode(seqs, tokens)
+        self.model.commit_decode(seqs, host)
         return logits[:len(seqs)].clone()
 
     def _build(self, key, seqs, tokens):
-        batch = DecodeBatch(self.kv, *key)
+        cfg = self.model.cfg
+        batch = DecodeBatch(self.kv, *key, lookbacks=cfg.engram_max_ngram_size - 1 if cfg.engram_layer_ids else 0)
         if self.capture is None:
             return batch, None, None
         # Warm up on this step's inputs with every write masked (the runs must not move the cache: the compressor's

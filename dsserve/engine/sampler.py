@@ -102,13 +102,18 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(probs < threshold, NEG_INF)
 
 
-def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """k is [B]; k <= 0 (or >= V) leaves the row alone."""
+def apply_top_k(logits: torch.Tensor, k: torch.Tensor, k_max: int | None = None) -> torch.Tensor:
+    """k is [B]; k <= 0 (or >= V) leaves the row alone. ``k_max``: the largest k in play, if the caller knows
+    it without reading k (on a GPU a read waits for the device)."""
     on = (k > 0) & (k < logits.shape[1])
-    if not bool(on.any()):
+    if k_max is None:
+        if not bool(on.any()):
+            return logits
+        k_max = int(torch.where(on, k, 1).max())
+    if k_max < 1:
         return logits
     k = torch.where(on, k, 1).long()
-    kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))  # the k-th largest logit
+    kth = logits.topk(k_max, dim=-1).values.gather(1, (k - 1).unsqueeze(1))  # the k-th largest logit
     return logits.masked_fill_(on.unsqueeze(1) & (logits < kth), NEG_INF)
 
 
@@ -128,8 +133,10 @@ def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None],
     """argmax(probs / q) with q ~ Exp(1): row i draws q from generators[i], or from ``shared`` when None."""
     q = torch.empty_like(probs)
     unseeded = [i for i, g in enumerate(generators) if g is None]
-    if unseeded:
-        q[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+    if len(unseeded) == len(generators):  # the same draws as below, with no index upload
+        q.exponential_(generator=shared)
+    elif unseeded:
+        q[_index(unseeded, q.device)] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
             generator=shared)
     for i, g in enumerate(generators):
         if g is None:
@@ -140,6 +147,13 @@ def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None],
             q[i] = torch.empty(probs.shape[1], dtype=probs.dtype, device=g.device).exponential_(generator=g)
     # q can be exactly 0 (probability ~2^-24 per draw): keep 0/q finite so masked tokens stay at 0.
     return (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row numbers as an index on ``device``, uploaded without waiting (indexing with a list would upload it
+    with a copy that waits for the device's queue)."""
+    idx = torch.tensor(rows, dtype=torch.long)
+    return idx.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else idx
 
 
 # ---------------------------------------------------------------- the sampler
@@ -161,8 +175,9 @@ class Sampler:
         params = [r.params for r in rows]
         device = logits.device
 
-        def vec(values, dtype=torch.float32):
-            return torch.tensor(values, dtype=dtype, device=device)
+        def vec(values, dtype=torch.float32):  # pinned, not waited for: a pageable upload waits for the device
+            host = torch.tensor(values, dtype=dtype)
+            return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
         want = [p.logprobs for p in params]
         raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in want) else None
@@ -182,15 +197,22 @@ class Sampler:
 
         sampled = logits.argmax(dim=-1)                          # greedy rows keep this
         rnd = [i for i, p in enumerate(params) if p.temperature >= SAMPLING_EPS]
+        every = len(rnd) == len(params)
         if rnd:
-            sub = logits[rnd] / vec([params[i].temperature for i in rnd]).unsqueeze(1)
+            rows_rnd = None if every else _index(rnd, device)
+            sub = (logits if every else logits[rows_rnd]) / vec([params[i].temperature for i in rnd]).unsqueeze(1)
             if any(params[i].min_p > 0 for i in rnd):
                 apply_min_p(sub, vec([params[i].min_p for i in rnd]))
-            if any(params[i].top_k > 0 for i in rnd):
-                apply_top_k(sub, vec([params[i].top_k for i in rnd], torch.long))
+            ks = [params[i].top_k if 0 < params[i].top_k < logits.shape[1] else 0 for i in rnd]
+            if any(ks):
+                apply_top_k(sub, vec(ks, torch.long), max(ks))
             if any(params[i].top_p < 1.0 for i in rnd):
                 apply_top_p(sub, vec([params[i].top_p for i in rnd]))
-            sampled[rnd] = random_sample(sub.softmax(dim=-1), [rows[i].generator for i in rnd], self.generator)
+            drawn = random_sample(sub.softmax(dim=-1), [rows[i].generator for i in rnd], self.generator)
+            if every:
+                sampled = drawn
+            else:
+                sampled[rows_rnd] = drawn
 
         row_logprobs: list[RowLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:

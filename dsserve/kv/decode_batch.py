@@ -3,6 +3,13 @@
 The whole model runs on it (``DeepseekForCausalLM.forward_decode``), the compressors included: padding rows repeat
 row 0's inputs and write nothing, their window and entry stores going to row -1 and their compressor carry to the
 spare slot (``carry_slots``).
+
+The host's per-step values travel in ONE int64 vector (``inputs``): ``fill`` writes them into a pinned staging
+vector and issues one copy; ``begin`` (the first thing a run does, so inside a captured graph) unpacks them into
+the buffers the kernels read. Layout, each segment ``capacity`` long unless stated: tokens | positions | slots |
+carry slots | real | Engram lookbacks (capacity x lookbacks: the compressed ids 1.. back, -2 before the start) |
+block tables (capacity x bound / block_size). A step's tokens may instead come from a device tensor (the previous
+step's samples, not yet on the host: asynchronous scheduling), copied over their segment after the upload.
 """
 from __future__ import annotations
 
@@ -16,19 +23,45 @@ from .paged import PagedKVCache, SequenceKV
 class DecodeBatch(FixedBatch):
     is_decode = True
 
-    def __init__(self, cache: PagedKVCache, capacity: int, bound: int):
+    def __init__(self, cache: PagedKVCache, capacity: int, bound: int, lookbacks: int = 0):
+        """``lookbacks``: Engram's history ids per row (max_ngram - 1; 0 for a model without Engram)."""
+        self.lookbacks = lookbacks
+        width = bound // cache.layout.block_size
+        self._at = {}
+        at = 0
+        for name, n in (("tokens", capacity), ("positions", capacity), ("slots", capacity), ("carry", capacity),
+                        ("real", capacity), ("back", capacity * lookbacks), ("tables", capacity * width)):
+            self._at[name] = slice(at, at + n)
+            at += n
+        self.inputs = torch.zeros(at, dtype=torch.long, device=cache.device)
+        pin = cache.device.type == "cuda"
+        # two staging vectors, used in turn: the one filled now may still feed the previous step's copy
+        self._staging = [torch.zeros(at, dtype=torch.long, pin_memory=pin) for _ in range(2 if pin else 1)]
+        self._uploaded: list = [None] * len(self._staging)
+        self._turn = 0
         super().__init__(cache, capacity, capacity, bound)
         self.carry_slots = torch.zeros(capacity, dtype=torch.long, device=cache.device)  # spare slot: padding
         self.row_first.copy_(torch.arange(capacity))  # each row its own sequence
         self.row_seq.copy_(torch.arange(capacity))
         self.seqs = [SeqRows(slice(t, t + 1), None) for t in range(capacity)]
-        # Engram (filled by the model's fill_decode): compressed ids [capacity], per layer row ids or rows
-        self.engram_ids: torch.Tensor | None = None
-        self.engram_rows: dict[int, torch.Tensor] = {}
+        self.engram_back = torch.zeros(capacity, lookbacks, dtype=torch.long, device=cache.device)
+
+    def _segment(self, name: str) -> torch.Tensor:
+        return self.inputs[self._at[name]]
 
     def begin(self) -> None:
         super().begin()
         self._entry_stores = {}
+        if not hasattr(self, "engram_back"):  # FixedBatch.__init__'s call: nothing uploaded yet
+            return
+        cap = self.capacity
+        self.tokens.copy_(self._segment("tokens"))
+        self.positions.copy_(self._segment("positions"))
+        self.slots.copy_(self._segment("slots"))
+        self.carry_slots.copy_(self._segment("carry"))
+        self.real.copy_(self._segment("real") != 0)
+        self.engram_back.copy_(self._segment("back").view(cap, self.lookbacks))
+        self.seq_tables.copy_(self._segment("tables").view(cap, -1))
 
     @property
     def block_rows(self) -> torch.Tensor:
@@ -47,30 +80,54 @@ class DecodeBatch(FixedBatch):
                     return f"source {src}'s entries or carried rows are not those of position {p}"
         return None
 
-    def fill(self, seqs: list[SequenceKV], tokens: list[int]) -> None:
-        """This step's rows (sequence i decodes token i at its next position) into the buffers; padding repeats
-        row 0. Host tensors copied without waiting."""
+    def fill(self, seqs: list[SequenceKV], tokens: list[int] | torch.Tensor,
+             engram_back: torch.Tensor | None = None) -> None:
+        """This step's rows (sequence i decodes token i at its next position) into the inputs; padding repeats
+        row 0. ``tokens``: host ids, or a LongTensor [len(seqs)] on the device (not read by the host).
+        ``engram_back``: host LongTensor [len(seqs), lookbacks] (see the module docstring). No host wait."""
         b, cap = len(seqs), self.capacity
         if not 0 < b <= cap:
             raise ValueError(f"a decode batch of {b} rows does not fit capacity {cap}")
-        pad = [0] * (cap - b)
+        on_device = isinstance(tokens, torch.Tensor)
+        if (tokens.shape[0] if on_device else len(tokens)) != b:
+            raise ValueError(f"{b} sequences need {b} tokens")
         pos = [kv.num_tokens for kv in seqs]
         self.check_bound(max(pos))
-        spare = self.cache.slots.num_blocks
-        tables = self.tables(seqs, cap)
         slots = [kv.slot for kv in seqs]
-        put = lambda dst, src: dst.copy_(src, non_blocking=True)  # noqa: E731
-        put(self.tokens, torch.tensor(tokens + [tokens[0] for _ in pad]))
-        put(self.positions, torch.tensor(pos + [pos[0] for _ in pad]))
-        put(self.seq_tables, tables)
-        put(self.slots, torch.tensor(slots + [slots[0] for _ in pad]))
-        put(self.carry_slots, torch.tensor(slots + [spare for _ in pad]))
-        put(self.real, torch.tensor([True] * b + [False for _ in pad]))
+        pad = cap - b
+        i = self._turn
+        self._turn = (i + 1) % len(self._staging)
+        if self._uploaded[i] is not None:  # its previous copy must have read it (long done in practice)
+            self._uploaded[i].synchronize()
+        host = self._staging[i]
+        seg = lambda name: host[self._at[name]]  # noqa: E731
+        if not on_device:
+            seg("tokens").copy_(torch.tensor(tokens + tokens[:1] * pad))
+        seg("positions").copy_(torch.tensor(pos + pos[:1] * pad))
+        seg("slots").copy_(torch.tensor(slots + slots[:1] * pad))
+        seg("carry").copy_(torch.tensor(slots + [self.cache.slots.num_blocks] * pad))
+        seg("real").copy_(torch.tensor([1] * b + [0] * pad))
+        if self.lookbacks:
+            back = seg("back").view(cap, self.lookbacks)
+            if engram_back is None:
+                raise ValueError("this batch carries Engram lookbacks: pass engram_back")
+            back[:b] = engram_back
+            back[b:] = engram_back[:1]
+        seg("tables").view(cap, -1).copy_(self.tables(seqs, cap))
+        self.inputs.copy_(host, non_blocking=True)
+        if self.inputs.device.type == "cuda":
+            self._uploaded[i] = torch.cuda.Event()
+            self._uploaded[i].record()
+        if on_device:
+            dst = self._segment("tokens")
+            dst[:b].copy_(tokens)
+            if pad:
+                dst[b:].copy_(tokens[:1].expand(pad))
 
     def mask_writes(self) -> None:
         """Every row a padding row (stores nothing): for the warm-up runs before a capture."""
-        self.real.fill_(False)
-        self.carry_slots.fill_(self.cache.slots.num_blocks)
+        self._segment("real").fill_(0)
+        self._segment("carry").fill_(self.cache.slots.num_blocks)
 
     def entry_stores(self, ratio: int, rope, dtype: torch.dtype):
         """Per row, where a ratio-r source stores the entry the row completes (-1: none completes, or padding) and

@@ -68,7 +68,7 @@ class Engram(nn.Module):
             rows = rows.for_seqs(seq_rows)
         if rows is None or rows.dtype == torch.int64:
             ids = self.row_ids(compressed_ids, seq_rows, histories) if rows is None else rows
-            rows = self.embed.weight[ids] if self.table is None else self.table.gather(ids, x.device, x.dtype)
+            rows = self.embed.weight[ids] if self.table is None else self.table.device_gather(ids, x.dtype)
         if rows.shape[0] != t:
             raise ValueError(f"rows cover {rows.shape[0]} tokens, the stream has {t}")
         e = rows.flatten(1).to(x.dtype)

@@ -205,6 +205,14 @@ class EngramTable:
         """[*rows.shape, D] rows of the table on ``device`` (default: rows' device), decoded to ``dtype``."""
         return self.prefetch(rows, device, dtype).wait()
 
+    def device_gather(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``gather`` to rows' device without the host: on a GPU a kernel reads the pinned table in place (so a
+        CUDA graph can capture it; rows are not range-checked there: the hasher's are always in range)."""
+        if rows.device.type == "cuda" and self.memory is not None and self.memory.pinned:
+            from ..kernels.engram_gather import engram_gather
+            return engram_gather(self.data, rows, self.fmt, self.dim, dtype)
+        return self.gather(rows, rows.device, dtype)
+
 
 def bench(device: str = "cuda", table_gb: float = 4.0, columns: int = 24, dim: int = 256,
           tokens=(1, 32, 128), work_ms: float = 2.0) -> dict:

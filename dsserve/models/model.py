@@ -155,31 +155,18 @@ class DeepseekForCausalLM(nn.Module):
         return ForwardOutput(collapse(x, pre), ctx.positions, taps, ctx.seqs)
 
     # ------------------------------ fixed-shape forwards (CUDA graphs): decode steps, bounded replay's decoder rows
-    def fill_decode(self, batch: DecodeBatch, seqs: list, tokens: list[int]) -> None:
-        """A decode step's inputs into ``batch``'s buffers (sequence i decodes ``tokens[i]``), Engram rows hashed on
-        the host and, for host tables, copied in; then ``forward_decode`` runs (or replays) on them."""
+    def fill_decode(self, batch: DecodeBatch, seqs: list, tokens: list[int] | torch.Tensor) -> None:
+        """A decode step's inputs into ``batch`` (sequence i decodes ``tokens[i]``: host ids, or a device LongTensor
+        the host has not read); then ``forward_decode`` runs (or replays) on them. Engram needs only each
+        sequence's history from the host: the rows are hashed and gathered on the device, in the step."""
         if not self.cfg.is_v41:  # V4's head collapses with its own mHC weights, and it has no paged batched path
             raise ModelInputError("fixed-shape decode steps need a V4.1 model on the paged batched path")
-        batch.fill(seqs, tokens)
-        if not self.cfg.engram_layer_ids:
-            return
-        cap, pad = batch.capacity, batch.capacity - len(seqs)
-        host_ids = self._engram_ids(torch.tensor(tokens + tokens[:1] * pad), None)
-        hist = [kv.engram_history for kv in seqs] + [seqs[0].engram_history] * pad
-        if batch.engram_ids is None:
-            batch.engram_ids = torch.zeros(cap, dtype=torch.long, device=batch.tokens.device)
-        batch.engram_ids.copy_(host_ids, non_blocking=True)
-        dtype = self.embed.weight.dtype
-        src = next(b.engram.hasher for b in self.layers if b.engram is not None).lookbacks(host_ids, hist)
-        for b in self.layers:
-            if b.engram is None:
-                continue
-            ids = b.engram.hasher.rows_of_lookbacks(src)
-            held = ids if b.engram.table is None else b.engram.table.prefetch(
-                ids, batch.tokens.device, dtype, [1] * cap).wait()
-            if b.role.index not in batch.engram_rows:
-                batch.engram_rows[b.role.index] = torch.empty_like(held, device=batch.tokens.device)
-            batch.engram_rows[b.role.index].copy_(held, non_blocking=True)
+        back = None
+        if self.cfg.engram_layer_ids:
+            hasher = next(b.engram.hasher for b in self.layers if b.engram is not None)
+            back = hasher.lookbacks(torch.zeros(len(seqs), dtype=torch.long),
+                                    [kv.engram_history for kv in seqs])[:, 1:]
+        batch.fill(seqs, tokens, back)
 
     def forward_decode(self, batch: DecodeBatch) -> torch.Tensor:
         """Logits [capacity, V] of the decode step in ``batch``: fixed shapes, no host reads or writes, so a CUDA
@@ -187,8 +174,12 @@ class DeepseekForCausalLM(nn.Module):
         cfg = self.cfg
         batch.begin()
         ctx = ForwardContext(tokens=batch.tokens, positions=batch.positions, seqs=batch.seqs, qat=cfg.qat,
-                             engram_ids=batch.engram_ids, engram_rows=batch.engram_rows, paged=batch,
-                             ops=self.kernel_ops)
+                             paged=batch, ops=self.kernel_ops)
+        if cfg.engram_layer_ids:  # hashed here, on the device: the step needs no token on the host
+            ctx.engram_ids = self.engram_token_map[batch.tokens]
+            src = torch.cat([ctx.engram_ids[:, None], batch.engram_back], 1)
+            ctx.engram_rows = {b.role.index: b.engram.hasher.rows_of_lookbacks(src)
+                               for b in self.layers if b.engram is not None}
         x, pre = self._embed(batch.tokens)
         for block in self.layers:
             x, pre, ctx = block(x, pre, ctx)
@@ -208,19 +199,27 @@ class DeepseekForCausalLM(nn.Module):
             x, pre, ctx = block(x, pre, ctx)
         return collapse(x, pre)
 
-    def commit_decode(self, seqs: list, tokens: list[int]) -> None:
+    def commit_decode(self, seqs: list, tokens: list[int] | None) -> None:
         """The host's side of a decode step run by ``forward_decode``: token counts, the compressor's entry and
-        carried-row counts, Engram histories."""
-        ids = self._engram_ids(torch.tensor(tokens), None) if self.cfg.engram_layer_ids else None
-        for i, kv in enumerate(seqs):
+        carried-row counts, Engram histories. ``tokens`` None (the step's tokens are not on the host yet): the
+        histories wait for ``push_decode_history``."""
+        if tokens is not None:
+            self.push_decode_history(seqs, tokens)
+        for kv in seqs:
             p = kv.num_tokens
             for src, (r, _) in kv.cache.layout.sources.items():
                 kv._entries[src] = (p + 1) // r
                 if r > 1:
                     kv.carried[src] = (p + 1) % r
             kv.num_tokens = p + 1
-            if ids is not None:
-                kv.push_engram_history(ids[i:i + 1])
+
+    def push_decode_history(self, seqs: list, tokens: list[int]) -> None:
+        """Engram histories of sequences whose decode step took ``tokens`` (no-op without Engram)."""
+        if not self.cfg.engram_layer_ids:
+            return
+        ids = self._engram_ids(torch.tensor(tokens), None)
+        for i, kv in enumerate(seqs):
+            kv.push_engram_history(ids[i:i + 1])
 
     def _embed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The mHC streams [T, n, d] (n copies of the embedding) and the first collapse weights."""

@@ -127,7 +127,7 @@ def test_fixed_shape_decode_after_prefix_hits_with_and_without_bounded_replay():
     for replay in (True, False):
         outs = []
         for backend in ("reference", "paged"):
-            llm = LLM(model="tiny", dtype="float64", attention_backend=backend, reference_ops="all",
+            llm = LLM(model="tiny", dtype="float64", device="cpu", attention_backend=backend, reference_ops="all",
                       swa_bounded_replay=replay, max_num_batched_tokens=64)
             eng = llm.engine
             if backend == "paged":

@@ -49,13 +49,13 @@ def test_graph_decode_step_makes_no_host_sync():
     graphs = eng.runner.decode_graphs
     run, guarded = graphs.run, []
 
-    def no_sync(plan, key):
+    def no_sync(plan, key, tokens=None):
         if key not in graphs._steps:  # the first step of a bucket captures (and synchronises): unguarded
-            return run(plan, key)
+            return run(plan, key, tokens)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return run(plan, key)
+            return run(plan, key, tokens)
         finally:
             torch.cuda.set_sync_debug_mode(0)
             guarded.append(True)
