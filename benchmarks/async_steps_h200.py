@@ -90,14 +90,39 @@ def device_step_ms(core, b: int, ctx: int, gen: torch.Generator, reps: int = 20)
     return s.elapsed_time(e) / reps
 
 
+def plot(res: dict, path: str) -> None:
+    """Step ms per batch size: sync, async, and the device's own step (graph replays back to back)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = res["cases"]
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    xs = range(len(rows))
+    for k, (label, get) in enumerate((("synchronous", lambda r: r["sync"]["step_ms"]),
+                                      ("async scheduling", lambda r: r["async"]["step_ms"]),
+                                      ("device step (replays back to back)", lambda r: r["device_step_ms"]))):
+        ax.bar([x + (k - 1) * 0.27 for x in xs], [get(r) for r in rows], 0.27, label=label)
+    ax.set_xticks(list(xs), [f"B = {r['B']}" for r in rows])
+    ax.set_ylabel(f"decode step ms (context {rows[0]['ctx']})")
+    ax.set_title("Engine decode step, release proxy, H200")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
-    import model_h200 as M
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="benchmarks/results/async-steps-h200")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--plot-only", action="store_true", help="redraw async_steps.png from --out's JSON (CPU)")
     a = p.parse_args()
+    if a.plot_only:
+        with open(os.path.join(a.out, "async_steps.json")) as f:
+            plot(json.load(f), os.path.join(a.out, "async_steps.png"))
+        return
+    import model_h200 as M
     batches = [int(x) for x in a.batches.split(",")]
     core, info = M.build_core("proxy-h200-release", (max(batches) * 3, a.context + a.steps + 64), release=True,
                               smoke=False, engram_tables="host-fp8")
@@ -124,6 +149,7 @@ def main() -> None:
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "async_steps.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
+    plot(res, os.path.join(a.out, "async_steps.png"))
     print(json.dumps([{"B": r["B"], "speedup": r["speedup"], **r["exposed_fraction"]} for r in rows]))
 
 
