@@ -14,13 +14,13 @@ from dsserve.engine.sampling_params import SamplingParamsError
 @pytest.fixture(scope="module")
 def llm():
     # fp64 so batched and per-sequence runs agree exactly, QAT rounding included
-    return LLM(model="tiny", dtype="float64", max_num_seqs=16, max_num_batched_tokens=96,
+    return LLM(model="tiny", dtype="float64", device="cpu", max_num_seqs=16, max_num_batched_tokens=96,
                swa_bounded_replay=False)
 
 
 @pytest.fixture(scope="module")
 def llm_replay():
-    return LLM(model="tiny", dtype="float64", max_num_seqs=16, max_num_batched_tokens=96)
+    return LLM(model="tiny", dtype="float64", device="cpu", max_num_seqs=16, max_num_batched_tokens=96)
 
 
 def prompts(n, seed):

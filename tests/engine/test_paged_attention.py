@@ -130,7 +130,7 @@ def test_paged_path_matches_reference_path_under_bounded_replay():
     for replay in (True, False):
         outs = []
         for backend in ("reference", "paged"):
-            llm = LLM(model="tiny", dtype="float64", attention_backend=backend, reference_ops="all",
+            llm = LLM(model="tiny", dtype="float64", device="cpu", attention_backend=backend, reference_ops="all",
                       swa_bounded_replay=replay, max_num_batched_tokens=64)
             outs.append([o.outputs[0].token_ids for p in prompts for o in llm.generate([p], params)])
             assert llm.engine.stats.as_dict()["prefix_hit_tokens"] > 0

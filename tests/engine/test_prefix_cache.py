@@ -14,8 +14,8 @@ BS, NEW = 16, 6
 
 
 def make_llm(replay, window=None, budget=512, **kw):
-    return LLM(model="tiny", dtype="float64", block_size=BS, max_num_batched_tokens=budget, max_num_seqs=8,
-               swa_bounded_replay=replay, replay_window=window, enable_prefix_caching=True, **kw)
+    return LLM(model="tiny", dtype="float64", device="cpu", block_size=BS, max_num_batched_tokens=budget,
+               max_num_seqs=8, swa_bounded_replay=replay, replay_window=window, enable_prefix_caching=True, **kw)
 
 
 def capture_logits(llm):

@@ -50,9 +50,10 @@ def _fixed_shape(made, capture=None, row_buckets=(16, 32, 64)):
 def test_fixed_shape_decoder_rows_are_exact():
     """fp64, every op on its torch reference: the decoder rows of replayed prefill steps (fresh prompts, prefix hits,
     mixed with decode rows, padded to a row bucket) give the reference path's tokens and logprobs."""
-    ref, _ = _run(False, dtype="float64", attention_backend="reference")
+    ref, _ = _run(False, dtype="float64", device="cpu", attention_backend="reference")
     made = []
-    got, eng = _run(_fixed_shape(made), dtype="float64", attention_backend="paged", reference_ops="all")
+    got, eng = _run(_fixed_shape(made), dtype="float64", device="cpu", attention_backend="paged",
+                    reference_ops="all")
     for (tok_a, lp_a), (tok_b, lp_b) in zip(ref, got):
         assert tok_a == tok_b
         assert max(abs(a[1] - b[1]) for da, db in zip(lp_a, lp_b) for a, b in zip(da, db)) < 1e-9
@@ -66,9 +67,10 @@ def test_other_replay_form_falls_back():
     """The vllm form narrows after layer 20's attention (its top-k already published): that step runs eagerly,
     counted, and the output is the eager path's."""
     made = []
-    eager, _ = _run(False, dtype="float64", attention_backend="paged", reference_ops="all", replay_form="vllm")
-    got, _ = _run(_fixed_shape(made), dtype="float64", attention_backend="paged", reference_ops="all",
-                  replay_form="vllm")
+    eager, _ = _run(False, dtype="float64", device="cpu", attention_backend="paged", reference_ops="all",
+                    replay_form="vllm")
+    got, _ = _run(_fixed_shape(made), dtype="float64", device="cpu", attention_backend="paged",
+                  reference_ops="all", replay_form="vllm")
     assert got == eager
     rep = made[0].report()
     assert rep["runs"] == 0 and rep["fallbacks"]["not narrowed at the decoder's KV source (replay form)"] > 0

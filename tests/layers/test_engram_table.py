@@ -157,7 +157,7 @@ def test_engine_chunked_prefill_decode_and_replay_hit_are_exact():
     sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
     def run(tables):
-        llm = LLM(model="tiny", dtype="float64", block_size=16, max_num_batched_tokens=20, max_num_seqs=4,
+        llm = LLM(model="tiny", dtype="float64", device="cpu", block_size=16, max_num_batched_tokens=20, max_num_seqs=4,
                   swa_bounded_replay=True, replay_window=16, enable_prefix_caching=True, engram_tables=tables)
         seen, execute = [], llm.engine.runner.execute
 
