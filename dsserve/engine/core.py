@@ -258,10 +258,13 @@ class EngineCore:
     def _launch_ahead(self, prev: _Launched) -> _Launched | None:
         """The next decode step of ``prev``'s requests, launched before the host reads ``prev``'s tokens (they
         are its inputs, taken on the device), when that step is certain to be what the scheduler would plan:
-        nobody waits, every running request is one of ``prev``'s and will not finish by length, its sampling
-        needs no host history, and the cache has room. None: the caller reads ``prev`` first."""
+        nobody waits (or the batch is full), every running request is one of ``prev``'s and will not finish by
+        length, its sampling needs no host history, and the cache has room. None: the caller reads ``prev``
+        first."""
         sched, graphs = self.scheduler, self.runner.decode_graphs
-        if not prev.fixed_shape or sched.waiting or len(sched.running) != len(prev.requests):
+        if not prev.fixed_shape or len(sched.running) != len(prev.requests):
+            return None
+        if sched.waiting and len(sched.running) < sched.config.max_num_seqs:  # full: none would be admitted
             return None
         if len(prev.requests) > sched.config.max_num_batched_tokens:
             return None

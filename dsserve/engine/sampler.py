@@ -119,8 +119,12 @@ def apply_top_k(logits: torch.Tensor, k: torch.Tensor, k_max: int | None = None)
 
 def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
-    # Only tokens still in play can be in the nucleus: sort just those (all of them when nothing is masked).
-    sorted_p = probs.topk(int(torch.isfinite(logits).sum(dim=-1).max()), dim=-1).values
+    # Only tokens still in play can be in the nucleus: on the CPU sort just those. On a GPU counting them would make
+    # the host wait for the device (asynchronous scheduling), so sort the whole row: the masked tokens' zeros sort
+    # last and change nothing (mass before them is the whole mass; if rounding leaves it < p, both ways keep every
+    # token in play).
+    width = logits.shape[1] if logits.is_cuda else int(torch.isfinite(logits).sum(dim=-1).max())
+    sorted_p = probs.topk(width, dim=-1).values
     mass_before = sorted_p.cumsum(dim=-1) - sorted_p           # mass strictly ahead in sorted order
     last_kept = (mass_before < p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_min(1) - 1
     threshold = sorted_p.gather(1, last_kept)                   # smallest kept probability

@@ -14,9 +14,9 @@ from dsserve.engine.sampling_params import SamplingParams
 PROMPTS = [[5 + (7 * i + 3 * j) % 900 for j in range(n)] for i, n in enumerate((3, 40, 17, 70, 9, 33, 25))]
 
 
-def _core(async_on: bool) -> EngineCore:
+def _core(async_on: bool, max_num_seqs: int = 8) -> EngineCore:
     return EngineCore(EngineArgs(model="tiny", dtype="float64", device="cpu", attention_backend="paged",
-                                 max_num_seqs=8, max_num_batched_tokens=64, async_scheduling=async_on,
+                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=64, async_scheduling=async_on,
                                  kv_cache_memory=64 << 20, reference_ops="all"))
 
 
@@ -88,6 +88,25 @@ def test_async_engine_steady_decode_runs_ahead(cores):
     assert all(len(o.outputs[0].token_ids) == 10 for o in outs.values())
     # 9 decode steps; the last token of each request ends it by length, so the step after it is not run ahead
     assert asyn.stats.ahead_steps - before >= 7
+
+
+def test_async_engine_runs_ahead_while_a_full_batch_keeps_others_waiting():
+    """max_num_seqs 2, five requests: while the batch is full the waiting ones could not be admitted anyway, so
+    steps still run ahead; each request's tokens are the synchronous engine's (admissions one step later)."""
+    outs = {}
+    for async_on in (False, True):
+        core = _core(async_on, max_num_seqs=2)
+        for i in range(5):
+            core.add_request(str(i), PROMPTS[i], SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True))
+        got = {}
+        while core.has_unfinished_requests():
+            for o in core.step():
+                if o.finished:
+                    got[o.request_id] = o.outputs[0].token_ids
+            core.scheduler.check()
+        outs[async_on] = (got, core.stats.ahead_steps)
+    assert outs[True][0] == outs[False][0] and len(outs[True][0]) == 5
+    assert outs[False][1] == 0 and outs[True][1] >= 20  # 15 if it waited for the queue to empty
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
