@@ -260,9 +260,13 @@ def _check(x, ids, weights, experts, kernel):
         raise ValueError(f"ids must lie in [0, {n_exp}), got [{int(ids.min())}, {int(ids.max())}]")
 
 
-def routed_experts_ref(x, ids, weights, experts: ExpertWeights, limit: float) -> torch.Tensor:
-    """MoE.forward's per-expert loop on the dequantised weights (cast to x's dtype), without the shared expert."""
+def routed_experts_ref(x, ids, weights, experts: ExpertWeights, limit: float, *,
+                       accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
+    """MoE.forward's per-expert loop on the dequantised weights (cast to x's dtype), without the shared expert.
+    ``accumulate_into`` ([T, d], x's dtype; the shared expert's output): the routed sum is added to it in place, in
+    fp32 with one rounding (as the oracle adds the two), and it is returned."""
     _check(x, ids, weights, experts, kernel=False)
+    _check_into(x, accumulate_into)
     out = torch.zeros(x.shape, dtype=acc(x).dtype, device=x.device)
     for e in torch.unique(ids).tolist():
         rows, slot = torch.nonzero(ids == e, as_tuple=True)
@@ -271,7 +275,15 @@ def routed_experts_ref(x, ids, weights, experts: ExpertWeights, limit: float) ->
         he = clamped_swiglu(xe @ w1.t(), xe @ w3.t(), limit)
         ye = (acc(he) * weights[rows, slot, None]).to(x.dtype) @ w2.t()
         out.index_add_(0, rows, acc(ye))
+    if accumulate_into is not None:
+        return accumulate_into.copy_(out + acc(accumulate_into))
     return out.to(x.dtype)
+
+
+def _check_into(x, into):
+    if into is not None and (into.shape != x.shape or into.dtype != x.dtype or into.device != x.device):
+        raise ValueError(f"accumulate_into must be a {x.dtype} {tuple(x.shape)} tensor on {x.device}, got "
+                         f"{into.dtype} {tuple(into.shape)} on {into.device}")
 
 
 SMEM_BUDGET = 160 * 1024  # of the H200's 227 KiB per block: headroom for Triton's own buffers
@@ -310,17 +322,20 @@ def _weight_desc(w: torch.Tensor, bn: int, bk: int):
     return TensorDescriptor(w.view(e * n, kh), [e * n, kh], [kh, 1], [bn, bk // 2])
 
 
-def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *, config: dict | None = None):
+def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *,
+                   accumulate_into: torch.Tensor | None = None, config: dict | None = None):
     """Triton grouped GEMMs, same semantics as routed_experts_ref. Ids must lie in [0, E) (not checked: that would
     need a host sync); a pick outside leaves its row undefined. config overrides BM, BN, BK, GROUP_M, num_warps,
     num_stages, scaled and tma (tests and benchmarks only). scaled (default; MXFP4 with bf16 rows): tl.dot_scaled
     upcasts the weights; off, the kernel decodes each nibble itself (1.7-2.2x slower on the H200, 2026-11-29:
     benchmarks/results/model-h200; what fp16 / fp32 rows always take). tma (scaled only; off until measured on
-    the GPU): the packed weight tiles are loaded by TMA from host tensor descriptors."""
+    the GPU): the packed weight tiles are loaded by TMA from host tensor descriptors. accumulate_into: see the
+    reference (one launch where a separate add would take three)."""
     _check(x, ids, weights, experts, kernel=True)
+    _check_into(x, accumulate_into)
     (t, k), (n_exp, d, inter) = ids.shape, experts.shape
     if t * k == 0:
-        return torch.zeros(t, d, dtype=x.dtype, device=x.device)
+        return accumulate_into if accumulate_into is not None else torch.zeros(t, d, dtype=x.dtype, device=x.device)
     cfg = dict(config or {})
     scaled = experts.fmt == "mxfp4" and x.dtype == torch.bfloat16 and cfg.pop("scaled", True)
     tma = scaled and cfg.pop("tma", False)
@@ -348,7 +363,10 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *, con
     _down_kernel[(nt * triton.cdiv(d, c["BN_DOWN"]),)](
         h, tiles, order, w2, s2, yk, nt, n_exp, D=d, I=inter, BN=c["BN_DOWN"], BK=c["BK_DOWN"],
         num_stages=c["num_stages"], TMA=tma, **common)
-    return yk.view(t, k, d).sum(1, dtype=torch.float32).to(x.dtype)  # fp32 sum, no fp32 copy of yk
+    routed = yk.view(t, k, d).sum(1, dtype=torch.float32)  # fp32 sum, no fp32 copy of yk
+    if accumulate_into is not None:
+        return accumulate_into.add_(routed)  # computed in fp32, rounded once into x's dtype
+    return routed.to(x.dtype)
 
 
 def bench(device="cuda", d: int = 5120, inter: int = 2304, n_experts: int = 48, k: int = 6, sets: int = 4,

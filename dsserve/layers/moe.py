@@ -128,8 +128,9 @@ class MoE(nn.Module):
                 ids, w = g(x, tokens, is_image)
             else:
                 ids, w = ops.route(x, g.weight, g.bias, g.topk, g.temp, g.scale, g.bias_vl, is_image)
-            routed = ops.routed_experts(x, ids, w, self.expert_weights(), self.limit)
-            return (acc(routed) + self.shared_experts(x)).to(x.dtype)  # promoted in the add: no fp32 copy
+            # the routed sum lands on the shared expert's output in place: fp32, rounded once, as below
+            return ops.routed_experts(x, ids, w, self.expert_weights(), self.limit,
+                                      accumulate_into=self.shared_experts(x))
         ids, w = self.gate(x, tokens, is_image)
         if self.packed is not None and "w1" not in self.experts:  # packed only: dequantise expert by expert
             from ..kernels.grouped_moe import routed_experts_ref

@@ -79,6 +79,34 @@ def test_matches_ref(tiny_experts, fmt, t, k):
     assert rel(ref, G.routed_experts_ref(x, ids, w, ex, 1e9)) > 1e-3  # the clamps are exercised
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_accumulate_into_adds_in_fp32_and_rounds_once(tiny_experts, dtype):
+    """The shared expert's output takes the routed sum in place: (fp32 sum + fp32 shared) rounded once, kernel and
+    reference alike (where a bf16 routed output added afterwards rounds twice)."""
+    ex = tiny_experts["mxfp4"]
+    ids, w = routing(9, 3, E, seed=4)
+    x = torch.randn(9, D, generator=torch.Generator().manual_seed(4)).to(dtype)
+    shared = torch.randn(9, D, generator=torch.Generator().manual_seed(5)).to(dtype)
+    routed = G.routed_experts_ref(x, ids, w, ex, LIMIT)  # rounded to dtype: adding it rounds a second time
+    want = (routed.float() + shared.float()).to(dtype)
+    into = shared.clone()
+    got = G.routed_experts_ref(x, ids, w, ex, LIMIT, accumulate_into=into)
+    assert got is into and got.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.equal(got, want)  # nothing to round away in fp32
+    else:
+        assert rel(got.float(), want.float()) < 1e-2 and not torch.equal(got, want)  # one rounding fewer
+    zero = G.routed_experts_ref(x, ids, w, ex, LIMIT, accumulate_into=torch.zeros_like(x))
+    assert torch.equal(zero, routed)
+    kern = G.routed_experts(x, ids, w, ex, LIMIT, accumulate_into=shared.clone())
+    kern_twice = (G.routed_experts(x, ids, w, ex, LIMIT).float() + shared.float()).to(dtype)
+    assert rel(kern.float(), kern_twice.float()) < (1e-6 if dtype == torch.float32 else 1e-2)
+    if dtype == torch.float32:
+        assert rel(kern, got) < 1e-5
+    with pytest.raises(ValueError, match="accumulate_into"):
+        G.routed_experts(x, ids, w, ex, LIMIT, accumulate_into=shared[:, :-1].clone())
+
+
 @pytest.mark.parametrize("fmt", G.FMTS)
 def test_uneven_routing_and_empty_experts(tiny_experts, fmt):
     t, k = 17, 3  # all 17 tokens on expert 2 (two tiles of 16), the rest on 5 and 6; five experts stay empty
