@@ -65,8 +65,8 @@ class EngineArgs:
         "shapes (a GPU's CUDA graphs); True also runs the CPU's paged decode steps in fixed shapes"))
     reference_ops: str = field(default="", metadata=_h(
         "ops that run their torch reference instead of Triton (on the paged backend), for bisecting: a comma "
-        "list of attention, indexer, topk, kv_write, linear, router, moe, mhc, rowwise, entry_rows, or all, or '' "
-        "for none"))
+        "list of attention, indexer, topk, kv_write, linear, router, moe, mhc, rowwise, entry_rows, engram_rows, "
+        "engram_mix, swiglu, window_rows, or all, or '' for none"))
 
     def __post_init__(self):
         if self.quantization not in (None, "fp8"):

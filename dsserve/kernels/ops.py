@@ -24,6 +24,10 @@ OPS = {
     "mhc": ("mhc", ("mhc_site", "mhc_expand")),
     "rowwise": ("rowwise", ("rms_norm", "rope_inplace", "fake_quant_fp4_pow2")),
     "entry_rows": ("entry_rows", ("entry_rows",)),
+    "engram_rows": ("engram_rows", ("engram_rows",)),
+    "engram_mix": ("engram_mix", ("engram_mix",)),
+    "swiglu": ("swiglu", ("swiglu",)),
+    "window_rows": ("window_rows", ("window_rows",)),
 }
 
 

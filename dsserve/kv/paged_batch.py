@@ -90,14 +90,17 @@ class PagedBatch:
     def _first_positions(self) -> torch.Tensor:
         return self.positions[self.row_first.long()]
 
-    def old_window_rows(self, layer: int) -> torch.Tensor:
-        """[T, W] int32: physical rows of positions p-W+1..p written before this step, -1 if absent."""
+    def old_window_rows(self, layer: int, ops=None) -> torch.Tensor:
+        """[T, W] int32: physical rows of positions p-W+1..p written before this step, -1 if absent. ``ops``
+        (kernels.ops.KernelOps): the per-layer tag check in one kernel."""
         if self._window is None:
             self._window = self._window_candidates()
         q, tag_at, rows = self._window
         if tag_at is None:  # exact mode: the rows come from the block tables, the same for every layer
             return rows
         # the ring's slot holds position q only if this layer's tag says so (the slot may hold an older one)
+        if ops is not None:
+            return ops.window_rows(self.cache.window_tags[layer], tag_at, q, rows)
         return torch.where(self.cache.window_tags[layer][tag_at] == q, rows, -1)
 
     def _window_candidates(self):

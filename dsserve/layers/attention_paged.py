@@ -79,7 +79,7 @@ def forward_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         main_pool = cache.main[src].flatten(0, 1)
         main_fmt = FORMAT_KIND[lay.main_fmt.name]
         sel_rows = ops.entry_rows(idx, valid, step.seq_tables, step.row_seq, lay.sources[src][1])
-    o = ops.sparse_attention(q, cos, sin, win_pool, win_fmt, step.old_window_rows(role.index), kv,
+    o = ops.sparse_attention(q, cos, sin, win_pool, win_fmt, step.old_window_rows(role.index, ops), kv,
                              step.row_first, main_pool, main_fmt, sel_rows, fp32_param(attn.attn_sink),
                              cfg.head_dim ** -0.5, out_dtype=x.dtype)
 

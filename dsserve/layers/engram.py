@@ -57,11 +57,13 @@ class Engram(nn.Module):
         return self.table.prefetch(ids, device, dtype, [r.stop - r.start for r in seq_rows])
 
     def forward(self, x: torch.Tensor, compressed_ids: torch.Tensor, seq_rows: list[slice],
-                histories: list[torch.Tensor], rows: torch.Tensor | EngramRows | None = None) -> torch.Tensor:
+                histories: list[torch.Tensor], rows: torch.Tensor | EngramRows | None = None,
+                ops=None) -> torch.Tensor:
         """x: the mHC stream [T, n, d]; compressed_ids [T] (-1 = dead); per sequence its rows and the ids
         before them (hashing looks back across chunk boundaries, never across sequences). ``rows``: this
         step's gathered table rows [T, columns, head_dim] (or their prefetch handle, narrowed to ``seq_rows``), or
-        their row ids [T, columns] (int64, hashed beforehand: a fixed-shape decode step); None: hash and gather now."""
+        their row ids [T, columns] (int64, hashed beforehand: a fixed-shape decode step); None: hash and gather now.
+        ``ops`` (kernels.ops.KernelOps): the gated mix after the projection in one kernel; None: the torch lines."""
         t, n, d = x.shape
         eps = self.cfg.rms_norm_eps
         if isinstance(rows, EngramRows):
@@ -73,6 +75,8 @@ class Engram(nn.Module):
             raise ValueError(f"rows cover {rows.shape[0]} tokens, the stream has {t}")
         e = rows.flatten(1).to(x.dtype)
         kv = self.wkv(e)
+        if ops is not None:
+            return ops.engram_mix(x, kv, self.q_weight, self.k_weight, compressed_ids, eps)
         key, value = acc(kv[:, : n * d].view(t, n, d)), acc(kv[:, n * d:])
         xf = acc(x)
         dot = (xf * self.q_weight.to(xf.dtype) * self.k_weight.to(xf.dtype) * key).sum(-1)

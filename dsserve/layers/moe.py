@@ -29,9 +29,13 @@ class Expert(nn.Module):
         # w1 and w3 then hold views of its rows)
         self.w13: nn.Module | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
+        """``ops`` (kernels.ops.KernelOps): the clamped SwiGLU of the fused w1/w3 product in one kernel."""
         if self.w13 is not None:
-            gate, up = self.w13(x).chunk(2, dim=-1)
+            h = self.w13(x)
+            if ops is not None:
+                return self.w2(ops.swiglu(h.reshape(-1, h.shape[-1]), self.limit).view(*h.shape[:-1], -1))
+            gate, up = h.chunk(2, dim=-1)
             return self.w2(clamped_swiglu(gate, up, self.limit))
         return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
 
@@ -130,7 +134,7 @@ class MoE(nn.Module):
                 ids, w = ops.route(x, g.weight, g.bias, g.topk, g.temp, g.scale, g.bias_vl, is_image)
             # the routed sum lands on the shared expert's output in place: fp32, rounded once, as below
             return ops.routed_experts(x, ids, w, self.expert_weights(), self.limit,
-                                      accumulate_into=self.shared_experts(x))
+                                      accumulate_into=self.shared_experts(x, ops))
         ids, w = self.gate(x, tokens, is_image)
         if self.packed is not None and "w1" not in self.experts:  # packed only: dequantise expert by expert
             from ..kernels.grouped_moe import routed_experts_ref

@@ -73,7 +73,7 @@ class Block(nn.Module):
         if self.engram is not None:
             ctx.log(self.role.index, "engram")
             x = self.engram(x, ctx.engram_ids, [s.rows for s in ctx.seqs], ctx.engram_history,
-                            rows=ctx.engram_rows.get(self.role.index))
+                            rows=ctx.engram_rows.get(self.role.index), ops=ctx.ops)
         ops = ctx.ops  # kernels.ops.KernelOps, or None: the torch forward (the oracle)
         if self.cfg.is_v41:
             h, a_pre, a_post, a_comb = self.site("attn", x, pre, self.attn_norm, ops)

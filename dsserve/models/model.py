@@ -178,8 +178,9 @@ class DeepseekForCausalLM(nn.Module):
         if cfg.engram_layer_ids:  # hashed here, on the device: the step needs no token on the host
             ctx.engram_ids = self.engram_token_map[batch.tokens]
             src = torch.cat([ctx.engram_ids[:, None], batch.engram_back], 1)
-            ctx.engram_rows = {b.role.index: b.engram.hasher.rows_of_lookbacks(src)
-                               for b in self.layers if b.engram is not None}
+            hashers = [b.engram.hasher for b in self.layers if b.engram is not None]
+            ctx.engram_rows = {h.layer_id: self.kernel_ops.engram_rows(src, *h._consts(src.device), h.pad_id)
+                               for h in hashers}
         x, pre = self._embed(batch.tokens)
         for block in self.layers:
             x, pre, ctx = block(x, pre, ctx)
