@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .kv_write import _round_to
+
 DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _MAX_BLOCK = 256  # columns a program covers: I = 2304 (the release) is 9 whole blocks
 _MAX_ROWS = 8  # rows a program covers for large T: 2048 values, 16 per thread at 4 warps (two 16-byte bf16 loads)
@@ -45,23 +47,6 @@ def swiglu_ref(h: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 @triton.jit
-def _to_bf16(x):
-    """fp32 -> bf16 rounded to nearest even on the bits: the interpreter's own cast truncates (copied from
-    engram_gather)."""
-    b = x.to(tl.int32, bitcast=True)
-    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _round(x, DT: tl.constexpr, CUDA: tl.constexpr):
-    y = x.to(DT)
-    if not CUDA:
-        if DT == tl.bfloat16:
-            y = _to_bf16(x)
-    return y
-
-
-@triton.jit
 def _swiglu_kernel(h_ptr, out_ptr, t, stride, limit, I: tl.constexpr, DT: tl.constexpr, ROWS: tl.constexpr,
                    BLOCK: tl.constexpr, CUDA: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -78,8 +63,8 @@ def _swiglu_kernel(h_ptr, out_ptr, t, stride, limit, I: tl.constexpr, DT: tl.con
         e = libdevice.exp(-g)  # expf, as torch's silu_kernel; tl.exp is the approximate ex2 form
     else:
         e = tl.exp(-g)  # libdevice is missing from the interpreter
-    s = _round(tl.math.div_rn(g, 1.0 + e), DT, CUDA).to(tl.float32)
-    tl.store(out_ptr + r.to(tl.int64)[:, None] * I + c[None, :], _round(s * u, DT, CUDA), mask=m)
+    s = _round_to(tl.math.div_rn(g, 1.0 + e), DT)  # torch rounds silu's result to h's dtype
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * I + c[None, :], _round_to(s * u, DT).to(DT), mask=m)
 
 
 def _tiles(t: int, inter: int) -> tuple[int, int, int]:
