@@ -163,6 +163,9 @@ class DeepseekForCausalLM(nn.Module):
             raise ModelInputError("fixed-shape decode steps need a V4.1 model on the paged batched path")
         back = None
         if self.cfg.engram_layer_ids:
+            if self.engram_token_map is None:  # the step maps its tokens on the device
+                raise ModelInputError("this model's Engram needs the tokenizer's compressed-token map; "
+                                      "load it with the checkpoint's tokenizer")
             hasher = next(b.engram.hasher for b in self.layers if b.engram is not None)
             back = hasher.lookbacks(torch.zeros(len(seqs), dtype=torch.long),
                                     [kv.engram_history for kv in seqs])[:, 1:]
