@@ -261,10 +261,11 @@ def _check(x, ids, weights, experts, kernel):
 
 
 def routed_experts_ref(x, ids, weights, experts: ExpertWeights, limit: float, *,
-                       accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
+                       accumulate_into: torch.Tensor | None = None, accumulate_after=None) -> torch.Tensor:
     """MoE.forward's per-expert loop on the dequantised weights (cast to x's dtype), without the shared expert.
     ``accumulate_into`` ([T, d], x's dtype; the shared expert's output): the routed sum is added to it in place, in
-    fp32 with one rounding (as the oracle adds the two), and it is returned."""
+    fp32 with one rounding (as the oracle adds the two), and it is returned. ``accumulate_after``: a CUDA event
+    (accumulate_into made on another stream) the current stream waits for before the add."""
     _check(x, ids, weights, experts, kernel=False)
     _check_into(x, accumulate_into)
     out = torch.zeros(x.shape, dtype=acc(x).dtype, device=x.device)
@@ -276,8 +277,14 @@ def routed_experts_ref(x, ids, weights, experts: ExpertWeights, limit: float, *,
         ye = (acc(he) * weights[rows, slot, None]).to(x.dtype) @ w2.t()
         out.index_add_(0, rows, acc(ye))
     if accumulate_into is not None:
+        _wait(accumulate_after, x)
         return accumulate_into.copy_(out + acc(accumulate_into))
     return out.to(x.dtype)
+
+
+def _wait(event, x) -> None:
+    if event is not None:
+        torch.cuda.current_stream(x.device).wait_event(event)
 
 
 def _check_into(x, into):
@@ -323,7 +330,7 @@ def _weight_desc(w: torch.Tensor, bn: int, bk: int):
 
 
 def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *,
-                   accumulate_into: torch.Tensor | None = None, config: dict | None = None):
+                   accumulate_into: torch.Tensor | None = None, accumulate_after=None, config: dict | None = None):
     """Triton grouped GEMMs, same semantics as routed_experts_ref. Ids must lie in [0, E) (not checked: that would
     need a host sync); a pick outside leaves its row undefined. config overrides BM, BN, BK, GROUP_M, num_warps,
     num_stages, scaled and tma (tests and benchmarks only). scaled (default; MXFP4 with bf16 rows): tl.dot_scaled
@@ -335,6 +342,7 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *,
     _check_into(x, accumulate_into)
     (t, k), (n_exp, d, inter) = ids.shape, experts.shape
     if t * k == 0:
+        _wait(accumulate_after, x)
         return accumulate_into if accumulate_into is not None else torch.zeros(t, d, dtype=x.dtype, device=x.device)
     cfg = dict(config or {})
     scaled = experts.fmt == "mxfp4" and x.dtype == torch.bfloat16 and cfg.pop("scaled", True)
@@ -365,6 +373,7 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *,
         num_stages=c["num_stages"], TMA=tma, **common)
     routed = yk.view(t, k, d).sum(1, dtype=torch.float32)  # fp32 sum, no fp32 copy of yk
     if accumulate_into is not None:
+        _wait(accumulate_after, x)
         return accumulate_into.add_(routed)  # computed in fp32, rounded once into x's dtype
     return routed.to(x.dtype)
 

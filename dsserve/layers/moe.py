@@ -81,6 +81,22 @@ def deferred_experts():
         _DEFER_EXPERTS.reset(token)
 
 
+# A decode step's shared expert runs on a side stream beside the router and the routed experts (each alone leaves
+# SMs idle at a few rows); larger batches keep one stream. 0 turns it off.
+SHARED_EXPERT_STREAM_MAX_ROWS = 64
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(x: torch.Tensor):
+    """The side stream for the shared expert of ``x``'s rows, or None (CPU, or too many rows to gain)."""
+    if not x.is_cuda or not 0 < x.shape[0] <= SHARED_EXPERT_STREAM_MAX_ROWS:
+        return None
+    key = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(x.device)
+    return _SIDE_STREAMS[key]
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, n_experts: int, topk: int, hash_routed: bool = False):
         super().__init__()
@@ -122,19 +138,35 @@ class MoE(nn.Module):
             self.packed = type(p)(p.fmt, *(None if t is None else fn(t) for t in tensors))
         return self
 
+    def _shared(self, x: torch.Tensor, ops):
+        """The shared expert's output, and the event it is ready at when it runs on a side stream (else None)."""
+        side = _side_stream(x)
+        if side is None:
+            return self.shared_experts(x, ops), None
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)  # x is ready
+        with torch.cuda.stream(side):
+            shared = self.shared_experts(x, ops)
+            ready = torch.cuda.Event()
+            ready.record(side)
+        if not torch.cuda.is_current_stream_capturing():
+            shared.record_stream(main)  # made on the side stream, used and freed on the main one
+        return shared, ready
+
     def forward(self, x: torch.Tensor, tokens: torch.Tensor, is_image: torch.Tensor | None = None,
                 ops=None) -> torch.Tensor:
         """``ops`` (kernels.ops.KernelOps): the fused router and the grouped routed experts, Triton or their
         references; None: the loop below, the oracle (which the references reproduce)."""
         if ops is not None:
+            shared, ready = self._shared(x, ops)
             g = self.gate
             if g.hash_routed:
                 ids, w = g(x, tokens, is_image)
             else:
                 ids, w = ops.route(x, g.weight, g.bias, g.topk, g.temp, g.scale, g.bias_vl, is_image)
             # the routed sum lands on the shared expert's output in place: fp32, rounded once, as below
-            return ops.routed_experts(x, ids, w, self.expert_weights(), self.limit,
-                                      accumulate_into=self.shared_experts(x, ops))
+            return ops.routed_experts(x, ids, w, self.expert_weights(), self.limit, accumulate_into=shared,
+                                      accumulate_after=ready)
         ids, w = self.gate(x, tokens, is_image)
         if self.packed is not None and "w1" not in self.experts:  # packed only: dequantise expert by expert
             from ..kernels.grouped_moe import routed_experts_ref
