@@ -25,7 +25,7 @@ from .detokenizer import StopChecker
 from .outputs import CompletionOutput, RequestOutput, make_logprob_dict
 from .request import Request, RequestStatus
 from .runner import ModelRunner
-from .sampler import Sampler
+from .sampler import Sampler, row_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepPlan
 from .stats import EngineStats
@@ -82,8 +82,15 @@ class _Launched:
     sampled: torch.Tensor  # [B] int64 on the device
     host: torch.Tensor  # [B] the copy (pinned on a GPU)
     ready: "torch.cuda.Event | None"  # recorded after the copy
-    logprobs: list  # the sampler's per-row logprobs (None where not asked)
+    logprobs: tuple | None  # the sampler's logprob tensors, copied like the tokens (None: no row asked)
+    want: tuple  # per row: the top-n logprobs it asked for, or None
     fixed_shape: bool  # ran as a fixed-shape decode step (the next one may launch from its device tokens)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of ``t``, issued without waiting."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 class EngineCore:
@@ -244,16 +251,16 @@ class EngineCore:
 
     def _sample(self, sampling: list[Request], logits: torch.Tensor, fixed_shape: bool) -> _Launched:
         out = self.sampler(logits.float(), sampling)
-        ids = out.sampled_token_ids
+        ids, lps = out.sampled_token_ids, out.logprob_tensors
         ready = None
-        if ids.device.type == "cuda":
-            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            host.copy_(ids, non_blocking=True)
+        if ids.device.type == "cuda":  # the step's one copy back: tokens and logprobs, waited for in _read
+            host = _to_host(ids)
+            lps = None if lps is None else tuple(None if t is None else _to_host(t) for t in lps)
             ready = torch.cuda.Event()
             ready.record()
         else:
             host = ids
-        return _Launched(sampling, ids, host, ready, out.logprobs, fixed_shape)
+        return _Launched(sampling, ids, host, ready, lps, out.want, fixed_shape)
 
     def _launch_ahead(self, prev: _Launched) -> _Launched | None:
         """The next decode step of ``prev``'s requests, launched before the host reads ``prev``'s tokens (they
@@ -314,6 +321,7 @@ class EngineCore:
             launched.ready.synchronize()
         tokens = launched.host.tolist()  # here the host waits for the device
         wait = time.perf_counter() - t1
+        logprobs = row_logprobs(launched.logprobs, launched.want)
         if ahead is not None:
             tok_of = {id(r): tok for r, tok in zip(launched.requests, tokens)}
             self.model.push_decode_history([r.kv for r in ahead.requests], [tok_of[id(r)] for r in ahead.requests])
@@ -326,8 +334,8 @@ class EngineCore:
             tok = tokens[i]
             req.output_token_ids.append(tok)
             req.metrics.record_token(now)
-            if t.logprobs is not None and launched.logprobs[i] is not None:
-                lp = launched.logprobs[i]
+            if t.logprobs is not None and logprobs[i] is not None:
+                lp = logprobs[i]
                 t.logprobs.append(make_logprob_dict(tok, lp.sampled_logprob, lp.sampled_rank, lp.top_token_ids,
                                                     lp.top_logprobs, self.tokenizer))
                 t.cumulative_logprob += lp.sampled_logprob

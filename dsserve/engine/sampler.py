@@ -52,7 +52,32 @@ class RowLogprobs:
 @dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor            # [B] int64
-    logprobs: list[RowLogprobs | None]         # per row; None where the row did not ask
+    # (sampled logprob [B], its rank [B], top-n ids [B, n] | None, top-n logprobs [B, n] | None) on the logits'
+    # device, or None when no row asked; read on the host only by ``logprobs`` (the engine copies them back with
+    # the tokens, so asking for logprobs adds no wait for the device)
+    logprob_tensors: tuple | None = None
+    want: tuple = ()                           # per row: the top-n it asked for, or None
+
+    @property
+    def logprobs(self) -> list[RowLogprobs | None]:
+        """Per row; None where the row did not ask."""
+        return row_logprobs(self.logprob_tensors, self.want)
+
+
+def row_logprobs(tensors: tuple | None, want) -> list[RowLogprobs | None]:
+    """``SamplerOutput.logprob_tensors`` (or host copies of them) as per-row lists."""
+    out: list[RowLogprobs | None] = [None] * len(want)
+    if tensors is None:
+        return out
+    chosen, ranks, top_ids, top_lp = tensors
+    chosen, ranks = chosen.tolist(), ranks.tolist()
+    for i, n in enumerate(want):
+        if n is None:
+            continue
+        n = min(n, 0 if top_ids is None else top_ids.shape[1])
+        out[i] = RowLogprobs(chosen[i], ranks[i], top_ids[i, :n].tolist() if n else [],
+                             top_lp[i, :n].tolist() if n else [])
+    return out
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -218,18 +243,11 @@ class Sampler:
             else:
                 sampled[rows_rnd] = drawn
 
-        row_logprobs: list[RowLogprobs | None] = [None] * len(rows)
+        tensors = None
         if raw_logprobs is not None:
             n_max = min(max(n for n in want if n is not None), logits.shape[1])
             top_lp, top_ids = raw_logprobs.topk(n_max, dim=-1) if n_max else (None, None)
             chosen = raw_logprobs.gather(1, sampled.unsqueeze(1))
             ranks = (raw_logprobs >= chosen).sum(dim=-1)      # vLLM: count of logprobs >= the chosen one
-            chosen, ranks = chosen.squeeze(1).tolist(), ranks.tolist()
-            for i, n in enumerate(want):
-                if n is None:
-                    continue
-                n = min(n, n_max)
-                row_logprobs[i] = RowLogprobs(chosen[i], ranks[i],
-                                              top_ids[i, :n].tolist() if n else [],
-                                              top_lp[i, :n].tolist() if n else [])
-        return SamplerOutput(sampled, row_logprobs)
+            tensors = (chosen.squeeze(1), ranks, top_ids, top_lp)
+        return SamplerOutput(sampled, tensors, tuple(want))

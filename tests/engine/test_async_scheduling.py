@@ -22,7 +22,7 @@ def _core(async_on: bool, max_num_seqs: int = 8) -> EngineCore:
 
 def _params(stop_id: int) -> list[SamplingParams]:
     return [
-        SamplingParams(temperature=0, max_tokens=26, ignore_eos=True),  # alone at the end: runs ahead
+        SamplingParams(temperature=0, max_tokens=26, ignore_eos=True, logprobs=3),  # alone at the end: runs ahead
         SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id], ignore_eos=True),  # stops mid-run
         SamplingParams(temperature=0, max_tokens=9, min_tokens=6, ignore_eos=True),  # synchronous until 6 outputs
         SamplingParams(temperature=0.9, top_k=7, seed=11, max_tokens=12, ignore_eos=True),  # seeded, batch-independent
@@ -30,6 +30,9 @@ def _params(stop_id: int) -> list[SamplingParams]:
         SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),  # aborted while in flight
         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),  # arrives mid-run
     ]
+
+
+LOGPROBS: dict = {}  # request 0's logprobs, per engine kind
 
 
 def _run(core: EngineCore, params: list[SamplingParams]) -> dict:
@@ -42,6 +45,8 @@ def _run(core: EngineCore, params: list[SamplingParams]) -> dict:
             seen[out.request_id] = len(out.outputs[0].token_ids)
             if out.finished:
                 done[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].finish_reason)
+                if out.outputs[0].logprobs:
+                    LOGPROBS[core.async_scheduling] = out.outputs[0].logprobs
         if not added and seen.get("0", 0) >= 4:
             core.add_request("6", PROMPTS[6], params[6])
             added = True
@@ -69,6 +74,11 @@ def test_async_engine_equals_sync_engine(cores):
     want = _run(sync, _params(stop_id))
     got = _run(asyn, _params(stop_id))
     assert got == want
+    a, b = LOGPROBS[False], LOGPROBS[True]  # logprobs copied back with the tokens, read one step later
+    assert len(a) == len(b) == 26
+    for da, db in zip(a, b):
+        assert list(da) == list(db) and all(abs(da[k].logprob - db[k].logprob) < 1e-9 and da[k].rank == db[k].rank
+                                            for k in da)
     assert want["1"][1] == "stop" and len(want["1"][0]) <= 8 and want["5"][1] == "abort"
     assert want["0"][1] == "length" and len(want["0"][0]) == 26
     assert sync.stats.ahead_steps == 0 and asyn.stats.ahead_steps >= 8  # it did run ahead
@@ -133,12 +143,12 @@ def test_async_graph_engine_equals_sync_on_gpu(tables):
 
 @needs_cuda
 def test_async_steady_step_makes_no_host_sync():
-    """A step launched ahead (refill from the device tokens, replay, sampling, the copy back) and the reading of
-    the step before it: nothing waits for the device but the one event of the copy back."""
+    """A step launched ahead (refill from the device tokens, replay, sampling with logprobs, the copy back) and the
+    reading of the step before it: nothing waits for the device but the one event of the copy back."""
     core = _gpu_core(True, engram_tables="host-fp8")
     for i in range(3):
         core.add_request(str(i), PROMPTS[i], SamplingParams(temperature=0.8, top_k=5, max_tokens=12,
-                                                             ignore_eos=True))
+                                                             ignore_eos=True, logprobs=2 if i else None))
     for _ in range(3):  # the prefill, the first decode step (captures its graph), one step ahead
         core.step()
     before = core.stats.ahead_steps
