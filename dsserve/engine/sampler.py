@@ -173,7 +173,9 @@ def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None],
         if g.device.type == probs.device.type:
             q[i].exponential_(generator=g)
         else:  # a request's generator lives on the host: draw there, so its tokens match the CPU engine's
-            q[i] = torch.empty(probs.shape[1], dtype=probs.dtype, device=g.device).exponential_(generator=g)
+            pin = g.device.type == "cpu" and q.is_cuda  # pinned and not waited for: a pageable copy waits
+            drawn = torch.empty(probs.shape[1], dtype=probs.dtype, device=g.device, pin_memory=pin)
+            q[i].copy_(drawn.exponential_(generator=g), non_blocking=pin)
     # q can be exactly 0 (probability ~2^-24 per draw): keep 0/q finite so masked tokens stay at 0.
     return (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
 

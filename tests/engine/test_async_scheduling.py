@@ -143,12 +143,13 @@ def test_async_graph_engine_equals_sync_on_gpu(tables):
 
 @needs_cuda
 def test_async_steady_step_makes_no_host_sync():
-    """A step launched ahead (refill from the device tokens, replay, sampling with logprobs, the copy back) and the
-    reading of the step before it: nothing waits for the device but the one event of the copy back."""
+    """A step launched ahead (refill from the device tokens, replay, sampling with logprobs and a seeded row, the
+    copy back) and the reading of the step before it: nothing waits for the device but the copy back's event."""
     core = _gpu_core(True, engram_tables="host-fp8")
     for i in range(3):
         core.add_request(str(i), PROMPTS[i], SamplingParams(temperature=0.8, top_k=5, max_tokens=12,
-                                                             ignore_eos=True, logprobs=2 if i else None))
+                                                             ignore_eos=True, logprobs=2 if i else None,
+                                                             seed=7 if i == 2 else None))
     for _ in range(3):  # the prefill, the first decode step (captures its graph), one step ahead
         core.step()
     before = core.stats.ahead_steps
