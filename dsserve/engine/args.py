@@ -60,9 +60,10 @@ class EngineArgs:
         "use"))
     async_scheduling: bool | None = field(default=None, metadata=_h(
         "launch the next decode step before the host has read the current one's tokens (it takes them from the "
-        "device), so scheduling, refills and output processing overlap the device's work; steps with prefill "
-        "chunks, penalties or unmet min_tokens stay synchronous. None: on wherever decode steps run in fixed "
-        "shapes (a GPU's CUDA graphs); True also runs the CPU's paged decode steps in fixed shapes"))
+        "device), so scheduling, refills and output processing overlap the device's work; a step's tokens reach "
+        "the outputs after the next step is launched. Steps with prefill chunks, arrivals, penalties or unmet "
+        "min_tokens run the synchronous way. None: on wherever decode steps run in fixed shapes (a GPU's CUDA "
+        "graphs); True also runs the CPU's paged decode steps in fixed shapes"))
     reference_ops: str = field(default="", metadata=_h(
         "ops that run their torch reference instead of Triton (on the paged backend), for bisecting: a comma "
         "list of attention, indexer, topk, kv_write, linear, router, moe, mhc, rowwise, entry_rows, engram_rows, "

@@ -84,7 +84,6 @@ class _Launched:
     ready: "torch.cuda.Event | None"  # recorded after the copy
     logprobs: tuple | None  # the sampler's logprob tensors, copied like the tokens (None: no row asked)
     want: tuple  # per row: the top-n logprobs it asked for, or None
-    fixed_shape: bool  # ran as a fixed-shape decode step (the next one may launch from its device tokens)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -234,9 +233,9 @@ class EngineCore:
         if not sampling:
             self.stats.step_done(time.perf_counter() - t0 - wait, wait)
             return results
-        launched = self._sample(sampling, logits, self.runner.last_fixed_shape)
-        if self.async_scheduling and launched.fixed_shape:
-            self._in_flight = launched  # read in the next call, after it launched the next step
+        launched = self._sample(sampling, logits)
+        if self.async_scheduling:
+            self._in_flight = launched  # read in the next call, after it launched the next step (if it can)
         else:
             out, w = self._read(launched, None)
             results, wait = results + out, wait + w
@@ -249,7 +248,7 @@ class EngineCore:
         self.stats.replay_graph_steps = 0 if self.runner.replay_graphs is None else self.runner.replay_graphs.runs
         self.stats.graph_captures = 0 if self.graph_capture is None else self.graph_capture.captured
 
-    def _sample(self, sampling: list[Request], logits: torch.Tensor, fixed_shape: bool) -> _Launched:
+    def _sample(self, sampling: list[Request], logits: torch.Tensor) -> _Launched:
         out = self.sampler(logits.float(), sampling)
         ids, lps = out.sampled_token_ids, out.logprob_tensors
         ready = None
@@ -260,7 +259,7 @@ class EngineCore:
             ready.record()
         else:
             host = ids
-        return _Launched(sampling, ids, host, ready, lps, out.want, fixed_shape)
+        return _Launched(sampling, ids, host, ready, lps, out.want)
 
     def _launch_ahead(self, prev: _Launched) -> _Launched | None:
         """The next decode step of ``prev``'s requests, launched before the host reads ``prev``'s tokens (they
@@ -269,7 +268,7 @@ class EngineCore:
         length, its sampling needs no host history, and the cache has room. None: the caller reads ``prev``
         first."""
         sched, graphs = self.scheduler, self.runner.decode_graphs
-        if not prev.fixed_shape or len(sched.running) != len(prev.requests):
+        if len(sched.running) != len(prev.requests):  # e.g. a prompt still has chunks to run
             return None
         if sched.waiting and len(sched.running) < sched.config.max_num_seqs:  # full: none would be admitted
             return None
@@ -300,7 +299,7 @@ class EngineCore:
         self.runner.graph_steps += 1
         self.stats.ahead_steps += 1
         self._count_runs()
-        return self._sample(order, logits, True)
+        return self._sample(order, logits)
 
     def _may_run_ahead(self, r: Request) -> bool:
         """Whether r's next step can run before the host reads its pending token: that token cannot end it by

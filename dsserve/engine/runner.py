@@ -20,13 +20,11 @@ class ModelRunner:
         self.replay_graphs = replay_graphs
         self.decoder_rows_skipped = 0  # prefill rows bounded replay kept out of the decoder
         self.graph_steps = 0  # steps run by decode_graphs
-        self.last_fixed_shape = False  # whether the latest step ran through decode_graphs
 
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> tuple[list[Request], torch.Tensor]:
         """Runs the plan's rows; returns the requests that sample this step and their logits [B, V]."""
         key = None if self.decode_graphs is None else self.decode_graphs.key(plan)
-        self.last_fixed_shape = key is not None
         if key is not None:
             logits = self.decode_graphs.run(plan, key)
             self.graph_steps += 1
