@@ -210,7 +210,8 @@ class EngineCore:
     # ------------------------------------------------------------------------- one step
     def step(self) -> list[RequestOutput]:
         """One scheduled step; returns the outputs of the tokens the host read in it. With asynchronous
-        scheduling a decode step's tokens are read in the next call, after that call launched its own step."""
+        scheduling a step's tokens are read in the next call, after that call launched the next decode step from
+        them on the device when it could (``_launch_ahead``)."""
         t0 = time.perf_counter()
         self.kv.blocks.expire_holds(time.monotonic())
         results, wait = [], 0.0
