@@ -149,6 +149,9 @@ class EngineCore:
             graphs = DecodeGraphs(self.model, self.kv, args.max_num_seqs, None, min_context=min_context)
         # Asynchronous scheduling runs only fixed-shape decode steps ahead: they take their tokens from the device.
         self.async_scheduling = graphs is not None and args.async_scheduling is not False
+        if args.async_scheduling and not self.async_scheduling:
+            _say("async scheduling is off: it needs fixed-shape decode steps (the paged attention backend and a V4.1 "
+                 "model; this engine runs %s on %s)", backend, self.cfg.name)
         self._in_flight: _Launched | None = None  # a step whose tokens the host has not read yet
         self.runner = ModelRunner(self.model, args.replay_form, graphs, replay_graphs)
         self.sampler = Sampler(eos_token_id=self.tokenizer.eos_id)
