@@ -4,7 +4,7 @@ torch takes ~19 launches per layer (a decode step's CUDA graph pays ~2-3 us of d
 * src: int64 [T, max_ngram] (any strides), column 0 the token's compressed id, column s the id s tokens back;
   negative = dead (-1) or before the sequence start (-2). Blocking is sticky: from the first negative column on,
   every column (that one included) hashes as ``pad_id``.
-* mult int64 [max_ngram], primes / offs int64 [max_ngram - 1, heads]: the hasher's ``_consts(device)``; primes > 0.
+* mult int64 [max_ngram], primes / offs int64 [max_ngram - 1, heads]: the hasher's ``constants(device)``; primes > 0.
 -> int64 [T, (max_ngram - 1) * heads] on src.device, column (s - 1) * heads + h = (XOR over j <= s of
    v_j * mult_j) floor-mod primes[s - 1, h] + offs[s - 1, h].
 

@@ -123,7 +123,9 @@ class EngramHasher:
         self.multipliers = hash_multipliers(layer_id, self.compressed_vocab_size, self.max_ngram)
         self._dev: dict = {}
 
-    def _consts(self, device):
+    def constants(self, device):
+        """(multipliers [max_ngram], primes and offsets [max_ngram - 1, heads]) as int64 tensors on ``device``
+        (made once per device): what rows_of_lookbacks and kernels.engram_rows hash with."""
         key = str(device)
         if key not in self._dev:
             t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
@@ -184,7 +186,7 @@ class EngramHasher:
 
     def rows_of_lookbacks(self, src: torch.Tensor) -> torch.Tensor:
         """Table rows [T, columns] from each row's id and lookbacks ([T, max_ngram], see ``lookbacks``)."""
-        mult, primes, offs = self._consts(src.device)
+        mult, primes, offs = self.constants(src.device)
         T = src.shape[0]
         blocked = torch.cumsum((src < 0).to(torch.int64), dim=1) > 0  # sticky
         v = torch.where(blocked, torch.full_like(src, self.pad_id), src)

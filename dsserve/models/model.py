@@ -182,7 +182,7 @@ class DeepseekForCausalLM(nn.Module):
             ctx.engram_ids = self.engram_token_map[batch.tokens]
             src = torch.cat([ctx.engram_ids[:, None], batch.engram_back], 1)
             hashers = [b.engram.hasher for b in self.layers if b.engram is not None]
-            ctx.engram_rows = {h.layer_id: self.kernel_ops.engram_rows(src, *h._consts(src.device), h.pad_id)
+            ctx.engram_rows = {h.layer_id: self.kernel_ops.engram_rows(src, *h.constants(src.device), h.pad_id)
                                for h in hashers}
         x, pre = self._embed(batch.tokens)
         for block in self.layers:

@@ -32,7 +32,7 @@ def _src(h: EngramHasher, t: int, seed: int, device="cpu", high=None) -> torch.T
 
 
 def _check(h: EngramHasher, src: torch.Tensor) -> torch.Tensor:
-    mult, primes, offs = h._consts(src.device)
+    mult, primes, offs = h.constants(src.device)
     out = engram_rows(src, mult, primes, offs, h.pad_id)
     want = h.rows_of_lookbacks(src)
     assert out.shape == want.shape == (src.shape[0], h.columns) and out.dtype == torch.int64
@@ -68,7 +68,7 @@ def test_decode_lookbacks_and_strides():
     for pad in (1, 2 ** 40 + 7):
         hp = EngramHasher(preset("tiny"), h.layer_id, pad_id=pad)
         _check(hp, _src(hp, 6, 5))
-    assert engram_rows(_src(h, 1, 0)[:0], *h._consts("cpu"), h.pad_id).shape == (0, h.columns)
+    assert engram_rows(_src(h, 1, 0)[:0], *h.constants("cpu"), h.pad_id).shape == (0, h.columns)
 
 
 def test_wrapped_negative_hashes_floor_mod():
@@ -76,7 +76,7 @@ def test_wrapped_negative_hashes_floor_mod():
     g = torch.Generator().manual_seed(7)
     for h in _hashers():
         mult = torch.randint(2 ** 61, 2 ** 62, (h.max_ngram,), generator=g) * 2 + 1
-        h._dev["cpu"] = (mult, *h._consts("cpu")[1:])  # the hasher now hashes with these
+        h._dev["cpu"] = (mult, *h.constants("cpu")[1:])  # the hasher now hashes with these
         src = _src(h, 33, h.layer_id, high=2 ** 20)
         out = _check(h, src)
         assert (out >= torch.tensor(h.offsets)).all()
@@ -84,13 +84,13 @@ def test_wrapped_negative_hashes_floor_mod():
         v = torch.where(torch.cumsum((src < 0).long(), 1) > 0, h.pad_id, src) * mult
         r = v[:, 0] ^ v[:, 1]
         assert (r < 0).any()
-        p = h._consts("cpu")[1][0]
+        p = h.constants("cpu")[1][0]
         assert not torch.equal(torch.fmod(r[:, None], p), r[:, None] % p)
 
 
 def test_bad_input_is_named():
     h = _hashers(("tiny",))[0]
-    mult, primes, offs = h._consts("cpu")
+    mult, primes, offs = h.constants("cpu")
     src = _src(h, 3, 0)
     with pytest.raises(ValueError, match="src"):
         engram_rows(src.int(), mult, primes, offs, 2)
@@ -111,14 +111,14 @@ def test_cuda_matches_hasher(t):
     for h in _hashers():
         _check(h, _src(h, t, t + h.layer_id, "cuda"))
         mult = torch.randint(2 ** 61, 2 ** 62, (h.max_ngram,)).cuda() * 2 + 1
-        h._dev["cuda"] = (mult, *h._consts("cuda")[1:])  # wrapped, negative hashes
+        h._dev["cuda"] = (mult, *h.constants("cuda")[1:])  # wrapped, negative hashes
         _check(h, _src(h, t, t, "cuda", high=2 ** 20))
 
 
 @needs_cuda
 def test_cuda_graph_replays_refilled_src():
     h = _hashers(("v41-flash",))[0]
-    mult, primes, offs = h._consts("cuda")
+    mult, primes, offs = h.constants("cuda")
     src = _src(h, 32, 0, "cuda")
     engram_rows(src, mult, primes, offs, h.pad_id)  # compile outside the capture
     torch.cuda.synchronize()
