@@ -53,6 +53,11 @@ class DecodeGraphs:
                              f"{kv.layout.block_size} (so that every context bucket is a whole number of blocks)")
         self.model, self.kv, self.max_batch, self.capture = model, kv, max_batch, capture
         self.min_context, self.batch_buckets = min_context, batch_buckets
+        # A decode step gathers its Engram rows inside the step: a GPU reads host tables in place only when pinned
+        # (registration can fail, e.g. past the locked-memory limit); otherwise every step takes the eager path.
+        self._unpinned_tables = kv.device.type == "cuda" and any(
+            b.engram is not None and b.engram.table is not None
+            and not (b.engram.table.memory is not None and b.engram.table.memory.pinned) for b in model.layers)
         self._steps: dict[tuple[int, int], tuple[DecodeBatch, torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self.replays, self.padded_rows, self.fallbacks = 0, 0, Counter()
 
@@ -70,6 +75,8 @@ class DecodeGraphs:
     def _unfit(self, plan: StepPlan, ahead: bool = False) -> str | None:
         if self.model.kernel_ops is None or not self.model.cfg.is_v41:
             return "not the paged V4.1 path"
+        if self._unpinned_tables:
+            return "Engram tables in unpinned host memory"
         if not plan.chunks or len(plan.chunks) > self.max_batch:
             return "batch size outside the buckets"
         for c in plan.chunks:

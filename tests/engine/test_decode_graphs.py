@@ -75,6 +75,24 @@ def test_fixed_shape_decode_exact_mode_and_host_tables(where):
     assert made[0].report()["fixed_shape_steps"]
 
 
+def test_unpinned_host_tables_send_decode_steps_to_the_eager_path():
+    """On a GPU a decode step reads host Engram tables in place, which needs them pinned; when registration failed,
+    every decode step falls back (named) instead of capturing a graph that would have to wait for the host."""
+    from dsserve.engine.scheduler import StepPlan
+    from dsserve.kv.paged import KVLayout, PagedKVCache
+    m = _tiny(torch.float32)
+    for b in m.layers:
+        if b.engram is not None:
+            b.engram.move_table_to_host("fp8")
+            b.engram.table.memory.pinned = False  # as when cudaHostRegister fails
+    m.kernel_ops = KernelOps(frozenset(OPS))
+    layout = KVLayout.build(m.cfg, None, "auto", torch.float32)
+    kv = PagedKVCache(layout, 8, 2, torch.float32)
+    assert DecodeGraphs(m, kv, 2, None)._unfit(StepPlan([], [])) != "Engram tables in unpinned host memory"
+    kv.device = torch.device("cuda")  # the check only; nothing runs
+    assert DecodeGraphs(m, kv, 2, None)._unfit(StepPlan([], [])) == "Engram tables in unpinned host memory"
+
+
 def test_paged_kernels_interpreted_eager_prefill_then_fixed_shape_decode():
     """The paged path's kernels on the interpreter: a 40-token prompt (past the 32-row window, 20 ratio-2 entries >
     top-16) prefilled eagerly, then decode steps padded to 2 rows (masked stores, index scores over the context
