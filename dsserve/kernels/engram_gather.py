@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..layers.quant import MX_BLOCK, dequant_engram
+from .launch import launch
 
 FORMATS = ("float", "bf16", "fp8")
 OUT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
@@ -116,11 +117,7 @@ def engram_gather(data: torch.Tensor, ids: torch.Tensor, fmt: str, dim: int, dty
     args = (data, flat, out, n)
     meta = dict(DIM=dim, ROW_STRIDE=data.stride(0), FP8=fmt == "fp8", DT=OUT_DTYPES[dtype], ROWS=rows,
                 BLOCK_D=block_d, num_warps=4)
-    if ids.device.type == "cuda":
-        with torch.cuda.device(ids.device):  # Triton launches on the current device
-            _engram_gather_kernel[grid](*args, **meta)
-    else:
-        _engram_gather_kernel[grid](*args, **meta)
+    launch(_engram_gather_kernel, grid, ids.device, *args, **meta)
     return out
 
 

@@ -24,6 +24,7 @@ import triton.language as tl
 from ..layers.engram_hash import DEAD, EngramHasher
 from ..layers.numerics import acc
 from .kv_write import _round_to
+from .launch import launch
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -123,9 +124,5 @@ def engram_mix(x: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_weig
     args = (x, kv, q_weight, k_weight, ids, out, x.stride(0), x.stride(1), kv.stride(0), float(eps), d ** 0.5)
     meta = dict(N=n, D=d, BLOCK_D=block_d, CHUNKS=triton.cdiv(d, block_d), DEAD_ID=DEAD, DT=_TL[x.dtype],
                 num_warps=4, enable_fp_fusion=False)  # x + gate * value rounded as torch does
-    if x.device.type == "cuda":
-        with torch.cuda.device(x.device):  # Triton launches on the current device
-            _engram_mix_kernel[(t, n)](*args, **meta)
-    else:
-        _engram_mix_kernel[(t, n)](*args, **meta)
+    launch(_engram_mix_kernel, (t, n), x.device, *args, **meta)
     return out

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
+
 _ROWS = 16  # rows a program hashes: a decode step's 1..32 rows spread over 1-2 SMs; 16 x heads (8) = 128 threads
 
 
@@ -103,9 +105,5 @@ def engram_rows(src: torch.Tensor, mult: torch.Tensor, primes: torch.Tensor, off
     grid = (triton.cdiv(T, _ROWS),)
     args = (src, mult, primes, offs, out, T, src.stride(0), src.stride(1), pad_id)
     meta = dict(MAX_NGRAM=max_ngram, HEADS=heads, BLOCK_H=triton.next_power_of_2(heads), ROWS=_ROWS, num_warps=4)
-    if src.device.type == "cuda":
-        with torch.cuda.device(src.device):  # Triton launches on the current device
-            _engram_rows_kernel[grid](*args, **meta)
-    else:
-        _engram_rows_kernel[grid](*args, **meta)
+    launch(_engram_rows_kernel, grid, src.device, *args, **meta)
     return out

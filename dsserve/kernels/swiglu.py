@@ -21,6 +21,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .kv_write import _round_to
+from .launch import launch
 
 DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _MAX_BLOCK = 256  # columns a program covers: I = 2304 (the release) is 9 whole blocks
@@ -90,9 +91,5 @@ def swiglu(h: torch.Tensor, limit: float) -> torch.Tensor:
     rows, block, warps = _tiles(t, inter)
     grid = (triton.cdiv(t, rows), triton.cdiv(inter, block))
     meta = dict(I=inter, DT=DTYPES[h.dtype], ROWS=rows, BLOCK=block, CUDA=h.is_cuda, num_warps=warps)
-    if h.is_cuda:
-        with torch.cuda.device(h.device):  # Triton launches on the current device
-            _swiglu_kernel[grid](h, out, t, h.stride(0), lim, **meta)
-    else:
-        _swiglu_kernel[grid](h, out, t, h.stride(0), lim, **meta)
+    launch(_swiglu_kernel, grid, h.device, h, out, t, h.stride(0), lim, **meta)
     return out

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
+
 _ELEMS = 512  # values a program covers: 4 rows of the release window, so T = 128 (a decode batch) is 32 programs
 
 
@@ -70,9 +72,5 @@ def window_rows(tags: torch.Tensor, tag_at: torch.Tensor, q: torch.Tensor, rows:
     args = (tags, tag_at.contiguous(), q.contiguous(), rows.contiguous(), out, t)
     meta = dict(W=w, BLOCK_W=block_w, ROWS=n_rows, num_warps=4)
     grid = (triton.cdiv(t, n_rows),)
-    if tags.is_cuda:
-        with torch.cuda.device(tags.device):  # Triton launches on the current device
-            _window_rows_kernel[grid](*args, **meta)
-    else:
-        _window_rows_kernel[grid](*args, **meta)
+    launch(_window_rows_kernel, grid, tags.device, *args, **meta)
     return out
