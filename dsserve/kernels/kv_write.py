@@ -68,7 +68,8 @@ def _round_to(x, DT: tl.constexpr):
     """fp32 -> nearest DT value, back in fp32; bf16 by bits (RNE) since the interpreter's bf16 cast truncates."""
     if DT == tl.bfloat16:
         b = x.to(tl.int32, bitcast=True)
-        return ((b + 0x7FFF + ((b >> 16) & 1)) & ~0xFFFF).to(tl.float32, bitcast=True)
+        r = ((b + 0x7FFF + ((b >> 16) & 1)) & ~0xFFFF).to(tl.float32, bitcast=True)
+        return tl.where(x != x, x, r)  # CUDA's NaN 0x7FFFFFFF would carry into the sign bit: -0
     else:
         return x.to(DT).to(tl.float32)
 

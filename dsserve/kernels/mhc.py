@@ -41,7 +41,8 @@ def _round_to(x, DT: tl.constexpr):
     """fp32 -> nearest DT value, kept in fp32."""
     if DT == tl.bfloat16:
         b = x.to(tl.int32, bitcast=True)
-        return ((b + 0x7FFF + ((b >> 16) & 1)) & ~0xFFFF).to(tl.float32, bitcast=True)
+        r = ((b + 0x7FFF + ((b >> 16) & 1)) & ~0xFFFF).to(tl.float32, bitcast=True)
+        return tl.where(x != x, x, r)  # CUDA's NaN 0x7FFFFFFF would carry into the sign bit: -0
     elif DT == tl.float16:
         return x.to(tl.float16).to(tl.float32)
     return x
