@@ -486,7 +486,7 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/model-h200")
     p.add_argument("--skip", default="", help="comma list of sections to skip: decode,prefill,kernels,peer")
     p.add_argument("--smoke", action="store_true", help="every section on tiny shapes (CPU ok), < 60 s")
-    p.add_argument("--batches", default="", help="decode batch sizes, comma list (default 1,8,32,128)")
+    p.add_argument("--batches", default="", help="decode batch sizes, comma list (default 1,8,32,128; none: prefill only)")
     p.add_argument("--contexts", default="", help="decode contexts, comma list (default 8192,131072)")
     p.add_argument("--engram-tables", default="host-fp8", help="where the proxy's Engram tables live (EngineArgs)")
     a = p.parse_args()
@@ -496,7 +496,7 @@ def main() -> None:
     plan["engram_tables"] = a.engram_tables
     for key, val in (("batches", a.batches), ("contexts", a.contexts)):
         if val:
-            plan[key] = tuple(int(v) for v in val.split(","))
+            plan[key] = () if val == "none" else tuple(int(v) for v in val.split(","))
     if "prefill" in skip:
         plan["prefill"] = []
     res = {"meta": {"command": " ".join(["python", "benchmarks/model_h200.py"] + sys.argv[1:]),

@@ -13,6 +13,8 @@ W8A16 (default; numerics of fp8_linear_ref: exact fp32 W cast to x's dtype, matm
 by their pow2 block scale (exact) and fed to x-dtype tensor-core dots, fp32 accumulation. Decode is bound by the
 weight bytes (half of bf16's), so small M splits K over programs; up to 16 rows each output tile's last program
 sums the fp32 partials in split order (kernels.split_k: deterministic, no extra launches), above that torch does.
+From DEQUANT_MIN_ROWS rows on (prefill chunks) the weight is dequantised to x's dtype (kernels.dequant) and cuBLAS
+multiplies: the reference's computation exactly, at cuBLAS's rate.
 W8A8 (act_quant=True; fp8_linear_w8a8_ref): x -> e4m3 with a pow2 scale per (row, act_group columns), the
 reference act_quant (quant.fake_quant_fp8_pow2); e4m3 dots per 32-wide K step, both scales on each fp32 partial.
 
@@ -32,9 +34,14 @@ import triton.language as tl
 from torch import nn
 
 from ..layers.quant import dequant_fp8_block, fake_quant_fp8_pow2, quant_fp8_block
+from .dequant import dequant_fp8
 from .split_k import store_split, tile_counters
 
 IN_KERNEL_SPLIT_ROWS = 16  # split-K partials summed in the kernel up to this many rows (see fp8_linear)
+# From this many rows the product is compute-bound: the weight dequantised to x's dtype once (kernels.dequant) and
+# cuBLAS beat the W8A16 kernel (M = 8192 on the release shapes: 680-730 vs 415-460 TFLOP/s, the dequant 3 bytes
+# of traffic a weight; H200, 2026-11-30), with the reference's numerics exactly.
+DEQUANT_MIN_ROWS = 1024
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The Triton 3.9 interpreter gets bf16 dots wrong; fp32 dots of the same (exact) products stand in there.
@@ -160,7 +167,11 @@ def fp8_linear_ref(x, w_q, w_s, block: int, *, act_quant: bool = False, act_grou
     x, w_q, w_s = _check(x, w_q, w_s, block, act_quant, act_group, kernel=False, groups=groups)
     if act_quant:  # act_group divides K, so no activation group straddles two weight groups
         x = fake_quant_fp8_pow2(x, act_group)
-    w = dequant_fp8_block(w_q, w_s, block).to(x.dtype)
+    return _product(x, dequant_fp8_block(w_q, w_s, block).to(x.dtype), groups)
+
+
+def _product(x, w, groups):
+    """x @ w^T for a plain or a block-diagonal (groups > 1) weight w [N, K] of x's dtype."""
     if groups == 1:
         return x @ w.t()
     (m, _), (n, k) = x.shape, w.shape
@@ -186,7 +197,8 @@ def _bn(cfg, default, group_n):
 def fp8_linear(x, w_q, w_s, block: int, *, act_quant: bool = False, act_group: int = 32, groups: int = 1,
                config: dict | None = None) -> torch.Tensor:
     """Triton x @ W^T, same semantics as fp8_linear_ref. config overrides the tiles (BM, BN, BK, SPLIT_K,
-    num_warps, num_stages) and tma (W8A16 weight tiles by TMA, when K % 16 == 0); tests and benchmarks only."""
+    num_warps, num_stages), tma (W8A16 weight tiles by TMA, when K % 16 == 0) and dequant (True / False: force or
+    forbid the dequantise-then-cuBLAS path, default from DEQUANT_MIN_ROWS rows on); tests and benchmarks only."""
     x, w_q, w_s = _check(x, w_q, w_s, block, act_quant, act_group, kernel=True, groups=groups)
     x = x.contiguous()
     (m, _), (n, k), cfg = x.shape, w_q.shape, dict(config or {})
@@ -202,6 +214,8 @@ def fp8_linear(x, w_q, w_s, block: int, *, act_quant: bool = False, act_group: i
             K=k, BLOCK=block, G=act_group, BM=bm, BN=bn, GROUP_N=group_n,
             num_warps=cfg.get("num_warps", 8 if bm >= 128 else 4), num_stages=cfg.get("num_stages", 4))
         return out
+    if cfg.get("dequant", m >= DEQUANT_MIN_ROWS):  # compute-bound: bf16 weights once, then cuBLAS
+        return _product(x, dequant_fp8(w_q, w_s, block, x.dtype), groups)
     small = m <= 64  # decode: weight-bandwidth bound, small BM, split K; else 128x128 tiles
     bm = cfg.get("BM", max(16, triton.next_power_of_2(m)) if small else 128)
     bn, bk = _bn(cfg, 64 if small else 128, group_n), cfg.get("BK", 128 if small else 64)

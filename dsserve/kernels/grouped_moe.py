@@ -32,6 +32,8 @@ import triton.language as tl
 from ..layers.moe import clamped_swiglu
 from ..layers.numerics import acc
 from ..layers.quant import MX_BLOCK, dequant_fp8_block, dequant_mxfp4, pack_mxfp4, quant_fp8_block
+from .dequant import dequant_fp8
+from .dequant import dequant_mxfp4 as dequant_mxfp4_rows
 from .fp8_linear import _e8m0
 from .moe_permute import expert_tiles
 
@@ -109,6 +111,19 @@ class ExpertWeights:
 
     def _pairs(self):
         return (self.w1, self.s1), (self.w3, self.s3), (self.w2, self.s2)
+
+    def dequantized(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Every expert's `name` ("w1", "w3" or "w2") as dtype [E, out, in], decoded in one launch (kernels.dequant;
+        exact, as the in-kernel decode)."""
+        w, s = getattr(self, name), getattr(self, "s" + name[1])
+        if self.fmt == "bf16":
+            return w.to(dtype)
+        if self.fmt == "mxfp4":
+            return dequant_mxfp4_rows(w, s, dtype)
+        e, out, inn = w.shape
+        if out % FP8_BLOCK:  # an expert's last scale row would straddle the next expert's rows: one at a time
+            return torch.stack([dequant_fp8(w[i], s[i], FP8_BLOCK, dtype) for i in range(e)])
+        return dequant_fp8(w.view(e * out, inn), s.view(-1, s.shape[-1]), FP8_BLOCK, dtype).view(e, out, inn)
 
 
 @triton.jit
@@ -294,6 +309,13 @@ def _check_into(x, into):
 
 
 SMEM_BUDGET = 160 * 1024  # of the H200's 227 KiB per block: headroom for Triton's own buffers
+# Compute-bound calls (prefill chunks): quantised experts dequantised to bf16 (ExpertWeights.dequantized) and run
+# on bf16 tiles: 8192 tokens x top-6 of 48 MXFP4 experts took 10.67 ms with the in-register decode, 6.93 ms on bf16
+# experts with these tiles (502 TFLOP/s; 9.19 ms with the default bf16 tiles), the dequant of a layer ~1-2 ms
+# (H200, 2026-11-30, scratch sweep). The bf16 copy is transient: w1 + w3 for the up kernel, then w2.
+DEQUANT_MIN_ROWS_PER_EXPERT = 512
+DEQUANT_MAX_BYTES = 3 << 30  # of transient bf16 weights (w1 + w3); more experts than that keep the in-kernel decode
+DEQUANT_TILES = {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
 
 
 def _config(n, n_exp, d, inter, cfg, elem: int = 2, scaled: bool = False):
@@ -336,8 +358,10 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *,
     num_stages, scaled and tma (tests and benchmarks only). scaled (default; MXFP4 with bf16 rows): tl.dot_scaled
     upcasts the weights; off, the kernel decodes each nibble itself (1.7-2.2x slower on the H200, 2026-11-29:
     benchmarks/results/model-h200; what fp16 / fp32 rows always take). tma (scaled only; off until measured on
-    the GPU): the packed weight tiles are loaded by TMA from host tensor descriptors. accumulate_into: see the
-    reference (one launch where a separate add would take three)."""
+    the GPU): the packed weight tiles are loaded by TMA from host tensor descriptors. dequant (True / False; default:
+    bf16 rows, >= DEQUANT_MIN_ROWS_PER_EXPERT pairs an expert, within DEQUANT_MAX_BYTES): run quantised experts as
+    bf16 ones, dequantised first. accumulate_into: see the reference (one launch where a separate add would take
+    three)."""
     _check(x, ids, weights, experts, kernel=True)
     _check_into(x, accumulate_into)
     (t, k), (n_exp, d, inter) = ids.shape, experts.shape
@@ -345,11 +369,18 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *,
         _wait(accumulate_after, x)
         return accumulate_into if accumulate_into is not None else torch.zeros(t, d, dtype=x.dtype, device=x.device)
     cfg = dict(config or {})
-    scaled = experts.fmt == "mxfp4" and x.dtype == torch.bfloat16 and cfg.pop("scaled", True)
+    dense = cfg.pop("dequant", None)
+    if dense is None:
+        dense = (experts.fmt != "bf16" and x.dtype == torch.bfloat16 and t * k >= DEQUANT_MIN_ROWS_PER_EXPERT * n_exp
+                 and 2 * experts.w1.shape[0] * inter * d * 2 <= DEQUANT_MAX_BYTES)
+    if dense:
+        cfg = {**DEQUANT_TILES, **cfg}
+    scaled = not dense and experts.fmt == "mxfp4" and x.dtype == torch.bfloat16 and cfg.pop("scaled", True)
     tma = scaled and cfg.pop("tma", False)
-    c = _config(t * k, n_exp, d, inter, cfg, max(x.element_size(), experts.w1.element_size()), scaled)
+    c = _config(t * k, n_exp, d, inter, cfg, x.element_size() if dense else
+                max(x.element_size(), experts.w1.element_size()), scaled)
     order, tiles = expert_tiles(ids, n_exp, c["BM"])
-    nt, fmt = tiles.shape[1], FMTS.index(experts.fmt)
+    nt, fmt = tiles.shape[1], FMTS.index("bf16" if dense else experts.fmt)
     x = x if x.stride(1) == 1 else x.contiguous()
     rw = weights.float().contiguous()
     h = _empty((t * k, inter), dtype=x.dtype, device=x.device)
@@ -362,12 +393,17 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *,
     # T = 1 (6 tiles), H200, 2026-11-30 (scratch sweep)
     up_stages = 1 if c["BM"] < 64 and nt >= 16 and "num_stages" not in cfg else c["num_stages"]
     w1, w3, w2 = experts.w1, experts.w3, experts.w2
+    if dense:  # w2 is dequantised after the up kernel, into the memory w1 and w3 free (stream order)
+        w1, w3 = experts.dequantized("w1", x.dtype), experts.dequantized("w3", x.dtype)
     if tma:  # packed weight tiles by TMA: no per-element address arithmetic (K step 1173 -> 827 SASS, sm_90)
         w1, w3 = (_weight_desc(w, c["BN_UP"], c["BK_UP"]) for w in (w1, w3))
         w2 = _weight_desc(w2, c["BN_DOWN"], c["BK_DOWN"])
     _up_kernel[(nt * triton.cdiv(inter, c["BN_UP"]),)](
         x, x.stride(0), tiles, order, rw, w1, s1, w3, s3, h, nt, n_exp, float(limit), KSLOT=k, D=d,
         I=inter, BN=c["BN_UP"], BK=c["BK_UP"], num_stages=up_stages, TMA=tma, **common)
+    if dense:
+        del w1, w3
+        w2 = experts.dequantized("w2", x.dtype)
     _down_kernel[(nt * triton.cdiv(d, c["BN_DOWN"]),)](
         h, tiles, order, w2, s2, yk, nt, n_exp, D=d, I=inter, BN=c["BN_DOWN"], BK=c["BK_DOWN"],
         num_stages=c["num_stages"], TMA=tma, **common)

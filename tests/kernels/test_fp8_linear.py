@@ -37,6 +37,25 @@ def test_w8a16_matches_ref(m, n, k, block, dtype, config):
     assert rel(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("groups", [1, 2])
+def test_many_rows_take_dequant_then_matmul_the_reference_exactly(monkeypatch, groups):
+    calls, real = [], F.dequant_fp8
+    monkeypatch.setattr(F, "dequant_fp8", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(F, "DEQUANT_MIN_ROWS", 8)
+    w_q, w_s = make(groups * 64, 96, 32)
+    g = torch.Generator().manual_seed(2)
+    for m, config, taken in ((7, None, False), (8, None, True), (7, {"dequant": True}, True),
+                             (8, {"dequant": False}, False)):
+        calls.clear()
+        x = torch.randn(m, groups * 96, generator=g).bfloat16()
+        out = F.fp8_linear(x, w_q, w_s, 32, groups=groups, config=config)
+        ref = F.fp8_linear_ref(x, w_q, w_s, 32, groups=groups)
+        assert bool(calls) == taken, (m, config)
+        if taken:
+            assert torch.equal(out, ref)
+        assert rel(out, ref) < 1e-2
+
+
 def test_act_quant_is_the_fake_quant_exactly():
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(2))
     x[1] = 0.0                      # amax floor 1e-4
@@ -202,6 +221,18 @@ def test_gpu_model_shapes(name, m, block):
         out = _poisoned_call(lambda: F.fp8_linear(x, w_q, w_s, block, act_quant=True, act_group=group), m, n)
         assert not out.isnan().any()
         assert rel(out, F.fp8_linear_w8a8_ref(x.float(), w_q, w_s, block, act_group=group)) < 1e-2
+
+
+@cuda
+@pytest.mark.parametrize("name", list(F.BENCH_SHAPES))
+def test_gpu_prefill_rows_both_paths(name):
+    n, k = F.BENCH_SHAPES[name]
+    w_q, w_s = make(n, k, 32, "cuda", seed=7)
+    x = torch.randn(F.DEQUANT_MIN_ROWS + 3, k, device="cuda", dtype=torch.bfloat16)
+    ref = F.fp8_linear_ref(x, w_q, w_s, 32)
+    assert torch.equal(_poisoned_call(lambda: F.fp8_linear(x, w_q, w_s, 32), x.shape[0], n), ref)
+    out = _poisoned_call(lambda: F.fp8_linear(x, w_q, w_s, 32, config={"dequant": False}), x.shape[0], n)
+    assert rel(out, ref) < 1e-2
 
 
 @cuda

@@ -161,6 +161,35 @@ def test_ragged_fp8_small_tiles_and_half_x():
     assert out.dtype == torch.float16 and rel(out, G.routed_experts_ref(xh, ids, w, ex, LIMIT)) < 1e-2
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_many_rows_run_dequantised_experts_on_bf16_tiles(tiny_experts, monkeypatch, fmt):
+    ex = tiny_experts[fmt]
+    bf = G.ExpertWeights("bf16", *(ex.dequantized(n, torch.bfloat16) for n in ("w1", "w3", "w2")))
+    assert all(torch.equal(a.bfloat16(), b) for a, b in zip(ex.dequant(5), bf.dequant(5)))  # the exact decode
+    calls, real = [], G.ExpertWeights.dequantized
+    monkeypatch.setattr(G.ExpertWeights, "dequantized", lambda self, *a: calls.append(a[0]) or real(self, *a))
+    monkeypatch.setattr(G, "DEQUANT_MIN_ROWS_PER_EXPERT", 2)  # 2 rows an expert: 16 pairs on E = 8
+    g = torch.Generator().manual_seed(4)
+    for t, k, taken in ((17, 2, True), (5, 3, False)):
+        calls.clear()
+        ids, w = routing(t, k, E, seed=t)
+        x = torch.randn(t, D, generator=g).bfloat16()
+        out = G.routed_experts(x, ids, w, ex, LIMIT)
+        assert calls == (["w1", "w3", "w2"] if taken else [])
+        if taken:  # the same kernels on the same bf16 weights
+            assert torch.equal(out, G.routed_experts(x, ids, w, bf, LIMIT, config=G.DEQUANT_TILES))
+        # the interpreter truncates fp32 -> bf16 stores (the GPU rounds): near the in-kernel decode, looser to the ref
+        assert rel(out, G.routed_experts(x, ids, w, ex, LIMIT, config={"dequant": False})) < 1e-2
+        assert rel(out, G.routed_experts_ref(x, ids, w, ex, LIMIT)) < 5e-2
+
+
+def test_dequantized_fp8_experts_with_ragged_scale_rows():
+    ex = G.ExpertWeights.from_dense(*dense(3, 96, 40, seed=5), "fp8")  # inter 40: w1's last scale row is partial
+    for name, i in (("w1", 0), ("w3", 1), ("w2", 2)):
+        want = torch.stack([ex.dequant(e)[i] for e in range(3)]).bfloat16()
+        assert torch.equal(ex.dequantized(name, torch.bfloat16), want)
+
+
 @pytest.mark.parametrize("fmt", G.FMTS)
 def test_ref_plus_shared_expert_is_moe_forward(fmt):
     """The reference is MoE.forward's routed part: add the shared expert and the module's output comes back."""
@@ -262,6 +291,20 @@ def test_gpu_uneven_routing_and_empty_experts(gpu_experts, fmt):
     x = torch.randn(t, GD, device="cuda", dtype=torch.bfloat16)
     out = G.routed_experts(x, ids, w, ex, 10.0)
     assert out.isfinite().all() and rel(out, G.routed_experts_ref(x, ids, w, ex, 10.0)) < 1e-2
+
+
+@cuda
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_gpu_prefill_dequant_path(gpu_experts, fmt):
+    ex = gpu_experts[fmt]
+    t = G.DEQUANT_MIN_ROWS_PER_EXPERT * GE // GK + 5  # just past the threshold: the dequant path by default
+    ids, w = routing(t, GK, GE, "cuda", seed=14)
+    x = torch.randn(t, GD, device="cuda", dtype=torch.bfloat16)
+    out = G.routed_experts(x, ids, w, ex, 10.0)
+    bf = G.ExpertWeights("bf16", *(ex.dequantized(n, torch.bfloat16) for n in ("w1", "w3", "w2")))
+    assert torch.equal(out, G.routed_experts(x, ids, w, bf, 10.0, config=G.DEQUANT_TILES))
+    assert rel(out, G.routed_experts_ref(x, ids, w, ex, 10.0)) < 1e-2
+    assert rel(out, G.routed_experts(x, ids, w, ex, 10.0, config={"dequant": False})) < 1e-2
 
 
 @cuda

@@ -1,0 +1,116 @@
+"""Quantised weights back to bf16 (or any float dtype) in one pass, for compute-bound products.
+
+A prefill chunk of thousands of rows is bound by tensor-core FLOPs, not by weight bytes; there the kernels that
+decode FP8 / MXFP4 tiles in registers reach 415-460 TFLOP/s (W8A16, M = 8192) and 326 TFLOP/s (MXFP4 experts,
+8192 tokens), where cuBLAS on the same weights in bf16 reaches 680-730 and the grouped MoE kernel on bf16 experts
+~500 (H200, 2026-11-30, scratch sweep). Writing the bf16 weights once costs ~3 bytes of traffic per weight, paid
+back from ~1K rows on. Both decodes are exact: an e4m3 or e2m1 value times a power of two fits in bf16.
+
+* dequant_fp8(w_q, w_s, block, dtype): w_q float8_e4m3fn / uint8 [N, K], w_s e8m0 bytes [ceil(N/b), ceil(K/b)]
+  -> [N, K] dtype: W[n, k] = e4m3(w_q[n, k]) * 2^(w_s[n // b, k // b] - 127) (quant.dequant_fp8_block).
+* dequant_mxfp4(packed, scale, dtype): packed uint8 / int8 [R, K/2] (channel 2j in the low nibble of byte j, 2j+1
+  in the high), scale e8m0 bytes [R, K/32] -> [R, K] dtype (quant.dequant_mxfp4). Leading dims are flattened
+  into R (an expert stack [E, out, in/2] dequantises as one [E*out, in/2] table).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..layers.quant import MX_BLOCK, dequant_fp8_block
+from ..layers.quant import dequant_mxfp4 as dequant_mxfp4_f32
+from .kv_write import _round_to
+from .launch import launch
+
+_TORCH_TO_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+BR, BC = 32, 256  # output tile: rows x columns (8 KB of fp8 in, 16 KB of bf16 out per program)
+
+
+def _check_dtype(dtype):
+    if dtype not in _TORCH_TO_TL:
+        raise ValueError(f"dtype {dtype}: expected one of {list(_TORCH_TO_TL)}")
+
+
+def dequant_fp8_ref(w_q: torch.Tensor, w_s: torch.Tensor, block: int, dtype=torch.bfloat16) -> torch.Tensor:
+    return dequant_fp8_block(w_q, w_s, block).to(dtype)
+
+
+def dequant_mxfp4_ref(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    return dequant_mxfp4_f32(packed, scale).to(dtype)
+
+
+@triton.jit
+def _pow2(e):  # e8m0 byte -> fp32 2^(e - 127); e = 0 is the subnormal 2^-127
+    e = e.to(tl.int32)
+    return tl.where(e == 0, 1 << 22, e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_kernel(w_ptr, s_ptr, o_ptr, N, K, KS, BLOCK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                DT: tl.constexpr):
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    m = (r[:, None] < N) & (c[None, :] < K)
+    at = r.to(tl.int64)[:, None] * K + c[None, :]
+    w = tl.load(w_ptr + at, mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    s = _pow2(tl.load(s_ptr + (r // BLOCK)[:, None] * KS + (c // BLOCK)[None, :], mask=m, other=127))
+    tl.store(o_ptr + at, _round_to(w * s, DT).to(DT), mask=m)
+
+
+@triton.jit
+def _mxfp4_kernel(p_ptr, s_ptr, o_ptr, R, KH, BR: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr):
+    """Program: BR rows x BC packed bytes -> BR x 2*BC values."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    j = tl.program_id(1) * BC + tl.arange(0, BC)
+    m = (r[:, None] < R) & (j[None, :] < KH)
+    b = tl.load(p_ptr + r.to(tl.int64)[:, None] * KH + j[None, :], mask=m, other=0).to(tl.int32)
+    s = _pow2(tl.load(s_ptr + r.to(tl.int64)[:, None] * (KH // 16) + (j // 16)[None, :], mask=m, other=127))
+    v = tl.interleave(_e2m1(b & 15) * s, _e2m1(b >> 4) * s)  # channel 2j, 2j+1: one contiguous store
+    # (two stride-2 stores of the halves wrote 134 GB/s on the H200)
+    c = tl.program_id(1) * 2 * BC + tl.arange(0, 2 * BC)
+    tl.store(o_ptr + r.to(tl.int64)[:, None] * (2 * KH) + c[None, :], _round_to(v, DT).to(DT),
+             mask=(r[:, None] < R) & (c[None, :] < 2 * KH))
+
+
+@triton.jit
+def _e2m1(c):
+    """e2m1 code -> fp32 by bits: sign bit 3, exponent bits 1-2, mantissa bit 0; exponent 0 is 0 or 0.5."""
+    e = (c >> 1) & 3
+    bits = tl.where(e > 0, ((e + 126) << 23) | ((c & 1) << 22), (c & 1) * (126 << 23))
+    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+def dequant_fp8(w_q: torch.Tensor, w_s: torch.Tensor, block: int, dtype=torch.bfloat16) -> torch.Tensor:
+    _check_dtype(dtype)
+    if w_q.dim() != 2 or w_q.element_size() != 1:
+        raise ValueError(f"w_q: expected a 1-byte [N, K] tensor (float8_e4m3fn or uint8), got {w_q.dtype} "
+                         f"{tuple(w_q.shape)}")
+    n, k = w_q.shape
+    if tuple(w_s.shape) != (-(-n // block), -(-k // block)) or w_s.element_size() != 1:
+        raise ValueError(f"w_s: expected e8m0 bytes [{-(-n // block)}, {-(-k // block)}], got {w_s.dtype} "
+                         f"{tuple(w_s.shape)}")
+    out = torch.empty(n, k, dtype=dtype, device=w_q.device)
+    if out.numel():
+        launch(_fp8_kernel, (triton.cdiv(n, BR), triton.cdiv(k, BC)), w_q.device, w_q.contiguous().view(torch.uint8),
+               w_s.contiguous().view(torch.uint8), out, n, k, w_s.shape[1], BLOCK=block, BR=BR, BC=BC,
+               DT=_TORCH_TO_TL[dtype], num_warps=4)
+    return out
+
+
+def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    _check_dtype(dtype)
+    if packed.element_size() != 1 or packed.dim() < 1 or packed.shape[-1] % (MX_BLOCK // 2):
+        raise ValueError(f"packed: expected 1-byte [..., K/2] with K a multiple of {MX_BLOCK}, got {packed.dtype} "
+                         f"{tuple(packed.shape)}")
+    kh = packed.shape[-1]
+    if tuple(scale.shape) != (*packed.shape[:-1], kh * 2 // MX_BLOCK) or scale.element_size() != 1:
+        raise ValueError(f"scale: expected e8m0 bytes {(*packed.shape[:-1], kh * 2 // MX_BLOCK)}, got "
+                         f"{scale.dtype} {tuple(scale.shape)}")
+    out = torch.empty(*packed.shape[:-1], 2 * kh, dtype=dtype, device=packed.device)
+    r = packed.numel() // kh if kh else 0
+    if out.numel():
+        launch(_mxfp4_kernel, (triton.cdiv(r, BR), triton.cdiv(kh, BC)), packed.device,
+               packed.contiguous().view(torch.uint8),
+               scale.contiguous().view(torch.uint8), out, r, kh, BR=BR, BC=BC, DT=_TORCH_TO_TL[dtype], num_warps=4)
+    return out
