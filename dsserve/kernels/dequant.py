@@ -65,7 +65,11 @@ def _mxfp4_kernel(p_ptr, s_ptr, o_ptr, R, KH, BR: tl.constexpr, BC: tl.constexpr
     j = tl.program_id(1) * BC + tl.arange(0, BC)
     m = (r[:, None] < R) & (j[None, :] < KH)
     b = tl.load(p_ptr + r.to(tl.int64)[:, None] * KH + j[None, :], mask=m, other=0).to(tl.int32)
-    s = _pow2(tl.load(s_ptr + r.to(tl.int64)[:, None] * (KH // 16) + (j // 16)[None, :], mask=m, other=127))
+    # one scale byte per 16 packed bytes, loaded once and broadcast (a per-byte gather ran at 1.7 TB/s)
+    g = tl.program_id(1) * (BC // 16) + tl.arange(0, BC // 16)
+    s = _pow2(tl.load(s_ptr + r.to(tl.int64)[:, None] * (KH // 16) + g[None, :],
+                      mask=(r[:, None] < R) & (g[None, :] < KH // 16), other=127))
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], [BR, BC // 16, 16]), [BR, BC])
     v = tl.interleave(_e2m1(b & 15) * s, _e2m1(b >> 4) * s)  # channel 2j, 2j+1: one contiguous store
     # (two stride-2 stores of the halves wrote 134 GB/s on the H200)
     c = tl.program_id(1) * 2 * BC + tl.arange(0, 2 * BC)
