@@ -22,6 +22,7 @@ OPS = {
     "router": ("router", ("route",)),
     "moe": ("grouped_moe", ("routed_experts",)),
     "mhc": ("mhc", ("mhc_site", "mhc_expand")),
+    "mhc_collapse": ("mhc_collapse", ("mhc_collapse_norm",)),
     "rowwise": ("rowwise", ("rms_norm", "rope_inplace", "fake_quant_fp4_pow2")),
     "entry_rows": ("entry_rows", ("entry_rows",)),
     "engram_rows": ("engram_rows", ("engram_rows",)),

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..models.config import ModelConfig
 from .numerics import acc
+from .side_stream import fork, side_stream
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -84,17 +85,11 @@ def deferred_experts():
 # A decode step's shared expert runs on a side stream beside the router and the routed experts (each alone leaves
 # SMs idle at a few rows); larger batches keep one stream. 0 turns it off.
 SHARED_EXPERT_STREAM_MAX_ROWS = 64
-_SIDE_STREAMS: dict = {}
 
 
 def _side_stream(x: torch.Tensor):
     """The side stream for the shared expert of ``x``'s rows, or None (CPU, or too many rows to gain)."""
-    if not x.is_cuda or not 0 < x.shape[0] <= SHARED_EXPERT_STREAM_MAX_ROWS:
-        return None
-    key = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(x.device)
-    return _SIDE_STREAMS[key]
+    return side_stream(x, SHARED_EXPERT_STREAM_MAX_ROWS)
 
 
 class MoE(nn.Module):
@@ -143,15 +138,7 @@ class MoE(nn.Module):
         side = _side_stream(x)
         if side is None:
             return self.shared_experts(x, ops), None
-        main = torch.cuda.current_stream(x.device)
-        side.wait_stream(main)  # x is ready
-        with torch.cuda.stream(side):
-            shared = self.shared_experts(x, ops)
-            ready = torch.cuda.Event()
-            ready.record(side)
-        if not torch.cuda.is_current_stream_capturing():
-            shared.record_stream(main)  # made on the side stream, used and freed on the main one
-        return shared, ready
+        return fork(side, self.shared_experts, x, ops)
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor, is_image: torch.Tensor | None = None,
                 ops=None) -> torch.Tensor:

@@ -15,7 +15,14 @@ from ..layers.engram import Engram
 from ..layers.mhc import collapse, expand, hc_mix
 from ..layers.moe import MoE
 from ..layers.norm import RMSNorm
+from ..layers.side_stream import fork, join, side_stream
 from .config import LayerRole, ModelConfig
+
+# Up to this many rows (a decode step) an mHC site's mixes (projection, Sinkhorn) may run on a side stream beside
+# the sublayer they feed: the sublayer needs only the collapse (kernels.mhc_collapse), the mixes are first read by
+# the expand after it (the seeds saw ~4% lower latency at low concurrency). 0 (the default until it has been
+# measured and its GPU test run on the H200; 64 is the candidate): the fused single pass on one stream.
+MHC_SIDE_STREAM_MAX_ROWS = 0
 
 
 class Block(nn.Module):
@@ -41,14 +48,20 @@ class Block(nn.Module):
                       getattr(self, f"hc_{site}_scale"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
 
     def site(self, name: str, x: torch.Tensor, pre: torch.Tensor, norm: RMSNorm, ops):
-        """V4.1's single pass at a mixing site: (norm(collapse(x, pre)), the site's pre, post, comb)."""
+        """V4.1's single pass at a mixing site: (norm(collapse(x, pre)), the site's pre, post, comb, ready).
+        ready: None, or (a few rows on a GPU) the event at which the mixes, computed on the side stream while the
+        sublayer runs on h, are done; ``side_stream.join`` it before reading pre, post or comb."""
         if ops is None:
             p, post, comb = self.mix(name, x)
-            return norm(collapse(x, pre)), p, post, comb
+            return norm(collapse(x, pre)), p, post, comb, None
         c = self.cfg
-        return ops.mhc_site(x, getattr(self, f"hc_{name}_fn"), getattr(self, f"hc_{name}_base"),
-                            getattr(self, f"hc_{name}_scale"), pre, norm.weight, norm.eps, c.rms_norm_eps, c.hc_eps,
-                            c.hc_sinkhorn_iters)
+        args = (x, getattr(self, f"hc_{name}_fn"), getattr(self, f"hc_{name}_base"), getattr(self, f"hc_{name}_scale"),
+                pre, norm.weight, norm.eps, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+        side = side_stream(x, MHC_SIDE_STREAM_MAX_ROWS)
+        if side is None:
+            return (*ops.mhc_site(*args), None)
+        (_, p, post, comb), ready = fork(side, ops.mhc_site, *args)  # its h is recomputed here, on the main stream
+        return ops.mhc_collapse_norm(x, pre, norm.weight, norm.eps), p, post, comb, ready
 
     @staticmethod
     def expand(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, ops) -> torch.Tensor:
@@ -61,42 +74,53 @@ class Block(nn.Module):
         ``keep`` (bounded replay): after this layer has published its global KV from every row, continue
         with only these rows. Returns (stream, pre_out, ctx) for the rows kept.
         """
-        x, h, a_pre, a_post, a_comb, ctx = self.head(x, pre, ctx, keep)
+        x, h, a_pre, a_post, a_comb, ctx, ready = self._head(x, pre, ctx, keep)
         if x.shape[0] == 0:  # every row is before the replay window: only the global KV was needed
             return x, h.new_zeros(0, self.cfg.hc_mult), ctx
-        return self.tail(x, h, a_pre, a_post, a_comb, ctx)
+        return self.tail(x, h, a_pre, a_post, a_comb, ctx, ready)
 
     def head(self, x: torch.Tensor, pre: torch.Tensor | None, ctx: ForwardContext, keep: KeptRows | None = None):
         """Up to the attention: Engram, the attention site's mix, the compressor on every row, then bounded
         replay's narrowing. Returns (stream, attention input h, the site's pre, post, comb, ctx) of the kept rows;
         ``tail`` continues (split so that a CUDA graph of the decoder can start after the narrowing)."""
+        *out, ready = self._head(x, pre, ctx, keep)
+        join(ready, x.device)
+        return tuple(out)
+
+    def _head(self, x: torch.Tensor, pre: torch.Tensor | None, ctx: ForwardContext, keep: KeptRows | None):
         if self.engram is not None:
             ctx.log(self.role.index, "engram")
             x = self.engram(x, ctx.engram_ids, [s.rows for s in ctx.seqs], ctx.engram_history,
                             rows=ctx.engram_rows.get(self.role.index), ops=ctx.ops)
-        ops = ctx.ops  # kernels.ops.KernelOps, or None: the torch forward (the oracle)
+        ops, ready = ctx.ops, None  # ops: kernels.ops.KernelOps, or None: the torch forward (the oracle)
         if self.cfg.is_v41:
-            h, a_pre, a_post, a_comb = self.site("attn", x, pre, self.attn_norm, ops)
+            h, a_pre, a_post, a_comb, ready = self.site("attn", x, pre, self.attn_norm, ops)
         else:
             pre, a_post, a_comb = self.mix("attn", x)
             a_pre, h = None, self.attn_norm(collapse(x, pre))
         if self.attn.compressor is not None:
             self.attn.compress(h, ctx)
         if keep is not None:
-            idx = keep.index
+            join(ready, x.device)  # the narrowing reads the mixes
+            ready, idx = None, keep.index
             x, h, a_post, a_comb, ctx = x[idx], h[idx], a_post[idx], a_comb[idx], ctx.narrow(keep)
             a_pre = None if a_pre is None else a_pre[idx]
-        return x, h, a_pre, a_post, a_comb, ctx
+        return x, h, a_pre, a_post, a_comb, ctx, ready
 
     def tail(self, x: torch.Tensor, h: torch.Tensor, a_pre, a_post: torch.Tensor, a_comb: torch.Tensor,
-             ctx: ForwardContext):
-        """The attention and the MoE with their expansions (see ``head``). Returns (stream, pre_out, ctx)."""
+             ctx: ForwardContext, ready=None):
+        """The attention and the MoE with their expansions (see ``head``; ``ready``: see ``site``). Returns
+        (stream, pre_out, ctx)."""
         ops = ctx.ops
-        x = self.expand(self.attn(h, ctx), x, a_post, a_comb, ops)
+        y = self.attn(h, ctx)
+        join(ready, x.device)
+        x = self.expand(y, x, a_post, a_comb, ops)
+        ready = None
         if self.cfg.is_v41:
-            h, f_pre, f_post, f_comb = self.site("ffn", x, a_pre, self.ffn_norm, ops)
+            h, f_pre, f_post, f_comb, ready = self.site("ffn", x, a_pre, self.ffn_norm, ops)
         else:
             f_pre, f_post, f_comb = self.mix("ffn", x)
             h = self.ffn_norm(collapse(x, f_pre))
-        x = self.expand(self.ffn(h, ctx.tokens, ctx.is_image, ops), x, f_post, f_comb, ops)
-        return x, f_pre, ctx
+        y = self.ffn(h, ctx.tokens, ctx.is_image, ops)
+        join(ready, x.device)
+        return self.expand(y, x, f_post, f_comb, ops), f_pre, ctx

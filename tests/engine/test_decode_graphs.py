@@ -133,6 +133,26 @@ def test_graph_replay_equals_the_fixed_shape_step_on_gpu():
     assert made[0].report()["replays"] > 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mhc_mixes_on_a_side_stream_on_gpu(monkeypatch):
+    """A decode step's mHC mixes on the side stream (the default for a few rows; models.block): the same greedy
+    tokens, and logits equal up to the collapse's sum order, as the fused site on one stream; graphs replay it."""
+    import dsserve.models.block as B
+    global model
+    runs = {}
+    for rows in (0, 64):
+        monkeypatch.setattr(B, "MHC_SIDE_STREAM_MAX_ROWS", rows)
+        model = m = _tiny(torch.float32, "cuda")
+        prompts = [make_prompts(m.cfg, seed=3)[i] for i in (11, 3, 9)]
+        made = []
+        reqs, _, logits = _engine(m, prompts, 7, KernelOps(), torch.float32, "cuda", 12,
+                                  decode_graphs=_graphs(True, made))
+        runs[rows] = [r.output_token_ids for r in reqs], logits, made[0].report()["replays"]
+    assert runs[64][0] == runs[0][0] and runs[64][2] > 0
+    rel = max(float((a - b).norm() / b.norm()) for a, b in zip(runs[64][1], runs[0][1]))
+    assert rel < 1e-5
+
+
 def test_fixed_shape_decode_after_prefix_hits_with_and_without_bounded_replay():
     """The engine's defaults: prefix hits, bounded replay (a hit resumes at the replay floor; the compressor skips
     the cached entries) and exact mode: decode steps in fixed shapes give the reference path's tokens and
