@@ -109,15 +109,22 @@ def test_paged_path_with_triton_kernels_on_gpu(chunk, reference):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fp8_release_format_on_gpu():
+@pytest.mark.parametrize("prefill_dequant", [False, True])
+def test_fp8_release_format_on_gpu(monkeypatch, prefill_dequant):
     """--quantization fp8 (grouped wo_a, the shared expert's fused w1/w3, in-kernel split-K) through the Triton
-    FP8 kernels agrees with the oracle running the same FP8 weights through the torch reference."""
+    FP8 kernels agrees with the oracle running the same FP8 weights through the torch reference; prefill_dequant:
+    the prefill chunks' rows take the dequantise-then-matmul path (its threshold lowered to the tiny chunks)."""
+    from dsserve.kernels import fp8_linear as F
     from dsserve.models.quantize import quantize_dense_fp8, use_fp8_kernels
+    calls, real = [], F.dequant_fp8
+    monkeypatch.setattr(F, "dequant_fp8", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(F, "DEQUANT_MIN_ROWS", 2 if prefill_dequant else 1 << 30)
     m = _tiny(torch.float32, "cuda")
     assert quantize_dense_fp8(m, m.cfg.weight_block_size) > 0
     use_fp8_kernels(m, True)
     _greedy_agrees_with_oracle("cuda", range(8), 8, 7, KernelOps(frozenset()), model=m,
                                before_oracle=lambda mod: use_fp8_kernels(mod, False))
+    assert bool(calls) == prefill_dequant
 
 
 def test_paged_path_matches_reference_path_under_bounded_replay():
