@@ -63,6 +63,20 @@ class Block(nn.Module):
         (_, p, post, comb), ready = fork(side, ops.mhc_site, *args)  # its h is recomputed here, on the main stream
         return ops.mhc_collapse_norm(x, pre, norm.weight, norm.eps), p, post, comb, ready
 
+    def v4_site(self, name: str, x: torch.Tensor, norm: RMSNorm, ops):
+        """V4's two passes at a mixing site: the mixes, then the collapse with the site's own pre. Returns
+        (norm(collapse(x, pre)), post, comb). With ops: the fused site's mixes (its own h, collapsed with a zero
+        pre_in, is dropped) and the collapse kernel: 4 launches where the torch mixes take ~120 (Sinkhorn's 20
+        iterations)."""
+        if ops is None:
+            pre, post, comb = self.mix(name, x)
+            return norm(collapse(x, pre)), post, comb
+        c = self.cfg
+        _, pre, post, comb = ops.mhc_site(x, getattr(self, f"hc_{name}_fn"), getattr(self, f"hc_{name}_base"),
+                                          getattr(self, f"hc_{name}_scale"), x.new_zeros(x.shape[0], c.hc_mult),
+                                          norm.weight, norm.eps, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+        return ops.mhc_collapse_norm(x, pre, norm.weight, norm.eps), post, comb
+
     @staticmethod
     def expand(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, ops) -> torch.Tensor:
         return expand(y, x, post, comb) if ops is None else ops.mhc_expand(y, x, post, comb)
@@ -96,8 +110,7 @@ class Block(nn.Module):
         if self.cfg.is_v41:
             h, a_pre, a_post, a_comb, ready = self.site("attn", x, pre, self.attn_norm, ops)
         else:
-            pre, a_post, a_comb = self.mix("attn", x)
-            a_pre, h = None, self.attn_norm(collapse(x, pre))
+            a_pre, (h, a_post, a_comb) = None, self.v4_site("attn", x, self.attn_norm, ops)
         if self.attn.compressor is not None:
             self.attn.compress(h, ctx)
         if keep is not None:
@@ -119,8 +132,7 @@ class Block(nn.Module):
         if self.cfg.is_v41:
             h, f_pre, f_post, f_comb, ready = self.site("ffn", x, a_pre, self.ffn_norm, ops)
         else:
-            f_pre, f_post, f_comb = self.mix("ffn", x)
-            h = self.ffn_norm(collapse(x, f_pre))
+            f_pre, (h, f_post, f_comb) = None, self.v4_site("ffn", x, self.ffn_norm, ops)
         y = self.ffn(h, ctx.tokens, ctx.is_image, ops)
         join(ready, x.device)
         return self.expand(y, x, f_post, f_comb, ops), f_pre, ctx
