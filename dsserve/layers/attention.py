@@ -171,8 +171,11 @@ class CSA2Attention(nn.Module):
         kv = self.window_entry(x, pos, ctx.qat)
         o = torch.empty(q.shape, dtype=acc(q).dtype, device=q.device)
         select = role.ratio and (self.indexer is not None or role.index_source is None)
+        index_q = None
         if self.indexer is not None:
             ctx.log(role.index, "indexer")
+            # the index query of every row at once (row-wise: the same as per sequence, fewer launches)
+            index_q = self.indexer.query(x, q_lat, pos, self.rope, ctx.qat)
             ctx.topk = [None] * len(ctx.seqs)
             if role.candidate == "source":
                 ctx.candidates = [None] * len(ctx.seqs)
@@ -191,21 +194,23 @@ class CSA2Attention(nn.Module):
             sel_k = sel_mask = None
             if role.ratio:
                 main, index_k = cache.global_kv(role.kv_source)
-                idx, valid = self._select(i, x[r], q_lat[r], p, index_k, cache, ctx) if select else ctx.topk[i]
+                iq = None if index_q is None else (index_q[0][r], index_q[1][r])
+                idx, valid = self._select(i, iq, p, index_k, cache, ctx) if select else ctx.topk[i]
                 if idx.shape[1]:
                     sel_k, sel_mask = main.to(kv.dtype)[idx], valid
             o[r] = sparse_attention_with_sink(q[r], win_k, win_mask, sel_k, sel_mask, self.attn_sink,
                                               cfg.head_dim ** -0.5)
         return self.output(o, pos, x.dtype)
 
-    def _select(self, i, x, q_lat, pos, index_k, cache, ctx: ForwardContext):
-        """Top-k entries for one sequence's rows: every visible entry (V4 HCA), or the indexer's choice."""
+    def _select(self, i, index_q, pos, index_k, cache, ctx: ForwardContext):
+        """Top-k entries for one sequence's rows: every visible entry (V4 HCA), or the indexer's choice from its
+        rows' (index q, weights) ``index_q``."""
         role, cfg = self.role, self.cfg
         if self.indexer is None:  # V4 HCA: dense over the visible entries
             n = cache.num_entries(role.kv_source)
-            idx = torch.arange(n, device=x.device).expand(x.shape[0], n)
+            idx = torch.arange(n, device=pos.device).expand(pos.shape[0], n)
             return idx, idx < visible_entries(pos, role.ratio)[:, None]
-        s = self.indexer.scores(x, q_lat, pos, index_k, role.ratio, self.rope, ctx.qat)
+        s = self.indexer.scores_of(*index_q, pos, index_k, role.ratio)
         if role.candidate == "source":
             n_vis = visible_entries(pos, role.ratio)
             ctx.candidates[i] = candidate_pool(s, n_vis, cfg.candidate_block_size, cfg.candidate_topk_blocks)

@@ -81,7 +81,12 @@ class Indexer(nn.Module):
 
     def scores(self, x: torch.Tensor, q_lat: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
                ratio: int, rope: Rope, qat: bool) -> torch.Tensor:
-        q, w = self.query(x, q_lat, positions, rope, qat)
+        return self.scores_of(*self.query(x, q_lat, positions, rope, qat), positions, keys, ratio)
+
+    @staticmethod
+    def scores_of(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+                  ratio: int) -> torch.Tensor:
+        """[T, entries]: ``query``'s (q, w) against one sequence's keys, -inf past each row's visible entries."""
         logits = torch.relu(torch.einsum("thd,nd->thn", acc(q), acc(keys)))
         s = torch.einsum("thn,th->tn", logits, w)
         visible = torch.arange(keys.shape[0], device=keys.device)[None, :] < visible_entries(positions, ratio)[:, None]
