@@ -167,7 +167,9 @@ class CSA2Attention(nn.Module):
             from .attention_paged import forward_paged  # the batched kernel path over the paged pools
             return forward_paged(self, x, ctx)
         cfg, role, pos = self.cfg, self.role, ctx.positions
-        q_lat, q = self.query(x, pos)
+        # with kernel ops (V4, whose attention has no paged path yet): the query's norms and RoPE as kernels
+        ops = ctx.ops
+        q_lat, q = self.query(x, pos, ops, None if ops is None else self.rope.kernel_tables(pos, x.dtype))
         kv = self.window_entry(x, pos, ctx.qat)
         o = torch.empty(q.shape, dtype=acc(q).dtype, device=q.device)
         select = role.ratio and (self.indexer is not None or role.index_source is None)
