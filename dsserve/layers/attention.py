@@ -135,9 +135,13 @@ class CSA2Attention(nn.Module):
             return q_lat, self.rope(q, pos, inplace=True)
         return q_lat, ops.rope_inplace(q, *cos_sin)
 
-    def window_entry(self, x: torch.Tensor, pos: torch.Tensor, qat: bool) -> torch.Tensor:
-        """The row's own K = V latent for the sliding window, post-RoPE, FP8 fake-quantised under QAT."""
-        return self._kv_qat(self.rope(self.kv_norm(self.wkv(x)), pos, inplace=True), qat)
+    def window_entry(self, x: torch.Tensor, pos: torch.Tensor, qat: bool, ops=None, cos_sin=None) -> torch.Tensor:
+        """The row's own K = V latent for the sliding window, post-RoPE, FP8 fake-quantised under QAT. ops with
+        cos_sin (as ``query``): the norm and RoPE kernels."""
+        if ops is None:
+            return self._kv_qat(self.rope(self.kv_norm(self.wkv(x)), pos, inplace=True), qat)
+        kv = ops.rms_norm(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps)
+        return self._kv_qat(ops.rope_inplace(kv, *cos_sin), qat)
 
     def _kv_qat(self, kv: torch.Tensor, qat: bool) -> torch.Tensor:
         """V4.1 stores all 512 channels FP8 (per 32); V4 stores the non-RoPE channels FP8 (per 64), RoPE in BF16."""
@@ -149,10 +153,13 @@ class CSA2Attention(nn.Module):
         group = math.gcd(self.cfg.nope_head_dim, 64)  # 64 in the release (448 = 7 x 64); smaller in tiny shapes
         return torch.cat((quant.fake_quant_fp8_pow2(kv[..., :-rd], group), kv[..., -rd:]), dim=-1)
 
-    def output(self, o: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def output(self, o: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype, ops=None, cos_sin=None) -> torch.Tensor:
         """De-rotate (V = K carries RoPE; only relative offsets remain), then the grouped low-rank projection:
-        wo_a is block-diagonal over the head groups."""
-        return self.project(self.rope(o, pos, inverse=True).to(dtype))
+        wo_a is block-diagonal over the head groups. ops with cos_sin (as ``query``; o a fresh contiguous tensor):
+        the RoPE kernel turning by -theta."""
+        if ops is None:
+            return self.project(self.rope(o, pos, inverse=True).to(dtype))
+        return self.project(ops.rope_inplace(o, cos_sin[0], -cos_sin[1]).to(dtype))
 
     def project(self, o: torch.Tensor) -> torch.Tensor:
         """[T, H, D] de-rotated attention output -> [T, hidden]."""
@@ -169,15 +176,16 @@ class CSA2Attention(nn.Module):
         cfg, role, pos = self.cfg, self.role, ctx.positions
         # with kernel ops (V4, whose attention has no paged path yet): the query's norms and RoPE as kernels
         ops = ctx.ops
-        q_lat, q = self.query(x, pos, ops, None if ops is None else self.rope.kernel_tables(pos, x.dtype))
-        kv = self.window_entry(x, pos, ctx.qat)
+        cos_sin = None if ops is None else self.rope.kernel_tables(pos, x.dtype)
+        q_lat, q = self.query(x, pos, ops, cos_sin)
+        kv = self.window_entry(x, pos, ctx.qat, ops, cos_sin)
         o = torch.empty(q.shape, dtype=acc(q).dtype, device=q.device)
         select = role.ratio and (self.indexer is not None or role.index_source is None)
         index_q = None
         if self.indexer is not None:
             ctx.log(role.index, "indexer")
             # the index query of every row at once (row-wise: the same as per sequence, fewer launches)
-            index_q = self.indexer.query(x, q_lat, pos, self.rope, ctx.qat)
+            index_q = self.indexer.query(x, q_lat, pos, self.rope, ctx.qat, ops, cos_sin)
             ctx.topk = [None] * len(ctx.seqs)
             if role.candidate == "source":
                 ctx.candidates = [None] * len(ctx.seqs)
@@ -202,7 +210,7 @@ class CSA2Attention(nn.Module):
                     sel_k, sel_mask = main.to(kv.dtype)[idx], valid
             o[r] = sparse_attention_with_sink(q[r], win_k, win_mask, sel_k, sel_mask, self.attn_sink,
                                               cfg.head_dim ** -0.5)
-        return self.output(o, pos, x.dtype)
+        return self.output(o, pos, x.dtype, ops, cos_sin)
 
     def _select(self, i, index_q, pos, index_k, cache, ctx: ForwardContext):
         """Top-k entries for one sequence's rows: every visible entry (V4 HCA), or the indexer's choice from its
