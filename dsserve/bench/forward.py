@@ -22,7 +22,8 @@ from ..engine.core import EngineCore
 from ..engine.request import Request
 from ..engine.sampling_params import SamplingParams
 from ..engine.scheduler import ScheduledChunk, StepPlan
-from ..layers.indexer import Indexer
+from ..layers import attention_paged
+from ..layers.attention import CSA2Attention
 from ..models.accounting import param_counts
 
 
@@ -107,12 +108,15 @@ def bench_forward(core: EngineCore, batch: int, context: int, new_tokens: int, r
         hooks += timer.hook(block, side)
         hooks += timer.hook(block.attn, "attention")
         hooks += timer.hook(block.ffn, "moe")
-    scores = Indexer.scores
+    # the selection stage (indexer query, scores, top-k) of either attention path
+    selects = (attention_paged._select, CSA2Attention._select)
 
-    def timed_scores(self, *a, **k):
-        with timer.around("indexer"):
-            return scores(self, *a, **k)
-    Indexer.scores = timed_scores
+    def timed(fn):
+        def run(*a, **k):
+            with timer.around("indexer"):
+                return fn(*a, **k)
+        return run
+    attention_paged._select, CSA2Attention._select = (timed(f) for f in selects)
     runs, reqs = [], []
     decode = new_tokens == 1  # a running batch: the same requests decode one more token each repeat
     try:
@@ -143,7 +147,7 @@ def bench_forward(core: EngineCore, batch: int, context: int, new_tokens: int, r
             if rep:
                 runs.append((elapsed, dict(timer.total)))
     finally:
-        Indexer.scores = scores
+        attention_paged._select, CSA2Attention._select = selects
         for h in hooks:
             h.remove()
     runs.sort(key=lambda x: x[0])
