@@ -178,11 +178,10 @@ class SequenceKV:
             bs = c.layout.block_size
             phys = self.table()[pos // bs]
             return c.layout.window_fmt.unpack(c.window[layer][phys, pos % bs], c.dtype), pos
+        # The whole ring, oldest position first, empty rows (position -1) last: the reader masks them. Counting the
+        # live rows on the host would wait for the device twice a layer and sequence (V4's eager GPU steps did).
         pos = c.window_pos[layer][self.slot]
-        valid = pos >= 0
-        if not bool(valid.any()):
-            return None, None
-        order = torch.argsort(torch.where(valid, pos, pos.max() + 1))[: int(valid.sum())]
+        order = torch.argsort(torch.where(pos >= 0, pos, torch.iinfo(pos.dtype).max))
         return c.layout.window_fmt.unpack(c.window[layer][self.slot, order], c.dtype), pos[order]
 
     def push_window(self, layer: int, keys: torch.Tensor, positions: torch.Tensor) -> None:

@@ -199,7 +199,8 @@ class CSA2Attention(nn.Module):
             old_k, old_p = cache.window_rows(role.index)
             win_k = kv[r] if old_k is None else torch.cat((old_k.to(kv.dtype), kv[r]))
             win_p = p if old_p is None else torch.cat((old_p, p))
-            win_mask = (win_p[None, :] <= p[:, None]) & (win_p[None, :] > p[:, None] - cfg.sliding_window)
+            win_mask = ((win_p[None, :] <= p[:, None]) & (win_p[None, :] > p[:, None] - cfg.sliding_window)
+                        & (win_p[None, :] >= 0))  # a paged ring's empty rows carry position -1
             cache.push_window(role.index, kv[r], p)
             sel_k = sel_mask = None
             if role.ratio:

@@ -11,8 +11,8 @@ from dsserve import LLM, SamplingParams
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _engine(**kw):
-    llm = LLM(model="tiny", dtype="bfloat16", device="cuda", enable_prefix_caching=False, max_num_seqs=4, **kw)
+def _engine(model="tiny", **kw):
+    llm = LLM(model=model, dtype="bfloat16", device="cuda", enable_prefix_caching=False, max_num_seqs=4, **kw)
     eng = llm.engine
     for i in range(3):  # ragged prompts, longer than the 32-row window: ring, compressor and indexer all run
         eng.add_request(f"r{i}", list(range(5, 45 + 7 * i)), SamplingParams(temperature=0, max_tokens=4,
@@ -22,9 +22,11 @@ def _engine(**kw):
 
 
 @needs_cuda
-def test_decode_step_forward_makes_no_host_sync():
-    """The eager decode step."""
-    eng = _engine(enforce_eager=True)
+@pytest.mark.parametrize("model", ["tiny", "tiny-v4"])
+def test_decode_step_forward_makes_no_host_sync(model):
+    """The eager decode step; tiny-v4: V4's per-sequence reference attention over the paged cache (its window ring
+    once counted its live rows on the host, twice a layer and sequence)."""
+    eng = _engine(model, enforce_eager=True)
     model = eng.model
     forward, guarded = model.forward_batch, []
 

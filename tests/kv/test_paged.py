@@ -46,8 +46,9 @@ def test_window_ring_stays_bounded_and_ordered():
     for start in range(0, 3 * w, 10):
         pos = torch.arange(start, start + 10)
         seq.push_window(0, torch.randn(10, cfg.head_dim), pos)
-        _, p = seq.window_rows(0)
-        assert p.tolist() == list(range(max(0, start + 10 - w), start + 10))
+        _, p = seq.window_rows(0)  # the whole ring, live rows in position order, empty rows (-1) last
+        live = list(range(max(0, start + 10 - w), start + 10))
+        assert p.tolist() == live + [-1] * (w - len(live))
 
 
 def test_block_pool_catches_double_free_and_leaks():
