@@ -14,6 +14,7 @@ from torch import nn
 
 from ..models.config import LayerRole, ModelConfig
 from . import quant
+from .attention_rows import attend_rows, reads_rows_in_place
 from .compressor import Compressor
 from .context import ForwardContext
 from .indexer import NEG_INF, Indexer, candidate_pool, stable_topk, visible_entries
@@ -191,11 +192,24 @@ class CSA2Attention(nn.Module):
                 ctx.candidates = [None] * len(ctx.seqs)
         elif role.ratio and role.index_source is not None:
             ctx.log(role.index, "reuse")
+        # a paged ring of raw bf16 rows (V4 in a bf16 model) with kernel ops: each sequence's rows read in place
+        in_place = bool(ctx.seqs) and all(reads_rows_in_place(s.cache, ops) for s in ctx.seqs)
+        if in_place:
+            o = torch.empty(q.shape, dtype=x.dtype, device=q.device)
         for i, seq in enumerate(ctx.seqs):
             r = seq.rows
             if r.stop == r.start:
                 continue
             cache, p = seq.cache, pos[r]
+            if in_place:
+                sel = None
+                if role.ratio:
+                    _, index_k = cache.global_kv(role.kv_source) if self.indexer is not None else (None, None)
+                    iq = None if index_q is None else (index_q[0][r], index_q[1][r])
+                    sel = self._select(i, iq, p, index_k, cache, ctx) if select else ctx.topk[i]
+                o[r] = attend_rows(self, q[r], kv[r], p, cache, sel, (cos_sin[0][r], cos_sin[1][r]), ops, x.dtype)
+                cache.push_window(role.index, kv[r], p)  # after the read: the op reads the ring in place
+                continue
             old_k, old_p = cache.window_rows(role.index)
             win_k = kv[r] if old_k is None else torch.cat((old_k.to(kv.dtype), kv[r]))
             win_p = p if old_p is None else torch.cat((old_p, p))
@@ -211,6 +225,8 @@ class CSA2Attention(nn.Module):
                     sel_k, sel_mask = main.to(kv.dtype)[idx], valid
             o[r] = sparse_attention_with_sink(q[r], win_k, win_mask, sel_k, sel_mask, self.attn_sink,
                                               cfg.head_dim ** -0.5)
+        if in_place:  # de-rotated by the op
+            return self.project(o)
         return self.output(o, pos, x.dtype, ops, cos_sin)
 
     def _select(self, i, index_q, pos, index_k, cache, ctx: ForwardContext):
