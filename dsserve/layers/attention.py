@@ -180,7 +180,9 @@ class CSA2Attention(nn.Module):
         cos_sin = None if ops is None else self.rope.kernel_tables(pos, x.dtype)
         q_lat, q = self.query(x, pos, ops, cos_sin)
         kv = self.window_entry(x, pos, ctx.qat, ops, cos_sin)
-        o = torch.empty(q.shape, dtype=acc(q).dtype, device=q.device)
+        # a paged ring of raw bf16 rows (V4 in a bf16 model) with kernel ops: each sequence's rows read in place
+        in_place = bool(ctx.seqs) and all(reads_rows_in_place(s.cache, ops) for s in ctx.seqs)
+        o = torch.empty(q.shape, dtype=x.dtype if in_place else acc(q).dtype, device=q.device)
         select = role.ratio and (self.indexer is not None or role.index_source is None)
         index_q = None
         if self.indexer is not None:
@@ -192,21 +194,19 @@ class CSA2Attention(nn.Module):
                 ctx.candidates = [None] * len(ctx.seqs)
         elif role.ratio and role.index_source is not None:
             ctx.log(role.index, "reuse")
-        # a paged ring of raw bf16 rows (V4 in a bf16 model) with kernel ops: each sequence's rows read in place
-        in_place = bool(ctx.seqs) and all(reads_rows_in_place(s.cache, ops) for s in ctx.seqs)
-        if in_place:
-            o = torch.empty(q.shape, dtype=x.dtype, device=q.device)
         for i, seq in enumerate(ctx.seqs):
             r = seq.rows
             if r.stop == r.start:
                 continue
             cache, p = seq.cache, pos[r]
+            sel = None
+            if role.ratio:
+                # in place only the indexer reads keys here (unpacking the main rows would copy them every layer)
+                index_k = (None if self.indexer is None else cache.index_keys(role.kv_source) if in_place
+                           else cache.global_kv(role.kv_source)[1])
+                iq = None if index_q is None else (index_q[0][r], index_q[1][r])
+                sel = self._select(i, iq, p, index_k, cache, ctx) if select else ctx.topk[i]
             if in_place:
-                sel = None
-                if role.ratio:
-                    _, index_k = cache.global_kv(role.kv_source) if self.indexer is not None else (None, None)
-                    iq = None if index_q is None else (index_q[0][r], index_q[1][r])
-                    sel = self._select(i, iq, p, index_k, cache, ctx) if select else ctx.topk[i]
                 o[r] = attend_rows(self, q[r], kv[r], p, cache, sel, (cos_sin[0][r], cos_sin[1][r]), ops, x.dtype)
                 cache.push_window(role.index, kv[r], p)  # after the read: the op reads the ring in place
                 continue
@@ -217,12 +217,8 @@ class CSA2Attention(nn.Module):
                         & (win_p[None, :] >= 0))  # a paged ring's empty rows carry position -1
             cache.push_window(role.index, kv[r], p)
             sel_k = sel_mask = None
-            if role.ratio:
-                main, index_k = cache.global_kv(role.kv_source)
-                iq = None if index_q is None else (index_q[0][r], index_q[1][r])
-                idx, valid = self._select(i, iq, p, index_k, cache, ctx) if select else ctx.topk[i]
-                if idx.shape[1]:
-                    sel_k, sel_mask = main.to(kv.dtype)[idx], valid
+            if sel is not None and sel[0].shape[1]:
+                sel_k, sel_mask = cache.global_kv(role.kv_source)[0].to(kv.dtype)[sel[0]], sel[1]
             o[r] = sparse_attention_with_sink(q[r], win_k, win_mask, sel_k, sel_mask, self.attn_sink,
                                               cfg.head_dim ** -0.5)
         if in_place:  # de-rotated by the op
