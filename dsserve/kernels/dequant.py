@@ -41,9 +41,16 @@ def dequant_mxfp4_ref(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.bfl
 
 
 @triton.jit
-def _pow2(e):  # e8m0 byte -> fp32 2^(e - 127); e = 0 is the subnormal 2^-127
+def _e8m0(e):  # exponent byte -> fp32 2^(e - 127); e = 0 is the subnormal 2^-127
     e = e.to(tl.int32)
     return tl.where(e == 0, 1 << 22, e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1(c):  # nibble (int32) -> fp32: bit 3 sign, bits 1-2 exponent (bias 1, 0 = subnormal), bit 0 mantissa
+    ex, m = (c >> 1) & 3, c & 1
+    bits = tl.where(ex == 0, m * (126 << 23), ((ex + 126) << 23) | (m << 22))
+    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -54,7 +61,7 @@ def _fp8_kernel(w_ptr, s_ptr, o_ptr, N, K, KS, BLOCK: tl.constexpr, BR: tl.const
     m = (r[:, None] < N) & (c[None, :] < K)
     at = r.to(tl.int64)[:, None] * K + c[None, :]
     w = tl.load(w_ptr + at, mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    s = _pow2(tl.load(s_ptr + (r // BLOCK)[:, None] * KS + (c // BLOCK)[None, :], mask=m, other=127))
+    s = _e8m0(tl.load(s_ptr + (r // BLOCK)[:, None] * KS + (c // BLOCK)[None, :], mask=m, other=127))
     tl.store(o_ptr + at, _round_to(w * s, DT).to(DT), mask=m)
 
 
@@ -67,7 +74,7 @@ def _mxfp4_kernel(p_ptr, s_ptr, o_ptr, R, KH, BR: tl.constexpr, BC: tl.constexpr
     b = tl.load(p_ptr + r.to(tl.int64)[:, None] * KH + j[None, :], mask=m, other=0).to(tl.int32)
     # one scale byte per 16 packed bytes, loaded once and broadcast (a per-byte gather ran at 1.7 TB/s)
     g = tl.program_id(1) * (BC // 16) + tl.arange(0, BC // 16)
-    s = _pow2(tl.load(s_ptr + r.to(tl.int64)[:, None] * (KH // 16) + g[None, :],
+    s = _e8m0(tl.load(s_ptr + r.to(tl.int64)[:, None] * (KH // 16) + g[None, :],
                       mask=(r[:, None] < R) & (g[None, :] < KH // 16), other=127))
     s = tl.reshape(tl.broadcast_to(s[:, :, None], [BR, BC // 16, 16]), [BR, BC])
     v = tl.interleave(_e2m1(b & 15) * s, _e2m1(b >> 4) * s)  # channel 2j, 2j+1: one contiguous store
@@ -75,14 +82,6 @@ def _mxfp4_kernel(p_ptr, s_ptr, o_ptr, R, KH, BR: tl.constexpr, BC: tl.constexpr
     c = tl.program_id(1) * 2 * BC + tl.arange(0, 2 * BC)
     tl.store(o_ptr + r.to(tl.int64)[:, None] * (2 * KH) + c[None, :], _round_to(v, DT).to(DT),
              mask=(r[:, None] < R) & (c[None, :] < 2 * KH))
-
-
-@triton.jit
-def _e2m1(c):
-    """e2m1 code -> fp32 by bits: sign bit 3, exponent bits 1-2, mantissa bit 0; exponent 0 is 0 or 0.5."""
-    e = (c >> 1) & 3
-    bits = tl.where(e > 0, ((e + 126) << 23) | ((c & 1) << 22), (c & 1) * (126 << 23))
-    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 def dequant_fp8(w_q: torch.Tensor, w_s: torch.Tensor, block: int, dtype=torch.bfloat16) -> torch.Tensor:

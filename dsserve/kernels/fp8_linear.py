@@ -34,7 +34,7 @@ import triton.language as tl
 from torch import nn
 
 from ..layers.quant import dequant_fp8_block, fake_quant_fp8_pow2, quant_fp8_block
-from .dequant import dequant_fp8
+from .dequant import _e8m0, dequant_fp8
 from .split_k import store_split, tile_counters
 
 IN_KERNEL_SPLIT_ROWS = 16  # split-K partials summed in the kernel up to this many rows (see fp8_linear)
@@ -46,12 +46,6 @@ DEQUANT_MIN_ROWS = 1024
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The Triton 3.9 interpreter gets bf16 dots wrong; fp32 dots of the same (exact) products stand in there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def _e8m0(e):  # exponent byte -> fp32 2^(e - 127); e = 0 is the subnormal 2^-127
-    e = e.to(tl.int32)
-    return tl.where(e == 0, 1 << 22, e << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit

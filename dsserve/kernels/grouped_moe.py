@@ -32,9 +32,8 @@ import triton.language as tl
 from ..layers.moe import clamped_swiglu
 from ..layers.numerics import acc
 from ..layers.quant import MX_BLOCK, dequant_fp8_block, dequant_mxfp4, pack_mxfp4, quant_fp8_block
-from .dequant import dequant_fp8
+from .dequant import _e2m1, _e8m0, dequant_fp8
 from .dequant import dequant_mxfp4 as dequant_mxfp4_rows
-from .fp8_linear import _e8m0
 from .moe_permute import expert_tiles
 
 FMTS = ("bf16", "fp8", "mxfp4")
@@ -124,13 +123,6 @@ class ExpertWeights:
         if out % FP8_BLOCK:  # an expert's last scale row would straddle the next expert's rows: one at a time
             return torch.stack([dequant_fp8(w[i], s[i], FP8_BLOCK, dtype) for i in range(e)])
         return dequant_fp8(w.view(e * out, inn), s.view(-1, s.shape[-1]), FP8_BLOCK, dtype).view(e, out, inn)
-
-
-@triton.jit
-def _e2m1(c):  # nibble (int32) -> fp32: bit 3 sign, bits 1-2 exponent (bias 1, 0 = subnormal), bit 0 mantissa
-    ex, m = (c >> 1) & 3, c & 1
-    bits = tl.where(ex == 0, m * (126 << 23), ((ex + 126) << 23) | (m << 22))
-    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -30,22 +30,11 @@ import triton.language as tl
 from dsserve.layers.mhc import collapse, expand, hc_mix
 from dsserve.layers.norm import rms_norm
 from dsserve.layers.numerics import fp32_param
+from .kv_write import _round_to  # fp32 -> nearest DT value, in fp32 (bf16 by its bits, NaN kept)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels are decorated, as Triton does
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _alloc = torch.empty  # a seam: tests poison every output and scratch buffer through it
-
-
-@triton.jit
-def _round_to(x, DT: tl.constexpr):
-    """fp32 -> nearest DT value, kept in fp32."""
-    if DT == tl.bfloat16:
-        b = x.to(tl.int32, bitcast=True)
-        r = ((b + 0x7FFF + ((b >> 16) & 1)) & ~0xFFFF).to(tl.float32, bitcast=True)
-        return tl.where(x != x, x, r)  # CUDA's NaN 0x7FFFFFFF would carry into the sign bit: -0
-    elif DT == tl.float16:
-        return x.to(tl.float16).to(tl.float32)
-    return x
 
 
 @triton.jit

@@ -18,8 +18,9 @@ import triton.language as tl
 
 from ..layers.mhc import collapse
 from ..layers.norm import rms_norm
+from .kv_write import _round_to
 from .launch import launch
-from .mhc import _TL, _round_to
+from .mhc import _TL
 
 MAX_D = 16384  # a row in registers: 64 fp32 a thread at 8 warps
 
