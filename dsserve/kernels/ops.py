@@ -15,6 +15,7 @@ import torch
 # op name -> (module under dsserve.kernels, functions it provides)
 OPS = {
     "attention": ("sparse_attention", ("sparse_attention",)),
+    "kv_unpack": ("kv_unpack", ("unpack_rows",)),
     "indexer": ("indexer", ("index_scores", "index_scores_candidates")),
     "topk": ("topk", ("topk", "candidate_blocks")),
     "kv_write": ("kv_write", ("store_window", "store_main", "store_index")),

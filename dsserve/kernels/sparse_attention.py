@@ -19,7 +19,8 @@ Layouts (T rows, H heads, D channels, R RoPE channels; W window, K top-k):
 Returns o [T, H, D] in out_dtype, or written into `out` (contiguous [T, H, D], its own dtype) when given.
 A row with nothing valid gives o = 0. Row ids are not range-checked by the kernel (that would need a sync).
 Decode (few rows) runs split-K: NUM_SPLITS programs per (row, head block) each take a contiguous share of the row's
-key blocks and leave fp32 partials that sparse_attention_combine merges; see num_splits for the rule.
+key blocks and leave fp32 partials that sparse_attention_combine merges; see num_splits for the rule. From
+sparse_attention_prefill.PREFILL_MIN_ROWS rows of bf16 q, that module's kernel runs instead (same contract).
 """
 from __future__ import annotations
 
@@ -30,13 +31,14 @@ import torch
 import triton
 import triton.language as tl
 
+from dsserve.kernels import sparse_attention_prefill as prefill
+from dsserve.kernels.kv_unpack import FMT_CODE as _FMT_CODE, decode_rows
 from dsserve.kernels.sparse_attention_combine import _derotate_store, combine_splits, split_workspace
 from dsserve.kv import formats
 from dsserve.layers.numerics import acc
 
 _WINDOW_FMTS = {"fp8": formats.SWA_FP8, "bf16": formats.BF16_ROWS}
 _MAIN_FMTS = {"fp4": formats.MAIN_FP4, "fp8": formats.SWA_FP8, "bf16": formats.BF16_ROWS}
-_FMT_CODE = {"fp8": 0, "fp4": 1, "bf16": 2}
 _REF_CHUNK = 256  # reference: query rows per batched einsum (bounds the [rows, W + K, D] gathered keys)
 _FILL = 264  # programs that fill the H200 (2 per SM x 132 SMs); fewer rows * head blocks than this get split-K
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read at import, as Triton does
@@ -123,29 +125,9 @@ def sparse_attention_ref(q, cos, sin, window_pool, window_fmt, old_rows, fresh_k
 @triton.jit
 def _decode_rows(pool, stride, rows, valid, FMT: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keys of BLOCK_N pool rows as fp32 (even, odd) channel halves [BLOCK_N, D/2]; invalid rows are 0.
-    Each format is first decoded to natural channel order [BLOCK_N, D] (whole-row loads, 16-byte vectors when the
-    row stride allows), scaled per group there, then split into pairs; join/split stay within a thread's registers."""
-    base = pool + rows.to(tl.int64)[:, None] * stride
-    m = valid[:, None]
-    if FMT == 1:  # e2m1 codes, byte j = channels 2j (low nibble), 2j+1; value from bits: sign bit 3, exp bits 1-2
-        b = tl.load(base + tl.arange(0, D // 2)[None, :], mask=m, other=0).to(tl.int32)
-        c = tl.reshape(tl.join(b & 15, b >> 4), [BLOCK_N, D])
-        e = (c >> 1) & 3
-        bits = tl.where(e > 0, ((e + 126) << 23) | ((c & 1) << 22), (c & 1) * (126 << 23))  # e = 0: 0 or 0.5
-        v = (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
-        sb = tl.load(base + D // 2 + tl.arange(0, D // 16)[None, :], mask=m, other=0)
-        s = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # e4m3 scale, subnormals included
-        v = tl.reshape(tl.reshape(v, [BLOCK_N, D // 16, 16]) * s[:, :, None], [BLOCK_N, D])
-    elif FMT == 0:  # e4m3 * 2^(e-127), e the ue8m0 byte of each 32 channels (e = 0 -> 2^-127 as in quant)
-        v = tl.load(base + tl.arange(0, D)[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True)
-        e = tl.load(base + D + tl.arange(0, D // 32)[None, :], mask=m, other=0).to(tl.int32)
-        s = tl.where(e == 0, 1 << 22, e << 23).to(tl.float32, bitcast=True)
-        v = tl.reshape(tl.reshape(v.to(tl.float32), [BLOCK_N, D // 32, 32]) * s[:, :, None], [BLOCK_N, D])
-    else:  # bf16 pairs read as one little-endian int32: channel 2j in the low half
-        x = tl.load(pool.to(tl.pointer_type(tl.int32)) + rows.to(tl.int64)[:, None] * (stride // 4)
-                    + tl.arange(0, D // 2)[None, :], mask=m, other=0)
-        v = tl.reshape(tl.join((x << 16).to(tl.float32, bitcast=True), (x & -65536).to(tl.float32, bitcast=True)),
-                       [BLOCK_N, D])
+    Each format is first decoded to natural channel order [BLOCK_N, D] (``decode_rows``), then split into pairs;
+    join/split stay within a thread's registers."""
+    v = decode_rows(pool, stride, rows, valid, FMT, D, BLOCK_N)
     return tl.split(tl.reshape(v, [BLOCK_N, D // 2, 2]))
 
 
@@ -291,6 +273,11 @@ def sparse_attention(q, cos, sin, window_pool, window_fmt, old_rows, fresh_kv, r
     old_rows, row_first = (x.to(torch.int32).contiguous() for x in (old_rows, row_first))
     sel = old_rows if sel_rows is None else sel_rows.to(torch.int32).contiguous()  # dummy pointer when K = 0
     mpool = window_pool if main_pool is None else main_pool
+    cos, sin, sink = cos.float().contiguous(), sin.float().contiguous(), sink.float().contiguous()
+    if q.dtype == torch.bfloat16 and splits is None and t >= prefill.PREFILL_MIN_ROWS:
+        return prefill.sparse_attention_prefill(q, cos, sin, window_pool, _FMT_CODE[window_fmt], old_rows, fresh_kv,
+                                                row_first, main_pool, _FMT_CODE[main_fmt] if mf is not None else 0,
+                                                None if sel_rows is None else sel, sink, scale, out)
     cfg = _tiles(t, h, d)
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     # Split-K (decode): few programs each walking ~20 key blocks serially is latency-bound, so spread each row's
@@ -299,7 +286,6 @@ def sparse_attention(q, cos, sin, window_pool, window_fmt, old_rows, fresh_kv, r
     bps = triton.cdiv(2 * nb_w + nb_k, num_splits(t * triton.cdiv(h, block_h), 2 * nb_w + nb_k, cfg["fill"])
                       if splits is None else splits)  # key blocks per split; then no split is empty
     n_split = triton.cdiv(2 * nb_w + nb_k, bps)
-    cos, sin, sink = cos.float().contiguous(), sin.float().contiguous(), sink.float().contiguous()
     # The single pass writes o directly; its workspace pointers are unused.
     m_ws, l_ws, acc_ws = split_workspace(t, h, n_split, d, q.device) if n_split > 1 else (sink, sink, sink)
     _sparse_attention_kernel[(t, triton.cdiv(h, block_h), n_split)](

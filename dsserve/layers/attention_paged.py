@@ -11,9 +11,18 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import sparse_attention_prefill
+from ..kernels.kv_unpack import FORMATS
 from ..kv.paged_batch import FORMAT_KIND
 from .context import ForwardContext
 from .numerics import fp32_param
+
+
+# A key table costs ~0.65 ns a row to unpack and saves ~0.2 us a query row of attention (H200, 64 heads x 512
+# channels; scratch sweep of 128-4096 rows over 32K entries): built for at most TABLE_ROWS_PER_QUERY_ROW rows a query
+# row and KEY_TABLE_MAX_BYTES; past either the prefill kernel decodes the packed rows in registers.
+TABLE_ROWS_PER_QUERY_ROW = 128
+KEY_TABLE_MAX_BYTES = 1 << 30
 
 
 def _pad_topk(idx: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,6 +66,45 @@ def _select(attn, x, q_lat, ctx: ForwardContext, cos, sin):
     return step.topk
 
 
+def _key_tables(ops, q: torch.Tensor) -> bool:
+    """A prefill chunk in bf16 on the attention kernel: its keys are read from bf16 tables (the prefill kernel
+    then streams them into shared memory by cp.async: 2.7 vs 4.5 ms an 8K chunk with FP8 / FP4 decoded in
+    registers on the H200, 8.1 ms on the general kernel; kernels/sparse_attention_prefill.py)."""
+    return (q.dtype == torch.bfloat16 and ops.uses_triton("attention")
+            and q.shape[0] >= sparse_attention_prefill.PREFILL_MIN_ROWS)
+
+
+def _worth_it(table_rows: int, query_rows: int, channels: int) -> bool:
+    return table_rows <= TABLE_ROWS_PER_QUERY_ROW * query_rows and table_rows * 2 * channels <= KEY_TABLE_MAX_BYTES
+
+
+def _window_table(ops, pool: torch.Tensor, fmt: str, query_rows: int):
+    """The window pool unpacked whole (same row ids): a ring of W rows a slot, a few MB a layer."""
+    if fmt == "bf16" or not _worth_it(pool.shape[0], query_rows, _channels(pool, fmt)):
+        return pool, fmt
+    rows = torch.arange(pool.shape[0], device=pool.device, dtype=torch.int32)
+    return ops.unpack_rows(pool, fmt, rows).view(torch.uint8), "bf16"
+
+
+def _main_table(ops, pool: torch.Tensor, fmt: str, sel_rows: torch.Tensor, idx: torch.Tensor, step, epb: int):
+    """Every entry of each sequence of the step unpacked into table row seq * E + entry (E = the block tables'
+    width in entries); the selected rows renumbered into it (absent ones stay -1)."""
+    tables = step.seq_tables.long()
+    s, e = tables.shape[0], tables.shape[1] * epb
+    if fmt == "bf16" or not _worth_it(s * e, sel_rows.shape[0], _channels(pool, fmt)):
+        return pool, fmt, sel_rows
+    j = torch.arange(epb, device=tables.device)
+    rows = torch.where(tables[:, :, None] >= 0, tables[:, :, None] * epb + j, -1).flatten()
+    table = ops.unpack_rows(pool, fmt, rows).view(torch.uint8)
+    sel = torch.where(sel_rows >= 0, step.row_seq.long()[:, None] * e + idx.long(), -1).to(torch.int32)
+    return table, "bf16", sel
+
+
+def _channels(pool: torch.Tensor, fmt: str) -> int:
+    rf = FORMATS[fmt].with_channels(32)
+    return pool.shape[1] * 32 // rf.row_bytes
+
+
 def forward_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
     cfg, role, step, ops = attn.cfg, attn.role, ctx.paged, ctx.ops
     cache, lay = step.cache, step.cache.layout
@@ -73,13 +121,18 @@ def forward_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
 
     main_pool = sel_rows = None
     main_fmt = "fp4"
+    tables = _key_tables(ops, q)
+    win_keys, win_keys_fmt = _window_table(ops, win_pool, win_fmt, q.shape[0]) if tables else (win_pool, win_fmt)
     if role.ratio:
         idx, valid = _select(attn, x, q_lat, ctx, cos, sin)
         src = role.kv_source
         main_pool = cache.main[src].flatten(0, 1)
         main_fmt = FORMAT_KIND[lay.main_fmt.name]
-        sel_rows = ops.entry_rows(idx, valid, step.seq_tables, step.row_seq, lay.sources[src][1])
-    o = ops.sparse_attention(q, cos, sin, win_pool, win_fmt, step.old_window_rows(role.index, ops), kv,
+        epb = lay.sources[src][1]
+        sel_rows = ops.entry_rows(idx, valid, step.seq_tables, step.row_seq, epb)
+        if tables:
+            main_pool, main_fmt, sel_rows = _main_table(ops, main_pool, main_fmt, sel_rows, idx, step, epb)
+    o = ops.sparse_attention(q, cos, sin, win_keys, win_keys_fmt, step.old_window_rows(role.index, ops), kv,
                              step.row_first, main_pool, main_fmt, sel_rows, fp32_param(attn.attn_sink),
                              cfg.head_dim ** -0.5, out_dtype=x.dtype)
 

@@ -18,11 +18,12 @@ from ..layers.norm import RMSNorm
 from ..layers.side_stream import fork, join, side_stream
 from .config import LayerRole, ModelConfig
 
-# Up to this many rows (a decode step) an mHC site's mixes (projection, Sinkhorn) may run on a side stream beside
-# the sublayer they feed: the sublayer needs only the collapse (kernels.mhc_collapse), the mixes are first read by
-# the expand after it (the seeds saw ~4% lower latency at low concurrency). 0 (the default until it has been
-# measured and its GPU test run on the H200; 64 is the candidate): the fused single pass on one stream.
-MHC_SIDE_STREAM_MAX_ROWS = 0
+# Up to this many rows (a decode step) an mHC site's mixes (projection, Sinkhorn) run on a side stream beside the
+# sublayer they feed: the sublayer needs only the collapse (kernels.mhc_collapse), the mixes are first read by the
+# expand after it (the seeds saw ~4% lower latency at low concurrency). Release proxy on the H200, 8K decode graphs:
+# B = 1, 8, 16 steps 3.5-6% shorter with it, B = 32 4.5% longer (benchmarks/results/side-stream-mhc-h200). 0: the
+# fused single pass on one stream.
+MHC_SIDE_STREAM_MAX_ROWS = 16
 
 
 class Block(nn.Module):

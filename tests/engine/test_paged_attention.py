@@ -48,6 +48,68 @@ def test_paged_path_with_reference_ops_is_exact(tiny_models, chunk):
     assert max(float((g - r).abs().max()) for g, r in zip(logits, ref)) < 1e-9
 
 
+@pytest.mark.parametrize("chunk,window_in_blocks", [(7, False), (0, False), (16, True)])
+def test_prefill_key_tables_are_exact(tiny_models, monkeypatch, chunk, window_in_blocks):
+    """The key tables of a prefill chunk (layers/attention_paged: the window pool unpacked whole, each sequence's
+    global entries unpacked and the selected rows renumbered) hold the same keys: forced on for every step, fp64
+    with torch references, the output equals the oracle's (FP8 / FP4 keys are exact in bf16)."""
+    import dsserve.kernels.kv_unpack as U
+    import dsserve.layers.attention_paged as AP
+    calls, real = [], U.unpack_rows_ref
+    monkeypatch.setattr(U, "unpack_rows_ref", lambda *a: calls.append(a[1]) or real(*a))
+    monkeypatch.setattr(AP, "_key_tables", lambda ops, q: True)
+    m = tiny_models["tiny"]
+    prompts = [make_prompts(m.cfg, seed=1)[i] for i in (2, 5, 11, 13)]
+    conts = [greedy_generate(m, p, 4, bounded_replay=False) for p in prompts]
+    with torch.no_grad():
+        ref = [m.reference_logits(torch.tensor(p + c[:-1]))[len(p) - 1:] for p, c in zip(prompts, conts)]
+    reqs, _, logits = _engine(m, prompts, chunk, KernelOps(frozenset(OPS)), torch.float64, "cpu", 4,
+                              window_in_blocks=window_in_blocks)
+    assert [r.output_token_ids for r in reqs] == conts
+    assert max(float((g - r).abs().max()) for g, r in zip(logits, ref)) < 1e-9
+    assert {"fp8", "fp4"} <= set(calls)
+
+
+def _bf16_logprob_errors(monkeypatch, min_rows: int) -> tuple[list[float], int]:
+    """A bf16 tiny model with the Triton kernels on the GPU, prefill chunks of 64 rows: its greedy tokens'
+    logprobs against an fp32 oracle on the same weights; and how many key tables were unpacked."""
+    import copy
+
+    import dsserve.kernels.kv_unpack as U
+    import dsserve.kernels.sparse_attention_prefill as P
+    from dsserve import LLM, SamplingParams
+    calls, real = [], U.unpack_rows
+    monkeypatch.setattr(U, "unpack_rows", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(P, "PREFILL_MIN_ROWS", min_rows)
+    llm = LLM(model="tiny", dtype="bfloat16", device="cuda", seed=0, max_num_seqs=4, max_num_batched_tokens=64,
+              enable_prefix_caching=False, enforce_eager=True)
+    prompts = [[5 + (i * 37 + j * 11) % 900 for j in range(150 + 20 * i)] for i in range(3)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, logprobs=5, ignore_eos=True),
+                        use_tqdm=False)
+    oracle = copy.deepcopy(llm.engine.model).float()
+    oracle.kernel_ops = None
+    errs = []
+    with torch.no_grad():
+        for p, out in zip(prompts, outs):
+            o = out.outputs[0]
+            ref = torch.log_softmax(oracle.reference_logits(torch.tensor(p + o.token_ids[:-1], device="cuda"))
+                                    [len(p) - 1:].float(), -1)
+            errs += [abs(lp.logprob - float(ref[s, t])) for s, d in enumerate(o.logprobs) for t, lp in d.items()]
+    monkeypatch.undo()
+    return sorted(errs), len(calls)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prefill_key_tables_on_gpu(monkeypatch):
+    """bf16 prefill chunks on the key tables and the many-row attention kernel (its threshold lowered to the
+    64-row chunks) are as close to an fp32 oracle as the general kernel on the packed pools."""
+    fast, calls = _bf16_logprob_errors(monkeypatch, 2)
+    slow, none = _bf16_logprob_errors(monkeypatch, 1 << 30)
+    assert calls > 0 and none == 0
+    med = lambda e: e[len(e) // 2]  # noqa: E731
+    assert med(fast) < 1.5 * med(slow) + 0.02 and fast[-1] < 2 * slow[-1] + 0.5, (med(fast), med(slow))
+
+
 def test_paged_path_exact_mode_prefix_window_in_blocks(tiny_models):
     """Exact-mode prefix caching keeps window rows in the blocks: the paged path reads them there."""
     m = tiny_models["tiny"]

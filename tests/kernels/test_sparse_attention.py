@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import dsserve.kernels.sparse_attention as sparse_attention_mod
+import dsserve.kernels.sparse_attention_prefill as prefill
 from dsserve.kernels.sparse_attention import sparse_attention, sparse_attention_ref
 from dsserve.kv import formats
 from dsserve.layers.attention import sparse_attention_with_sink
@@ -146,6 +147,23 @@ def test_ref_matches_direct_construction_fp64(wfmt, mfmt, monkeypatch):
     assert torch.equal(sparse_attention(*args, out_dtype=torch.float64), got)  # fp64 runs the reference
 
 
+@pytest.mark.parametrize("wfmt,mfmt", [("fp8", "fp4"), ("bf16", "bf16"), ("fp8", None), ("bf16", "fp8")])
+def test_prefill_kernel(wfmt, mfmt, monkeypatch):
+    """The many-row kernel (sparse_attention_prefill: bf16 q, its rows' threshold lowered, 16-key blocks so that
+    the window takes two blocks and the selected entries three): ragged rows, a keyless row, every format."""
+    monkeypatch.setattr(prefill, "PREFILL_MIN_ROWS", 1)
+    monkeypatch.setattr(prefill, "BLOCK_N", 16)
+    calls, real = [], prefill.sparse_attention_prefill
+    monkeypatch.setattr(prefill, "sparse_attention_prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    args, _ = make_case(RAGGED, **dict(TINY, k=48), wfmt=wfmt, mfmt=mfmt, dtype=torch.bfloat16, seed=4)
+    old_rows, row_first = args[5], args[7]
+    old_rows[0], row_first[0] = -1, 1
+    if mfmt:
+        args[10][0] = -1
+    out = _check_kernel(args, 1e-2)
+    assert calls and (out[0] == 0).all()
+
+
 def test_num_splits_rule():
     assert sparse_attention_mod.num_splits(2 * 132, 24) == 1  # enough programs already (prefill)
     assert sparse_attention_mod.num_splits(4, 24) == 24  # B = 1, H = 64, BLOCK_H = 16: one block per split
@@ -189,6 +207,16 @@ def test_gpu_prefill_chunk(wfmt, mfmt, dtype):
         _check_kernel(args, 1e-5, device="cuda")
     else:
         _check_kernel(args, 1e-2, out_dtype=torch.bfloat16, device="cuda")
+
+
+@cuda
+@pytest.mark.parametrize("wfmt,mfmt", [("fp8", "fp4"), ("bf16", "bf16"), ("fp8", None)])
+def test_gpu_prefill_kernel(wfmt, mfmt, monkeypatch):
+    # The chunk of test_gpu_prefill_chunk through the many-row kernel at its real tiles (64 keys, 2 stages).
+    monkeypatch.setattr(prefill, "PREFILL_MIN_ROWS", 1)
+    args, _ = make_case([(7, 1, 3), (200, 300, 400), (0, 1, 0), (150, 1, 700)], **REAL, wfmt=wfmt, mfmt=mfmt,
+                        dtype=torch.bfloat16, seed=6)
+    _check_kernel(args, 1e-2, out_dtype=torch.bfloat16, device="cuda")
 
 
 @cuda
