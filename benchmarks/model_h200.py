@@ -15,7 +15,8 @@ Sections (each skippable with --skip a,b; the JSON is rewritten after each, so a
   case timed with the engine's CUDA graphs of decode steps (captured in the warm-up repeat) and eager, and the
   eager step's device-busy time under the profiler;
 - prefill: 8K and 32K new tokens cold (in 8K chunks, as the engine chunks) and 8K new on 128K cached; floor =
-  the FLOPs (2 x active params per row + sparse attention + indexer scoring) at the bf16 matmul rate;
+  the FLOPs (2 x active params per row + sparse attention over each layer's window and selected entries + indexer
+  scoring: a source's indexer scores every visible entry, a consumer's the candidate pool) at the bf16 matmul rate;
 - kernels: the bench() of the router, mHC and grouped-MoE kernels (fused vs the unfused torch path) and of
   Engram's lookup if a module provides one; a missing or failing bench is recorded as an error;
 - peer: transformers' DeepseekV4ForCausalLM (bf16) against dsserve on the same V4-Flash weights (`v4-flash`
@@ -194,14 +195,17 @@ def decode_floor(core, b: int, context: int, ceil: dict) -> dict:
 def prefill_flops(core, context: int, new: int) -> float:
     cfg, model = core.cfg, core.model
     active = param_counts(cfg).active_decode  # bench_forward runs every row through every layer
-    kv = kv_rows_read(cfg, model, 1)
-    cand = (cfg.candidate_topk_blocks or 0) * (cfg.candidate_block_size or 0) or (context + new)
+    cand = (cfg.candidate_topk_blocks or 0) * (cfg.candidate_block_size or 0)
     att = idx = 0.0
     for p in range(context, context + new):
-        att += min(p + 1, cfg.index_topk) + min(p + 1, cfg.sliding_window)
-        idx += min(p + 1, cand)
-    att *= len(model.layers) * 4 * cfg.num_attention_heads * cfg.head_dim
-    idx *= kv["indexer_layers"] * cfg.index_n_heads * cfg.index_head_dim * 2
+        for block in model.layers:  # keys each row must read: its window and its selected entries; and scoring:
+            role = block.role       # a source's indexer scores every visible entry, a consumer the candidate pool
+            vis = (p + 1) // role.ratio if role.ratio else 0
+            att += min(p + 1, cfg.sliding_window) + min(vis, cfg.index_topk)
+            if block.attn.indexer is not None:
+                idx += min(vis, cand) if role.candidate == "consumer" and cand else vis
+    att *= 4 * cfg.num_attention_heads * cfg.head_dim
+    idx *= cfg.index_n_heads * cfg.index_head_dim * 2
     return 2.0 * active * new + att + idx
 
 
