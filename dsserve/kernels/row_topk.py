@@ -34,11 +34,23 @@ _KEY_NEG_INF = tl.constexpr(-2139095041)  # key of -inf: bits 0xFF800000 ^ 0x7FF
 
 
 @triton.jit
-def _row_topk_kernel(s_ptr, stride_t, stride_n, idx_ptr, valid_ptr, n, k, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _row_topk_kernel(s_ptr, stride_t, stride_n, idx_ptr, valid_ptr, n, k, BLOCK: tl.constexpr,
+                     CHUNKS: tl.constexpr = 1, KP: tl.constexpr = 16):
+    # CHUNKS > 1 (chunk_topk): program p takes chunk p % CHUNKS of row p // CHUNKS (BLOCK scores from
+    # (p % CHUNKS) * BLOCK); its k output slots hold that chunk's top min(k, chunk length), global indices, then -1.
+    out_row = tl.program_id(0).to(tl.int64)
+    row, c0 = out_row // CHUNKS, (out_row % CHUNKS) * BLOCK
     offs = tl.arange(0, BLOCK)
-    inb = offs < n
-    x = tl.load(s_ptr + row * stride_t + offs.to(tl.int64) * stride_n, mask=inb, other=0.0).to(tl.float32)
+    inb = offs < n - c0
+    if CHUNKS > 1:
+        k_all = k
+        k = tl.minimum(k_all, tl.minimum(n - c0, BLOCK)).to(tl.int32)
+        tail = tl.arange(0, KP)
+        tl.store(idx_ptr + out_row * k_all + tail, tl.full([KP], -1, tl.int64), mask=(tail >= k) & (tail < k_all))
+        tl.store(valid_ptr + out_row * k_all + tail, tl.zeros([KP], tl.int8), mask=(tail >= k) & (tail < k_all))
+    else:
+        k_all = k
+    x = tl.load(s_ptr + row * stride_t + (c0 + offs).to(tl.int64) * stride_n, mask=inb, other=0.0).to(tl.float32)
     bits = x.to(tl.int32, bitcast=True)
     bits = tl.where(bits == _INT32_MIN, 0, bits)  # -0.0 ties +0.0, as the float compare says
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
@@ -74,8 +86,8 @@ def _row_topk_kernel(s_ptr, stride_t, stride_n, idx_ptr, valid_ptr, n, k, BLOCK:
     run_eq = run & 0xFFFF
     sel = gt | (eq & (run_eq <= r))
     pos = run_gt + tl.minimum(run_eq, r) - 1
-    tl.store(idx_ptr + row * k + pos, offs.to(tl.int64), mask=sel)
-    tl.store(valid_ptr + row * k + pos, (key > _KEY_NEG_INF).to(tl.int8), mask=sel)
+    tl.store(idx_ptr + out_row * k_all + pos, (c0 + offs).to(tl.int64), mask=sel)
+    tl.store(valid_ptr + out_row * k_all + pos, (key > _KEY_NEG_INF).to(tl.int8), mask=sel)
 
 
 def default_num_warps(block: int) -> int:
@@ -117,3 +129,29 @@ def row_topk(scores: torch.Tensor, k: int, *, out: tuple[torch.Tensor, torch.Ten
     _row_topk_kernel[(t,)](scores, scores.stride(0), scores.stride(1), idx, valid.view(torch.int8), n, k,
                            BLOCK=block, num_warps=nw)
     return idx, valid
+
+
+def chunk_topk(scores: torch.Tensor, k: int, chunk: int = MAX_N) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk(scores, k) for rows longer than one program holds, in two row_topk passes: each chunk of ``chunk``
+    scores keeps its own top k (the global top k is among them: fewer than k scores beat any of its members, in
+    its chunk too), then the top k of those candidates, which are in ascending index order, so ties still go to
+    the lower index and -inf picks to the lowest indices. Needs ceil(N / chunk) * k <= MAX_N (N <= 512K at
+    k = 512). H200, 8192 rows: meant to replace an int64-key torch.topk of 24 / 47 ms at N = 69632 / 139264."""
+    t, n = scores.shape
+    k = min(k, n)
+    nc = triton.cdiv(n, chunk)
+    if chunk & (chunk - 1) or not k <= chunk <= MAX_N or nc * k > MAX_N:
+        raise ValueError(f"chunk_topk: chunk {chunk} must be a power of two in [k = {k}, {MAX_N}] and "
+                         f"ceil(N / chunk) * k = {nc * k} at most {MAX_N}")
+    idx1 = torch.empty(t * nc, k, dtype=torch.int64, device=scores.device)
+    valid1 = torch.empty(t * nc, k, dtype=torch.bool, device=scores.device)
+    if t and k:
+        _row_topk_kernel[(t * nc,)](scores, scores.stride(0), scores.stride(1), idx1, valid1.view(torch.int8), n, k,
+                                    BLOCK=chunk, CHUNKS=nc, KP=triton.next_power_of_2(k),
+                                    num_warps=default_num_warps(chunk))
+    cand = idx1.view(t, nc * k)  # ascending: chunks in order, each chunk's picks ascending, -1 slots last
+    cs = torch.where(cand >= 0, scores.gather(1, cand.clamp(min=0)).float(), float("-inf"))
+    # -1 slots (k <= chunk: only the last chunk, when shorter than k) score -inf like a real -inf candidate but sit
+    # behind every real one: with >= k real candidates they are never picked
+    pick, valid = row_topk(cs, k)
+    return cand.gather(1, pick), valid

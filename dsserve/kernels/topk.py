@@ -13,7 +13,9 @@ Both ops are GPU-friendly: no Python loops over rows, no .item() syncs, fixed ou
   (A variant with an fp32 radix select plus a running count for the ties was measured on the H200: no faster on
   long prefill rows, where scoring dominates, and 3x slower at decode, where its dozen launches dominate.)
   Rows of at most row_topk.MAX_N scores (decode: the consumers' 16384 candidates) go to row_topk, one Triton
-  program per row with the same result; the int64 torch.topk above cost 280-330 us there on the H200.
+  program per row with the same result; the int64 torch.topk above cost 280-330 us there on the H200. Longer rows
+  (a prefill chunk's source layers past 16K entries) go to chunk_topk (row_topk per chunk, then over the chunks'
+  picks) while ceil(N / MAX_N) * k <= MAX_N.
 * candidate_blocks(scores [T, N], n_visible [T], block, top_blocks) -> int32 [T, top_blocks]: the block ids whose
   entries candidate_pool keeps (block score = max over its entries, the block holding entry n_visible-1 pinned
   with +inf, best top_blocks by the rule above), valid ids ascending first, then -1 padding.
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from dsserve.kernels.ops import triton_runs_on
-from dsserve.kernels.row_topk import MAX_N, row_topk
+from dsserve.kernels.row_topk import MAX_N, chunk_topk, row_topk
 from dsserve.layers.indexer import candidate_pool, stable_topk
 
 NEG_INF = float("-inf")
@@ -46,6 +48,8 @@ def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return stable_topk(scores, k)
     if scores.shape[1] <= MAX_N and triton_runs_on(scores.device):
         return row_topk(scores, k)
+    if -(-scores.shape[1] // MAX_N) * min(k, scores.shape[1]) <= MAX_N and triton_runs_on(scores.device):
+        return chunk_topk(scores, k)
     return topk_int64_keys(scores, k)
 
 

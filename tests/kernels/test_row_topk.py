@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from dsserve.kernels.row_topk import MAX_N, row_topk
-from dsserve.kernels.topk import topk
+from dsserve.kernels.row_topk import MAX_N, chunk_topk, row_topk
+from dsserve.kernels.topk import topk, topk_int64_keys
 
 NEG_INF = float("-inf")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -70,6 +70,39 @@ def test_longest_row_and_warps():
     _check(s[:, :600], 512, num_warps=1)
 
 
+def _check_chunks(scores, k, chunk):
+    want = topk_int64_keys(scores, k)
+    got = chunk_topk(scores, k, chunk)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (tuple(scores.shape), k, chunk)
+
+
+@pytest.mark.parametrize("kind", ["randn", "ties", "sparse"])
+def test_chunk_topk_matches_topk(kind):
+    # rows of several 64-score chunks: the last one shorter than k (its -1 slots), k above a chunk's length,
+    # ties and -inf runs across chunk boundaries, and a strided bf16 view
+    g = torch.Generator().manual_seed(4)
+    for n in (65, 130, 300):
+        s = _scores(kind, 3, n, g)
+        for k in (1, 5, 40, 64):
+            _check_chunks(s, k, 64)
+    s = _scores("ties", 4, 500, g).to(torch.bfloat16)
+    _check_chunks(s[:, ::2], 30, 64)
+    for bad in (48, 16):  # not a power of two; shorter than k
+        with pytest.raises(ValueError, match="chunk"):
+            chunk_topk(s, 30, bad)
+
+
+def test_topk_sends_long_rows_to_chunks(monkeypatch):
+    import dsserve.kernels.topk as T
+    calls, real = [], T.chunk_topk
+    monkeypatch.setattr(T, "chunk_topk", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(T, "MAX_N", 64)
+    g = torch.Generator().manual_seed(5)
+    s = _scores("sparse", 2, 200, g)
+    assert torch.equal(T.topk(s, 20)[0], topk_int64_keys(s, 20)[0]) and calls == []  # 4 chunks x 20 > 64: torch
+    assert torch.equal(T.topk(s, 8)[0], topk_int64_keys(s, 8)[0]) and calls == [1]
+
+
 def test_empty_shapes():
     for t, n, k in ((0, 10, 3), (2, 10, 0), (2, 0, 4)):
         idx, valid = row_topk(torch.randn(t, n), k)
@@ -97,6 +130,17 @@ def test_input_errors():
 def test_gpu_decode_shapes(t, n, kind):
     g = torch.Generator().manual_seed(1000 * t + n)
     _check(_scores(kind, t, n, g).cuda(), 512)
+
+
+@cuda
+@pytest.mark.parametrize("n,k", [(139264, 512), (69632, 512), (20000, 2048), (16385, 512)])
+def test_gpu_chunk_topk(n, k):
+    # a prefill chunk's source rows past 16K entries (topk sends them here), sparse rows: causal visibility
+    g = torch.Generator().manual_seed(n)
+    s = _scores("sparse", 8, n, g)
+    s[1] = s[1].round(decimals=1)  # ties at the cut
+    s = s.cuda()
+    assert torch.equal(topk(s, k)[0], topk_int64_keys(s, k)[0]) and torch.equal(topk(s, k)[1], topk_int64_keys(s, k)[1])
 
 
 @cuda
