@@ -17,11 +17,14 @@ Sinkhorn on [rows, n, n] register tiles). Not kept in registers: a full fp32 row
 program, below tl.dot's 16, so fn (2 MB) would be re-read per row, and without a d split decode would run 1-4
 programs on 132 SMs; the price is re-reading and rewriting h (4d bytes on top of 10d per bf16 row). mhc_expand
 is not fused into the next site (that would save a read of x). Dots use "tf32x3" (~fp32 accuracy on tensor cores;
-the interpreter computes fp32). bf16 results are rounded on their bits (RNE): the interpreter's bf16 cast truncates.
+the interpreter computes fp32); from BF16X3_MIN_ROWS bf16 rows, bf16 x against fn's three bf16 parts instead
+(compiled for sm_90: 96 registers and 976 instructions vs 143 and 1680, a third of the shared-memory traffic;
+not yet timed). bf16 results are rounded on their bits (RNE): the interpreter's bf16 cast truncates.
 """
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import triton
@@ -40,7 +43,9 @@ _alloc = torch.empty  # a seam: tests poison every output and scratch buffer thr
 @triton.jit
 def _site_partial(x_ptr, fn_ptr, pre_ptr, h_ptr, pm_ptr, ps_ptr, T, D, MIX, N: tl.constexpr, MIXP: tl.constexpr,
                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, D_ITERS: tl.constexpr, PREC: tl.constexpr,
-                  DT: tl.constexpr):
+                  DT: tl.constexpr, UPCAST: tl.constexpr = False):
+    # PREC "bf16x3": x is bf16 and fn_ptr holds fn's three bf16 parts [3, MIX, N * D] (_fn_parts); each x tile
+    # enters three bf16 dots as it was loaded. Otherwise fn is fp32 and the dot runs at PREC on fp32 x.
     rows, mcol = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T), tl.arange(0, MIXP)
     rmask, r64 = rows < T, rows.to(tl.int64)
     acc = tl.zeros([BLOCK_T, MIXP], tl.float32)
@@ -50,10 +55,18 @@ def _site_partial(x_ptr, fn_ptr, pre_ptr, h_ptr, pm_ptr, ps_ptr, T, D, MIX, N: t
         cmask, coll = cols < D, tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
         m2 = rmask[:, None] & cmask[None, :]
         for k in tl.static_range(N):
-            xk = tl.load(x_ptr + r64[:, None] * (N * D) + k * D + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-            fk = tl.load(fn_ptr + mcol[None, :] * (N * D) + k * D + cols[:, None],
-                         mask=cmask[:, None] & (mcol < MIX)[None, :], other=0.0)  # [BLOCK_D, MIXP]
-            acc = tl.dot(xk, fk, acc, input_precision=PREC)
+            xr = tl.load(x_ptr + r64[:, None] * (N * D) + k * D + cols[None, :], mask=m2, other=0.0)
+            xk = xr.to(tl.float32)
+            fat = mcol[None, :] * (N * D) + k * D + cols[:, None]
+            fm = cmask[:, None] & (mcol < MIX)[None, :]
+            if PREC == "bf16x3":
+                xd = xk if UPCAST else xr  # the interpreter's bf16 dot multiplies raw bits: fp32 of the same values
+                for j in tl.static_range(3):
+                    fk = tl.load(fn_ptr + j * (MIX * N * D) + fat, mask=fm, other=0.0)  # [BLOCK_D, MIXP]
+                    acc = tl.dot(xd, fk.to(tl.float32) if UPCAST else fk, acc)
+            else:
+                fk = tl.load(fn_ptr + fat, mask=fm, other=0.0)  # [BLOCK_D, MIXP]
+                acc = tl.dot(xk, fk, acc, input_precision=PREC)
             ssq += tl.sum(xk * xk, axis=1)
             coll += tl.load(pre_ptr + rows * N + k, mask=rmask, other=0.0)[:, None] * xk
         coll = _round_to(coll, DT)
@@ -154,6 +167,29 @@ def mhc_expand_ref(y, x, post, comb):
     return expand(y, x, post, comb)
 
 
+# From this many bf16 rows the projection's dots take fn in three bf16 parts against x as loaded (hi + lo + lo2
+# carry fn's 24 significant bits and x is bf16: the products are exact, as in fp32) instead of tf32x3 on fp32 x,
+# which splits both operands. Decode keeps tf32x3 (no parts to look up).
+BF16X3_MIN_ROWS = 1024
+_PARTS: dict = {}
+
+
+def _fn_parts(fn: torch.Tensor) -> torch.Tensor:
+    """fn's bf16 parts [3, MIX, N * D] (hi, lo, lo2 with hi + lo + lo2 = fn to fp32's precision), cached for as
+    long as that tensor lives unchanged (a weak reference and its version)."""
+    hit = _PARTS.get(id(fn))
+    if hit is not None and hit[0]() is fn and hit[1] == fn._version:
+        return hit[2]
+    for k in [k for k, v in _PARTS.items() if v[0]() is None]:
+        del _PARTS[k]
+    f = fp32_param(fn).contiguous()
+    hi = f.to(torch.bfloat16)
+    lo = (f - hi.float()).to(torch.bfloat16)
+    parts = torch.stack((hi, lo, (f - hi.float() - lo.float()).to(torch.bfloat16)))
+    _PARTS[id(fn)] = (weakref.ref(fn), fn._version, parts)
+    return parts
+
+
 def _site_tiles(t: int, d: int, device: torch.device):
     """(BLOCK_T, D_ITERS, SPLIT) of the first launch (BLOCK_D = 32, 8 warps: at 64 ptxas spills for sm_90). The d
     split fills the GPU (>= 2 programs per SM where rows allow; the interpreter pays per program: 3) but stays <= 64
@@ -180,9 +216,11 @@ def mhc_site(x, fn, base, scale, pre_in, norm_w, norm_eps, rms_eps, hc_eps, sink
     block_t, d_iters, split = _site_tiles(t, d, dev)
     pm, ps = _alloc(split, t, mixp, dtype=f32, device=dev), _alloc(split, t, 2, dtype=f32, device=dev)
     x = x.contiguous()
+    parts = x.dtype == torch.bfloat16 and t >= BF16X3_MIN_ROWS
     _site_partial[(triton.cdiv(t, block_t), split)](
-        x, fp32_param(fn).contiguous(), pre_in.to(f32).contiguous(), h, pm, ps, t, d, (2 + n) * n, N=n, MIXP=mixp,
-        BLOCK_T=block_t, BLOCK_D=32, D_ITERS=d_iters, PREC="tf32x3", DT=_TL[x.dtype], num_warps=8, num_stages=3)
+        x, _fn_parts(fn) if parts else fp32_param(fn).contiguous(), pre_in.to(f32).contiguous(), h, pm, ps, t, d,
+        (2 + n) * n, N=n, MIXP=mixp, BLOCK_T=block_t, BLOCK_D=32, D_ITERS=d_iters,
+        PREC="bf16x3" if parts else "tf32x3", DT=_TL[x.dtype], UPCAST=_INTERPRET, num_warps=8, num_stages=3)
     split_p = triton.next_power_of_2(split)
     block_r = max(1, min(16, (8 if _INTERPRET else 256) // split_p))  # [BLOCK_R, SPLIT_P, n, n] comb partials
     block_h = 64 if _INTERPRET else 256

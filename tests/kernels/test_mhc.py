@@ -54,6 +54,24 @@ def test_site_interpreted(poison, d):
             assert (comb.sum(1) - 1).abs().max() < 1e-4 and (post > 0).all() and (pre > 1e-6).all()
 
 
+def test_site_bf16x3_interpreted(poison, monkeypatch):
+    """Long bf16 batches take fn in three bf16 parts (threshold lowered): mixes as close to the fp32 reference as
+    tf32x3's; the parts are cached per weight, and a changed weight is split again."""
+    monkeypatch.setattr(K, "BF16X3_MIN_ROWS", 1)
+    calls, real = [], K._fn_parts
+    monkeypatch.setattr(K, "_fn_parts", lambda fn: calls.append(1) or real(fn))
+    for t in (1, 17):
+        args = example_inputs(t, 4, 96, torch.bfloat16, seed=t + 3)
+        _check_site(args, 1e-2)
+        parts = real(args[1])
+        assert parts.dtype == torch.bfloat16 and torch.equal(parts.float().sum(0), args[1].float())
+        assert real(args[1]) is parts
+        args[1].mul_(2)  # a new version: split again
+        assert real(args[1]) is not parts
+        _check_site(args, 1e-2)
+    assert calls
+
+
 def test_site_edge_cases_interpreted(poison):
     args = example_inputs(3, 4, 32, seed=7)
     args[0], args[-1] = args[0] * 1e3, 1  # the mixes are scale-free, h renormalises any scale; one Sinkhorn step
