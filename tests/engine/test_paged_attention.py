@@ -11,6 +11,7 @@ from dsserve.kernels.ops import OPS, KernelOps
 from dsserve.models.checkpoint import dummy_weights
 from dsserve.models.model import DeepseekForCausalLM
 from dsserve.models.presets import preset
+from oracle_logprobs import logprob_errors
 from test_paged_engine import make_prompts, run_engine
 
 import test_paged_engine
@@ -71,32 +72,19 @@ def test_prefill_key_tables_are_exact(tiny_models, monkeypatch, chunk, window_in
 
 
 def _bf16_logprob_errors(monkeypatch, min_rows: int) -> tuple[list[float], int]:
-    """A bf16 tiny model with the Triton kernels on the GPU, prefill chunks of 64 rows: its greedy tokens'
-    logprobs against an fp32 oracle on the same weights; and how many key tables were unpacked."""
-    import copy
-
+    """A bf16 tiny model with the Triton kernels on the GPU, prefill chunks of 64 rows (oracle_logprobs); and how
+    many key tables were unpacked."""
     import dsserve.kernels.kv_unpack as U
     import dsserve.kernels.sparse_attention_prefill as P
-    from dsserve import LLM, SamplingParams
+    from dsserve import LLM
     calls, real = [], U.unpack_rows
     monkeypatch.setattr(U, "unpack_rows", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(P, "PREFILL_MIN_ROWS", min_rows)
     llm = LLM(model="tiny", dtype="bfloat16", device="cuda", seed=0, max_num_seqs=4, max_num_batched_tokens=64,
               enable_prefix_caching=False, enforce_eager=True)
-    prompts = [[5 + (i * 37 + j * 11) % 900 for j in range(150 + 20 * i)] for i in range(3)]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, logprobs=5, ignore_eos=True),
-                        use_tqdm=False)
-    oracle = copy.deepcopy(llm.engine.model).float()
-    oracle.kernel_ops = None
-    errs = []
-    with torch.no_grad():
-        for p, out in zip(prompts, outs):
-            o = out.outputs[0]
-            ref = torch.log_softmax(oracle.reference_logits(torch.tensor(p + o.token_ids[:-1], device="cuda"))
-                                    [len(p) - 1:].float(), -1)
-            errs += [abs(lp.logprob - float(ref[s, t])) for s, d in enumerate(o.logprobs) for t, lp in d.items()]
+    errs = logprob_errors(llm, "cuda")
     monkeypatch.undo()
-    return sorted(errs), len(calls)
+    return errs, len(calls)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -2,13 +2,12 @@
 (layers/attention_rows.py) instead of gathering them in torch: its greedy tokens' logprobs are as close to an fp32
 oracle on the same weights as the torch path's. bf16 with QAT is noisy here (both paths: median error ~0.04, max ~1
 in logprob on the CPU), so the check is relative; a wrong row read moves the logprobs by far more."""
-import copy
-
 import pytest
 import torch
 
 import dsserve.layers.attention as A
-from dsserve import LLM, SamplingParams
+from dsserve import LLM
+from oracle_logprobs import logprob_errors
 
 
 def _errors(device: str, in_place: bool, monkeypatch) -> tuple[list[float], int]:
@@ -19,20 +18,9 @@ def _errors(device: str, in_place: bool, monkeypatch) -> tuple[list[float], int]
     # the CPU: every op on its torch reference (interpreted kernels would take minutes); a GPU: the Triton kernels
     llm = LLM(model="tiny-v4", dtype="bfloat16", device=device, attention_backend="paged", seed=0, max_num_seqs=4,
               max_num_batched_tokens=64, enable_prefix_caching=False, reference_ops="all" if device == "cpu" else "")
-    prompts = [[5 + (i * 37 + j * 11) % 900 for j in range(150 + 20 * i)] for i in range(3)]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, logprobs=5, ignore_eos=True),
-                        use_tqdm=False)
-    oracle = copy.deepcopy(llm.engine.model).float()
-    oracle.kernel_ops = None
-    errs = []
-    with torch.no_grad():
-        for p, out in zip(prompts, outs):
-            o = out.outputs[0]
-            toks = torch.tensor(p + o.token_ids[:-1], device=device)
-            ref = torch.log_softmax(oracle.reference_logits(toks)[len(p) - 1:].float(), -1)
-            errs += [abs(lp.logprob - float(ref[s, t])) for s, d in enumerate(o.logprobs) for t, lp in d.items()]
+    errs = logprob_errors(llm, device)
     monkeypatch.undo()
-    return sorted(errs), len(calls)
+    return errs, len(calls)
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
