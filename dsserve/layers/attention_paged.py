@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from ..kernels import sparse_attention_prefill
-from ..kernels.kv_unpack import FORMATS
 from ..kv.paged_batch import FORMAT_KIND
 from .context import ForwardContext
 from .numerics import fp32_param
@@ -78,31 +77,27 @@ def _worth_it(table_rows: int, query_rows: int, channels: int) -> bool:
     return table_rows <= TABLE_ROWS_PER_QUERY_ROW * query_rows and table_rows * 2 * channels <= KEY_TABLE_MAX_BYTES
 
 
-def _window_table(ops, pool: torch.Tensor, fmt: str, query_rows: int):
+def _window_table(ops, pool: torch.Tensor, fmt: str, query_rows: int, channels: int):
     """The window pool unpacked whole (same row ids): a ring of W rows a slot, a few MB a layer."""
-    if fmt == "bf16" or not _worth_it(pool.shape[0], query_rows, _channels(pool, fmt)):
+    if fmt == "bf16" or not _worth_it(pool.shape[0], query_rows, channels):
         return pool, fmt
     rows = torch.arange(pool.shape[0], device=pool.device, dtype=torch.int32)
     return ops.unpack_rows(pool, fmt, rows).view(torch.uint8), "bf16"
 
 
-def _main_table(ops, pool: torch.Tensor, fmt: str, sel_rows: torch.Tensor, idx: torch.Tensor, step, epb: int):
+def _main_table(ops, pool: torch.Tensor, fmt: str, sel_rows: torch.Tensor, idx: torch.Tensor, step, epb: int,
+                channels: int):
     """Every entry of each sequence of the step unpacked into table row seq * E + entry (E = the block tables'
     width in entries); the selected rows renumbered into it (absent ones stay -1)."""
     tables = step.seq_tables.long()
     s, e = tables.shape[0], tables.shape[1] * epb
-    if fmt == "bf16" or not _worth_it(s * e, sel_rows.shape[0], _channels(pool, fmt)):
+    if fmt == "bf16" or not _worth_it(s * e, sel_rows.shape[0], channels):
         return pool, fmt, sel_rows
     j = torch.arange(epb, device=tables.device)
     rows = torch.where(tables[:, :, None] >= 0, tables[:, :, None] * epb + j, -1).flatten()
     table = ops.unpack_rows(pool, fmt, rows).view(torch.uint8)
     sel = torch.where(sel_rows >= 0, step.row_seq.long()[:, None] * e + idx.long(), -1).to(torch.int32)
     return table, "bf16", sel
-
-
-def _channels(pool: torch.Tensor, fmt: str) -> int:
-    rf = FORMATS[fmt].with_channels(32)
-    return pool.shape[1] * 32 // rf.row_bytes
 
 
 def forward_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -122,7 +117,9 @@ def forward_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
     main_pool = sel_rows = None
     main_fmt = "fp4"
     tables = _key_tables(ops, q)
-    win_keys, win_keys_fmt = _window_table(ops, win_pool, win_fmt, q.shape[0]) if tables else (win_pool, win_fmt)
+    win_keys, win_keys_fmt = win_pool, win_fmt
+    if tables:
+        win_keys, win_keys_fmt = _window_table(ops, win_pool, win_fmt, q.shape[0], cfg.head_dim)
     if role.ratio:
         idx, valid = _select(attn, x, q_lat, ctx, cos, sin)
         src = role.kv_source
@@ -131,7 +128,8 @@ def forward_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         epb = lay.sources[src][1]
         sel_rows = ops.entry_rows(idx, valid, step.seq_tables, step.row_seq, epb)
         if tables:
-            main_pool, main_fmt, sel_rows = _main_table(ops, main_pool, main_fmt, sel_rows, idx, step, epb)
+            main_pool, main_fmt, sel_rows = _main_table(ops, main_pool, main_fmt, sel_rows, idx, step, epb,
+                                                        cfg.head_dim)
     o = ops.sparse_attention(q, cos, sin, win_keys, win_keys_fmt, step.old_window_rows(role.index, ops), kv,
                              step.row_first, main_pool, main_fmt, sel_rows, fp32_param(attn.attn_sink),
                              cfg.head_dim ** -0.5, out_dtype=x.dtype)
