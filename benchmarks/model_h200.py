@@ -32,7 +32,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import torch
 

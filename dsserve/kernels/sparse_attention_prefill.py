@@ -15,7 +15,6 @@ kernel (benchmarks/results/attention-prefill-h200). Not yet: the compiled score 
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
