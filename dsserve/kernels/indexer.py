@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsserve.kernels import indexer_prefill
 from dsserve.kernels.indexer_ref import (  # noqa: F401  (the refs are looked up here by KernelOps)
     _check, _check_cands, _out, _row_format, candidate_entries, index_scores_candidates_ref, index_scores_ref)
 
@@ -232,6 +233,10 @@ def index_scores(q, w, pool, fmt, block_table, row_seq, epb, n_visible, n_max, o
                                                                      n_visible)
     t = q.shape[0]
     out = _out(out, t, n_max, torch.float32, q.device)
+    if out.numel() and fmt == "bf16" and q.dtype == torch.bfloat16 and t >= indexer_prefill.PREFILL_ROWS \
+            and meta["WORDS"]:
+        return indexer_prefill.prefill_scores(q, w, pool, bt, seq, nv, out, t, n_max, row_stride, epb, reach,
+                                              meta["DI"], bh)
     if out.numel():
         # about PREFILL_M dot rows; no more rows than the batch has (decode), but >= 16 dot rows (tl.dot's minimum)
         bm = max(min(max(1, PREFILL_M // bh), triton.next_power_of_2(t)), triton.cdiv(16, bh))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import sparse_attention_prefill
+from ..kernels import indexer_prefill, sparse_attention_prefill
 from ..kv.paged_batch import FORMAT_KIND
 from .context import ForwardContext
 from .numerics import fp32_param
@@ -57,7 +57,13 @@ def _select(attn, x, q_lat, ctx: ForwardContext, cos, sin):
         from ..kernels.indexer import candidate_entries
         idx = candidate_entries(step.cand_blocks, cbs, idx)
     else:
-        s = ops.index_scores(q, w, pool, fmt, step.seq_tables, step.row_seq, epb, n_vis, step.num_entries(src))
+        tables, entries = step.seq_tables, epb
+        if fmt != "bf16" and _index_tables(ops, q):  # a long chunk scores bf16 keys (kernels/indexer_prefill)
+            made = _entry_table(ops, pool, "index_fp4", step, epb, q.shape[0], q.shape[-1])
+            if made is not None:
+                (pool, entries), fmt = made, "bf16"
+                tables = torch.arange(tables.shape[0], device=q.device, dtype=torch.int32)[:, None]
+        s = ops.index_scores(q, w, pool, fmt, tables, step.row_seq, entries, n_vis, step.num_entries(src))
         if role.candidate == "source":
             step.cand_blocks = ops.candidate_blocks(s, n_vis, cbs, cfg.candidate_topk_blocks)
         idx, valid = ops.topk(s, k)
@@ -73,6 +79,13 @@ def _key_tables(ops, q: torch.Tensor) -> bool:
             and q.shape[0] >= sparse_attention_prefill.PREFILL_MIN_ROWS)
 
 
+def _index_tables(ops, q: torch.Tensor) -> bool:
+    """A long chunk in bf16 on the indexer kernel: its source layers score bf16 index keys (the many-row kernel
+    streams them into shared memory; kernels/indexer_prefill.py)."""
+    return (q.dtype == torch.bfloat16 and ops.uses_triton("indexer")
+            and q.shape[0] >= indexer_prefill.PREFILL_ROWS)
+
+
 def _worth_it(table_rows: int, query_rows: int, channels: int) -> bool:
     return table_rows <= TABLE_ROWS_PER_QUERY_ROW * query_rows and table_rows * 2 * channels <= KEY_TABLE_MAX_BYTES
 
@@ -85,17 +98,25 @@ def _window_table(ops, pool: torch.Tensor, fmt: str, query_rows: int, channels: 
     return ops.unpack_rows(pool, fmt, rows).view(torch.uint8), "bf16"
 
 
-def _main_table(ops, pool: torch.Tensor, fmt: str, sel_rows: torch.Tensor, idx: torch.Tensor, step, epb: int,
-                channels: int):
-    """Every entry of each sequence of the step unpacked into table row seq * E + entry (E = the block tables'
-    width in entries); the selected rows renumbered into it (absent ones stay -1)."""
+def _entry_table(ops, pool: torch.Tensor, fmt: str, step, epb: int, query_rows: int, channels: int):
+    """Every entry of each sequence of the step unpacked into bf16 table row seq * E + entry (E = the block
+    tables' width in entries) -> (table as uint8 rows, E), or None when not worth it."""
     tables = step.seq_tables.long()
     s, e = tables.shape[0], tables.shape[1] * epb
-    if fmt == "bf16" or not _worth_it(s * e, sel_rows.shape[0], channels):
-        return pool, fmt, sel_rows
+    if not _worth_it(s * e, query_rows, channels):
+        return None
     j = torch.arange(epb, device=tables.device)
     rows = torch.where(tables[:, :, None] >= 0, tables[:, :, None] * epb + j, -1).flatten()
-    table = ops.unpack_rows(pool, fmt, rows).view(torch.uint8)
+    return ops.unpack_rows(pool, fmt, rows).view(torch.uint8), e
+
+
+def _main_table(ops, pool: torch.Tensor, fmt: str, sel_rows: torch.Tensor, idx: torch.Tensor, step, epb: int,
+                channels: int):
+    """The main entries as an entry table; the selected rows renumbered into it (absent ones stay -1)."""
+    made = None if fmt == "bf16" else _entry_table(ops, pool, fmt, step, epb, sel_rows.shape[0], channels)
+    if made is None:
+        return pool, fmt, sel_rows
+    table, e = made
     sel = torch.where(sel_rows >= 0, step.row_seq.long()[:, None] * e + idx.long(), -1).to(torch.int32)
     return table, "bf16", sel
 

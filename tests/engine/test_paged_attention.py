@@ -52,13 +52,14 @@ def test_paged_path_with_reference_ops_is_exact(tiny_models, chunk):
 @pytest.mark.parametrize("chunk,window_in_blocks", [(7, False), (0, False), (16, True)])
 def test_prefill_key_tables_are_exact(tiny_models, monkeypatch, chunk, window_in_blocks):
     """The key tables of a prefill chunk (layers/attention_paged: the window pool unpacked whole, each sequence's
-    global entries unpacked and the selected rows renumbered) hold the same keys: forced on for every step, fp64
-    with torch references, the output equals the oracle's (FP8 / FP4 keys are exact in bf16)."""
+    global entries and index keys unpacked, the selected rows renumbered) hold the same keys: forced on for every
+    step, fp64 with torch references, the output equals the oracle's (FP8 / FP4 keys are exact in bf16)."""
     import dsserve.kernels.kv_unpack as U
     import dsserve.layers.attention_paged as AP
     calls, real = [], U.unpack_rows_ref
     monkeypatch.setattr(U, "unpack_rows_ref", lambda *a: calls.append(a[1]) or real(*a))
     monkeypatch.setattr(AP, "_key_tables", lambda ops, q: True)
+    monkeypatch.setattr(AP, "_index_tables", lambda ops, q: True)
     m = tiny_models["tiny"]
     prompts = [make_prompts(m.cfg, seed=1)[i] for i in (2, 5, 11, 13)]
     conts = [greedy_generate(m, p, 4, bounded_replay=False) for p in prompts]
@@ -68,7 +69,7 @@ def test_prefill_key_tables_are_exact(tiny_models, monkeypatch, chunk, window_in
                               window_in_blocks=window_in_blocks)
     assert [r.output_token_ids for r in reqs] == conts
     assert max(float((g - r).abs().max()) for g, r in zip(logits, ref)) < 1e-9
-    assert {"fp8", "fp4"} <= set(calls)
+    assert {"fp8", "fp4", "index_fp4"} <= set(calls)
 
 
 def _bf16_logprob_errors(monkeypatch, min_rows: int) -> tuple[list[float], int]:

@@ -103,6 +103,26 @@ def test_index_scores_mixed_batch(small_tiles):
     _close(out, ix.index_scores_candidates_ref(q, w, pool, "fp4", bt, seq, 8, cand, 4, nv), 1e-5)
 
 
+def test_long_chunk_kernel(monkeypatch):
+    """indexer_prefill (bf16 q and keys, its thresholds and tiles shrunk): a chunk of one sequence beside rows of
+    others (programs spanning sequences), rows seeing past the table's reach, n_max not a multiple of the tiles,
+    super-tiles past every row's visible entries."""
+    import dsserve.kernels.indexer_prefill as IP
+    for name, v in (("PREFILL_ROWS", 1), ("ROWS", 4), ("BLOCK_N", 16), ("SUPER", 2)):
+        monkeypatch.setattr(IP, name, v)
+    calls, real = [], IP.prefill_scores
+    monkeypatch.setattr(IP, "prefill_scores", lambda *a: calls.append(1) or real(*a))
+    pool, bt, _ = _paged("bf16", 4, 128, 8, 12, seed=11)
+    q, w, _ = _qw(13, 4, 128, seed=12)
+    q = q.bfloat16()
+    seq = torch.tensor([0] * 6 + [1] + [3] * 5 + [2])
+    nv = torch.cat((torch.arange(20, 26), torch.tensor([40]), torch.arange(90, 95) + 1, torch.tensor([0])))
+    out = torch.full((13, 101), float("nan"))  # reach 96, n_max 101: 4 super-tiles of 32, the last one partial
+    ix.index_scores(q, w, pool, "bf16", bt, seq, 8, nv, 101, out=out)
+    _close(out, ix.index_scores_ref(q, w, pool, "bf16", bt, seq, 8, nv, 101), 1e-5)
+    assert calls and (out[12] == NEG_INF).all() and (out[:, 96:] == NEG_INF).all()
+
+
 @pytest.mark.parametrize("seq", [[1, 1, 1], [1, 0, 1]])
 def test_tile_taller_than_batch(seq):
     # Hi = 2: 16 dot rows need a tile of 8 query rows; 3 rows leave 5 padded (one sequence, then mixed)
@@ -229,7 +249,8 @@ def _real(fmt, kind, t, epb, n_max, seed):
     ("fp4", "prefill", 4096, 64, 32768, torch.bfloat16), ("fp4", "decode", 64, 64, 32768, torch.bfloat16),
     ("fp4", "mixed", 1061, 64, 20000, torch.bfloat16), ("fp4", "decode", 1, 64, 20000, torch.bfloat16),
     ("fp4", "decode", 16, 32, 20000, torch.bfloat16), ("fp4", "mixed", 300, 64, 20000, torch.float32),
-    ("bf16", "prefill", 256, 64, 20000, torch.bfloat16), ("bf16", "decode", 16, 64, 20000, torch.float32)])
+    ("bf16", "prefill", 256, 64, 20000, torch.bfloat16), ("bf16", "decode", 16, 64, 20000, torch.float32),
+    ("bf16", "prefill", 4096, 64, 32768, torch.bfloat16), ("bf16", "mixed", 1061, 64, 20000, torch.bfloat16)])
 def test_index_scores_gpu(fmt, kind, t, epb, n_max, qdt):
     pool, bt, seq, nv, g = _real(fmt, kind, t, epb, n_max, seed=t + epb)
     q = torch.randn(t, 32, 128, generator=g).to("cuda", qdt)

@@ -17,7 +17,7 @@ def _case(fmt, d, n, m, seed, device="cpu"):
     return pool.to(device), rows.to(device=device, dtype=torch.int32), rf, vals
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "fp4", "bf16"])
+@pytest.mark.parametrize("fmt", ["fp8", "fp4", "bf16", "index_fp4"])
 def test_kernel_equals_reference(fmt):
     pool, rows, rf, _ = _case(fmt, 64, 40, 37, seed=1)  # 37 rows: a partial last program
     out = unpack_rows(pool, fmt, rows)
@@ -41,7 +41,7 @@ def test_empty_and_bad_input():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
-def test_gpu_real_rows(fmt):
-    pool, rows, _, _ = _case(fmt, 512, 3000, 5000, seed=3, device="cuda")
+@pytest.mark.parametrize("fmt,d", [("fp8", 512), ("fp4", 512), ("index_fp4", 128)])
+def test_gpu_real_rows(fmt, d):
+    pool, rows, _, _ = _case(fmt, d, 3000, 5000, seed=3, device="cuda")
     assert torch.equal(unpack_rows(pool, fmt, rows), unpack_rows_ref(pool, fmt, rows))
