@@ -212,6 +212,8 @@ def _index_scores_cand_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, seq_ptr, nvis_ptr,
 def _prepare(q, w, pool, fmt, block_table, row_seq, epb, n_visible):
     """Validated, contiguous kernel operands, the shared constexprs, BLOCK_H, the row stride and the table reach."""
     _check(q, w, pool, fmt, block_table, row_seq, epb, n_visible)
+    if fmt not in ("fp4", "bf16"):
+        raise ValueError(f"the kernels read fp4 / bf16 index rows, not {fmt} (the references do)")
     t, h, di = q.shape
     if not q.is_floating_point():
         raise ValueError(f"q must be a float tensor, got {q.dtype}")

@@ -16,7 +16,10 @@ def _row_format(fmt: str, di: int) -> RowFormat:
         return INDEX_FP4.with_channels(di)
     if fmt == "bf16":
         return BF16_ROWS.with_channels(di)
-    raise ValueError(f"unknown index pool format {fmt!r}; expected 'fp4' or 'bf16'")
+    if fmt in ("raw-float32", "raw-float64"):  # V4's fp32 / fp64 rows: the refs read them, the kernels refuse
+        from dsserve.kv.layout import RawRows  # here: kv.layout imports the model config
+        return RawRows(di, torch.float32 if fmt == "raw-float32" else torch.float64)
+    raise ValueError(f"unknown index pool format {fmt!r}; expected 'fp4', 'bf16', 'raw-float32' or 'raw-float64'")
 
 
 def _check(q, w, pool, fmt, block_table, row_seq, epb, n_visible) -> RowFormat:

@@ -39,15 +39,20 @@ from dsserve.layers.numerics import acc
 
 _WINDOW_FMTS = {"fp8": formats.SWA_FP8, "bf16": formats.BF16_ROWS}
 _MAIN_FMTS = {"fp4": formats.MAIN_FP4, "fp8": formats.SWA_FP8, "bf16": formats.BF16_ROWS}
+RAW_KINDS = {"raw-float32": torch.float32, "raw-float64": torch.float64}
 _REF_CHUNK = 256  # reference: query rows per batched einsum (bounds the [rows, W + K, D] gathered keys)
 _FILL = 264  # programs that fill the H200 (2 per SM x 132 SMs); fewer rows * head blocks than this get split-K
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read at import, as Triton does
 
 
 def _row_format(name, pool, fmts, fmt, d):
-    if fmt not in fmts:
-        raise ValueError(f"{name} format {fmt!r}: expected one of {sorted(fmts)}")
-    rf = fmts[fmt].with_channels(d)
+    if fmt in RAW_KINDS:  # V4's fp32 / fp64 rows: the reference reads them (the kernel refuses them below)
+        from dsserve.kv.layout import RawRows  # here: kv.layout imports the model config
+        rf = RawRows(d, RAW_KINDS[fmt])
+    elif fmt not in fmts:
+        raise ValueError(f"{name} format {fmt!r}: expected one of {sorted(fmts) + sorted(RAW_KINDS)}")
+    else:
+        rf = fmts[fmt].with_channels(d)
     if pool.dim() != 2 or pool.dtype != torch.uint8 or pool.shape[1] != rf.row_bytes:
         raise ValueError(f"{name}: expected uint8 [N, {rf.row_bytes}] ({fmt}, D={d}), got {pool.dtype} "
                          f"{tuple(pool.shape)}")
@@ -260,6 +265,8 @@ def sparse_attention(q, cos, sin, window_pool, window_fmt, old_rows, fresh_kv, r
     if q.dtype == torch.float64:  # fp64 model tests (interpreter): the kernel's softmax and dots are fp32
         return sparse_attention_ref(q, cos, sin, window_pool, window_fmt, old_rows, fresh_kv, row_first, main_pool,
                                     main_fmt, sel_rows, sink, scale, out_dtype, out)
+    if window_fmt in RAW_KINDS or main_fmt in RAW_KINDS:
+        raise ValueError(f"the kernel reads fp8 / fp4 / bf16 rows, not {window_fmt} / {main_fmt} (the reference does)")
     if q.dtype not in (torch.float32, torch.bfloat16):  # fp16 dot operands could not hold e4m3 * 2^-22 keys
         raise ValueError(f"q: the kernel takes fp32 or bf16 (fp64 runs the reference), got {q.dtype}")
     if d < 32 or d & (d - 1):

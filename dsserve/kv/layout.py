@@ -20,6 +20,9 @@ class RawRows:
         self.name, self.channels, self.dtype = f"raw-{str(dtype).split('.')[-1]}", channels, dtype
         self.row_bytes = channels * torch.finfo(dtype).bits // 8
 
+    def with_channels(self, channels: int) -> "RawRows":
+        return RawRows(channels, self.dtype)
+
     def pack(self, x: torch.Tensor, prequantized: bool = False) -> torch.Tensor:
         return x.to(self.dtype).contiguous().view(torch.uint8)
 

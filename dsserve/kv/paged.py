@@ -215,15 +215,6 @@ class SequenceKV:
         self._unpacked = (source, n, main, index)
         return main, index
 
-    def index_keys(self, source: int) -> torch.Tensor:
-        """The source's index keys alone (what an indexer reads when the attention reads the main rows in place)."""
-        c = self.cache
-        n, (_, epb) = self.num_entries(source), c.layout.sources[source]
-        if self._unpacked is not None and self._unpacked[:2] == (source, n):
-            return self._unpacked[3]
-        table = self.table()[: -(-n // epb)]
-        return c.layout.index_fmt.unpack(c.index[source][table].flatten(0, 1)[:n], c.dtype)
-
     def push_global(self, source: int, main: torch.Tensor, index_k: torch.Tensor | None) -> None:
         c = self.cache
         n0, n = self.num_entries(source), main.shape[0]

@@ -17,7 +17,11 @@ import torch
 from ..layers.indexer import visible_entries
 from .paged import PagedKVCache
 
-FORMAT_KIND = {"swa_fp8": "fp8", "main_fp4": "fp4", "index_fp4": "fp4", "bf16": "bf16"}
+# layout row format -> the kernels' format name. V4's raw rows: bf16 ones are formats.BF16_ROWS byte for byte;
+# fp32 / fp64 ones only the torch references read (their kinds name the dtype).
+FORMAT_KIND = {"swa_fp8": "fp8", "main_fp4": "fp4", "index_fp4": "fp4", "bf16": "bf16", "raw-bfloat16": "bf16",
+               "raw-float32": "raw-float32", "raw-float64": "raw-float64"}
+_REFERENCE_ONLY = ("attention", "indexer")  # the ops that read pool rows in a raw fp32 / fp64 format
 
 
 def _upload(t: torch.Tensor, device) -> torch.Tensor:
@@ -57,13 +61,18 @@ class PagedBatch:
         self._tag_rows = None  # (window_store_rows, their tag indices), see record_window
 
     @classmethod
-    def supports(cls, seqs) -> bool:
-        """Packed V4.1 formats over one paged cache (V4's raw rows take the reference path)."""
+    def supports(cls, seqs, ops) -> bool:
+        """One paged cache whose row formats the ops read: V4.1's packed rows, V4's raw bf16 rows; V4's raw fp32 /
+        fp64 rows when the ops reading them run their torch references (``ops``: kernels.ops.KernelOps)."""
         caches = {id(getattr(s.cache, "cache", None)) for s in seqs}
         c = getattr(seqs[0].cache, "cache", None) if seqs else None
-        return (len(caches) == 1 and isinstance(c, PagedKVCache)
-                and all(f is None or getattr(f, "name", None) in FORMAT_KIND
-                        for f in (c.layout.window_fmt, c.layout.main_fmt, c.layout.index_fmt)))
+        if len(caches) != 1 or not isinstance(c, PagedKVCache):
+            return False
+        kinds = [FORMAT_KIND.get(getattr(f, "name", None))
+                 for f in (c.layout.window_fmt, c.layout.main_fmt, c.layout.index_fmt) if f is not None]
+        if None in kinds:
+            return False
+        return all(not k.startswith("raw-") for k in kinds) or all(op in ops.reference for op in _REFERENCE_ONLY)
 
     # -------------------------------------------------------------------------- per rope
     def cos_sin(self, rope, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,6 +145,28 @@ class PagedBatch:
         last.scatter_reduce_(0, self.row_seq.long(), p, reduce="amax")
         keep = p > last[self.row_seq] - lay.window
         return torch.where(keep, self.slots * lay.window + p % lay.window, -1)
+
+    def window_store_pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(step rows [M], their window rows [M]) int64: the rows ``window_store_rows`` stores, listed (M = each
+        sequence's last W rows, or all of them in exact mode), from the host's positions: V4's raw rows are
+        stored by one index_copy, which must see no -1 and no repeated destination."""
+        if getattr(self, "_store_pairs", None) is None:
+            lay, src, dst, row = self.cache.layout, [], [], 0
+            w, bs = lay.window, lay.block_size
+            for s in self.seqs:
+                n = s.rows.stop - s.rows.start
+                first = s.first if s.first is not None else s.cache.num_tokens
+                keep = range(n) if lay.window_in_blocks else range(max(0, n - w), n)
+                for i in keep:
+                    p = first + i
+                    src.append(row + i)
+                    dst.append(s.cache.block_table[p // bs] * bs + p % bs if lay.window_in_blocks
+                               else s.cache.slot * w + p % w)
+                row += n
+            dev = self.positions.device
+            self._store_pairs = (_upload(torch.tensor(src, dtype=torch.long), dev),
+                                 _upload(torch.tensor(dst, dtype=torch.long), dev))
+        return self._store_pairs
 
     def record_window(self, layer: int, rows: torch.Tensor) -> None:
         """The ring's position tags for the rows just stored (exact mode stores by position: no tags)."""

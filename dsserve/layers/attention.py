@@ -14,7 +14,6 @@ from torch import nn
 
 from ..models.config import LayerRole, ModelConfig
 from . import quant
-from .attention_rows import attend_rows, reads_rows_in_place
 from .compressor import Compressor
 from .context import ForwardContext
 from .indexer import NEG_INF, Indexer, candidate_pool, stable_topk, visible_entries
@@ -84,7 +83,7 @@ class CSA2Attention(nn.Module):
     def compress(self, x: torch.Tensor, ctx: ForwardContext) -> None:
         """Pool this layer's input into new global entries and publish them to each sequence's cache."""
         ctx.log(self.role.index, "compressor")
-        if ctx.paged is not None:
+        if ctx.paged is not None and self.cfg.is_v41:  # V4's compressors (overlap, APE) pool per sequence
             from .compress_paged import compress_paged
             return compress_paged(self, x, ctx)
         r = self.role.ratio
@@ -175,14 +174,13 @@ class CSA2Attention(nn.Module):
             from .attention_paged import forward_paged  # the batched kernel path over the paged pools
             return forward_paged(self, x, ctx)
         cfg, role, pos = self.cfg, self.role, ctx.positions
-        # with kernel ops (V4, whose attention has no paged path yet): the query's norms and RoPE as kernels
+        # with kernel ops (a cache the paged path cannot read, e.g. V4's fp32 rows on a GPU): the query's norms and
+        # RoPE as kernels
         ops = ctx.ops
         cos_sin = None if ops is None else self.rope.kernel_tables(pos, x.dtype)
         q_lat, q = self.query(x, pos, ops, cos_sin)
         kv = self.window_entry(x, pos, ctx.qat, ops, cos_sin)
-        # a paged ring of raw bf16 rows (V4 in a bf16 model) with kernel ops: each sequence's rows read in place
-        in_place = bool(ctx.seqs) and all(reads_rows_in_place(s.cache, ops) for s in ctx.seqs)
-        o = torch.empty(q.shape, dtype=x.dtype if in_place else acc(q).dtype, device=q.device)
+        o = torch.empty(q.shape, dtype=acc(q).dtype, device=q.device)
         select = role.ratio and (self.indexer is not None or role.index_source is None)
         index_q = None
         if self.indexer is not None:
@@ -201,15 +199,9 @@ class CSA2Attention(nn.Module):
             cache, p = seq.cache, pos[r]
             sel = None
             if role.ratio:
-                # in place only the indexer reads keys here (unpacking the main rows would copy them every layer)
-                index_k = (None if self.indexer is None else cache.index_keys(role.kv_source) if in_place
-                           else cache.global_kv(role.kv_source)[1])
+                index_k = None if self.indexer is None else cache.global_kv(role.kv_source)[1]
                 iq = None if index_q is None else (index_q[0][r], index_q[1][r])
                 sel = self._select(i, iq, p, index_k, cache, ctx) if select else ctx.topk[i]
-            if in_place:
-                o[r] = attend_rows(self, q[r], kv[r], p, cache, sel, (cos_sin[0][r], cos_sin[1][r]), ops, x.dtype)
-                cache.push_window(role.index, kv[r], p)  # after the read: the op reads the ring in place
-                continue
             old_k, old_p = cache.window_rows(role.index)
             win_k = kv[r] if old_k is None else torch.cat((old_k.to(kv.dtype), kv[r]))
             win_p = p if old_p is None else torch.cat((old_p, p))
@@ -221,8 +213,6 @@ class CSA2Attention(nn.Module):
                 sel_k, sel_mask = cache.global_kv(role.kv_source)[0].to(kv.dtype)[sel[0]], sel[1]
             o[r] = sparse_attention_with_sink(q[r], win_k, win_mask, sel_k, sel_mask, self.attn_sink,
                                               cfg.head_dim ** -0.5)
-        if in_place:  # de-rotated by the op
-            return self.project(o)
         return self.output(o, pos, x.dtype, ops, cos_sin)
 
     def _select(self, i, index_q, pos, index_k, cache, ctx: ForwardContext):

@@ -37,6 +37,11 @@ def _pad_topk(idx: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Ten
 def _select(attn, x, q_lat, ctx: ForwardContext, cos, sin):
     """This layer's top-k (entry ids [T, K], valid [T, K]): its own indexer's, or the latest published."""
     cfg, role, step, ops = attn.cfg, attn.role, ctx.paged, ctx.ops
+    if attn.indexer is None and role.index_source is None:  # V4 HCA: every visible entry
+        n = step.num_entries(role.kv_source)
+        idx = torch.arange(n, device=x.device).expand(x.shape[0], n)
+        # K padded to a power of two >= 16: the kernel compiles once per bucket as the entry count grows
+        return _pad_topk(idx, idx < step.visible(role.ratio)[:, None], max(16, 1 << max(0, n - 1).bit_length()))
     if attn.indexer is None:
         ctx.log(role.index, "reuse")
         return step.topk
@@ -128,12 +133,16 @@ def forward_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
     q_lat, q = attn.query(x, ctx.positions, ops, (cos, sin))
 
     # The step's own window rows: computed now, stored after the attention (storing first would overwrite
-    # ring rows that earlier rows of a long chunk still read).
-    kv_proj = attn.wkv(x)
+    # ring rows that earlier rows of a long chunk still read). V4's entries (its own QAT) are stored raw.
     win_pool = cache.window[role.index].flatten(0, 1)
     win_fmt = FORMAT_KIND[lay.window_fmt.name]
     norm = attn.kv_norm
-    kv = ops.store_window(kv_proj, norm.weight, norm.eps, cos, sin, win_pool, step.no_rows(), win_fmt, qat=ctx.qat)
+    if cfg.is_v41:
+        kv_proj = attn.wkv(x)
+        kv = ops.store_window(kv_proj, norm.weight, norm.eps, cos, sin, win_pool, step.no_rows(), win_fmt,
+                              qat=ctx.qat)
+    else:
+        kv = attn.window_entry(x, ctx.positions, ctx.qat, ops, (cos, sin))
 
     main_pool = sel_rows = None
     main_fmt = "fp4"
@@ -156,7 +165,11 @@ def forward_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
                              cfg.head_dim ** -0.5, out_dtype=x.dtype)
 
     rows = step.window_store_rows()
-    ops.store_window(kv_proj, norm.weight, norm.eps, cos, sin, win_pool, rows, win_fmt, qat=ctx.qat)
+    if cfg.is_v41:
+        ops.store_window(kv_proj, norm.weight, norm.eps, cos, sin, win_pool, rows, win_fmt, qat=ctx.qat)
+    else:
+        src_rows, dst_rows = step.window_store_pairs()
+        win_pool.view(lay.window_fmt.dtype).index_copy_(0, dst_rows, kv[src_rows].to(lay.window_fmt.dtype))
     step.record_window(role.index, rows)
     return attn.project(o)
 

@@ -108,7 +108,7 @@ class DeepseekForCausalLM(nn.Module):
         ctx = ForwardContext(tokens=tokens, positions=positions, seqs=list(seqs),
                              qat=cfg.qat if qat is None else qat, is_image=is_image, trace=trace)
         ctx.ops = self.kernel_ops  # row-wise ops (MoE, mHC) run on either attention path
-        if self.kernel_ops is not None and cfg.is_v41 and PagedBatch.supports(seqs):
+        if self.kernel_ops is not None and PagedBatch.supports(seqs, self.kernel_ops):
             ctx.paged = PagedBatch(seqs[0].cache.cache, seqs, positions)
         if cfg.engram_layer_ids:
             if self.engram_token_map is None:
@@ -159,7 +159,7 @@ class DeepseekForCausalLM(nn.Module):
         """A decode step's inputs into ``batch`` (sequence i decodes ``tokens[i]``: host ids, or a device LongTensor
         the host has not read); then ``forward_decode`` runs (or replays) on them. Engram needs only each
         sequence's history from the host: the rows are hashed and gathered on the device, in the step."""
-        if not self.cfg.is_v41:  # V4's head collapses with its own mHC weights, and it has no paged batched path
+        if not self.cfg.is_v41:  # V4: its head collapses with its own mHC weights, its compressors pool per sequence
             raise ModelInputError("fixed-shape decode steps need a V4.1 model on the paged batched path")
         back = None
         if self.cfg.engram_layer_ids:

@@ -99,6 +99,26 @@ def test_prefill_key_tables_on_gpu(monkeypatch):
     assert med(fast) < 1.5 * med(slow) + 0.02 and fast[-1] < 2 * slow[-1] + 0.5, (med(fast), med(slow))
 
 
+@pytest.mark.parametrize("chunk,window_in_blocks", [(7, False), (0, False), (16, True)])
+def test_v4_paged_path_is_exact(tiny_models, monkeypatch, chunk, window_in_blocks):
+    """V4 (tiny-v4) on the batched paged path: its raw rows read by the references, the compressors per sequence,
+    HCA layers over every visible entry, the window entries stored raw; fp64 equals the oracle."""
+    import dsserve.layers.attention_paged as AP
+    calls, real = [], AP.forward_paged
+    monkeypatch.setattr(AP, "forward_paged", lambda *a: calls.append(1) or real(*a))
+    m = tiny_models["tiny-v4"]
+    # + a prompt past two HCA groups (ratio 128): its layers read visible entries
+    prompts = [make_prompts(m.cfg, seed=1)[i] for i in (2, 5, 11)] + [[5 + (j * 37) % 900 for j in range(300)]]
+    conts = [greedy_generate(m, p, 4, bounded_replay=False) for p in prompts]
+    with torch.no_grad():
+        ref = [m.reference_logits(torch.tensor(p + c[:-1]))[len(p) - 1:] for p, c in zip(prompts, conts)]
+    reqs, _, logits = _engine(m, prompts, chunk, KernelOps(frozenset(OPS)), torch.float64, "cpu", 4,
+                              window_in_blocks=window_in_blocks)
+    assert calls
+    assert [r.output_token_ids for r in reqs] == conts
+    assert max(float((g - r).abs().max()) for g, r in zip(logits, ref)) < 1e-9
+
+
 def test_paged_path_exact_mode_prefix_window_in_blocks(tiny_models):
     """Exact-mode prefix caching keeps window rows in the blocks: the paged path reads them there."""
     m = tiny_models["tiny"]
