@@ -24,8 +24,8 @@ def _engine(model="tiny", **kw):
 @needs_cuda
 @pytest.mark.parametrize("model", ["tiny", "tiny-v4"])
 def test_decode_step_forward_makes_no_host_sync(model):
-    """The eager decode step; tiny-v4: V4's per-sequence reference attention over the paged cache (its window ring
-    once counted its live rows on the host, twice a layer and sequence)."""
+    """The eager decode step; tiny-v4: V4's batched paged attention (raw bf16 rows, HCA over every visible entry,
+    window entries stored by host-listed rows) and its per-sequence compressors."""
     eng = _engine(model, enforce_eager=True)
     model = eng.model
     forward, guarded = model.forward_batch, []
