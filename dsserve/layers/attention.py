@@ -87,6 +87,7 @@ class CSA2Attention(nn.Module):
             from .compress_paged import compress_paged
             return compress_paged(self, x, ctx)
         r = self.role.ratio
+        work = []  # (cache, first row in x, end row, position of the first row) of each sequence with rows to pool
         for seq in ctx.seqs:
             if seq.rows.stop == seq.rows.start:
                 continue
@@ -96,28 +97,47 @@ class CSA2Attention(nn.Module):
             pub = seq.cache.published_until
             start = max(first, pub - pub % r)
             if start < first + seq.rows.stop - seq.rows.start:
-                self._compress_seq(x[seq.rows][start - first:], start, seq.cache, ctx.qat, ctx)
+                work.append((seq.cache, seq.rows.start + start - first, seq.rows.stop, start))
+        if work:
+            self._compress_seqs(x, work, ctx.qat)
 
-    def _compress_seq(self, x: torch.Tensor, first: int, cache, qat: bool, ctx: ForwardContext | None = None) -> None:
+    def _compress_seqs(self, x: torch.Tensor, work: list, qat: bool) -> None:
+        """Pools each sequence's rows with its carried state, then rotates, fake-quantises and publishes the new
+        entries of all of them at once (row-wise ops: per sequence they only cost launches)."""
         layer, r = self.role.index, self.role.ratio
-        emitted = cache.num_entries(layer)
-        latent, pend = self.compressor(x, first, cache.pending(layer), emitted)
-        if r > 1:
-            cache.set_pending(layer, pend)
-        entry_pos = torch.arange(emitted, emitted + latent.shape[0], device=latent.device) * r
+        icomp = None if self.cfg.is_v41 or self.indexer is None else self.indexer.compressor
+        uz = self.compressor.project(x) if r > 1 else None  # every row's projections in one product
+        iuz = None if icomp is None else icomp.project(x)
+        latents, iks, positions, counts = [], [], [], []
+        for cache, a, b, start in work:
+            emitted = cache.num_entries(layer)
+            latent, pend = self.compressor(x[a:b], start, cache.pending(layer), emitted,
+                                           None if uz is None else (uz[0][a:b], uz[1][a:b]))
+            if r > 1:
+                cache.set_pending(layer, pend)
+            if icomp is not None:  # V4: the indexer's own compressor, with a pending slot of its own
+                ik, ipend = icomp(x[a:b], start, cache.pending(-1 - layer), emitted, (iuz[0][a:b], iuz[1][a:b]))
+                cache.set_pending(-1 - layer, ipend)
+                iks.append(ik)
+            latents.append(latent)
+            positions += range(emitted * r, (emitted + latent.shape[0]) * r, r)
+            counts.append(latent.shape[0])
+        latent = torch.cat(latents)
+        entry_pos = torch.tensor(positions, dtype=torch.long).to(latent.device, non_blocking=True)
         main = self.rope(latent, entry_pos)
         if qat:  # V4.1's main KV is FP4 with E4M3 scales per 16; V4's is FP8 like its window
             main = quant.fake_quant_fp4_e4m3scale(main, 16) if self.cfg.is_v41 else self._kv_qat(main, True)
         index_k = None
         if self.cfg.is_v41:
             index_k = self.indexer.index_keys(latent, entry_pos, self.rope, qat)
-        elif self.indexer is not None:
-            ik, ipend = self.indexer.compressor(x, first, cache.pending(-1 - layer), emitted)
-            cache.set_pending(-1 - layer, ipend)  # the indexer's own compressor: a slot of its own
-            index_k = self.rope(ik, entry_pos)
+        elif icomp is not None:
+            index_k = self.rope(torch.cat(iks), entry_pos)
             if qat:
                 index_k = quant.fake_quant_fp4_pow2(quant.hadamard_rotate(index_k), 32)
-        cache.push_global(layer, main, index_k)
+        mains = main.split(counts)
+        index_ks = [None] * len(counts) if index_k is None else index_k.split(counts)
+        for (cache, *_), m, ik in zip(work, mains, index_ks):
+            cache.push_global(layer, m, ik)
 
     # ------------------------------------------------------------------ the layer
     def query(self, x: torch.Tensor, pos: torch.Tensor, ops=None, cos_sin=None) -> tuple[torch.Tensor, torch.Tensor]:

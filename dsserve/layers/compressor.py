@@ -27,26 +27,29 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(ratio, width)) if ape else None
         self.norm = RMSNorm(head_dim, eps)
 
-    def forward(self, x: torch.Tensor, first_pos: int, pending, emitted: int):
-        """x: [T, dim] rows at positions first_pos..first_pos+T-1.
+    def forward(self, x: torch.Tensor, first_pos: int, pending, emitted: int, uz=None):
+        """x: [T, dim] rows at positions first_pos..first_pos+T-1; ``uz``: their (u, z) from ``project``, when the
+        caller projected the rows of several sequences at once.
 
         Returns (latents [G, head_dim] for entries emitted..emitted+G-1, new pending state).
         """
         if self.ratio == 1:
             return self.norm(self.wkv(x)), None
-        u, z, first_pos, done, new_pending = self.projected(x, first_pos, pending)
+        u, z, first_pos, done, new_pending = self.projected(x, first_pos, pending, uz)
         if done > emitted:
             pooled = self._pool(u, z, first_pos, emitted, done)
         else:
             pooled = u.new_zeros(0, self.head_dim)
         return self.norm(pooled.to(x.dtype)), new_pending
 
-    def projected(self, x: torch.Tensor, first_pos: int, pending):
+    def project(self, x: torch.Tensor):
+        """(u, z) of rows x: fp32 projections, like the release's reference (x.float() before the projection)."""
+        return acc(x) @ acc(self.wkv.weight).t(), acc(x) @ acc(self.wgate.weight).t()
+
+    def projected(self, x: torch.Tensor, first_pos: int, pending, uz=None):
         """(u, z) of the pending rows then x's, the position of their first row, the number of complete
         groups, and the state to carry: the part of forward the fused cache-write kernel does not do."""
-        # Pooling runs in fp32 like the release's reference (x.float() before the projection).
-        u = acc(x) @ acc(self.wkv.weight).t()
-        z = acc(x) @ acc(self.wgate.weight).t()
+        u, z = self.project(x) if uz is None else uz
         if pending is not None:
             u, z, first_pos = torch.cat((pending[0], u)), torch.cat((pending[1], z)), pending[2]
         r, end = self.ratio, first_pos + u.shape[0]
