@@ -75,12 +75,14 @@ def test_prefill_key_tables_are_exact(tiny_models, monkeypatch, chunk, window_in
 def _bf16_logprob_errors(monkeypatch, min_rows: int) -> tuple[list[float], int]:
     """A bf16 tiny model with the Triton kernels on the GPU, prefill chunks of 64 rows (oracle_logprobs); and how
     many key tables were unpacked."""
+    import dsserve.kernels.indexer_prefill as IP
     import dsserve.kernels.kv_unpack as U
     import dsserve.kernels.sparse_attention_prefill as P
     from dsserve import LLM
     calls, real = [], U.unpack_rows
-    monkeypatch.setattr(U, "unpack_rows", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(U, "unpack_rows", lambda *a: calls.append(a[1]) or real(*a))
     monkeypatch.setattr(P, "PREFILL_MIN_ROWS", min_rows)
+    monkeypatch.setattr(IP, "PREFILL_ROWS", min_rows)  # index-key tables and the long-chunk index kernel too
     llm = LLM(model="tiny", dtype="bfloat16", device="cuda", seed=0, max_num_seqs=4, max_num_batched_tokens=64,
               enable_prefix_caching=False, enforce_eager=True)
     errs = logprob_errors(llm, "cuda")
@@ -90,11 +92,11 @@ def _bf16_logprob_errors(monkeypatch, min_rows: int) -> tuple[list[float], int]:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_prefill_key_tables_on_gpu(monkeypatch):
-    """bf16 prefill chunks on the key tables and the many-row attention kernel (its threshold lowered to the
-    64-row chunks) are as close to an fp32 oracle as the general kernel on the packed pools."""
+    """bf16 prefill chunks on the key tables and the many-row attention and index-scoring kernels (their thresholds
+    lowered to the 64-row chunks) are as close to an fp32 oracle as the general kernels on the packed pools."""
     fast, calls = _bf16_logprob_errors(monkeypatch, 2)
     slow, none = _bf16_logprob_errors(monkeypatch, 1 << 30)
-    assert calls > 0 and none == 0
+    assert {"fp8", "fp4", "index_fp4"} <= set(calls) and none == 0
     med = lambda e: e[len(e) // 2]  # noqa: E731
     assert med(fast) < 1.5 * med(slow) + 0.02 and fast[-1] < 2 * slow[-1] + 0.5, (med(fast), med(slow))
 

@@ -251,7 +251,9 @@ def _real(fmt, kind, t, epb, n_max, seed):
     ("fp4", "decode", 16, 32, 20000, torch.bfloat16), ("fp4", "mixed", 300, 64, 20000, torch.float32),
     ("bf16", "prefill", 256, 64, 20000, torch.bfloat16), ("bf16", "decode", 16, 64, 20000, torch.float32),
     ("bf16", "prefill", 4096, 64, 32768, torch.bfloat16), ("bf16", "mixed", 1061, 64, 20000, torch.bfloat16)])
-def test_index_scores_gpu(fmt, kind, t, epb, n_max, qdt):
+def test_index_scores_gpu(fmt, kind, t, epb, n_max, qdt, monkeypatch):
+    import dsserve.kernels.indexer_prefill as IP
+    monkeypatch.setattr(IP, "PREFILL_ROWS", 1024)  # bf16 q and keys from 1024 rows: the long-chunk kernel
     pool, bt, seq, nv, g = _real(fmt, kind, t, epb, n_max, seed=t + epb)
     q = torch.randn(t, 32, 128, generator=g).to("cuda", qdt)
     w = torch.randn(t, 32, generator=g).cuda() * 128 ** -0.5 * 32 ** -0.5

@@ -156,6 +156,15 @@ def test_site_gpu(poison, monkeypatch, t):
 
 
 @cuda
+@pytest.mark.parametrize("t", [64, 4096])
+def test_site_gpu_bf16x3(poison, monkeypatch, t):
+    """The bf16x3 partials (switched on) at the model's shapes: as close to the fp32 reference as tf32x3's."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(K, "BF16X3_MIN_ROWS", 1)
+    _check_site(example_inputs(t, 4, 5120, torch.bfloat16, "cuda", seed=t + 2), 1e-2)
+
+
+@cuda
 def test_site_gpu_edge_cases(poison, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     args = example_inputs(3, 4, 5120, torch.bfloat16, "cuda", seed=5)

@@ -97,6 +97,7 @@ def test_topk_sends_long_rows_to_chunks(monkeypatch):
     calls, real = [], T.chunk_topk
     monkeypatch.setattr(T, "chunk_topk", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(T, "MAX_N", 64)
+    monkeypatch.setattr(T, "CHUNKS", True)
     g = torch.Generator().manual_seed(5)
     s = _scores("sparse", 2, 200, g)
     assert torch.equal(T.topk(s, 20)[0], topk_int64_keys(s, 20)[0]) and calls == []  # 4 chunks x 20 > 64: torch
@@ -134,8 +135,10 @@ def test_gpu_decode_shapes(t, n, kind):
 
 @cuda
 @pytest.mark.parametrize("n,k", [(139264, 512), (69632, 512), (20000, 2048), (16385, 512)])
-def test_gpu_chunk_topk(n, k):
+def test_gpu_chunk_topk(n, k, monkeypatch):
     # a prefill chunk's source rows past 16K entries (topk sends them here), sparse rows: causal visibility
+    import dsserve.kernels.topk as T
+    monkeypatch.setattr(T, "CHUNKS", True)
     g = torch.Generator().manual_seed(n)
     s = _scores("sparse", 8, n, g)
     s[1] = s[1].round(decimals=1)  # ties at the cut
