@@ -80,6 +80,10 @@ def _key_tile(pool_ptr, phys, vis, row_stride, DI: tl.constexpr, BLOCK_N: tl.con
         s = tl.where(e8 == 0, 1 << 22, e8 << 23).to(tl.float32, bitcast=True)  # 2^(e8-127), e8 = 0 subnormal
         k = bits.to(tl.float32, bitcast=True) * _TWO126  # exact: the e2m1 value; then fp32 v * s as formats does
         k = tl.reshape(tl.reshape(k, [BLOCK_N, DI // 32, 32]) * s[:, :, None], [BLOCK_N, DI])
+    elif WORDS and BF16_DOT:  # bf16 rows into a bf16 dot: loaded as they are (a bf16 row is DI values: the
+        # constexpr stride gives 16-byte loads, which the unspecialised row_stride would not)
+        k = tl.load(pool_ptr.to(tl.pointer_type(tl.bfloat16)) + phys[:, None] * DI + tl.arange(0, DI)[None, :],
+                    mask=m, other=0.0)
     elif WORDS:  # bf16 pairs as one little-endian int32: channel 2i in the low half
         x = tl.load(wrow + tl.arange(0, DI // 2)[None, :], mask=m, other=0)
         k = tl.reshape(tl.join((x << 16).to(tl.float32, bitcast=True), (x & -65536).to(tl.float32, bitcast=True)),

@@ -44,8 +44,9 @@ def _pass(q, w, pool_ptr, bt_ptr, seq_ptr, nvis_ptr, out_ptr, rows, rm, seq, row
             vis = n < top
             blk = tl.load(bt_ptr + seq.to(tl.int64) * bt_stride + n // epb, mask=vis, other=0)
             phys = blk.to(tl.int64) * epb + n % epb
-            k = tl.load(pool_ptr.to(tl.pointer_type(tl.bfloat16)) + phys[:, None] * (row_stride // 2)
-                        + ch[None, :], mask=vis[:, None], other=0.0)
+            # a bf16 row is DI values: a constexpr stride (16-byte cp.async), not the unspecialised row_stride
+            k = tl.load(pool_ptr.to(tl.pointer_type(tl.bfloat16)) + phys[:, None] * DI + ch[None, :],
+                        mask=vis[:, None], other=0.0)
             if UPCAST:  # CPU interpreter: its bf16 dot multiplies raw bit patterns
                 k = k.to(tl.float32)
             lg = tl.dot(q, tl.trans(k))  # [ROWS * BLOCK_H, BLOCK_N]

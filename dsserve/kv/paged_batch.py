@@ -59,6 +59,9 @@ class PagedBatch:
         self._visible: dict = {}
         self._no_rows: torch.Tensor | None = None
         self._tag_rows = None  # (window_store_rows, their tag indices), see record_window
+        # (kind, source) -> a long chunk's bf16 entry table (layers.attention_paged), built by the first layer that
+        # reads it after the source's compressor published this step's entries, reused by the layers after it
+        self.key_tables: dict = {}
 
     @classmethod
     def supports(cls, seqs, ops) -> bool:
@@ -200,4 +203,5 @@ class PagedBatch:
         out._cos_sin = {k: (c[keep], s[keep]) for k, (c, s) in self._cos_sin.items()}
         out._store_rows = None  # the kept rows' last W per sequence differ from the full step's
         out._window, out._visible, out._no_rows, out._tag_rows = None, {}, None, None
+        out.key_tables = self.key_tables  # the same sequences, in the same order
         return out

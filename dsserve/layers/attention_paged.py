@@ -55,19 +55,18 @@ def _select(attn, x, q_lat, ctx: ForwardContext, cos, sin):
     epb = cache.layout.sources[src][1]
     n_vis = step.visible(role.ratio)
     k, cbs = cfg.index_topk, cfg.candidate_block_size
+    tables, entries = step.seq_tables, epb
+    if fmt != "bf16" and _index_tables(ops, q):  # a long chunk scores bf16 keys (kernels/indexer_prefill)
+        made = _entry_table(ops, pool, "index_fp4", step, epb, q.shape[0], q.shape[-1], ("index", src))
+        if made is not None:
+            (pool, entries), fmt = made, "bf16"
+            tables = torch.arange(tables.shape[0], device=q.device, dtype=torch.int32)[:, None]
     if role.candidate == "consumer":
-        s = ops.index_scores_candidates(q, w, pool, fmt, step.seq_tables, step.row_seq, epb, step.cand_blocks, cbs,
-                                        n_vis)
+        s = ops.index_scores_candidates(q, w, pool, fmt, tables, step.row_seq, entries, step.cand_blocks, cbs, n_vis)
         idx, valid = ops.topk(s, k)
         from ..kernels.indexer import candidate_entries
         idx = candidate_entries(step.cand_blocks, cbs, idx)
     else:
-        tables, entries = step.seq_tables, epb
-        if fmt != "bf16" and _index_tables(ops, q):  # a long chunk scores bf16 keys (kernels/indexer_prefill)
-            made = _entry_table(ops, pool, "index_fp4", step, epb, q.shape[0], q.shape[-1])
-            if made is not None:
-                (pool, entries), fmt = made, "bf16"
-                tables = torch.arange(tables.shape[0], device=q.device, dtype=torch.int32)[:, None]
         s = ops.index_scores(q, w, pool, fmt, tables, step.row_seq, entries, n_vis, step.num_entries(src))
         if role.candidate == "source":
             step.cand_blocks = ops.candidate_blocks(s, n_vis, cbs, cfg.candidate_topk_blocks)
@@ -103,22 +102,28 @@ def _window_table(ops, pool: torch.Tensor, fmt: str, query_rows: int, channels: 
     return ops.unpack_rows(pool, fmt, rows).view(torch.uint8), "bf16"
 
 
-def _entry_table(ops, pool: torch.Tensor, fmt: str, step, epb: int, query_rows: int, channels: int):
+def _entry_table(ops, pool: torch.Tensor, fmt: str, step, epb: int, query_rows: int, channels: int, key):
     """Every entry of each sequence of the step unpacked into bf16 table row seq * E + entry (E = the block
-    tables' width in entries) -> (table as uint8 rows, E), or None when not worth it."""
+    tables' width in entries) -> (table as uint8 rows, E), or None when not worth it. Built once a step per
+    ``key`` (kind, source): the layers after a source read the entries it published, unchanged."""
+    if key in step.key_tables:
+        return step.key_tables[key]
     tables = step.seq_tables.long()
     s, e = tables.shape[0], tables.shape[1] * epb
-    if not _worth_it(s * e, query_rows, channels):
-        return None
-    j = torch.arange(epb, device=tables.device)
-    rows = torch.where(tables[:, :, None] >= 0, tables[:, :, None] * epb + j, -1).flatten()
-    return ops.unpack_rows(pool, fmt, rows).view(torch.uint8), e
+    made = None
+    if _worth_it(s * e, query_rows, channels):
+        j = torch.arange(epb, device=tables.device)
+        rows = torch.where(tables[:, :, None] >= 0, tables[:, :, None] * epb + j, -1).flatten()
+        made = ops.unpack_rows(pool, fmt, rows).view(torch.uint8), e
+    step.key_tables[key] = made
+    return made
 
 
 def _main_table(ops, pool: torch.Tensor, fmt: str, sel_rows: torch.Tensor, idx: torch.Tensor, step, epb: int,
-                channels: int):
+                channels: int, src: int):
     """The main entries as an entry table; the selected rows renumbered into it (absent ones stay -1)."""
-    made = None if fmt == "bf16" else _entry_table(ops, pool, fmt, step, epb, sel_rows.shape[0], channels)
+    made = None if fmt == "bf16" else _entry_table(ops, pool, fmt, step, epb, sel_rows.shape[0], channels,
+                                                    ("main", src))
     if made is None:
         return pool, fmt, sel_rows
     table, e = made
@@ -159,7 +164,7 @@ def forward_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         sel_rows = ops.entry_rows(idx, valid, step.seq_tables, step.row_seq, epb)
         if tables:
             main_pool, main_fmt, sel_rows = _main_table(ops, main_pool, main_fmt, sel_rows, idx, step, epb,
-                                                        cfg.head_dim)
+                                                        cfg.head_dim, src)
     o = ops.sparse_attention(q, cos, sin, win_keys, win_keys_fmt, step.old_window_rows(role.index, ops), kv,
                              step.row_first, main_pool, main_fmt, sel_rows, fp32_param(attn.attn_sink),
                              cfg.head_dim ** -0.5, out_dtype=x.dtype)
