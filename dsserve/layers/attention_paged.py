@@ -5,7 +5,9 @@ but no sequence's rows are unpacked into dense tensors: the window entry is norm
 quantised by ``store_window``; the indexer scores keys straight from the FP4 pool (consumers of the
 candidate pool score only the candidate positions); the sparse attention reads FP8 window rows and FP4
 global rows by physical row id and de-rotates its output. Each op runs its Triton kernel or its torch
-reference (``ctx.ops``).
+reference (``ctx.ops``). A long bf16 chunk reads its keys from bf16 tables unpacked once (the many-row kernels
+stream bf16 rows through shared memory). V4 takes the same path over its raw rows: its window entries carry
+V4's own QAT and are stored raw, its HCA layers read every visible entry, its compressors pool per sequence.
 """
 from __future__ import annotations
 
