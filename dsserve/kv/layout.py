@@ -42,6 +42,9 @@ class KVLayout:
     index_fmt: RowFormat | None
     engram_lookback: int
     window_in_blocks: bool = False  # exact-mode prefix caching: window rows are stored with the blocks
+    # rows before a prefix hit the model runs again: V4's overlapping compressors (ratio 4) mix each entry with the
+    # previous group's rows, which the cache does not keep
+    resume_rows: int = 0
 
     @classmethod
     def build(cls, cfg: ModelConfig, block_size: int | None = None, kv_cache_dtype: str = "auto",
@@ -64,7 +67,8 @@ class KVLayout:
                    sources={s: (r, block_size // r) for s, r in zip(sources, ratios)},
                    window_fmt=fmt("swa", cfg.head_dim), main_fmt=fmt("main", cfg.head_dim),
                    index_fmt=fmt("index", index_dim) if index_dim else None,
-                   engram_lookback=cfg.engram_max_ngram_size - 1, window_in_blocks=window_in_blocks)
+                   engram_lookback=cfg.engram_max_ngram_size - 1, window_in_blocks=window_in_blocks,
+                   resume_rows=0 if cfg.is_v41 else max((r for r in ratios if r == 4), default=0))
 
     @property
     def global_bytes_per_block(self) -> int:

@@ -92,6 +92,7 @@ class PagedKVCache:
             seq._entries[source] = hit // ratio
         seq.published_until = hit
         start = hit if replay_floor is None else min(hit, replay_floor)
+        start = max(0, min(start, hit - self.layout.resume_rows))
         seq.num_tokens = start
         if self.engram_token_map is not None and start:
             lb = self.layout.engram_lookback
@@ -187,6 +188,9 @@ class SequenceKV:
     def push_window(self, layer: int, keys: torch.Tensor, positions: torch.Tensor) -> None:
         c, w = self.cache, self.cache.layout.window
         if c.layout.window_in_blocks:
+            # rows run again before a prefix hit (layout.resume_rows) are in the shared cached blocks already
+            skip = max(0, self.published_until - self.num_tokens)
+            keys, positions = keys[skip:], positions[skip:]
             bs = c.layout.block_size
             phys = self.table()[positions // bs]
             c.window[layer][phys, positions % bs] = c.layout.window_fmt.pack(keys)

@@ -159,7 +159,9 @@ class PagedBatch:
             for s in self.seqs:
                 n = s.rows.stop - s.rows.start
                 first = s.first if s.first is not None else s.cache.num_tokens
-                keep = range(n) if lay.window_in_blocks else range(max(0, n - w), n)
+                # exact mode: not the rows run again before a prefix hit (already in the shared cached blocks)
+                keep = (range(max(0, s.cache.published_until - first), n) if lay.window_in_blocks
+                        else range(max(0, n - w), n))
                 for i in keep:
                     p = first + i
                     src.append(row + i)

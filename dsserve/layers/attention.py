@@ -93,9 +93,10 @@ class CSA2Attention(nn.Module):
                 continue
             first = seq.first if seq.first is not None else int(ctx.positions[seq.rows.start])
             # Entries below ``published_until`` came from the prefix cache: read-only. At an odd boundary
-            # the last cached raw row is pooled again to rebuild the carried half-group.
+            # the last cached raw row is pooled again to rebuild the carried half-group; an overlapping
+            # compressor (V4's ratio 4) also pools the group before it again (layout.resume_rows).
             pub = seq.cache.published_until
-            start = max(first, pub - pub % r)
+            start = max(first, pub - pub % r - (r if self.compressor.overlap and pub >= r else 0))
             if start < first + seq.rows.stop - seq.rows.start:
                 work.append((seq.cache, seq.rows.start + start - first, seq.rows.stop, start))
         if work:

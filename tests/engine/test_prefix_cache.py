@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dsserve import LLM, SamplingParams
+from dsserve.engine.greedy import greedy_generate
 from dsserve.engine.stats import persistent_bytes
 from dsserve.kv.paged import KVLayout
 from dsserve.kv.sequence_cache import SequenceCache
@@ -193,3 +194,20 @@ def test_vllm_replay_form_runs_and_batches_with_empty_rows():
     outs = llm.generate([rand_tokens(70, 30), rand_tokens(3, 31)], SamplingParams(temperature=0, max_tokens=3),
                         use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_v4_prefix_hit_reruns_the_overlapping_compressors_group(paged):
+    """V4's ratio-4 compressors mix each entry with the previous group's rows, which the cache does not keep: a hit
+    resumes layout.resume_rows (4) rows early, pools that group again without re-publishing its entry, and leaves
+    the shared cached window rows alone. fp64, every op on its reference; the paged batched path and the
+    per-sequence one (the reference backend) both equal the oracle after a hit (before the fix: a shape error)."""
+    llm = LLM(model="tiny-v4", dtype="float64", device="cpu", attention_backend="paged" if paged else "reference",
+              seed=0, max_num_seqs=2, max_num_batched_tokens=64, enable_prefix_caching=True, reference_ops="all")
+    m = llm.engine.model
+    base = [5 + (j * 37) % 900 for j in range(300)]
+    for tail in ([7, 8, 9], [10, 11, 12, 13]):
+        p = base + tail
+        out = llm.generate([p], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == greedy_generate(m, p, 4, bounded_replay=False)
+    assert out.num_cached_tokens == 256  # two 128-token blocks (tiny-v4's block: lcm of its ratios and 64)
