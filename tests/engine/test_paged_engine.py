@@ -92,13 +92,23 @@ def test_engine_bf16_kv_rows_are_exact_for_qat_values(tiny_models, references):
     assert max((g - r).abs().max() for g, r in zip(logits, ref_logits)) < 1e-9
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-v4"])
-def test_engine_with_forced_preemption_and_aborts(tiny_models, references, name):
+@pytest.mark.parametrize("name,paged", [("tiny", False), ("tiny-v4", False), ("tiny-v4", True)])
+def test_engine_with_forced_preemption_and_aborts(tiny_models, references, name, paged, monkeypatch):
+    """paged: V4 on the batched paged path (every op on its reference), which a preempted request re-enters."""
+    import dsserve.layers.attention_paged as AP
+    from dsserve.kernels.ops import OPS, KernelOps
+    calls, real = [], AP.forward_paged
+    monkeypatch.setattr(AP, "forward_paged", lambda *a: calls.append(1) or real(*a))
     prompts, expected, _ = references[name]
     bs = 128 if name == "tiny-v4" else 64
-    reqs, preemptions, _ = run_engine(tiny_models[name], prompts, chunk=16, num_blocks=6 if bs == 64 else 2,
-                                   abort_at={3: ["3", "5"], 9: ["0"]}, block_size=bs)
-    assert preemptions > 0
+    m = tiny_models[name]
+    m.kernel_ops = KernelOps(frozenset(OPS)) if paged else None
+    try:
+        reqs, preemptions, _ = run_engine(m, prompts, chunk=16, num_blocks=6 if bs == 64 else 2,
+                                       abort_at={3: ["3", "5"], 9: ["0"]}, block_size=bs)
+    finally:
+        m.kernel_ops = None
+    assert preemptions > 0 and bool(calls) == paged
     for r, exp in zip(reqs, expected):
         if r.request_id in ("3", "5", "0"):
             assert r.status == RequestStatus.FINISHED_ABORTED and r.output_token_ids == exp[:len(r.output_token_ids)]
