@@ -113,17 +113,18 @@ class CSA2Attention(nn.Module):
         for cache, a, b, start in work:
             emitted = cache.num_entries(layer)
             latent, pend = self.compressor(x[a:b], start, cache.pending(layer), emitted,
-                                           None if uz is None else (uz[0][a:b], uz[1][a:b]))
+                                           None if uz is None else (uz[0][a:b], uz[1][a:b]), norm=False)
             if r > 1:
                 cache.set_pending(layer, pend)
             if icomp is not None:  # V4: the indexer's own compressor, with a pending slot of its own
-                ik, ipend = icomp(x[a:b], start, cache.pending(-1 - layer), emitted, (iuz[0][a:b], iuz[1][a:b]))
+                ik, ipend = icomp(x[a:b], start, cache.pending(-1 - layer), emitted, (iuz[0][a:b], iuz[1][a:b]),
+                                  norm=False)
                 cache.set_pending(-1 - layer, ipend)
                 iks.append(ik)
             latents.append(latent)
             positions += range(emitted * r, (emitted + latent.shape[0]) * r, r)
             counts.append(latent.shape[0])
-        latent = torch.cat(latents)
+        latent = self.compressor.norm(torch.cat(latents))  # row-wise: once for every sequence's new entries
         entry_pos = torch.tensor(positions, dtype=torch.long).to(latent.device, non_blocking=True)
         main = self.rope(latent, entry_pos)
         if qat:  # V4.1's main KV is FP4 with E4M3 scales per 16; V4's is FP8 like its window
@@ -132,7 +133,7 @@ class CSA2Attention(nn.Module):
         if self.cfg.is_v41:
             index_k = self.indexer.index_keys(latent, entry_pos, self.rope, qat)
         elif icomp is not None:
-            index_k = self.rope(torch.cat(iks), entry_pos)
+            index_k = self.rope(icomp.norm(torch.cat(iks)), entry_pos)
             if qat:
                 index_k = quant.fake_quant_fp4_pow2(quant.hadamard_rotate(index_k), 32)
         mains = main.split(counts)

@@ -27,20 +27,22 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(ratio, width)) if ape else None
         self.norm = RMSNorm(head_dim, eps)
 
-    def forward(self, x: torch.Tensor, first_pos: int, pending, emitted: int, uz=None):
+    def forward(self, x: torch.Tensor, first_pos: int, pending, emitted: int, uz=None, norm: bool = True):
         """x: [T, dim] rows at positions first_pos..first_pos+T-1; ``uz``: their (u, z) from ``project``, when the
-        caller projected the rows of several sequences at once.
+        caller projected the rows of several sequences at once; ``norm`` False: the caller normalises the latents
+        (of several sequences at once: the norm is row-wise).
 
         Returns (latents [G, head_dim] for entries emitted..emitted+G-1, new pending state).
         """
+        finish = self.norm if norm else (lambda t: t)
         if self.ratio == 1:
-            return self.norm(self.wkv(x)), None
+            return finish(self.wkv(x)), None
         u, z, first_pos, done, new_pending = self.projected(x, first_pos, pending, uz)
         if done > emitted:
             pooled = self._pool(u, z, first_pos, emitted, done)
         else:
             pooled = u.new_zeros(0, self.head_dim)
-        return self.norm(pooled.to(x.dtype)), new_pending
+        return finish(pooled.to(x.dtype)), new_pending
 
     def project(self, x: torch.Tensor):
         """(u, z) of rows x: fp32 projections, like the release's reference (x.float() before the projection)."""
