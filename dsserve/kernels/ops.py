@@ -24,7 +24,7 @@ OPS = {
     "moe": ("grouped_moe", ("routed_experts",)),
     "mhc": ("mhc", ("mhc_site", "mhc_expand")),
     "mhc_collapse": ("mhc_collapse", ("mhc_collapse_norm",)),
-    "rowwise": ("rowwise", ("rms_norm", "rope_inplace", "fake_quant_fp4_pow2")),
+    "rowwise": ("rowwise", ("rms_norm", "rope_inplace", "fake_quant_fp4_pow2", "fake_quant_fp8_pow2")),
     "entry_rows": ("entry_rows", ("entry_rows",)),
     "engram_rows": ("engram_rows", ("engram_rows",)),
     "engram_mix": ("engram_mix", ("engram_mix",)),

@@ -6,7 +6,7 @@ and the indexer query's FP4 fake-quant. Triton + references (the layers' own tor
 * rope_inplace(x [T, ..., D], cos, sin [T, R/2] fp32) -> x with its last R channels rotated in place, pair i =
   channels (D - R + 2i, D - R + 2i + 1): layers.rope.rotate(..., inplace=True), x contiguous.
 * fake_quant_fp4_pow2(x [..., D], group) -> x's dtype: quant.fake_quant_fp4_pow2, D a multiple of group (a power
-  of two >= 2).
+  of two >= 2); fake_quant_fp8_pow2 likewise (V4's window and main rows).
 fp64 inputs run the reference (the fp64 model tests' oracle precision). The kernels reproduce the references'
 roundings: IEEE division and square root (div_rn / sqrt_rn), no FMA contraction, casts to bf16 rounded on the bits
 (the Triton interpreter truncates its own), the e2m1 grid by midpoint compares (kv_write's helpers). Only the
@@ -21,7 +21,7 @@ import triton.language as tl
 from ..layers import quant
 from ..layers.norm import rms_norm as _rms_norm
 from ..layers.rope import rotate
-from .kv_write import _e2m1, _pow2_ceil_exp, _round_to
+from .kv_write import _e2m1, _e4m3, _pow2_ceil_exp, _round_to
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -145,3 +145,38 @@ def fake_quant_fp4_pow2(x: torch.Tensor, group: int = 32) -> torch.Tensor:
 
 def fake_quant_fp4_pow2_ref(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     return quant.fake_quant_fp4_pow2(x, group)
+
+
+# ------------------------------------------------------------------ FP8 fake-quant (power-of-two scales)
+@triton.jit
+def _fq_fp8_kernel(x_ptr, y_ptr, n_groups, G: tl.constexpr, ROWS: tl.constexpr, DT: tl.constexpr):
+    g = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    j = tl.arange(0, G)
+    m = (g[:, None] < n_groups) & (j[None, :] < G)
+    at = g.to(tl.int64)[:, None] * G + j[None, :]
+    x = tl.load(x_ptr + at, mask=m, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)[:, None]
+    ex = _pow2_ceil_exp(tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0))
+    s = (ex << 23).to(tl.float32, bitcast=True)
+    inv = tl.where(ex == 254, 1 << 22, (254 - ex) << 23).to(tl.float32, bitcast=True)  # 1 / s exactly
+    v, _ = _e4m3(tl.minimum(tl.maximum(x * inv, -448.0), 448.0))
+    tl.store(y_ptr + at, _round_to(v * s, DT).to(DT), mask=m)
+
+
+def fake_quant_fp8_pow2(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """quant.fake_quant_fp8_pow2 in one launch (V4's window and main rows under QAT)."""
+    if not _runs_kernel(x):
+        return quant.fake_quant_fp8_pow2(x, group)
+    if group < 2 or group & (group - 1) or x.shape[-1] % group:
+        raise ValueError(f"group {group}: expected a power of two >= 2 dividing the last dim {x.shape[-1]}")
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    n = x.numel() // group
+    if n:
+        _fq_fp8_kernel[(triton.cdiv(n, _ROWS),)](x, y, n, G=group, ROWS=_ROWS, DT=_TL[x.dtype],
+                                                  enable_fp_fusion=False)
+    return y
+
+
+def fake_quant_fp8_pow2_ref(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    return quant.fake_quant_fp8_pow2(x, group)

@@ -100,11 +100,12 @@ class CSA2Attention(nn.Module):
             if start < first + seq.rows.stop - seq.rows.start:
                 work.append((seq.cache, seq.rows.start + start - first, seq.rows.stop, start))
         if work:
-            self._compress_seqs(x, work, ctx.qat)
+            self._compress_seqs(x, work, ctx.qat, ctx.ops)
 
-    def _compress_seqs(self, x: torch.Tensor, work: list, qat: bool) -> None:
-        """Pools each sequence's rows with its carried state, then rotates, fake-quantises and publishes the new
-        entries of all of them at once (row-wise ops: per sequence they only cost launches)."""
+    def _compress_seqs(self, x: torch.Tensor, work: list, qat: bool, ops=None) -> None:
+        """Pools each sequence's rows with its carried state, then normalises, rotates, fake-quantises and publishes
+        the new entries of all of them at once (row-wise ops: per sequence they only cost launches). ops: V4's RoPE
+        and fake quants as kernels."""
         layer, r = self.role.index, self.role.ratio
         icomp = None if self.cfg.is_v41 or self.indexer is None else self.indexer.compressor
         uz = self.compressor.project(x) if r > 1 else None  # every row's projections in one product
@@ -126,16 +127,20 @@ class CSA2Attention(nn.Module):
             counts.append(latent.shape[0])
         latent = self.compressor.norm(torch.cat(latents))  # row-wise: once for every sequence's new entries
         entry_pos = torch.tensor(positions, dtype=torch.long).to(latent.device, non_blocking=True)
-        main = self.rope(latent, entry_pos)
+        v4_ops = None if self.cfg.is_v41 else ops  # V4.1's compressed entries come through compress_paged's kernels
+        tables = None if v4_ops is None else self.rope.kernel_tables(entry_pos, latent.dtype)
+        main = self.rope(latent, entry_pos) if v4_ops is None else v4_ops.rope_inplace(latent, *tables)
         if qat:  # V4.1's main KV is FP4 with E4M3 scales per 16; V4's is FP8 like its window
-            main = quant.fake_quant_fp4_e4m3scale(main, 16) if self.cfg.is_v41 else self._kv_qat(main, True)
+            main = quant.fake_quant_fp4_e4m3scale(main, 16) if self.cfg.is_v41 else self._kv_qat(main, True, v4_ops)
         index_k = None
         if self.cfg.is_v41:
             index_k = self.indexer.index_keys(latent, entry_pos, self.rope, qat)
         elif icomp is not None:
-            index_k = self.rope(icomp.norm(torch.cat(iks)), entry_pos)
+            ik = icomp.norm(torch.cat(iks))
+            index_k = self.rope(ik, entry_pos) if v4_ops is None else v4_ops.rope_inplace(ik, *tables)
             if qat:
-                index_k = quant.fake_quant_fp4_pow2(quant.hadamard_rotate(index_k), 32)
+                fq = quant.fake_quant_fp4_pow2 if v4_ops is None else v4_ops.fake_quant_fp4_pow2
+                index_k = fq(quant.hadamard_rotate(index_k), 32)
         mains = main.split(counts)
         index_ks = [None] * len(counts) if index_k is None else index_k.split(counts)
         for (cache, *_), m, ik in zip(work, mains, index_ks):
@@ -163,17 +168,19 @@ class CSA2Attention(nn.Module):
         if ops is None:
             return self._kv_qat(self.rope(self.kv_norm(self.wkv(x)), pos, inplace=True), qat)
         kv = ops.rms_norm(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps)
-        return self._kv_qat(ops.rope_inplace(kv, *cos_sin), qat)
+        return self._kv_qat(ops.rope_inplace(kv, *cos_sin), qat, ops)
 
-    def _kv_qat(self, kv: torch.Tensor, qat: bool) -> torch.Tensor:
-        """V4.1 stores all 512 channels FP8 (per 32); V4 stores the non-RoPE channels FP8 (per 64), RoPE in BF16."""
+    def _kv_qat(self, kv: torch.Tensor, qat: bool, ops=None) -> torch.Tensor:
+        """V4.1 stores all 512 channels FP8 (per 32); V4 stores the non-RoPE channels FP8 (per 64), RoPE in BF16.
+        ops (kernels.ops.KernelOps): the fake quant in one launch."""
         if not qat:
             return kv
+        fq = quant.fake_quant_fp8_pow2 if ops is None else ops.fake_quant_fp8_pow2
         if self.cfg.is_v41:
-            return quant.fake_quant_fp8_pow2(kv, 32)
+            return fq(kv, 32)
         rd = self.cfg.qk_rope_head_dim
         group = math.gcd(self.cfg.nope_head_dim, 64)  # 64 in the release (448 = 7 x 64); smaller in tiny shapes
-        return torch.cat((quant.fake_quant_fp8_pow2(kv[..., :-rd], group), kv[..., -rd:]), dim=-1)
+        return torch.cat((fq(kv[..., :-rd], group), kv[..., -rd:]), dim=-1)
 
     def output(self, o: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype, ops=None, cos_sin=None) -> torch.Tensor:
         """De-rotate (V = K carries RoPE; only relative offsets remain), then the grouped low-rank projection:

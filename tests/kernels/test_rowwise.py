@@ -1,6 +1,6 @@
 """dsserve.kernels.rowwise against the layers' torch functions (the interpreter on the CPU; the GPU when present).
 
-RoPE and the FP4 fake-quant reproduce their references bit for bit; RMSNorm up to the order of its fp32 sum.
+RoPE and the FP4 / FP8 fake-quants reproduce their references bit for bit; RMSNorm up to the order of its fp32 sum.
 """
 import pytest
 import torch
@@ -59,6 +59,21 @@ def test_fake_quant_fp4_pow2_bit_exact(device, dtype, group):
     x[1, 0, :group] *= 2.0 ** (-100 if dtype == torch.bfloat16 and device == "cpu" else -120)
     x[2, 2, 3] = x[2, 2, :group].abs().max() * 2 / 3  # ties and midpoints of the grid in one group
     out, ref = R.fake_quant_fp4_pow2(x, group), quant.fake_quant_fp4_pow2(x, group)
+    assert out.dtype == dtype and torch.equal(out, ref)
+    assert torch.equal(torch.signbit(out), torch.signbit(ref))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [64, 32])
+def test_fake_quant_fp8_pow2_bit_exact(device, dtype, group):
+    """V4's window / main QAT (FP8, power-of-two scales per 64 channels)."""
+    x = _x((6, 4, 448 if group == 64 else 128), dtype, device, group + 1)
+    x[0, 0, :group] = 0.0  # an all-zero group: the amax floor
+    x[0, 1, :group] = -0.0
+    x[1, 0, :group] *= 2.0 ** -20  # below the floor: the scale stays 2^ceil(log2(1e-4 / 448))
+    x[2, 2, 3] = x[2, 2, :group].abs().max() * 9 / 448  # on e4m3's subnormal grid after scaling
+    out, ref = R.fake_quant_fp8_pow2(x, group), quant.fake_quant_fp8_pow2(x, group)
     assert out.dtype == dtype and torch.equal(out, ref)
     assert torch.equal(torch.signbit(out), torch.signbit(ref))
 
