@@ -112,70 +112,55 @@ def rope_inplace_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return rotate(x, cos, sin, inplace=True)
 
 
-# ------------------------------------------------------------------ FP4 fake-quant (power-of-two scales)
+# ------------------------------------------------------------------ FP4 / FP8 fake-quant (power-of-two scales)
 @triton.jit
-def _fq_fp4_kernel(x_ptr, y_ptr, n_groups, G: tl.constexpr, ROWS: tl.constexpr, DT: tl.constexpr):
+def _fq_pow2_kernel(x_ptr, y_ptr, n_groups, G: tl.constexpr, ROWS: tl.constexpr, DT: tl.constexpr,
+                    FP8: tl.constexpr):
     g = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     j = tl.arange(0, G)
     m = (g[:, None] < n_groups) & (j[None, :] < G)
     at = g.to(tl.int64)[:, None] * G + j[None, :]
     x = tl.load(x_ptr + at, mask=m, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)[:, None]
-    ex = _pow2_ceil_exp(tl.math.div_rn(tl.maximum(amax, 6.0 * 2.0 ** -126), 6.0))
+    if FP8:  # s = 2^ceil(log2(max(amax, 1e-4) / 448)), e4m3 of the clamped x / s
+        ex = _pow2_ceil_exp(tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0))
+    else:  # s = 2^ceil(log2(max(amax, 6 * 2^-126) / 6)), e2m1 of x / s
+        ex = _pow2_ceil_exp(tl.math.div_rn(tl.maximum(amax, 6.0 * 2.0 ** -126), 6.0))
     s = (ex << 23).to(tl.float32, bitcast=True)
     inv = tl.where(ex == 254, 1 << 22, (254 - ex) << 23).to(tl.float32, bitcast=True)  # 1 / s exactly
-    v, _ = _e2m1(x * inv)
+    if FP8:
+        v, _ = _e4m3(tl.minimum(tl.maximum(x * inv, -448.0), 448.0))
+    else:
+        v, _ = _e2m1(x * inv)
     tl.store(y_ptr + at, _round_to(v * s, DT).to(DT), mask=m)
 
 
-def fake_quant_fp4_pow2(x: torch.Tensor, group: int = 32) -> torch.Tensor:
-    """quant.fake_quant_fp4_pow2 in one launch."""
+def _fake_quant_pow2(x: torch.Tensor, group: int, fp8: bool) -> torch.Tensor:
     if not _runs_kernel(x):
-        return quant.fake_quant_fp4_pow2(x, group)
+        return (quant.fake_quant_fp8_pow2 if fp8 else quant.fake_quant_fp4_pow2)(x, group)
     if group < 2 or group & (group - 1) or x.shape[-1] % group:
         raise ValueError(f"group {group}: expected a power of two >= 2 dividing the last dim {x.shape[-1]}")
     x = x.contiguous()
     y = torch.empty_like(x)
     n = x.numel() // group
     if n:
-        _fq_fp4_kernel[(triton.cdiv(n, _ROWS),)](x, y, n, G=group, ROWS=_ROWS, DT=_TL[x.dtype],
-                                                  enable_fp_fusion=False)
+        _fq_pow2_kernel[(triton.cdiv(n, _ROWS),)](x, y, n, G=group, ROWS=_ROWS, DT=_TL[x.dtype], FP8=fp8,
+                                                   enable_fp_fusion=False)
     return y
 
 
-def fake_quant_fp4_pow2_ref(x: torch.Tensor, group: int = 32) -> torch.Tensor:
-    return quant.fake_quant_fp4_pow2(x, group)
-
-
-# ------------------------------------------------------------------ FP8 fake-quant (power-of-two scales)
-@triton.jit
-def _fq_fp8_kernel(x_ptr, y_ptr, n_groups, G: tl.constexpr, ROWS: tl.constexpr, DT: tl.constexpr):
-    g = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    j = tl.arange(0, G)
-    m = (g[:, None] < n_groups) & (j[None, :] < G)
-    at = g.to(tl.int64)[:, None] * G + j[None, :]
-    x = tl.load(x_ptr + at, mask=m, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)[:, None]
-    ex = _pow2_ceil_exp(tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0))
-    s = (ex << 23).to(tl.float32, bitcast=True)
-    inv = tl.where(ex == 254, 1 << 22, (254 - ex) << 23).to(tl.float32, bitcast=True)  # 1 / s exactly
-    v, _ = _e4m3(tl.minimum(tl.maximum(x * inv, -448.0), 448.0))
-    tl.store(y_ptr + at, _round_to(v * s, DT).to(DT), mask=m)
+def fake_quant_fp4_pow2(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """quant.fake_quant_fp4_pow2 in one launch (the indexer's q and keys)."""
+    return _fake_quant_pow2(x, group, False)
 
 
 def fake_quant_fp8_pow2(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     """quant.fake_quant_fp8_pow2 in one launch (V4's window and main rows under QAT)."""
-    if not _runs_kernel(x):
-        return quant.fake_quant_fp8_pow2(x, group)
-    if group < 2 or group & (group - 1) or x.shape[-1] % group:
-        raise ValueError(f"group {group}: expected a power of two >= 2 dividing the last dim {x.shape[-1]}")
-    x = x.contiguous()
-    y = torch.empty_like(x)
-    n = x.numel() // group
-    if n:
-        _fq_fp8_kernel[(triton.cdiv(n, _ROWS),)](x, y, n, G=group, ROWS=_ROWS, DT=_TL[x.dtype],
-                                                  enable_fp_fusion=False)
-    return y
+    return _fake_quant_pow2(x, group, True)
+
+
+def fake_quant_fp4_pow2_ref(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    return quant.fake_quant_fp4_pow2(x, group)
 
 
 def fake_quant_fp8_pow2_ref(x: torch.Tensor, group: int = 32) -> torch.Tensor:
