@@ -8,16 +8,17 @@ ROWS query rows (ROWS x Hi dot rows, q loaded once) and walks SUPER tiles of BLO
 loop whose bf16 key tiles go to shared memory by cp.async (the paged layer hands bf16 index-key tables,
 kernels/kv_unpack). Rows of one sequence share each key tile; a program whose rows span sequences (a chunk beside
 decode rows) takes one pass per row, each scoring the rows of that row's sequence (repeated passes store the same
-values). Not yet run on the GPU: off by default (PREFILL_ROWS).
+values).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-# Off (a bound no chunk reaches) until timed on the H200 against the general kernel (the candidate is 1024 rows:
-# scratch_gpu/ab_prefill_kernels.py, prefill_ab.py); fewer rows keep the general kernel.
-PREFILL_ROWS = 1 << 62
+# From this many rows a chunk's sources score bf16 index-key tables here (H200, 8192 rows over 139K entries:
+# 42.6 ms against 60.7 on the general kernel over FP4 keys, benchmarks/results/prefill-kernels-h200); fewer rows
+# keep the general kernel.
+PREFILL_ROWS = 1024
 ROWS = 8             # query rows a program: 8 x 32 heads = 256 dot rows, each key tile scored for 8 rows
 BLOCK_N = 32         # entries a tile (compiled for sm_90: 239 registers, no spills; 64 spills at 8 rows)
 SUPER = 128          # tiles a program (4096 entries): q is read once per 4096 entries

@@ -41,6 +41,7 @@ class FixedBatch(PagedBatch):
         self.topk = self.cand_blocks = None
         self._cos_sin, self._visible = {}, {}
         self._store_rows = self._window = self._no_rows = self._tag_rows = None
+        self.key_tables = {}
         forget_tables()
 
     @property

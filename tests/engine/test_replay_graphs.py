@@ -47,9 +47,15 @@ def _fixed_shape(made, capture=None, row_buckets=(16, 32, 64)):
     return make
 
 
-def test_fixed_shape_decoder_rows_are_exact():
+@pytest.mark.parametrize("key_tables", [False, True])
+def test_fixed_shape_decoder_rows_are_exact(monkeypatch, key_tables):
     """fp64, every op on its torch reference: the decoder rows of replayed prefill steps (fresh prompts, prefix hits,
-    mixed with decode rows, padded to a row bucket) give the reference path's tokens and logprobs."""
+    mixed with decode rows, padded to a row bucket) give the reference path's tokens and logprobs; also with the
+    bf16 key tables of a long chunk forced on (the GPU builds them from 128 decoder rows)."""
+    if key_tables:
+        import dsserve.layers.attention_paged as AP
+        monkeypatch.setattr(AP, "_key_tables", lambda ops, q: True)
+        monkeypatch.setattr(AP, "_index_tables", lambda ops, q: True)
     ref, _ = _run(False, dtype="float64", device="cpu", attention_backend="reference")
     made = []
     got, eng = _run(_fixed_shape(made), dtype="float64", device="cpu", attention_backend="paged",
