@@ -209,7 +209,7 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(10, 0.35 * len(rows) + 1))
+    fig, ax = plt.subplots(figsize=(12, 0.35 * len(rows) + 1))
     labels = [f"{r['section']}: {r['case']}" for r in rows]
     ax.barh(range(len(rows)), [r["ms"] for r in rows])
     ax.set_yticks(range(len(rows)))
