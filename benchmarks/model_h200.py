@@ -125,7 +125,7 @@ def build_core(cfg_or_name, kv_tokens: tuple[int, int], release: bool, smoke: bo
                       engram_tables=engram_tables if release else "device",
                       max_num_seqs=seqs, enable_prefix_caching=False,
                       reference_ops="" if DEV == "cuda" else "all",  # the CPU smoke: no interpreted kernels
-                      kv_cache_memory=blocks * lay.bytes_per_block + seqs * lay.bytes_per_window_slot + (1 << 20))
+                      kv_cache_memory=blocks * lay.bytes_per_block + seqs * lay.bytes_per_slot + (1 << 20))
     core = EngineCore(args, loaded=LoadedModel(net, cfg, tokenizer, "dummy"))
     if DEV == "cuda":
         info["allocated_bytes"] = torch.cuda.memory_allocated()

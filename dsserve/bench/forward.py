@@ -174,7 +174,7 @@ def run_bench_forward(ns) -> int:
     lay = KVLayout.build(resolve_config(args.model), args.block_size, args.kv_cache_dtype)
     blocks = ns.batch * (math.ceil((max(ns.context) + ns.new_tokens) / lay.block_size) + 1)
     seqs = max(args.max_num_seqs, ns.batch)
-    memory = blocks * lay.bytes_per_block + seqs * lay.bytes_per_window_slot + (1 << 20)
+    memory = blocks * lay.bytes_per_block + seqs * lay.bytes_per_slot + (1 << 20)
     args = EngineArgs(**{**asdict(args), "max_num_seqs": seqs, "enable_prefix_caching": False,
                          "kv_cache_memory": args.kv_cache_memory or memory})
     core = EngineCore(args)

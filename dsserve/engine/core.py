@@ -139,19 +139,19 @@ class EngineCore:
         self.stats = EngineStats(layout, self.cfg)
         graphs = replay_graphs = self.graph_capture = None
         min_context = -(-1024 // (2 * layout.block_size)) * 2 * layout.block_size
-        if backend == "paged" and self.device.type == "cuda" and self.cfg.is_v41 and not args.enforce_eager:
+        if backend == "paged" and self.device.type == "cuda" and not args.enforce_eager:
             capture = self.graph_capture = GraphCapture()  # every graph in one memory pool
             graphs = DecodeGraphs(self.model, self.kv, args.max_num_seqs, capture, min_context=min_context)
             if replay:
                 replay_graphs = ReplayGraphs(self.model, self.kv, min(1024, args.max_num_batched_tokens),
                                              args.max_num_seqs, capture, min_context=min_context)
-        elif backend == "paged" and self.cfg.is_v41 and args.async_scheduling:  # fixed shapes, eager (the CPU)
+        elif backend == "paged" and args.async_scheduling:  # fixed shapes, eager (the CPU)
             graphs = DecodeGraphs(self.model, self.kv, args.max_num_seqs, None, min_context=min_context)
         # Asynchronous scheduling runs only fixed-shape decode steps ahead: they take their tokens from the device.
         self.async_scheduling = graphs is not None and args.async_scheduling is not False
         if args.async_scheduling and not self.async_scheduling:
-            _say("async scheduling is off: it needs fixed-shape decode steps (the paged attention backend and a V4.1 "
-                 "model; this engine runs %s on %s)", backend, self.cfg.name)
+            _say("async scheduling is off: it needs fixed-shape decode steps (the paged attention backend; this engine "
+                 "runs %s on %s)", backend, self.cfg.name)
         self._in_flight: _Launched | None = None  # a step whose tokens the host has not read yet
         self.runner = ModelRunner(self.model, args.replay_form, graphs, replay_graphs)
         self.sampler = Sampler(eos_token_id=self.tokenizer.eos_id)

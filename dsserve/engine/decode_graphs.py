@@ -17,6 +17,7 @@ from collections import Counter
 import torch
 
 from ..kv.decode_batch import DecodeBatch
+from ..kv.paged_batch import PagedBatch
 from ..kv.paged import PagedKVCache
 from ..models.model import DeepseekForCausalLM
 from .graph_capture import GraphCapture
@@ -73,8 +74,8 @@ class DecodeGraphs:
                 context_bucket(max(kv.num_tokens for kv in seqs) + 1, self.min_context))
 
     def _unfit(self, plan: StepPlan, ahead: bool = False) -> str | None:
-        if self.model.kernel_ops is None or not self.model.cfg.is_v41:
-            return "not the paged V4.1 path"
+        if self.model.kernel_ops is None or not PagedBatch.layout_supported(self.kv.layout, self.model.kernel_ops):
+            return "not the paged batched path"
         if self._unpinned_tables:
             return "Engram tables in unpinned host memory"
         if not plan.chunks or len(plan.chunks) > self.max_batch:
@@ -88,7 +89,7 @@ class DecodeGraphs:
                 return "bounded replay narrows the step"
             if r.kv.cache is not self.kv:
                 return "another cache"
-        return DecodeBatch.fits([c.request.kv for c in plan.chunks])
+        return DecodeBatch.fits([c.request.kv for c in plan.chunks], carried=self.model.cfg.is_v41)
 
     @torch.no_grad()
     def run(self, plan: StepPlan, key: tuple[int, int], tokens: torch.Tensor | None = None) -> torch.Tensor:

@@ -68,15 +68,16 @@ class DecodeBatch(FixedBatch):
         return self.seq_tables  # row t is sequence t
 
     @staticmethod
-    def fits(seqs: list[SequenceKV]) -> str | None:
+    def fits(seqs: list[SequenceKV], carried: bool = True) -> str | None:
         """Why these sequences cannot take a fixed-shape decode step at their next positions (None: they can):
-        the host's compressor counts must be those of a sequence that ran every earlier position."""
+        the host's compressor counts must be those of a sequence that ran every earlier position. ``carried``:
+        check V4.1's carried-row counts (V4 keeps its pending rows otherwise: layers.compress_v4_decode)."""
         for kv in seqs:
             p = kv.num_tokens
             if p < kv.published_until:
                 return "a row is inside its sequence's cached prefix"
             for src, (r, _) in kv.cache.layout.sources.items():
-                if kv.num_entries(src) != p // r or (r > 1 and kv.carried.get(src, 0) != p % r):
+                if kv.num_entries(src) != p // r or (carried and r > 1 and kv.carried.get(src, 0) != p % r):
                     return f"source {src}'s entries or carried rows are not those of position {p}"
         return None
 

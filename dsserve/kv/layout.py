@@ -45,6 +45,8 @@ class KVLayout:
     # rows before a prefix hit the model runs again: V4's overlapping compressors (ratio 4) mix each entry with the
     # previous group's rows, which the cache does not keep
     resume_rows: int = 0
+    # V4's compressor rows not yet pooled, per window slot, in fixed-shape decode steps (PagedKVCache.pending_ring)
+    pending_ring_bytes: int = 0
 
     @classmethod
     def build(cls, cfg: ModelConfig, block_size: int | None = None, kv_cache_dtype: str = "auto",
@@ -68,7 +70,8 @@ class KVLayout:
                    window_fmt=fmt("swa", cfg.head_dim), main_fmt=fmt("main", cfg.head_dim),
                    index_fmt=fmt("index", index_dim) if index_dim else None,
                    engram_lookback=cfg.engram_max_ngram_size - 1, window_in_blocks=window_in_blocks,
-                   resume_rows=0 if cfg.is_v41 else max((r for r in ratios if r == 4), default=0))
+                   resume_rows=0 if cfg.is_v41 else max((r for r in ratios if r == 4), default=0),
+                   pending_ring_bytes=0 if cfg.is_v41 else _pending_ring_bytes(cfg, dtype))
 
     @property
     def global_bytes_per_block(self) -> int:
@@ -88,6 +91,11 @@ class KVLayout:
     def bytes_per_window_slot(self) -> int:
         return 0 if self.window_in_blocks else len(self.window_layers) * self.window * self.window_fmt.row_bytes
 
+    @property
+    def bytes_per_slot(self) -> int:
+        """What one running request holds outside the blocks: its window ring and V4's pending compressor rows."""
+        return self.bytes_per_window_slot + self.pending_ring_bytes
+
     def global_bytes_per_token(self) -> float:
         return self.global_bytes_per_block / self.block_size
 
@@ -98,10 +106,24 @@ class KVLayout:
     def plan(self, memory_bytes: int, max_num_seqs: int) -> tuple[int, int]:
         """(global blocks, window slots): one window slot per possible running request, the rest blocks."""
         slots = max_num_seqs
-        rest = memory_bytes - slots * self.bytes_per_window_slot
+        rest = memory_bytes - slots * self.bytes_per_slot
         blocks = rest // self.bytes_per_block if self.bytes_per_block else 0
         if blocks < 1:
-            need = slots * self.bytes_per_window_slot + self.bytes_per_block
+            need = slots * self.bytes_per_slot + self.bytes_per_block
             raise ValueError(f"kv cache memory {memory_bytes:,} B is too small: {max_num_seqs} window slots and one "
                              f"block need {need:,} B")
         return int(blocks), slots
+
+
+def _pending_ring_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """V4's rings per slot: r rows (2r overlapping: ratio 4, and every indexer's compressor) of fp32 (fp64) u and z
+    projections, head_dim wide (twice that overlapping)."""
+    acc = 8 if dtype == torch.float64 else 4
+    total = 0
+    for role in cfg.roles:
+        if role.owns_compressor and role.ratio > 1:
+            k = 2 if role.ratio == 4 else 1
+            total += role.ratio * k * cfg.head_dim * k * 2 * acc
+            if role.owns_indexer:
+                total += role.ratio * 2 * cfg.index_head_dim * 2 * 2 * acc
+    return total

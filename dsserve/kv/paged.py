@@ -49,6 +49,7 @@ class PagedKVCache:
                              for i in layout.window_layers})
         self.window_pos = {i: t[:-1].view(n, rows) for i, t in self.window_tags.items()}
         self._carry: dict = {}  # see carry()
+        self._rings: dict = {}  # see pending_ring()
 
     def carry(self, source: int, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The compressor's not-yet-pooled rows of a ratio-r source on the batched path: (u, z) projections
@@ -60,6 +61,21 @@ class PagedKVCache:
             shape = (self.slots.num_blocks + 1, r - 1, width)
             self._carry[source] = tuple(torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(2))
         return self._carry[source]
+
+    def pending_ring(self, key: int, rows: int, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """V4's compressor rows not yet pooled, for fixed-shape decode steps: (u, z) [window slots + 1, rows, width]
+        by window slot, position p at row p % rows (rows: r, or 2r for an overlapping compressor, whose entries also
+        pool the group before). ``key``: a source layer, or -1 - layer for its indexer's compressor (as
+        ``SequenceKV.pending``). The spare last slot takes a decode batch's padding rows. Which rows are live is
+        host state (``RingPending``)."""
+        if key not in self._rings:
+            shape = (self.slots.num_blocks + 1, rows, width)
+            self._rings[key] = tuple(torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(2))
+        ring = self._rings[key]
+        if ring[0].shape[1:] != (rows, width) or ring[0].dtype != dtype:
+            raise InvariantError(f"compressor ring {key} is {tuple(ring[0].shape[1:])} {ring[0].dtype}, "
+                                 f"asked for {(rows, width)} {dtype}")
+        return ring
 
     # -------------------------------------------------------------------------- per request
     def new_sequence(self) -> "SequenceKV":
@@ -137,6 +153,15 @@ class PagedKVCache:
                 "window_slots": self.slots.num_blocks,
                 "window_bytes": self.slots.num_blocks * lay.bytes_per_window_slot,
                 "window_row_bytes": lay.window_fmt.row_bytes}
+
+
+class RingPending:
+    """A sequence's pending compressor rows held in ``PagedKVCache.pending_ring``: positions ``first`` up to its
+    token count. ``ring``: (rows, width, dtype) of that ring."""
+    __slots__ = ("first", "ring")
+
+    def __init__(self, first: int, ring: tuple[int, int, torch.dtype]):
+        self.first, self.ring = first, ring
 
 
 class SequenceKV:
@@ -242,7 +267,30 @@ class SequenceKV:
 
     # compressor rows and Engram lookback ---------------------------------------------------
     def pending(self, source: int):
-        return self._pending.get(source)
+        """(u, z, position of the first row) of the compressor rows not yet pooled, or None. Rows a fixed-shape decode
+        step left in the cache's ring are gathered from it here (device indexing, no wait)."""
+        state = self._pending.get(source)
+        if isinstance(state, RingPending):
+            u, z = self.cache.pending_ring(source, *state.ring)
+            at = torch.arange(state.first, self.num_tokens).remainder(state.ring[0]).to(u.device, non_blocking=True)
+            state = (u[self.slot, at], z[self.slot, at], state.first)
+            self._pending[source] = state
+        return state
+
+    def pending_to_ring(self, source: int, ring: tuple[int, int, torch.dtype], first: int) -> None:
+        """Before a fixed-shape decode step: the pending rows (if still tensors) into the ring, which then holds
+        positions from theirs (none pending: from ``first``) on; the step reads the groups it completes from there."""
+        state = self._pending.get(source)
+        if isinstance(state, RingPending):
+            return
+        if state is not None:
+            u, z = self.cache.pending_ring(source, *ring)
+            n = state[0].shape[0]
+            at = torch.arange(state[2], state[2] + n).remainder(ring[0]).to(u.device, non_blocking=True)
+            u[self.slot, at] = state[0]
+            z[self.slot, at] = state[1]
+            first = state[2]
+        self._pending[source] = RingPending(first, ring)
 
     def set_pending(self, source: int, state) -> None:
         if state is None:

@@ -71,8 +71,13 @@ class PagedBatch:
         c = getattr(seqs[0].cache, "cache", None) if seqs else None
         if len(caches) != 1 or not isinstance(c, PagedKVCache):
             return False
+        return cls.layout_supported(c.layout, ops)
+
+    @staticmethod
+    def layout_supported(layout, ops) -> bool:
+        """Whether the ops read this layout's row formats (see ``supports``)."""
         kinds = [FORMAT_KIND.get(getattr(f, "name", None))
-                 for f in (c.layout.window_fmt, c.layout.main_fmt, c.layout.index_fmt) if f is not None]
+                 for f in (layout.window_fmt, layout.main_fmt, layout.index_fmt) if f is not None]
         if None in kinds:
             return False
         return all(not k.startswith("raw-") for k in kinds) or all(op in ops.reference for op in _REFERENCE_ONLY)

@@ -86,6 +86,9 @@ class CSA2Attention(nn.Module):
         if ctx.paged is not None and self.cfg.is_v41:  # V4's compressors (overlap, APE) pool per sequence
             from .compress_paged import compress_paged
             return compress_paged(self, x, ctx)
+        if getattr(ctx.paged, "is_decode", False):  # V4 in a fixed-shape decode step
+            from .compress_v4_decode import compress_decode_v4
+            return compress_decode_v4(self, x, ctx)
         r = self.role.ratio
         work = []  # (cache, first row in x, end row, position of the first row) of each sequence with rows to pool
         for seq in ctx.seqs:

@@ -15,6 +15,7 @@ import torch
 
 from ..kernels import indexer_prefill, sparse_attention_prefill
 from ..kv.paged_batch import FORMAT_KIND
+from .compress_v4_decode import store_raw_rows
 from .context import ForwardContext
 from .numerics import fp32_param
 
@@ -174,6 +175,8 @@ def forward_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
     rows = step.window_store_rows()
     if cfg.is_v41:
         ops.store_window(kv_proj, norm.weight, norm.eps, cos, sin, win_pool, rows, win_fmt, qat=ctx.qat)
+    elif getattr(step, "is_decode", False):  # fixed shapes: rows that store nothing are -1
+        store_raw_rows(win_pool, lay.window_fmt, rows, kv, ops)
     else:
         src_rows, dst_rows = step.window_store_pairs()
         win_pool.view(lay.window_fmt.dtype).index_copy_(0, dst_rows, kv[src_rows].to(lay.window_fmt.dtype))

@@ -16,6 +16,7 @@ from ..kv.decode_batch import DecodeBatch
 from ..kv.paged_batch import PagedBatch
 from ..kv.replay_batch import ReplayBatch
 from ..kv.sequence_cache import SequenceCache
+from ..layers.compress_v4_decode import commit_rings, ring_specs, rings_before_step
 from ..layers.context import ForwardContext, KeptRows, SeqRows
 from ..layers.mhc import collapse, hc_head_pre
 from ..layers.norm import RMSNorm
@@ -159,8 +160,8 @@ class DeepseekForCausalLM(nn.Module):
         """A decode step's inputs into ``batch`` (sequence i decodes ``tokens[i]``: host ids, or a device LongTensor
         the host has not read); then ``forward_decode`` runs (or replays) on them. Engram needs only each
         sequence's history from the host: the rows are hashed and gathered on the device, in the step."""
-        if not self.cfg.is_v41:  # V4: its head collapses with its own mHC weights, its compressors pool per sequence
-            raise ModelInputError("fixed-shape decode steps need a V4.1 model on the paged batched path")
+        if not self.cfg.is_v41:  # V4's compressors keep their rows not yet pooled in the cache's rings
+            rings_before_step(self.v4_rings(), seqs)
         back = None
         if self.cfg.engram_layer_ids:
             if self.engram_token_map is None:  # the step maps its tokens on the device
@@ -187,6 +188,8 @@ class DeepseekForCausalLM(nn.Module):
         x, pre = self._embed(batch.tokens)
         for block in self.layers:
             x, pre, ctx = block(x, pre, ctx)
+        if not cfg.is_v41:
+            pre = hc_head_pre(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg.rms_norm_eps, cfg.hc_eps)
         return self.logits(collapse(x, pre))
 
     def forward_decoder_rows(self, batch: ReplayBatch, start: int, x: torch.Tensor, h: torch.Tensor,
@@ -209,6 +212,8 @@ class DeepseekForCausalLM(nn.Module):
         histories wait for ``push_decode_history``."""
         if tokens is not None:
             self.push_decode_history(seqs, tokens)
+        if not self.cfg.is_v41:
+            commit_rings(self.v4_rings(), seqs)
         for kv in seqs:
             p = kv.num_tokens
             for src, (r, _) in kv.cache.layout.sources.items():
@@ -216,6 +221,12 @@ class DeepseekForCausalLM(nn.Module):
                 if r > 1:
                     kv.carried[src] = (p + 1) % r
             kv.num_tokens = p + 1
+
+    def v4_rings(self) -> list:
+        """V4's pooling compressors with their rings' shapes (layers.compress_v4_decode.ring_specs), built once."""
+        if getattr(self, "_v4_rings", None) is None:
+            self._v4_rings = ring_specs(self)
+        return self._v4_rings
 
     def push_decode_history(self, seqs: list, tokens: list[int]) -> None:
         """Engram histories of sequences whose decode step took ``tokens`` (no-op without Engram)."""

@@ -187,3 +187,73 @@ def test_fixed_shape_decode_after_prefix_hits_with_and_without_bounded_replay():
             for da, db in zip(lp_a, lp_b):
                 assert [k for k, _ in da] == [k for k, _ in db]
                 assert all(abs(a.logprob - b.logprob) < 1e-9 for (_, a), (_, b) in zip(da, db))
+
+
+@pytest.mark.parametrize("window_in_blocks", [False, True])
+def test_v4_fixed_shape_decode_is_exact(tiny_models, window_in_blocks):
+    """V4 (tiny-v4): its compressors pool from the cache's rings in fixed-shape steps (ratio 4 overlapping the group
+    before, ratio 128 completing an entry inside them: a 120-token prompt decodes past 128); steps beside prefill
+    chunks run eagerly, reading the rings back. fp64 logits equal the oracle's, ring and window-in-blocks alike."""
+    global model
+    model = m = tiny_models["tiny-v4"]
+    prompts = [make_prompts(m.cfg, seed=1)[i] for i in (11, 5, 13, 3, 0)]
+    conts = [greedy_generate(m, p, 24, bounded_replay=False) for p in prompts]
+    with torch.no_grad():
+        ref = [m.reference_logits(torch.tensor(p + c[:-1]))[len(p) - 1:] for p, c in zip(prompts, conts)]
+    made = []
+    reqs, _, logits = _engine(m, prompts, 7, KernelOps(frozenset(OPS)), torch.float64, "cpu", 24,
+                              decode_graphs=_graphs(False, made, min_context=256), window_in_blocks=window_in_blocks)
+    assert [r.output_token_ids for r in reqs] == conts
+    assert max(float((g - r).abs().max()) for g, r in zip(logits, ref)) < 1e-9
+    rep = made[0].report()
+    assert rep["fixed_shape_steps"] and rep["padded_rows"] > 0 and rep["fallbacks"]["not a decode step"] > 0
+
+
+def test_v4_engine_fixed_shape_steps_between_eager_ones():
+    """The engine on tiny-v4 (fp64, paged, fixed-shape decode steps run eagerly on the CPU): a 2-token prompt decodes
+    alone (its first ratio-4 group completes inside a fixed-shape step: the empty group before it masked), a
+    120-token prompt arrives (its chunks make mixed eager steps, which read the first one's rings back) and decodes
+    past position 128 beside it, then a third arrives. Every request's greedy tokens equal the oracle's."""
+    from dsserve.engine.args import EngineArgs
+    from dsserve.engine.core import EngineCore
+    from dsserve.engine.sampling_params import SamplingParams
+    core = EngineCore(EngineArgs(model="tiny-v4", dtype="float64", device="cpu", attention_backend="paged",
+                                 max_num_seqs=4, max_num_batched_tokens=32, async_scheduling=True,
+                                 kv_cache_memory=64 << 20, reference_ops="all"))
+    prompts = [[9, 4], [5 + (7 * j) % 900 for j in range(120)], [11 + (3 * j) % 700 for j in range(40)]]
+    n_out = [30, 14, 6]
+    got, seen = {}, {}
+    core.add_request("0", prompts[0], SamplingParams(temperature=0, max_tokens=n_out[0], ignore_eos=True))
+    while core.has_unfinished_requests():
+        for out in core.step():
+            seen[out.request_id] = len(out.outputs[0].token_ids)
+            if out.finished:
+                got[out.request_id] = list(out.outputs[0].token_ids)
+        for i, (after, n) in enumerate((("0", 4), ("1", 3)), start=1):
+            if str(i) not in seen and seen.get(after, 0) >= n:
+                core.add_request(str(i), prompts[i], SamplingParams(temperature=0, max_tokens=n_out[i],
+                                                                    ignore_eos=True))
+                seen[str(i)] = 0
+    want = {str(i): greedy_generate(core.model, p, n, bounded_replay=False)
+            for i, (p, n) in enumerate(zip(prompts, n_out))}
+    assert got == want
+    rep = core.runner.decode_graphs.report()
+    assert rep["fixed_shape_steps"] and rep["fallbacks"]["not a decode step"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_v4_graph_replay_equals_the_fixed_shape_step_on_gpu():
+    """tiny-v4 in bf16 on the kernels (raw bf16 rows): graph replay gives the fixed-shape eager steps' logits bit for
+    bit (ring writes, masked window and entry stores inside the graph)."""
+    global model
+    runs = {}
+    for capture in (False, True):
+        model = m = _tiny(torch.bfloat16, "cuda", name="tiny-v4")
+        prompts = [make_prompts(m.cfg, seed=1)[i] for i in (11, 5, 13, 3, 0)]
+        made = []
+        reqs, _, logits = _engine(m, prompts, 7, KernelOps(), torch.bfloat16, "cuda", 24,
+                                  decode_graphs=_graphs(capture, made, min_context=256))
+        runs[capture] = [r.output_token_ids for r in reqs], logits, made[0].report()
+    assert runs[True][0] == runs[False][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1]))
+    assert runs[True][2]["replays"] > 0 and runs[True][2]["graphs"] == runs[False][2]["fixed_shape_steps"]

@@ -17,8 +17,8 @@ from test_paged_engine import make_prompts, run_engine
 import test_paged_engine
 
 
-def _tiny(dtype, device="cpu"):
-    cfg = preset("tiny")
+def _tiny(dtype, device="cpu", name="tiny"):
+    cfg = preset(name)
     m = DeepseekForCausalLM(cfg).eval()
     dummy_weights(m, cfg, seed=0)
     return m.to(dtype).to(device)

@@ -12,15 +12,18 @@ from dsserve.kv.paged_batch import PagedBatch
 from oracle_logprobs import logprob_errors
 
 
-def _errors(device: str, paged: bool, monkeypatch) -> tuple[list[float], int]:
+def _errors(device: str, paged: bool, monkeypatch, graphs: bool = False) -> tuple[list[float], int]:
     calls, real = [], AP.forward_paged
     monkeypatch.setattr(AP, "forward_paged", lambda *a: calls.append(1) or real(*a))
     if not paged:
         monkeypatch.setattr(PagedBatch, "supports", classmethod(lambda cls, seqs, ops: False))
     # the CPU: every op on its torch reference (interpreted kernels would take minutes); a GPU: the Triton kernels
     llm = LLM(model="tiny-v4", dtype="bfloat16", device=device, attention_backend="paged", seed=0, max_num_seqs=4,
-              max_num_batched_tokens=64, enable_prefix_caching=False, reference_ops="all" if device == "cpu" else "")
+              max_num_batched_tokens=64, enable_prefix_caching=False, reference_ops="all" if device == "cpu" else "",
+              enforce_eager=not graphs)
     errs = logprob_errors(llm, device)
+    if graphs:
+        assert llm.engine.runner.decode_graphs.report()["replays"] > 0
     monkeypatch.undo()
     return errs, len(calls)
 
@@ -34,3 +37,6 @@ def test_v4_paged_path_is_as_close_to_the_oracle_as_the_per_sequence_path(device
     assert calls > 0 and none == 0
     med = lambda e: e[len(e) // 2]  # noqa: E731
     assert med(fast) < 1.5 * med(slow) + 0.02 and fast[-1] < 2 * slow[-1] + 0.5, (med(fast), med(slow))
+    if device == "cuda":  # decode steps as CUDA graphs (the GPU's default)
+        graphed, _ = _errors(device, True, monkeypatch, graphs=True)
+        assert med(graphed) < 1.5 * med(slow) + 0.02 and graphed[-1] < 2 * slow[-1] + 0.5, (med(graphed), med(slow))
