@@ -55,7 +55,7 @@ class EngineArgs:
         "paged: attention batched over the paged pools through the kernels | reference: the per-sequence "
         "reference path | auto: paged on cuda, reference on cpu"))
     enforce_eager: bool = field(default=False, metadata=_h(
-        "run every step eagerly; otherwise on a GPU (paged backend, V4.1) decode steps, and the decoder rows of other "
+        "run every step eagerly; otherwise on a GPU (paged backend) decode steps, and (V4.1) the decoder rows of other "
         "steps after bounded replay's narrowing, run as CUDA graphs captured per row and context bucket on first "
         "use"))
     async_scheduling: bool | None = field(default=None, metadata=_h(
