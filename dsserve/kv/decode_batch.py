@@ -52,6 +52,7 @@ class DecodeBatch(FixedBatch):
     def begin(self) -> None:
         super().begin()
         self._entry_stores = {}
+        self.derived: dict = {}  # what layers derive from the buffers once a run (layers.compress_v4_decode)
         if not hasattr(self, "engram_back"):  # FixedBatch.__init__'s call: nothing uploaded yet
             return
         cap = self.capacity

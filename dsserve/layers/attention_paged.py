@@ -141,14 +141,17 @@ def forward_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
     q_lat, q = attn.query(x, ctx.positions, ops, (cos, sin))
 
     # The step's own window rows: computed now, stored after the attention (storing first would overwrite
-    # ring rows that earlier rows of a long chunk still read). V4's entries (its own QAT) are stored raw.
+    # ring rows that earlier rows of a long chunk still read), except in a decode batch: a row's ring row holds
+    # position p - W, which no row of the step reads, so computing and storing are one launch. V4's entries (its own
+    # QAT) are stored raw.
     win_pool = cache.window[role.index].flatten(0, 1)
     win_fmt = FORMAT_KIND[lay.window_fmt.name]
     norm = attn.kv_norm
+    decode = getattr(step, "is_decode", False)
     if cfg.is_v41:
         kv_proj = attn.wkv(x)
-        kv = ops.store_window(kv_proj, norm.weight, norm.eps, cos, sin, win_pool, step.no_rows(), win_fmt,
-                              qat=ctx.qat)
+        kv = ops.store_window(kv_proj, norm.weight, norm.eps, cos, sin, win_pool,
+                              step.window_store_rows() if decode else step.no_rows(), win_fmt, qat=ctx.qat)
     else:
         kv = attn.window_entry(x, ctx.positions, ctx.qat, ops, (cos, sin))
 
@@ -174,8 +177,9 @@ def forward_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
 
     rows = step.window_store_rows()
     if cfg.is_v41:
-        ops.store_window(kv_proj, norm.weight, norm.eps, cos, sin, win_pool, rows, win_fmt, qat=ctx.qat)
-    elif getattr(step, "is_decode", False):  # fixed shapes: rows that store nothing are -1
+        if not decode:
+            ops.store_window(kv_proj, norm.weight, norm.eps, cos, sin, win_pool, rows, win_fmt, qat=ctx.qat)
+    elif decode:  # fixed shapes: rows that store nothing are -1
         store_raw_rows(win_pool, lay.window_fmt, rows, kv, ops)
     else:
         src_rows, dst_rows = step.window_store_pairs()

@@ -14,7 +14,7 @@ import torch
 
 from . import quant
 from .context import ForwardContext
-from .numerics import acc_dtype
+from .numerics import acc_dtype, acc_param
 
 
 def ring_specs(model) -> list[tuple[int, object, tuple[int, int, torch.dtype]]]:
@@ -51,25 +51,34 @@ def commit_rings(specs, seqs) -> None:
             state.first = max(keep, state.first)
 
 
+def _ring_rows(step, r: int, rows: int):
+    """Per row of the step, for rings of ``rows`` rows pooling groups of r: the ring row its projections go to
+    [T], the ring rows of the positions its group's entry pools [T, rows], their APE slots [T, rows], and whether
+    each is a position at all [T, rows, 1] (group -1 of an overlapping compressor is not); once per step."""
+    key = ("v4 ring", r, rows)
+    if key not in step.derived:
+        p = step.positions
+        base = step.carry_slots * rows
+        first = (torch.div(p, r, rounding_mode="floor") - (rows // r - 1)) * r
+        q = first[:, None] + torch.arange(rows, device=p.device)  # [T, rows] the positions pooled
+        step.derived[key] = (base + p % rows, base[:, None] + q.remainder(rows), q.remainder(r),
+                                   (q >= 0)[:, :, None])
+    return step.derived[key]
+
+
 def _pooled(comp, key: int, x: torch.Tensor, step) -> torch.Tensor:
     """[capacity, head_dim] the pooled latent of the group each row's position belongs to (complete or not)."""
     r, c = comp.ratio, comp.head_dim
     u, z = comp.project(x)
     rows = r * (2 if comp.overlap else 1)
     ring_u, ring_z = step.cache.pending_ring(key, rows, u.shape[1], u.dtype)
-    p = step.positions
-    base = step.carry_slots * rows
-    ring_u.flatten(0, 1).index_copy_(0, base + p % rows, u)
-    ring_z.flatten(0, 1).index_copy_(0, base + p % rows, z)
-    first = (torch.div(p, r, rounding_mode="floor") - (1 if comp.overlap else 0)) * r
-    q = first[:, None] + torch.arange(rows, device=p.device)  # [T, rows] the positions pooled
-    at = base[:, None] + q.remainder(rows)
+    put, at, slot, live = _ring_rows(step, r, rows)
+    ring_u.flatten(0, 1).index_copy_(0, put, u)
+    ring_z.flatten(0, 1).index_copy_(0, put, z)
     uw, zw = ring_u.flatten(0, 1)[at], ring_z.flatten(0, 1)[at]
     if comp.ape is not None:
-        zw = zw + comp.ape.to(zw.dtype)[q.remainder(r)]
-    if comp.overlap:
-        live = (q >= 0)[:, :, None]
-        uw = torch.where(live, uw, 0.0)
+        zw = zw + acc_param(comp.ape)[slot]
+    if comp.overlap:  # the empty group's weights are 0 (its stale u then counts for nothing, as the zeros it stands for)
         zw = torch.where(live, zw, float("-inf"))
         uw = torch.cat((uw[:, :r, :c], uw[:, r:, c:]), dim=1)
         zw = torch.cat((zw[:, :r, :c], zw[:, r:, c:]), dim=1)
@@ -94,13 +103,15 @@ def compress_decode_v4(attn, x: torch.Tensor, ctx: ForwardContext) -> None:
     step, ops, layer, r = ctx.paged, ctx.ops, attn.role.index, attn.role.ratio
     cache, lay = step.cache, step.cache.layout
     rows, tables = step.entry_stores(r, attn.rope, x.dtype)
-    main = ops.rope_inplace(attn.compressor.norm(_pooled(attn.compressor, layer, x, step)), *tables)
+    norm = attn.compressor.norm
+    main = ops.rope_inplace(ops.rms_norm(_pooled(attn.compressor, layer, x, step), norm.weight, norm.eps), *tables)
     if ctx.qat:
         main = attn._kv_qat(main, True, ops)
     store_raw_rows(cache.main[layer], lay.main_fmt, rows, main, ops)
     icomp = None if attn.indexer is None else getattr(attn.indexer, "compressor", None)
     if icomp is not None and layer in cache.index:
-        ik = ops.rope_inplace(icomp.norm(_pooled(icomp, -1 - layer, x, step)), *tables)
+        ik = ops.rope_inplace(ops.rms_norm(_pooled(icomp, -1 - layer, x, step), icomp.norm.weight, icomp.norm.eps),
+                              *tables)
         if ctx.qat:
             ik = ops.fake_quant_fp4_pow2(quant.hadamard_rotate(ik), 32)
         store_raw_rows(cache.index[layer], lay.index_fmt, rows, ik, ops)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .norm import RMSNorm
-from .numerics import acc
+from .numerics import acc, acc_param
 
 
 class Compressor(nn.Module):
@@ -46,7 +46,8 @@ class Compressor(nn.Module):
 
     def project(self, x: torch.Tensor):
         """(u, z) of rows x: fp32 projections, like the release's reference (x.float() before the projection)."""
-        return acc(x) @ acc(self.wkv.weight).t(), acc(x) @ acc(self.wgate.weight).t()
+        xf = acc(x)  # converted once for both products; the weights' fp32 copies are kept (acc_param)
+        return xf @ acc_param(self.wkv.weight).t(), xf @ acc_param(self.wgate.weight).t()
 
     def projected(self, x: torch.Tensor, first_pos: int, pending, uz=None):
         """(u, z) of the pending rows then x's, the position of their first row, the number of complete

@@ -21,6 +21,8 @@ def fp32_param(p: torch.Tensor) -> torch.Tensor:
     take its address) and that storage's version: a load in place or a swap of ``.data`` converts again."""
     if p.dtype == torch.float32:
         return p
+    if p.requires_grad and torch.is_grad_enabled():  # training: the conversion must stay differentiable
+        return p.float()
     try:
         version = p._version
     except RuntimeError:  # an inference tensor keeps no version: convert every time
