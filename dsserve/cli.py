@@ -216,6 +216,18 @@ def _add_bench(sub):
     tp.set_defaults(func=run_bench_throughput)
 
 
+# ------------------------------------------------------------------ eval
+
+
+def _add_eval(sub):
+    from .bench.eval import add_eval_args, run_eval
+
+    p = sub.add_parser("eval", help="accuracy on held-out synthetic problems (arithmetic, retrieval, chat), "
+                                    "bounded replay off / on, cold / after a prefix hit")
+    add_eval_args(p)
+    p.set_defaults(func=run_eval)
+
+
 # ------------------------------------------------------------------ entry point
 
 
@@ -226,6 +238,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_serve(sub)
     _add_bench(sub)
+    _add_eval(sub)
     return ap
 
 

@@ -1,0 +1,141 @@
+"""``dsserve eval``: accuracy on held-out synthetic problems (``train.tasks``, the eval split), with its standard
+error, through the engine or a live server (issue 10).
+
+Modes: bounded replay off / on (the engine only: a server runs as it was started), and cold / after a prefix hit
+(the problem's ``context``, its earlier turns, is sent first and cached, then the whole prompt arrives). Greedy
+decoding; a problem counts as solved when the completion's first ``Answer: X`` line gives its answer. Prints a
+table, then one JSON line; ``--out`` writes eval.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+import urllib.request
+from dataclasses import asdict, replace
+
+from ..train.tasks import TASKS, final_answer, problem, prompt_ids
+
+MAX_TOKENS = {"arithmetic": 64, "retrieval": 8, "chat": 24}
+
+
+def standard_error(correct: int, n: int) -> float:
+    p = correct / n if n else 0.0
+    return math.sqrt(p * (1 - p) / n) if n else float("nan")
+
+
+def _server_complete(url: str, ids: list[int], max_tokens: int) -> str:
+    body = json.dumps({"prompt": ids, "max_tokens": max_tokens, "temperature": 0}).encode()
+    req = urllib.request.Request(url.rstrip("/") + "/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.load(r)["choices"][0]["text"]
+
+
+def run_mode(complete, tokenizer, tasks: list[str], n: int, hit: bool, min_back: int) -> dict:
+    """Per task: {"n", "correct", "accuracy", "se", "skipped"}; ``complete(ids, max_tokens) -> text``."""
+    count = (lambda s: len(tokenizer.encode(s, add_bos=False)))
+    out = {}
+    for task in tasks:
+        correct = skipped = 0
+        for i in range(n):
+            p = problem(task, "eval", i, count, min_back)
+            if hit:
+                if not p.context:  # nothing earlier to cache
+                    skipped += 1
+                    continue
+                complete(prompt_ids(tokenizer, p.context), 1)
+            got = final_answer(complete(prompt_ids(tokenizer, p.prompt), MAX_TOKENS[task]))
+            correct += got == p.answer
+        m = n - skipped
+        out[task] = {"n": m, "correct": correct, "accuracy": correct / m if m else float("nan"),
+                     "se": standard_error(correct, m), "skipped": skipped}
+    return out
+
+
+def run_eval(ns) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..engine.args import EngineArgs
+    from ..models.loader import resolve_config
+    from ..models.tokenizer import Tokenizer
+
+    tasks = [t for t in ns.tasks.split(",") if t]
+    bad = sorted(set(tasks) - set(TASKS))
+    if bad or not tasks:
+        raise SystemExit(f"dsserve eval: unknown task(s) {bad}; tasks are {list(TASKS)}")
+    caches = [c for c in ns.cache.split(",") if c]
+    if sorted(set(caches) - {"cold", "hit"}):
+        raise SystemExit(f"dsserve eval: --cache takes cold and/or hit, got {ns.cache!r}")
+    args = EngineArgs.from_cli(ns)
+    cfg = resolve_config(args.model)
+    tokenizer = Tokenizer.load(args.model)
+    min_back = ns.min_back or 4 * cfg.sliding_window  # four windows back: out of a window-only model's sight
+    results, t0 = [], time.perf_counter()
+    if ns.url:
+        for cache in caches:
+            res = run_mode(lambda ids, k: _server_complete(ns.url, ids, k), tokenizer, tasks, ns.n, cache == "hit",
+                           min_back)
+            results.append({"replay": "server", "cache": cache, "tasks": res})
+    else:
+        from ..engine.llm import LLM
+        from ..engine.sampling_params import SamplingParams
+        replays = [r for r in ns.replay.split(",") if r]
+        for replay in replays:
+            if replay not in ("off", "on"):
+                raise SystemExit(f"dsserve eval: --replay takes off and/or on, got {ns.replay!r}")
+            for cache in caches:
+                llm = LLM(**asdict(replace(args, swa_bounded_replay=replay == "on", enable_prefix_caching=cache == "hit")))
+
+                def complete(ids, k, llm=llm):
+                    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=k, ignore_eos=True),
+                                       use_tqdm=False)
+                    return out[0].outputs[0].text
+                res = run_mode(complete, tokenizer, tasks, ns.n, cache == "hit", min_back)
+                if cache == "hit":
+                    res["prefix_hit_tokens"] = llm.engine.stats.as_dict()["prefix_hit_tokens"]
+                results.append({"replay": replay, "cache": cache, "tasks": res})
+    summary = {"model": args.model, "n": ns.n, "min_back": min_back, "results": results,
+               "replay_difference_se": _differences(results, tasks), "seconds": time.perf_counter() - t0}
+    table = Table(title=f"dsserve eval: {args.model}, {ns.n} held-out problems a task")
+    for col in ("replay", "cache", "task", "accuracy", "se", "n"):
+        table.add_column(col)
+    for r in results:
+        for task in tasks:
+            t = r["tasks"][task]
+            table.add_row(r["replay"], r["cache"], task, f"{t['accuracy']:.3f}", f"{t['se']:.3f}", str(t["n"]))
+    Console().print(table)
+    if ns.out:
+        os.makedirs(ns.out, exist_ok=True)
+        with open(os.path.join(ns.out, "eval.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+    print(json.dumps(summary))
+    return 0
+
+
+def _differences(results: list[dict], tasks: list[str]) -> dict:
+    """Per cache mode and task: (accuracy replay on - off) in standard errors of the difference."""
+    out = {}
+    for cache in ("cold", "hit"):
+        by = {r["replay"]: r["tasks"] for r in results if r["cache"] == cache}
+        if "on" in by and "off" in by:
+            for task in tasks:
+                a, b = by["on"][task], by["off"][task]
+                se = math.sqrt(a["se"] ** 2 + b["se"] ** 2)
+                out[f"{cache}/{task}"] = (a["accuracy"] - b["accuracy"]) / se if se > 0 else 0.0
+    return out
+
+
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    from ..engine.args import EngineArgs
+    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of {list(TASKS)}")
+    p.add_argument("-n", type=int, default=100, help="held-out problems per task (default 100)")
+    p.add_argument("--replay", default="off,on", help="bounded replay modes, comma list of off/on (engine only)")
+    p.add_argument("--cache", default="cold,hit", help="cold and/or hit: the question after its earlier turns cached")
+    p.add_argument("--min-back", type=int, default=0,
+                   help="retrieval: tokens between the asked fact and the question (default 4 sliding windows)")
+    p.add_argument("--url", default=None, help="evaluate a live server at this base URL instead of an engine")
+    p.add_argument("--out", default=None, help="write eval.json here")
+    EngineArgs.add_cli_args(p)

@@ -1,0 +1,151 @@
+"""The synthetic tasks a built-in model is trained and evaluated on (issue 10), generated from seeds.
+
+- ``arithmetic``: a word problem of 2-4 steps (gains, losses, doublings) with a worked solution;
+- ``retrieval``: many "the code for K is V" facts, then a question about the first one, placed at least
+  ``min_back`` tokens before the question (a window-only model cannot see it: only the global KV and the
+  indexer can answer);
+- ``chat``: a multi-turn DeepSeek-V4 chat (``server.chat.encode_chat``) whose assistant looks a value up with a
+  tool call; the tool's result arrives in the next turn and the reply states it.
+
+Every completion ends in a final line ``Answer: X``. A problem belongs to the ``train`` or the ``eval`` split by a
+hash of its prompt (one in ``EVAL_SHARE`` is eval), so no seed of one split can produce a problem of the other:
+held-out problems are never seen in training. ``context`` is the part of the prompt a later turn would find in the
+prefix cache (the facts; the chat's earlier turns): ``prompt`` starts with it.
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+TASKS = ("arithmetic", "retrieval", "chat")
+SPLITS = ("train", "eval")
+EVAL_SHARE = 16  # one problem in 16 (by prompt hash) is held out
+ANSWER = re.compile(r"Answer:\s*(-?[\w.]+)")
+
+_NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea", "Mo", "Nia")
+_ITEMS = ("apples", "marbles", "coins", "books", "shells", "stamps", "cards", "pens", "beads", "tickets")
+_SYLLABLES = ("ba", "ko", "ri", "tu", "me", "sa", "lo", "ni", "ve", "du", "pa", "zi", "go", "he", "mu", "ra")
+_PLACES = ("north", "south", "east", "west", "harbor", "valley", "river", "hill")
+
+
+@dataclass(frozen=True)
+class Problem:
+    task: str
+    prompt: str      # what the model is given
+    completion: str  # the target continuation, ending in "Answer: X"
+    answer: str
+    context: str     # the prompt's prefix a later turn would find cached
+
+
+def final_answer(text: str) -> str | None:
+    """The X of the first ``Answer: X`` line of a generated completion (what follows may be a next question the model
+    went on to invent), or None."""
+    found = ANSWER.search(text)
+    return found.group(1) if found else None
+
+
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of a problem's text as training and evaluation both feed it: BOS first (once: a chat prompt's text
+    already starts with the BOS string, which a DeepSeek vocabulary holds as one token)."""
+    from ..server.chat import BOS
+    return tokenizer.encode(text, add_bos=not (text.startswith(BOS) and tokenizer.token_to_id(BOS) is not None))
+
+
+def split_of(prompt: str) -> str:
+    return "eval" if int(hashlib.sha256(prompt.encode()).hexdigest(), 16) % EVAL_SHARE == 0 else "train"
+
+
+def problem(task: str, split: str, index: int, count_tokens: Callable[[str], int] | None = None,
+            min_back: int = 512) -> Problem:
+    """Problem ``index`` of ``split`` for ``task`` (deterministic). ``count_tokens`` and ``min_back``: retrieval's
+    distance from the asked fact to the question, in the model's tokens (default: a character count / 4)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; tasks are {list(TASKS)}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; splits are {list(SPLITS)}")
+    rng = random.Random(f"{task}/{split}/{index}")
+    make = {"arithmetic": _arithmetic, "retrieval": _retrieval, "chat": _chat}[task]
+    while True:  # draw until the problem hashes into the asked split
+        p = make(rng, count_tokens or (lambda s: len(s) // 4), min_back)
+        if split_of(p.prompt) == split:
+            return p
+
+
+def _word_problem(rng: random.Random) -> tuple[str, str, int]:
+    """(question, worked solution, answer) of a 2-4 step problem."""
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    n = rng.randint(2, 40)
+    text, steps = [f"{name} has {n} {item}."], []
+    for _ in range(rng.randint(2, 4)):
+        kind = rng.choice(("gain", "gain", "lose", "double"))
+        if kind == "lose" and n < 2:
+            kind = "gain"
+        if kind == "gain":
+            k = rng.randint(1, 30)
+            text.append(rng.choice((f"Then {name} finds {k} more.", f"A friend gives {name} {k} more.")))
+            steps.append(f"{n} + {k} = {n + k}")
+            n += k
+        elif kind == "lose":
+            k = rng.randint(1, n - 1)
+            text.append(rng.choice((f"Then {name} gives away {k}.", f"{name} loses {k} of them.")))
+            steps.append(f"{n} - {k} = {n - k}")
+            n -= k
+        else:
+            text.append(f"Then the number of {item} doubles.")
+            steps.append(f"{n} * 2 = {n * 2}")
+            n *= 2
+    question = "Question: " + " ".join(text) + f" How many {item} does {name} have now?\nSolution:"
+    return question, " " + ". ".join(steps) + f".\nAnswer: {n}\n", n
+
+
+def _arithmetic(rng: random.Random, count_tokens, min_back) -> Problem:
+    """A worked problem (the earlier turn, cached on a hit), then the one to solve."""
+    q0, s0, _ = _word_problem(rng)
+    q, sol, n = _word_problem(rng)
+    context = q0 + s0 + "\n"
+    return Problem("arithmetic", context + q, sol, str(n), context)
+
+
+def _word(rng: random.Random) -> str:
+    return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3)))
+
+
+def _retrieval(rng: random.Random, count_tokens, min_back) -> Problem:
+    keys, facts = set(), []
+    while True:
+        key = _word(rng)
+        if key in keys:
+            continue
+        keys.add(key)
+        facts.append((key, str(rng.randint(1000, 9999))))
+        context = "".join(f"The code for {k} is {v}.\n" for k, v in facts)
+        if len(facts) > 1 and count_tokens(context) - count_tokens(f"The code for {facts[0][0]} is x.\n") >= min_back:
+            break
+    key, value = facts[0]
+    prompt = context + f"Question: What is the code for {key}?\n"
+    return Problem("retrieval", prompt, f"Answer: {value}\n", value, context)
+
+
+def _chat(rng: random.Random, count_tokens, min_back) -> Problem:
+    from ..server.chat import encode_chat
+    tool = {"type": "function", "function": {
+        "name": "stock", "description": "How many of an item a warehouse holds",
+        "parameters": {"type": "object", "properties": {"item": {"type": "string"}, "warehouse": {"type": "string"}},
+                       "required": ["item", "warehouse"]}}}
+    msgs, context, turns = [], "", rng.randint(2, 3)
+    for turn in range(turns):
+        item, place, n = rng.choice(_ITEMS), rng.choice(_PLACES), rng.randint(0, 500)
+        call = {"id": f"call_{turn}", "type": "function",
+                "function": {"name": "stock", "arguments": f'{{"item": "{item}", "warehouse": "{place}"}}'}}
+        msgs += [{"role": "user", "content": f"How many {item} are in the {place} warehouse?"},
+                 {"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": call["id"], "content": f'{{"count": {n}}}'}]
+        reply = f"The {place} warehouse has {n} {item}.\nAnswer: {n}"
+        if turn < turns - 1:  # an earlier exchange, answered: what a later turn finds cached
+            msgs.append({"role": "assistant", "content": reply})
+            context = encode_chat(msgs, tools=[tool], add_generation_prompt=False)
+    prompt = encode_chat(msgs, tools=[tool])
+    return Problem("chat", prompt, reply + "\n", str(n), context if prompt.startswith(context) else "")

@@ -1,0 +1,71 @@
+"""The synthetic tasks (issue 10): deterministic, held-out problems never produced by training seeds, answers that
+follow from the problems, retrieval facts out of a window-only model's sight."""
+import re
+
+import pytest
+
+from dsserve.models.tokenizer import Tokenizer
+from dsserve.server.chat import ASSISTANT, END_THINK
+from dsserve.train.tasks import TASKS, final_answer, problem, prompt_ids, split_of
+
+TOK = Tokenizer.for_preset("tiny")
+
+
+def count(s):
+    return len(TOK.encode(s, add_bos=False))
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_problems_are_deterministic_and_split_by_hash(task):
+    ev = [problem(task, "eval", i, count, 128) for i in range(20)]
+    assert ev == [problem(task, "eval", i, count, 128) for i in range(20)]
+    assert all(split_of(p.prompt) == "eval" for p in ev)
+    train = {problem(task, "train", i, count, 128).prompt for i in range(200)}
+    assert not train & {p.prompt for p in ev}  # held out by construction, not by luck of the seeds
+    assert len({p.prompt for p in ev}) == 20
+    for p in ev:
+        assert final_answer(p.completion) == p.answer
+        assert p.prompt.startswith(p.context)
+
+
+def test_arithmetic_solutions_add_up():
+    for i in range(30):
+        p = problem("arithmetic", "eval", i)
+        steps = re.findall(r"(\d+) ([-+*]) (\d+) = (\d+)", p.completion)
+        assert 2 <= len(steps) <= 4
+        for a, op, b, c in steps:
+            assert eval(f"{a} {op} {b}") == int(c)
+        assert steps[-1][3] == p.answer
+        assert p.context.endswith(f"Answer: {final_answer(p.context)}\n\n")  # a worked problem before it
+
+
+def test_retrieval_fact_is_far_back_and_unique():
+    for i in range(10):
+        p = problem("retrieval", "eval", i, count, 128)
+        key = re.search(r"What is the code for (\w+)\?", p.prompt).group(1)
+        assert p.prompt.count(f"The code for {key} is ") == 1
+        at = p.prompt.index(f"The code for {key} is {p.answer}.")
+        assert at == 0  # the first fact
+        after = p.prompt[at + len(f"The code for {key} is {p.answer}.\n"):]
+        assert count(after) >= 128
+
+
+def test_chat_turns_end_in_a_tool_result_and_the_reply_states_it():
+    for i in range(10):
+        p = problem("chat", "eval", i)
+        assert p.prompt.endswith(ASSISTANT + END_THINK)
+        assert p.prompt.removesuffix(ASSISTANT + END_THINK).endswith(f'{{"count": {p.answer}}}</tool_result>')
+        assert p.context and p.prompt.startswith(p.context)
+
+
+def test_final_answer_takes_the_first_answer_line():
+    assert final_answer(" 3 + 4 = 7.\nAnswer: 7\nQuestion: ...\nAnswer: 9") == "7"
+    assert final_answer("no answer here") is None
+    assert prompt_ids(TOK, "Answer: 7")[0] == TOK.bos_id
+
+
+def test_unknown_task_or_split_is_named():
+    with pytest.raises(ValueError, match="tasks are"):
+        problem("poetry", "eval", 0)
+    with pytest.raises(ValueError, match="splits are"):
+        problem("chat", "dev", 0)
