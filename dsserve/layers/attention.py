@@ -137,7 +137,7 @@ class CSA2Attention(nn.Module):
             main = quant.fake_quant_fp4_e4m3scale(main, 16) if self.cfg.is_v41 else self._kv_qat(main, True, v4_ops)
         index_k = None
         if self.cfg.is_v41:
-            index_k = self.indexer.index_keys(latent, entry_pos, self.rope, qat)
+            index_k = self.indexer.index_keys(latent.detach(), entry_pos, self.rope, qat)
         elif icomp is not None:
             ik = icomp.norm(torch.cat(iks))
             index_k = self.rope(ik, entry_pos) if v4_ops is None else v4_ops.rope_inplace(ik, *tables)
@@ -218,7 +218,8 @@ class CSA2Attention(nn.Module):
         if self.indexer is not None:
             ctx.log(role.index, "indexer")
             # the index query of every row at once (row-wise: the same as per sequence, fewer launches)
-            index_q = self.indexer.query(x, q_lat, pos, self.rope, ctx.qat, ops, cos_sin)
+            # detached: the indexer learns from its own loss (_index_kl) and teaches the layer nothing
+            index_q = self.indexer.query(x.detach(), q_lat.detach(), pos, self.rope, ctx.qat, ops, cos_sin)
             ctx.topk = [None] * len(ctx.seqs)
             if role.candidate == "source":
                 ctx.candidates = [None] * len(ctx.seqs)
@@ -234,6 +235,8 @@ class CSA2Attention(nn.Module):
                 index_k = None if self.indexer is None else cache.global_kv(role.kv_source)[1]
                 iq = None if index_q is None else (index_q[0][r], index_q[1][r])
                 sel = self._select(i, iq, p, index_k, cache, ctx) if select else ctx.topk[i]
+                if ctx.index_kl is not None and iq is not None and index_k.shape[0]:  # training the indexer
+                    ctx.index_kl.append(self._index_kl(q[r], iq, p, index_k, cache.global_kv(role.kv_source)[0]))
             old_k, old_p = cache.window_rows(role.index)
             win_k = kv[r] if old_k is None else torch.cat((old_k.to(kv.dtype), kv[r]))
             win_p = p if old_p is None else torch.cat((old_p, p))
@@ -246,6 +249,21 @@ class CSA2Attention(nn.Module):
             o[r] = sparse_attention_with_sink(q[r], win_k, win_mask, sel_k, sel_mask, self.attn_sink,
                                               cfg.head_dim ** -0.5)
         return self.output(o, pos, x.dtype, ops, cos_sin)
+
+    def _index_kl(self, q, index_q, pos, index_k, main_k) -> torch.Tensor:
+        """KL(P || Q) averaged over the rows that see an entry: P the main attention's distribution over the visible
+        entries (softmax per head, averaged over heads; no gradient), Q the indexer's softmax over its scores: the
+        dense-attention distillation DeepSeek trained its sparse attention's indexer with."""
+        s = self.indexer.scores_of(*index_q, pos, index_k, self.role.ratio)
+        seen = torch.isfinite(s).any(-1)
+        if not seen.any():
+            return s.new_zeros(())
+        with torch.no_grad():
+            logits = torch.einsum("thd,nd->thn", acc(q), acc(main_k).to(acc(q).dtype)) * self.cfg.head_dim ** -0.5
+            logits = logits.masked_fill(~torch.isfinite(s)[:, None, :], float("-inf"))
+            p = torch.softmax(logits[seen], -1).mean(1)
+        log_q = torch.log_softmax(s[seen], -1)
+        return (p * (torch.log(p.clamp_min(1e-30)) - log_q.clamp_min(-1e30))).sum(-1).mean()
 
     def _select(self, i, index_q, pos, index_k, cache, ctx: ForwardContext):
         """Top-k entries for one sequence's rows: every visible entry (V4 HCA), or the indexer's choice from its

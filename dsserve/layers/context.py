@@ -42,6 +42,9 @@ class ForwardContext:
     qat: bool = True
     is_image: torch.Tensor | None = None  # [N] bool: rows inside an image span
     trace: list | None = None  # optional (layer, op) log for tests
+    # Training: each indexer's KL divergence from the main attention's distribution over the entries it scores is
+    # appended here (layers.attention: the loss that teaches the indexer what to select)
+    index_kl: list | None = None
     engram_ids: torch.Tensor | None = None  # [N] compressed ids (-1 = dead) for Engram layers
     engram_history: list[torch.Tensor] = field(default_factory=list)  # per sequence: the ids before its rows
     # Host-table Engram layers: layer -> prefetch handle (layers.engram_table.EngramRows) started before layer 0.

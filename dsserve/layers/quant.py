@@ -139,11 +139,17 @@ def dequant_engram(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ fake quant (spec 2.12)
+def _straight_through(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Training (x carries a gradient): y forward, the identity backward (the rounding has no useful gradient).
+    Otherwise y itself: x + (y - x) need not round back to y."""
+    return x + (y - x).detach() if x.requires_grad and torch.is_grad_enabled() else y
+
+
 def fake_quant_fp8_pow2(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     """Per `group` values of the last dim: s = 2^ceil(log2(max(amax, 1e-4)/448)),
     y = e4m3(clamp(x/s, +-448)) * s. Same dtype as x (SWA K=V QAT)."""
     q, s = _fp8_groups(x, group, 1e-4)
-    return (q.float() * s).flatten(-2).to(x.dtype)
+    return _straight_through(x, (q.float() * s).flatten(-2).to(x.dtype))
 
 
 def fake_quant_fp4_e4m3scale(x: torch.Tensor, group: int = 16) -> torch.Tensor:
@@ -152,14 +158,14 @@ def fake_quant_fp4_e4m3scale(x: torch.Tensor, group: int = 16) -> torch.Tensor:
     g = _groups(x, group)
     s = (g.abs().amax(-1, keepdim=True).clamp_min(FP4_MAX * 2.0 ** -9) / FP4_MAX).clamp(max=FP8_MAX)
     s = s.to(torch.float8_e4m3fn).float()
-    return (round_to_e2m1(g / s) * s).flatten(-2).to(x.dtype)
+    return _straight_through(x, (round_to_e2m1(g / s) * s).flatten(-2).to(x.dtype))
 
 
 def fake_quant_fp4_pow2(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     """Per `group` values: s = 2^ceil(log2(max(amax, 6*2^-126)/6)), y = e2m1(x/s) * s (RNE, clamp +-6).
     Same dtype as x (index q/k QAT). With group 32 it equals dequant_mxfp4(pack_mxfp4(x))."""
     q, s = _fp4_pow2_groups(x, group)
-    return (q * s).flatten(-2).to(x.dtype)
+    return _straight_through(x, (q * s).flatten(-2).to(x.dtype))
 
 
 @functools.lru_cache(maxsize=16)

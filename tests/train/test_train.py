@@ -1,0 +1,60 @@
+"""Training (issue 10) on the CPU: the fake quants pass gradients straight through, every indexer learns from its
+KL to the main attention, a few steps lower the loss, and the checkpoint serves."""
+import os
+
+import torch
+
+from dsserve.layers import quant
+from dsserve.models.checkpoint import dummy_weights
+from dsserve.models.model import DeepseekForCausalLM
+from dsserve.models.presets import preset
+from dsserve.train.train import TrainConfig, train
+
+
+def test_fake_quants_are_straight_through_only_under_grad():
+    x = torch.randn(4, 64, dtype=torch.float64, requires_grad=True)
+    w = torch.arange(64.0, dtype=torch.float64)
+    for fq in (quant.fake_quant_fp8_pow2, quant.fake_quant_fp4_e4m3scale, quant.fake_quant_fp4_pow2):
+        y = fq(x)
+        (y * w).sum().backward()
+        assert torch.equal(x.grad, w.expand(4, 64))  # the identity backward
+        x.grad = None
+        with torch.no_grad():
+            exact = fq(x)
+        assert torch.equal(y.detach(), exact) and not torch.equal(exact, x.detach())
+
+
+def test_indexers_learn_only_from_their_kl():
+    cfg = preset("tiny")
+    m = DeepseekForCausalLM(cfg)
+    dummy_weights(m, cfg, seed=0)
+    kl = []
+    t = torch.randint(3, cfg.vocab_size, (120,), generator=torch.Generator().manual_seed(0))
+    hidden = m.forward(t, index_kl=kl).hidden
+    n_indexers = sum(b.attn.indexer is not None for b in m.layers)
+    assert len(kl) == n_indexers and all(float(k.detach()) > 0 for k in kl)
+    torch.nn.functional.cross_entropy(m.logits(hidden)[:-1], t[1:]).backward()
+    ix = [p for n, p in m.named_parameters() if ".indexer." in n]
+    assert ix and all(p.grad is None for p in ix)  # the LM loss does not reach them (top-k, detached inputs)
+    m.zero_grad()
+    kl = []
+    m.forward(t, index_kl=kl)
+    torch.stack(kl).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in ix)
+    others = [p for n, p in m.named_parameters() if ".indexer." not in n and p.grad is not None]
+    assert all(float(p.grad.abs().sum()) == 0 for p in others)  # and teaches the layer nothing
+
+
+def test_a_few_steps_lower_the_loss_and_the_checkpoint_serves(tmp_path):
+    from dsserve import LLM, SamplingParams
+    cfg = TrainConfig(steps=8, batch=2, lr=3e-3, warmup=1, min_back=32, log_every=1,
+                      mix=(("arithmetic", 0.5), ("retrieval", 0.5)))
+    out = train(cfg, str(tmp_path))
+    ce = [c["ce"] for c in out["curve"]]
+    assert len(ce) == 8 and all(torch.isfinite(torch.tensor(ce)))
+    assert sum(ce[-3:]) < sum(ce[:3])
+    assert {"config.json", "model.safetensors", "tokenizer.json", "train.json", "loss.png"} <= set(os.listdir(tmp_path))
+    assert os.path.getsize(tmp_path / "model.safetensors") < 40 << 20
+    llm = LLM(model=str(tmp_path), max_num_seqs=1)
+    o = llm.generate(["Question: Ana has 3 apples."], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(o[0].outputs[0].token_ids) == 4
