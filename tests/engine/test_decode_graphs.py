@@ -32,22 +32,28 @@ def _graphs(capture, made, min_context=128, **kw):
     return make
 
 
-def test_fixed_shape_decode_is_exact(tiny_models, chunk=7):
-    """Ragged prompts (mixed steps fall back to the eager path) and decode steps of several batch buckets, some
-    padded, whose positions cross two context buckets (odd and even positions: the compressor's carry): fp64 logits
-    equal the oracle's."""
+def _fixed_shape_vs_oracle(m, prompt_ids, chunk=7, min_context=128, **kw) -> dict:
+    """The engine (fp64, references, fixed-shape decode steps run eagerly) on make_prompts' ``prompt_ids``, 24 tokens
+    each: its greedy tokens and logits equal the oracle's; returns the DecodeGraphs report."""
     global model
-    model = m = tiny_models["tiny"]
-    prompts = [make_prompts(m.cfg, seed=1)[i] for i in (11, 3, 9, 0, 6)]
+    model = m
+    prompts = [make_prompts(m.cfg, seed=1)[i] for i in prompt_ids]
     conts = [greedy_generate(m, p, 24, bounded_replay=False) for p in prompts]
     with torch.no_grad():
         ref = [m.reference_logits(torch.tensor(p + c[:-1]))[len(p) - 1:] for p, c in zip(prompts, conts)]
     made = []
     reqs, _, logits = _engine(m, prompts, chunk, KernelOps(frozenset(OPS)), torch.float64, "cpu", 24,
-                              decode_graphs=_graphs(False, made))
+                              decode_graphs=_graphs(False, made, min_context=min_context), **kw)
     assert [r.output_token_ids for r in reqs] == conts
     assert max(float((g - r).abs().max()) for g, r in zip(logits, ref)) < 1e-9
-    rep = made[0].report()
+    return made[0].report()
+
+
+def test_fixed_shape_decode_is_exact(tiny_models):
+    """Ragged prompts (mixed steps fall back to the eager path) and decode steps of several batch buckets, some
+    padded, whose positions cross two context buckets (odd and even positions: the compressor's carry): fp64 logits
+    equal the oracle's."""
+    rep = _fixed_shape_vs_oracle(tiny_models["tiny"], (11, 3, 9, 0, 6))
     assert {c for _, c in rep["fixed_shape_steps"]} == {128, 256}
     assert rep["padded_rows"] > 0
     assert rep["fallbacks"]["not a decode step"] > 0
@@ -194,18 +200,8 @@ def test_v4_fixed_shape_decode_is_exact(tiny_models, window_in_blocks):
     """V4 (tiny-v4): its compressors pool from the cache's rings in fixed-shape steps (ratio 4 overlapping the group
     before, ratio 128 completing an entry inside them: a 120-token prompt decodes past 128); steps beside prefill
     chunks run eagerly, reading the rings back. fp64 logits equal the oracle's, ring and window-in-blocks alike."""
-    global model
-    model = m = tiny_models["tiny-v4"]
-    prompts = [make_prompts(m.cfg, seed=1)[i] for i in (11, 5, 13, 3, 0)]
-    conts = [greedy_generate(m, p, 24, bounded_replay=False) for p in prompts]
-    with torch.no_grad():
-        ref = [m.reference_logits(torch.tensor(p + c[:-1]))[len(p) - 1:] for p, c in zip(prompts, conts)]
-    made = []
-    reqs, _, logits = _engine(m, prompts, 7, KernelOps(frozenset(OPS)), torch.float64, "cpu", 24,
-                              decode_graphs=_graphs(False, made, min_context=256), window_in_blocks=window_in_blocks)
-    assert [r.output_token_ids for r in reqs] == conts
-    assert max(float((g - r).abs().max()) for g, r in zip(logits, ref)) < 1e-9
-    rep = made[0].report()
+    rep = _fixed_shape_vs_oracle(tiny_models["tiny-v4"], (11, 5, 13, 3, 0), min_context=256,
+                                 window_in_blocks=window_in_blocks)
     assert rep["fixed_shape_steps"] and rep["padded_rows"] > 0 and rep["fallbacks"]["not a decode step"] > 0
 
 
