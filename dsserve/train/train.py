@@ -18,6 +18,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -154,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     cfg = TrainConfig(**{k: v for k, v in vars(a).items() if k != "out"})
-    summary = train(cfg, a.out)
+    try:
+        summary = train(cfg, a.out)
+    except ValueError as e:  # a bad option: say which, no traceback
+        print(f"dsserve.train: error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps({k: v for k, v in summary.items() if k != "curve"} | {"last": summary["curve"][-1]}))
     return 0
 

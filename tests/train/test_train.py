@@ -58,3 +58,9 @@ def test_a_few_steps_lower_the_loss_and_the_checkpoint_serves(tmp_path):
     llm = LLM(model=str(tmp_path), max_num_seqs=1)
     o = llm.generate(["Question: Ana has 3 apples."], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(o[0].outputs[0].token_ids) == 4
+
+
+def test_a_shape_too_large_to_train_is_named(capsys):
+    from dsserve.train.train import main
+    assert main(["--model", "v41-flash", "--steps", "1"]) == 2
+    assert "tiny shapes" in capsys.readouterr().err
