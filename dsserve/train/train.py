@@ -88,6 +88,8 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
 
     if cfg.model not in ("tiny", "tiny-v4"):
         raise ValueError(f"training runs on the tiny shapes (tiny, tiny-v4), not {cfg.model!r}")
+    if cfg.steps < 1 or cfg.batch < 1 or cfg.warmup < 1:
+        raise ValueError(f"steps, batch and warmup must be >= 1, got {cfg.steps}, {cfg.batch}, {cfg.warmup}")
     torch.manual_seed(cfg.seed)
     mcfg = resolve_config(cfg.model)
     tokenizer = Tokenizer.for_preset(cfg.model)

@@ -64,3 +64,4 @@ def test_a_shape_too_large_to_train_is_named(capsys):
     from dsserve.train.train import main
     assert main(["--model", "v41-flash", "--steps", "1"]) == 2
     assert "tiny shapes" in capsys.readouterr().err
+    assert main(["--steps", "0"]) == 2 and "must be >= 1" in capsys.readouterr().err
