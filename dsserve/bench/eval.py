@@ -16,7 +16,7 @@ import time
 import urllib.request
 from dataclasses import asdict, replace
 
-from ..train.tasks import TASKS, final_answer, problem, prompt_ids
+from ..train.tasks import TASKS, final_answer, problem, prompt_ids, retrieval_distance
 
 MAX_TOKENS = {"arithmetic": 64, "retrieval": 8, "chat": 24}
 
@@ -72,7 +72,7 @@ def run_eval(ns) -> int:
     args = EngineArgs.from_cli(ns)
     cfg = resolve_config(args.model)
     tokenizer = Tokenizer.load(args.model)
-    min_back = ns.min_back or 4 * cfg.sliding_window  # four windows back: out of a window-only model's sight
+    min_back = ns.min_back or retrieval_distance(cfg)  # past any window-only path's reach
     results, t0 = [], time.perf_counter()
     if ns.url:
         for cache in caches:
@@ -135,7 +135,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay", default="off,on", help="bounded replay modes, comma list of off/on (engine only)")
     p.add_argument("--cache", default="cold,hit", help="cold and/or hit: the question after its earlier turns cached")
     p.add_argument("--min-back", type=int, default=0,
-                   help="retrieval: tokens between the asked fact and the question (default 4 sliding windows)")
+                   help="retrieval: tokens between the asked fact and the question (default (layers + 1) x window)")
     p.add_argument("--url", default=None, help="evaluate a live server at this base URL instead of an engine")
     p.add_argument("--out", default=None, help="write eval.json here")
     EngineArgs.add_cli_args(p)

@@ -2,8 +2,8 @@
 
 - ``arithmetic``: a word problem of 2-4 steps (gains, losses, doublings) with a worked solution;
 - ``retrieval``: many "the code for K is V" facts, then a question about the first one, placed at least
-  ``min_back`` tokens before the question (a window-only model cannot see it: only the global KV and the
-  indexer can answer);
+  ``min_back`` tokens before the question (``retrieval_distance``: past the layers' stacked windows, so a
+  window-only model cannot see it: only the global KV and the indexer can answer);
 - ``chat``: a multi-turn DeepSeek-V4 chat (``server.chat.encode_chat``) whose assistant looks a value up with a
   tool call; the tool's result arrives in the next turn and the reply states it.
 
@@ -52,6 +52,13 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
     already starts with the BOS string, which a DeepSeek vocabulary holds as one token)."""
     from ..server.chat import BOS
     return tokenizer.encode(text, add_bos=not (text.startswith(BOS) and tokenizer.token_to_id(BOS) is not None))
+
+
+def retrieval_distance(cfg) -> int:
+    """The default distance (tokens) from the asked fact to the question: past what windows alone can carry. Each
+    layer's window reaches W rows back, so L layers stacked reach L x W: one window more than that, and at least the
+    four windows the issue asks for."""
+    return max(4, cfg.num_hidden_layers + 1) * cfg.sliding_window
 
 
 def split_of(prompt: str) -> str:

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .tasks import TASKS, problem, prompt_ids
+from .tasks import TASKS, problem, prompt_ids, retrieval_distance
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class TrainConfig:
     kl_weight: float = 0.1
     seed: int = 0
     mix: tuple = (("arithmetic", 0.4), ("retrieval", 0.3), ("chat", 0.3))
-    min_back: int = 0        # retrieval distance in tokens (0: four sliding windows)
+    min_back: int = 0        # retrieval distance in tokens (0: tasks.retrieval_distance)
     device: str = "cpu"
     log_every: int = 10
 
@@ -102,7 +102,7 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
     model = model.to(cfg.device).train()
     params = [p for n, p in model.named_parameters() if not n.endswith(("gate.bias", "gate.bias_vl"))]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    min_back = cfg.min_back or 4 * mcfg.sliding_window
+    min_back = cfg.min_back or retrieval_distance(mcfg)
     curve, tokens, t0 = [], 0, time.perf_counter()
     for step in range(cfg.steps):
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
