@@ -62,6 +62,8 @@ def run_eval(ns) -> int:
     from ..models.loader import resolve_config
     from ..models.tokenizer import Tokenizer
 
+    if ns.n < 1:
+        raise SystemExit(f"dsserve eval: -n must be >= 1, got {ns.n}")
     tasks = [t for t in ns.tasks.split(",") if t]
     bad = sorted(set(tasks) - set(TASKS))
     if bad or not tasks:

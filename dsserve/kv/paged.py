@@ -156,12 +156,18 @@ class PagedKVCache:
 
 
 class RingPending:
-    """A sequence's pending compressor rows held in ``PagedKVCache.pending_ring``: positions ``first`` up to its
-    token count. ``ring``: (rows, width, dtype) of that ring."""
-    __slots__ = ("first", "ring")
+    """A sequence's pending compressor rows held in ``PagedKVCache.pending_ring`` since position ``first``: those the
+    eager pooling would still keep at its token count (from the last complete group when ``overlap``, else from the
+    first incomplete one; groups of ``ratio``), which need no host update per step. ``ring``: (rows, width, dtype)."""
+    __slots__ = ("first", "ring", "ratio", "overlap")
 
-    def __init__(self, first: int, ring: tuple[int, int, torch.dtype]):
-        self.first, self.ring = first, ring
+    def __init__(self, first: int, ring: tuple[int, int, torch.dtype], ratio: int, overlap: bool):
+        self.first, self.ring, self.ratio, self.overlap = first, ring, ratio, overlap
+
+    def live_from(self, end: int) -> int:
+        done = end // self.ratio
+        keep = max(0, (done - 1) * self.ratio) if self.overlap else done * self.ratio
+        return max(keep, self.first)
 
 
 class SequenceKV:
@@ -179,6 +185,7 @@ class SequenceKV:
         self._entries: dict[int, int] = {}
         self._pending: dict = {}  # the per-sequence reference path's carried rows (tensors)
         self.carried: dict[int, int] = {}  # batched path: source -> carried rows in PagedKVCache.carry (0: none)
+        self.rings_live = False  # every V4 compressor's pending rows are in the rings (see pending_to_ring)
         self.engram_history = torch.empty(0, dtype=torch.long)  # host, see PagedKVCache
 
     def table(self) -> torch.Tensor:
@@ -272,15 +279,17 @@ class SequenceKV:
         state = self._pending.get(source)
         if isinstance(state, RingPending):
             u, z = self.cache.pending_ring(source, *state.ring)
-            at = torch.arange(state.first, self.num_tokens).remainder(state.ring[0]).to(u.device, non_blocking=True)
-            state = (u[self.slot, at], z[self.slot, at], state.first)
+            first = state.live_from(self.num_tokens)
+            at = torch.arange(first, self.num_tokens).remainder(state.ring[0]).to(u.device, non_blocking=True)
+            state = (u[self.slot, at], z[self.slot, at], first)
             self._pending[source] = state
+            self.rings_live = False
         return state
 
-    def pending_to_ring(self, source: int, ring: tuple[int, int, torch.dtype], first: int) -> None:
+    def pending_to_ring(self, source: int, ring: tuple[int, int, torch.dtype], ratio: int, overlap: bool) -> None:
         """Before a fixed-shape decode step: the pending rows (if still tensors) into the ring, which then holds
-        positions from theirs (none pending: from ``first``) on; the step reads the groups it completes from there."""
-        state = self._pending.get(source)
+        positions from theirs (none pending: from this step's) on; the step reads the groups it completes there."""
+        state, first = self._pending.get(source), self.num_tokens
         if isinstance(state, RingPending):
             return
         if state is not None:
@@ -290,9 +299,10 @@ class SequenceKV:
             u[self.slot, at] = state[0]
             z[self.slot, at] = state[1]
             first = state[2]
-        self._pending[source] = RingPending(first, ring)
+        self._pending[source] = RingPending(first, ring, ratio, overlap)
 
     def set_pending(self, source: int, state) -> None:
+        self.rings_live = False
         if state is None:
             self._pending.pop(source, None)
         else:

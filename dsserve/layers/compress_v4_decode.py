@@ -6,7 +6,8 @@ pooled stay in a device ring per sequence (``PagedKVCache.pending_ring``: positi
 when overlapping). Each step writes its row there, gathers the R positions its group's entry would pool (group -1
 of an overlapping compressor is empty: u 0, z -inf, as ``Compressor._pool`` pads it), pools them, and stores the
 entry only where the row completes its group (``DecodeBatch.entry_stores``: -1 elsewhere). The host's side (which
-positions the ring holds) is ``commit_rings``; the eager path reads the ring back through ``SequenceKV.pending``.
+positions the ring holds) follows from the token count (``RingPending``); the eager path reads the ring back through
+``SequenceKV.pending``.
 """
 from __future__ import annotations
 
@@ -33,22 +34,14 @@ def ring_specs(model) -> list[tuple[int, object, tuple[int, int, torch.dtype]]]:
 
 
 def rings_before_step(specs, seqs) -> None:
-    """Each sequence's pending rows into the rings (those a previous eager step left as tensors)."""
+    """Each sequence's pending rows into the rings (those an eager step left as tensors; a sequence whose rows are
+    all there already costs nothing)."""
     for kv in seqs:
-        for key, _, ring in specs:
-            kv.pending_to_ring(key, ring, kv.num_tokens)
-
-
-def commit_rings(specs, seqs) -> None:
-    """After a step at position p of each sequence: the positions its ring holds live, as the eager pooling would
-    keep them (from the last complete group when overlapping, else from the first incomplete one)."""
-    for kv in seqs:
-        end = kv.num_tokens + 1
-        for key, comp, _ in specs:
-            state = kv._pending[key]
-            done = end // comp.ratio
-            keep = max(0, (done - 1) * comp.ratio) if comp.overlap else done * comp.ratio
-            state.first = max(keep, state.first)
+        if kv.rings_live:
+            continue
+        for key, comp, ring in specs:
+            kv.pending_to_ring(key, ring, comp.ratio, comp.overlap)
+        kv.rings_live = True
 
 
 def _ring_rows(step, r: int, rows: int):

@@ -16,7 +16,7 @@ from ..kv.decode_batch import DecodeBatch
 from ..kv.paged_batch import PagedBatch
 from ..kv.replay_batch import ReplayBatch
 from ..kv.sequence_cache import SequenceCache
-from ..layers.compress_v4_decode import commit_rings, ring_specs, rings_before_step
+from ..layers.compress_v4_decode import ring_specs, rings_before_step
 from ..layers.context import ForwardContext, KeptRows, SeqRows
 from ..layers.mhc import collapse, hc_head_pre
 from ..layers.norm import RMSNorm
@@ -213,8 +213,6 @@ class DeepseekForCausalLM(nn.Module):
         histories wait for ``push_decode_history``."""
         if tokens is not None:
             self.push_decode_history(seqs, tokens)
-        if not self.cfg.is_v41:
-            commit_rings(self.v4_rings(), seqs)
         for kv in seqs:
             p = kv.num_tokens
             for src, (r, _) in kv.cache.layout.sources.items():

@@ -49,3 +49,5 @@ def test_bad_task_is_named():
     import pytest
     with pytest.raises(SystemExit, match="tasks are"):
         main(["eval", "--model", "tiny", "--tasks", "poetry"])
+    with pytest.raises(SystemExit, match="-n must be >= 1"):
+        main(["eval", "--model", "tiny", "-n", "0"])
