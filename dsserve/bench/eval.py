@@ -33,22 +33,47 @@ def _server_complete(url: str, ids: list[int], max_tokens: int) -> str:
         return json.load(r)["choices"][0]["text"]
 
 
-def run_mode(complete, tokenizer, tasks: list[str], n: int, hit: bool, min_back: int) -> dict:
-    """Per task: {"n", "correct", "accuracy", "se", "skipped"}; ``complete(ids, max_tokens) -> text``."""
+def server_completer(url: str, concurrency: int):
+    """``complete(requests)`` sending a batch's requests to the server ``concurrency`` at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def complete(requests: list[tuple[list[int], int]]) -> list[str]:
+        with ThreadPoolExecutor(concurrency) as pool:
+            return list(pool.map(lambda r: _server_complete(url, *r), requests))
+    return complete
+
+
+def engine_completer(llm):
+    """``complete(requests)`` running a batch's requests through the engine together (continuous batching)."""
+    from ..engine.sampling_params import SamplingParams
+
+    def complete(requests: list[tuple[list[int], int]]) -> list[str]:
+        outs = llm.generate([ids for ids, _ in requests],
+                            [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for _, k in requests],
+                            use_tqdm=False)
+        return [o.outputs[0].text for o in outs]
+    return complete
+
+
+def run_mode(complete, tokenizer, tasks: list[str], n: int, hit: bool, min_back: int, batch: int = 64) -> dict:
+    """Per task: {"n", "correct", "accuracy", "se", "skipped"}; ``complete([(ids, max_tokens), ...]) -> texts``,
+    called with ``batch`` problems at a time (after a hit: their contexts first, all cached, then their prompts)."""
     count = (lambda s: len(tokenizer.encode(s, add_bos=False)))
     out = {}
     for task in tasks:
-        correct = skipped = 0
-        for i in range(n):
-            p = problem(task, "eval", i, count, min_back)
+        problems = [problem(task, "eval", i, count, min_back) for i in range(n)]
+        skipped = 0
+        if hit:  # nothing earlier to cache: not a hit problem
+            skipped = sum(not p.context for p in problems)
+            problems = [p for p in problems if p.context]
+        correct = 0
+        for at in range(0, len(problems), batch):
+            chunk = problems[at:at + batch]
             if hit:
-                if not p.context:  # nothing earlier to cache
-                    skipped += 1
-                    continue
-                complete(prompt_ids(tokenizer, p.context), 1)
-            got = final_answer(complete(prompt_ids(tokenizer, p.prompt), MAX_TOKENS[task]))
-            correct += got == p.answer
-        m = n - skipped
+                complete([(prompt_ids(tokenizer, p.context), 1) for p in chunk])
+            texts = complete([(prompt_ids(tokenizer, p.prompt), MAX_TOKENS[task]) for p in chunk])
+            correct += sum(final_answer(t) == p.answer for t, p in zip(texts, chunk))
+        m = len(problems)
         out[task] = {"n": m, "correct": correct, "accuracy": correct / m if m else float("nan"),
                      "se": standard_error(correct, m), "skipped": skipped}
     return out
@@ -62,8 +87,8 @@ def run_eval(ns) -> int:
     from ..models.loader import resolve_config
     from ..models.tokenizer import Tokenizer
 
-    if ns.n < 1:
-        raise SystemExit(f"dsserve eval: -n must be >= 1, got {ns.n}")
+    if ns.n < 1 or ns.batch < 1:
+        raise SystemExit(f"dsserve eval: -n and --batch must be >= 1, got {ns.n} and {ns.batch}")
     tasks = [t for t in ns.tasks.split(",") if t]
     bad = sorted(set(tasks) - set(TASKS))
     if bad or not tasks:
@@ -78,24 +103,18 @@ def run_eval(ns) -> int:
     results, t0 = [], time.perf_counter()
     if ns.url:
         for cache in caches:
-            res = run_mode(lambda ids, k: _server_complete(ns.url, ids, k), tokenizer, tasks, ns.n, cache == "hit",
-                           min_back)
+            res = run_mode(server_completer(ns.url, ns.batch), tokenizer, tasks, ns.n, cache == "hit", min_back,
+                           ns.batch)
             results.append({"replay": "server", "cache": cache, "tasks": res})
     else:
         from ..engine.llm import LLM
-        from ..engine.sampling_params import SamplingParams
         replays = [r for r in ns.replay.split(",") if r]
         for replay in replays:
             if replay not in ("off", "on"):
                 raise SystemExit(f"dsserve eval: --replay takes off and/or on, got {ns.replay!r}")
             for cache in caches:
                 llm = LLM(**asdict(replace(args, swa_bounded_replay=replay == "on", enable_prefix_caching=cache == "hit")))
-
-                def complete(ids, k, llm=llm):
-                    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=k, ignore_eos=True),
-                                       use_tqdm=False)
-                    return out[0].outputs[0].text
-                res = run_mode(complete, tokenizer, tasks, ns.n, cache == "hit", min_back)
+                res = run_mode(engine_completer(llm), tokenizer, tasks, ns.n, cache == "hit", min_back, ns.batch)
                 if cache == "hit":
                     res["prefix_hit_tokens"] = llm.engine.stats.as_dict()["prefix_hit_tokens"]
                 results.append({"replay": replay, "cache": cache, "tasks": res})
@@ -138,6 +157,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", default="cold,hit", help="cold and/or hit: the question after its earlier turns cached")
     p.add_argument("--min-back", type=int, default=0,
                    help="retrieval: tokens between the asked fact and the question (default (layers + 1) x window)")
+    p.add_argument("--batch", type=int, default=64,
+                   help="problems in flight together (engine: one generate call; server: concurrent requests)")
     p.add_argument("--url", default=None, help="evaluate a live server at this base URL instead of an engine")
     p.add_argument("--out", default=None, help="write eval.json here")
     EngineArgs.add_cli_args(p)

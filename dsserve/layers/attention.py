@@ -213,7 +213,7 @@ class CSA2Attention(nn.Module):
         q_lat, q = self.query(x, pos, ops, cos_sin)
         kv = self.window_entry(x, pos, ctx.qat, ops, cos_sin)
         o = torch.empty(q.shape, dtype=acc(q).dtype, device=q.device)
-        select = role.ratio and (self.indexer is not None or role.index_source is None)
+        select = role.ratio and (self.indexer is not None or role.index_source is None) and not ctx.dense_entries
         index_q = None
         if self.indexer is not None:
             ctx.log(role.index, "indexer")
@@ -234,7 +234,8 @@ class CSA2Attention(nn.Module):
             if role.ratio:
                 index_k = None if self.indexer is None else cache.global_kv(role.kv_source)[1]
                 iq = None if index_q is None else (index_q[0][r], index_q[1][r])
-                sel = self._select(i, iq, p, index_k, cache, ctx) if select else ctx.topk[i]
+                sel = (self._select(i, iq, p, index_k, cache, ctx) if select
+                       else None if ctx.dense_entries else ctx.topk[i])
                 if ctx.index_kl is not None and iq is not None and index_k.shape[0]:  # training the indexer
                     ctx.index_kl.append(self._index_kl(q[r], iq, p, index_k, cache.global_kv(role.kv_source)[0]))
             old_k, old_p = cache.window_rows(role.index)
@@ -243,6 +244,10 @@ class CSA2Attention(nn.Module):
             win_mask = ((win_p[None, :] <= p[:, None]) & (win_p[None, :] > p[:, None] - cfg.sliding_window)
                         & (win_p[None, :] >= 0))  # a paged ring's empty rows carry position -1
             cache.push_window(role.index, kv[r], p)
+            if role.ratio and ctx.dense_entries:  # every visible entry, as keys beside the window's
+                entries = cache.global_kv(role.kv_source)[0]
+                seen = torch.arange(entries.shape[0], device=p.device) < visible_entries(p, role.ratio)[:, None]
+                win_k, win_mask = torch.cat((win_k, entries.to(kv.dtype))), torch.cat((win_mask, seen), 1)
             sel_k = sel_mask = None
             if sel is not None and sel[0].shape[1]:
                 sel_k, sel_mask = cache.global_kv(role.kv_source)[0].to(kv.dtype)[sel[0]], sel[1]

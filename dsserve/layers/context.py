@@ -45,6 +45,10 @@ class ForwardContext:
     # Training: each indexer's KL divergence from the main attention's distribution over the entries it scores is
     # appended here (layers.attention: the loss that teaches the indexer what to select)
     index_kl: list | None = None
+    # Training's dense warm-up (DeepSeek's, before sparse training): a compressed layer attends every visible global
+    # entry instead of the indexer's top-k, so the main attention learns which entries matter while the indexers
+    # learn by their KL to it; sparse selection then starts from an indexer that picks them.
+    dense_entries: bool = False
     engram_ids: torch.Tensor | None = None  # [N] compressed ids (-1 = dead) for Engram layers
     engram_history: list[torch.Tensor] = field(default_factory=list)  # per sequence: the ids before its rows
     # Host-table Engram layers: layer -> prefetch handle (layers.engram_table.EngramRows) started before layer 0.

@@ -68,17 +68,19 @@ class DeepseekForCausalLM(nn.Module):
     # ----------------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, cache: SequenceCache | None = None, decoder_start: int | None = None,
                 qat: bool | None = None, is_image: torch.Tensor | None = None, trace: list | None = None,
-                index_kl: list | None = None) -> ForwardOutput:
+                index_kl: list | None = None, dense_entries: bool = False) -> ForwardOutput:
         """One sequence's new rows (a whole prompt, a chunk, or a decoded token) against its cache. ``index_kl``
         (training): a list the indexers append their distillation losses to (``CSA2Attention._index_kl``)."""
         tokens = torch.as_tensor(tokens)
         cache = cache if cache is not None else self.new_cache()
         seq = SeqRows(slice(0, tokens.shape[0] if tokens.dim() else 0), cache, decoder_start)
-        return self.forward_batch(tokens, [seq], qat=qat, is_image=is_image, trace=trace, index_kl=index_kl)
+        return self.forward_batch(tokens, [seq], qat=qat, is_image=is_image, trace=trace, index_kl=index_kl,
+                                  dense_entries=dense_entries)
 
     def forward_batch(self, tokens: torch.Tensor, seqs: list[SeqRows], qat: bool | None = None,
                       is_image: torch.Tensor | None = None, trace: list | None = None,
-                      replay_form: str = "report", decoder_rows=None, index_kl: list | None = None) -> ForwardOutput:
+                      replay_form: str = "report", decoder_rows=None, index_kl: list | None = None,
+                      dense_entries: bool = False) -> ForwardOutput:
         """A flat batch of rows from several sequences: ``seqs`` says which rows are whose, in order.
 
         Each sequence's rows continue its cache at ``cache.num_tokens``. Returns the hidden states of the
@@ -88,6 +90,7 @@ class DeepseekForCausalLM(nn.Module):
         every row, 21-39 on the window). Both publish the same global KV. ``decoder_rows``
         (engine.replay_graphs.ReplayGraphs) may run the narrowed rows from there on in fixed shapes (a CUDA
         graph); it returns None for a step it does not take. The DSpark taps of layers it runs are not returned.
+        ``dense_entries`` (training's dense warm-up): every compressed layer attends all its visible global entries.
         """
         cfg = self.cfg
         # checked where they are (the runner hands host tensors: no device read-back), then moved
@@ -108,9 +111,12 @@ class DeepseekForCausalLM(nn.Module):
         if replay and not cfg.is_v41:
             raise ModelInputError("bounded replay (decoder_start) needs the V4.1 encoder/decoder split")
         ctx = ForwardContext(tokens=tokens, positions=positions, seqs=list(seqs),
-                             qat=cfg.qat if qat is None else qat, is_image=is_image, trace=trace, index_kl=index_kl)
+                             qat=cfg.qat if qat is None else qat, is_image=is_image, trace=trace, index_kl=index_kl,
+                             dense_entries=dense_entries)
         ctx.ops = self.kernel_ops  # row-wise ops (MoE, mHC) run on either attention path
         if self.kernel_ops is not None and PagedBatch.supports(seqs, self.kernel_ops):
+            if dense_entries:
+                raise ModelInputError("dense_entries is training's, on the reference path, not the paged one")
             ctx.paged = PagedBatch(seqs[0].cache.cache, seqs, positions)
         if cfg.engram_layer_ids:
             if self.engram_token_map is None:

@@ -66,17 +66,20 @@ def split_of(prompt: str) -> str:
 
 
 def problem(task: str, split: str, index: int, count_tokens: Callable[[str], int] | None = None,
-            min_back: int = 512) -> Problem:
+            min_back: int = 512, drills: int = 0) -> Problem:
     """Problem ``index`` of ``split`` for ``task`` (deterministic). ``count_tokens`` and ``min_back``: retrieval's
-    distance from the asked fact to the question, in the model's tokens (default: a character count / 4)."""
+    distance from the asked fact to the question, in the model's tokens (default: a character count / 4).
+    ``drills`` (retrieval, training): that many questions about random facts, answered, before the asked one: practice
+    at every distance in one sequence (the held-out problems have none)."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; tasks are {list(TASKS)}")
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; splits are {list(SPLITS)}")
     rng = random.Random(f"{task}/{split}/{index}")
     make = {"arithmetic": _arithmetic, "retrieval": _retrieval, "chat": _chat}[task]
+    extra = {"drills": drills} if task == "retrieval" and drills else {}
     while True:  # draw until the problem hashes into the asked split
-        p = make(rng, count_tokens or (lambda s: len(s) // 4), min_back)
+        p = make(rng, count_tokens or (lambda s: len(s) // 4), min_back, **extra)
         if split_of(p.prompt) == split:
             return p
 
@@ -120,7 +123,7 @@ def _word(rng: random.Random) -> str:
     return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3)))
 
 
-def _retrieval(rng: random.Random, count_tokens, min_back) -> Problem:
+def _retrieval(rng: random.Random, count_tokens, min_back, drills: int = 0) -> Problem:
     keys, facts = set(), []
     while True:
         key = _word(rng)
@@ -131,6 +134,8 @@ def _retrieval(rng: random.Random, count_tokens, min_back) -> Problem:
         context = "".join(f"The code for {k} is {v}.\n" for k, v in facts)
         if len(facts) > 1 and count_tokens(context) - count_tokens(f"The code for {facts[0][0]} is x.\n") >= min_back:
             break
+    for k, v in rng.sample(facts, min(drills, len(facts))) if drills else ():  # answered questions (practice)
+        context += f"Question: What is the code for {k}?\nAnswer: {v}\n"
     key, value = facts[0]
     prompt = context + f"Question: What is the code for {key}?\n"
     return Problem("retrieval", prompt, f"Answer: {value}\n", value, context)

@@ -15,15 +15,16 @@ def test_scoring_and_hit_mode_send_the_context_first():
               for p in (problem(t, "eval", i, lambda s: len(TOK.encode(s, add_bos=False)), 64)
                         for t in ("arithmetic", "retrieval", "chat") for i in range(2))}
 
-    def oracle(ids, k):  # answers every problem right, after recording what was sent
-        sent.append(ids)
-        return solved.get(tuple(ids), "Answer: none")
-    res = run_mode(oracle, TOK, ["arithmetic", "retrieval", "chat"], 2, hit=True, min_back=64)
+    def oracle(requests):  # answers every problem right, after recording what was sent
+        sent.append([ids for ids, _ in requests])
+        return [solved.get(tuple(ids), "Answer: none") for ids, _ in requests]
+    res = run_mode(oracle, TOK, ["arithmetic", "retrieval", "chat"], 2, hit=True, min_back=64, batch=2)
     assert all(r["accuracy"] == 1.0 and r["n"] == 2 for r in res.values())
-    assert len(sent) == 12  # each problem's context, then its prompt
-    first = problem("arithmetic", "eval", 0, lambda s: len(TOK.encode(s, add_bos=False)), 64)
-    assert sent[0] == prompt_ids(TOK, first.context) and sent[1] == prompt_ids(TOK, first.prompt)
-    wrong = run_mode(lambda ids, k: "Answer: x", TOK, ["retrieval"], 3, hit=False, min_back=64)
+    assert len(sent) == 6  # per task, the problems' contexts together, then their prompts
+    first, second = (problem("arithmetic", "eval", i, lambda s: len(TOK.encode(s, add_bos=False)), 64) for i in (0, 1))
+    assert sent[0] == [prompt_ids(TOK, first.context), prompt_ids(TOK, second.context)]
+    assert sent[1] == [prompt_ids(TOK, first.prompt), prompt_ids(TOK, second.prompt)]
+    wrong = run_mode(lambda r: ["Answer: x"] * len(r), TOK, ["retrieval"], 3, hit=False, min_back=64, batch=2)
     assert wrong["retrieval"]["accuracy"] == 0.0 and wrong["retrieval"]["n"] == 3
     assert abs(standard_error(30, 100) - (0.3 * 0.7 / 100) ** 0.5) < 1e-12
 
@@ -49,5 +50,32 @@ def test_bad_task_is_named():
     import pytest
     with pytest.raises(SystemExit, match="tasks are"):
         main(["eval", "--model", "tiny", "--tasks", "poetry"])
-    with pytest.raises(SystemExit, match="-n must be >= 1"):
+    with pytest.raises(SystemExit, match="-n and --batch must be >= 1"):
         main(["eval", "--model", "tiny", "-n", "0"])
+
+
+def test_server_completer_keeps_the_order_of_concurrent_requests():
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from dsserve.bench.eval import server_completer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # an OpenAI-style completion whose text names the prompt's length and max_tokens
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            assert self.path == "/v1/completions" and body["temperature"] == 0
+            out = json.dumps({"choices": [{"text": f"{len(body['prompt'])}/{body['max_tokens']}"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args):
+            pass
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        complete = server_completer(f"http://127.0.0.1:{server.server_address[1]}/", concurrency=4)
+        assert complete([([1] * n, n + 1) for n in range(1, 11)]) == [f"{n}/{n + 1}" for n in range(1, 11)]
+    finally:
+        server.shutdown()

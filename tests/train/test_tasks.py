@@ -69,3 +69,14 @@ def test_unknown_task_or_split_is_named():
         problem("poetry", "eval", 0)
     with pytest.raises(ValueError, match="splits are"):
         problem("chat", "dev", 0)
+
+
+def test_retrieval_drills_are_answered_facts_before_the_asked_first_one():
+    plain = problem("retrieval", "train", 7, count, 128)
+    drilled = problem("retrieval", "train", 7, count, 128, drills=3)
+    facts = dict(re.findall(r"The code for (\w+) is (\d+)\.", drilled.prompt))
+    drills = re.findall(r"Question: What is the code for (\w+)\?\nAnswer: (\d+)\n", drilled.prompt)
+    assert len(drills) == 3 and all(facts[k] == v for k, v in drills)
+    first = re.search(r"The code for (\w+) is", drilled.prompt).group(1)
+    assert drilled.prompt.endswith(f"Question: What is the code for {first}?\n") and drilled.answer == facts[first]
+    assert "Answer:" not in plain.prompt  # none unless asked: held-out problems stay as they were

@@ -65,3 +65,24 @@ def test_a_shape_too_large_to_train_is_named(capsys):
     assert main(["--model", "v41-flash", "--steps", "1"]) == 2
     assert "tiny shapes" in capsys.readouterr().err
     assert main(["--steps", "0"]) == 2 and "must be >= 1" in capsys.readouterr().err
+    assert main(["--mix", "retrieval=1,poetry=2"]) == 2 and "'poetry=2'" in capsys.readouterr().err
+    assert main(["--pack", "99999"]) == 2 and "pack must be 0" in capsys.readouterr().err
+
+
+def test_dense_entries_equal_a_top_k_that_keeps_every_entry():
+    """The dense warm-up attends every visible entry: the same as the sparse path when its top-k (and the decoder's
+    candidate pool) keep them all, and not the same at the model's own top-k."""
+    from dataclasses import replace
+    t = torch.randint(3, 8000, (160,), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for name, cfg in (("tiny", preset("tiny")),
+                      ("keep-all", replace(preset("tiny"), index_topk=1024, candidate_topk_blocks=1024))):
+        m = DeepseekForCausalLM(cfg)
+        dummy_weights(m, cfg, seed=0)
+        m.to(torch.float64)  # exact up to the summation order of the softmax
+        with torch.no_grad():
+            out[name, False] = m.forward(t).hidden
+            out[name, True] = m.forward(t, dense_entries=True).hidden
+    assert torch.allclose(out["keep-all", True], out["keep-all", False], atol=1e-10, rtol=0)
+    assert torch.equal(out["keep-all", True], out["tiny", True])  # top-k plays no part when dense
+    assert not torch.allclose(out["tiny", False], out["tiny", True], atol=1.0)
