@@ -134,7 +134,8 @@ def _retrieval(rng: random.Random, count_tokens, min_back, drills: int = 0) -> P
         context = "".join(f"The code for {k} is {v}.\n" for k, v in facts)
         if len(facts) > 1 and count_tokens(context) - count_tokens(f"The code for {facts[0][0]} is x.\n") >= min_back:
             break
-    for k, v in rng.sample(facts, min(drills, len(facts))) if drills else ():  # answered questions (practice)
+    # answered questions about the other facts (practice; never the asked one, whose answer would then sit close by)
+    for k, v in rng.sample(facts[1:], min(drills, len(facts) - 1)) if drills else ():
         context += f"Question: What is the code for {k}?\nAnswer: {v}\n"
     key, value = facts[0]
     prompt = context + f"Question: What is the code for {key}?\n"

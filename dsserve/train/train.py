@@ -145,6 +145,8 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
     if cfg.steps < 1 or cfg.batch < 1 or cfg.warmup < 1:
         raise ValueError(f"steps, batch and warmup must be >= 1, got {cfg.steps}, {cfg.batch}, {cfg.warmup}")
     ranks = Ranks()
+    if cfg.batch < ranks.world:
+        raise ValueError(f"batch {cfg.batch} gives some of the {ranks.world} ranks no sequence; use >= {ranks.world}")
     cfg = replace(cfg, device=ranks.device(cfg.device))
     torch.manual_seed(cfg.seed)
     mcfg = resolve_config(cfg.model)

@@ -78,5 +78,9 @@ def test_retrieval_drills_are_answered_facts_before_the_asked_first_one():
     drills = re.findall(r"Question: What is the code for (\w+)\?\nAnswer: (\d+)\n", drilled.prompt)
     assert len(drills) == 3 and all(facts[k] == v for k, v in drills)
     first = re.search(r"The code for (\w+) is", drilled.prompt).group(1)
+    every = problem("retrieval", "train", 7, count, 128, drills=1000)  # as many as there are: all but the asked one
+    all_facts = re.findall(r"The code for (\w+) is", every.prompt)
+    asked = re.findall(r"Question: What is the code for (\w+)\?\nAnswer:", every.prompt)
+    assert sorted(asked) == sorted(all_facts[1:])  # the asked (first) one never: its answer stays far back
     assert drilled.prompt.endswith(f"Question: What is the code for {first}?\n") and drilled.answer == facts[first]
     assert "Answer:" not in plain.prompt  # none unless asked: held-out problems stay as they were
