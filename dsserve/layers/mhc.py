@@ -20,8 +20,9 @@ def sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 def hc_mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-           rms_eps: float, hc_eps: float, sinkhorn_iters: int):
-    """x: [T, n, d] -> pre [T, n], post [T, n], comb [T, n, n]."""
+           rms_eps: float, hc_eps: float, sinkhorn_iters: int, sinkhorn_fn=None):
+    """x: [T, n, d] -> pre [T, n], post [T, n], comb [T, n, n]. ``sinkhorn_fn``: another implementation of
+    ``sinkhorn`` (training's fused kernel)."""
     n = x.shape[1]
     flat = acc(x.flatten(1))
     m = (flat @ fn.to(flat.dtype).t()) * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + rms_eps)
@@ -30,7 +31,7 @@ def hc_mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     post = 2 * torch.sigmoid(m[:, n:2 * n] * scale[1] + base[n:2 * n])
     logits = (m[:, 2 * n:] * scale[2] + base[2 * n:]).view(-1, n, n)
     comb = torch.softmax(logits, dim=-1) + hc_eps
-    return pre, post, sinkhorn(comb, sinkhorn_iters, hc_eps)
+    return pre, post, (sinkhorn_fn or sinkhorn)(comb, sinkhorn_iters, hc_eps)
 
 
 def hc_head_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,

@@ -12,7 +12,7 @@ from torch import nn
 from ..layers.attention import CSA2Attention
 from ..layers.context import ForwardContext, KeptRows
 from ..layers.engram import Engram
-from ..layers.mhc import collapse, expand, hc_mix
+from ..layers.mhc import collapse, expand, hc_mix, sinkhorn
 from ..layers.moe import MoE
 from ..layers.norm import RMSNorm
 from ..layers.side_stream import fork, join, side_stream
@@ -31,6 +31,9 @@ class Block(nn.Module):
                  attn_cls=CSA2Attention):
         super().__init__()
         self.cfg, self.role = cfg, role
+        # the mixes' Sinkhorn; training on a GPU swaps in kernels.sinkhorn.sinkhorn_trainable (the same function,
+        # one launch each way where autograd replays a few hundred)
+        self.sinkhorn = sinkhorn
         d, n = cfg.hidden_size, cfg.hc_mult
         mix = (2 + n) * n
         for site in ("attn", "ffn"):
@@ -46,7 +49,7 @@ class Block(nn.Module):
     def mix(self, site: str, x: torch.Tensor):
         c = self.cfg
         return hc_mix(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
-                      getattr(self, f"hc_{site}_scale"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+                      getattr(self, f"hc_{site}_scale"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters, self.sinkhorn)
 
     def site(self, name: str, x: torch.Tensor, pre: torch.Tensor, norm: RMSNorm, ops):
         """V4.1's single pass at a mixing site: (norm(collapse(x, pre)), the site's pre, post, comb, ready).

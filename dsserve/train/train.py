@@ -56,6 +56,7 @@ class TrainConfig:
     pack: int = 0            # tokens a training sequence packs problems up to (0: one problem a sequence)
     dense_steps: int = 0     # the first steps attend every visible global entry (the dense warm-up)
     drills: int = 0          # retrieval: answered questions about random facts before the asked one
+    fused_sinkhorn: bool = True  # on a GPU: mHC's Sinkhorn as one kernel each way (kernels.sinkhorn)
 
 
 def batch_of(cfg: TrainConfig, step: int, tokenizer, min_back: int) -> list[tuple[list[int], list[bool]]]:
@@ -161,6 +162,10 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
             if name.endswith(("gate.bias", "gate.bias_vl")):
                 p.zero_()
     model = model.to(cfg.device).train()
+    if cfg.fused_sinkhorn and cfg.device.startswith("cuda"):
+        from ..kernels.sinkhorn import sinkhorn_trainable
+        for block in model.layers:
+            block.sinkhorn = sinkhorn_trainable
     params = [p for n, p in model.named_parameters() if not n.endswith(("gate.bias", "gate.bias_vl"))]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
     min_back = cfg.min_back or retrieval_distance(mcfg)
@@ -239,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     for name in ("lr", "kl_weight", "prompt_weight"):
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(d, name))
+    p.add_argument("--fused-sinkhorn", action=argparse.BooleanOptionalAction, default=d.fused_sinkhorn,
+                   help="on a GPU, mHC's Sinkhorn as one Triton kernel each way (default on)")
     p.add_argument("--mix", default=",".join(f"{t}={w}" for t, w in d.mix),
                    help="tasks and their shares of the draws, e.g. retrieval=1 (default %(default)s)")
     p.add_argument("--out", default=None)
