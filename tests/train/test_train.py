@@ -86,3 +86,26 @@ def test_dense_entries_equal_a_top_k_that_keeps_every_entry():
     assert torch.allclose(out["keep-all", True], out["keep-all", False], atol=1e-10, rtol=0)
     assert torch.equal(out["keep-all", True], out["tiny", True])  # top-k plays no part when dense
     assert not torch.allclose(out["tiny", False], out["tiny", True], atol=1.0)
+
+
+def test_every_expert_trains_as_the_routed_loop():
+    """MoE.every_expert (training on a GPU: all experts on all rows, weighted 0 where not chosen) gives the routed
+    loop's loss and gradients."""
+    t = torch.randint(3, 8000, (50,), generator=torch.Generator().manual_seed(3))
+    out = []
+    for every in (False, True):
+        cfg = preset("tiny")
+        m = DeepseekForCausalLM(cfg)
+        dummy_weights(m, cfg, seed=0)
+        m.to(torch.float64)
+        for block in m.layers:
+            block.ffn.every_expert = every
+        loss = torch.nn.functional.cross_entropy(m.logits(m.forward(t).hidden)[:-1], t[1:])
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad for n, p in m.named_parameters()
+                                    if n.startswith("layers.") and ".ffn." in n and p.grad is not None}))
+    (l0, g0), (l1, g1) = out
+    assert torch.allclose(l0, l1, rtol=0, atol=1e-12)
+    assert g0.keys() == g1.keys() and any("experts.w2" in n for n in g0)
+    for name in g0:
+        assert torch.allclose(g0[name], g1[name], rtol=1e-9, atol=1e-12), name
