@@ -166,7 +166,8 @@ class MoE(nn.Module):
         w1, w2, w3 = self.experts["w1"], self.experts["w2"], self.experts["w3"]
         if self.every_expert:
             h = clamped_swiglu(torch.einsum("td,eid->eti", x, w1), torch.einsum("td,eid->eti", x, w3), self.limit)
-            chosen = torch.zeros(x.shape[0], w1.shape[0], dtype=w.dtype, device=x.device).scatter(1, ids, w)
+            # added, not set: a hash-routed row may name an expert twice, which the loop counts twice
+            chosen = torch.zeros(x.shape[0], w1.shape[0], dtype=w.dtype, device=x.device).scatter_add(1, ids, w)
             ye = torch.bmm((acc(h) * chosen.t()[:, :, None]).to(x.dtype), w2.transpose(1, 2))  # [E, T, d]
             return (acc(ye).sum(0) + acc(self.shared_experts(x))).to(x.dtype)
         out = torch.zeros(x.shape, dtype=acc(x).dtype, device=x.device)

@@ -2,6 +2,7 @@
 KL to the main attention, a few steps lower the loss, and the checkpoint serves."""
 import os
 
+import pytest
 import torch
 
 from dsserve.layers import quant
@@ -88,18 +89,21 @@ def test_dense_entries_equal_a_top_k_that_keeps_every_entry():
     assert not torch.allclose(out["tiny", False], out["tiny", True], atol=1.0)
 
 
-def test_every_expert_trains_as_the_routed_loop():
+@pytest.mark.parametrize("name", ["tiny", "tiny-v4"])  # V4: hash-routed layers too
+def test_every_expert_trains_as_the_routed_loop(name):
     """MoE.every_expert (training on a GPU: all experts on all rows, weighted 0 where not chosen) gives the routed
     loop's loss and gradients."""
     t = torch.randint(3, 8000, (50,), generator=torch.Generator().manual_seed(3))
     out = []
     for every in (False, True):
-        cfg = preset("tiny")
+        cfg = preset(name)
         m = DeepseekForCausalLM(cfg)
         dummy_weights(m, cfg, seed=0)
         m.to(torch.float64)
         for block in m.layers:
             block.ffn.every_expert = every
+            if block.ffn.gate.hash_routed:  # a token whose hash names one expert twice: counted twice
+                block.ffn.gate.tid2eid[t[:5]] = 3
         loss = torch.nn.functional.cross_entropy(m.logits(m.forward(t).hidden)[:-1], t[1:])
         loss.backward()
         out.append((loss.detach(), {n: p.grad for n, p in m.named_parameters()
