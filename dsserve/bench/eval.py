@@ -96,6 +96,9 @@ def run_eval(ns) -> int:
     caches = [c for c in ns.cache.split(",") if c]
     if sorted(set(caches) - {"cold", "hit"}):
         raise SystemExit(f"dsserve eval: --cache takes cold and/or hit, got {ns.cache!r}")
+    replays = [r for r in ns.replay.split(",") if r]
+    if not replays or sorted(set(replays) - {"off", "on"}):  # checked before any mode runs
+        raise SystemExit(f"dsserve eval: --replay takes off and/or on, got {ns.replay!r}")
     args = EngineArgs.from_cli(ns)
     cfg = resolve_config(args.model)
     tokenizer = Tokenizer.load(args.model)
@@ -108,10 +111,7 @@ def run_eval(ns) -> int:
             results.append({"replay": "server", "cache": cache, "tasks": res})
     else:
         from ..engine.llm import LLM
-        replays = [r for r in ns.replay.split(",") if r]
         for replay in replays:
-            if replay not in ("off", "on"):
-                raise SystemExit(f"dsserve eval: --replay takes off and/or on, got {ns.replay!r}")
             for cache in caches:
                 llm = LLM(**asdict(replace(args, swa_bounded_replay=replay == "on", enable_prefix_caching=cache == "hit")))
                 res = run_mode(engine_completer(llm), tokenizer, tasks, ns.n, cache == "hit", min_back, ns.batch)

@@ -149,6 +149,11 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
         raise ValueError(f"training runs on the tiny shapes (tiny, tiny-v4), not {cfg.model!r}")
     if cfg.steps < 1 or cfg.batch < 1 or cfg.warmup < 1:
         raise ValueError(f"steps, batch and warmup must be >= 1, got {cfg.steps}, {cfg.batch}, {cfg.warmup}")
+    negative = {k: getattr(cfg, k) for k in ("min_back", "dense_steps", "drills", "prompt_weight", "kl_weight")
+                if getattr(cfg, k) < 0}
+    if negative or not cfg.lr > 0:
+        raise ValueError(f"lr must be > 0 and min_back, dense_steps, drills, prompt_weight, kl_weight >= 0; got lr "
+                         f"{cfg.lr}" + "".join(f", {k} {v}" for k, v in negative.items()))
     ranks = Ranks()
     if cfg.batch < ranks.world:
         raise ValueError(f"batch {cfg.batch} gives some of the {ranks.world} ranks no sequence; use >= {ranks.world}")

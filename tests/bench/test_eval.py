@@ -50,6 +50,8 @@ def test_bad_task_is_named():
     import pytest
     with pytest.raises(SystemExit, match="tasks are"):
         main(["eval", "--model", "tiny", "--tasks", "poetry"])
+    with pytest.raises(SystemExit, match="--replay takes off and/or on"):  # before any mode runs
+        main(["eval", "--model", "tiny", "--replay", "off,sometimes"])
     with pytest.raises(SystemExit, match="-n and --batch must be >= 1"):
         main(["eval", "--model", "tiny", "-n", "0"])
 

@@ -68,6 +68,8 @@ def test_a_shape_too_large_to_train_is_named(capsys):
     assert main(["--steps", "0"]) == 2 and "must be >= 1" in capsys.readouterr().err
     assert main(["--mix", "retrieval=1,poetry=2"]) == 2 and "'poetry=2'" in capsys.readouterr().err
     assert main(["--pack", "99999"]) == 2 and "pack must be 0" in capsys.readouterr().err
+    assert main(["--drills", "-1"]) == 2 and "drills -1" in capsys.readouterr().err
+    assert main(["--lr", "0"]) == 2 and "lr must be > 0" in capsys.readouterr().err
 
 
 def test_dense_entries_equal_a_top_k_that_keeps_every_entry():
