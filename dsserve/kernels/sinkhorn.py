@@ -52,13 +52,16 @@ def _bwd(g_ptr, out_ptr, den_ptr, gin_ptr, T, N: tl.constexpr, ITERS: tl.constex
     for back in tl.static_range(2 * ITERS - 1):
         step = 2 * ITERS - 2 - back  # normalisations in reverse; even: over columns (axis 1), odd: over rows
         d = tl.load(dp + step * T * N, mask=rmask[:, None], other=1.0)
+        # each branch its own names: the compiler (unlike the interpreter) refuses a variable whose shape a branch
+        # changes
         if step % 2 == 0:
-            d = tl.reshape(d, (BLOCK_R, 1, N))
-            g = (g - tl.sum(g * y, axis=1, keep_dims=True)) / d
+            d_col = tl.reshape(d, (BLOCK_R, 1, N))
+            g = (g - tl.sum(g * y, axis=1, keep_dims=True)) / d_col
+            y = y * d_col
         else:
-            d = tl.reshape(d, (BLOCK_R, N, 1))
-            g = (g - tl.sum(g * y, axis=2, keep_dims=True)) / d
-        y = y * d
+            d_row = tl.reshape(d, (BLOCK_R, N, 1))
+            g = (g - tl.sum(g * y, axis=2, keep_dims=True)) / d_row
+            y = y * d_row
     tl.store(gin_ptr + at, g, mask=rmask[:, None, None])
 
 

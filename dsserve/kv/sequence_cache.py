@@ -9,6 +9,10 @@ from __future__ import annotations
 import torch
 
 
+# made once: a cache made inside a captured training step (train.step) must not make host tensors
+_NO_HISTORY = torch.empty(0, dtype=torch.long)
+
+
 class SequenceCache:
     def __init__(self, window: int, engram_lookback: int = 3):
         self.window = window
@@ -19,7 +23,7 @@ class SequenceCache:
         self._main: dict[int, torch.Tensor] = {}
         self._index_k: dict[int, torch.Tensor] = {}
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
-        self.engram_history = torch.empty(0, dtype=torch.long)  # compressed ids (-1 = dead), oldest first
+        self.engram_history = _NO_HISTORY  # compressed ids (-1 = dead), oldest first
 
     # sliding window ------------------------------------------------------------------
     def window_rows(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -58,8 +62,9 @@ class SequenceCache:
 
     # Engram lookback -------------------------------------------------------------------
     def push_engram_history(self, compressed_ids: torch.Tensor) -> None:
-        hist = self.engram_history.to(compressed_ids.device)
-        self.engram_history = torch.cat((hist, compressed_ids))[-self.engram_lookback:]
+        hist = self.engram_history
+        joined = torch.cat((hist.to(compressed_ids.device), compressed_ids)) if hist.numel() else compressed_ids
+        self.engram_history = joined[-self.engram_lookback:]
 
     def num_entries(self, source: int) -> int:
         m = self._main.get(source)

@@ -126,10 +126,11 @@ class CSA2Attention(nn.Module):
                 cache.set_pending(-1 - layer, ipend)
                 iks.append(ik)
             latents.append(latent)
-            positions += range(emitted * r, (emitted + latent.shape[0]) * r, r)
+            # made on the device: no upload, so a training step can run as a CUDA graph
+            positions.append(torch.arange(emitted * r, (emitted + latent.shape[0]) * r, r, device=x.device))
             counts.append(latent.shape[0])
         latent = self.compressor.norm(torch.cat(latents))  # row-wise: once for every sequence's new entries
-        entry_pos = torch.tensor(positions, dtype=torch.long).to(latent.device, non_blocking=True)
+        entry_pos = torch.cat(positions)
         v4_ops = None if self.cfg.is_v41 else ops  # V4.1's compressed entries come through compress_paged's kernels
         tables = None if v4_ops is None else self.rope.kernel_tables(entry_pos, latent.dtype)
         main = self.rope(latent, entry_pos) if v4_ops is None else v4_ops.rope_inplace(latent, *tables)
@@ -260,15 +261,17 @@ class CSA2Attention(nn.Module):
         entries (softmax per head, averaged over heads; no gradient), Q the indexer's softmax over its scores: the
         dense-attention distillation DeepSeek trained its sparse attention's indexer with."""
         s = self.indexer.scores_of(*index_q, pos, index_k, self.role.ratio)
-        seen = torch.isfinite(s).any(-1)
-        if not seen.any():
-            return s.new_zeros(())
+        finite = torch.isfinite(s)
+        seen = finite.any(-1)
+        # masked, not indexed: no read-back, so a training step can run as a CUDA graph (rows that see no entry get
+        # finite stand-ins, then weight 0)
         with torch.no_grad():
             logits = torch.einsum("thd,nd->thn", acc(q), acc(main_k).to(acc(q).dtype)) * self.cfg.head_dim ** -0.5
-            logits = logits.masked_fill(~torch.isfinite(s)[:, None, :], float("-inf"))
-            p = torch.softmax(logits[seen], -1).mean(1)
-        log_q = torch.log_softmax(s[seen], -1)
-        return (p * (torch.log(p.clamp_min(1e-30)) - log_q.clamp_min(-1e30))).sum(-1).mean()
+            logits = logits.masked_fill(~finite[:, None, :], float("-inf")).masked_fill(~seen[:, None, None], 0.0)
+            p = torch.softmax(logits, -1).mean(1)
+        log_q = torch.log_softmax(s.masked_fill(~seen[:, None], 0.0), -1)
+        kl = (p * (torch.log(p.clamp_min(1e-30)) - log_q.clamp_min(-1e30))).sum(-1)
+        return (kl * seen).sum() / seen.sum().clamp_min(1)
 
     def _select(self, i, index_q, pos, index_k, cache, ctx: ForwardContext):
         """Top-k entries for one sequence's rows: every visible entry (V4 HCA), or the indexer's choice from its

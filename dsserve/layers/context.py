@@ -49,6 +49,7 @@ class ForwardContext:
     # entry instead of the indexer's top-k, so the main attention learns which entries matter while the indexers
     # learn by their KL to it; sparse selection then starts from an indexer that picks them.
     dense_entries: bool = False
+    static: bool = False  # a fixed-shape training step (models.model.forward_batch): no host reads, no uploads
     engram_ids: torch.Tensor | None = None  # [N] compressed ids (-1 = dead) for Engram layers
     engram_history: list[torch.Tensor] = field(default_factory=list)  # per sequence: the ids before its rows
     # Host-table Engram layers: layer -> prefetch handle (layers.engram_table.EngramRows) started before layer 0.

@@ -43,9 +43,11 @@ class Engram(nn.Module):
         self.embed = nn.Embedding(0, w.shape[1], device=w.device, dtype=w.dtype)
         return self.table
 
-    def row_ids(self, compressed_ids: torch.Tensor, seq_rows: list[slice], histories: list[torch.Tensor]):
-        """LongTensor [T, columns] of table rows, hashed per sequence on the ids' device."""
-        return self.hasher.rows_of_seqs(compressed_ids, seq_rows, histories)
+    def row_ids(self, compressed_ids: torch.Tensor, seq_rows: list[slice], histories: list[torch.Tensor],
+                check: bool = True):
+        """LongTensor [T, columns] of table rows, hashed per sequence on the ids' device (``check``: host ids are
+        checked to be in range)."""
+        return self.hasher.rows_of_seqs(compressed_ids, seq_rows, histories, check)
 
     def prefetch(self, compressed_ids: torch.Tensor, seq_rows: list[slice], histories: list[torch.Tensor],
                  device, dtype: torch.dtype) -> EngramRows:
@@ -58,7 +60,7 @@ class Engram(nn.Module):
 
     def forward(self, x: torch.Tensor, compressed_ids: torch.Tensor, seq_rows: list[slice],
                 histories: list[torch.Tensor], rows: torch.Tensor | EngramRows | None = None,
-                ops=None) -> torch.Tensor:
+                ops=None, check: bool = True) -> torch.Tensor:
         """x: the mHC stream [T, n, d]; compressed_ids [T] (-1 = dead); per sequence its rows and the ids
         before them (hashing looks back across chunk boundaries, never across sequences). ``rows``: this
         step's gathered table rows [T, columns, head_dim] (or their prefetch handle, narrowed to ``seq_rows``), or
@@ -69,7 +71,7 @@ class Engram(nn.Module):
         if isinstance(rows, EngramRows):
             rows = rows.for_seqs(seq_rows)
         if rows is None or rows.dtype == torch.int64:
-            ids = self.row_ids(compressed_ids, seq_rows, histories) if rows is None else rows
+            ids = self.row_ids(compressed_ids, seq_rows, histories, check) if rows is None else rows
             rows = self.embed.weight[ids] if self.table is None else self.table.device_gather(ids, x.dtype)
         if rows.shape[0] != t:
             raise ValueError(f"rows cover {rows.shape[0]} tokens, the stream has {t}")

@@ -169,8 +169,9 @@ class EngramHasher:
             real = torch.cat([p for i, p in enumerate(pieces) if i % 3])  # histories and ids, not the marks
             if real.numel() and (int(real.min()) < DEAD or int(real.max()) >= self.compressed_vocab_size):
                 raise ValueError(f"compressed ids must lie in [-1, {self.compressed_vocab_size})")
-        at = torch.cat([torch.arange(b, b + n) for b, n in where]) if where else torch.zeros(0, dtype=torch.int64)
-        at = at.to(ids.device, non_blocking=True)
+        # made on the ids' device: no upload, so a training step can run as a CUDA graph
+        at = (torch.cat([torch.arange(b, b + n, device=ids.device) for b, n in where]) if where
+              else torch.zeros(0, dtype=torch.int64, device=ids.device))
         # src[t, s] = token at lookback s from row t (within its sequence's ext segment)
         return self.rows_of_lookbacks(ext[at[:, None] - torch.arange(self.max_ngram, device=ids.device)[None, :]])
 

@@ -40,8 +40,9 @@ def candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, block: int, to
     padded[:, :n] = scores
     bscore = padded.view(t, nb, block).amax(-1)
     newest = torch.div(n_visible - 1, block, rounding_mode="floor")
-    has = n_visible > 0
-    bscore[has, newest[has]] = float("inf")
+    # masked, not indexed by the rows that see an entry: no read-back (a training step runs as a CUDA graph)
+    pin = (n_visible > 0)[:, None] & (torch.arange(nb, device=scores.device)[None, :] == newest[:, None])
+    bscore = bscore.masked_fill(pin, float("inf"))
     bidx, bvalid = stable_topk(bscore, top_blocks)
     keep = torch.zeros(t, nb, dtype=torch.bool, device=scores.device)
     keep.scatter_(1, bidx, bvalid)

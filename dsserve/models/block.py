@@ -109,7 +109,7 @@ class Block(nn.Module):
         if self.engram is not None:
             ctx.log(self.role.index, "engram")
             x = self.engram(x, ctx.engram_ids, [s.rows for s in ctx.seqs], ctx.engram_history,
-                            rows=ctx.engram_rows.get(self.role.index), ops=ctx.ops)
+                            rows=ctx.engram_rows.get(self.role.index), ops=ctx.ops, check=not ctx.static)
         ops, ready = ctx.ops, None  # ops: kernels.ops.KernelOps, or None: the torch forward (the oracle)
         if self.cfg.is_v41:
             h, a_pre, a_post, a_comb, ready = self.site("attn", x, pre, self.attn_norm, ops)

@@ -80,7 +80,7 @@ class DeepseekForCausalLM(nn.Module):
     def forward_batch(self, tokens: torch.Tensor, seqs: list[SeqRows], qat: bool | None = None,
                       is_image: torch.Tensor | None = None, trace: list | None = None,
                       replay_form: str = "report", decoder_rows=None, index_kl: list | None = None,
-                      dense_entries: bool = False) -> ForwardOutput:
+                      dense_entries: bool = False, static: bool = False) -> ForwardOutput:
         """A flat batch of rows from several sequences: ``seqs`` says which rows are whose, in order.
 
         Each sequence's rows continue its cache at ``cache.num_tokens``. Returns the hidden states of the
@@ -91,18 +91,28 @@ class DeepseekForCausalLM(nn.Module):
         (engine.replay_graphs.ReplayGraphs) may run the narrowed rows from there on in fixed shapes (a CUDA
         graph); it returns None for a step it does not take. The DSpark taps of layers it runs are not returned.
         ``dense_entries`` (training's dense warm-up): every compressed layer attends all its visible global entries.
+        ``static`` (training's fixed-shape step, train.step): ``tokens`` are on the model's device and were checked by
+        the caller; nothing is read back or uploaded (positions and Engram ids are made on the device), so the step
+        can be captured as a CUDA graph.
         """
         cfg = self.cfg
-        # checked where they are (the runner hands host tensors: no device read-back), then moved
-        host_tokens = self._check_tokens(tokens)
-        tokens = host_tokens.to(self.embed.weight.device, non_blocking=True)
+        if static:
+            if tokens.device != self.embed.weight.device or tokens.dtype != torch.int64 or is_image is not None:
+                raise ModelInputError("a static forward takes int64 tokens on the model's device and no image rows")
+            if any(b.engram is not None and b.engram.table is not None for b in self.layers):
+                raise ModelInputError("a static forward reads Engram tables on the device, not in host memory")
+            host_tokens = None
+        else:  # checked where they are (the runner hands host tensors: no device read-back), then moved
+            host_tokens = self._check_tokens(tokens)
+            tokens = host_tokens.to(self.embed.weight.device, non_blocking=True)
         if sum(s.rows.stop - s.rows.start for s in seqs) != tokens.shape[0]:
             raise ModelInputError("the sequences' rows must cover the batch exactly")
         last = max(s.cache.num_tokens + s.rows.stop - s.rows.start - 1 for s in seqs)
         if last >= cfg.max_position_embeddings:
             raise ModelInputError(f"position {last} exceeds max_position_embeddings={cfg.max_position_embeddings}")
         seqs = [replace(s, first=s.cache.num_tokens) for s in seqs]  # host positions, for the compressor
-        positions = torch.cat([torch.arange(s.first, s.first + s.rows.stop - s.rows.start)
+        positions = torch.cat([torch.arange(s.first, s.first + s.rows.stop - s.rows.start,
+                                            device=tokens.device if static else "cpu")
                                for s in seqs]).to(tokens.device, non_blocking=True)
         replay = any(s.decoder_start is not None for s in seqs)
         if replay_form not in ("report", "vllm"):
@@ -112,7 +122,7 @@ class DeepseekForCausalLM(nn.Module):
             raise ModelInputError("bounded replay (decoder_start) needs the V4.1 encoder/decoder split")
         ctx = ForwardContext(tokens=tokens, positions=positions, seqs=list(seqs),
                              qat=cfg.qat if qat is None else qat, is_image=is_image, trace=trace, index_kl=index_kl,
-                             dense_entries=dense_entries)
+                             dense_entries=dense_entries, static=static)
         ctx.ops = self.kernel_ops  # row-wise ops (MoE, mHC) run on either attention path
         if self.kernel_ops is not None and PagedBatch.supports(seqs, self.kernel_ops):
             if dense_entries:
@@ -122,9 +132,11 @@ class DeepseekForCausalLM(nn.Module):
             if self.engram_token_map is None:
                 raise ModelInputError("this model's Engram needs the tokenizer's compressed-token map; "
                                       "load it with the checkpoint's tokenizer")
-            # hashed from the host's copy of the ids: the host-table prefetch needs them there before layer 0
-            host_ids = self._engram_ids(host_tokens, None if is_image is None else is_image.cpu())
-            ctx.engram_ids = host_ids.to(tokens.device, non_blocking=True)
+            if static:
+                host_ids = ctx.engram_ids = self.engram_token_map[tokens]  # on the device (no host tables here)
+            else:  # hashed from the host's copy of the ids: the host-table prefetch needs them there before layer 0
+                host_ids = self._engram_ids(host_tokens, None if is_image is None else is_image.cpu())
+                ctx.engram_ids = host_ids.to(tokens.device, non_blocking=True)
             ctx.engram_history = [s.cache.engram_history for s in seqs]
             ctx.engram_rows = self._prefetch_engram(ctx, host_ids)
 

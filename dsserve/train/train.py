@@ -1,7 +1,8 @@
 """Train a small V4.1-architecture model from scratch on the synthetic tasks (issue 10).
 
-    torchrun --nproc-per-node 4 -m dsserve.train.train --device cuda --steps 400 --batch 32 --pack 2048 \
-        --warmup 20 --dense-steps 200 --drills 4 --out runs/tiny-trained
+    python -m dsserve.train.train --device cuda --steps 1000000 --time-limit 274 --batch 4 --pack 2048 \
+        --mix arithmetic=0.4,retrieval=0.4,chat=0.2 --dense-share 0.5 --warmup 20 --drills 8 --prompt-weight 0.5 \
+        --out runs/tiny-trained
 
 Every mechanism of the model runs as at inference (the reference forward, fp32): the sliding window, the
 compressors and indexers, the MoE, mHC, Engram. The QAT fake quants pass gradients straight through
@@ -12,18 +13,20 @@ attends all its visible entries (DeepSeek's dense warm-up): the main attention l
 the indexers learn to find them, then sparse selection takes over. The loss is next-token cross entropy on each
 problem's completion, plus ``prompt_weight`` x that of the prompt's tokens (the worked example, the chat's turns,
 retrieval's answered drills; a retrieval prompt's random codes only add noise), plus ``kl_weight`` x the mean
-indexer KL. Problems are packed into sequences of up to ``pack`` tokens, as pretraining packs documents (the
-reference forward's cost is mostly per sequence and per layer, not per token). On a GPU the step is bound by launching
-its ops, so there mHC's Sinkhorn runs as one kernel each way (``--fused-sinkhorn``) and the MoE computes every expert
-on every row (``--every-expert``): the same sums, 2.1x fewer ops (23.5 K -> 11.2 K for four 512-token sequences,
-counted on the CPU). Seeded; writes the checkpoint
-(config.json, safetensors, the tokenizer), train.json (data, steps, tokens, the loss curve) and loss.png under
-``--out``. The MoE's selection biases stay at zero (no load-balancing update yet); the DSpark drafter is not trained.
+indexer KL. Problems are packed into sequences of up to ``pack`` tokens, as pretraining packs documents (a longer
+problem is skipped), and every sequence of a step is padded to one length (``step.TrainStep``). On a GPU an eager
+step is bound by launching its ops, so there mHC's Sinkhorn runs as one kernel each way (``--fused-sinkhorn``), the
+MoE computes every expert on every row (``--every-expert``: 2.1x fewer ops, the same sums), and with packing the step
+is captured once as a CUDA graph and replayed (``--cuda-graph``; H200: 4 x 2048 tokens 0.09 s a replay against
+0.25-0.33 s eager). Batches are made ahead by ``--data-workers`` processes. ``--time-limit`` runs the schedule (and
+``--dense-share``) on the clock and stops there. Seeded (a time-limited run's step count follows its speed); writes
+the checkpoint (config.json, safetensors, the tokenizer), train.json (data, steps, tokens, the loss curve) and
+loss.png under ``--out``. The MoE's selection biases stay at zero (no load-balancing update yet); the DSpark drafter
+is not trained.
 
 Data parallel under ``torchrun --nproc-per-node N``: rank r takes sequences r, r + N, ... of each step's batch, the
 losses are normalised by the whole batch's counts and the gradients summed (gloo, staged through host memory: ranks
-may share one GPU, which NCCL refuses; the tiny model is launch-bound, so several ranks on one GPU keep it busier
-than one), so a step equals the single-process step on the whole batch.
+may share one GPU, which NCCL refuses), so a step equals the single-process step on the whole batch.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from .ranks import Ranks
+from .step import TrainStep
 from .tasks import TASKS, problem, prompt_ids, retrieval_distance
 
 
@@ -58,9 +62,14 @@ class TrainConfig:
     log_every: int = 10
     pack: int = 0            # tokens a training sequence packs problems up to (0: one problem a sequence)
     dense_steps: int = 0     # the first steps attend every visible global entry (the dense warm-up)
+    dense_share: float = 0.0  # ... or the first share of the run (of steps, or of time_limit)
+    time_limit: float = 0.0  # seconds: stop there (the schedule runs on the clock); 0: run all steps
     drills: int = 0          # retrieval: answered questions about random facts before the asked one
     fused_sinkhorn: bool = True  # on a GPU: mHC's Sinkhorn as one kernel each way (kernels.sinkhorn)
     every_expert: bool = True    # on a GPU: every routed expert on every row, weighted 0 where not chosen
+    cuda_graph: bool = True      # on a GPU with packing: the step captured once as a CUDA graph (train.step)
+    data_workers: int = -1       # processes making the batches ahead (-1: none on the CPU, 4 on a GPU)
+    dist_backend: str = "auto"   # data parallel: NCCL when each rank has its own GPU, else gloo (train.ranks)
 
 
 def batch_of(cfg: TrainConfig, step: int, tokenizer, min_back: int) -> list[tuple[list[int], list[bool]]]:
@@ -70,13 +79,19 @@ def batch_of(cfg: TrainConfig, step: int, tokenizer, min_back: int) -> list[tupl
     rng = random.Random(f"batch/{cfg.seed}/{step}")
     tasks, weights = zip(*cfg.mix)
     count = (lambda s: len(tokenizer.encode(s, add_bos=False)))
-    out, ids, completion, j = [], [], [], 0
+    out, ids, completion, j, too_long = [], [], [], 0, {}
     while len(out) < cfg.batch:
         task = rng.choices(tasks, weights)[0]
         p = problem(task, "train", (cfg.seed * 1_000_000 + step) * 10_000 + j, count, min_back, cfg.drills)
         j += 1
         prompt, answer = prompt_ids(tokenizer, p.prompt), tokenizer.encode(p.completion, add_bos=False)
         full = prompt + answer + [tokenizer.eos_id]
+        if cfg.pack and len(full) > cfg.pack:  # a step has fixed shapes (train.step): a longer problem is skipped
+            too_long[task] = too_long.get(task, 0) + 1
+            if too_long[task] > 50:
+                raise ValueError(f"pack {cfg.pack} is too short for {task} problems ({len(full)} tokens and more); "
+                                 f"use a larger --pack or leave {task} out of --mix")
+            continue
         if ids and len(ids) + len(full) > cfg.pack:  # this sequence is full: the problem starts the next one
             out.append((ids, completion))
             ids, completion = [], []
@@ -94,48 +109,52 @@ def token_weights(batch: list[tuple[list[int], list[bool]]], prompt_weight: floa
     return [[1.0 if completion[t + 1] else prompt_weight for t in range(len(ids) - 1)] for ids, completion in batch]
 
 
-def step_loss(model, batch: list[tuple[list[int], list[bool]]], cfg: TrainConfig, weight_total: float,
-              count_total=lambda n: n, dense: bool = False) -> tuple[torch.Tensor, dict]:
-    """One forward of ``batch``'s sequences together (each on its own empty cache): the weighted cross entropy over
-    ``weight_total`` (the whole step's weight, all ranks) plus ``kl_weight`` x the indexer KLs' sum over
-    ``count_total(local count)`` (their number on all ranks), so the ranks' losses add up to the whole batch's.
-    ``dense``: every visible global entry attended (``ForwardContext.dense_entries``), not the indexers' choice."""
-    from ..layers.context import SeqRows
-    device = cfg.device
-    seqs, tokens, at = [], [], 0
-    for ids, _ in batch:
-        seqs.append(SeqRows(slice(at, at + len(ids)), model.new_cache()))
-        tokens += ids
-        at += len(ids)
-    kl = []
-    hidden = model.forward_batch(torch.tensor(tokens, device=device), seqs, index_kl=kl, dense_entries=dense).hidden
-    rows, targets, weights, completion, at = [], [], [], [], 0
-    for (ids, done), w in zip(batch, token_weights(batch, cfg.prompt_weight)):
-        kept = [t for t in range(len(ids) - 1) if w[t] > 0]  # weight 0: no logits needed
-        rows += [at + t for t in kept]
-        targets += [ids[t + 1] for t in kept]
-        weights += [w[t] for t in kept]
-        completion += [done[t + 1] for t in kept]
-        at += len(ids)
-    ce = torch.nn.functional.cross_entropy(model.logits(hidden[torch.tensor(rows, device=device)]).float(),
-                                           torch.tensor(targets, device=device), reduction="none")
-    w, completion = torch.tensor(weights, device=device), torch.tensor(completion, device=device)
-    kl_count = count_total(len(kl))
-    kl_sum = torch.stack(kl).sum() if kl else ce.new_zeros(())
-    loss = (ce * w).sum() / weight_total + cfg.kl_weight * kl_sum / max(kl_count, 1)
-    return loss, {"ce_sum": float(ce.detach()[completion].sum()), "targets": int(completion.sum()),
-                  "kl_sum": float(kl_sum.detach()), "kl_count": len(kl), "tokens": len(tokens)}
+_WORKER_TOKENIZER = None
 
 
-def backward_step(model, params, cfg: TrainConfig, step: int, tokenizer, min_back: int, ranks: Ranks) -> dict:
-    """This rank's share of step ``step``: forward, backward, the gradients summed over the ranks."""
-    whole = batch_of(cfg, step, tokenizer, min_back)
-    weight_total = sum(map(sum, token_weights(whole, cfg.prompt_weight)))
-    loss, info = step_loss(model, whole[ranks.rank::ranks.world], cfg, weight_total,
-                           lambda n: int(ranks.sum([float(n)])[0]), dense=step < cfg.dense_steps)
-    loss.backward()
-    ranks.sum_grads(params)
-    return info | {"step_tokens": sum(len(ids) for ids, _ in whole)}
+def _batch_job(args) -> list:
+    global _WORKER_TOKENIZER
+    from ..models.tokenizer import Tokenizer
+    cfg, step, min_back = args
+    if _WORKER_TOKENIZER is None:
+        _WORKER_TOKENIZER = Tokenizer.for_preset(cfg.model)
+    return batch_of(cfg, step, _WORKER_TOKENIZER, min_back)
+
+
+def batches(cfg: TrainConfig, tokenizer, min_back: int, workers: int):
+    """Each step's batch in order; with ``workers`` > 0 made that many steps ahead by worker processes (on a GPU a
+    captured step takes less time than tokenising its problems)."""
+    if workers <= 0:
+        yield from (batch_of(cfg, step, tokenizer, min_back) for step in range(cfg.steps))
+        return
+    import multiprocessing
+    from collections import deque
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        ahead = deque()
+        for step in range(cfg.steps):
+            while len(ahead) < 2 * workers and step + len(ahead) < cfg.steps:
+                ahead.append(pool.apply_async(_batch_job, ((cfg, step + len(ahead), min_back),)))
+            yield ahead.popleft().get()
+
+
+def backward_step(model, cfg: TrainConfig, whole: list, dense: bool, ranks: Ranks, held: dict) -> tuple:
+    """This rank's share of a step's batch ``whole``: forward and backward (``step.TrainStep``: every sequence padded
+    to ``pack`` tokens, or to the batch's longest without packing), the gradients summed over the ranks. ``held``
+    keeps the step of the last shape (its CUDA graph). Returns (the step, its outputs)."""
+    weights = token_weights(whole, cfg.prompt_weight)
+    mine = whole[ranks.rank::ranks.world]
+    length = cfg.pack or max(len(ids) for ids, _ in whole)
+    key = (len(mine), length, dense)
+    if held.get("key") != key:
+        if held.get("step") is not None:
+            held["step"].release()
+        held.update(key=key, step=TrainStep(model, len(mine), length, len(whole), cfg.kl_weight, dense,
+                                            graph=cfg.cuda_graph and cfg.pack > 0 and cfg.every_expert, pad_id=held["pad_id"]))
+    step = held["step"]
+    step.load(mine, weights[ranks.rank::ranks.world], sum(map(sum, weights)))
+    out = step.run()
+    ranks.sum_grads(step.params)
+    return step, out
 
 
 def train(cfg: TrainConfig, out_dir: str | None) -> dict:
@@ -149,12 +168,12 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
         raise ValueError(f"training runs on the tiny shapes (tiny, tiny-v4), not {cfg.model!r}")
     if cfg.steps < 1 or cfg.batch < 1 or cfg.warmup < 1:
         raise ValueError(f"steps, batch and warmup must be >= 1, got {cfg.steps}, {cfg.batch}, {cfg.warmup}")
-    negative = {k: getattr(cfg, k) for k in ("min_back", "dense_steps", "drills", "prompt_weight", "kl_weight")
-                if getattr(cfg, k) < 0}
-    if negative or not cfg.lr > 0:
-        raise ValueError(f"lr must be > 0 and min_back, dense_steps, drills, prompt_weight, kl_weight >= 0; got lr "
-                         f"{cfg.lr}" + "".join(f", {k} {v}" for k, v in negative.items()))
-    ranks = Ranks()
+    settings = ("min_back", "dense_steps", "dense_share", "time_limit", "drills", "prompt_weight", "kl_weight")
+    negative = {k: getattr(cfg, k) for k in settings if getattr(cfg, k) < 0}
+    if negative or not cfg.lr > 0 or cfg.dense_share > 1:
+        raise ValueError(f"lr must be > 0, dense_share at most 1 and {', '.join(settings)} >= 0; got lr {cfg.lr}, "
+                         f"dense_share {cfg.dense_share}" + "".join(f", {k} {v}" for k, v in negative.items()))
+    ranks = Ranks(cfg.device, cfg.dist_backend)
     if cfg.batch < ranks.world:
         raise ValueError(f"batch {cfg.batch} gives some of the {ranks.world} ranks no sequence; use >= {ranks.world}")
     cfg = replace(cfg, device=ranks.device(cfg.device))
@@ -177,22 +196,38 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
             if cfg.fused_sinkhorn:
                 block.sinkhorn = sinkhorn_trainable
             block.ffn.every_expert = cfg.every_expert
-    params = [p for n, p in model.named_parameters() if not n.endswith(("gate.bias", "gate.bias_vl"))]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    for name, p in model.named_parameters():
+        if name.endswith(("gate.bias", "gate.bias_vl")):
+            p.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01,
+                            fused=cfg.device.startswith("cuda"))  # one launch, not a dozen a parameter
     min_back = cfg.min_back or retrieval_distance(mcfg)
+    workers = cfg.data_workers if cfg.data_workers >= 0 else (4 if cfg.device.startswith("cuda") else 0)
+    held = {"pad_id": tokenizer.eos_id}
     curve, tokens, t0 = [], 0, time.perf_counter()
-    for step in range(cfg.steps):
-        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+    dense_until = steps_run = 0
+    for step, whole in enumerate(batches(cfg, tokenizer, min_back, workers)):
+        progress = step / cfg.steps
+        if cfg.time_limit:  # the schedule follows rank 0's clock (all ranks must agree on it)
+            progress = min(1.0, max(progress, ranks.sum([time.perf_counter() - t0 if ranks.rank == 0 else 0.0])[0]
+                                    / cfg.time_limit))
+            if progress >= 1 and step:
+                break
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * progress))
         for g in opt.param_groups:
             g["lr"] = lr
-        opt.zero_grad(set_to_none=True)
-        info = backward_step(model, params, cfg, step, tokenizer, min_back, ranks)
+        dense = step < cfg.dense_steps or progress < cfg.dense_share
+        dense_until = step + 1 if dense else dense_until
+        ts, out = backward_step(model, cfg, whole, dense, ranks, held)
+        steps_run = step + 1
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        tokens += info["step_tokens"]
+        tokens += sum(len(ids) for ids, _ in whole)
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
-            ce_sum, targets, kl_sum, kl_count, n = ranks.sum([info["ce_sum"], info["targets"], info["kl_sum"],
-                                                               info["kl_count"], info["tokens"]])
+            ce_sum, targets, kl_sum, kl_count, n = ranks.sum([
+                float((out["ce"] * ts.completion).sum()), float(ts.completion.sum()), float(out["kl_sum"]),
+                out["kl_count"], sum(len(ids) for ids, _ in whole[ranks.rank::ranks.world])])
             curve.append({"step": step, "lr": lr, "ce": ce_sum / targets, "index_kl": kl_sum / max(kl_count, 1),
                           "tokens": int(n), "target_tokens": int(targets)})
             if ranks.rank == 0:
@@ -200,7 +235,7 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
                 print(f"step {step:5d}  ce {curve[-1]['ce']:.4f}  index kl {curve[-1]['index_kl']:.4f}  "
                       f"{tokens / elapsed:.0f} tok/s  {elapsed:.1f} s", flush=True)
     summary = {"config": asdict(cfg), "ranks": ranks.world, "model": mcfg.name, "min_back": min_back, "tokens": tokens,
-               "seconds": time.perf_counter() - t0, "curve": curve,
+               "steps_run": steps_run, "dense_until": dense_until, "seconds": time.perf_counter() - t0, "curve": curve,
                "data": {"tasks": list(TASKS), "split": "train (prompt hash), problems seeded by step and slot"}}
     if out_dir and ranks.rank == 0:
         os.makedirs(out_dir, exist_ok=True)
@@ -208,7 +243,7 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
         save_checkpoint(model.cpu(), mcfg, out_dir, tokenizer_dir=TINY_DIR)
         with open(os.path.join(out_dir, "train.json"), "w") as f:
             json.dump(summary, f, indent=1)
-        _plot(curve, os.path.join(out_dir, "loss.png"), cfg.dense_steps)
+        _plot(curve, os.path.join(out_dir, "loss.png"), dense_until)
     return summary
 
 
@@ -248,17 +283,21 @@ def _plot(curve: list[dict], path: str, dense_steps: int = 0) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     d = TrainConfig()
-    for name in ("model", "device"):
-        p.add_argument(f"--{name}", default=getattr(d, name))
+    for name in ("model", "device", "dist_backend"):
+        p.add_argument(f"--{name.replace('_', '-')}", default=getattr(d, name))
     for name in ("steps", "batch", "warmup", "seed", "min_back", "log_every", "pack", "dense_steps",
                  "drills"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
-    for name in ("lr", "kl_weight", "prompt_weight"):
+    for name in ("lr", "kl_weight", "prompt_weight", "dense_share", "time_limit"):
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(d, name))
     p.add_argument("--fused-sinkhorn", action=argparse.BooleanOptionalAction, default=d.fused_sinkhorn,
                    help="on a GPU, mHC's Sinkhorn as one Triton kernel each way (default on)")
     p.add_argument("--every-expert", action=argparse.BooleanOptionalAction, default=d.every_expert,
                    help="on a GPU, every routed expert on every row, weighted 0 where not chosen (default on)")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=d.cuda_graph,
+                   help="on a GPU with --pack and --every-expert, the step captured as a CUDA graph (default on)")
+    p.add_argument("--data-workers", type=int, default=d.data_workers,
+                   help="processes making batches ahead (default: 0 on the CPU, 4 on a GPU)")
     p.add_argument("--mix", default=",".join(f"{t}={w}" for t, w in d.mix),
                    help="tasks and their shares of the draws, e.g. retrieval=1 (default %(default)s)")
     p.add_argument("--out", default=None)

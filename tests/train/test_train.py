@@ -115,3 +115,18 @@ def test_every_expert_trains_as_the_routed_loop(name):
     assert g0.keys() == g1.keys() and any("experts.w2" in n for n in g0)
     for name in g0:
         assert torch.allclose(g0[name], g1[name], rtol=1e-9, atol=1e-12), name
+
+
+def test_a_time_limit_stops_the_run_on_its_clock(monkeypatch):
+    """--time-limit: the schedule follows the clock (here a fake one, 1 s a reading) and the run stops at the limit;
+    the dense share is a share of that time."""
+    import itertools
+    from dsserve.train import train as train_mod
+    clock = itertools.count()
+    monkeypatch.setattr(train_mod.time, "perf_counter", lambda: float(next(clock)))
+    cfg = TrainConfig(steps=100, batch=1, warmup=1, min_back=32, log_every=1, time_limit=6, dense_share=0.5,
+                      mix=(("arithmetic", 1.0),))
+    out = train(cfg, None)
+    lrs = [c["lr"] for c in out["curve"]]
+    assert 1 < out["steps_run"] < 100 and out["dense_until"] < out["steps_run"]
+    assert lrs == sorted(lrs, reverse=True) and lrs[-1] < cfg.lr / 2

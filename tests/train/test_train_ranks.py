@@ -10,7 +10,7 @@ from dsserve.models.model import DeepseekForCausalLM
 from dsserve.models.presets import preset
 from dsserve.models.tokenizer import Tokenizer
 from dsserve.train.ranks import Ranks
-from dsserve.train.train import TrainConfig, backward_step
+from dsserve.train.train import TrainConfig, backward_step, batch_of
 
 CFG = TrainConfig(batch=4, min_back=32, prompt_weight=0.5, mix=(("arithmetic", 0.5), ("retrieval", 0.5)))
 
@@ -20,8 +20,9 @@ def _grads(step: int) -> dict[str, torch.Tensor]:
     model = DeepseekForCausalLM(cfg)
     dummy_weights(model, cfg, seed=0)
     model.train()
-    params = list(model.parameters())
-    backward_step(model, params, CFG, step, Tokenizer.for_preset("tiny"), CFG.min_back, Ranks())
+    tokenizer = Tokenizer.for_preset("tiny")
+    backward_step(model, CFG, batch_of(CFG, step, tokenizer, CFG.min_back), False, Ranks(),
+                  {"pad_id": tokenizer.eos_id})
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 

@@ -1,0 +1,137 @@
+"""The fixed-shape training step (train.step): padded sequences give the unpadded sequences' loss and gradients, the
+step reads nothing back to the host (so a GPU can capture it), and on a GPU the captured graph replays the eager
+step."""
+import copy
+import traceback
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from dsserve.models.checkpoint import dummy_weights
+from dsserve.models.model import DeepseekForCausalLM
+from dsserve.models.presets import preset
+from dsserve.train.step import TrainStep
+from dsserve.train.train import token_weights
+
+
+def _model(name="tiny", dtype=torch.float64, device="cpu"):
+    cfg = preset(name)
+    m = DeepseekForCausalLM(cfg)
+    dummy_weights(m, cfg, seed=0)
+    for b in m.layers:
+        b.ffn.every_expert = True  # the routed loop reads the routing back (torch.unique); training on a GPU does not
+    return m.to(dtype).to(device).train()
+
+
+def _batch(lengths, seed, vocab=8000):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        ids = torch.randint(3, vocab, (n,), generator=g).tolist()
+        done = (torch.rand(n, generator=g) < 0.4).tolist()
+        out.append((ids, done))
+    return out
+
+
+def _reference(m, batch, prompt_weight, kl_weight, total_seqs):
+    """The step's loss written out per sequence, unpadded: weighted next-token CE over the whole step's weight plus
+    kl_weight x the mean indexer KL."""
+    weights = token_weights(batch, prompt_weight)
+    total = sum(map(sum, weights))
+    loss, kls = 0.0, []
+    for (ids, _), w in zip(batch, weights):
+        kl = []
+        hidden = m.forward(torch.tensor(ids), index_kl=kl).hidden
+        ce = torch.nn.functional.cross_entropy(m.logits(hidden[:-1]).float(), torch.tensor(ids[1:]), reduction="none")
+        loss = loss + (ce * torch.tensor(w)).sum() / total
+        kls += kl
+    per_seq = len(kls) // len(batch)
+    return loss + kl_weight * torch.stack(kls).sum() / (per_seq * total_seqs)
+
+
+def _grads(m):
+    return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("lengths,length,kl_weight", [((70, 70), 70, 0.1), ((45, 70, 12), 72, 0.0)])
+def test_padded_step_equals_the_unpadded_sequences(lengths, length, kl_weight):
+    """Padding adds rows after each sequence (weight 0; causal, so earlier rows are untouched). The pad rows join the
+    indexer KL, so with KL on the check uses sequences that need no padding."""
+    m = _model()
+    batch = _batch(lengths, seed=len(lengths))
+    _reference(m, batch, 0.5, kl_weight, len(batch)).backward()
+    want = _grads(m)
+    step = TrainStep(m, len(batch), length, len(batch), kl_weight, dense=False, graph=False, pad_id=1)
+    step.load(batch, token_weights(batch, 0.5), sum(map(sum, token_weights(batch, 0.5))))
+    out = step.run()
+    got = _grads(m)
+    assert want.keys() == got.keys() and len(got) > 50
+    for name, g in want.items():
+        assert torch.allclose(got[name], g, rtol=1e-5, atol=1e-7 * float(g.abs().max()) + 1e-12), name
+    assert out["kl_count"] > 0 and torch.isfinite(out["ce"]).all()
+
+
+def test_a_step_too_long_is_named():
+    m = _model(dtype=torch.float32)
+    step = TrainStep(m, 1, 16, 1, 0.1, dense=False, graph=False, pad_id=1)
+    with pytest.raises(ValueError, match="1 sequences of at most 16 tokens, got 1 of up to 20"):
+        step.load(_batch((20,), 0), [[1.0] * 19], 19.0)
+
+
+class _HostReads(TorchFunctionMode):
+    """Records where tensors are read back to the host or made on it (what a CUDA graph capture refuses)."""
+    READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "unique", "cpu", "numpy",
+             "masked_select", "tensor", "as_tensor"}
+    FACTORIES = {"arange", "zeros", "ones", "full", "empty", "rand", "randn", "randint", "linspace", "eye"}  # no device:
+    # made on the host, then uploaded
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        bad = name in self.READS or (name in self.FACTORIES and "device" not in (kwargs or {}))
+        if name in ("__getitem__", "__setitem__", "index_put_") and len(args) > 1:  # boolean-mask indexing
+            idx = args[1] if isinstance(args[1], tuple) else (args[1],)
+            bad = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx)
+        if bad:
+            where = [f for f in traceback.extract_stack()[:-1] if "/dsserve/" in f.filename]
+            self.seen.append((name, f"{where[-1].filename}:{where[-1].lineno}" if where else "?"))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-v4"])
+@pytest.mark.parametrize("dense", [False, True])
+def test_the_step_reads_nothing_back(name, dense):
+    m = _model(name, torch.float32)
+    batch = _batch((40, 64), seed=5)
+    step = TrainStep(m, 2, 64, 2, 0.1, dense=dense, graph=False, pad_id=1)
+    step.load(batch, token_weights(batch, 0.5), 100.0)
+    step.run()  # the first step makes per-device constants once (on a GPU: the eager warm-up steps)
+    with _HostReads() as reads:
+        step.run()
+    assert reads.seen == []
+    with _HostReads() as reads:  # the detector sees the reads the old paths made
+        m.forward(torch.tensor(batch[0][0]), index_kl=[])
+    assert reads.seen
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_the_captured_step_replays_the_eager_step():
+    eager = _model(dtype=torch.float32, device="cuda")
+    graphed = copy.deepcopy(eager)
+    steps = {m: TrainStep(m, 2, 96, 2, 0.1, dense=False, graph=g, pad_id=1)
+             for m, g in ((eager, False), (graphed, True))}
+    for seed in range(5):  # warm-up steps, the capture, then replays of fresh batches
+        batch = _batch((96, 50), seed)
+        w = token_weights(batch, 0.5)
+        for m, step in steps.items():
+            step.load(batch, w, sum(map(sum, w)))
+            step.run()
+        assert steps[graphed].graph is not None or seed < 2
+        want, got = _grads(eager), _grads(graphed)
+        assert want.keys() == got.keys()
+        for n, g in want.items():
+            assert torch.allclose(got[n], g, rtol=1e-4, atol=1e-6 * float(g.abs().max()) + 1e-10), (seed, n)
