@@ -17,7 +17,7 @@ indexer KL. Problems are packed into sequences of up to ``pack`` tokens, as pret
 problem is skipped), and every sequence of a step is padded to one length (``step.TrainStep``). On a GPU an eager
 step is bound by launching its ops, so there mHC's Sinkhorn runs as one kernel each way (``--fused-sinkhorn``), the
 MoE computes every expert on every row (``--every-expert``: 2.1x fewer ops, the same sums), and with packing the step
-is captured once as a CUDA graph and replayed (``--cuda-graph``; H200: 4 x 2048 tokens 0.09 s a replay against
+is captured once as a CUDA graph and replayed (``--cuda-graph``; H200: 2 x 2048 tokens 0.09 s a replay against
 0.25-0.33 s eager). Batches are made ahead by ``--data-workers`` processes. ``--time-limit`` runs the schedule (and
 ``--dense-share``) on the clock and stops there. Seeded (a time-limited run's step count follows its speed); writes
 the checkpoint (config.json, safetensors, the tokenizer), train.json (data, steps, tokens, the loss curve) and
@@ -25,8 +25,9 @@ loss.png under ``--out``. The MoE's selection biases stay at zero (no load-balan
 is not trained.
 
 Data parallel under ``torchrun --nproc-per-node N``: rank r takes sequences r, r + N, ... of each step's batch, the
-losses are normalised by the whole batch's counts and the gradients summed (gloo, staged through host memory: ranks
-may share one GPU, which NCCL refuses), so a step equals the single-process step on the whole batch.
+losses are normalised by the whole batch's counts and the gradients summed (NCCL when each rank has its own GPU; else
+gloo, staged through host memory: ranks may share one GPU, which NCCL refuses), so a step equals the single-process
+step on the whole batch.
 """
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ class TrainConfig:
     every_expert: bool = True    # on a GPU: every routed expert on every row, weighted 0 where not chosen
     cuda_graph: bool = True      # on a GPU with packing: the step captured once as a CUDA graph (train.step)
     data_workers: int = -1       # processes making the batches ahead (-1: none on the CPU, 4 on a GPU)
+    init: str = ""               # a checkpoint directory to start from (empty: seeded random weights)
     dist_backend: str = "auto"   # data parallel: NCCL when each rank has its own GPU, else gloo (train.ranks)
 
 
@@ -148,8 +150,9 @@ def backward_step(model, cfg: TrainConfig, whole: list, dense: bool, ranks: Rank
     if held.get("key") != key:
         if held.get("step") is not None:
             held["step"].release()
-        held.update(key=key, step=TrainStep(model, len(mine), length, len(whole), cfg.kl_weight, dense,
-                                            graph=cfg.cuda_graph and cfg.pack > 0 and cfg.every_expert, pad_id=held["pad_id"]))
+        graph = cfg.cuda_graph and cfg.pack > 0 and cfg.every_expert  # the routed MoE loop reads routing back
+        held.update(key=key, step=TrainStep(model, len(mine), length, len(whole), cfg.kl_weight, dense, graph,
+                                            pad_id=held["pad_id"]))
     step = held["step"]
     step.load(mine, weights[ranks.rank::ranks.world], sum(map(sum, weights)))
     out = step.run()
@@ -158,7 +161,7 @@ def backward_step(model, cfg: TrainConfig, whole: list, dense: bool, ranks: Rank
 
 
 def train(cfg: TrainConfig, out_dir: str | None) -> dict:
-    from ..models.checkpoint import dummy_weights, save_checkpoint
+    from ..models.checkpoint import dummy_weights, load_checkpoint, save_checkpoint
     from ..models.loader import resolve_config
     from ..models.model import DeepseekForCausalLM
     from ..models.tokenizer import TINY_DIR, Tokenizer
@@ -185,6 +188,10 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
     tokenizer = Tokenizer.for_preset(cfg.model)
     model = DeepseekForCausalLM(mcfg)
     dummy_weights(model, mcfg, seed=cfg.seed)  # a seeded start; the selection biases then at zero (see above)
+    if cfg.init:  # go on from a checkpoint (a run in several parts: give each part its own --seed, so new batches)
+        if not os.path.isdir(cfg.init) or replace(resolve_config(cfg.init), name=mcfg.name) != mcfg:
+            raise ValueError(f"--init {cfg.init!r} must be a checkpoint directory of the {mcfg.name} shape")
+        load_checkpoint(model, mcfg, cfg.init)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("gate.bias", "gate.bias_vl")):
@@ -283,7 +290,7 @@ def _plot(curve: list[dict], path: str, dense_steps: int = 0) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     d = TrainConfig()
-    for name in ("model", "device", "dist_backend"):
+    for name in ("model", "device", "dist_backend", "init"):
         p.add_argument(f"--{name.replace('_', '-')}", default=getattr(d, name))
     for name in ("steps", "batch", "warmup", "seed", "min_back", "log_every", "pack", "dense_steps",
                  "drills"):

@@ -83,8 +83,8 @@ class _HostReads(TorchFunctionMode):
     """Records where tensors are read back to the host or made on it (what a CUDA graph capture refuses)."""
     READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "unique", "cpu", "numpy",
              "masked_select", "tensor", "as_tensor"}
-    FACTORIES = {"arange", "zeros", "ones", "full", "empty", "rand", "randn", "randint", "linspace", "eye"}  # no device:
-    # made on the host, then uploaded
+    # called without a device: made on the host, then uploaded
+    FACTORIES = {"arange", "zeros", "ones", "full", "empty", "rand", "randn", "randint", "linspace", "eye"}
 
     def __init__(self):
         super().__init__()

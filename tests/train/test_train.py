@@ -56,6 +56,12 @@ def test_a_few_steps_lower_the_loss_and_the_checkpoint_serves(tmp_path):
     assert sum(ce[-3:]) < sum(ce[:3])
     assert {"config.json", "model.safetensors", "tokenizer.json", "train.json", "loss.png"} <= set(os.listdir(tmp_path))
     assert os.path.getsize(tmp_path / "model.safetensors") < 40 << 20
+    from dataclasses import replace
+    again = train(replace(cfg, steps=1, seed=1, init=str(tmp_path)), None)  # --init: from the trained weights
+    fresh = train(replace(cfg, steps=1, seed=1), None)
+    assert again["curve"][0]["ce"] < fresh["curve"][0]["ce"] - 0.5
+    with pytest.raises(ValueError, match="must be a checkpoint directory of the tiny shape"):
+        train(replace(cfg, init=str(tmp_path / "none")), None)
     llm = LLM(model=str(tmp_path), max_num_seqs=1)
     o = llm.generate(["Question: Ana has 3 apples."], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(o[0].outputs[0].token_ids) == 4
