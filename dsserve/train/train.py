@@ -19,10 +19,11 @@ step is bound by launching its ops, so there mHC's Sinkhorn runs as one kernel e
 MoE computes every expert on every row (``--every-expert``: 2.1x fewer ops, the same sums), and with packing the step
 is captured once as a CUDA graph and replayed (``--cuda-graph``; H200: 2 x 2048 tokens 0.09 s a replay against
 0.25-0.33 s eager). Batches are made ahead by ``--data-workers`` processes. ``--time-limit`` runs the schedule (and
-``--dense-share``) on the clock and stops there. Seeded (a time-limited run's step count follows its speed); writes
-the checkpoint (config.json, safetensors, the tokenizer), train.json (data, steps, tokens, the loss curve) and
-loss.png under ``--out``. The MoE's selection biases stay at zero (no load-balancing update yet); the DSpark drafter
-is not trained.
+``--dense-share``) on the clock and stops there. At the end (and every ``--heldout-every`` steps) it reports the
+held-out completion nats of each task (``train.heldout``: teacher-forced, so it moves before accuracy does).
+Seeded (a time-limited run's step count follows its speed); writes the checkpoint (config.json, safetensors, the
+tokenizer), train.json (data, steps, tokens, the loss curve) and loss.png under ``--out``. The MoE's selection biases
+stay at zero (no load-balancing update yet); the DSpark drafter is not trained.
 
 Data parallel under ``torchrun --nproc-per-node N``: rank r takes sequences r, r + N, ... of each step's batch, the
 losses are normalised by the whole batch's counts and the gradients summed (NCCL when each rank has its own GPU; else
@@ -42,6 +43,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from .heldout import heldout_nats
 from .ranks import Ranks
 from .step import TrainStep
 from .tasks import TASKS, problem, prompt_ids, retrieval_distance
@@ -71,6 +73,8 @@ class TrainConfig:
     cuda_graph: bool = True      # on a GPU with packing: the step captured once as a CUDA graph (train.step)
     data_workers: int = -1       # processes making the batches ahead (-1: none on the CPU, 4 on a GPU)
     init: str = ""               # a checkpoint directory to start from (empty: seeded random weights)
+    heldout_n: int = 16          # held-out problems a variant for the completion nats (train.heldout); 0: none
+    heldout_every: int = 0       # ... also every that many steps (0: only at the end)
     dist_backend: str = "auto"   # data parallel: NCCL when each rank has its own GPU, else gloo (train.ranks)
 
 
@@ -171,7 +175,8 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
         raise ValueError(f"training runs on the tiny shapes (tiny, tiny-v4), not {cfg.model!r}")
     if cfg.steps < 1 or cfg.batch < 1 or cfg.warmup < 1:
         raise ValueError(f"steps, batch and warmup must be >= 1, got {cfg.steps}, {cfg.batch}, {cfg.warmup}")
-    settings = ("min_back", "dense_steps", "dense_share", "time_limit", "drills", "prompt_weight", "kl_weight")
+    settings = ("min_back", "dense_steps", "dense_share", "time_limit", "drills", "prompt_weight", "kl_weight",
+                "heldout_n", "heldout_every")
     negative = {k: getattr(cfg, k) for k in settings if getattr(cfg, k) < 0}
     if negative or not cfg.lr > 0 or cfg.dense_share > 1:
         raise ValueError(f"lr must be > 0, dense_share at most 1 and {', '.join(settings)} >= 0; got lr {cfg.lr}, "
@@ -237,12 +242,19 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
                 out["kl_count"], sum(len(ids) for ids, _ in whole[ranks.rank::ranks.world])])
             curve.append({"step": step, "lr": lr, "ce": ce_sum / targets, "index_kl": kl_sum / max(kl_count, 1),
                           "tokens": int(n), "target_tokens": int(targets)})
+            if cfg.heldout_n and cfg.heldout_every and step % cfg.heldout_every == 0 and ranks.rank == 0:
+                curve[-1]["heldout_nats"] = heldout_nats(model, tokenizer, cfg.heldout_n, min_back)
             if ranks.rank == 0:
                 elapsed = time.perf_counter() - t0
                 print(f"step {step:5d}  ce {curve[-1]['ce']:.4f}  index kl {curve[-1]['index_kl']:.4f}  "
                       f"{tokens / elapsed:.0f} tok/s  {elapsed:.1f} s", flush=True)
+    seconds = time.perf_counter() - t0
+    final = heldout_nats(model, tokenizer, cfg.heldout_n, min_back) if cfg.heldout_n and ranks.rank == 0 else None
+    if final:
+        print("held-out completion nats: " + "  ".join(f"{k} {v:.2f}" for k, v in final.items()), flush=True)
     summary = {"config": asdict(cfg), "ranks": ranks.world, "model": mcfg.name, "min_back": min_back, "tokens": tokens,
-               "steps_run": steps_run, "dense_until": dense_until, "seconds": time.perf_counter() - t0, "curve": curve,
+               "steps_run": steps_run, "dense_until": dense_until, "seconds": seconds, "heldout_nats": final,
+               "curve": curve,
                "data": {"tasks": list(TASKS), "split": "train (prompt hash), problems seeded by step and slot"}}
     if out_dir and ranks.rank == 0:
         os.makedirs(out_dir, exist_ok=True)
@@ -293,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("model", "device", "dist_backend", "init"):
         p.add_argument(f"--{name.replace('_', '-')}", default=getattr(d, name))
     for name in ("steps", "batch", "warmup", "seed", "min_back", "log_every", "pack", "dense_steps",
-                 "drills"):
+                 "drills", "heldout_n", "heldout_every"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     for name in ("lr", "kl_weight", "prompt_weight", "dense_share", "time_limit"):
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(d, name))

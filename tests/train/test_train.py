@@ -47,16 +47,18 @@ def test_indexers_learn_only_from_their_kl():
 
 
 def test_a_few_steps_lower_the_loss_and_the_checkpoint_serves(tmp_path):
+    from dataclasses import replace
+
     from dsserve import LLM, SamplingParams
-    cfg = TrainConfig(steps=8, batch=2, lr=3e-3, warmup=1, min_back=32, log_every=1,
+    cfg = TrainConfig(steps=8, batch=2, lr=3e-3, warmup=1, min_back=32, log_every=1, heldout_n=0,
                       mix=(("arithmetic", 0.5), ("retrieval", 0.5)))
-    out = train(cfg, str(tmp_path))
+    out = train(replace(cfg, heldout_n=1), str(tmp_path))
+    assert set(out["heldout_nats"]) == {"arithmetic", "retrieval", "retrieval-near", "chat"}
     ce = [c["ce"] for c in out["curve"]]
     assert len(ce) == 8 and all(torch.isfinite(torch.tensor(ce)))
     assert sum(ce[-3:]) < sum(ce[:3])
     assert {"config.json", "model.safetensors", "tokenizer.json", "train.json", "loss.png"} <= set(os.listdir(tmp_path))
     assert os.path.getsize(tmp_path / "model.safetensors") < 40 << 20
-    from dataclasses import replace
     again = train(replace(cfg, steps=1, seed=1, init=str(tmp_path)), None)  # --init: from the trained weights
     fresh = train(replace(cfg, steps=1, seed=1), None)
     assert again["curve"][0]["ce"] < fresh["curve"][0]["ce"] - 0.5
@@ -131,7 +133,7 @@ def test_a_time_limit_stops_the_run_on_its_clock(monkeypatch):
     clock = itertools.count()
     monkeypatch.setattr(train_mod.time, "perf_counter", lambda: float(next(clock)))
     cfg = TrainConfig(steps=100, batch=1, warmup=1, min_back=32, log_every=1, time_limit=6, dense_share=0.5,
-                      mix=(("arithmetic", 1.0),))
+                      heldout_n=0, mix=(("arithmetic", 1.0),))
     out = train(cfg, None)
     lrs = [c["lr"] for c in out["curve"]]
     assert 1 < out["steps_run"] < 100 and out["dense_until"] < out["steps_run"]
