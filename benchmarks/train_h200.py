@@ -26,7 +26,8 @@ def _run(cmd: list[str], log: str, timeout: float) -> int:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [".", os.environ.get("PYTHONPATH")])))
     with open(log, "w") as f:
         try:
-            return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+            return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout,
+                                  check=False).returncode
         except subprocess.TimeoutExpired:
             return -9
 
@@ -60,7 +61,8 @@ def main() -> int:
             break
         print(f"rc {rc} after {time.time() - t0:.0f} s: again without the fused Sinkhorn and graphs", flush=True)
         extra = ["--no-fused-sinkhorn", "--no-cuda-graph"]
-    print("".join(open(log).readlines()[-8:]))
+    with open(log) as f:
+        print("".join(f.readlines()[-8:]))
     summary = {"layout": a.layout, "runs": runs, "seconds": time.time() - t_start}
     with open(os.path.join(a.out, "train_h200.json"), "w") as f:
         json.dump(summary, f, indent=1)

@@ -81,10 +81,10 @@ def test_a_step_too_long_is_named():
 
 class _HostReads(TorchFunctionMode):
     """Records where tensors are read back to the host or made on it (what a CUDA graph capture refuses)."""
-    READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "unique", "cpu", "numpy",
-             "masked_select", "tensor", "as_tensor"}
+    READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "unique", "cpu",
+                       "numpy", "masked_select", "tensor", "as_tensor"})
     # called without a device: made on the host, then uploaded
-    FACTORIES = {"arange", "zeros", "ones", "full", "empty", "rand", "randn", "randint", "linspace", "eye"}
+    FACTORIES = frozenset({"arange", "zeros", "ones", "full", "empty", "rand", "randn", "randint", "linspace", "eye"})
 
     def __init__(self):
         super().__init__()
@@ -127,7 +127,7 @@ def test_the_captured_step_replays_the_eager_step():
     for seed in range(5):  # warm-up steps, the capture, then replays of fresh batches
         batch = _batch((96, 50), seed)
         w = token_weights(batch, 0.5)
-        for m, step in steps.items():
+        for step in steps.values():
             step.load(batch, w, sum(map(sum, w)))
             step.run()
         assert steps[graphed].graph is not None or seed < 2

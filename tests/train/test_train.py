@@ -129,6 +129,7 @@ def test_a_time_limit_stops_the_run_on_its_clock(monkeypatch):
     """--time-limit: the schedule follows the clock (here a fake one, 1 s a reading) and the run stops at the limit;
     the dense share is a share of that time."""
     import itertools
+
     from dsserve.train import train as train_mod
     clock = itertools.count()
     monkeypatch.setattr(train_mod.time, "perf_counter", lambda: float(next(clock)))
