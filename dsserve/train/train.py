@@ -181,6 +181,8 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
     if negative or not cfg.lr > 0 or cfg.dense_share > 1:
         raise ValueError(f"lr must be > 0, dense_share at most 1 and {', '.join(settings)} >= 0; got lr {cfg.lr}, "
                          f"dense_share {cfg.dense_share}" + "".join(f", {k} {v}" for k, v in negative.items()))
+    if cfg.data_workers < -1:
+        raise ValueError(f"data_workers must be -1 (auto: 0 on the CPU, 4 on a GPU) or >= 0, got {cfg.data_workers}")
     ranks = Ranks(cfg.device, cfg.dist_backend)
     if cfg.batch < ranks.world:
         raise ValueError(f"batch {cfg.batch} gives some of the {ranks.world} ranks no sequence; use >= {ranks.world}")

@@ -78,6 +78,9 @@ def test_a_shape_too_large_to_train_is_named(capsys):
     assert main(["--pack", "99999"]) == 2 and "pack must be 0" in capsys.readouterr().err
     assert main(["--drills", "-1"]) == 2 and "drills -1" in capsys.readouterr().err
     assert main(["--lr", "0"]) == 2 and "lr must be > 0" in capsys.readouterr().err
+    assert main(["--data-workers", "-3"]) == 2 and "data_workers must be -1" in capsys.readouterr().err
+    assert main(["--dist-backend", "mpi"]) == 2 and "dist backend 'mpi'" in capsys.readouterr().err
+    assert main(["--time-limit", "-1"]) == 2 and "time_limit -1" in capsys.readouterr().err
 
 
 def test_dense_entries_equal_a_top_k_that_keeps_every_entry():
