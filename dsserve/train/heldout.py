@@ -1,5 +1,5 @@
 """Held-out log-likelihood of the tasks' completions, teacher-forced: a learning signal that moves long before greedy
-accuracy does (a retrieval answer at chance costs ln 9000 = 9.1 nats whether or not the model is close).
+accuracy does (a retrieval code at chance costs 2 ln 90 = 9.0 nats whether or not the model is close).
 
 ``near`` retrieval asks about the last fact instead of the first: inside the sliding window, so it separates "no keyed
 lookup has formed" from "the lookup does not reach through the global KV".

@@ -1,7 +1,9 @@
 """The synthetic tasks a built-in model is trained and evaluated on (issue 10), generated from seeds.
 
 - ``arithmetic``: a word problem of 2-4 steps (gains, losses, doublings) with a worked solution;
-- ``retrieval``: many "the code for K is V" facts, then a question about the first one, placed at least
+- ``retrieval``: many "the code for K is V" facts (K a number 10-99, past 90 facts 100-999; V two numbers 10-99
+  joined by a dash: each part one token of the tiny vocabulary, so the lookup is of whole tokens; a window-only
+  model's chance is 1 in 8100), then a question about the first one, placed at least
   ``min_back`` tokens before the question (``retrieval_distance``: past the layers' stacked windows, so a
   window-only model cannot see it: only the global KV and the indexer can answer);
 - ``chat``: a multi-turn DeepSeek-V4 chat (``server.chat.encode_chat``) whose assistant looks a value up with a
@@ -23,11 +25,12 @@ from typing import Callable
 TASKS = ("arithmetic", "retrieval", "chat")
 SPLITS = ("train", "eval")
 EVAL_SHARE = 16  # one problem in 16 (by prompt hash) is held out
-ANSWER = re.compile(r"Answer:\s*(-?[\w.]+)")
+ANSWER = re.compile(r"Answer:\s*(-?\w+(?:[.-]\w+)*)")
 
 _NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea", "Mo", "Nia")
 _ITEMS = ("apples", "marbles", "coins", "books", "shells", "stamps", "cards", "pens", "beads", "tickets")
-_SYLLABLES = ("ba", "ko", "ri", "tu", "me", "sa", "lo", "ni", "ve", "du", "pa", "zi", "go", "he", "mu", "ra")
+KEYS = range(10, 100)  # retrieval's keys and code parts: two-digit numbers, one token each in the tiny vocabulary
+MORE_KEYS = range(100, 1000)  # keys past the 90th fact (a distance beyond ~1000 tiny tokens)
 _PLACES = ("north", "south", "east", "west", "harbor", "valley", "river", "hill")
 
 
@@ -119,18 +122,15 @@ def _arithmetic(rng: random.Random, count_tokens, min_back) -> Problem:
     return Problem("arithmetic", context + q, sol, str(n), context)
 
 
-def _word(rng: random.Random) -> str:
-    return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3)))
-
-
 def _retrieval(rng: random.Random, count_tokens, min_back, drills: int = 0) -> Problem:
-    keys, facts = set(), []
+    keys, facts = rng.sample(KEYS, len(KEYS)), []
+    keys += rng.sample(MORE_KEYS, len(MORE_KEYS)) if count_tokens("The code for 10 is 10-10.\n") * 90 < min_back else []
     while True:
-        key = _word(rng)
-        if key in keys:
-            continue
-        keys.add(key)
-        facts.append((key, str(rng.randint(1000, 9999))))
+        if len(facts) == len(keys):
+            raise ValueError(f"retrieval min_back {min_back} is too far: {len(keys)} facts span "
+                             f"{count_tokens(context)} tokens")
+        key = str(keys[len(facts)])
+        facts.append((key, f"{rng.choice(KEYS)}-{rng.choice(KEYS)}"))
         context = "".join(f"The code for {k} is {v}.\n" for k, v in facts)
         if len(facts) > 1 and count_tokens(context) - count_tokens(f"The code for {facts[0][0]} is x.\n") >= min_back:
             break

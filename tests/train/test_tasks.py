@@ -61,6 +61,7 @@ def test_chat_turns_end_in_a_tool_result_and_the_reply_states_it():
 def test_final_answer_takes_the_first_answer_line():
     assert final_answer(" 3 + 4 = 7.\nAnswer: 7\nQuestion: ...\nAnswer: 9") == "7"
     assert final_answer("no answer here") is None
+    assert final_answer("Answer: 82-15\n") == "82-15" and final_answer("Answer: 42.") == "42"
     assert prompt_ids(TOK, "Answer: 7")[0] == TOK.bos_id
 
 
@@ -74,8 +75,8 @@ def test_unknown_task_or_split_is_named():
 def test_retrieval_drills_are_answered_facts_before_the_asked_first_one():
     plain = problem("retrieval", "train", 7, count, 128)
     drilled = problem("retrieval", "train", 7, count, 128, drills=3)
-    facts = dict(re.findall(r"The code for (\w+) is (\d+)\.", drilled.prompt))
-    drills = re.findall(r"Question: What is the code for (\w+)\?\nAnswer: (\d+)\n", drilled.prompt)
+    facts = dict(re.findall(r"The code for (\w+) is (\d+-\d+)\.", drilled.prompt))
+    drills = re.findall(r"Question: What is the code for (\w+)\?\nAnswer: (\d+-\d+)\n", drilled.prompt)
     assert len(drills) == 3 and all(facts[k] == v for k, v in drills)
     first = re.search(r"The code for (\w+) is", drilled.prompt).group(1)
     every = problem("retrieval", "train", 7, count, 128, drills=1000)  # as many as there are: all but the asked one
@@ -84,3 +85,8 @@ def test_retrieval_drills_are_answered_facts_before_the_asked_first_one():
     assert sorted(asked) == sorted(all_facts[1:])  # the asked (first) one never: its answer stays far back
     assert drilled.prompt.endswith(f"Question: What is the code for {first}?\n") and drilled.answer == facts[first]
     assert "Answer:" not in plain.prompt  # none unless asked: held-out problems stay as they were
+
+
+def test_retrieval_farther_than_its_keys_reach_is_named():
+    with pytest.raises(ValueError, match="too far"):
+        problem("retrieval", "eval", 0, count, 100_000)

@@ -1,0 +1,99 @@
+"""Can the tiny model learn a keyed in-context lookup at all, and how fast? Multi-query associative recall (MQAR).
+
+    python benchmarks/train_mqar.py --device cuda --pairs 6 --filler 64 --lr 1e-3 --time 450
+
+Each sequence: BOS, ``pairs`` key-value pairs (k v, keys and values single tokens from disjoint ranges of
+``values`` ids), ``filler`` random tokens (64 > the tiny window of 32: every lookup then goes through the global KV),
+then each key again in a random order followed by its value; the loss is on those values only. The model is the
+reference forward exactly as training runs it (``train.step.TrainStep``: QAT, mHC, the MoE, Engram; CUDA graph on a
+GPU). Three levels of the loss tell what has formed: ln(values) (the unigram: nothing copied), ln(pairs) (copy one of
+the values in the context: no key used), 0 (the keyed lookup). The synthetic retrieval task has no middle level (its
+context holds every number), so this is where to watch the lookup form. Prints the curve, then one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+
+import torch
+
+from dsserve.models.checkpoint import dummy_weights
+from dsserve.models.loader import resolve_config
+from dsserve.models.model import DeepseekForCausalLM
+from dsserve.train.step import TrainStep
+
+
+def sequence(rng: random.Random, pairs: int, filler: int, values: int) -> tuple[list[int], list[bool]]:
+    keys = rng.sample(range(100, 100 + values), pairs)
+    vals = [100 + values + rng.randrange(values) for _ in keys]
+    ids, asked = [0], [False]
+    for k, v in zip(keys, vals):
+        ids += [k, v]
+        asked += [False, False]
+    ids += [max(400, 100 + 2 * values) + rng.randrange(500) for _ in range(filler)]
+    asked += [False] * filler
+    for i in rng.sample(range(pairs), pairs):
+        ids += [keys[i], vals[i]]
+        asked += [False, True]
+    return ids, asked
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--pairs", type=int, default=6)
+    p.add_argument("--filler", type=int, default=0, help="random tokens between the pairs and the questions")
+    p.add_argument("--values", type=int, default=90, help="distinct keys and values")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--dense", action=argparse.BooleanOptionalAction, default=True,
+                   help="attend every visible global entry (the training's dense warm-up) instead of the top-k")
+    p.add_argument("--time", type=float, default=120, help="seconds of training")
+    p.add_argument("--steps", type=int, default=1_000_000)
+    p.add_argument("--log-every", type=int, default=50)
+    a = p.parse_args()
+    if a.pairs < 1 or a.pairs > a.values or a.filler < 0 or a.batch < 1:
+        p.error("want 1 <= pairs <= values, filler >= 0, batch >= 1")
+    torch.manual_seed(0)
+    cfg = resolve_config(a.model)
+    model = DeepseekForCausalLM(cfg)
+    dummy_weights(model, cfg, seed=0)
+    for name, w in model.named_parameters():
+        if name.endswith(("gate.bias", "gate.bias_vl")):  # as train.py: selection biases stay at zero
+            w.requires_grad_(False).data.zero_()
+    model = model.to(a.device).train()
+    cuda = a.device.startswith("cuda")
+    if cuda:  # as train.py on a GPU
+        from dsserve.kernels.sinkhorn import sinkhorn_trainable
+        for block in model.layers:
+            block.sinkhorn, block.ffn.every_expert = sinkhorn_trainable, True
+    params = [w for w in model.parameters() if w.requires_grad]
+    opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.01, fused=cuda)
+    step_fn = TrainStep(model, a.batch, 1 + 4 * a.pairs + a.filler, a.batch, 0.1, a.dense, cuda, pad_id=1)
+    rng, curve, step, t0 = random.Random(0), [], 0, time.perf_counter()
+    print(f"{'step':>6} {'value CE':>9} {'s':>6}   (unigram {math.log(a.values):.2f}, copy-any {math.log(a.pairs):.2f})")
+    while step < a.steps and time.perf_counter() - t0 < a.time:
+        batch = [sequence(rng, a.pairs, a.filler, a.values) for _ in range(a.batch)]
+        weights = [[1.0 if asked[t + 1] else 0.0 for t in range(len(ids) - 1)] for ids, asked in batch]
+        step_fn.load(batch, weights, sum(map(sum, weights)))
+        for g in opt.param_groups:
+            g["lr"] = a.lr * min(1.0, (step + 1) / 50)
+        out = step_fn.run()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if step % a.log_every == 0:
+            ce = float((out["ce"] * step_fn.completion).sum() / step_fn.completion.sum())
+            curve.append([step, round(ce, 4)])
+            print(f"{step:6d} {ce:9.3f} {time.perf_counter() - t0:6.0f}", flush=True)
+        step += 1
+    print(json.dumps({"args": vars(a), "steps": step, "seconds": time.perf_counter() - t0,
+                      "unigram": math.log(a.values), "copy_any": math.log(a.pairs), "curve": curve}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
