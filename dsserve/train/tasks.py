@@ -123,7 +123,7 @@ def _arithmetic(rng: random.Random, count_tokens, min_back) -> Problem:
 
 
 def _retrieval(rng: random.Random, count_tokens, min_back, drills: int = 0) -> Problem:
-    keys, facts = rng.sample(KEYS, len(KEYS)), []
+    keys, facts, context = rng.sample(KEYS, len(KEYS)), [], ""
     keys += rng.sample(MORE_KEYS, len(MORE_KEYS)) if count_tokens("The code for 10 is 10-10.\n") * 90 < min_back else []
     while True:
         if len(facts) == len(keys):
