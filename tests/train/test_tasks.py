@@ -90,3 +90,18 @@ def test_retrieval_drills_are_answered_facts_before_the_asked_first_one():
 def test_retrieval_farther_than_its_keys_reach_is_named():
     with pytest.raises(ValueError, match="too far"):
         problem("retrieval", "eval", 0, count, 100_000)
+
+
+def test_retrieval_keys_and_code_parts_are_whole_tiny_tokens():
+    p = problem("retrieval", "eval", 2, count, 128)
+    key = re.search(r"What is the code for (\d+)\?", p.prompt).group(1)
+    fact = f"The code for {key} is {p.answer}.\n"
+    pieces = [TOK.decode([i]) for i in TOK.encode(fact, add_bos=False)]
+    a, b = p.answer.split("-")
+    assert [x for x in pieces if any(c.isdigit() for c in x) or x == "-"] == [key, a, "-", b]  # no number split
+
+
+def test_retrieval_past_ninety_facts_takes_longer_keys():
+    p = problem("retrieval", "eval", 0, count, 1500)
+    keys = re.findall(r"The code for (\d+) is", p.prompt)
+    assert len(keys) > 90 and len(set(keys)) == len(keys) and any(int(k) >= 100 for k in keys)
