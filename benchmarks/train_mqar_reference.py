@@ -8,8 +8,9 @@ between; mqar: key-value pairs then the keys again, loss on the values), VAR (mh
 mha_rope; mqa_kv: one K = V head, RMS-normed, RoPE on the last RD channels, de-rotated output, as the tiny model;
 mqa_kv_ours: mqa_kv plus the parts of the tiny model's block listed in OURS: qlora (q = wq_b(rms(wq_a x)), rank QR,
 default 96), sink (a per-head logit in the softmax's denominator), wo (grouped low-rank output, 2 groups of rank 64)),
-B (batch, default 16), HALF (tokens a half; mqar: HALF / 2 pairs), RD (RoPE channels, default 16). d = 256, 4 heads of
-64, a GELU MLP of 512, pre-norm residuals. Prints the loss every 20 steps.
+QN=0 (the q LoRA without its RMSNorm: a probe), QLR (a learning-rate multiplier for the query's weights), QAI (a scale
+on wq_a's init), B (batch, default 16), HALF (tokens a half; mqar: HALF / 2 pairs), RD (RoPE channels, default 16),
+DEVICE (default cpu). d = 256, 4 heads of 64, a GELU MLP of 512, pre-norm residuals. Prints the loss every 20 steps.
 """
 import os
 import random
@@ -48,7 +49,8 @@ def make(rng):
     for i in rng.sample(range(n), n): ids += [keys[i], vals[i]]; comp += [False, True]
     return ids, comp
 def rope(x, inverse=False):  # x [B, T, ..., hd]: rotate the last rd channels by position
-    T = x.shape[1]; f = 10000 ** (-torch.arange(0, rd, 2) / rd); ang = torch.arange(T)[:, None] * f
+    T = x.shape[1]; f = 10000 ** (-torch.arange(0, rd, 2, device=x.device) / rd)
+    ang = torch.arange(T, device=x.device)[:, None] * f
     if inverse: ang = -ang
     shape = (1, T) + (1,) * (x.dim() - 3) + (rd // 2,)
     c, s = ang.cos().view(shape), ang.sin().view(shape)
@@ -63,13 +65,15 @@ class Attn(nn.Module):
         if VAR == "mqa_kv_ours":
             QR = int(os.environ.get("QR", "96")); s.qa = nn.Linear(d, QR, bias=False); s.qn = nn.RMSNorm(QR); s.q = nn.Linear(QR if "qlora" in OURS else d, H * hd, bias=False)
             s.sink = nn.Parameter(0.5 * torch.randn(H))
+            with torch.no_grad():
+                s.qa.weight.mul_(float(os.environ.get("QAI", "1")))
             s.woa = nn.Parameter(torch.randn(2, 64, 128) / 128 ** 0.5); s.o = nn.Linear(128 if 'wo' in OURS else H * hd, d, bias=False)
         else:
             s.k = nn.Linear(d, H * hd, bias=False); s.v = nn.Linear(d, H * hd, bias=False)
     def forward(s, x):
         Bq, T, _ = x.shape
         q = ((s.q(s.qn(s.qa(x))) if os.environ.get("QN", "1") == "1" else s.q(s.qa(x))) if VAR == "mqa_kv_ours" and "qlora" in OURS else s.q(x)).view(Bq, T, H, hd)
-        mask = torch.ones(T, T, dtype=torch.bool).tril()
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
         if VAR.startswith("mqa_kv"):
             kv = s.kvn(s.kv(x)); kv = rope(kv)  # [B, T, hd]
             q = rope(q)
@@ -101,15 +105,21 @@ class M(nn.Module):
         super().__init__(); s.emb = nn.Embedding(1000, d); s.pos = nn.Embedding(128, d)
         s.ls = nn.ModuleList(Layer() for _ in range(layers)); s.n = nn.RMSNorm(d); s.out = nn.Linear(d, 1000)
     def forward(s, x):
-        h = s.emb(x) + (s.pos(torch.arange(x.shape[1])) if VAR == "mha_abs" else 0)
+        h = s.emb(x) + (s.pos(torch.arange(x.shape[1], device=x.device)) if VAR == "mha_abs" else 0)
         for l in s.ls: h = l(h)
         return s.out(s.n(h))
-m = M(); opt = torch.optim.AdamW(m.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+DEVICE = os.environ.get("DEVICE", "cpu")
+m = M().to(DEVICE)
+qp = [p for n, p in m.named_parameters() if ".a.qa." in n or ".a.qn." in n or (".a.q." in n and VAR == "mqa_kv_ours")]
+rest = [p for p in m.parameters() if all(p is not q for q in qp)]
+QLR = float(os.environ.get("QLR", "1"))
+opt = torch.optim.AdamW([{"params": rest, "mult": 1.0}, {"params": qp, "mult": QLR}], lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+print("q params", len(qp), "lr mult", QLR, flush=True)
 rng = random.Random(0)
 for st in range(steps):
     bb = [make(rng) for _ in range(B)]
-    x = torch.tensor([b[0] for b in bb]); cm = torch.tensor([b[1] for b in bb])
-    for g in opt.param_groups: g["lr"] = lr * min(1, (st + 1) / 20)
+    x = torch.tensor([b[0] for b in bb], device=DEVICE); cm = torch.tensor([b[1] for b in bb], device=DEVICE)
+    for g in opt.param_groups: g["lr"] = g["mult"] * lr * min(1, (st + 1) / 20)
     lo = m(x)[:, :-1]; tg = x[:, 1:]; w = cm[:, 1:].float()
     loss = (F.cross_entropy(lo.reshape(-1, 1000), tg.reshape(-1), reduction="none") * w.reshape(-1)).sum() / w.sum()
     opt.zero_grad(); loss.backward(); torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0); opt.step()
