@@ -10,7 +10,7 @@ mqa_kv_ours: mqa_kv plus the parts of the tiny model's block listed in OURS: qlo
 default 96), sink (a per-head logit in the softmax's denominator), wo (grouped low-rank output, 2 groups of rank 64)),
 QN=0 (the q LoRA without its RMSNorm: a probe), QLR (a learning-rate multiplier for the query's weights), QAI (a scale
 on wq_a's init), B (batch, default 16), HALF (tokens a half; mqar: HALF / 2 pairs), RD (RoPE channels, default 16),
-DEVICE (default cpu). d = 256, 4 heads of 64, a GELU MLP of 512, pre-norm residuals. Prints the loss every 20 steps.
+DEVICE (default cpu), SEED (default 0). d = 256, 4 heads of 64, a GELU MLP of 512, pre-norm residuals. Prints the loss every 20 steps.
 """
 import os
 import random
@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-torch.manual_seed(0)
+SEED = int(os.environ.get("SEED", "0"))
+torch.manual_seed(SEED)
 TASK = os.environ.get("TASK", "repeat"); VAR = os.environ.get("VAR", "mha_abs"); OURS = os.environ.get("OURS", "qlora,sink,wo").split(",")
 V, half, B, steps, lr, layers = 200, 12, 16, int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
 half = int(os.environ.get('HALF', str(half))); B = int(os.environ.get('B', str(B)))
@@ -115,7 +116,7 @@ rest = [p for p in m.parameters() if all(p is not q for q in qp)]
 QLR = float(os.environ.get("QLR", "1"))
 opt = torch.optim.AdamW([{"params": rest, "mult": 1.0}, {"params": qp, "mult": QLR}], lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
 print("q params", len(qp), "lr mult", QLR, flush=True)
-rng = random.Random(0)
+rng = random.Random(SEED)
 for st in range(steps):
     bb = [make(rng) for _ in range(B)]
     x = torch.tensor([b[0] for b in bb], device=DEVICE); cm = torch.tensor([b[1] for b in bb], device=DEVICE)
