@@ -10,8 +10,10 @@ mqa_kv_ours: mqa_kv plus the parts of the tiny model's block listed in OURS: qlo
 default 96), sink (a per-head logit in the softmax's denominator), wo (grouped low-rank output, 2 groups of rank 64)),
 QN=0 (the q LoRA without its RMSNorm: a probe), QLR (a learning-rate multiplier for the query's weights), QAI (a scale
 on wq_a's init), B (batch, default 16), HALF (tokens a half; mqar: HALF / 2 pairs), RD (RoPE channels, default 16),
-DEVICE (default cpu), SEED (default 0). d = 256, 4 heads of 64, a GELU MLP of 512, pre-norm residuals. Prints the loss every 20 steps.
+DEVICE (default cpu), SEED (default 0). d = 256, 4 heads of 64, a GELU MLP of 512, pre-norm residuals. Prints the loss every
+20 steps, then one JSON line.
 """
+import json
 import os
 import random
 import sys
@@ -117,6 +119,7 @@ QLR = float(os.environ.get("QLR", "1"))
 opt = torch.optim.AdamW([{"params": rest, "mult": 1.0}, {"params": qp, "mult": QLR}], lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
 print("q params", len(qp), "lr mult", QLR, flush=True)
 rng = random.Random(SEED)
+curve = []
 for st in range(steps):
     bb = [make(rng) for _ in range(B)]
     x = torch.tensor([b[0] for b in bb], device=DEVICE); cm = torch.tensor([b[1] for b in bb], device=DEVICE)
@@ -124,4 +127,8 @@ for st in range(steps):
     lo = m(x)[:, :-1]; tg = x[:, 1:]; w = cm[:, 1:].float()
     loss = (F.cross_entropy(lo.reshape(-1, 1000), tg.reshape(-1), reduction="none") * w.reshape(-1)).sum() / w.sum()
     opt.zero_grad(); loss.backward(); torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0); opt.step()
-    if st % 20 == 0 or st == steps - 1: print(VAR, st, round(loss.item(), 3), flush=True)
+    if st % 20 == 0 or st == steps - 1:
+        curve.append([st, round(loss.item(), 3)])
+        print(VAR, st, curve[-1][1], flush=True)
+print(json.dumps({"task": TASK, "var": VAR, "ours": OURS if VAR == "mqa_kv_ours" else [], "seed": SEED, "batch": B,
+                  "steps": steps, "lr": lr, "layers": layers, "curve": curve}))
