@@ -24,6 +24,7 @@ from dsserve.models.checkpoint import dummy_weights
 from dsserve.models.loader import resolve_config
 from dsserve.models.model import DeepseekForCausalLM
 from dsserve.train.step import TrainStep
+from dsserve.train.train import prepare_for_training
 
 
 def sequence(rng: random.Random, pairs: int, filler: int, values: int) -> tuple[list[int], list[bool]]:
@@ -62,16 +63,8 @@ def main() -> int:
     cfg = resolve_config(a.model)
     model = DeepseekForCausalLM(cfg)
     dummy_weights(model, cfg, seed=0)
-    for name, w in model.named_parameters():
-        if name.endswith(("gate.bias", "gate.bias_vl")):  # as train.py: selection biases stay at zero
-            w.requires_grad_(False).data.zero_()
-    model = model.to(a.device).train()
     cuda = a.device.startswith("cuda")
-    if cuda:  # as train.py on a GPU
-        from dsserve.kernels.sinkhorn import sinkhorn_trainable
-        for block in model.layers:
-            block.sinkhorn, block.ffn.every_expert = sinkhorn_trainable, True
-    params = [w for w in model.parameters() if w.requires_grad]
+    model, params = prepare_for_training(model, a.device)  # as train.py
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.01, fused=cuda)
     step_fn = TrainStep(model, a.batch, 1 + 4 * a.pairs + a.filler, a.batch, 0.1, a.dense, cuda, pad_id=1)
     rng, curve, step, t0 = random.Random(0), [], 0, time.perf_counter()

@@ -164,6 +164,25 @@ def backward_step(model, cfg: TrainConfig, whole: list, dense: bool, ranks: Rank
     return step, out
 
 
+def prepare_for_training(model, device: str, fused_sinkhorn: bool = True, every_expert: bool = True) -> tuple:
+    """The model on ``device`` in training mode with its MoE selection biases at zero and frozen (no load-balancing
+    update yet); on a GPU, fewer launches (a tiny model's step is bound by them): mHC's Sinkhorn as one kernel each way,
+    every expert on every row. Returns (model, the parameters to optimise)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("gate.bias", "gate.bias_vl")):
+                p.zero_()
+                p.requires_grad_(False)
+    model = model.to(device).train()
+    if device.startswith("cuda"):
+        from ..kernels.sinkhorn import sinkhorn_trainable
+        for block in model.layers:
+            if fused_sinkhorn:
+                block.sinkhorn = sinkhorn_trainable
+            block.ffn.every_expert = every_expert
+    return model, [p for p in model.parameters() if p.requires_grad]
+
+
 def train(cfg: TrainConfig, out_dir: str | None) -> dict:
     from ..models.checkpoint import dummy_weights, load_checkpoint, save_checkpoint
     from ..models.loader import resolve_config
@@ -199,21 +218,7 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
         if not os.path.isdir(cfg.init) or replace(resolve_config(cfg.init), name=mcfg.name) != mcfg:
             raise ValueError(f"--init {cfg.init!r} must be a checkpoint directory of the {mcfg.name} shape")
         load_checkpoint(model, mcfg, cfg.init)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("gate.bias", "gate.bias_vl")):
-                p.zero_()
-    model = model.to(cfg.device).train()
-    if cfg.device.startswith("cuda"):  # fewer launches: a tiny model's step is bound by them (see the flags)
-        from ..kernels.sinkhorn import sinkhorn_trainable
-        for block in model.layers:
-            if cfg.fused_sinkhorn:
-                block.sinkhorn = sinkhorn_trainable
-            block.ffn.every_expert = cfg.every_expert
-    for name, p in model.named_parameters():
-        if name.endswith(("gate.bias", "gate.bias_vl")):
-            p.requires_grad_(False)
-    params = [p for p in model.parameters() if p.requires_grad]
+    model, params = prepare_for_training(model, cfg.device, cfg.fused_sinkhorn, cfg.every_expert)
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01,
                             fused=cfg.device.startswith("cuda"))  # one launch, not a dozen a parameter
     min_back = cfg.min_back or retrieval_distance(mcfg)
