@@ -8,11 +8,15 @@ then each key again in a random order followed by its value; the loss is on thos
 reference forward exactly as training runs it (``train.step.TrainStep``: QAT, mHC, the MoE, Engram; CUDA graph on a
 GPU). Three levels of the loss tell what has formed: ln(values) (the unigram: nothing copied), ln(pairs) (copy one of
 the values in the context: no key used), 0 (the keyed lookup). The synthetic retrieval task has no middle level (its
-context holds every number), so this is where to watch the lookup form. Prints the curve, then one JSON line.
+context holds every number), so this is where to watch the lookup form. ``--warm-in`` trains as train.py's warm-in;
+``--ablate`` and ``--quiet-start`` are probes of what brakes the lookup (``benchmarks/results/train-tiny-brakes``).
+Prints the curve, then one JSON line.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import math
 import random
@@ -20,11 +24,14 @@ import time
 
 import torch
 
+from dsserve.layers import moe
+from dsserve.models import block
 from dsserve.models.checkpoint import dummy_weights
 from dsserve.models.loader import resolve_config
 from dsserve.models.model import DeepseekForCausalLM
 from dsserve.train.step import TrainStep
 from dsserve.train.train import prepare_for_training
+from dsserve.train.warm_in import WarmIn
 
 
 def sequence(rng: random.Random, pairs: int, filler: int, values: int) -> tuple[list[int], list[bool]]:
@@ -42,6 +49,34 @@ def sequence(rng: random.Random, pairs: int, filler: int, values: int) -> tuple[
     return ids, asked
 
 
+def quiet_start(model, cfg) -> None:
+    """--quiet-start (a probe; it did not bring the lookup forward): mHC's mixes start as a plain residual (their
+    token-dependent part x 0.01; pre 1/n, post 1, comb 0.95 on the diagonal), the last projection of every branch
+    (attention wo_b, the experts' w2, Engram's value rows) x 1 / sqrt(2 x layers)."""
+    n, d = cfg.hc_mult, cfg.hidden_size
+    small = 1.0 / math.sqrt(2 * cfg.num_hidden_layers)
+    comb = torch.eye(n) * 4.0
+    with torch.no_grad():
+        for name, w in model.named_parameters():
+            if name.endswith(("hc_attn_scale", "hc_ffn_scale")):
+                w.fill_(0.01)
+            elif name.endswith(("hc_attn_base", "hc_ffn_base")):
+                w[:n], w[n:2 * n], w[2 * n:] = math.log(1 / (n - 1)), 0.0, comb.flatten()
+            elif name.endswith(("attn.wo_b.weight", "experts.w2", "shared_experts.w2.weight")):
+                w.mul_(small)
+            elif name.endswith("engram.wkv.weight"):
+                w[n * d:].mul_(small)
+
+
+def plain_residual_mix(x, fn, base, scale, *rest):
+    """--ablate mhc: layers.mhc.hc_mix's (pre, post, comb) of a plain residual stream, whatever the weights (kept in
+    the graph at weight 0, so each still gets a gradient and the step's CUDA graph its outputs)."""
+    t, n = x.shape[0], x.shape[1]
+    keep = 0 * (fn.sum() + base.sum() + scale.sum())
+    return (x.new_full((t, n), 1.0 / n, dtype=torch.float32) + keep, x.new_ones(t, n, dtype=torch.float32),
+            torch.eye(n, dtype=torch.float32, device=x.device).expand(t, n, n))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny")
@@ -56,18 +91,55 @@ def main() -> int:
     p.add_argument("--time", type=float, default=120, help="seconds of training")
     p.add_argument("--steps", type=int, default=1_000_000)
     p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--q-norm-init", type=float, default=1.0,
+                   help="start every attention's q_norm weight here (the query's scale, which its RMSNorm fixes)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet-start", action="store_true",
+                   help="a probe: start mHC as a plain residual (its token-dependent part x 0.01) and every branch's "
+                   "last projection x 1/sqrt(2 x layers)")
+    p.add_argument("--warm-in", default="0,0", metavar="START,END",
+                   help="steps over which mHC, the MoE and Engram blend in (train.warm_in; 0,0: whole throughout)")
+    p.add_argument("--ablate", default="", help="probes, not the architecture: a comma list of mhc (every mix fixed "
+                   "at a plain residual: pre 1/n, post 1, comb the identity), moe (its output zero), engram (none), "
+                   "ffn (moe and engram), qat (no fake quantisation)")
     a = p.parse_args()
     if a.pairs < 1 or a.pairs > a.values or a.filler < 0 or a.batch < 1:
         p.error("want 1 <= pairs <= values, filler >= 0, batch >= 1")
-    torch.manual_seed(0)
+    ablate, known = set(filter(None, a.ablate.split(","))), {"mhc", "moe", "engram", "ffn", "qat"}
+    if ablate - known:
+        p.error(f"--ablate takes {', '.join(sorted(known))}; got {', '.join(sorted(ablate - known))}")
+    if "ffn" in ablate:
+        ablate |= {"moe", "engram"}
+    torch.manual_seed(a.seed)
     cfg = resolve_config(a.model)
+    if "engram" in ablate:
+        cfg = dataclasses.replace(cfg, engram_layer_ids=())
+    if "moe" in ablate:
+        moe.MoE.forward = lambda self, h, *args, **kw: h * 0
+    if "mhc" in ablate:
+        block.hc_mix = plain_residual_mix
     model = DeepseekForCausalLM(cfg)
-    dummy_weights(model, cfg, seed=0)
+    dummy_weights(model, cfg, seed=a.seed)
+    if a.quiet_start:
+        quiet_start(model, cfg)
+    try:
+        ramp = [float(v) for v in a.warm_in.split(",")]
+        if len(ramp) != 2 or ramp[0] < 0 or ramp[1] < 0 or 0 < ramp[1] < ramp[0]:
+            raise ValueError
+    except ValueError:
+        p.error(f"--warm-in wants START,END in steps, 0 <= START <= END (0,0: off), got {a.warm_in!r}")
+    with torch.no_grad():
+        for name, w in model.named_parameters():
+            if name.endswith("attn.q_norm.weight"):
+                w.fill_(a.q_norm_init)
     cuda = a.device.startswith("cuda")
     model, params = prepare_for_training(model, a.device)  # as train.py
+    if "qat" in ablate:
+        model.forward_batch = functools.partial(model.forward_batch, qat=False)
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.01, fused=cuda)
+    warm = WarmIn(model, *ramp)
     step_fn = TrainStep(model, a.batch, 1 + 4 * a.pairs + a.filler, a.batch, 0.1, a.dense, cuda, pad_id=1)
-    rng, curve, step, t0 = random.Random(0), [], 0, time.perf_counter()
+    rng, curve, step, t0 = random.Random(a.seed), [], 0, time.perf_counter()
     print(f"{'step':>6} {'value CE':>9} {'s':>6}   (unigram {math.log(a.values):.2f}, copy-any {math.log(a.pairs):.2f})")
     while step < a.steps and time.perf_counter() - t0 < a.time:
         batch = [sequence(rng, a.pairs, a.filler, a.values) for _ in range(a.batch)]
@@ -75,6 +147,7 @@ def main() -> int:
         step_fn.load(batch, weights, sum(map(sum, weights)))
         for g in opt.param_groups:
             g["lr"] = a.lr * min(1.0, (step + 1) / 50)
+        warm.set(step)
         out = step_fn.run()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()

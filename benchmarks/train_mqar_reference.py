@@ -9,8 +9,8 @@ mha_rope; mqa_kv: one K = V head, RMS-normed, RoPE on the last RD channels, de-r
 mqa_kv_ours: mqa_kv plus the parts of the tiny model's block listed in OURS: qlora (q = wq_b(rms(wq_a x)), rank QR,
 default 96), sink (a per-head logit in the softmax's denominator), wo (grouped low-rank output, 2 groups of rank 64)),
 QN=0 (the q LoRA without its RMSNorm: a probe), QLR (a learning-rate multiplier for the query's weights), QAI (a scale
-on wq_a's init), B (batch, default 16), HALF (tokens a half; mqar: HALF / 2 pairs), RD (RoPE channels, default 16),
-DEVICE (default cpu), SEED (default 0). d = 256, 4 heads of 64, a GELU MLP of 512, pre-norm residuals. Prints the loss every
+on wq_a's init), QNW (the q RMSNorm's weight at the start, default 1), B (batch, default 16), HALF (tokens a half;
+mqar: HALF / 2 pairs), RD (RoPE channels, default 16), DEVICE (default cpu), SEED (default 0). d = 256, 4 heads of 64, a GELU MLP of 512, pre-norm residuals. Prints the loss every
 20 steps, then one JSON line.
 """
 import json
@@ -70,6 +70,7 @@ class Attn(nn.Module):
             s.sink = nn.Parameter(0.5 * torch.randn(H))
             with torch.no_grad():
                 s.qa.weight.mul_(float(os.environ.get("QAI", "1")))
+                s.qn.weight.fill_(float(os.environ.get("QNW", "1")))
             s.woa = nn.Parameter(torch.randn(2, 64, 128) / 128 ** 0.5); s.o = nn.Linear(128 if 'wo' in OURS else H * hd, d, bias=False)
         else:
             s.k = nn.Linear(d, H * hd, bias=False); s.v = nn.Linear(d, H * hd, bias=False)

@@ -45,17 +45,26 @@ class Block(nn.Module):
         self.attn = attn_cls(cfg, role)
         self.ffn = MoE(cfg, n_experts or cfg.n_routed_experts, topk or cfg.num_experts_per_tok, role.hash_routed)
         self.engram = Engram(cfg, role.index) if role.engram else None
+        # training's warm-in (train.warm_in): a 0-d tensor r blending mHC towards a plain residual and scaling the MoE
+        # and Engram by r; None (serving, the oracle) leaves the block exact
+        self.warm_in: torch.Tensor | None = None
 
     def mix(self, site: str, x: torch.Tensor):
         c = self.cfg
-        return hc_mix(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
-                      getattr(self, f"hc_{site}_scale"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters, self.sinkhorn)
+        pre, post, comb = hc_mix(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                                 getattr(self, f"hc_{site}_scale"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters,
+                                 self.sinkhorn)
+        if self.warm_in is None:
+            return pre, post, comb
+        r, n = self.warm_in, pre.shape[1]  # convex blends: comb stays doubly stochastic
+        eye = torch.eye(n, dtype=comb.dtype, device=comb.device)
+        return (1 - r) / n + r * pre, (1 - r) + r * post, (1 - r) * eye + r * comb
 
     def site(self, name: str, x: torch.Tensor, pre: torch.Tensor, norm: RMSNorm, ops):
         """V4.1's single pass at a mixing site: (norm(collapse(x, pre)), the site's pre, post, comb, ready).
         ready: None, or (a few rows on a GPU) the event at which the mixes, computed on the side stream while the
         sublayer runs on h, are done; ``side_stream.join`` it before reading pre, post or comb."""
-        if ops is None:
+        if ops is None or self.warm_in is not None:
             p, post, comb = self.mix(name, x)
             return norm(collapse(x, pre)), p, post, comb, None
         c = self.cfg
@@ -72,7 +81,7 @@ class Block(nn.Module):
         (norm(collapse(x, pre)), post, comb). With ops: the fused site's mixes (its own h, collapsed with a zero
         pre_in, is dropped) and the collapse kernel: 4 launches where the torch mixes take ~120 (Sinkhorn's 20
         iterations)."""
-        if ops is None:
+        if ops is None or self.warm_in is not None:
             pre, post, comb = self.mix(name, x)
             return norm(collapse(x, pre)), post, comb
         c = self.cfg
@@ -108,8 +117,9 @@ class Block(nn.Module):
     def _head(self, x: torch.Tensor, pre: torch.Tensor | None, ctx: ForwardContext, keep: KeptRows | None):
         if self.engram is not None:
             ctx.log(self.role.index, "engram")
-            x = self.engram(x, ctx.engram_ids, [s.rows for s in ctx.seqs], ctx.engram_history,
-                            rows=ctx.engram_rows.get(self.role.index), ops=ctx.ops, check=not ctx.static)
+            mixed = self.engram(x, ctx.engram_ids, [s.rows for s in ctx.seqs], ctx.engram_history,
+                                rows=ctx.engram_rows.get(self.role.index), ops=ctx.ops, check=not ctx.static)
+            x = mixed if self.warm_in is None else x + self.warm_in * (mixed - x)
         ops, ready = ctx.ops, None  # ops: kernels.ops.KernelOps, or None: the torch forward (the oracle)
         if self.cfg.is_v41:
             h, a_pre, a_post, a_comb, ready = self.site("attn", x, pre, self.attn_norm, ops)
@@ -138,5 +148,7 @@ class Block(nn.Module):
         else:
             f_pre, (h, f_post, f_comb) = None, self.v4_site("ffn", x, self.ffn_norm, ops)
         y = self.ffn(h, ctx.tokens, ctx.is_image, ops)
+        if self.warm_in is not None:
+            y = y * self.warm_in
         join(ready, x.device)
         return self.expand(y, x, f_post, f_comb, ops), f_pre, ctx

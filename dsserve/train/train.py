@@ -5,7 +5,9 @@
         --out runs/tiny-trained
 
 Every mechanism of the model runs as at inference (the reference forward, fp32): the sliding window, the
-compressors and indexers, the MoE, mHC, Engram. The QAT fake quants pass gradients straight through
+compressors and indexers, the MoE, mHC, Engram; ``--warm-in-start/--warm-in-end`` (shares of the run) bring mHC, the
+MoE and Engram in gradually (``train.warm_in``: with them on from the start the tiny model formed no in-context
+lookup), and the run ends with all of them whole. The QAT fake quants pass gradients straight through
 (``quant._straight_through``); the indexers, whose top-k selection has no gradient, learn from the KL divergence to
 the main attention's distribution over the entries they score (``CSA2Attention._index_kl``; their inputs are
 detached, as DeepSeek trained its sparse attention's indexer). For the first ``dense_steps`` every compressed layer
@@ -47,6 +49,7 @@ from .heldout import heldout_nats
 from .ranks import Ranks
 from .step import TrainStep
 from .tasks import TASKS, problem, prompt_ids, retrieval_distance
+from .warm_in import WarmIn
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,8 @@ class TrainConfig:
     init: str = ""               # a checkpoint directory to start from (empty: seeded random weights)
     heldout_n: int = 16          # held-out problems a variant for the completion nats (train.heldout); 0: none
     heldout_every: int = 0       # ... also every that many steps (0: only at the end)
+    warm_in_start: float = 0.0  # share of the run where mHC, the MoE and Engram start blending in (train.warm_in)
+    warm_in_end: float = 0.0    # ... and where they are whole (0: whole from the start)
     dist_backend: str = "auto"   # data parallel: NCCL when each rank has its own GPU, else gloo (train.ranks)
 
 
@@ -221,6 +226,7 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
     model, params = prepare_for_training(model, cfg.device, cfg.fused_sinkhorn, cfg.every_expert)
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01,
                             fused=cfg.device.startswith("cuda"))  # one launch, not a dozen a parameter
+    warm = WarmIn(model, cfg.warm_in_start, cfg.warm_in_end)
     min_back = cfg.min_back or retrieval_distance(mcfg)
     workers = cfg.data_workers if cfg.data_workers >= 0 else (4 if cfg.device.startswith("cuda") else 0)
     held = {"pad_id": tokenizer.eos_id}
@@ -237,6 +243,7 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
         for g in opt.param_groups:
             g["lr"] = lr
         dense = step < cfg.dense_steps or progress < cfg.dense_share
+        level = warm.set(progress)
         dense_until = step + 1 if dense else dense_until
         ts, out = backward_step(model, cfg, whole, dense, ranks, held)
         steps_run = step + 1
@@ -248,7 +255,7 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
                 float((out["ce"] * ts.completion).sum()), float(ts.completion.sum()), float(out["kl_sum"]),
                 out["kl_count"], sum(len(ids) for ids, _ in whole[ranks.rank::ranks.world])])
             curve.append({"step": step, "lr": lr, "ce": ce_sum / targets, "index_kl": kl_sum / max(kl_count, 1),
-                          "tokens": int(n), "target_tokens": int(targets)})
+                          "tokens": int(n), "target_tokens": int(targets), "warm_in": level})
             if cfg.heldout_n and cfg.heldout_every and step % cfg.heldout_every == 0 and ranks.rank == 0:
                 curve[-1]["heldout_nats"] = heldout_nats(model, tokenizer, cfg.heldout_n, min_back)
             if ranks.rank == 0:
@@ -256,6 +263,7 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
                 print(f"step {step:5d}  ce {curve[-1]['ce']:.4f}  index kl {curve[-1]['index_kl']:.4f}  "
                       f"{tokens / elapsed:.0f} tok/s  {elapsed:.1f} s", flush=True)
     seconds = time.perf_counter() - t0
+    warm.detach()  # whole from here: what is measured and saved is the model itself
     final = heldout_nats(model, tokenizer, cfg.heldout_n, min_back) if cfg.heldout_n and ranks.rank == 0 else None
     if final:
         print("held-out completion nats: " + "  ".join(f"{k} {v:.2f}" for k, v in final.items()), flush=True)
@@ -314,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("steps", "batch", "warmup", "seed", "min_back", "log_every", "pack", "dense_steps",
                  "drills", "heldout_n", "heldout_every"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
-    for name in ("lr", "kl_weight", "prompt_weight", "dense_share", "time_limit"):
+    for name in ("lr", "kl_weight", "prompt_weight", "dense_share", "time_limit", "warm_in_start", "warm_in_end"):
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(d, name))
     p.add_argument("--fused-sinkhorn", action=argparse.BooleanOptionalAction, default=d.fused_sinkhorn,
                    help="on a GPU, mHC's Sinkhorn as one Triton kernel each way (default on)")

@@ -1,5 +1,6 @@
 """benchmarks/train_mqar.py: its sequences ask each key once, after the filler, for the value it was given; a
-two-step CPU run ends in its JSON line. Never timings or learning."""
+two-step CPU run ends in its JSON line, with and without the probes (warm-in, ablations, quiet start); bad options are
+named. Never timings or learning."""
 from __future__ import annotations
 
 import importlib.util
@@ -9,6 +10,8 @@ import os
 import random
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,9 +38,10 @@ def test_each_key_is_asked_once_for_its_value_after_the_filler():
         assert not set(ids[1 + 2 * pairs:1 + 2 * pairs + filler]) & (set(given) | set(given.values()))
 
 
-def test_a_short_cpu_run_ends_in_its_json_line():
+@pytest.mark.parametrize("probes", [[], ["--warm-in", "0,1", "--ablate", "mhc,ffn,qat", "--quiet-start"]])
+def test_a_short_cpu_run_ends_in_its_json_line(probes):
     p = subprocess.run([sys.executable, "benchmarks/train_mqar.py", "--device", "cpu", "--batch", "2", "--steps", "2",
-                        "--log-every", "1", "--pairs", "2", "--filler", "4"],
+                        "--log-every", "1", "--pairs", "2", "--filler", "4", *probes],
                        cwd=ROOT, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True,
                        timeout=300, check=False)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -47,7 +51,9 @@ def test_a_short_cpu_run_ends_in_its_json_line():
     assert last["unigram"] == math.log(90) and last["copy_any"] == math.log(2)
 
 
-def test_bad_shape_is_named():
-    p = subprocess.run([sys.executable, "benchmarks/train_mqar.py", "--device", "cpu", "--pairs", "0"],
+@pytest.mark.parametrize("bad,named", [(["--pairs", "0"], "pairs"), (["--ablate", "mlp"], "--ablate takes"),
+                                       (["--warm-in", "5"], "--warm-in wants"), (["--warm-in", "5,2"], "--warm-in wants")])
+def test_bad_options_are_named(bad, named):
+    p = subprocess.run([sys.executable, "benchmarks/train_mqar.py", "--device", "cpu", *bad],
                        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
-    assert p.returncode == 2 and "pairs" in p.stderr
+    assert p.returncode == 2 and named in p.stderr
