@@ -98,7 +98,7 @@ def main() -> int:
                    help="a probe: start mHC as a plain residual (its token-dependent part x 0.01) and every branch's "
                    "last projection x 1/sqrt(2 x layers)")
     p.add_argument("--warm-in", default="0,0", metavar="START,END",
-                   help="steps over which mHC, the MoE and Engram blend in (train.warm_in; 0,0: whole throughout)")
+                   help="steps over which mHC and the MoE blend in (train.warm_in; 0,0: whole throughout)")
     p.add_argument("--ablate", default="", help="probes, not the architecture: a comma list of mhc (every mix fixed "
                    "at a plain residual: pre 1/n, post 1, comb the identity), moe (its output zero), engram (none), "
                    "ffn (moe and engram), qat (no fake quantisation)")

@@ -45,8 +45,8 @@ class Block(nn.Module):
         self.attn = attn_cls(cfg, role)
         self.ffn = MoE(cfg, n_experts or cfg.n_routed_experts, topk or cfg.num_experts_per_tok, role.hash_routed)
         self.engram = Engram(cfg, role.index) if role.engram else None
-        # training's warm-in (train.warm_in): a 0-d tensor r blending mHC towards a plain residual and scaling the MoE
-        # and Engram by r; None (serving, the oracle) leaves the block exact
+        # training's warm-in (train.warm_in): a 0-d tensor r blending mHC towards a plain residual and scaling the
+        # MoE's output by r; None (serving, the oracle) leaves the block exact
         self.warm_in: torch.Tensor | None = None
 
     def mix(self, site: str, x: torch.Tensor):
@@ -117,9 +117,8 @@ class Block(nn.Module):
     def _head(self, x: torch.Tensor, pre: torch.Tensor | None, ctx: ForwardContext, keep: KeptRows | None):
         if self.engram is not None:
             ctx.log(self.role.index, "engram")
-            mixed = self.engram(x, ctx.engram_ids, [s.rows for s in ctx.seqs], ctx.engram_history,
-                                rows=ctx.engram_rows.get(self.role.index), ops=ctx.ops, check=not ctx.static)
-            x = mixed if self.warm_in is None else x + self.warm_in * (mixed - x)
+            x = self.engram(x, ctx.engram_ids, [s.rows for s in ctx.seqs], ctx.engram_history,
+                            rows=ctx.engram_rows.get(self.role.index), ops=ctx.ops, check=not ctx.static)
         ops, ready = ctx.ops, None  # ops: kernels.ops.KernelOps, or None: the torch forward (the oracle)
         if self.cfg.is_v41:
             h, a_pre, a_post, a_comb, ready = self.site("attn", x, pre, self.attn_norm, ops)

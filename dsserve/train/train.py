@@ -5,9 +5,9 @@
         --out runs/tiny-trained
 
 Every mechanism of the model runs as at inference (the reference forward, fp32): the sliding window, the
-compressors and indexers, the MoE, mHC, Engram; ``--warm-in-start/--warm-in-end`` (shares of the run) bring mHC, the
-MoE and Engram in gradually (``train.warm_in``: with them on from the start the tiny model formed no in-context
-lookup), and the run ends with all of them whole. The QAT fake quants pass gradients straight through
+compressors and indexers, the MoE, mHC, Engram; ``--warm-in-start/--warm-in-end`` (shares of the run) bring mHC and
+the MoE in gradually (``train.warm_in``: with them on from the start the tiny model formed no in-context lookup), and
+the run ends with the whole model. The QAT fake quants pass gradients straight through
 (``quant._straight_through``); the indexers, whose top-k selection has no gradient, learn from the KL divergence to
 the main attention's distribution over the entries they score (``CSA2Attention._index_kl``; their inputs are
 detached, as DeepSeek trained its sparse attention's indexer). For the first ``dense_steps`` every compressed layer
@@ -78,7 +78,7 @@ class TrainConfig:
     init: str = ""               # a checkpoint directory to start from (empty: seeded random weights)
     heldout_n: int = 16          # held-out problems a variant for the completion nats (train.heldout); 0: none
     heldout_every: int = 0       # ... also every that many steps (0: only at the end)
-    warm_in_start: float = 0.0  # share of the run where mHC, the MoE and Engram start blending in (train.warm_in)
+    warm_in_start: float = 0.0  # share of the run where mHC and the MoE start blending in (train.warm_in)
     warm_in_end: float = 0.0    # ... and where they are whole (0: whole from the start)
     dist_backend: str = "auto"   # data parallel: NCCL when each rank has its own GPU, else gloo (train.ranks)
 

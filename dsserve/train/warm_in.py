@@ -1,14 +1,14 @@
-"""Warm-in: the model's mHC, MoE and Engram brought in gradually, after the attention has formed its lookups.
+"""Warm-in: the model's mHC and MoE brought in gradually, after the attention has formed its lookups.
 
 Measured on multi-query associative recall (``benchmarks/results/train-tiny-brakes``): the tiny model with every
-mechanism on did not form a keyed in-context lookup in 3192 steps; with mHC fixed at a plain residual and the MoE and
-Engram off it formed one at steps ~500-900; with either left on, not by 1200-1800. A quieter random start (mHC's
-token-dependent part x 0.01, the branches' outputs x 1 / sqrt(2 x layers)) did not help, so the brake is in the
-training, not in the first step. So a run can start without them and blend them in: at level r each block's mixes are
-(1 - r) x the plain residual's (pre 1/n, post 1, comb the identity) + r x its own, and its MoE and Engram outputs are
-scaled by r (``Block.warm_in``). At r = 1 the block computes exactly its own function; after the run it is detached,
-so what is saved and served is the model itself. Every parameter trains throughout (those of the parts held at r = 0
-get no gradient until r > 0).
+mechanism on did not form a keyed in-context lookup in 3192 steps; with mHC fixed at a plain residual and the MoE off
+it formed one at steps ~500-900 (with Engram on or off alike); with mHC or the MoE left on, not by 1100-1800. A quieter
+random start (mHC's token-dependent part x 0.01, the branches' outputs x 1 / sqrt(2 x layers)) did not help, so the
+brake is in the training, not in the first step. So a run can start without them and blend them in: at level r each
+block's mixes are (1 - r) x the plain residual's (pre 1/n, post 1, comb the identity) + r x its own, and its MoE's
+output is scaled by r (``Block.warm_in``). At r = 1 the block computes exactly its own function; after the run it is
+detached, so what is saved and served is the model itself. Every parameter trains throughout (the MoE's and the mixes'
+get no gradient while r = 0).
 """
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
-"""Warm-in (train.warm_in): at level 0 the model is the plain-residual model without MoE and Engram, at level 1 the
-model itself; the ramp and its errors; a training run ends with the model whole."""
+"""Warm-in (train.warm_in): at level 0 the model is the plain-residual model without its MoE, at level 1 the model
+itself; the ramp and its errors; a training run ends with the model whole."""
 import pytest
 import torch
 
-from dsserve.layers.engram import Engram
 from dsserve.layers.moe import MoE
 from dsserve.models import block as block_module
 from dsserve.models.checkpoint import dummy_weights
@@ -37,7 +36,7 @@ def test_level_one_is_the_model_itself():
     assert torch.equal(_logits(m, t), whole)
 
 
-def test_level_zero_is_a_plain_residual_without_moe_and_engram(monkeypatch):
+def test_level_zero_is_a_plain_residual_without_the_moe(monkeypatch):
     cfg, m = _model()
     t = torch.randint(3, cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(1))
     whole = _logits(m, t)
@@ -53,7 +52,6 @@ def test_level_zero_is_a_plain_residual_without_moe_and_engram(monkeypatch):
 
     monkeypatch.setattr(block_module, "hc_mix", plain)
     monkeypatch.setattr(MoE, "forward", lambda self, h, *args, **kw: torch.zeros_like(h))
-    monkeypatch.setattr(Engram, "forward", lambda self, x, *args, **kw: x)
     ablated = _logits(m, t)
     torch.testing.assert_close(warmed, ablated, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(ablated, whole, atol=1e-2)  # the parts held out matter

@@ -19,7 +19,8 @@ for name, f in (("as it was (serving init)", "tiny-base-long.json"), ("mHC off",
                 ("MoE + Engram off", "tiny-ablate-ffn.json"), ("QAT off", "tiny-ablate-qat.json"),
                 ("mHC + QAT off", "tiny-ablate-mhc-qat.json"), ("MoE + Engram + QAT off", "tiny-ablate-ffn-qat.json"),
                 ("mHC + MoE + Engram off", "tiny-ablate-mhc-ffn.json"), ("all three off", "tiny-ablate-mhc-ffn-qat.json"),
-                ("quiet start (CPU)", "tiny-quiet-start-cpu.json")):
+                ("mHC + Engram off (CPU)", "tiny-ablate-mhc-engram-cpu.json"),
+                ("mHC + MoE off (CPU)", "tiny-ablate-mhc-moe-cpu.json"), ("quiet start (CPU)", "tiny-quiet-start-cpu.json")):
     if os.path.exists(f):
         a.plot(*curve(f), label=name, linewidth=2.2 if "quiet" in name else 1.2)
 a.axhline(1.79, color="grey", linestyle=":", label="copy any value (ln 6)")
