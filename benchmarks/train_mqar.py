@@ -110,6 +110,12 @@ def main() -> int:
         p.error(f"--ablate takes {', '.join(sorted(known))}; got {', '.join(sorted(ablate - known))}")
     if "ffn" in ablate:
         ablate |= {"moe", "engram"}
+    try:
+        ramp = [float(v) for v in a.warm_in.split(",")]
+        if len(ramp) != 2 or ramp[0] < 0 or ramp[1] < 0 or 0 < ramp[1] < ramp[0]:
+            raise ValueError
+    except ValueError:
+        p.error(f"--warm-in wants START,END in steps, 0 <= START <= END (0,0: off), got {a.warm_in!r}")
     torch.manual_seed(a.seed)
     cfg = resolve_config(a.model)
     if "engram" in ablate:
@@ -122,12 +128,6 @@ def main() -> int:
     dummy_weights(model, cfg, seed=a.seed)
     if a.quiet_start:
         quiet_start(model, cfg)
-    try:
-        ramp = [float(v) for v in a.warm_in.split(",")]
-        if len(ramp) != 2 or ramp[0] < 0 or ramp[1] < 0 or 0 < ramp[1] < ramp[0]:
-            raise ValueError
-    except ValueError:
-        p.error(f"--warm-in wants START,END in steps, 0 <= START <= END (0,0: off), got {a.warm_in!r}")
     with torch.no_grad():
         for name, w in model.named_parameters():
             if name.endswith("attn.q_norm.weight"):

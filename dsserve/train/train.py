@@ -205,6 +205,9 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
     if negative or not cfg.lr > 0 or cfg.dense_share > 1:
         raise ValueError(f"lr must be > 0, dense_share at most 1 and {', '.join(settings)} >= 0; got lr {cfg.lr}, "
                          f"dense_share {cfg.dense_share}" + "".join(f", {k} {v}" for k, v in negative.items()))
+    if cfg.warm_in_end and not 0 <= cfg.warm_in_start <= cfg.warm_in_end <= 1:  # the run must end whole
+        raise ValueError(f"--warm-in-start and --warm-in-end are shares of the run, 0 <= start <= end <= 1 (end 0: "
+                         f"off); got {cfg.warm_in_start}, {cfg.warm_in_end}")
     if cfg.data_workers < -1:
         raise ValueError(f"data_workers must be -1 (auto: 0 on the CPU, 4 on a GPU) or >= 0, got {cfg.data_workers}")
     ranks = Ranks(cfg.device, cfg.dist_backend)

@@ -75,3 +75,10 @@ def test_a_run_ramps_in_and_ends_whole():
     assert [c["warm_in"] for c in out["curve"]] == [0.0, 0.0, pytest.approx(1 / 6), pytest.approx(0.5),
                                                     pytest.approx(5 / 6), 1.0]
     assert all(torch.isfinite(torch.tensor([c["ce"] for c in out["curve"]])))
+
+
+@pytest.mark.parametrize("start,end", [(0.8, 0.5), (0.2, 1.5), (-0.1, 0.5)])
+def test_a_run_that_would_not_end_whole_is_refused(start, end):
+    cfg = TrainConfig(steps=2, batch=2, heldout_n=0, warm_in_start=start, warm_in_end=end)
+    with pytest.raises(ValueError, match="--warm-in-start and --warm-in-end are shares of the run"):
+        train(cfg, None)
