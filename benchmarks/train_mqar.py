@@ -10,7 +10,9 @@ GPU). Three levels of the loss tell what has formed: ln(values) (the unigram: no
 the values in the context: no key used), 0 (the keyed lookup). The synthetic retrieval task has no middle level (its
 context holds every number), so this is where to watch the lookup form. ``--warm-in`` trains as train.py's warm-in;
 ``--ablate`` and ``--quiet-start`` are probes of what brakes the lookup (``benchmarks/results/train-tiny-brakes``).
-Prints the curve, then one JSON line.
+``--filler-min`` draws each sequence's filler from a range, so some pairs sit in the window and some past it, and
+``--filler-ramp`` widens that range over the run (curricula for the lookup through the global KV); the curve splits
+the value CE into near and far. Prints the curve (step, value CE, near, far), then one JSON line.
 """
 from __future__ import annotations
 
@@ -31,10 +33,12 @@ from dsserve.models.loader import resolve_config
 from dsserve.models.model import DeepseekForCausalLM
 from dsserve.train.step import TrainStep
 from dsserve.train.train import prepare_for_training
-from dsserve.train.warm_in import WarmIn
+from dsserve.train.warm_in import WarmIn, warm_in_level
 
 
-def sequence(rng: random.Random, pairs: int, filler: int, values: int) -> tuple[list[int], list[bool]]:
+def sequence(rng: random.Random, pairs: int, filler: int, values: int, window: int = 0
+             ) -> tuple[list[int], list[bool], list[bool]]:
+    """(ids, asked: the row is a value to guess, far: that value's pair lies more than ``window`` rows back)."""
     keys = rng.sample(range(100, 100 + values), pairs)
     vals = [100 + values + rng.randrange(values) for _ in keys]
     ids, asked = [0], [False]
@@ -43,10 +47,12 @@ def sequence(rng: random.Random, pairs: int, filler: int, values: int) -> tuple[
         asked += [False, False]
     ids += [max(400, 100 + 2 * values) + rng.randrange(500) for _ in range(filler)]
     asked += [False] * filler
+    far = [False] * len(ids)
     for i in rng.sample(range(pairs), pairs):
+        far += [False, len(ids) + 1 - (2 + 2 * i) >= window]
         ids += [keys[i], vals[i]]
         asked += [False, True]
-    return ids, asked
+    return ids, asked, far
 
 
 def quiet_start(model, cfg) -> None:
@@ -83,6 +89,12 @@ def main() -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--pairs", type=int, default=6)
     p.add_argument("--filler", type=int, default=0, help="random tokens between the pairs and the questions")
+    p.add_argument("--filler-min", type=int, default=None,
+                   help="draw each sequence's filler from [filler-min, filler] (a curriculum of near and far pairs); "
+                   "default: always --filler")
+    p.add_argument("--filler-ramp", default="0,0", metavar="START,END",
+                   help="a curriculum: the filler's upper bound grows from --filler-min at step START to --filler at "
+                   "END (0,0: --filler throughout)")
     p.add_argument("--values", type=int, default=90, help="distinct keys and values")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -103,8 +115,15 @@ def main() -> int:
                    "at a plain residual: pre 1/n, post 1, comb the identity), moe (its output zero), engram (none), "
                    "ffn (moe and engram), qat (no fake quantisation)")
     a = p.parse_args()
-    if a.pairs < 1 or a.pairs > a.values or a.filler < 0 or a.batch < 1:
-        p.error("want 1 <= pairs <= values, filler >= 0, batch >= 1")
+    fill_lo = a.filler if a.filler_min is None else a.filler_min
+    try:
+        fill_ramp = [int(v) for v in a.filler_ramp.split(",")]
+        if len(fill_ramp) != 2 or not 0 <= fill_ramp[0] <= fill_ramp[1]:
+            raise ValueError
+    except ValueError:
+        p.error(f"--filler-ramp wants START,END in steps, 0 <= START <= END, got {a.filler_ramp!r}")
+    if a.pairs < 1 or a.pairs > a.values or not 0 <= fill_lo <= a.filler or a.batch < 1:
+        p.error("want 1 <= pairs <= values, 0 <= filler-min <= filler, batch >= 1")
     ablate, known = set(filter(None, a.ablate.split(","))), {"mhc", "moe", "engram", "ffn", "qat"}
     if ablate - known:
         p.error(f"--ablate takes {', '.join(sorted(known))}; got {', '.join(sorted(ablate - known))}")
@@ -140,11 +159,15 @@ def main() -> int:
     warm = WarmIn(model, *ramp)
     step_fn = TrainStep(model, a.batch, 1 + 4 * a.pairs + a.filler, a.batch, 0.1, a.dense, cuda, pad_id=1)
     rng, curve, step, t0 = random.Random(a.seed), [], 0, time.perf_counter()
-    print(f"{'step':>6} {'value CE':>9} {'s':>6}   (unigram {math.log(a.values):.2f}, copy-any {math.log(a.pairs):.2f})")
+    print(f"{'step':>6} {'value CE':>9} {'near':>9} {'far':>9} {'s':>6}   "
+          f"(unigram {math.log(a.values):.2f}, copy-any {math.log(a.pairs):.2f})")
     while step < a.steps and time.perf_counter() - t0 < a.time:
-        batch = [sequence(rng, a.pairs, a.filler, a.values) for _ in range(a.batch)]
-        weights = [[1.0 if asked[t + 1] else 0.0 for t in range(len(ids) - 1)] for ids, asked in batch]
-        step_fn.load(batch, weights, sum(map(sum, weights)))
+        fill_hi = a.filler if not fill_ramp[1] else fill_lo + round(
+            (a.filler - fill_lo) * warm_in_level(step, *fill_ramp))
+        batch = [sequence(rng, a.pairs, rng.randint(fill_lo, fill_hi), a.values, cfg.sliding_window)
+                 for _ in range(a.batch)]
+        weights = [[1.0 if asked[t + 1] else 0.0 for t in range(len(ids) - 1)] for ids, asked, _ in batch]
+        step_fn.load([(ids, asked) for ids, asked, _ in batch], weights, sum(map(sum, weights)))
         for g in opt.param_groups:
             g["lr"] = a.lr * min(1.0, (step + 1) / 50)
         warm.set(step)
@@ -152,9 +175,15 @@ def main() -> int:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if step % a.log_every == 0:
-            ce = float((out["ce"] * step_fn.completion).sum() / step_fn.completion.sum())
-            curve.append([step, round(ce, 4)])
-            print(f"{step:6d} {ce:9.3f} {time.perf_counter() - t0:6.0f}", flush=True)
+            far = torch.zeros(step_fn.length * a.batch, dtype=torch.bool)  # rows guessing a value past the window
+            for i, (ids, _, f) in enumerate(batch):
+                far[i * step_fn.length:i * step_fn.length + len(ids) - 1] = torch.tensor(f[1:])
+            ce, done = out["ce"].cpu(), step_fn.completion.cpu()
+            parts = [float((ce * m).sum() / m.sum()) if m.any() else float("nan")
+                     for m in (done, done & ~far, done & far)]
+            curve.append([step] + [round(v, 4) for v in parts])
+            print(f"{step:6d} {parts[0]:9.3f} {parts[1]:9.3f} {parts[2]:9.3f} {time.perf_counter() - t0:6.0f}",
+                  flush=True)
         step += 1
     print(json.dumps({"args": vars(a), "steps": step, "seconds": time.perf_counter() - t0,
                       "unigram": math.log(a.values), "copy_any": math.log(a.pairs), "curve": curve}))

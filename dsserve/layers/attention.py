@@ -32,21 +32,21 @@ def rope_for(cfg: ModelConfig, role: LayerRole) -> Rope:
 def sparse_attention_with_sink(q, win_k, win_mask, sel_k, sel_mask, sink, scale):
     """Softmax over [window keys ; selected entries] with a per-head sink in the denominator only.
 
-    q [T, H, D]; win_k [Nw, D] with win_mask [T, Nw]; sel_k [T, K, D] with sel_mask [T, K]; sink [H].
-    Values are the keys (K = V). Returns o [T, H, D] in fp32.
+    q [..., T, H, D]; win_k [..., Nw, D] with win_mask [T, Nw]; sel_k [T, K, D] with sel_mask [T, K] (no leading
+    dims); sink [H]. Values are the keys (K = V). The leading dims batch sequences of one shape (the training step's).
+    Returns o [..., T, H, D] in fp32.
     """
     q, win_k = acc(q), acc(win_k)
-    lw = torch.einsum("thd,nd->thn", q, win_k) * scale
+    lw = torch.einsum("...thd,...nd->...thn", q, win_k) * scale
     parts = [lw.masked_fill(~win_mask[:, None, :], NEG_INF)]
     if sel_k is not None:
         sel_k = acc(sel_k)
         ls = torch.einsum("thd,tkd->thk", q, sel_k) * scale
         parts.append(ls.masked_fill(~sel_mask[:, None, :], NEG_INF))
-    t, h = q.shape[:2]
-    parts.append(sink.to(q.dtype)[None, :, None].expand(t, h, 1))
+    parts.append(sink.to(q.dtype)[:, None].expand(*lw.shape[:-1], 1))
     p = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
-    nw = win_k.shape[0]
-    o = torch.einsum("thn,nd->thd", p[..., :nw], win_k)
+    nw = win_k.shape[-2]
+    o = torch.einsum("...thn,...nd->...thd", p[..., :nw], win_k)
     if sel_k is not None:
         o = o + torch.einsum("thk,tkd->thd", p[..., nw:-1], sel_k)
     return o
@@ -226,6 +226,8 @@ class CSA2Attention(nn.Module):
                 ctx.candidates = [None] * len(ctx.seqs)
         elif role.ratio and role.index_source is not None:
             ctx.log(role.index, "reuse")
+        if ctx.static and (ctx.dense_entries or not role.ratio) and self._one_shape(ctx.seqs):
+            return self.output(self._attend_one_shape(q, kv, index_q, ctx), pos, x.dtype, ops, cos_sin)
         for i, seq in enumerate(ctx.seqs):
             r = seq.rows
             if r.stop == r.start:
@@ -256,22 +258,53 @@ class CSA2Attention(nn.Module):
                                               cfg.head_dim ** -0.5)
         return self.output(o, pos, x.dtype, ops, cos_sin)
 
+    @staticmethod
+    def _one_shape(seqs) -> bool:
+        """The sequences are fresh (from position 0) and of one length, laid out one after another."""
+        n = seqs[0].rows.stop - seqs[0].rows.start
+        return n > 0 and all(s.first == 0 and s.rows.start == i * n and s.rows.stop == (i + 1) * n
+                             for i, s in enumerate(seqs))
+
+    def _attend_one_shape(self, q, kv, index_q, ctx: ForwardContext) -> torch.Tensor:
+        """The training step's sequences (``_one_shape``) attend as one [S, L, ...] batch: the window, and in the dense
+        mode every visible entry beside it. The loop in ``forward`` computes the same per sequence, with S times the
+        launches: ~2 K ops a sequence forward and backward, where the step has ~27 K besides (the tiny shape)."""
+        role, seqs = self.role, ctx.seqs
+        s, n = len(seqs), seqs[0].rows.stop
+        p = ctx.positions[:n]  # every sequence's
+        for seq in seqs:
+            seq.cache.push_window(role.index, kv[seq.rows], p)
+        keys, q = kv.view(s, n, -1), q.view(s, n, *q.shape[1:])
+        mask = (p[None, :] <= p[:, None]) & (p[None, :] > p[:, None] - self.cfg.sliding_window)
+        if role.ratio:
+            main = torch.stack([seq.cache.global_kv(role.kv_source)[0] for seq in seqs])
+            if ctx.index_kl is not None and index_q is not None and main.shape[1]:  # training the indexer
+                index_k = torch.stack([seq.cache.global_kv(role.kv_source)[1] for seq in seqs])
+                iq = tuple(t.view(s, n, *t.shape[1:]) for t in index_q)
+                ctx.index_kl.extend(self._index_kl(q, iq, p, index_k, main).unbind(0))
+            seen = torch.arange(main.shape[1], device=p.device) < visible_entries(p, role.ratio)[:, None]
+            keys, mask = torch.cat((keys, main.to(kv.dtype)), 1), torch.cat((mask, seen), 1)
+        o = sparse_attention_with_sink(q, keys, mask, None, None, self.attn_sink, self.cfg.head_dim ** -0.5)
+        return o.flatten(0, 1)
+
     def _index_kl(self, q, index_q, pos, index_k, main_k) -> torch.Tensor:
         """KL(P || Q) averaged over the rows that see an entry: P the main attention's distribution over the visible
         entries (softmax per head, averaged over heads; no gradient), Q the indexer's softmax over its scores: the
-        dense-attention distillation DeepSeek trained its sparse attention's indexer with."""
+        dense-attention distillation DeepSeek trained its sparse attention's indexer with. Leading dims of q, index_q,
+        index_k and main_k batch sequences of one shape: one KL each."""
         s = self.indexer.scores_of(*index_q, pos, index_k, self.role.ratio)
         finite = torch.isfinite(s)
         seen = finite.any(-1)
         # masked, not indexed: no read-back, so a training step can run as a CUDA graph (rows that see no entry get
         # finite stand-ins, then weight 0)
         with torch.no_grad():
-            logits = torch.einsum("thd,nd->thn", acc(q), acc(main_k).to(acc(q).dtype)) * self.cfg.head_dim ** -0.5
-            logits = logits.masked_fill(~finite[:, None, :], float("-inf")).masked_fill(~seen[:, None, None], 0.0)
-            p = torch.softmax(logits, -1).mean(1)
-        log_q = torch.log_softmax(s.masked_fill(~seen[:, None], 0.0), -1)
+            scale = self.cfg.head_dim ** -0.5
+            logits = torch.einsum("...thd,...nd->...thn", acc(q), acc(main_k).to(acc(q).dtype)) * scale
+            logits = logits.masked_fill(~finite[..., None, :], float("-inf")).masked_fill(~seen[..., None, None], 0.0)
+            p = torch.softmax(logits, -1).mean(-2)
+        log_q = torch.log_softmax(s.masked_fill(~seen[..., None], 0.0), -1)
         kl = (p * (torch.log(p.clamp_min(1e-30)) - log_q.clamp_min(-1e30))).sum(-1)
-        return (kl * seen).sum() / seen.sum().clamp_min(1)
+        return (kl * seen).sum(-1) / seen.sum(-1).clamp_min(1)
 
     def _select(self, i, index_q, pos, index_k, cache, ctx: ForwardContext):
         """Top-k entries for one sequence's rows: every visible entry (V4 HCA), or the indexer's choice from its

@@ -87,8 +87,9 @@ class Indexer(nn.Module):
     @staticmethod
     def scores_of(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
                   ratio: int) -> torch.Tensor:
-        """[T, entries]: ``query``'s (q, w) against one sequence's keys, -inf past each row's visible entries."""
-        logits = torch.relu(torch.einsum("thd,nd->thn", acc(q), acc(keys)))
-        s = torch.einsum("thn,th->tn", logits, w)
-        visible = torch.arange(keys.shape[0], device=keys.device)[None, :] < visible_entries(positions, ratio)[:, None]
+        """[..., T, entries]: ``query``'s (q, w) against one sequence's keys, -inf past each row's visible entries.
+        Leading dims (q [..., T, H, D], keys [..., N, D]) batch sequences whose rows sit at the same ``positions``."""
+        logits = torch.relu(torch.einsum("...thd,...nd->...thn", acc(q), acc(keys)))
+        s = torch.einsum("...thn,...th->...tn", logits, w)
+        visible = torch.arange(keys.shape[-2], device=keys.device)[None, :] < visible_entries(positions, ratio)[:, None]
         return s.masked_fill(~visible, NEG_INF)

@@ -7,9 +7,12 @@ eagerly on the CPU (and for the first steps on a GPU, which compile the Triton k
 what the graph replays. A capture needs fixed shapes and no host reads inside: every sequence is padded to
 ``length`` (the pads: end-of-sequence tokens at loss weight 0), the step's changing numbers (tokens, targets, weights,
 1 / the whole step's weight) live in device buffers refilled before each replay, and the forward runs with
-``static=True`` (nothing read back or uploaded). After capture the parameters' ``.grad`` are the graph's outputs:
-each replay overwrites them (they are never set to None again), and whatever reads them (the ranks' sum, clipping,
-the optimizer) runs outside the graph.
+``static=True`` (nothing read back or uploaded). Being of one length and fresh, the sequences attend as one batch
+in the window-only layers and, in the dense mode, in all of them (``CSA2Attention._attend_one_shape``): the ops of a
+step then hardly grow with its sequences (the tiny shape on the CPU, forward and backward: 29.6 K ops for 2 sequences
+of 89 rows and 30.6 K for 8, against 31.6 K and 44.8 K through the per-sequence loop). After capture the parameters'
+``.grad`` are the graph's outputs: each replay overwrites them (they are never set to None again), and whatever reads
+them (the ranks' sum, clipping, the optimizer) runs outside the graph.
 """
 from __future__ import annotations
 

@@ -4,28 +4,31 @@
         --mix arithmetic=0.4,retrieval=0.4,chat=0.2 --dense-share 0.5 --warmup 20 --drills 8 --prompt-weight 0.5 \
         --out runs/tiny-trained
 
-Every mechanism of the model runs as at inference (the reference forward, fp32): the sliding window, the
-compressors and indexers, the MoE, mHC, Engram; ``--warm-in-start/--warm-in-end`` (shares of the run) bring mHC and
-the MoE in gradually (``train.warm_in``: with them on from the start the tiny model formed no in-context lookup), and
-the run ends with the whole model. The QAT fake quants pass gradients straight through
-(``quant._straight_through``); the indexers, whose top-k selection has no gradient, learn from the KL divergence to
-the main attention's distribution over the entries they score (``CSA2Attention._index_kl``; their inputs are
-detached, as DeepSeek trained its sparse attention's indexer). For the first ``dense_steps`` every compressed layer
-attends all its visible entries (DeepSeek's dense warm-up): the main attention learns which entries matter while
-the indexers learn to find them, then sparse selection takes over. The loss is next-token cross entropy on each
-problem's completion, plus ``prompt_weight`` x that of the prompt's tokens (the worked example, the chat's turns,
-retrieval's answered drills; a retrieval prompt's random codes only add noise), plus ``kl_weight`` x the mean
-indexer KL. Problems are packed into sequences of up to ``pack`` tokens, as pretraining packs documents (a longer
-problem is skipped), and every sequence of a step is padded to one length (``step.TrainStep``). On a GPU an eager
-step is bound by launching its ops, so there mHC's Sinkhorn runs as one kernel each way (``--fused-sinkhorn``), the
-MoE computes every expert on every row (``--every-expert``: 2.1x fewer ops, the same sums), and with packing the step
-is captured once as a CUDA graph and replayed (``--cuda-graph``; H200: 2 x 2048 tokens 0.09 s a replay against
-0.25-0.33 s eager). Batches are made ahead by ``--data-workers`` processes. ``--time-limit`` runs the schedule (and
-``--dense-share``) on the clock and stops there. At the end (and every ``--heldout-every`` steps) it reports the
-held-out completion nats of each task (``train.heldout``: teacher-forced, so it moves before accuracy does).
-Seeded (a time-limited run's step count follows its speed); writes the checkpoint (config.json, safetensors, the
-tokenizer), train.json (data, steps, tokens, the loss curve) and loss.png under ``--out``. The MoE's selection biases
-stay at zero (no load-balancing update yet); the DSpark drafter is not trained.
+Every mechanism of the model runs as at inference (the reference forward, fp32): the sliding window, the compressors and
+indexers, the MoE, mHC, Engram; ``--warm-in-start/--warm-in-end`` (shares of the run) bring mHC and the MoE in gradually
+(``train.warm_in``: with them on from the start the tiny model formed no in-context lookup), and the run ends with the
+whole model. ``--min-back-low`` draws each training retrieval problem's distance from [low, the retrieval distance]
+instead of always the distance, so facts in the window and far past it come mixed (on multi-query recall the tiny model
+formed no lookup 64 rows back alone, and began to with near and far mixed:
+``benchmarks/results/train-tiny-far-lookup``); the held-out problems stay at the distance. The QAT fake quants pass
+gradients straight through (``quant._straight_through``); the indexers, whose top-k selection has no gradient, learn
+from the KL divergence to the main attention's distribution over the entries they score (``CSA2Attention._index_kl``;
+their inputs are detached, as DeepSeek trained its sparse attention's indexer). For the first ``dense_steps`` every
+compressed layer attends all its visible entries (DeepSeek's dense warm-up): the main attention learns which entries
+matter while the indexers learn to find them, then sparse selection takes over. The loss is next-token cross entropy on
+each problem's completion, plus ``prompt_weight`` x that of the prompt's tokens (the worked example, the chat's turns,
+retrieval's answered drills; a retrieval prompt's random codes only add noise), plus ``kl_weight`` x the mean indexer
+KL. Problems are packed into sequences of up to ``pack`` tokens, as pretraining packs documents (a longer problem is
+skipped), and every sequence of a step is padded to one length (``step.TrainStep``). On a GPU an eager step is bound by
+launching its ops, so there mHC's Sinkhorn runs as one kernel each way (``--fused-sinkhorn``), the MoE computes every
+expert on every row (``--every-expert``: 2.1x fewer ops, the same sums), and with packing the step is captured once as a
+CUDA graph and replayed (``--cuda-graph``; H200: 2 x 2048 tokens 0.09 s a replay against 0.25-0.33 s eager). Batches are
+made ahead by ``--data-workers`` processes. ``--time-limit`` runs the schedule (and ``--dense-share``) on the clock and
+stops there. At the end (and every ``--heldout-every`` steps) it reports the held-out completion nats of each task
+(``train.heldout``: teacher-forced, so it moves before accuracy does). Seeded (a time-limited run's step count follows
+its speed); writes the checkpoint (config.json, safetensors, the tokenizer), train.json (data, steps, tokens, the loss
+curve) and loss.png under ``--out``. The MoE's selection biases stay at zero (no load-balancing update yet); the DSpark
+drafter is not trained.
 
 Data parallel under ``torchrun --nproc-per-node N``: rank r takes sequences r, r + N, ... of each step's batch, the
 losses are normalised by the whole batch's counts and the gradients summed (NCCL when each rank has its own GPU; else
@@ -64,6 +67,7 @@ class TrainConfig:
     seed: int = 0
     mix: tuple = (("arithmetic", 0.4), ("retrieval", 0.3), ("chat", 0.3))
     min_back: int = 0        # retrieval distance in tokens (0: tasks.retrieval_distance)
+    min_back_low: int = 0    # > 0: each training retrieval problem's distance drawn from [min_back_low, min_back]
     device: str = "cpu"
     log_every: int = 10
     pack: int = 0            # tokens a training sequence packs problems up to (0: one problem a sequence)
@@ -93,7 +97,8 @@ def batch_of(cfg: TrainConfig, step: int, tokenizer, min_back: int) -> list[tupl
     out, ids, completion, j, too_long = [], [], [], 0, {}
     while len(out) < cfg.batch:
         task = rng.choices(tasks, weights)[0]
-        p = problem(task, "train", (cfg.seed * 1_000_000 + step) * 10_000 + j, count, min_back, cfg.drills)
+        back = rng.randint(cfg.min_back_low, min_back) if cfg.min_back_low and task == "retrieval" else min_back
+        p = problem(task, "train", (cfg.seed * 1_000_000 + step) * 10_000 + j, count, back, cfg.drills)
         j += 1
         prompt, answer = prompt_ids(tokenizer, p.prompt), tokenizer.encode(p.completion, add_bos=False)
         full = prompt + answer + [tokenizer.eos_id]
@@ -199,8 +204,8 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
         raise ValueError(f"training runs on the tiny shapes (tiny, tiny-v4), not {cfg.model!r}")
     if cfg.steps < 1 or cfg.batch < 1 or cfg.warmup < 1:
         raise ValueError(f"steps, batch and warmup must be >= 1, got {cfg.steps}, {cfg.batch}, {cfg.warmup}")
-    settings = ("min_back", "dense_steps", "dense_share", "time_limit", "drills", "prompt_weight", "kl_weight",
-                "heldout_n", "heldout_every")
+    settings = ("min_back", "min_back_low", "dense_steps", "dense_share", "time_limit", "drills", "prompt_weight",
+                "kl_weight", "heldout_n", "heldout_every")
     negative = {k: getattr(cfg, k) for k in settings if getattr(cfg, k) < 0}
     if negative or not cfg.lr > 0 or cfg.dense_share > 1:
         raise ValueError(f"lr must be > 0, dense_share at most 1 and {', '.join(settings)} >= 0; got lr {cfg.lr}, "
@@ -216,6 +221,10 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
     cfg = replace(cfg, device=ranks.device(cfg.device))
     torch.manual_seed(cfg.seed)
     mcfg = resolve_config(cfg.model)
+    min_back = cfg.min_back or retrieval_distance(mcfg)
+    if cfg.min_back_low > min_back:
+        raise ValueError(f"--min-back-low {cfg.min_back_low} is past the retrieval distance {min_back} (--min-back, "
+                         f"default {retrieval_distance(mcfg)} for {mcfg.name}); it draws from [low, distance]")
     if not 0 <= cfg.pack <= mcfg.max_position_embeddings:
         raise ValueError(f"pack must be 0 (no packing) or up to the model's {mcfg.max_position_embeddings} positions, "
                          f"got {cfg.pack}")
@@ -230,7 +239,6 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01,
                             fused=cfg.device.startswith("cuda"))  # one launch, not a dozen a parameter
     warm = WarmIn(model, cfg.warm_in_start, cfg.warm_in_end)
-    min_back = cfg.min_back or retrieval_distance(mcfg)
     workers = cfg.data_workers if cfg.data_workers >= 0 else (4 if cfg.device.startswith("cuda") else 0)
     held = {"pad_id": tokenizer.eos_id}
     curve, tokens, t0 = [], 0, time.perf_counter()
@@ -322,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     d = TrainConfig()
     for name in ("model", "device", "dist_backend", "init"):
         p.add_argument(f"--{name.replace('_', '-')}", default=getattr(d, name))
-    for name in ("steps", "batch", "warmup", "seed", "min_back", "log_every", "pack", "dense_steps",
+    for name in ("steps", "batch", "warmup", "seed", "min_back", "min_back_low", "log_every", "pack", "dense_steps",
                  "drills", "heldout_n", "heldout_every"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     for name in ("lr", "kl_weight", "prompt_weight", "dense_share", "time_limit", "warm_in_start", "warm_in_end"):

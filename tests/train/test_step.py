@@ -34,15 +34,16 @@ def _batch(lengths, seed, vocab=8000):
     return out
 
 
-def _reference(m, batch, prompt_weight, kl_weight, total_seqs):
-    """The step's loss written out per sequence, unpadded: weighted next-token CE over the whole step's weight plus
-    kl_weight x the mean indexer KL."""
+def _reference(m, batch, prompt_weight, kl_weight, total_seqs, dense=False):
+    """The step's loss written out per sequence, unpadded (each through the attention's loop, not the step's one
+    batched attention of equal sequences): weighted next-token CE over the whole step's weight plus kl_weight x the
+    mean indexer KL."""
     weights = token_weights(batch, prompt_weight)
     total = sum(map(sum, weights))
     loss, kls = 0.0, []
     for (ids, _), w in zip(batch, weights):
         kl = []
-        hidden = m.forward(torch.tensor(ids), index_kl=kl).hidden
+        hidden = m.forward(torch.tensor(ids), index_kl=kl, dense_entries=dense).hidden
         ce = torch.nn.functional.cross_entropy(m.logits(hidden[:-1]).float(), torch.tensor(ids[1:]), reduction="none")
         loss = loss + (ce * torch.tensor(w)).sum() / total
         kls += kl
@@ -54,15 +55,18 @@ def _grads(m):
     return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("lengths,length,kl_weight", [((70, 70), 70, 0.1), ((45, 70, 12), 72, 0.0)])
-def test_padded_step_equals_the_unpadded_sequences(lengths, length, kl_weight):
+@pytest.mark.parametrize("lengths,length,kl_weight,dense", [((70, 70), 70, 0.1, False), ((45, 70, 12), 72, 0.0, False),
+                                                            ((70, 70, 70), 70, 0.1, True), ((45, 70), 71, 0.0, True)])
+def test_padded_step_equals_the_unpadded_sequences(lengths, length, kl_weight, dense):
     """Padding adds rows after each sequence (weight 0; causal, so earlier rows are untouched). The pad rows join the
-    indexer KL, so with KL on the check uses sequences that need no padding."""
+    indexer KL, so with KL on the check uses sequences that need no padding. The step's sequences attend as one batch
+    (CSA2Attention._attend_one_shape: window-only layers, and every layer in the dense mode); the reference runs
+    each alone through the loop."""
     m = _model()
     batch = _batch(lengths, seed=len(lengths))
-    _reference(m, batch, 0.5, kl_weight, len(batch)).backward()
+    _reference(m, batch, 0.5, kl_weight, len(batch), dense).backward()
     want = _grads(m)
-    step = TrainStep(m, len(batch), length, len(batch), kl_weight, dense=False, graph=False, pad_id=1)
+    step = TrainStep(m, len(batch), length, len(batch), kl_weight, dense=dense, graph=False, pad_id=1)
     step.load(batch, token_weights(batch, 0.5), sum(map(sum, token_weights(batch, 0.5))))
     out = step.run()
     got = _grads(m)

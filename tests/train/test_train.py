@@ -81,6 +81,20 @@ def test_a_shape_too_large_to_train_is_named(capsys):
     assert main(["--data-workers", "-3"]) == 2 and "data_workers must be -1" in capsys.readouterr().err
     assert main(["--dist-backend", "mpi"]) == 2 and "dist backend 'mpi'" in capsys.readouterr().err
     assert main(["--time-limit", "-1"]) == 2 and "time_limit -1" in capsys.readouterr().err
+    assert main(["--min-back-low", "9999"]) == 2 and "--min-back-low 9999 is past" in capsys.readouterr().err
+
+
+def test_min_back_low_draws_retrieval_distances_from_its_range():
+    from dsserve.models.tokenizer import Tokenizer
+    from dsserve.train.train import batch_of
+    tok = Tokenizer.for_preset("tiny")
+    at = TrainConfig(batch=24, mix=(("retrieval", 1.0),))
+    ranged = TrainConfig(batch=24, mix=(("retrieval", 1.0),), min_back_low=8)
+    fixed = [len(ids) for ids, _ in batch_of(at, 0, tok, 300)]
+    drawn = [len(ids) for ids, _ in batch_of(ranged, 0, tok, 300)]
+    # every problem at the distance: ~300 tokens of facts and more; drawn from [8, 300]: from a few facts up
+    assert min(fixed) > 300 and min(drawn) < 150 and max(drawn) > 300
+    assert batch_of(ranged, 0, tok, 300) == batch_of(ranged, 0, tok, 300)  # still seeded
 
 
 def test_dense_entries_equal_a_top_k_that_keeps_every_entry():
