@@ -7,10 +7,11 @@ eagerly on the CPU (and for the first steps on a GPU, which compile the Triton k
 what the graph replays. A capture needs fixed shapes and no host reads inside: every sequence is padded to
 ``length`` (the pads: end-of-sequence tokens at loss weight 0), the step's changing numbers (tokens, targets, weights,
 1 / the whole step's weight) live in device buffers refilled before each replay, and the forward runs with
-``static=True`` (nothing read back or uploaded). Being of one length and fresh, the sequences attend as one batch
-in the window-only layers and, in the dense mode, in all of them (``CSA2Attention._attend_one_shape``): the ops of a
-step then hardly grow with its sequences (the tiny shape on the CPU, forward and backward: 29.6 K ops for 2 sequences
-of 89 rows and 30.6 K for 8, against 31.6 K and 44.8 K through the per-sequence loop). After capture the parameters'
+``static=True`` (nothing read back or uploaded). Being of one length and fresh, the sequences attend as one batch,
+each row reading its window in blocks rather than an [L, L] masked square (``CSA2Attention._attend_one_shape``): the
+ops of a step hardly grow with its sequences (the tiny shape on the CPU, 89-row sequences, forward and backward:
+30.8 K ops for 2 sequences, 31.8 K for 8, 36.0 K for 32, dense or sparse alike; through the per-sequence loop 31.6 K
+and 44.8 K dense, 33.3 K and 51.5 K sparse, for 2 and 8), nor its bytes with L x L. After capture the parameters'
 ``.grad`` are the graph's outputs: each replay overwrites them (they are never set to None again), and whatever reads
 them (the ranks' sum, clipping, the optimizer) runs outside the graph.
 """

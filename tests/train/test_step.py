@@ -55,14 +55,15 @@ def _grads(m):
     return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("lengths,length,kl_weight,dense", [((70, 70), 70, 0.1, False), ((45, 70, 12), 72, 0.0, False),
-                                                            ((70, 70, 70), 70, 0.1, True), ((45, 70), 71, 0.0, True)])
-def test_padded_step_equals_the_unpadded_sequences(lengths, length, kl_weight, dense):
+@pytest.mark.parametrize("name,lengths,length,kl_weight,dense", [
+    ("tiny", (70, 70), 70, 0.1, False), ("tiny", (45, 70, 12), 72, 0.0, False), ("tiny", (70, 70, 70), 70, 0.1, True),
+    ("tiny", (45, 70), 71, 0.0, True), ("tiny-v4", (70, 70), 70, 0.1, False), ("tiny-v4", (70, 70), 70, 0.1, True)])
+def test_padded_step_equals_the_unpadded_sequences(name, lengths, length, kl_weight, dense):
     """Padding adds rows after each sequence (weight 0; causal, so earlier rows are untouched). The pad rows join the
     indexer KL, so with KL on the check uses sequences that need no padding. The step's sequences attend as one batch
     (CSA2Attention._attend_one_shape: window-only layers, and every layer in the dense mode); the reference runs
-    each alone through the loop."""
-    m = _model()
+    each alone through the loop; top-k selection and candidate pools too, for all the step's rows at once."""
+    m = _model(name)
     batch = _batch(lengths, seed=len(lengths))
     _reference(m, batch, 0.5, kl_weight, len(batch), dense).backward()
     want = _grads(m)

@@ -19,7 +19,7 @@ def _grads(step: int) -> dict[str, torch.Tensor]:
     cfg = preset("tiny")
     model = DeepseekForCausalLM(cfg)
     dummy_weights(model, cfg, seed=0)
-    model.train()
+    model.double().train()  # float64: two ranks' sequences attend in batches of another size than one rank's
     tokenizer = Tokenizer.for_preset("tiny")
     backward_step(model, CFG, batch_of(CFG, step, tokenizer, CFG.min_back), False, Ranks(),
                   {"pad_id": tokenizer.eos_id})
@@ -47,4 +47,4 @@ def test_two_ranks_sum_to_the_whole_batch(tmp_path, monkeypatch):
     whole, ranked = _grads(3), torch.load(out)
     assert whole.keys() == ranked.keys() and len(whole) > 50
     for name, g in whole.items():
-        assert torch.allclose(ranked[name], g, rtol=1e-3, atol=1e-6 * float(g.abs().max()) + 1e-9), name
+        assert torch.allclose(ranked[name], g, rtol=1e-9, atol=1e-9 * float(g.abs().max()) + 1e-15), name
