@@ -40,7 +40,8 @@ if MODE not in ("full", "ced") or not 0 <= FMIN <= FILL or not S < layers:
 
 
 def make(rng, fill):
-    """(ids padded to the longest filler, asked: a value to guess, far: its pair W or more rows back)."""
+    """(ids padded to the longest filler, asked: a value to guess, far: its pair W or more rows back): the sequences of
+    train_mqar.py, written out here so that the yardstick imports nothing of dsserve."""
     keys = rng.sample(range(100, 100 + V), PAIRS)
     vals = [100 + V + rng.randrange(V) for _ in keys]
     ids, asked = [0], [False]

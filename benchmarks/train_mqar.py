@@ -124,6 +124,8 @@ def main() -> int:
         p.error(f"--filler-ramp wants START,END in steps, 0 <= START <= END, got {a.filler_ramp!r}")
     if a.pairs < 1 or a.pairs > a.values or not 0 <= fill_lo <= a.filler or a.batch < 1:
         p.error("want 1 <= pairs <= values, 0 <= filler-min <= filler, batch >= 1")
+    if fill_ramp[1] and fill_lo == a.filler:
+        p.error("--filler-ramp widens the filler from --filler-min to --filler: give a --filler-min below --filler")
     ablate, known = set(filter(None, a.ablate.split(","))), {"mhc", "moe", "engram", "ffn", "qat"}
     if ablate - known:
         p.error(f"--ablate takes {', '.join(sorted(known))}; got {', '.join(sorted(ablate - known))}")
@@ -179,11 +181,12 @@ def main() -> int:
             for i, (ids, _, f) in enumerate(batch):
                 far[i * step_fn.length:i * step_fn.length + len(ids) - 1] = torch.tensor(f[1:])
             ce, done = out["ce"].cpu(), step_fn.completion.cpu()
-            parts = [float((ce * m).sum() / m.sum()) if m.any() else float("nan")
+            # a part with no question this step: None (JSON null), printed as "-"
+            parts = [round(float((ce * m).sum() / m.sum()), 4) if m.any() else None
                      for m in (done, done & ~far, done & far)]
-            curve.append([step] + [round(v, 4) for v in parts])
-            print(f"{step:6d} {parts[0]:9.3f} {parts[1]:9.3f} {parts[2]:9.3f} {time.perf_counter() - t0:6.0f}",
-                  flush=True)
+            curve.append([step, *parts])
+            shown = " ".join("        -" if v is None else f"{v:9.3f}" for v in parts)
+            print(f"{step:6d} {shown} {time.perf_counter() - t0:6.0f}", flush=True)
         step += 1
     print(json.dumps({"args": vars(a), "steps": step, "seconds": time.perf_counter() - t0,
                       "unigram": math.log(a.values), "copy_any": math.log(a.pairs), "curve": curve}))

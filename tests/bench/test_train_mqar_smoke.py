@@ -53,14 +53,15 @@ def test_a_short_cpu_run_ends_in_its_json_line(probes):
     assert p.returncode == 0, p.stderr[-3000:]
     last = json.loads(p.stdout.strip().splitlines()[-1])
     assert last["steps"] == 2 and [s for s, *_ in last["curve"]] == [0, 1]
-    assert all(math.isfinite(ce) for _, ce, _, _ in last["curve"])  # near / far: nan in a step without one
+    assert all(math.isfinite(ce) for _, ce, _, _ in last["curve"])  # near / far: null in a step without one
     assert last["unigram"] == math.log(90) and last["copy_any"] == math.log(2)
 
 
 @pytest.mark.parametrize("bad,named", [
     (["--pairs", "0"], "pairs"), (["--ablate", "mlp"], "--ablate takes"), (["--warm-in", "5"], "--warm-in wants"),
     (["--warm-in", "5,2"], "--warm-in wants"), (["--filler", "4", "--filler-min", "9"], "filler-min"),
-    (["--filler-ramp", "9,2"], "--filler-ramp wants")])
+    (["--filler-ramp", "9,2"], "--filler-ramp wants"),
+    (["--filler", "8", "--filler-ramp", "0,5"], "--filler-min below")])
 def test_bad_options_are_named(bad, named):
     p = subprocess.run([sys.executable, "benchmarks/train_mqar.py", "--device", "cpu", *bad],
                        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
