@@ -59,7 +59,7 @@ def main() -> int:
         for n in seqs:
             if a.device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            step = TrainStep(model, n, a.length, n, 0.1, dense, True, tok.eos_id)
+            step = TrainStep(model, n, a.length, n, 0.1, dense, True, tok.eos_id, isolate_bos=tok.bos_id)
             w = token_weights(batch[:n], 0.5)
             step.load(batch[:n], w, sum(map(sum, w)))
             times = [timed(step.run) for _ in range(3 + a.replays)]  # 2 eager, the capture + a replay, replays

@@ -52,12 +52,13 @@ def sparse_attention_with_sink(q, win_k, win_mask, sel_k, sel_mask, sink, scale)
     return o
 
 
-def banded_attention_with_sink(q, keys, window, entries, entry_mask, sink, scale):
+def banded_attention_with_sink(q, keys, window, entries, entry_mask, sink, scale, first=None):
     """``sparse_attention_with_sink`` for S fresh sequences of L rows each: row t reads its window's keys (its
     sequence's rows t - W + 1 .. t; keys [S, L, D]) and its entries: every sequence's own [S, N, D] under entry_mask
-    [L, N] (the dense mode), or each row's own [S, L, K, D] under [S, L, K] (a top-k), or none. q [S, L, H, D];
-    returns o in fp32. The window is read in blocks of W rows, each against the 2W keys that block can see, not as an
-    [L, L] masked square: the same sums, ~L / 2W times fewer bytes, in products of a useful size."""
+    [L, N] or [S, L, N] (the dense mode), or each row's own [S, L, K, D] under [S, L, K] (a top-k), or none.
+    q [S, L, H, D]; ``first`` [S, L] (packed problems): no key before row t's ``first`` is read. Returns o in fp32.
+    The window is read in blocks of W rows, each against the 2W keys that block can see, not as an [L, L] masked
+    square: the same sums, ~L / 2W times fewer bytes, in products of a useful size."""
     q, keys = acc(q), acc(keys)
     s, n, h, d = q.shape
     blocks = -(-n // window)
@@ -68,14 +69,19 @@ def banded_attention_with_sink(q, keys, window, entries, entry_mask, sink, scale
     qb = torch.cat((q, q.new_zeros(s, padded - n, h, d)), 1).view(s, blocks, window, h, d)
     w, k = torch.arange(window, device=q.device), torch.arange(2 * window, device=q.device)
     c = torch.arange(blocks, device=q.device)
-    sees = ((k[None, :] > w[:, None]) & (k[None, :] <= w[:, None] + window))[None] & (
-        c[:, None, None] * window - window + k[None, None, :] >= 0)  # [C, W, 2W]
+    key_pos = c[:, None] * window - window + k[None, :]  # [C, 2W]
+    sees = ((k[None, :] > w[:, None]) & (k[None, :] <= w[:, None] + window))[None] & (key_pos[:, None, :] >= 0)
+    sees = sees[None]  # [1, C, W, 2W]
+    if first is not None:  # [S, C, W, 2W]
+        fb = torch.cat((first, first.new_zeros(s, padded - n)), 1).view(s, blocks, window)
+        sees = sees & (key_pos[None, :, None, :] >= fb[..., None])
     lw = torch.einsum("scwhd,sckd->scwhk", qb, kb) * scale
-    parts = [lw.masked_fill(~sees[None, :, :, None, :], NEG_INF).view(s, padded, h, 2 * window)[:, :n]]
+    parts = [lw.masked_fill(~sees[:, :, :, None, :], NEG_INF).view(s, padded, h, 2 * window)[:, :n]]
     if entries is not None:
         entries = acc(entries)
         if entries.dim() == 3:  # the sequence's entries, for every row
-            le = torch.einsum("slhd,snd->slhn", q, entries).masked_fill(~entry_mask[:, None, :], NEG_INF)
+            em = entry_mask if entry_mask.dim() == 3 else entry_mask[None]
+            le = torch.einsum("slhd,snd->slhn", q, entries).masked_fill(~em[:, :, None, :], NEG_INF)
         else:  # each row's own
             le = torch.einsum("slhd,slkd->slhk", q, entries).masked_fill(~entry_mask[:, :, None, :], NEG_INF)
         parts.append(le * scale)
@@ -266,6 +272,9 @@ class CSA2Attention(nn.Module):
             ctx.log(role.index, "reuse")
         if ctx.static and self._one_shape(ctx.seqs):
             return self.output(self._attend_one_shape(q, kv, index_q, select, ctx), pos, x.dtype, ops, cos_sin)
+        if ctx.segment_first is not None:
+            raise ValueError("packed problems (segment_first) are isolated only in a static step of fresh sequences "
+                             "of one length")
         for i, seq in enumerate(ctx.seqs):
             r = seq.rows
             if r.stop == r.start:
@@ -311,40 +320,47 @@ class CSA2Attention(nn.Module):
         role, seqs, cfg = self.role, ctx.seqs, self.cfg
         s, n = len(seqs), seqs[0].rows.stop
         p = ctx.positions[:n]  # every sequence's
+        first = None if ctx.segment_first is None else ctx.segment_first.view(s, n)
         for seq in seqs:
             seq.cache.push_window(role.index, kv[seq.rows], p)
         q = q.view(s, n, *q.shape[1:])
         entries = entry_mask = None
         if role.ratio:
             main = torch.stack([seq.cache.global_kv(role.kv_source)[0] for seq in seqs]).to(kv.dtype)
-            index_k, iq = None, None
+            index_k, iq, own = None, None, None
+            if first is not None:  # [S, L, N]: the entries of each row's own problem (starts align with entries)
+                own = torch.arange(main.shape[1], device=p.device)[None, None, :] * role.ratio >= first[..., None]
             if self.indexer is not None:
                 index_k = torch.stack([seq.cache.global_kv(role.kv_source)[1] for seq in seqs])
                 iq = tuple(t.view(s, n, *t.shape[1:]) for t in index_q)
                 if ctx.index_kl is not None and main.shape[1]:  # training the indexer
-                    ctx.index_kl.extend(self._index_kl(q, iq, p, index_k, main).unbind(0))
+                    ctx.index_kl.extend(self._index_kl(q, iq, p, index_k, main, own).unbind(0))
             n_vis = visible_entries(p, role.ratio)
             every = torch.arange(main.shape[1], device=p.device) < n_vis[:, None]
+            every = every if own is None else every & own
             if ctx.dense_entries:  # as the loop, even with no entry yet (their source's weights get a zero gradient)
                 entries, entry_mask = main, every
             elif select and self.indexer is None:  # V4 HCA: every visible entry is its top-k
                 entries, entry_mask = (main, every) if main.shape[1] else (None, None)
             else:
-                idx, valid = self._select_rows(iq, p, index_k, n_vis, ctx) if select else (
+                idx, valid = self._select_rows(iq, p, index_k, n_vis, ctx, own) if select else (
                     torch.stack([t[0] for t in ctx.topk]), torch.stack([t[1] for t in ctx.topk]))
                 if idx.shape[-1]:
                     entries = main[torch.arange(s, device=p.device)[:, None, None], idx]  # [S, L, K, D]
                     entry_mask = valid
         o = banded_attention_with_sink(q, kv.view(s, n, -1), cfg.sliding_window, entries, entry_mask,
-                                       self.attn_sink, cfg.head_dim ** -0.5)
+                                       self.attn_sink, cfg.head_dim ** -0.5, first)
         return o.flatten(0, 1)
 
-    def _select_rows(self, index_q, pos, index_k, n_vis, ctx: ForwardContext):
+    def _select_rows(self, index_q, pos, index_k, n_vis, ctx: ForwardContext, own=None):
         """``_select`` for the one-shape batch: the indexer's top-k of every row of every sequence at once (candidate
-        pools and top-k are row-wise); published per sequence, as the loop publishes them."""
+        pools and top-k are row-wise); published per sequence, as the loop publishes them. ``own`` [S, L, N]: the
+        entries each row may read (its packed problem's); the pinned newest block may then lie in an earlier problem,
+        but its entries stay unread (the consumers' scores are masked by ``own`` too)."""
         role, cfg = self.role, self.cfg
         s, n = index_q[0].shape[:2]
-        scores = self.indexer.scores_of(*index_q, pos, index_k, role.ratio).flatten(0, 1)  # [S x L, N]
+        scores = self.indexer.scores_of(*index_q, pos, index_k, role.ratio)
+        scores = (scores if own is None else scores.masked_fill(~own, NEG_INF)).flatten(0, 1)  # [S x L, N]
         if role.candidate == "source":
             pool = candidate_pool(scores, n_vis.repeat(s), cfg.candidate_block_size, cfg.candidate_topk_blocks)
             ctx.candidates = list(pool.view(s, n, -1).unbind(0))
@@ -354,12 +370,13 @@ class CSA2Attention(nn.Module):
         ctx.topk = list(zip(idx.unbind(0), valid.unbind(0)))
         return idx, valid
 
-    def _index_kl(self, q, index_q, pos, index_k, main_k) -> torch.Tensor:
+    def _index_kl(self, q, index_q, pos, index_k, main_k, own=None) -> torch.Tensor:
         """KL(P || Q) averaged over the rows that see an entry: P the main attention's distribution over the visible
         entries (softmax per head, averaged over heads; no gradient), Q the indexer's softmax over its scores: the
         dense-attention distillation DeepSeek trained its sparse attention's indexer with. Leading dims of q, index_q,
-        index_k and main_k batch sequences of one shape: one KL each."""
+        index_k and main_k batch sequences of one shape: one KL each. ``own``: the entries each row may read."""
         s = self.indexer.scores_of(*index_q, pos, index_k, self.role.ratio)
+        s = s if own is None else s.masked_fill(~own, NEG_INF)
         finite = torch.isfinite(s)
         seen = finite.any(-1)
         # masked, not indexed: no read-back, so a training step can run as a CUDA graph (rows that see no entry get

@@ -50,6 +50,10 @@ class ForwardContext:
     # learn by their KL to it; sparse selection then starts from an indexer that picks them.
     dense_entries: bool = False
     static: bool = False  # a fixed-shape training step (models.model.forward_batch): no host reads, no uploads
+    # Training's packed problems (train.step): [N] the position of the first row of each row's problem. No row reads
+    # an earlier problem of its sequence (window keys, global entries, Engram lookbacks): a lookup learnt in training
+    # must find the fact in its own problem, as at serving time, not the same key in the problem before.
+    segment_first: torch.Tensor | None = None
     engram_ids: torch.Tensor | None = None  # [N] compressed ids (-1 = dead) for Engram layers
     engram_history: list[torch.Tensor] = field(default_factory=list)  # per sequence: the ids before its rows
     # Host-table Engram layers: layer -> prefetch handle (layers.engram_table.EngramRows) started before layer 0.

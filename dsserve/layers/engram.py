@@ -44,10 +44,10 @@ class Engram(nn.Module):
         return self.table
 
     def row_ids(self, compressed_ids: torch.Tensor, seq_rows: list[slice], histories: list[torch.Tensor],
-                check: bool = True):
+                check: bool = True, reach: torch.Tensor | None = None):
         """LongTensor [T, columns] of table rows, hashed per sequence on the ids' device (``check``: host ids are
-        checked to be in range)."""
-        return self.hasher.rows_of_seqs(compressed_ids, seq_rows, histories, check)
+        checked to be in range; ``reach``: see ``EngramHasher.rows_of_seqs``)."""
+        return self.hasher.rows_of_seqs(compressed_ids, seq_rows, histories, check, reach)
 
     def prefetch(self, compressed_ids: torch.Tensor, seq_rows: list[slice], histories: list[torch.Tensor],
                  device, dtype: torch.dtype) -> EngramRows:
@@ -60,18 +60,21 @@ class Engram(nn.Module):
 
     def forward(self, x: torch.Tensor, compressed_ids: torch.Tensor, seq_rows: list[slice],
                 histories: list[torch.Tensor], rows: torch.Tensor | EngramRows | None = None,
-                ops=None, check: bool = True) -> torch.Tensor:
+                ops=None, check: bool = True, reach: torch.Tensor | None = None) -> torch.Tensor:
         """x: the mHC stream [T, n, d]; compressed_ids [T] (-1 = dead); per sequence its rows and the ids
         before them (hashing looks back across chunk boundaries, never across sequences). ``rows``: this
         step's gathered table rows [T, columns, head_dim] (or their prefetch handle, narrowed to ``seq_rows``), or
         their row ids [T, columns] (int64, hashed beforehand: a fixed-shape decode step); None: hash and gather now.
-        ``ops`` (kernels.ops.KernelOps): the gated mix after the projection in one kernel; None: the torch lines."""
+        ``ops`` (kernels.ops.KernelOps): the gated mix after the projection in one kernel; None: the torch lines.
+        ``reach`` [T] (training's packed problems): how far back each row's n-grams may look (rows hashed here)."""
         t, n, d = x.shape
         eps = self.cfg.rms_norm_eps
         if isinstance(rows, EngramRows):
             rows = rows.for_seqs(seq_rows)
+        if reach is not None and rows is not None:
+            raise ValueError("reach applies to rows hashed here; these rows were hashed beforehand")
         if rows is None or rows.dtype == torch.int64:
-            ids = self.row_ids(compressed_ids, seq_rows, histories, check) if rows is None else rows
+            ids = self.row_ids(compressed_ids, seq_rows, histories, check, reach) if rows is None else rows
             rows = self.embed.weight[ids] if self.table is None else self.table.device_gather(ids, x.dtype)
         if rows.shape[0] != t:
             raise ValueError(f"rows cover {rows.shape[0]} tokens, the stream has {t}")

@@ -150,9 +150,11 @@ class EngramHasher:
             raise ValueError(f"ids must be 1-D (one sequence), got shape {tuple(ids.shape)}")
         return self.rows_of_seqs(ids, [slice(0, ids.numel())], [history], check)
 
-    def rows_of_seqs(self, ids: torch.Tensor, seq_rows: list[slice], histories: list, check: bool = True):
+    def rows_of_seqs(self, ids: torch.Tensor, seq_rows: list[slice], histories: list, check: bool = True,
+                     reach: torch.Tensor | None = None):
         """``rows`` of every sequence (its slice of ``ids``, with its history; None = it starts there) in one pass:
-        the same ops whatever the number of sequences, where a loop over them costs ~50 launches each."""
+        the same ops whatever the number of sequences, where a loop over them costs ~50 launches each. ``reach`` [T]
+        (training's packed problems): row t looks back at most reach[t] tokens, as if its problem started there."""
         ids = ids.to(torch.int64)
         k = self.max_ngram - 1
         lead = ids.new_full((k,), _BEFORE_START)
@@ -173,7 +175,11 @@ class EngramHasher:
         at = (torch.cat([torch.arange(b, b + n, device=ids.device) for b, n in where]) if where
               else torch.zeros(0, dtype=torch.int64, device=ids.device))
         # src[t, s] = token at lookback s from row t (within its sequence's ext segment)
-        return self.rows_of_lookbacks(ext[at[:, None] - torch.arange(self.max_ngram, device=ids.device)[None, :]])
+        back = torch.arange(self.max_ngram, device=ids.device)
+        src = ext[at[:, None] - back[None, :]]
+        if reach is not None:
+            src = src.masked_fill(back[None, :] > reach[:, None], _BEFORE_START)
+        return self.rows_of_lookbacks(src)
 
     def lookbacks(self, ids: torch.Tensor, histories: list) -> torch.Tensor:
         """[T, max_ngram] for rows that each continue their own sequence (a decode step: row t's history is

@@ -117,8 +117,9 @@ class Block(nn.Module):
     def _head(self, x: torch.Tensor, pre: torch.Tensor | None, ctx: ForwardContext, keep: KeptRows | None):
         if self.engram is not None:
             ctx.log(self.role.index, "engram")
+            reach = None if ctx.segment_first is None else ctx.positions - ctx.segment_first
             x = self.engram(x, ctx.engram_ids, [s.rows for s in ctx.seqs], ctx.engram_history,
-                            rows=ctx.engram_rows.get(self.role.index), ops=ctx.ops, check=not ctx.static)
+                            rows=ctx.engram_rows.get(self.role.index), ops=ctx.ops, check=not ctx.static, reach=reach)
         ops, ready = ctx.ops, None  # ops: kernels.ops.KernelOps, or None: the torch forward (the oracle)
         if self.cfg.is_v41:
             h, a_pre, a_post, a_comb, ready = self.site("attn", x, pre, self.attn_norm, ops)

@@ -80,7 +80,8 @@ class DeepseekForCausalLM(nn.Module):
     def forward_batch(self, tokens: torch.Tensor, seqs: list[SeqRows], qat: bool | None = None,
                       is_image: torch.Tensor | None = None, trace: list | None = None,
                       replay_form: str = "report", decoder_rows=None, index_kl: list | None = None,
-                      dense_entries: bool = False, static: bool = False) -> ForwardOutput:
+                      dense_entries: bool = False, static: bool = False,
+                      segment_first: torch.Tensor | None = None) -> ForwardOutput:
         """A flat batch of rows from several sequences: ``seqs`` says which rows are whose, in order.
 
         Each sequence's rows continue its cache at ``cache.num_tokens``. Returns the hidden states of the
@@ -93,7 +94,8 @@ class DeepseekForCausalLM(nn.Module):
         ``dense_entries`` (training's dense warm-up): every compressed layer attends all its visible global entries.
         ``static`` (training's fixed-shape step, train.step): ``tokens`` are on the model's device and were checked by
         the caller; nothing is read back or uploaded (positions and Engram ids are made on the device), so the step
-        can be captured as a CUDA graph.
+        can be captured as a CUDA graph. ``segment_first`` (static only; ``ForwardContext.segment_first``): per row the
+        position its packed problem starts at, so that no row reads an earlier problem.
         """
         cfg = self.cfg
         if static:
@@ -120,9 +122,13 @@ class DeepseekForCausalLM(nn.Module):
         narrow_at = cfg.encoder_layers + (replay_form == "vllm")
         if replay and not cfg.is_v41:
             raise ModelInputError("bounded replay (decoder_start) needs the V4.1 encoder/decoder split")
+        if segment_first is not None and not (static and cfg.is_v41 and not replay):
+            # V4's overlapping compression mixes the rows either side of a problem's start into one entry
+            raise ModelInputError("segment_first isolates a static step's packed problems, on V4.1 (non-overlapping "
+                                  "compression), without bounded replay")
         ctx = ForwardContext(tokens=tokens, positions=positions, seqs=list(seqs),
                              qat=cfg.qat if qat is None else qat, is_image=is_image, trace=trace, index_kl=index_kl,
-                             dense_entries=dense_entries, static=static)
+                             dense_entries=dense_entries, static=static, segment_first=segment_first)
         ctx.ops = self.kernel_ops  # row-wise ops (MoE, mHC) run on either attention path
         if self.kernel_ops is not None and PagedBatch.supports(seqs, self.kernel_ops):
             if dense_entries:

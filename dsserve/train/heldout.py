@@ -22,28 +22,29 @@ def near(p: Problem) -> Problem:
 
 
 @torch.no_grad()
-def completion_nats(model, tokenizer, problems: list[Problem]) -> float:
+def completion_nats(model, tokenizer, problems: list[Problem], dense: bool = False) -> float:
     """Mean over ``problems`` of -log p(completion | prompt), summed over the completion's tokens (one forward of all
-    of them together)."""
+    of them together). ``dense``: every visible global entry attended (training's dense warm-up), not the indexers'
+    top-k (what is served)."""
     seqs, tokens, spans = [], [], []
     for p in problems:
         a, b = prompt_ids(tokenizer, p.prompt), tokenizer.encode(p.completion, add_bos=False)
         seqs.append(SeqRows(slice(len(tokens), len(tokens) + len(a) + len(b)), model.new_cache()))
         spans.append((len(tokens) + len(a), b))
         tokens += a + b
-    hidden = model.forward_batch(torch.tensor(tokens), seqs).hidden
+    hidden = model.forward_batch(torch.tensor(tokens), seqs, dense_entries=dense).hidden
     rows = torch.tensor([at - 1 + i for at, b in spans for i in range(len(b))], device=hidden.device)
     targets = torch.tensor([t for _, b in spans for t in b], device=hidden.device)
     logp = torch.log_softmax(model.logits(hidden[rows]).float(), -1).gather(1, targets[:, None])
     return -float(logp.sum()) / len(problems)
 
 
-def heldout_nats(model, tokenizer, n: int, min_back: int) -> dict[str, float]:
-    """``completion_nats`` of the first ``n`` held-out problems of each variant."""
+def heldout_nats(model, tokenizer, n: int, min_back: int, dense: bool = False) -> dict[str, float]:
+    """``completion_nats`` of the first ``n`` held-out problems of each variant (``dense``: see there)."""
     count = (lambda s: len(tokenizer.encode(s, add_bos=False)))
     out = {}
     for name in VARIANTS:
         task = name.removesuffix("-near")
         ps = [problem(task, "eval", i, count, min_back) for i in range(n)]
-        out[name] = completion_nats(model, tokenizer, [near(p) for p in ps] if name.endswith("-near") else ps)
+        out[name] = completion_nats(model, tokenizer, [near(p) for p in ps] if name.endswith("-near") else ps, dense)
     return out

@@ -17,6 +17,8 @@ them (the ranks' sum, clipping, the optimizer) runs outside the graph.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..layers.context import SeqRows
@@ -24,14 +26,28 @@ from ..layers.context import SeqRows
 WARM_STEPS = 2  # eager steps before a capture: Triton compiles and the allocator settles
 
 
+def problem_align(cfg) -> int:
+    """Packed problems start at multiples of this (``train.batch_of`` pads before them), so that no global entry (a
+    ratio-r source pools r rows) and no candidate block (``candidate_block_size`` entries of the candidate source)
+    holds rows of two problems: each problem then has the entries and blocks it would have alone."""
+    align = 1
+    for layer, r in enumerate(cfg.compress_ratios[:cfg.num_hidden_layers]):
+        if r:
+            align = math.lcm(align, r * (cfg.candidate_block_size if layer == cfg.candidate_source_layer_id else 1))
+    return align
+
+
 class TrainStep:
     """Step shape [seqs x length] for ``model``; ``total_seqs``: the sequences of the whole step on all ranks (the
-    indexer KLs are averaged over all of them). ``graph``: capture on a GPU after ``WARM_STEPS`` eager steps."""
+    indexer KLs are averaged over all of them). ``graph``: capture on a GPU after ``WARM_STEPS`` eager steps.
+    ``isolate_bos``: the BOS id each packed problem starts with: every row then reads only its own problem (from its
+    BOS on; the problems must start at multiples of ``problem_align``), as if each were a sequence of its own. None:
+    a sequence's problems see each other."""
 
     def __init__(self, model, seqs: int, length: int, total_seqs: int, kl_weight: float, dense: bool,
-                 graph: bool, pad_id: int):
+                 graph: bool, pad_id: int, isolate_bos: int | None = None):
         self.model, self.seqs, self.length, self.total_seqs = model, seqs, length, total_seqs
-        self.kl_weight, self.dense, self.pad_id = kl_weight, dense, pad_id
+        self.kl_weight, self.dense, self.pad_id, self.bos_id = kl_weight, dense, pad_id, isolate_bos
         dev = model.embed.weight.device
         self.params = [p for p in model.parameters() if p.requires_grad]
         n = seqs * length
@@ -40,6 +56,8 @@ class TrainStep:
         self.weights = torch.zeros(n, dtype=torch.float32, device=dev)  # loss weight of row t's next-token guess
         self.completion = torch.zeros(n, dtype=torch.bool, device=dev)
         self.inv_total = torch.ones((), dtype=torch.float32, device=dev)  # 1 / the whole step's weight, all ranks
+        self.first = None if isolate_bos is None else torch.zeros(n, dtype=torch.int64, device=dev)
+        self.align = problem_align(model.cfg)
         self.use_graph = graph and dev.type == "cuda"
         self.graph, self.out, self.warm = None, None, 0
 
@@ -51,24 +69,36 @@ class TrainStep:
                              f"{len(batch)} of up to {max((len(ids) for ids, _ in batch), default=0)}")
         n, L = self.seqs * self.length, self.length
         tokens, targets = [self.pad_id] * n, [0] * n
-        w, done = [0.0] * n, [False] * n
+        w, done, first = [0.0] * n, [False] * n, [0] * n
         for i, ((ids, completion), wi) in enumerate(zip(batch, weights)):
             at = i * L
             tokens[at:at + len(ids)] = ids
             targets[at:at + len(ids) - 1] = ids[1:]
             w[at:at + len(ids) - 1] = wi
-            done[at:at + len(ids) - 1] = completion[1:]
+            done[at:at + len(ids) - 1] = [bool(c) for c in completion[1:]]  # None: alignment padding
+            if self.bos_id is not None:
+                start = 0
+                for t in (t for t, tok in enumerate(ids) if tok == self.bos_id):
+                    if t % self.align:
+                        raise ValueError(f"sequence {i}: a problem starts at {t}; isolated problems start at "
+                                         f"multiples of {self.align} (train.batch_of pads them there)")
+                    first[at + start:at + t] = [start] * (t - start)
+                    start = t
+                first[at + start:at + L] = [start] * (L - start)
         self.tokens.copy_(torch.tensor(tokens))
         self.targets.copy_(torch.tensor(targets))
         self.weights.copy_(torch.tensor(w))
         self.completion.copy_(torch.tensor(done))
+        if self.first is not None:
+            self.first.copy_(torch.tensor(first))
         self.inv_total.fill_(1.0 / weight_total)
 
     def _body(self) -> dict:
         m, L = self.model, self.length
         seqs = [SeqRows(slice(i * L, (i + 1) * L), m.new_cache()) for i in range(self.seqs)]
         kl = []
-        hidden = m.forward_batch(self.tokens, seqs, index_kl=kl, dense_entries=self.dense, static=True).hidden
+        hidden = m.forward_batch(self.tokens, seqs, index_kl=kl, dense_entries=self.dense, static=True,
+                                 segment_first=self.first).hidden
         ce = torch.nn.functional.cross_entropy(m.logits(hidden).float(), self.targets, reduction="none")
         kl_sum = torch.stack(kl).sum() if kl else ce.new_zeros(())
         # every sequence has the same shape, so the same number of KL terms: the whole step's count is known here

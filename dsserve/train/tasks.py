@@ -3,9 +3,9 @@
 - ``arithmetic``: a word problem of 2-4 steps (gains, losses, doublings) with a worked solution;
 - ``retrieval``: many "the code for K is V" facts (K a number 10-99, past 90 facts 100-999; V two numbers 10-99
   joined by a dash: each part one token of the tiny vocabulary, so the lookup is of whole tokens; a window-only
-  model's chance is 1 in 8100), then a question about the first one, placed at least
-  ``min_back`` tokens before the question (``retrieval_distance``: past the layers' stacked windows, so a
-  window-only model cannot see it: only the global KV and the indexer can answer);
+  model's chance is 1 in 8100), then a question about one of the facts placed at least ``min_back`` tokens before
+  it (which one varies; ``retrieval_distance``: past the layers' stacked windows, so a window-only model cannot see
+  it: only the global KV and the indexer can answer);
 - ``chat``: a multi-turn DeepSeek-V4 chat (``server.chat.encode_chat``) whose assistant looks a value up with a
   tool call; the tool's result arrives in the next turn and the reply states it.
 
@@ -72,8 +72,8 @@ def problem(task: str, split: str, index: int, count_tokens: Callable[[str], int
             min_back: int = 512, drills: int = 0) -> Problem:
     """Problem ``index`` of ``split`` for ``task`` (deterministic). ``count_tokens`` and ``min_back``: retrieval's
     distance from the asked fact to the question, in the model's tokens (default: a character count / 4).
-    ``drills`` (retrieval, training): that many questions about random facts, answered, before the asked one: practice
-    at every distance in one sequence (the held-out problems have none)."""
+    ``drills`` (retrieval, training): up to that many questions about other facts (at most half of them), answered,
+    before the asked one: practice at every distance in one sequence (the held-out problems have none)."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; tasks are {list(TASKS)}")
     if split not in SPLITS:
@@ -123,21 +123,29 @@ def _arithmetic(rng: random.Random, count_tokens, min_back) -> Problem:
 
 
 def _retrieval(rng: random.Random, count_tokens, min_back, drills: int = 0) -> Problem:
-    keys, facts, context = rng.sample(KEYS, len(KEYS)), [], ""
+    keys, facts, lines = rng.sample(KEYS, len(KEYS)), [], []
     keys += rng.sample(MORE_KEYS, len(MORE_KEYS)) if count_tokens("The code for 10 is 10-10.\n") * 90 < min_back else []
+    # facts until the first lies min_back + extra tokens back (extra up to half of min_back): any fact at least
+    # min_back back may be the asked one, so where it sits varies and "the first fact's code" is no answer
+    extra = rng.randint(0, min_back // 2)
     while True:
         if len(facts) == len(keys):
             raise ValueError(f"retrieval min_back {min_back} is too far: {len(keys)} facts span "
-                             f"{count_tokens(context)} tokens")
+                             f"{count_tokens(''.join(lines))} tokens")
         key = str(keys[len(facts)])
         facts.append((key, f"{rng.choice(KEYS)}-{rng.choice(KEYS)}"))
-        context = "".join(f"The code for {k} is {v}.\n" for k, v in facts)
-        if len(facts) > 1 and count_tokens(context) - count_tokens(f"The code for {facts[0][0]} is x.\n") >= min_back:
+        lines.append(f"The code for {key} is {facts[-1][1]}.\n")
+        if len(facts) > 1 and count_tokens("".join(lines[1:])) >= min_back + extra:
             break
-    # answered questions about the other facts (practice; never the asked one, whose answer would then sit close by)
-    for k, v in rng.sample(facts[1:], min(drills, len(facts) - 1)) if drills else ():
+    far = [i for i in range(len(facts)) if count_tokens("".join(lines[i + 1:])) >= min_back]
+    asked = rng.choice(far)
+    context = "".join(lines)
+    # answered questions about other facts (practice), at most half of them: were every other fact drilled, the one
+    # never asked would be the answer without a lookup; never the asked one, whose answer would then sit close by
+    others = [f for i, f in enumerate(facts) if i != asked]
+    for k, v in rng.sample(others, min(drills, len(others) // 2)) if drills else ():
         context += f"Question: What is the code for {k}?\nAnswer: {v}\n"
-    key, value = facts[0]
+    key, value = facts[asked]
     prompt = context + f"Question: What is the code for {key}?\n"
     return Problem("retrieval", prompt, f"Answer: {value}\n", value, context)
 

@@ -19,10 +19,14 @@ matter while the indexers learn to find them, then sparse selection takes over. 
 each problem's completion, plus ``prompt_weight`` x that of the prompt's tokens (the worked example, the chat's turns,
 retrieval's answered drills; a retrieval prompt's random codes only add noise), plus ``kl_weight`` x the mean indexer
 KL. Problems are packed into sequences of up to ``pack`` tokens, as pretraining packs documents (a longer problem is
-skipped), and every sequence of a step is padded to one length (``step.TrainStep``). On a GPU an eager step is bound by
-launching its ops, so there mHC's Sinkhorn runs as one kernel each way (``--fused-sinkhorn``), the MoE computes every
-expert on every row (``--every-expert``: 2.1x fewer ops, the same sums), and with packing the step is captured once as a
-CUDA graph and replayed (``--cuda-graph``; H200: 2 x 2048 tokens 0.09 s a replay against 0.25-0.33 s eager). Batches are
+skipped), and every sequence of a step is padded to one length (``step.TrainStep``). Packed problems are isolated
+(``--isolate-problems``): no row reads an earlier problem of its sequence, as no request reads another when served.
+Not isolated, a pack's dozens of facts hold nearly every key, with other codes, so "copy a code from the context" does
+not pay: the step on which multi-query recall's lookup formed (a few pairs a sequence), while packed retrieval stayed
+at chance for 3400 steps (``benchmarks/results/train-tiny-packing``). On a GPU an eager step is bound by launching
+its ops, so there mHC's Sinkhorn runs as one kernel each way (``--fused-sinkhorn``), the MoE computes every expert on
+every row (``--every-expert``: 2.1x fewer ops, the same sums), and with packing the step is captured once as a CUDA graph
+and replayed (``--cuda-graph``; H200: 2 x 2048 tokens 0.09 s a replay against 0.25-0.33 s eager). Batches are
 made ahead by ``--data-workers`` processes. ``--time-limit`` runs the schedule (and ``--dense-share``) on the clock and
 stops there. At the end (and every ``--heldout-every`` steps) it reports the held-out completion nats of each task
 (``train.heldout``: teacher-forced, so it moves before accuracy does). Seeded (a time-limited run's step count follows
@@ -38,6 +42,7 @@ step on the whole batch.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -50,7 +55,7 @@ import torch
 
 from .heldout import heldout_nats
 from .ranks import Ranks
-from .step import TrainStep
+from .step import TrainStep, problem_align
 from .tasks import TASKS, problem, prompt_ids, retrieval_distance
 from .warm_in import WarmIn
 
@@ -71,6 +76,7 @@ class TrainConfig:
     device: str = "cpu"
     log_every: int = 10
     pack: int = 0            # tokens a training sequence packs problems up to (0: one problem a sequence)
+    isolate: bool = True     # packed problems each read only themselves (train.step: isolate_bos), as when served
     dense_steps: int = 0     # the first steps attend every visible global entry (the dense warm-up)
     dense_share: float = 0.0  # ... or the first share of the run (of steps, or of time_limit)
     time_limit: float = 0.0  # seconds: stop there (the schedule runs on the clock); 0: run all steps
@@ -87,10 +93,19 @@ class TrainConfig:
     dist_backend: str = "auto"   # data parallel: NCCL when each rank has its own GPU, else gloo (train.ranks)
 
 
-def batch_of(cfg: TrainConfig, step: int, tokenizer, min_back: int) -> list[tuple[list[int], list[bool]]]:
+@functools.cache
+def _align(model: str, pack: int, isolate: bool) -> int:
+    from ..models.loader import resolve_config
+    return problem_align(resolve_config(model)) if pack and isolate else 1
+
+
+def batch_of(cfg: TrainConfig, step: int, tokenizer, min_back: int) -> list[tuple[list[int], list[bool | None]]]:
     """Step's ``batch`` sequences as (token ids, which tokens are completion): train-split problems, tasks drawn by
     the mix; with ``pack`` > 0, each sequence holds problems one after another (each from its BOS) up to ``pack``
-    tokens, as pretraining packs documents: the model's per-sequence work is paid once for several problems."""
+    tokens, as pretraining packs documents: the model's per-sequence work is paid once for several problems. With
+    ``isolate``, each problem starts at a multiple of ``step.problem_align``: the end-of-sequence tokens padding up to
+    it are marked None (no loss on them)."""
+    align = _align(cfg.model, cfg.pack, cfg.isolate)
     rng = random.Random(f"batch/{cfg.seed}/{step}")
     tasks, weights = zip(*cfg.mix)
     count = (lambda s: len(tokenizer.encode(s, add_bos=False)))
@@ -108,9 +123,12 @@ def batch_of(cfg: TrainConfig, step: int, tokenizer, min_back: int) -> list[tupl
                 raise ValueError(f"pack {cfg.pack} is too short for {task} problems ({len(full)} tokens and more); "
                                  f"use a larger --pack or leave {task} out of --mix")
             continue
-        if ids and len(ids) + len(full) > cfg.pack:  # this sequence is full: the problem starts the next one
+        pad = -len(ids) % align
+        if ids and len(ids) + pad + len(full) > cfg.pack:  # this sequence is full: the problem starts the next one
             out.append((ids, completion))
-            ids, completion = [], []
+            ids, completion, pad = [], [], 0
+        ids += [tokenizer.eos_id] * pad
+        completion += [None] * pad
         ids += full
         completion += [False] * len(prompt) + [True] * (len(answer) + 1)
         if not cfg.pack:
@@ -119,10 +137,11 @@ def batch_of(cfg: TrainConfig, step: int, tokenizer, min_back: int) -> list[tupl
     return out
 
 
-def token_weights(batch: list[tuple[list[int], list[bool]]], prompt_weight: float) -> list[list[float]]:
+def token_weights(batch: list[tuple[list[int], list[bool | None]]], prompt_weight: float) -> list[list[float]]:
     """Per sequence, the loss weight of each row's next-token prediction (row t predicts token t + 1): 1 for a
-    completion's tokens, ``prompt_weight`` for a prompt's."""
-    return [[1.0 if completion[t + 1] else prompt_weight for t in range(len(ids) - 1)] for ids, completion in batch]
+    completion's tokens, ``prompt_weight`` for a prompt's, 0 for padding (None)."""
+    weight = {True: 1.0, False: prompt_weight, None: 0.0}
+    return [[weight[completion[t + 1]] for t in range(len(ids) - 1)] for ids, completion in batch]
 
 
 _WORKER_TOKENIZER = None
@@ -166,7 +185,8 @@ def backward_step(model, cfg: TrainConfig, whole: list, dense: bool, ranks: Rank
             held["step"].release()
         graph = cfg.cuda_graph and cfg.pack > 0 and cfg.every_expert  # the routed MoE loop reads routing back
         held.update(key=key, step=TrainStep(model, len(mine), length, len(whole), cfg.kl_weight, dense, graph,
-                                            pad_id=held["pad_id"]))
+                                            pad_id=held["pad_id"],
+                                            isolate_bos=held["bos_id"] if cfg.pack and cfg.isolate else None))
     step = held["step"]
     step.load(mine, weights[ranks.rank::ranks.world], sum(map(sum, weights)))
     out = step.run()
@@ -225,6 +245,9 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
     if cfg.min_back_low > min_back:
         raise ValueError(f"--min-back-low {cfg.min_back_low} is past the retrieval distance {min_back} (--min-back, "
                          f"default {retrieval_distance(mcfg)} for {mcfg.name}); it draws from [low, distance]")
+    if cfg.pack and cfg.isolate and not mcfg.is_v41:
+        raise ValueError(f"isolating packed problems needs V4.1's non-overlapping compression ({mcfg.name} is V4); "
+                         f"use --no-isolate-problems or --pack 0")
     if not 0 <= cfg.pack <= mcfg.max_position_embeddings:
         raise ValueError(f"pack must be 0 (no packing) or up to the model's {mcfg.max_position_embeddings} positions, "
                          f"got {cfg.pack}")
@@ -240,7 +263,7 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
                             fused=cfg.device.startswith("cuda"))  # one launch, not a dozen a parameter
     warm = WarmIn(model, cfg.warm_in_start, cfg.warm_in_end)
     workers = cfg.data_workers if cfg.data_workers >= 0 else (4 if cfg.device.startswith("cuda") else 0)
-    held = {"pad_id": tokenizer.eos_id}
+    held = {"pad_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id}
     curve, tokens, t0 = [], 0, time.perf_counter()
     dense_until = steps_run = 0
     for step, whole in enumerate(batches(cfg, tokenizer, min_back, workers)):
@@ -268,16 +291,22 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
             curve.append({"step": step, "lr": lr, "ce": ce_sum / targets, "index_kl": kl_sum / max(kl_count, 1),
                           "tokens": int(n), "target_tokens": int(targets), "warm_in": level})
             if cfg.heldout_n and cfg.heldout_every and step % cfg.heldout_every == 0 and ranks.rank == 0:
-                curve[-1]["heldout_nats"] = heldout_nats(model, tokenizer, cfg.heldout_n, min_back)
+                # in the step's mode: during the dense warm-up, what the attention has learnt so far
+                curve[-1]["heldout_nats"] = heldout_nats(model, tokenizer, cfg.heldout_n, min_back, dense)
+                curve[-1]["heldout_dense"] = dense
             if ranks.rank == 0:
                 elapsed = time.perf_counter() - t0
+                held_out = curve[-1].get("heldout_nats")
                 print(f"step {step:5d}  ce {curve[-1]['ce']:.4f}  index kl {curve[-1]['index_kl']:.4f}  "
-                      f"{tokens / elapsed:.0f} tok/s  {elapsed:.1f} s", flush=True)
+                      f"{tokens / elapsed:.0f} tok/s  {elapsed:.1f} s"
+                      + (f"  held-out nats{' (dense)' if dense else ''}: "
+                         + " ".join(f"{k} {v:.2f}" for k, v in held_out.items()) if held_out else ""), flush=True)
     seconds = time.perf_counter() - t0
     warm.detach()  # whole from here: what is measured and saved is the model itself
     final = heldout_nats(model, tokenizer, cfg.heldout_n, min_back) if cfg.heldout_n and ranks.rank == 0 else None
     if final:
-        print("held-out completion nats: " + "  ".join(f"{k} {v:.2f}" for k, v in final.items()), flush=True)
+        print("held-out completion nats (as served: top-k, the whole model): "
+              + "  ".join(f"{k} {v:.2f}" for k, v in final.items()), flush=True)
     summary = {"config": asdict(cfg), "ranks": ranks.world, "model": mcfg.name, "min_back": min_back, "tokens": tokens,
                "steps_run": steps_run, "dense_until": dense_until, "seconds": seconds, "heldout_nats": final,
                "curve": curve,
@@ -341,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="on a GPU, every routed expert on every row, weighted 0 where not chosen (default on)")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=d.cuda_graph,
                    help="on a GPU with --pack and --every-expert, the step captured as a CUDA graph (default on)")
+    p.add_argument("--isolate-problems", dest="isolate", action=argparse.BooleanOptionalAction, default=d.isolate,
+                   help="with --pack, each problem reads only itself, as when served: no key of the problem before "
+                        "(V4.1 shapes; default on)")
     p.add_argument("--data-workers", type=int, default=d.data_workers,
                    help="processes making batches ahead (default: 0 on the CPU, 4 on a GPU)")
     p.add_argument("--mix", default=",".join(f"{t}={w}" for t, w in d.mix),

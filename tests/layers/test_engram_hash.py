@@ -1,3 +1,4 @@
+import itertools
 import time
 
 import numpy as np
@@ -202,3 +203,18 @@ def test_lookbacks_of_full_and_short_histories():
             ht = hist[t] if t < len(hist) else ids[:0]
             want = [int(ids[t])] + [int(ht[-s]) if s <= min(k, ht.numel()) else -2 for s in range(1, k + 1)]
             assert src[t].tolist() == want
+
+
+def test_reach_hashes_each_packed_problem_as_a_sequence_of_its_own():
+    """Training's packed problems: with ``reach`` (how far back each row may look) one sequence of three problems
+    hashes as the three hashed apart; without it, the rows after a problem's start differ."""
+    cfg = preset("tiny")
+    h = EngramHasher(cfg, cfg.engram_layer_ids[0])
+    g = torch.Generator().manual_seed(4)
+    starts, n = (0, 5, 6, 14), 20
+    ids = torch.randint(0, cfg.engram_compressed_vocab_size, (n,), generator=g)
+    bounds = list(starts) + [n]
+    want = torch.cat([h.rows(ids[a:b]) for a, b in itertools.pairwise(bounds)])
+    reach = torch.tensor([t - max(s for s in starts if s <= t) for t in range(n)])
+    assert torch.equal(h.rows_of_seqs(ids, [slice(0, n)], [None], reach=reach), want)
+    assert not torch.equal(h.rows_of_seqs(ids, [slice(0, n)], [None]), want)

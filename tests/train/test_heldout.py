@@ -25,13 +25,15 @@ def test_batched_nats_are_each_problems_own():
     dummy_weights(m, cfg, seed=0)
     m.to(torch.float64)
     tok = Tokenizer.for_preset("tiny")
-    ps = [problem("arithmetic", "eval", i) for i in range(3)]
-    want = []
-    for p in ps:
-        a, b = prompt_ids(tok, p.prompt), tok.encode(p.completion, add_bos=False)
-        with torch.no_grad():
-            lp = torch.log_softmax(m.logits(m.forward(torch.tensor(a + b)).hidden).float(), -1)
-        want.append(-float(sum(lp[len(a) - 1 + i, t] for i, t in enumerate(b))))
-    assert abs(completion_nats(m, tok, ps) - sum(want) / 3) < 1e-4
+    ps = [problem("arithmetic", "eval", i) for i in range(2)] + [problem("retrieval", "eval", 0, min_back=64)]
+    for dense in (False, True):  # the indexers' top-k, or every visible entry (the dense warm-up's mode)
+        want = []
+        for p in ps:
+            a, b = prompt_ids(tok, p.prompt), tok.encode(p.completion, add_bos=False)
+            with torch.no_grad():
+                lp = torch.log_softmax(m.logits(m.forward(torch.tensor(a + b), dense_entries=dense).hidden).float(), -1)
+            want.append(-float(sum(lp[len(a) - 1 + i, t] for i, t in enumerate(b))))
+        assert abs(completion_nats(m, tok, ps, dense) - sum(want) / 3) < 1e-4
+    assert completion_nats(m, tok, ps[2:], True) != completion_nats(m, tok, ps[2:], False)
     out = heldout_nats(m, tok, 2, 64)
     assert set(out) == set(VARIANTS) and all(v > 1 for v in out.values())  # random weights: far from the answers

@@ -3,6 +3,7 @@ step reads nothing back to the host (so a GPU can capture it), and on a GPU the 
 step."""
 import copy
 import traceback
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,8 +16,8 @@ from dsserve.train.step import TrainStep
 from dsserve.train.train import token_weights
 
 
-def _model(name="tiny", dtype=torch.float64, device="cpu"):
-    cfg = preset(name)
+def _model(name="tiny", dtype=torch.float64, device="cpu", **changes):
+    cfg = replace(preset(name), **changes)
     m = DeepseekForCausalLM(cfg)
     dummy_weights(m, cfg, seed=0)
     for b in m.layers:
@@ -32,6 +33,20 @@ def _batch(lengths, seed, vocab=8000):
         done = (torch.rand(n, generator=g) < 0.4).tolist()
         out.append((ids, done))
     return out
+
+
+def _problems(lengths, seed, bos=0, vocab=8000):
+    """Problems of ``lengths`` tokens, each from a BOS; the BOS itself is no target (None: what padding is)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        ids = [bos] + torch.randint(3, vocab, (n - 1,), generator=g).tolist()
+        out.append((ids, [None] + (torch.rand(n - 1, generator=g) < 0.4).tolist()))
+    return out
+
+
+def _packed(groups):
+    return [([t for ids, _ in g for t in ids], [c for _, done in g for c in done]) for g in groups]
 
 
 def _reference(m, batch, prompt_weight, kl_weight, total_seqs, dense=False):
@@ -107,12 +122,12 @@ class _HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-v4"])
+@pytest.mark.parametrize("name,isolate", [("tiny", None), ("tiny-v4", None), ("tiny", 0)])
 @pytest.mark.parametrize("dense", [False, True])
-def test_the_step_reads_nothing_back(name, dense):
+def test_the_step_reads_nothing_back(name, isolate, dense):
     m = _model(name, torch.float32)
-    batch = _batch((40, 64), seed=5)
-    step = TrainStep(m, 2, 64, 2, 0.1, dense=dense, graph=False, pad_id=1)
+    batch = _batch((40, 64), seed=5) if isolate is None else _packed([_problems((12, 28), 5), _problems((64,), 6)])
+    step = TrainStep(m, 2, 64, 2, 0.1, dense=dense, graph=False, pad_id=1, isolate_bos=isolate)
     step.load(batch, token_weights(batch, 0.5), 100.0)
     step.run()  # the first step makes per-device constants once (on a GPU: the eager warm-up steps)
     with _HostReads() as reads:
@@ -124,13 +139,15 @@ def test_the_step_reads_nothing_back(name, dense):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_the_captured_step_replays_the_eager_step():
+@pytest.mark.parametrize("isolate", [None, 0])
+def test_the_captured_step_replays_the_eager_step(isolate):
     eager = _model(dtype=torch.float32, device="cuda")
     graphed = copy.deepcopy(eager)
-    steps = {m: TrainStep(m, 2, 96, 2, 0.1, dense=False, graph=g, pad_id=1)
+    steps = {m: TrainStep(m, 2, 96, 2, 0.1, dense=False, graph=g, pad_id=1, isolate_bos=isolate)
              for m, g in ((eager, False), (graphed, True))}
-    for seed in range(5):  # warm-up steps, the capture, then replays of fresh batches
-        batch = _batch((96, 50), seed)
+    for seed in range(5):  # warm-up steps, the capture, then replays of fresh batches (other problem starts)
+        batch = (_batch((96, 50), seed) if isolate is None
+                 else _packed([_problems((4 * (seed + 3), 96 - 4 * (seed + 3)), seed), _problems((48,), seed)]))
         w = token_weights(batch, 0.5)
         for step in steps.values():
             step.load(batch, w, sum(map(sum, w)))
@@ -140,3 +157,55 @@ def test_the_captured_step_replays_the_eager_step():
         assert want.keys() == got.keys()
         for n, g in want.items():
             assert torch.allclose(got[n], g, rtol=1e-4, atol=1e-6 * float(g.abs().max()) + 1e-10), (seed, n)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_isolated_packed_problems_train_as_sequences_of_their_own(dense):
+    """``isolate_bos``: a step of sequences that pack several problems each (starting at multiples of
+    problem_align) gives the loss and gradients of every problem run alone through the reference forward's loop:
+    the CE summed over the step's weight, and each indexer's KL averaged over the rows of a packed sequence that see
+    an entry (a problem of n rows has n - (r - 1) of them at ratio r: each row sees its own problem's entries only).
+    Without isolation the same step gives other gradients (a problem's rows read the one before). QAT off: its fake
+    quantisation of the rotated window keys rounds by absolute position, so a problem placed later in a pack rounds
+    slightly differently (the attention itself depends only on distances)."""
+    m = _model("tiny", qat=False)
+    cfg, kl_weight = m.cfg, 0.1
+    groups = [_problems((24, 40, 16), seed=1), _problems((36, 44), seed=2)]
+    batch = _packed(groups)
+    weights = token_weights(batch, 0.5)
+    total = sum(map(sum, weights))
+    ratios = [cfg.compress_ratios[i] for i in cfg.index_source_layer_ids]
+    ce, kl_terms = 0.0, []
+    for group in groups:
+        per_layer = [[0.0, 0] for _ in ratios]
+        for ids, done in group:
+            kl = []
+            hidden = m.forward(torch.tensor(ids), index_kl=kl, dense_entries=dense).hidden
+            loss = torch.nn.functional.cross_entropy(m.logits(hidden[:-1]).float(), torch.tensor(ids[1:]),
+                                                     reduction="none")
+            w = torch.tensor(token_weights([(ids, done)], 0.5)[0])
+            ce = ce + (loss * w).sum() / total
+            assert len(kl) == len(ratios)
+            for acc, k, r in zip(per_layer, kl, ratios):
+                rows = len(ids) - (r - 1)
+                acc[0], acc[1] = acc[0] + k * rows, acc[1] + rows
+        kl_terms += [s / c for s, c in per_layer]
+    (ce + kl_weight * torch.stack(kl_terms).sum() / len(kl_terms)).backward()
+    want = _grads(m)
+    for isolate, equal in ((0, True), (None, False)):
+        step = TrainStep(m, 2, 80, 2, kl_weight, dense=dense, graph=False, pad_id=1, isolate_bos=isolate)
+        step.load(batch, weights, total)
+        step.run()
+        got = _grads(m)
+        assert want.keys() == got.keys() and len(got) > 50
+        same = [torch.allclose(got[k], g, rtol=1e-5, atol=1e-7 * float(g.abs().max()) + 1e-12)
+                for k, g in want.items()]
+        assert all(same) if equal else not all(same)
+
+
+def test_an_isolated_problem_off_the_alignment_is_named():
+    m = _model(dtype=torch.float32)
+    batch = _packed([_problems((6, 10), seed=0)])  # the second problem starts at 6: tiny aligns to 4
+    step = TrainStep(m, 1, 16, 1, 0.1, dense=False, graph=False, pad_id=1, isolate_bos=0)
+    with pytest.raises(ValueError, match="sequence 0: a problem starts at 6; isolated problems start at multiples"):
+        step.load(batch, token_weights(batch, 0.5), 10.0)

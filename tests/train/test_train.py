@@ -82,6 +82,7 @@ def test_a_shape_too_large_to_train_is_named(capsys):
     assert main(["--dist-backend", "mpi"]) == 2 and "dist backend 'mpi'" in capsys.readouterr().err
     assert main(["--time-limit", "-1"]) == 2 and "time_limit -1" in capsys.readouterr().err
     assert main(["--min-back-low", "9999"]) == 2 and "--min-back-low 9999 is past" in capsys.readouterr().err
+    assert main(["--model", "tiny-v4", "--pack", "256"]) == 2 and "--no-isolate-problems" in capsys.readouterr().err
 
 
 def test_min_back_low_draws_retrieval_distances_from_its_range():
@@ -95,6 +96,26 @@ def test_min_back_low_draws_retrieval_distances_from_its_range():
     # every problem at the distance: ~300 tokens of facts and more; drawn from [8, 300]: from a few facts up
     assert min(fixed) > 300 and min(drawn) < 150 and max(drawn) > 300
     assert batch_of(ranged, 0, tok, 300) == batch_of(ranged, 0, tok, 300)  # still seeded
+
+
+@pytest.mark.parametrize("isolate", [True, False])
+def test_isolated_packs_start_each_problem_on_the_alignment(isolate):
+    """Packed and isolated (the default), each problem's BOS sits at a multiple of problem_align (4 for tiny); the
+    end-of-sequence tokens padding up to it are None and no row is trained to predict them. Not isolated: no padding."""
+    from dsserve.models.tokenizer import Tokenizer
+    from dsserve.train.train import batch_of, token_weights
+    tok = Tokenizer.for_preset("tiny")
+    cfg = TrainConfig(batch=6, pack=512, isolate=isolate, mix=(("arithmetic", 0.5), ("retrieval", 0.5)),
+                      min_back_low=16)
+    batch = batch_of(cfg, 0, tok, 128)
+    starts = [t for ids, _ in batch for t, i in enumerate(ids) if i == tok.bos_id]
+    pads = [(ids[t], w[t - 1]) for (ids, done), w in zip(batch, token_weights(batch, 0.5))
+            for t, c in enumerate(done) if c is None]
+    assert len(starts) > 2 * len(batch) and all(len(ids) <= 512 for ids, _ in batch)
+    if isolate:
+        assert all(t % 4 == 0 for t in starts) and pads and set(pads) == {(tok.eos_id, 0.0)}
+    else:
+        assert any(t % 4 for t in starts) and not pads
 
 
 def test_dense_entries_equal_a_top_k_that_keeps_every_entry():
