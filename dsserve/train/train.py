@@ -252,6 +252,8 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
         raise ValueError(f"pack must be 0 (no packing) or up to the model's {mcfg.max_position_embeddings} positions, "
                          f"got {cfg.pack}")
     tokenizer = Tokenizer.for_preset(cfg.model)
+    if cfg.pack and cfg.isolate and tokenizer.bos_id is None:  # problems are told apart by their BOS
+        raise ValueError(f"isolating packed problems needs a BOS token; {cfg.model}'s tokenizer has none")
     model = DeepseekForCausalLM(mcfg)
     dummy_weights(model, mcfg, seed=cfg.seed)  # a seeded start; the selection biases then at zero (see above)
     if cfg.init:  # go on from a checkpoint (a run in several parts: give each part its own --seed, so new batches)

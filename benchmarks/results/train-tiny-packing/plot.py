@@ -24,9 +24,9 @@ a.axhline(1.79, color="grey", linestyle=":", label="copy any value (ln 6)")
 a.set(title="tiny, MQAR, filler 0-64 a sequence (two runs on one H200)", xlabel="step (batch 64)",
       ylabel="value CE (nats)", ylim=(0, 3), xlim=(0, 3800))
 a.legend(fontsize=8)
-runs = [("packed mix (GPU; part 2 from part 1)", ["packed-mix-part1.json", "packed-mix-part2.json"]),
-        ("packed, few facts (GPU)", ["packed-few-facts.json"]),
-        ("isolated, few facts (CPU)", ["isolated-few-facts-cpu.json"])]
+runs = [("packed mix (GPU, top-k; part 2 from part 1)", ["packed-mix-part1.json", "packed-mix-part2.json"]),
+        ("packed, few facts (GPU, top-k)", ["packed-few-facts.json"]),
+        ("isolated, old task: a shortcut (CPU, top-k)", ["isolated-few-facts-cpu.json"])]
 for name, files in runs:
     if not all(os.path.exists(f) for f in files):
         continue
@@ -41,6 +41,16 @@ for name, files in runs:
         base += d["steps_run"]
     line, = b.plot(xs, far, marker="o", label=f"{name}: asked fact {load(files[0])['min_back']}+ back")
     b.plot(xs, near, marker="x", linestyle="--", color=line.get_color(), label=f"{name}: last fact")
+steps, far, near = [], [], []
+with open("isolated-fixed-task-cpu.log") as fh:  # pilot 2: stopped by hand, its held-out nats from the log
+    for line in fh:
+        if "held-out" in line and not line.startswith("step     0"):
+            words = line.split()
+            steps.append(int(words[1]))
+            far.append(float(words[words.index("retrieval") + 1]))
+            near.append(float(words[words.index("retrieval-near") + 1]))
+line, = b.plot(steps, far, marker="o", label="isolated, fixed task (CPU, dense): asked fact 64+ back")
+b.plot(steps, near, marker="x", linestyle="--", color=line.get_color(), label="isolated, fixed task (CPU): last fact")
 b.axhline(9.0, color="grey", linestyle=":", label="chance (2 ln 90)")
 b.set(title="retrieval, held-out completion nats (mHC + MoE at r = 0)", xlabel="step", ylabel="nats", ylim=(0, 12))
 b.legend(fontsize=7)
