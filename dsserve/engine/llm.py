@@ -5,6 +5,7 @@ import itertools
 from dataclasses import replace
 from typing import Sequence
 
+from ..models.presets import DEFAULT_MODEL
 from .args import EngineArgs
 from .core import EngineCore, RequestError
 from .outputs import RequestOutput
@@ -17,7 +18,7 @@ class LLM:
     """``LLM(model="tiny", max_num_seqs=8)``: a preset name or a checkpoint directory, plus engine options
     named like the CLI flags."""
 
-    def __init__(self, model: str = "tiny", **engine_options):
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_options):
         self.engine = EngineCore(EngineArgs.from_kwargs(model=model, **engine_options))
         self._ids = itertools.count()
 
