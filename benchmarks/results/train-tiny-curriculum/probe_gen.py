@@ -17,7 +17,7 @@ cfg = resolve_config(path)
 m = DeepseekForCausalLM(cfg)
 load_checkpoint(m, cfg, path)
 m.eval()
-WarmIn(m, 1.0, 1.0).set(0.0 if r == 0 else 1.0) if r in (0.0, 1.0) else None
+WarmIn(m, 0.0, 1.0).set(r)  # a ramp over [0, 1]: the level is r itself
 tok = Tokenizer.from_dir(path)
 count = (lambda s: len(tok.encode(s, add_bos=False)))
 MAX = {"arithmetic": 64, "retrieval": 8}
