@@ -256,3 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, ModelInputError, ValueError, OSError) as e:  # user input: no traceback
         print(f"dsserve: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -81,3 +81,49 @@ def test_server_completer_keeps_the_order_of_concurrent_requests():
         assert complete([([1] * n, n + 1) for n in range(1, 11)]) == [f"{n}/{n + 1}" for n in range(1, 11)]
     finally:
         server.shutdown()
+
+
+def _run(tmp_path, name, *args):
+    out = tmp_path / name
+    assert main(["eval", "--model", "tiny", "--batch", "2", "--out", str(out), *args]) == 0
+    return json.loads((out / "eval.json").read_text())
+
+
+def test_runs_split_by_mode_task_and_range_merge_into_one(tmp_path, capsys):
+    from dsserve.bench.eval import merge
+    whole = _run(tmp_path, "whole", "-n", "3", "--tasks", "retrieval", "--replay", "on", "--cache", "hit")
+    assert whole["complete"] and whole["first"] == 0
+    head = _run(tmp_path, "head", "-n", "2", "--tasks", "retrieval", "--replay", "on", "--cache", "hit")
+    tail = _run(tmp_path, "tail", "-n", "1", "--first", "2", "--tasks", "retrieval", "--replay", "on",
+                "--cache", "hit")
+    chat = _run(tmp_path, "chat", "-n", "1", "--tasks", "chat", "--replay", "on", "--cache", "hit")
+    joined = merge([tail, head, chat])
+    assert joined["merged"] == 3 and joined["complete"]
+    (mode,) = joined["results"]
+    assert (mode["replay"], mode["cache"]) == ("on", "hit") and set(mode["tasks"]) == {"retrieval", "chat",
+                                                                                        "prefix_hit_tokens"}
+    got, want = mode["tasks"]["retrieval"], whole["results"][0]["tasks"]["retrieval"]
+    assert got == want and (got["n"], got["first"], got["end"]) == (3, 0, 3)  # as if run in one piece
+    assert mode["tasks"]["prefix_hit_tokens"] == sum(s["results"][0]["tasks"]["prefix_hit_tokens"]
+                                                      for s in (head, tail, chat)) > 0
+    import pytest
+    with pytest.raises(SystemExit, match="scored the same held-out problems"):
+        merge([head, whole])
+    with pytest.raises(SystemExit, match="differ in"):
+        merge([head, {**tail, "min_back": tail["min_back"] + 1}])
+    # the command line joins directories, and prints the joined table's JSON last
+    capsys.readouterr()
+    assert main(["eval", "--merge", str(tmp_path / "head"), str(tmp_path / "tail"), "--out", str(tmp_path / "m")]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["results"][0]["tasks"]["retrieval"]["n"] == 3
+    assert json.loads((tmp_path / "m" / "eval.json").read_text()) == printed
+
+
+def test_an_unfinished_run_keeps_what_it_scored(tmp_path):
+    from dsserve.bench.eval import run_mode
+    seen = []
+    partial = {}
+    res = run_mode(lambda r: ["Answer: x"] * len(r), TOK, ["chat"], 5, hit=False, min_back=64, batch=2,
+                   out=partial, on_batch=lambda: seen.append(dict(partial["chat"])), first=7)
+    assert [s["n"] for s in seen] == [2, 4, 5] and [s["end"] for s in seen] == [9, 11, 12]
+    assert res["chat"]["first"] == 7 and res["chat"]["accuracy"] == 0.0
