@@ -13,7 +13,7 @@ EXIT_USAGE = 2
 
 
 def load_model_config(model: str):
-    """MODEL is a preset name or a checkpoint directory."""
+    """MODEL is a preset name, a built-in checkpoint or a checkpoint directory."""
     from .models.loader import resolve_config
     return resolve_config(model)
 
@@ -127,7 +127,8 @@ def cmd_info(args) -> int:
 
 def _add_info(sub):
     p = sub.add_parser("info", help="print a model's config, layer roles, parameter counts and KV bytes")
-    p.add_argument("model", metavar="MODEL", help="preset name or checkpoint directory with config.json")
+    p.add_argument("model", metavar="MODEL",
+                   help="a preset name, a built-in checkpoint (tiny-trained) or a checkpoint directory")
     p.set_defaults(func=cmd_info)
 
 
@@ -140,6 +141,7 @@ def cmd_generate(args) -> int:
     from .engine.args import EngineArgs
     from .engine.llm import LLM
     from .engine.sampling_params import SamplingParams
+    from .models.presets import model_dir
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.sampling_seed)
@@ -150,7 +152,7 @@ def cmd_generate(args) -> int:
     if not prompts:
         prompts = ["The quick brown fox"]
     llm = LLM(**vars(EngineArgs.from_cli(args)))
-    if llm.engine.args.load_format == "auto" and not os.path.isdir(args.model):
+    if llm.engine.args.load_format == "auto" and not os.path.isdir(model_dir(args.model)):
         print(f"[{args.model}: seeded random weights (--load-format dummy); the text is not meaningful]",
               file=sys.stderr)
     t0 = time.perf_counter()

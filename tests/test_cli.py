@@ -48,6 +48,7 @@ def test_generate_on_the_default_model_subprocess():
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("Hello") and len(r.stdout.strip()) > len("Hello")
     assert "6 generated tokens" in r.stderr
+    assert "random weights" not in r.stderr  # the default is the built-in trained checkpoint
 
 
 def test_generate_bad_input_is_a_clear_error(capsys):
@@ -64,3 +65,14 @@ def test_bench_forward_prints_a_table_and_a_json_line():
     res = last["results"][0]
     assert last["bench"] == "forward" and res["context"] == 40 and res["new_tokens"] == 3 and res["seconds"] > 0
     assert {"encoder", "decoder", "attention", "moe", "indexer", "sampler"} <= set(res["stages"])
+
+
+def test_serve_with_no_model_serves_the_built_in_checkpoint():
+    import argparse
+
+    from dsserve.engine.args import EngineArgs
+    from dsserve.server.serve import add_serve_args
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    ns = p.parse_args([])
+    assert ns.served_model is None and EngineArgs.from_cli(ns).model == "tiny-trained"

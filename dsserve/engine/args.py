@@ -17,7 +17,8 @@ class EngineArgsError(ValueError):
 
 @dataclass(frozen=True)
 class EngineArgs:
-    model: str = field(default=DEFAULT_MODEL, metadata=_h("a preset name or a checkpoint directory"))
+    model: str = field(default=DEFAULT_MODEL, metadata=_h(
+        "a preset name, a built-in checkpoint (tiny-trained) or a checkpoint directory"))
     load_format: str = field(default="auto", metadata=_h("auto | safetensors | dummy"))
     dtype: str = field(default="float32", metadata=_h("float32 | bfloat16 | float64"))
     seed: int = field(default=0, metadata=_h("seed of the dummy weights"))

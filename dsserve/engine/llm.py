@@ -15,8 +15,8 @@ PromptType = str | list[int] | dict
 
 
 class LLM:
-    """``LLM(model="tiny", max_num_seqs=8)``: a preset name or a checkpoint directory, plus engine options
-    named like the CLI flags."""
+    """``LLM(max_num_seqs=8)`` (the built-in trained model) or ``LLM(model="tiny")``: a preset name, a built-in
+    checkpoint or a checkpoint directory, plus engine options named like the CLI flags."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_options):
         self.engine = EngineCore(EngineArgs.from_kwargs(model=model, **engine_options))

@@ -1,4 +1,5 @@
-"""Build a ready model from a preset name or a checkpoint directory: config, weights, tokenizer, Engram map."""
+"""Build a ready model from a preset name, a built-in checkpoint or a checkpoint directory: config, weights,
+tokenizer, Engram map."""
 from __future__ import annotations
 
 import os
@@ -10,7 +11,7 @@ from .checkpoint import dummy_weights, load_checkpoint
 from .config import ConfigError, ModelConfig
 from .dummy_build import build_dummy_model
 from .model import DeepseekForCausalLM
-from .presets import PRESETS, preset
+from .presets import CHECKPOINTS, PRESETS, model_dir, preset
 from .quantize import EXPERT_FORMATS, quantize_experts
 from .tokenizer import Tokenizer, engram_token_map
 
@@ -27,12 +28,13 @@ class LoadedModel:
 
 
 def resolve_config(model: str) -> ModelConfig:
+    model = model_dir(model)
     if model in PRESETS:
         return preset(model)
     if os.path.isdir(model):
         return ModelConfig.from_json(model)
-    raise ConfigError(f"unknown model {model!r}: not a preset ({', '.join(sorted(PRESETS))}) "
-                      f"and not a checkpoint directory")
+    raise ConfigError(f"unknown model {model!r}: not a preset ({', '.join(sorted(PRESETS))}), not a built-in "
+                      f"checkpoint ({', '.join(sorted(CHECKPOINTS))}) and not a checkpoint directory")
 
 
 def load_model(model: str, load_format: str = "auto", dtype: str = "float32", seed: int = 0,
@@ -52,6 +54,7 @@ def load_model(model: str, load_format: str = "auto", dtype: str = "float32", se
         raise ConfigError(f"load format {load_format!r} is not one of {LOAD_FORMATS}")
     if dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not one of {tuple(DTYPES)}")
+    model = model_dir(model)
     cfg = resolve_config(model)
     if qat is not None:
         cfg = cfg.with_options(qat=qat)

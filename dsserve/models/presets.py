@@ -1,6 +1,8 @@
 """Built-in model shapes: the tiny test models, the H200 proxy and the real releases (spec 5)."""
 from __future__ import annotations
 
+import os
+
 from .config import V4, V41, ConfigError, ModelConfig
 
 _TINY_COMMON = dict(
@@ -68,7 +70,15 @@ def _v4_flash() -> ModelConfig:
 PRESETS = {"tiny": _tiny, "tiny-v4": _tiny_v4, "proxy-h200": _proxy_h200,
            "proxy-h200-release": _proxy_h200_release, "v41-flash": _v41_flash,
            "v4-flash": _v4_flash}
-DEFAULT_MODEL = "tiny"
+# Trained weights that ship in the package, by name (issue 10: the tiny shape trained on the synthetic tasks).
+CHECKPOINTS = {"tiny-trained": os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                                            "tiny-trained")}
+DEFAULT_MODEL = "tiny-trained"
+
+
+def model_dir(model: str) -> str:
+    """A built-in checkpoint's directory for its name; a preset name or a directory as given."""
+    return CHECKPOINTS.get(model, model)
 
 
 def preset(name: str) -> ModelConfig:

@@ -75,7 +75,9 @@ class Tokenizer:
 
     @classmethod
     def load(cls, name_or_path: str) -> "Tokenizer":
-        """A checkpoint directory, or a preset name."""
+        """A checkpoint directory, a built-in checkpoint's name, or a preset name."""
+        from .presets import model_dir
+        name_or_path = model_dir(name_or_path)
         return cls.from_dir(name_or_path) if os.path.isdir(name_or_path) else cls.for_preset(name_or_path)
 
     # ---------------------------------------------------------------- text <-> ids

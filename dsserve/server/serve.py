@@ -12,7 +12,7 @@ log = logging.getLogger("dsserve.server")
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("served_model", nargs="?", default=None, metavar="MODEL",
-                   help="preset name or checkpoint directory (default: --model, tiny)")
+                   help="a preset name, a built-in checkpoint or a checkpoint directory (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")

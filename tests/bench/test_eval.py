@@ -30,15 +30,16 @@ def test_scoring_and_hit_mode_send_the_context_first():
 
 
 def test_dsserve_eval_end_to_end(tmp_path, capsys):
-    assert main(["eval", "--model", "tiny", "-n", "1", "--out", str(tmp_path)]) == 0
+    assert main(["eval", "-n", "2", "--out", str(tmp_path)]) == 0  # no --model: the built-in trained checkpoint
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     saved = json.loads((tmp_path / "eval.json").read_text())
+    assert saved["model"] == "tiny-trained"
     assert last["results"] == saved["results"]
     modes = {(r["replay"], r["cache"]) for r in saved["results"]}
     assert modes == {("off", "cold"), ("off", "hit"), ("on", "cold"), ("on", "hit")}
     for r in saved["results"]:
         assert set(r["tasks"]) >= {"arithmetic", "retrieval", "chat"}
-        assert all(t["n"] == 1 and 0.0 <= t["accuracy"] <= 1.0 for k, t in r["tasks"].items() if k in
+        assert all(t["n"] == 2 and 0.0 <= t["accuracy"] <= 1.0 for k, t in r["tasks"].items() if k in
                    ("arithmetic", "retrieval", "chat"))
         if r["cache"] == "hit":
             assert r["tasks"]["prefix_hit_tokens"] > 0

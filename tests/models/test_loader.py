@@ -1,4 +1,6 @@
 """Checkpoint directories through the real loader: preset -> save -> load_model -> same forward."""
+import os
+
 import pytest
 import torch
 
@@ -6,6 +8,7 @@ from dsserve.engine.greedy import greedy_generate
 from dsserve.models.checkpoint import CheckpointError, save_checkpoint
 from dsserve.models.config import ConfigError
 from dsserve.models.loader import load_model
+from dsserve.models.presets import DEFAULT_MODEL, model_dir
 from dsserve.models.tokenizer import TINY_DIR
 
 
@@ -44,8 +47,20 @@ def test_greedy_generate_from_a_checkpoint(saved_tiny):
     assert out == greedy_generate(lm.model, prompt, 8)
 
 
+def test_the_built_in_checkpoint_loads_by_name_and_is_the_default():
+    assert DEFAULT_MODEL == "tiny-trained" and os.path.isdir(model_dir(DEFAULT_MODEL))
+    by_name, by_dir = load_model("tiny-trained"), load_model(model_dir("tiny-trained"))
+    assert by_name.load_format == "safetensors" and by_name.cfg == by_dir.cfg
+    for (name, x), (_, y) in zip(by_name.model.state_dict().items(), by_dir.model.state_dict().items()):
+        assert torch.equal(x, y), name
+    # trained, not the seeded random weights of the tiny preset of the same shape
+    untrained = load_model("tiny")
+    assert not torch.equal(by_name.model.state_dict()["embed.weight"], untrained.model.state_dict()["embed.weight"])
+    assert by_name.tokenizer.encode("Hello", add_bos=True) == untrained.tokenizer.encode("Hello", add_bos=True)
+
+
 def test_load_errors():
-    with pytest.raises(ConfigError, match="unknown model"):
+    with pytest.raises(ConfigError, match=r"unknown model.*built-in checkpoint \(tiny-trained\)"):
         load_model("no-such-model")
     with pytest.raises(ConfigError, match="no weights"):
         load_model("tiny", load_format="safetensors")

@@ -1,0 +1,1 @@
+python -m dsserve.train.train --device cuda --steps 1000000 --pack 2048 --batch 8 --warmup 50 --drills 30 --prompt-weight 0.5 --lr 1e-3 --log-every 50 --heldout-n 32 --min-back-low 16 --heldout-every 300 --time-limit 430 --min-back 64 --dense-share 1.0 --warm-in-start 1.0 --warm-in-end 1.0 --mix arithmetic=0.2,retrieval=0.7,chat=0.1 --seed 21 --out ck_r2

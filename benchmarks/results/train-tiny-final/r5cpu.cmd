@@ -1,0 +1,1 @@
+python -m dsserve.train.train --device cpu --steps 1000000 --pack 2048 --batch 8 --warmup 10 --drills 30 --prompt-weight 0.5 --lr 1e-3 --log-every 5 --heldout-n 16 --min-back-low 16 --heldout-every 0 --time-limit 2700 --init dsserve/data/tiny-trained --dense-share 0.0 --kl-weight 0.5 --mix arithmetic=0.3,retrieval=0.6,chat=0.1 --seed 51 --out /tmp/cpu_r5
