@@ -32,8 +32,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from dsserve.layers import quant
-from dsserve.layers.quant import (E2M1_VALUES, FP4_MAX, FP8_MAX, _e2m1_codes, _exp2_biased, _fp4_pow2_groups,
-                                  _fp8_groups, _groups, round_to_e2m1)
+from dsserve.layers.quant import (FP4_MAX, FP8_MAX, _e2m1_codes, _exp2_biased, _fp4_pow2_groups, _fp8_groups, _groups,
+                                  e2m1_decode, round_to_e2m1)
 
 SWA_GROUP, MAIN_GROUP, INDEX_GROUP = 32, 16, 32
 SWA_AMAX_FLOOR = 1e-4                    # fake_quant_fp8_pow2
@@ -59,7 +59,7 @@ def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:  # e2m1 values [..., G, g] -
 
 def _unpack_nibbles(b: torch.Tensor) -> torch.Tensor:  # uint8 [..., n] -> fp32 [..., 2n]; code 8 is -0.0
     codes = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
-    return E2M1_VALUES.to(b.device)[codes.long()]
+    return e2m1_decode(codes)
 
 
 def _scaled(vals: torch.Tensor, s: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:  # fp32 q*s, cast

@@ -19,6 +19,14 @@ E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 MX_BLOCK = 32  # MXFP4 and Engram: one e8m0 scale per 32 values along the last dim
 
 
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """float32 E2M1_VALUES[codes], computed where the codes are: a table copied from the host would be an upload per
+    call, and one CUDA graph capture refuses (the reference ops run inside the decode graphs)."""
+    mant, exp = (codes & 1).float(), ((codes >> 1) & 3).float()
+    mag = torch.where(exp == 0, 0.5 * mant, (1 + 0.5 * mant) * torch.exp2(exp - 1))
+    return torch.where((codes & 8) != 0, -mag, mag)
+
+
 # ------------------------------------------------------------------ e8m0 scales
 def _exp2_biased(e: torch.Tensor) -> torch.Tensor:
     """float32 2^(e - 127) for integer e in [0, 255], built from the bits (exact; e = 255 gives NaN)."""
@@ -121,7 +129,7 @@ def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     for even k and the high half for odd k. Returns float32 [..., 2 * packed.shape[-1]]."""
     b = packed.view(torch.uint8)
     codes = torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2)
-    vals = E2M1_VALUES.to(b.device)[codes.long()]
+    vals = e2m1_decode(codes)
     return vals * e8m0_to_float(scale).repeat_interleave(MX_BLOCK, dim=-1)
 
 

@@ -123,21 +123,17 @@ def _arithmetic(rng: random.Random, count_tokens, min_back) -> Problem:
 
 
 def _retrieval(rng: random.Random, count_tokens, min_back, drills: int = 0) -> Problem:
-    keys, facts, lines = rng.sample(KEYS, len(KEYS)), [], []
+    keys = rng.sample(KEYS, len(KEYS))
     keys += rng.sample(MORE_KEYS, len(MORE_KEYS)) if count_tokens("The code for 10 is 10-10.\n") * 90 < min_back else []
     # facts until the first lies min_back + extra tokens back (extra up to half of min_back): any fact at least
     # min_back back may be the asked one, so where it sits varies and "the first fact's code" is no answer
     extra = rng.randint(0, min_back // 2)
-    while True:
-        if len(facts) == len(keys):
-            raise ValueError(f"retrieval min_back {min_back} is too far: {len(keys)} facts span "
-                             f"{count_tokens(''.join(lines))} tokens")
-        key = str(keys[len(facts)])
-        facts.append((key, f"{rng.choice(KEYS)}-{rng.choice(KEYS)}"))
-        lines.append(f"The code for {key} is {facts[-1][1]}.\n")
-        if len(facts) > 1 and count_tokens("".join(lines[1:])) >= min_back + extra:
-            break
-    far = [i for i in range(len(facts)) if count_tokens("".join(lines[i + 1:])) >= min_back]
+    drawn = rng.getstate()
+    facts, lines = _facts_by_line_counts(rng, keys, count_tokens, min_back + extra)
+    if facts is None:  # the lines' token counts do not add up: count the joined text at every step
+        rng.setstate(drawn)
+        facts, lines = _facts_by_joined_counts(rng, keys, count_tokens, min_back + extra)
+    far = _far_facts(lines, count_tokens, min_back)
     asked = rng.choice(far)
     context = "".join(lines)
     # answered questions about other facts (practice), at most half of them: were every other fact drilled, the one
@@ -148,6 +144,58 @@ def _retrieval(rng: random.Random, count_tokens, min_back, drills: int = 0) -> P
     key, value = facts[asked]
     prompt = context + f"Question: What is the code for {key}?\n"
     return Problem("retrieval", prompt, f"Answer: {value}\n", value, context)
+
+
+# Counting the joined facts after every new one re-tokenizes them all (quadratic, and 16 draws per held-out problem):
+# where a line's token count does not depend on its neighbours (a tokenizer that never merges across the newline)
+# the counts add up, so one count per line finds the same fact; the boundary is checked on the joined text, and the
+# joined count at every step stays the fallback, so either way the problem is the same.
+def _fact(rng: random.Random, key) -> tuple[tuple[str, str], str]:
+    value = f"{rng.choice(KEYS)}-{rng.choice(KEYS)}"
+    return (str(key), value), f"The code for {key} is {value}.\n"
+
+
+def _facts_by_line_counts(rng, keys, count_tokens, reach):
+    """Facts until lines[1:] reach ``reach`` tokens, by a sum of per-line counts; None where the joined text says
+    otherwise at the boundary."""
+    facts, lines, behind = [], [], 0  # behind: tokens of lines[1:]
+    while len(facts) < len(keys):
+        fact, line = _fact(rng, keys[len(facts)])
+        facts.append(fact)
+        lines.append(line)
+        behind += count_tokens(line) if len(lines) > 1 else 0
+        if len(facts) > 1 and behind >= reach:
+            exact = count_tokens("".join(lines[1:])) >= reach and (
+                len(lines) == 2 or count_tokens("".join(lines[1:-1])) < reach)
+            return (facts, lines) if exact else (None, None)
+    return None, None  # out of keys: the joined count raises with the numbers
+
+
+def _facts_by_joined_counts(rng, keys, count_tokens, reach):
+    facts, lines = [], []
+    while True:
+        if len(facts) == len(keys):
+            raise ValueError(f"retrieval distance {reach} tokens is too far: {len(keys)} facts span "
+                             f"{count_tokens(''.join(lines))} tokens")
+        fact, line = _fact(rng, keys[len(facts)])
+        facts.append(fact)
+        lines.append(line)
+        if len(facts) > 1 and count_tokens("".join(lines[1:])) >= reach:
+            return facts, lines
+
+
+def _far_facts(lines: list[str], count_tokens, min_back: int) -> list[int]:
+    """Indices of the facts with at least ``min_back`` tokens after them."""
+    after, behind = [], 0
+    for line in reversed(lines):
+        after.append(behind)
+        behind += count_tokens(line)
+    after.reverse()
+    m = sum(a >= min_back for a in after)  # the sums shrink with i: facts 0..m-1
+    if (m == 0 or count_tokens("".join(lines[m:])) >= min_back) and (
+            m == len(lines) or count_tokens("".join(lines[m + 1:])) < min_back):
+        return list(range(m))
+    return [i for i in range(len(lines)) if count_tokens("".join(lines[i + 1:])) >= min_back]
 
 
 def _chat(rng: random.Random, count_tokens, min_back) -> Problem:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsserve.layers.quant import (dequant_engram, dequant_fp8_block, dequant_mxfp4, e8m0_to_float,
+from dsserve.layers.quant import (dequant_engram, dequant_fp8_block, dequant_mxfp4, e2m1_decode, e8m0_to_float,
                                   fake_quant_fp4_e4m3scale, fake_quant_fp4_pow2, fake_quant_fp8_pow2,
                                   float_to_e8m0, pack_mxfp4, pow2_ceil, quant_engram, quant_fp8_block,
                                   round_to_e2m1)
@@ -50,6 +50,12 @@ def test_e8m0_decode_all_codes():
     assert bits_equal(e8m0_to_float(e), expect)
     assert bits_equal(e8m0_to_float(e.view(torch.float8_e8m0fnu)), expect)
     assert torch.isnan(e8m0_to_float(torch.tensor([255], dtype=torch.uint8))).all()
+
+
+def test_e2m1_decode_all_codes():  # computed on the codes' device (no host table: CUDA graph capture refuses it)
+    codes = torch.arange(16, dtype=torch.uint8)
+    expect = as_f32(E2M1 + [-v for v in E2M1], (16,))  # code 8 is -0.0
+    assert bits_equal(e2m1_decode(codes), expect)
 
 
 def test_e8m0_encode_roundtrip_and_pow2_ceil():

@@ -110,3 +110,20 @@ def test_retrieval_past_ninety_facts_takes_longer_keys():
     p = problem("retrieval", "eval", 0, count, 1500)
     keys = re.findall(r"The code for (\d+) is", p.prompt)
     assert len(keys) > 90 and len(set(keys)) == len(keys) and any(int(k) >= 100 for k in keys)
+
+
+def test_retrieval_counted_by_line_is_the_problem_counted_joined(monkeypatch):
+    """The per-line token counts find the same facts as counting the joined text after each (the fallback)."""
+    from dsserve.train import tasks
+
+    def cases():
+        return [problem("retrieval", split, i, c, back, drills=d)
+                for split, n in (("train", 12), ("eval", 2)) for i in range(n)
+                for c, back, d in ((count, 416, 0), (count, 128, 30), (None, 128, 0))]
+    fast = cases()
+
+    def joined(lines, count_tokens, min_back):
+        return [i for i in range(len(lines)) if count_tokens("".join(lines[i + 1:])) >= min_back]
+    monkeypatch.setattr(tasks, "_facts_by_line_counts", lambda *a: (None, None))
+    monkeypatch.setattr(tasks, "_far_facts", joined)
+    assert fast == cases()

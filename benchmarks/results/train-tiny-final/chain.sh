@@ -2,7 +2,7 @@
 # usage (repo root, on the device): PLAN="r2:430" [INIT=dir] [EXTRA="flags"] OUT=dir bash benchmarks/results/train-tiny-final/chain.sh
 # Stages chain, each starting from the one before; the last finished stage is tarred to $OUT after each stage.
 # eval:N scores the last checkpoint on held-out problems EVAL_FIRST.. +N (one process per mode and task, EVAL_TL
-# seconds at most, EVAL_DEVICE), then --merge's them (runs of several calls merge the same way).
+# seconds at most, EVAL_DEVICE), then --merge's them (runs of several calls merge the same way) into $OUT/eval.tgz.
 set -u
 nvidia-smi --query-gpu=name,memory.used --format=csv > $OUT/gpu.txt 2>&1
 python -c "import torch, triton, rich; print(torch.__version__, triton.__version__)" >> $OUT/gpu.txt 2>&1
@@ -20,6 +20,7 @@ for st in $PLAN; do
     done; done; done
     wait
     python -m dsserve.cli eval --merge $OUT/eval/*-*-* --out $OUT/eval > $OUT/eval/merged.log 2>&1
+    tar czf $OUT/eval.tgz -C $OUT eval && rm -rf $OUT/eval  # one file: a call brings back only a few
     continue
   fi
   case $s in

@@ -1,0 +1,1 @@
+python -m dsserve.train.train --device cuda --steps 1000000 --pack 2048 --batch 8 --warmup 50 --drills 30 --prompt-weight 0.5 --lr 1e-3 --log-every 50 --heldout-n 32 --min-back-low 16 --heldout-every 300 --time-limit 450 --init dsserve/data/tiny-trained --dense-share 0.0 --kl-weight 0.5 --mix arithmetic=0.3,retrieval=0.6,chat=0.1 --seed 51  --out ck_r5
