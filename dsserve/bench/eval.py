@@ -72,10 +72,10 @@ def run_mode(complete, tokenizer, tasks: list[str], n: int, hit: bool, min_back:
     count = (lambda s: len(tokenizer.encode(s, add_bos=False)))
     out = {} if out is None else out
     for task in tasks:
-        problems = [(i, problem(task, "eval", i, count, min_back)) for i in range(first, first + n)]
         correct, scored, skipped = 0, 0, 0
-        for at in range(0, n, batch):
-            chunk = problems[at:at + batch]
+        for at in range(0, n, batch):  # drawn a batch at a time: the first scores are saved without waiting for all
+            ids = range(first + at, first + min(n, at + batch))
+            chunk = [(i, problem(task, "eval", i, count, min_back)) for i in ids]
             if hit:  # nothing earlier to cache: not a hit problem
                 skipped += sum(not p.context for _, p in chunk)
                 chunk = [(i, p) for i, p in chunk if p.context]

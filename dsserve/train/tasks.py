@@ -16,6 +16,7 @@ prefix cache (the facts; the chat's earlier turns): ``prompt`` starts with it.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 import re
@@ -133,7 +134,7 @@ def _retrieval(rng: random.Random, count_tokens, min_back, drills: int = 0) -> P
     if facts is None:  # the lines' token counts do not add up: count the joined text at every step
         rng.setstate(drawn)
         facts, lines = _facts_by_joined_counts(rng, keys, count_tokens, min_back + extra)
-    far = _far_facts(lines, count_tokens, min_back)
+    far = _far_facts(lines, [_line_tokens(count_tokens, *f) for f in facts], count_tokens, min_back)
     asked = rng.choice(far)
     context = "".join(lines)
     # answered questions about other facts (practice), at most half of them: were every other fact drilled, the one
@@ -147,9 +148,18 @@ def _retrieval(rng: random.Random, count_tokens, min_back, drills: int = 0) -> P
 
 
 # Counting the joined facts after every new one re-tokenizes them all (quadratic, and 16 draws per held-out problem):
-# where a line's token count does not depend on its neighbours (a tokenizer that never merges across the newline)
-# the counts add up, so one count per line finds the same fact; the boundary is checked on the joined text, and the
-# joined count at every step stays the fallback, so either way the problem is the same.
+# where a line's token count does not depend on its neighbours (a tokenizer that never merges across the newline or
+# the space before "is") the counts add up, so a sum of cached per-part counts finds the same fact; the boundary is
+# checked on the joined text, and the joined count at every step stays the fallback: either way the same problem.
+@functools.lru_cache(maxsize=1 << 16)
+def _part_tokens(count_tokens, text: str) -> int:
+    return count_tokens(text)
+
+
+def _line_tokens(count_tokens, key: str, value: str) -> int:  # the parts repeat across lines and problems
+    return _part_tokens(count_tokens, f"The code for {key}") + _part_tokens(count_tokens, f" is {value}.\n")
+
+
 def _fact(rng: random.Random, key) -> tuple[tuple[str, str], str]:
     value = f"{rng.choice(KEYS)}-{rng.choice(KEYS)}"
     return (str(key), value), f"The code for {key} is {value}.\n"
@@ -163,7 +173,7 @@ def _facts_by_line_counts(rng, keys, count_tokens, reach):
         fact, line = _fact(rng, keys[len(facts)])
         facts.append(fact)
         lines.append(line)
-        behind += count_tokens(line) if len(lines) > 1 else 0
+        behind += _line_tokens(count_tokens, *fact) if len(lines) > 1 else 0
         if len(facts) > 1 and behind >= reach:
             exact = count_tokens("".join(lines[1:])) >= reach and (
                 len(lines) == 2 or count_tokens("".join(lines[1:-1])) < reach)
@@ -184,12 +194,12 @@ def _facts_by_joined_counts(rng, keys, count_tokens, reach):
             return facts, lines
 
 
-def _far_facts(lines: list[str], count_tokens, min_back: int) -> list[int]:
-    """Indices of the facts with at least ``min_back`` tokens after them."""
+def _far_facts(lines: list[str], line_tokens: list[int], count_tokens, min_back: int) -> list[int]:
+    """Indices of the facts with at least ``min_back`` tokens after them (``line_tokens``: each line's, summed)."""
     after, behind = [], 0
-    for line in reversed(lines):
+    for n in reversed(line_tokens):
         after.append(behind)
-        behind += count_tokens(line)
+        behind += n
     after.reverse()
     m = sum(a >= min_back for a in after)  # the sums shrink with i: facts 0..m-1
     if (m == 0 or count_tokens("".join(lines[m:])) >= min_back) and (

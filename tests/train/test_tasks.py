@@ -122,7 +122,7 @@ def test_retrieval_counted_by_line_is_the_problem_counted_joined(monkeypatch):
                 for c, back, d in ((count, 416, 0), (count, 128, 30), (None, 128, 0))]
     fast = cases()
 
-    def joined(lines, count_tokens, min_back):
+    def joined(lines, line_tokens, count_tokens, min_back):
         return [i for i in range(len(lines)) if count_tokens("".join(lines[i + 1:])) >= min_back]
     monkeypatch.setattr(tasks, "_facts_by_line_counts", lambda *a: (None, None))
     monkeypatch.setattr(tasks, "_far_facts", joined)
