@@ -1,13 +1,16 @@
 """Kernel launches of one decode step, counted on the CPU: what the host must issue per step on a GPU.
 
     python benchmarks/launch_count.py --model tiny --batches 1,9 --out benchmarks/results/launch-count-cpu
+    python benchmarks/launch_count.py --model tiny --hit 1024,256 --out benchmarks/results/launch-count-cpu-hit
 
 The engine runs the batched paged path (bf16, as on the GPU) with every kernelised op on its torch reference (no
 interpreter); each reference call counts as one launch (its kernel's), every other top-level torch op that runs
 a kernel as one (views, allocations and conversions that do not copy are not counted). Eager decode on the
 H200 is bound by exactly these launches (benchmarks/results/model-h200: 6300-16600 a step, ~30 us of host time
 each), and each one that survives into a CUDA graph still costs the device a few microseconds. Prints a table
-(top call sites at the smallest batch, and what each extra sequence adds), then one JSON line.
+(top call sites at the smallest batch, and what each extra sequence adds), then one JSON line. ``--hit CACHED,FRESH``
+counts instead the eager prefill step of a prompt whose first CACHED tokens are in the prefix cache (issue 9's TTFT
+after a hit, host-bound on the H200), bounded replay on and off.
 """
 from __future__ import annotations
 
@@ -47,6 +50,30 @@ def _launches(e) -> bool:
     return False
 
 
+def _sites(prof) -> tuple[int, collections.Counter]:
+    """Launches by call site: the innermost dsserve frame, or the *_ref kernel reference it runs inside (one)."""
+    sites, seen = collections.Counter(), set()
+    for e in prof.events():
+        if not e.name.startswith("aten::") or (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")):
+            continue
+        if not _launches(e):
+            continue
+        p, chain, ref = e.cpu_parent, [], None
+        while p is not None:  # the innermost dsserve frame names the site; a *_ref ancestor is one kernel
+            if "dsserve/kernels/" in p.name and "_ref" in p.name.split(":")[-1]:
+                ref = p
+            if "dsserve/" in p.name:
+                chain.append(p.name.split("dsserve/")[-1])
+            p = p.cpu_parent
+        if ref is not None:
+            if id(ref) not in seen:
+                seen.add(id(ref))
+                sites["[kernel] " + ref.name.split("dsserve/")[-1]] += 1
+            continue
+        sites[chain[0] if chain else "(outside dsserve)"] += 1
+    return sum(sites.values()), sites
+
+
 def count(model: str, batch: int, dtype: str = "bfloat16", steps_before: int = 2,
           fixed_shape: bool = False) -> tuple[int, collections.Counter]:
     """fixed_shape: the decode step as a CUDA graph would capture it (DecodeGraphs' forward_decode, run eagerly
@@ -84,26 +111,29 @@ def count(model: str, batch: int, dtype: str = "bfloat16", steps_before: int = 2
                 eng.step()
         else:
             eng.step()
-    sites, seen = collections.Counter(), set()
-    for e in prof.events():
-        if not e.name.startswith("aten::") or (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")):
-            continue
-        if not _launches(e):
-            continue
-        p, chain, ref = e.cpu_parent, [], None
-        while p is not None:  # the innermost dsserve frame names the site; a *_ref ancestor is one kernel
-            if "dsserve/kernels/" in p.name and "_ref" in p.name.split(":")[-1]:
-                ref = p
-            if "dsserve/" in p.name:
-                chain.append(p.name.split("dsserve/")[-1])
-            p = p.cpu_parent
-        if ref is not None:
-            if id(ref) not in seen:
-                seen.add(id(ref))
-                sites["[kernel] " + ref.name.split("dsserve/")[-1]] += 1
-            continue
-        sites[chain[0] if chain else "(outside dsserve)"] += 1
-    return sum(sites.values()), sites
+    return _sites(prof)
+
+
+def count_hit(model: str, cached: int, fresh: int, dtype: str = "bfloat16",
+              replay: bool = True) -> tuple[int, collections.Counter]:
+    """The eager prefill step of a prompt whose first ``cached`` tokens are in the prefix cache, ``fresh`` new ones
+    after them (issue 9's hit case: on the GPU such a step is host-bound, ~30 us a launch)."""
+    from dsserve import LLM, SamplingParams
+    llm = LLM(model=model, dtype=dtype, attention_backend="paged", reference_ops="all", enable_prefix_caching=True,
+              swa_bounded_replay=replay, seed=0, max_num_batched_tokens=max(2048, cached + fresh))
+    eng = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    prefix = [5 + (7 * i) % 200 for i in range(cached)]
+    eng.add_request("earlier", prefix, sp)
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.add_request("hit", prefix + [6 + (11 * i) % 200 for i in range(fresh)], sp)
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        eng.step()
+    hit = eng.stats.as_dict()["prefix_hit_tokens"]
+    if hit < cached - 2 * eng.kv.layout.block_size:
+        raise SystemExit(f"launch_count: the prompt found {hit} of its {cached} earlier tokens in the prefix cache")
+    return _sites(prof)
 
 
 def plot(sites: collections.Counter, extra: dict, b0: int, path: str) -> None:
@@ -127,8 +157,12 @@ def main() -> None:
     p.add_argument("--batches", default="1,9", help="two batch sizes: the per-sequence cost is their difference")
     p.add_argument("--dtype", default="bfloat16", help="the model's dtype (bfloat16: the GPU's conversions)")
     p.add_argument("--fixed-shape", action="store_true", help="the step's forward as a CUDA graph captures it")
+    p.add_argument("--hit", default="", help="CACHED,FRESH: count instead the prefill step of a prompt whose first "
+                   "CACHED tokens are in the prefix cache, replay on and off")
     p.add_argument("--out", default="")
     a = p.parse_args()
+    if a.hit:
+        return hit_main(a)
     b0, b1 = (int(v) for v in a.batches.split(","))
     t = time.perf_counter()
     (n0, s0), (n1, s1) = (count(a.model, b, a.dtype, fixed_shape=a.fixed_shape) for b in (b0, b1))
@@ -152,6 +186,26 @@ def main() -> None:
             json.dump(res, f, indent=1)
         plot(s0, extra, b0, os.path.join(a.out, "launch_count.png"))
     print(json.dumps({k: res[k] for k in ("model", "dtype", "batches", "launches", "per_extra_sequence")}))
+
+
+def hit_main(a) -> None:
+    cached, fresh = (int(v) for v in a.hit.split(","))
+    t = time.perf_counter()
+    (n_on, s_on), (n_off, s_off) = (count_hit(a.model, cached, fresh, a.dtype, replay) for replay in (True, False))
+    print(f"{a.model} ({a.dtype}): launches of the prefill step after a hit ({cached} cached + {fresh} fresh tokens): "
+          f"replay on {n_on}, replay off {n_off}")
+    print(f"{'replay on':>18s}  call site")
+    for k, v in s_on.most_common(25):
+        print(f"{v:18d}  {k}")
+    res = {"model": a.model, "dtype": a.dtype, "hit": [cached, fresh], "launches": {"replay_on": n_on,
+           "replay_off": n_off}, "sites_replay_on": dict(s_on.most_common(40)),
+           "sites_replay_off": dict(s_off.most_common(40)), "seconds": time.perf_counter() - t,
+           "torch": torch.__version__}
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "launch_count.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    print(json.dumps({k: res[k] for k in ("model", "dtype", "hit", "launches")}))
 
 
 if __name__ == "__main__":
