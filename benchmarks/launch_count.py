@@ -136,17 +136,17 @@ def count_hit(model: str, cached: int, fresh: int, dtype: str = "bfloat16",
     return _sites(prof)
 
 
-def plot(sites: collections.Counter, extra: dict, b0: int, path: str) -> None:
+def plot(sites: collections.Counter, extra: dict, path: str, titles: tuple[str, str]) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(1, 2, figsize=(13, 5))
     top = sites.most_common(15)[::-1]
     ax[0].barh([k[:45] for k, _ in top], [v for _, v in top])
-    ax[0].set(xlabel="launches", title=f"one decode step at B={b0}: top call sites")
+    ax[0].set(xlabel="launches", title=titles[0])
     top = sorted(extra.items(), key=lambda kv: kv[1])[-10:]
     ax[1].barh([k[:45] for k, _ in top], [v for _, v in top])
-    ax[1].set(xlabel="launches", title="what each extra sequence adds")
+    ax[1].set(xlabel="launches", title=titles[1])
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -184,7 +184,8 @@ def main() -> None:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "launch_count.json"), "w") as f:
             json.dump(res, f, indent=1)
-        plot(s0, extra, b0, os.path.join(a.out, "launch_count.png"))
+        plot(s0, extra, os.path.join(a.out, "launch_count.png"),
+             (f"one decode step at B={b0}: top call sites", "what each extra sequence adds"))
     print(json.dumps({k: res[k] for k in ("model", "dtype", "batches", "launches", "per_extra_sequence")}))
 
 
@@ -205,6 +206,9 @@ def hit_main(a) -> None:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "launch_count.json"), "w") as f:
             json.dump(res, f, indent=1)
+        more = {k: s_on[k] - s_off[k] for k in set(s_on) | set(s_off) if s_on[k] > s_off[k]}
+        plot(s_on, more, os.path.join(a.out, "launch_count.png"),
+             (f"prefill after a hit ({cached} + {fresh}), replay on", "replay on beyond replay off"))
     print(json.dumps({k: res[k] for k in ("model", "dtype", "hit", "launches")}))
 
 
