@@ -20,11 +20,13 @@ MX_BLOCK = 32  # MXFP4 and Engram: one e8m0 scale per 32 values along the last d
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """float32 E2M1_VALUES[codes], computed where the codes are: a table copied from the host would be an upload per
-    call, and one CUDA graph capture refuses (the reference ops run inside the decode graphs)."""
-    mant, exp = (codes & 1).float(), ((codes >> 1) & 3).float()
+    """float32 E2M1_VALUES[codes], the table built where the codes are: copying it from the host would be an upload
+    per call, and one CUDA graph capture refuses (the reference ops run inside the decode graphs). Built per call,
+    not cached: a table made during a capture holds nothing until the graph replays."""
+    c = torch.arange(16, dtype=torch.int32, device=codes.device)
+    mant, exp = (c & 1).float(), ((c >> 1) & 3).float()
     mag = torch.where(exp == 0, 0.5 * mant, (1 + 0.5 * mant) * torch.exp2(exp - 1))
-    return torch.where((codes & 8) != 0, -mag, mag)
+    return torch.where((c & 8) != 0, -mag, mag)[codes.long()]
 
 
 # ------------------------------------------------------------------ e8m0 scales
