@@ -54,6 +54,36 @@ def _e2m1(c):  # nibble (int32) -> fp32: bit 3 sign, bits 1-2 exponent (bias 1, 
 
 
 @triton.jit
+def weight_tile(w_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr,
+            BK: tl.constexpr):
+    """fp32 [BN, BK] tile W_e[rn, k0:k0 + BK] (0 outside) of an expert stack [E, N, K] (FMT 0: float, 1: e4m3 +
+    32x32 e8m0 blocks, 2: MXFP4 packed [E, N, K/2] + e8m0 [E, N, K/32]), exactly the reference's dequantised weight."""
+    kk = k0 + tl.arange(0, BK)
+    nm = rn[:, None] < N
+    e = e.to(tl.int64)  # E * N * K passes 2^31 for a whole (non-EP) layer
+    if FMT == 0:
+        w = tl.load(w_ptr + e * N * K + rn[:, None] * K + kk[None, :], mask=nm & (kk[None, :] < K), other=0.0)
+        w = w.to(tl.float32)
+    else:
+        KS: tl.constexpr = (K + 31) // 32  # scale columns (MXFP4: K is a multiple of 32)
+        kb = k0 // 32 + tl.arange(0, BK // 32)  # the tile's scale columns (k0 is a multiple of BK >= 32)
+        if FMT == 1:
+            q = tl.load(w_ptr + e * N * K + rn[:, None] * K + kk[None, :], mask=nm & (kk[None, :] < K), other=0)
+            w = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            sp = s_ptr + e * ((N + 31) // 32) * KS + (rn[:, None] // 32) * KS + kb[None, :]
+        else:
+            KH: tl.constexpr = K // 2
+            kh = k0 // 2 + tl.arange(0, BK // 2)
+            b = tl.load(w_ptr + e * N * KH + rn[:, None] * KH + kh[None, :], mask=nm & (kh[None, :] < KH), other=0)
+            b = b.to(tl.int32)
+            w = tl.reshape(tl.join(_e2m1(b & 15), _e2m1(b >> 4)), (BN, BK))  # element 2i: low nibble, 2i+1: high
+            sp = s_ptr + e * N * KS + rn[:, None] * KS + kb[None, :]
+        sc = tl.load(sp, mask=nm & (kb[None, :] < KS), other=127)
+        w = w * tl.reshape(tl.broadcast_to(_e8m0(sc)[:, :, None], (BN, BK // 32, 32)), (BN, BK))
+    return w
+
+
+@triton.jit
 def _fp8_kernel(w_ptr, s_ptr, o_ptr, N, K, KS, BLOCK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                 DT: tl.constexpr):
     r = tl.program_id(0) * BR + tl.arange(0, BR)

@@ -32,7 +32,8 @@ import triton.language as tl
 from ..layers.moe import clamped_swiglu
 from ..layers.numerics import acc
 from ..layers.quant import MX_BLOCK, dequant_fp8_block, dequant_mxfp4, pack_mxfp4, quant_fp8_block
-from .dequant import _e2m1, _e8m0, dequant_fp8
+from . import decode_moe
+from .dequant import dequant_fp8, weight_tile
 from .dequant import dequant_mxfp4 as dequant_mxfp4_rows
 from .moe_permute import expert_tiles
 
@@ -126,35 +127,6 @@ class ExpertWeights:
 
 
 @triton.jit
-def _w_tile(w_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr,
-            BK: tl.constexpr):
-    """fp32 [BN, BK] tile W_e[rn, k0:k0 + BK] (0 outside), exactly the reference's dequantised weight."""
-    kk = k0 + tl.arange(0, BK)
-    nm = rn[:, None] < N
-    e = e.to(tl.int64)  # E * N * K passes 2^31 for a whole (non-EP) layer
-    if FMT == 0:
-        w = tl.load(w_ptr + e * N * K + rn[:, None] * K + kk[None, :], mask=nm & (kk[None, :] < K), other=0.0)
-        w = w.to(tl.float32)
-    else:
-        KS: tl.constexpr = (K + 31) // 32  # scale columns (MXFP4: K is a multiple of 32)
-        kb = k0 // 32 + tl.arange(0, BK // 32)  # the tile's scale columns (k0 is a multiple of BK >= 32)
-        if FMT == 1:
-            q = tl.load(w_ptr + e * N * K + rn[:, None] * K + kk[None, :], mask=nm & (kk[None, :] < K), other=0)
-            w = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            sp = s_ptr + e * ((N + 31) // 32) * KS + (rn[:, None] // 32) * KS + kb[None, :]
-        else:
-            KH: tl.constexpr = K // 2
-            kh = k0 // 2 + tl.arange(0, BK // 2)
-            b = tl.load(w_ptr + e * N * KH + rn[:, None] * KH + kh[None, :], mask=nm & (kh[None, :] < KH), other=0)
-            b = b.to(tl.int32)
-            w = tl.reshape(tl.join(_e2m1(b & 15), _e2m1(b >> 4)), (BN, BK))  # element 2i: low nibble, 2i+1: high
-            sp = s_ptr + e * N * KS + rn[:, None] * KS + kb[None, :]
-        sc = tl.load(sp, mask=nm & (kb[None, :] < KS), other=127)
-        w = w * tl.reshape(tl.broadcast_to(_e8m0(sc)[:, :, None], (BN, BK // 32, 32)), (BN, BK))
-    return w
-
-
-@triton.jit
 def _dot_scaled(acc, a, w_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                 TMA: tl.constexpr = False):
     """MXFP4 with bf16 rows: acc + a @ W_e[rn, k0:k0 + BK]^T by tl.dot_scaled, which upcasts the packed nibbles
@@ -218,8 +190,8 @@ def _up_kernel(x_ptr, sxm, tiles_ptr, order_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr,
             acc1 = _dot_scaled(acc1, a, w1_ptr, s1_ptr, e, rn, t * BK, I, D, BK, TMA)
             acc3 = _dot_scaled(acc3, a, w3_ptr, s3_ptr, e, rn, t * BK, I, D, BK, TMA)
         else:
-            acc1 = _dot(acc1, a, _w_tile(w1_ptr, s1_ptr, e, rn, t * BK, I, D, FMT, BN, BK), DOT_F32)
-            acc3 = _dot(acc3, a, _w_tile(w3_ptr, s3_ptr, e, rn, t * BK, I, D, FMT, BN, BK), DOT_F32)
+            acc1 = _dot(acc1, a, weight_tile(w1_ptr, s1_ptr, e, rn, t * BK, I, D, FMT, BN, BK), DOT_F32)
+            acc3 = _dot(acc3, a, weight_tile(w3_ptr, s3_ptr, e, rn, t * BK, I, D, FMT, BN, BK), DOT_F32)
     # the reference's roundings: x-dtype matmul outputs, x-dtype silu and product, then the fp32 routing weight
     dt = h_ptr.dtype.element_ty
     g = tl.minimum(acc1.to(dt).to(tl.float32), limit)
@@ -244,7 +216,7 @@ def _down_kernel(h_ptr, tiles_ptr, order_ptr, w2_ptr, s2_ptr, y_ptr, n_tiles, n_
         if SCALED:
             acc = _dot_scaled(acc, a, w2_ptr, s2_ptr, e, rn, t * BK, D, I, BK, TMA)
         else:
-            acc = _dot(acc, a, _w_tile(w2_ptr, s2_ptr, e, rn, t * BK, D, I, FMT, BN, BK), DOT_F32)
+            acc = _dot(acc, a, weight_tile(w2_ptr, s2_ptr, e, rn, t * BK, D, I, FMT, BN, BK), DOT_F32)
     pair = tl.load(order_ptr + p, mask=pm, other=0)
     tl.store(y_ptr + pair[:, None] * D + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=pm[:, None] & (rn[None, :] < D))
@@ -352,8 +324,10 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *,
     benchmarks/results/model-h200; what fp16 / fp32 rows always take). tma (scaled only; off until measured on
     the GPU): the packed weight tiles are loaded by TMA from host tensor descriptors. dequant (True / False; default:
     bf16 rows, >= DEQUANT_MIN_ROWS_PER_EXPERT pairs an expert, within DEQUANT_MAX_BYTES): run quantised experts as
-    bf16 ones, dequantised first. accumulate_into: see the reference (one launch where a separate add would take
-    three)."""
+    bf16 ones, dequantised first. path ("decode" / "tiles"; default: decode up to decode_moe.MAX_PAIRS pairs
+    unless dequantised): decode_moe's kernels, which resolve the routing themselves (they take its keys: BM, BN, BK,
+    SPLIT_UP, SPLIT_DOWN, num_warps, num_stages, programs_per_sm, scaled), or the tile kernels here.
+    accumulate_into: see the reference (one launch where a separate add would take three)."""
     _check(x, ids, weights, experts, kernel=True)
     _check_into(x, accumulate_into)
     (t, k), (n_exp, d, inter) = ids.shape, experts.shape
@@ -365,6 +339,15 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *,
     if dense is None:
         dense = (experts.fmt != "bf16" and x.dtype == torch.bfloat16 and t * k >= DEQUANT_MIN_ROWS_PER_EXPERT * n_exp
                  and 2 * experts.w1.shape[0] * inter * d * 2 <= DEQUANT_MAX_BYTES)
+    path = cfg.pop("path", "decode" if not dense and t * k <= decode_moe.MAX_PAIRS else "tiles")
+    if path not in ("decode", "tiles"):
+        raise ValueError(f"config path {path!r} not supported (allowed: 'decode', 'tiles')")
+    if path == "decode":
+        scaled = experts.fmt == "mxfp4" and x.dtype == torch.bfloat16 and cfg.pop("scaled", True)
+        yk = decode_moe.decode_experts(x if x.stride(1) == 1 else x.contiguous(), ids, weights.float().contiguous(),
+                                       FMTS.index(experts.fmt), scaled, _weights(experts), d, inter, n_exp, limit,
+                                       cfg, empty=_empty)
+        return _sum_slots(yk, t, k, d, x, accumulate_into, accumulate_after)
     if dense:
         cfg = {**DEQUANT_TILES, **cfg}
     scaled = not dense and experts.fmt == "mxfp4" and x.dtype == torch.bfloat16 and cfg.pop("scaled", True)
@@ -399,6 +382,15 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *,
     _down_kernel[(nt * triton.cdiv(d, c["BN_DOWN"]),)](
         h, tiles, order, w2, s2, yk, nt, n_exp, D=d, I=inter, BN=c["BN_DOWN"], BK=c["BK_DOWN"],
         num_stages=c["num_stages"], TMA=tma, **common)
+    return _sum_slots(yk, t, k, d, x, accumulate_into, accumulate_after)
+
+
+def _weights(experts: ExpertWeights) -> tuple:
+    """(w1, s1, w3, s3, w2, s2); bf16 experts have no scales: any pointer does, the kernels never read it."""
+    return tuple(t for w, s in experts._pairs() for t in (w, s if s is not None else w))
+
+
+def _sum_slots(yk, t, k, d, x, accumulate_into, accumulate_after):
     routed = yk.view(t, k, d).sum(1, dtype=torch.float32)  # fp32 sum, no fp32 copy of yk
     if accumulate_into is not None:
         _wait(accumulate_after, x)
