@@ -45,10 +45,12 @@ def profile_case(core, b: int, ctx: int, gen: torch.Generator, steps: int = 3) -
     first_s = time.perf_counter() - t
     phases = []
     for step in range(steps + 1):
-        for r in reqs:
-            r.output_token_ids.append(7)
+        # a random token a row, as bench_forward draws them: one token in every row would route every row alike
+        toks = torch.randint(3, core.cfg.vocab_size - 2, (len(reqs),), generator=gen).tolist()
+        for r, tok in zip(reqs, toks):
+            r.output_token_ids.append(tok)
         p = plan()
-        seqs, toks = [c.request.kv for c in p.chunks], [7] * len(p.chunks)
+        seqs = [c.request.kv for c in p.chunks]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         key = graphs.key(p)

@@ -83,6 +83,64 @@ def weight_tile(w_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr, FMT: 
     return w
 
 
+# e2m1 -> bf16 for 8 nibbles of a 32-bit word at once (Hopper has no FP4 conversion). Nibble q (element q: the low
+# nibble of byte j is element 2j) sits at bits 4q; nibbles p and p + 4 lie 16 bits apart and fill the two halves of
+# one bf16x2 register. Masked to those two nibbles (the word shifted right by 8 first for p = 2, 3), one integer
+# multiply by 2^a + 2^b copies each nibble to two places, with no carries: its sign bit lands on bf16 bit 15 and its
+# exponent-mantissa bits e1 e0 m on bits 8-6; a mask keeps those. That bf16 is the e2m1 value times 2^-126 exactly
+# (e = 0 lands on bf16 subnormals, which mul.bf16x2 keeps), so one multiply by f = 2^(s - 1) = 2^126 * 2^(s - 127),
+# a bf16 for e8m0 bytes s <= MXFP4_FAST_MAX_SCALE, gives W exactly: 17 instructions for 8 weights.
+MXFP4_FAST_MAX_SCALE = 128
+
+
+@triton.jit
+def mxfp4_tile_bf16(w32_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr):
+    """bf16 [BN, BK] tile W_e[rn, k0:k0 + BK] (0 outside) of an MXFP4 expert stack read as int32 words [E, N, K/8]
+    (the packed bytes' view) + e8m0 [E, N, K/32] by inline PTX (the comment above): exact for scale bytes <=
+    MXFP4_FAST_MAX_SCALE (the caller checks), CUDA only (the interpreter runs no PTX)."""
+    KW: tl.constexpr = K // 8
+    KS: tl.constexpr = K // 32
+    kw = k0 // 8 + tl.arange(0, BK // 8)
+    ks = k0 // 32 + tl.arange(0, BK // 32)
+    nm = rn[:, None] < N
+    base = e.to(tl.int64) * N
+    w = tl.load(w32_ptr + (base + rn[:, None]) * KW + kw[None, :], mask=nm & (kw[None, :] < KW), other=0)
+    s = tl.load(s_ptr + (base + rn[:, None]) * KS + ks[None, :], mask=nm & (ks[None, :] < KS), other=127)
+    f = (s.to(tl.int32) + 126) << 7  # bf16 bits of 2^(s - 1), in both halves: once per 32 weights
+    f = tl.reshape(tl.broadcast_to((f | (f << 16))[:, :, None], (BN, BK // 32, 4)), (BN, BK // 8))
+    v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+        """
+        {
+        .reg .b32 u, t, o0, o1, o2, o3;
+        and.b32 t, $8, 0x000F000F;
+        mul.lo.u32 t, t, 0x1040;
+        and.b32 o0, t, 0x81C081C0;
+        mul.rn.bf16x2 o0, o0, $9;
+        and.b32 t, $8, 0x00F000F0;
+        mul.lo.u32 t, t, 0x104;
+        and.b32 o1, t, 0x81C081C0;
+        mul.rn.bf16x2 o1, o1, $9;
+        shr.b32 u, $8, 8;
+        and.b32 t, u, 0x000F000F;
+        mul.lo.u32 t, t, 0x1040;
+        and.b32 o2, t, 0x81C081C0;
+        mul.rn.bf16x2 o2, o2, $9;
+        and.b32 t, u, 0x00F000F0;
+        mul.lo.u32 t, t, 0x104;
+        and.b32 o3, t, 0x81C081C0;
+        mul.rn.bf16x2 o3, o3, $9;
+        mov.b32 {$0, $4}, o0;
+        mov.b32 {$1, $5}, o1;
+        mov.b32 {$2, $6}, o2;
+        mov.b32 {$3, $7}, o3;
+        }
+        """, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, f], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    # [BN, BK/8, 2, 2, 2]: element 4a + 2b + c of each word at [a, b, c]
+    v = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+    return tl.reshape(v, (BN, BK))
+
+
 @triton.jit
 def _fp8_kernel(w_ptr, s_ptr, o_ptr, N, K, KS, BLOCK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                 DT: tl.constexpr):

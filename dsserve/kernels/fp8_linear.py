@@ -37,14 +37,15 @@ from ..layers.quant import dequant_fp8_block, fake_quant_fp8_pow2, quant_fp8_blo
 from .dequant import _e8m0, dequant_fp8
 from .split_k import store_split, tile_counters
 
-IN_KERNEL_SPLIT_ROWS = 16  # split-K partials summed in the kernel up to this many rows (see fp8_linear)
+IN_KERNEL_SPLIT_ROWS = 16  # split-K partials summed in the kernel up to this many rows (see fp8_linear),
+# and up to 64 rows for weights of >= 2048 output columns: at 24-64 rows the decode step's projections took 5-10%
+# less in all (131.9 vs 147.1 us at 32 rows), the wide ones up to 22% less, the narrow (wkv, wq_a) up to 30% more
+# (H200, 2026-12-02: benchmarks/results/decode-gemms-h200/w8a16_split_rows.json)
+IN_KERNEL_SPLIT_ROWS_WIDE, WIDE_N = 64, 2048
 # From this many rows the product is compute-bound: the weight dequantised to x's dtype once (kernels.dequant) and
 # cuBLAS beat the W8A16 kernel (M = 8192 on the release shapes: 680-730 vs 415-460 TFLOP/s, the dequant 3 bytes
 # of traffic a weight; H200, 2026-11-30), with the reference's numerics exactly.
 DEQUANT_MIN_ROWS = 1024
-# Up to this many rows (None: never) the W8A16 kernel computes out^T = W x^T: the weight tile is the MMA's left
-# operand as stored, the rows its narrow side.
-SWAP_MAX_ROWS = None
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The Triton 3.9 interpreter gets bf16 dots wrong; fp32 dots of the same (exact) products stand in there.
@@ -54,82 +55,41 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, o_ptr, part_ptr, cnt_ptr, M, N, sxm, som, sos, K: tl.constexpr,
                   BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, K_TILES: tl.constexpr,
-                  SPLIT: tl.constexpr, DOT_F32: tl.constexpr, GROUP_N: tl.constexpr = 0, TMA: tl.constexpr = False,
-                  SWAP: tl.constexpr = False):
+                  SPLIT: tl.constexpr, DOT_F32: tl.constexpr, GROUP_N: tl.constexpr = 0, TMA: tl.constexpr = False):
     KS: tl.constexpr = (K + BLOCK - 1) // BLOCK
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     if GROUP_N:  # block-diagonal weight: this program's columns (BN divides GROUP_N) read their group's x slice
         x_ptr = x_ptr + (tl.program_id(1) * BN // GROUP_N) * K
     acc = tl.zeros((BM, BN), tl.float32)
-    acc_t = tl.zeros((BN, BM), tl.float32)
     for t in range(K_TILES):
         k0 = (tl.program_id(2) * K_TILES + t) * BK
         kk = k0 + tl.arange(0, BK)
-        if SWAP:  # few rows: they are the MMA's N (>= 16 wide, where M would be >= 64 on Hopper's wgmma)
-            acc_t = _swapped_step(acc_t, x_ptr, w_ptr, s_ptr, rm, rn, kk, k0, M, N, sxm, K, KS, BLOCK, BN, BK, DOT_F32,
-                                  TMA)
+        x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        # [BK, BN] view of the [N, K] weight: K-major, the operand layout fp8/bf16 MMAs want for B
+        if TMA:  # w_ptr: a tensor descriptor of the [N, K] bytes, [BN, BK] tiles (zeros past the edges)
+            wq = tl.trans(w_ptr.load([tl.program_id(1) * BN, k0]))
         else:
-            acc = _step(acc, x_ptr, w_ptr, s_ptr, rm, rn, kk, k0, M, N, sxm, K, KS, BLOCK, BN, BK, DOT_F32, TMA)
-    if SWAP:
-        acc = tl.trans(acc_t)
+            wq = tl.load(w_ptr + rn[None, :] * K + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0)
+        if BK > BLOCK:  # BK // BLOCK scale rows per tile, each repeated over its BLOCK k's
+            kb = k0 // BLOCK + tl.arange(0, BK // BLOCK)
+            e = tl.load(s_ptr + (rn[None, :] // BLOCK) * KS + kb[:, None], mask=(rn[None, :] < N) & (kb[:, None] < KS),
+                        other=127)
+            sc = tl.reshape(tl.broadcast_to(_e8m0(e)[:, None, :], (BK // BLOCK, BLOCK, BN)), (BK, BN))
+        else:  # the tile lies inside one scale block (BK divides BLOCK)
+            e = tl.load(s_ptr + (rn // BLOCK) * KS + k0 // BLOCK, mask=(rn < N) & (rn * 0 + k0 < K), other=127)
+            sc = _e8m0(e)[None, :]
+        w = wq.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc  # exactly the reference's fp32 W
+        if DOT_F32:
+            acc += tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(x, w.to(x.dtype))
     if SPLIT == 1:  # the output, or (sos > 0) this program's split of partials that torch sums afterwards
         tl.store(o_ptr + tl.program_id(2) * sos + rm[:, None] * som + rn[None, :], acc.to(o_ptr.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
     else:  # partial [SPLIT, M, N] fp32, contiguous
         tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         store_split(acc, rm, rn, M, N, part_ptr, N, M * N, o_ptr, som, cnt_ptr, tile, tl.program_id(2), SPLIT)
-
-
-@triton.jit
-def _step(acc, x_ptr, w_ptr, s_ptr, rm, rn, kk, k0, M, N, sxm, K: tl.constexpr, KS: tl.constexpr,
-          BLOCK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
-    """acc [BM, BN] += x[rm, kk] @ W[rn, kk]^T."""
-    x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-    # [BK, BN] view of the [N, K] weight: K-major, the operand layout fp8/bf16 MMAs want for B
-    if TMA:  # w_ptr: a tensor descriptor of the [N, K] bytes, [BN, BK] tiles (zeros past the edges)
-        wq = tl.trans(w_ptr.load([tl.program_id(1) * BN, k0]))
-    else:
-        wq = tl.load(w_ptr + rn[None, :] * K + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0)
-    if BK > BLOCK:  # BK // BLOCK scale rows per tile, each repeated over its BLOCK k's
-        kb = k0 // BLOCK + tl.arange(0, BK // BLOCK)
-        e = tl.load(s_ptr + (rn[None, :] // BLOCK) * KS + kb[:, None], mask=(rn[None, :] < N) & (kb[:, None] < KS),
-                    other=127)
-        sc = tl.reshape(tl.broadcast_to(_e8m0(e)[:, None, :], (BK // BLOCK, BLOCK, BN)), (BK, BN))
-    else:  # the tile lies inside one scale block (BK divides BLOCK)
-        e = tl.load(s_ptr + (rn // BLOCK) * KS + k0 // BLOCK, mask=(rn < N) & (rn * 0 + k0 < K), other=127)
-        sc = _e8m0(e)[None, :]
-    w = wq.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc  # exactly the reference's fp32 W
-    if DOT_F32:
-        acc += tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), input_precision="ieee")
-    else:
-        acc += tl.dot(x, w.to(x.dtype))
-    return acc
-
-
-@triton.jit
-def _swapped_step(acc_t, x_ptr, w_ptr, s_ptr, rm, rn, kk, k0, M, N, sxm, K: tl.constexpr, KS: tl.constexpr,
-                  BLOCK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
-    """acc^T [BN, BM] += W[rn, kk] @ x[rm, kk]^T: the weight tile is the MMA's left operand, in its stored layout."""
-    xt = tl.load(x_ptr + rm[None, :] * sxm + kk[:, None], mask=(rm[None, :] < M) & (kk[:, None] < K), other=0.0)
-    if TMA:
-        wq = w_ptr.load([tl.program_id(1) * BN, k0])
-    else:
-        wq = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0)
-    if BK > BLOCK:
-        kb = k0 // BLOCK + tl.arange(0, BK // BLOCK)
-        e = tl.load(s_ptr + (rn[:, None] // BLOCK) * KS + kb[None, :], mask=(rn[:, None] < N) & (kb[None, :] < KS),
-                    other=127)
-        sc = tl.reshape(tl.broadcast_to(_e8m0(e)[:, :, None], (BN, BK // BLOCK, BLOCK)), (BN, BK))
-    else:
-        e = tl.load(s_ptr + (rn // BLOCK) * KS + k0 // BLOCK, mask=(rn < N) & (rn * 0 + k0 < K), other=127)
-        sc = _e8m0(e)[:, None]
-    w = (wq.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(xt.dtype)  # the reference's W, exactly
-    if DOT_F32:
-        acc_t += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
-    else:
-        acc_t = tl.dot(w, xt, acc_t)
-    return acc_t
 
 
 @triton.jit
@@ -234,11 +194,9 @@ def _bn(cfg, default, group_n):
 
 def fp8_linear(x, w_q, w_s, block: int, *, act_quant: bool = False, act_group: int = 32, groups: int = 1,
                config: dict | None = None) -> torch.Tensor:
-    """Triton x @ W^T, same semantics as fp8_linear_ref. config overrides the tiles (BM, BN, BK, SPLIT_K or
-    split_scale (a factor on the default split), num_warps, num_stages), tma (W8A16 weight tiles by TMA, when
-    K % 16 == 0), dequant (True / False: force or forbid the dequantise-then-cuBLAS path, default from
-    DEQUANT_MIN_ROWS rows on) and swap (W8A16 as out^T = W x^T, default up to SWAP_MAX_ROWS rows); tests and
-    benchmarks only."""
+    """Triton x @ W^T, same semantics as fp8_linear_ref. config overrides the tiles (BM, BN, BK, SPLIT_K,
+    num_warps, num_stages), tma (W8A16 weight tiles by TMA, when K % 16 == 0) and dequant (True / False: force or
+    forbid the dequantise-then-cuBLAS path, default from DEQUANT_MIN_ROWS rows on); tests and benchmarks only."""
     x, w_q, w_s = _check(x, w_q, w_s, block, act_quant, act_group, kernel=True, groups=groups)
     x = x.contiguous()
     (m, _), (n, k), cfg = x.shape, w_q.shape, dict(config or {})
@@ -261,14 +219,13 @@ def fp8_linear(x, w_q, w_s, block: int, *, act_quant: bool = False, act_group: i
     bn, bk = _bn(cfg, 64 if small else 128, group_n), cfg.get("BK", 128 if small else 64)
     tiles, k_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn), triton.cdiv(k, bk)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-    split = min(k_tiles, cfg.get("SPLIT_K", max(1, round(cfg.get("split_scale", 1) * 2 * sms / tiles))))
+    split = min(k_tiles, cfg.get("SPLIT_K", max(1, 2 * sms // tiles)))
     per = triton.cdiv(k_tiles, split)
     split = triton.cdiv(k_tiles, per)  # no empty programs
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
 
     # tma (off until measured on the GPU): weight tiles by TMA from a host descriptor; rows must be 16-byte multiples
     tma = cfg.get("tma", False) and k % 16 == 0
-    swap = cfg.get("swap", SWAP_MAX_ROWS is not None and m <= SWAP_MAX_ROWS)
     w = w_q.view(torch.uint8)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -277,11 +234,11 @@ def fp8_linear(x, w_q, w_s, block: int, *, act_quant: bool = False, act_group: i
     def launch(o, part, cnt, sos, in_kernel_split):
         _w8a16_kernel[grid](
             x, w, w_s, o, part, cnt, m, n, x.stride(0), n, sos, K=k, BLOCK=block, BM=bm, BN=bn, BK=bk, K_TILES=per,
-            SPLIT=in_kernel_split, DOT_F32=_INTERPRET or x.dtype == torch.float32, GROUP_N=group_n, TMA=tma, SWAP=swap,
+            SPLIT=in_kernel_split, DOT_F32=_INTERPRET or x.dtype == torch.float32, GROUP_N=group_n, TMA=tma,
             num_warps=cfg.get("num_warps", 4 if small else 8), num_stages=cfg.get("num_stages", 4 if small else 3))
 
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else None
-    if split > 1 and m > IN_KERNEL_SPLIT_ROWS:
+    if split > 1 and m > (IN_KERNEL_SPLIT_ROWS_WIDE if n >= WIDE_N else IN_KERNEL_SPLIT_ROWS):
         # one program summing a many-row tile's partials is a serial tail (B = 128 decode steps 68 -> 86 ms on the
         # H200, 2026-11-30): each program stores its split (SPLIT=1, stride sos) and torch's sum spreads the rest
         launch(part, part, part, m * n, 1)

@@ -10,9 +10,10 @@
   - "fp8": e4m3 [E, out, in] + e8m0 bytes [E, ceil(out/32), ceil(in/32)] (quant.dequant_fp8_block, block 32);
   - "mxfp4": uint8 [E, out, in/2], two e2m1 per byte, the even element in the low nibble, + e8m0 bytes
     [E, out, in/32] (quant.pack_mxfp4). Hopper has no FP4 MMA: weight-only, upcast in registers to x's dtype
-    (bf16 rows: by tl.dot_scaled; other dtypes: the kernel's own nibble decode).
+    (bf16 rows: by dequant's PTX decode on CUDA, or tl.dot_scaled; other dtypes: the kernel's own nibble decode).
   Quantised tensors are held as uint8 views (every PyTorch has them); in the kernels W is exactly the reference's
-  (pow2 scales: the fp32 products are exact, and so is their cast to bf16).
+  (pow2 scales: the fp32 products are exact, and so is their cast to bf16). ExpertWeights.max_scale: MXFP4's
+  largest e8m0 byte (the PTX decode, dequant.mxfp4_tile_bf16, takes <= 128).
 
 Plan: moe_permute sorts the T*k (token, slot) pairs by expert into BM-row tiles (grid independent of the routing,
 no host sync). The up kernel, per (tile, BN columns of inter), gathers x rows, runs the W1 and W3 dots in one K pass,
@@ -32,8 +33,7 @@ import triton.language as tl
 from ..layers.moe import clamped_swiglu
 from ..layers.numerics import acc
 from ..layers.quant import MX_BLOCK, dequant_fp8_block, dequant_mxfp4, pack_mxfp4, quant_fp8_block
-from . import decode_moe
-from .dequant import dequant_fp8, weight_tile
+from .dequant import MXFP4_FAST_MAX_SCALE, dequant_fp8, mxfp4_tile_bf16, weight_tile
 from .dequant import dequant_mxfp4 as dequant_mxfp4_rows
 from .moe_permute import expert_tiles
 
@@ -81,6 +81,9 @@ class ExpertWeights:
                                  f"{inn}] ({self.fmt}), got {tuple(s.shape)}")
             object.__setattr__(self, name, w.contiguous().view(torch.uint8))
             object.__setattr__(self, "s" + name[1], s.contiguous().view(torch.uint8))
+        # the largest e8m0 byte (one host sync, here rather than per call): the PTX decode takes <= 128
+        mx = max(int(s.max()) for s in (self.s1, self.s3, self.s2)) if self.fmt == "mxfp4" and self.w1.numel() else 0
+        object.__setattr__(self, "max_scale", mx)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -175,7 +178,7 @@ def _tile(tiles_ptr, n_tiles, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexp
 def _up_kernel(x_ptr, sxm, tiles_ptr, order_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, n_tiles, n_experts,
                limit, KSLOT: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr,
                BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
-               SCALED: tl.constexpr, TMA: tl.constexpr = False):
+               SCALED: tl.constexpr, TMA: tl.constexpr = False, ASM: tl.constexpr = False):
     e, p, pm, rn = _tile(tiles_ptr, n_tiles, I, BM, BN, GROUP_M)
     if e >= n_experts:  # past the last real tile
         return
@@ -189,6 +192,9 @@ def _up_kernel(x_ptr, sxm, tiles_ptr, order_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr,
         if SCALED:
             acc1 = _dot_scaled(acc1, a, w1_ptr, s1_ptr, e, rn, t * BK, I, D, BK, TMA)
             acc3 = _dot_scaled(acc3, a, w3_ptr, s3_ptr, e, rn, t * BK, I, D, BK, TMA)
+        elif ASM:  # MXFP4 decoded by PTX (w*_ptr: int32 words of 8 nibbles)
+            acc1 = tl.dot(a, tl.trans(mxfp4_tile_bf16(w1_ptr, s1_ptr, e, rn, t * BK, I, D, BN, BK)), acc1)
+            acc3 = tl.dot(a, tl.trans(mxfp4_tile_bf16(w3_ptr, s3_ptr, e, rn, t * BK, I, D, BN, BK)), acc3)
         else:
             acc1 = _dot(acc1, a, weight_tile(w1_ptr, s1_ptr, e, rn, t * BK, I, D, FMT, BN, BK), DOT_F32)
             acc3 = _dot(acc3, a, weight_tile(w3_ptr, s3_ptr, e, rn, t * BK, I, D, FMT, BN, BK), DOT_F32)
@@ -204,7 +210,8 @@ def _up_kernel(x_ptr, sxm, tiles_ptr, order_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr,
 @triton.jit
 def _down_kernel(h_ptr, tiles_ptr, order_ptr, w2_ptr, s2_ptr, y_ptr, n_tiles, n_experts, D: tl.constexpr,
                  I: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 GROUP_M: tl.constexpr, DOT_F32: tl.constexpr, SCALED: tl.constexpr, TMA: tl.constexpr = False):
+                 GROUP_M: tl.constexpr, DOT_F32: tl.constexpr, SCALED: tl.constexpr, TMA: tl.constexpr = False,
+                 ASM: tl.constexpr = False):
     e, p, pm, rn = _tile(tiles_ptr, n_tiles, D, BM, BN, GROUP_M)
     if e >= n_experts:
         return
@@ -215,6 +222,8 @@ def _down_kernel(h_ptr, tiles_ptr, order_ptr, w2_ptr, s2_ptr, y_ptr, n_tiles, n_
         a = tl.load(hrow[:, None] + kk[None, :], mask=pm[:, None] & (kk[None, :] < I), other=0.0)
         if SCALED:
             acc = _dot_scaled(acc, a, w2_ptr, s2_ptr, e, rn, t * BK, D, I, BK, TMA)
+        elif ASM:
+            acc = tl.dot(a, tl.trans(mxfp4_tile_bf16(w2_ptr, s2_ptr, e, rn, t * BK, D, I, BN, BK)), acc)
         else:
             acc = _dot(acc, a, weight_tile(w2_ptr, s2_ptr, e, rn, t * BK, D, I, FMT, BN, BK), DOT_F32)
     pair = tl.load(order_ptr + p, mask=pm, other=0)
@@ -282,14 +291,19 @@ DEQUANT_MAX_BYTES = 3 << 30  # of transient bf16 weights (w1 + w3); more experts
 DEQUANT_TILES = {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
 
 
-def _config(n, n_exp, d, inter, cfg, elem: int = 2, scaled: bool = False):
-    """Tiles for n (row, expert) pairs; elem = the widest operand's bytes (4 for fp32 experts or rows); scaled:
-    MXFP4 by tl.dot_scaled (packed weight tiles, half a byte an element, and larger prefill tiles)."""
+def _config(n, n_exp, d, inter, cfg, elem: int = 2, scaled: bool = False, asm: bool = False):
+    """Tiles for n (row, expert) pairs; elem = the widest operand's bytes (4 for fp32 experts or rows); scaled /
+    asm: MXFP4 by tl.dot_scaled / the PTX decode (packed weight tiles, half a byte an element, and larger prefill
+    tiles)."""
+    packed = scaled or asm
     rows = -(-n // min(n, n_exp))  # rows per used expert under even routing
-    bm = cfg.get("BM", min(128 if scaled else 64, max(16, triton.next_power_of_2(rows))))
+    bm = cfg.get("BM", min(128 if packed else 64, max(16, triton.next_power_of_2(rows))))
     big = bm >= 64  # prefill: compute-bound tiles; else decode, weight-bandwidth bound
-    c = {"BM": bm, "BN": 128 if big else 64, "BK": (128 if scaled else 64) if big else 128, "GROUP_M": 8,
-         "num_warps": 8 if big else 4, "num_stages": 3 if big else 4, **cfg, "scaled": scaled}
+    c = {"BM": bm, "BN": 128 if big else 64, "BK": (128 if packed else 64) if big else 128, "GROUP_M": 8,
+         "num_warps": 8 if big else 4, "num_stages": 3 if big else 4}
+    if asm and not big:  # the H200 sweep (benchmarks/results/decode-gemms-h200): 80 / 293 / 447 us at T = 1 / 8 / 32
+        c.update(BK=256, num_stages=2)
+    c.update(cfg)
     for key, low in (("BM", 16), ("BN", 16), ("BK", 32)):  # tl.dot dims >= 16; BK spans whole 32-wide scale blocks
         if c[key] < low or c[key] & (c[key] - 1):
             raise ValueError(f"config {key}={c[key]} must be a power of two >= {low}")
@@ -299,11 +313,17 @@ def _config(n, n_exp, d, inter, cfg, elem: int = 2, scaled: bool = False):
     c.update({key: cfg[key] for key in ("BN_UP", "BN_DOWN", "BK_UP", "BK_DOWN") if key in cfg})  # per-kernel sweeps
     # each pipeline stage holds a row tile and the up kernel's two weight tiles (w1, w3): fp32 prefill tiles need
     # 80 KiB a stage, so three stages would not fit
-    w_elem = 0.5 if scaled else elem
+    w_elem = 0.5 if packed else elem
     stage = max(elem * c["BM"] * c["BK_UP"] + w_elem * 2 * c["BN_UP"] * c["BK_UP"],
                 elem * c["BM"] * c["BK_DOWN"] + w_elem * c["BN_DOWN"] * c["BK_DOWN"])
     if "num_stages" not in cfg:
         c["num_stages"] = max(1, min(c["num_stages"], int(SMEM_BUDGET // stage)))
+    c["up_stages"] = c["num_stages"]
+    if not asm and bm < 64 and "num_stages" not in cfg:
+        # decode with many row tiles (T >= 8 on the release proxy): tl.dot_scaled's up kernel unpipelined fits more
+        # programs per SM, which beat the pipeline's overlap: 233 vs 256 us (T = 8), 347 vs 392 us (T = 32), but
+        # 88 vs 71 us at T = 1 (6 tiles), H200, 2026-11-30 (scratch sweep); the kernels read it with the tile count
+        c["up_stages_many_tiles"] = 1
     return c
 
 
@@ -319,15 +339,14 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *,
                    accumulate_into: torch.Tensor | None = None, accumulate_after=None, config: dict | None = None):
     """Triton grouped GEMMs, same semantics as routed_experts_ref. Ids must lie in [0, E) (not checked: that would
     need a host sync); a pick outside leaves its row undefined. config overrides BM, BN, BK, GROUP_M, num_warps,
-    num_stages, scaled and tma (tests and benchmarks only). scaled (default; MXFP4 with bf16 rows): tl.dot_scaled
-    upcasts the weights; off, the kernel decodes each nibble itself (1.7-2.2x slower on the H200, 2026-11-29:
-    benchmarks/results/model-h200; what fp16 / fp32 rows always take). tma (scaled only; off until measured on
-    the GPU): the packed weight tiles are loaded by TMA from host tensor descriptors. dequant (True / False; default:
-    bf16 rows, >= DEQUANT_MIN_ROWS_PER_EXPERT pairs an expert, within DEQUANT_MAX_BYTES): run quantised experts as
-    bf16 ones, dequantised first. path ("decode" / "tiles"; default: decode up to decode_moe.MAX_PAIRS pairs
-    unless dequantised): decode_moe's kernels, which resolve the routing themselves (they take its keys: BM, BN, BK,
-    SPLIT_UP, SPLIT_DOWN, num_warps, num_stages, programs_per_sm, scaled), or the tile kernels here.
-    accumulate_into: see the reference (one launch where a separate add would take three)."""
+    num_stages, decode and tma (tests and benchmarks only). decode (MXFP4 with bf16 rows; _mxfp4_decode): "asm"
+    (the default on CUDA for decode-sized calls: 1.3-1.4x tl.dot_scaled's speed on the H200, 2026-12-02:
+    benchmarks/results/decode-gemms-h200), "scaled" (tl.dot_scaled; the older key scaled=True), "own"
+    (scaled=False; 1.7-2.2x slower than scaled, 2026-11-29: benchmarks/results/model-h200). tma ("scaled" only;
+    off until measured on the GPU): the packed weight tiles are loaded by TMA from host tensor descriptors. dequant
+    (True / False; default: bf16 rows, >= DEQUANT_MIN_ROWS_PER_EXPERT pairs an expert, within DEQUANT_MAX_BYTES):
+    run quantised experts as bf16 ones, dequantised first. accumulate_into: see the reference (one launch where a
+    separate add would take three)."""
     _check(x, ids, weights, experts, kernel=True)
     _check_into(x, accumulate_into)
     (t, k), (n_exp, d, inter) = ids.shape, experts.shape
@@ -339,21 +358,13 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *,
     if dense is None:
         dense = (experts.fmt != "bf16" and x.dtype == torch.bfloat16 and t * k >= DEQUANT_MIN_ROWS_PER_EXPERT * n_exp
                  and 2 * experts.w1.shape[0] * inter * d * 2 <= DEQUANT_MAX_BYTES)
-    path = cfg.pop("path", "decode" if not dense and t * k <= decode_moe.MAX_PAIRS else "tiles")
-    if path not in ("decode", "tiles"):
-        raise ValueError(f"config path {path!r} not supported (allowed: 'decode', 'tiles')")
-    if path == "decode":
-        scaled = experts.fmt == "mxfp4" and x.dtype == torch.bfloat16 and cfg.pop("scaled", True)
-        yk = decode_moe.decode_experts(x if x.stride(1) == 1 else x.contiguous(), ids, weights.float().contiguous(),
-                                       FMTS.index(experts.fmt), scaled, _weights(experts), d, inter, n_exp, limit,
-                                       cfg, empty=_empty)
-        return _sum_slots(yk, t, k, d, x, accumulate_into, accumulate_after)
+    decode = _mxfp4_decode(x, experts, dense, cfg, t * k)
+    scaled, asm = decode == "scaled", decode == "asm"
     if dense:
         cfg = {**DEQUANT_TILES, **cfg}
-    scaled = not dense and experts.fmt == "mxfp4" and x.dtype == torch.bfloat16 and cfg.pop("scaled", True)
     tma = scaled and cfg.pop("tma", False)
     c = _config(t * k, n_exp, d, inter, cfg, x.element_size() if dense else
-                max(x.element_size(), experts.w1.element_size()), scaled)
+                max(x.element_size(), experts.w1.element_size()), scaled, asm)
     order, tiles = expert_tiles(ids, n_exp, c["BM"])
     nt, fmt = tiles.shape[1], FMTS.index("bf16" if dense else experts.fmt)
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -362,14 +373,13 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *,
     yk = _empty((t * k, d), dtype=x.dtype, device=x.device)
     s1, s3, s2 = (s if s is not None else w for w, s in experts._pairs())  # bf16: unused, any pointer does
     common = dict(FMT=fmt, BM=c["BM"], GROUP_M=c["GROUP_M"], DOT_F32=_INTERPRET or x.dtype == torch.float32,
-                  SCALED=c["scaled"], num_warps=c["num_warps"])
-    # decode with many row tiles (T >= 8 on the release proxy): the up kernel unpipelined fits more programs per
-    # SM, which beat the pipeline's overlap: 233 vs 256 us (T = 8), 347 vs 392 us (T = 32), but 88 vs 71 us at
-    # T = 1 (6 tiles), H200, 2026-11-30 (scratch sweep)
-    up_stages = 1 if c["BM"] < 64 and nt >= 16 and "num_stages" not in cfg else c["num_stages"]
+                  SCALED=scaled, ASM=asm, num_warps=c["num_warps"])
+    up_stages = c.get("up_stages_many_tiles", c["up_stages"]) if nt >= 16 else c["up_stages"]
     w1, w3, w2 = experts.w1, experts.w3, experts.w2
     if dense:  # w2 is dequantised after the up kernel, into the memory w1 and w3 free (stream order)
         w1, w3 = experts.dequantized("w1", x.dtype), experts.dequantized("w3", x.dtype)
+    if asm:  # the PTX decode reads 32-bit words of 8 nibbles
+        w1, w3, w2 = (w.view(torch.int32) for w in (w1, w3, w2))
     if tma:  # packed weight tiles by TMA: no per-element address arithmetic (K step 1173 -> 827 SASS, sm_90)
         w1, w3 = (_weight_desc(w, c["BN_UP"], c["BK_UP"]) for w in (w1, w3))
         w2 = _weight_desc(w2, c["BN_DOWN"], c["BK_DOWN"])
@@ -382,15 +392,6 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *,
     _down_kernel[(nt * triton.cdiv(d, c["BN_DOWN"]),)](
         h, tiles, order, w2, s2, yk, nt, n_exp, D=d, I=inter, BN=c["BN_DOWN"], BK=c["BK_DOWN"],
         num_stages=c["num_stages"], TMA=tma, **common)
-    return _sum_slots(yk, t, k, d, x, accumulate_into, accumulate_after)
-
-
-def _weights(experts: ExpertWeights) -> tuple:
-    """(w1, s1, w3, s3, w2, s2); bf16 experts have no scales: any pointer does, the kernels never read it."""
-    return tuple(t for w, s in experts._pairs() for t in (w, s if s is not None else w))
-
-
-def _sum_slots(yk, t, k, d, x, accumulate_into, accumulate_after):
     routed = yk.view(t, k, d).sum(1, dtype=torch.float32)  # fp32 sum, no fp32 copy of yk
     if accumulate_into is not None:
         _wait(accumulate_after, x)
@@ -398,12 +399,37 @@ def _sum_slots(yk, t, k, d, x, accumulate_into, accumulate_after):
     return routed.to(x.dtype)
 
 
+MXFP4_DECODES = ("asm", "scaled", "own")
+# the PTX decode is the default up to this many pairs an expert (decode-sized tiles, BM < 64), where it was measured
+DECODE_ROWS_PER_EXPERT = 32
+
+
+def _mxfp4_decode(x, experts: ExpertWeights, dense: bool, cfg: dict, n_pairs: int) -> str:
+    """How the kernels turn MXFP4 weights into bf16 MMA operands (pops config keys decode / scaled):
+    "asm" (default where it runs: CUDA, bf16 rows, every scale byte <= MXFP4_FAST_MAX_SCALE, decode-sized calls
+    of <= DECODE_ROWS_PER_EXPERT pairs an expert): dequant's PTX, eight nibbles a 32-bit word; "scaled":
+    tl.dot_scaled (the default otherwise); "own": the kernel's fp32 nibble decode (what other formats, fp16 / fp32
+    rows and the interpreter take, whatever is asked)."""
+    scaled = cfg.pop("scaled", None)  # the older switch: False = "own"
+    decode = cfg.pop("decode", None if scaled is None else "scaled" if scaled else "own")
+    if decode is not None and decode not in MXFP4_DECODES:
+        raise ValueError(f"config decode {decode!r} not supported (allowed: {MXFP4_DECODES})")
+    if dense or experts.fmt != "mxfp4" or x.dtype != torch.bfloat16:
+        return "own"
+    asm_runs = x.is_cuda and not _INTERPRET and experts.max_scale <= MXFP4_FAST_MAX_SCALE
+    if decode == "asm" and not asm_runs:
+        raise ValueError(f"config decode 'asm' needs CUDA (not the interpreter) and scale bytes <= "
+                         f"{MXFP4_FAST_MAX_SCALE}, got device {x.device}, largest scale byte {experts.max_scale}")
+    small = n_pairs <= DECODE_ROWS_PER_EXPERT * experts.shape[0]
+    return decode or ("asm" if asm_runs and small else "scaled")
+
+
 def bench(device="cuda", d: int = 5120, inter: int = 2304, n_experts: int = 48, k: int = 6, sets: int = 4,
           tokens=(1, 8, 32, 128, 4096)) -> dict:
-    """Median device ms of routed_experts (CUDA graphs; also with its own nibble decode instead of tl.dot_scaled,
-    and with TMA weight tiles) and routed_experts_ref (eager: its torch.unique syncs) on one EP rank's MXFP4
-    experts, over `sets` random routings; weight_GBps = bytes of the experts touched / time, TFLOPs = the three
-    GEMMs' FLOPs / time."""
+    """Median device ms of routed_experts (CUDA graphs: the default decode; also tl.dot_scaled's upcast, the
+    kernel's own nibble decode, and tl.dot_scaled with TMA weight tiles) and routed_experts_ref (eager: its
+    torch.unique syncs) on one EP rank's MXFP4 experts, over `sets` random routings; weight_GBps = bytes of the
+    experts touched / time, TFLOPs = the three GEMMs' FLOPs / time."""
     from ..bench.device_timing import eager_ms, graph_ms
     g = torch.Generator(device=device).manual_seed(0)
     ex = ExpertWeights.from_dense(*(torch.randn(n_experts, o, i, device=device, generator=g) * i ** -0.5
@@ -416,15 +442,18 @@ def bench(device="cuda", d: int = 5120, inter: int = 2304, n_experts: int = 48, 
         ws = [torch.rand(t, k, device=device, generator=g) for _ in range(sets)]
         used = sum(i.unique().numel() for i in ids) / sets
         ms = graph_ms(lambda i: routed_experts(xs[i], ids[i], ws[i], ex, 10.0), sets)
-        own = {"scaled": False}
-        own_ms = graph_ms(lambda i: routed_experts(xs[i], ids[i], ws[i], ex, 10.0, config=own), sets)
+        scaled_ms = graph_ms(lambda i: routed_experts(xs[i], ids[i], ws[i], ex, 10.0, config={"decode": "scaled"}),
+                             sets)
+        own_ms = graph_ms(lambda i: routed_experts(xs[i], ids[i], ws[i], ex, 10.0, config={"decode": "own"}), sets)
+        tma = {"decode": "scaled", "tma": True}
         try:  # TMA descriptors from the host are newer than some Tritons: keep the other numbers if they fail
-            tma_ms = graph_ms(lambda i: routed_experts(xs[i], ids[i], ws[i], ex, 10.0, config={"tma": True}), sets)
+            tma_ms = graph_ms(lambda i: routed_experts(xs[i], ids[i], ws[i], ex, 10.0, config=tma), sets)
         except Exception as e:  # noqa: BLE001 - recorded, not hidden
             tma_ms, res.setdefault("errors", {})[f"tma T={t}"] = float("nan"), repr(e)[:300]
         ref_ms = eager_ms(lambda i: routed_experts_ref(xs[i], ids[i], ws[i], ex, 10.0), sets)
-        res[f"T={t}"] = {"ms": ms, "own_decode_ms": own_ms, "tma_ms": tma_ms, "ref_ms": ref_ms,
-                         "experts_touched": used, "weight_GBps": used * per_expert / ms / 1e6,
+        res[f"T={t}"] = {"ms": ms, "scaled_ms": scaled_ms, "own_decode_ms": own_ms, "tma_ms": tma_ms,
+                         "ref_ms": ref_ms, "experts_touched": used, "weight_GBps": used * per_expert / ms / 1e6,
+                         "scaled_weight_GBps": used * per_expert / scaled_ms / 1e6,
                          "own_decode_weight_GBps": used * per_expert / own_ms / 1e6,
                          "tma_weight_GBps": used * per_expert / tma_ms / 1e6,
                          "TFLOPs": 6 * t * k * d * inter / ms / 1e9}

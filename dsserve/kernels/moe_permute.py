@@ -9,14 +9,13 @@ Each expert's run is cut into ceil(count / BM) tiles; at most min(E, T*k) expert
 BM - 1 rows, so n_tiles = (T*k + min(E, T*k) * (BM - 1)) // BM bounds the real tile count whatever the routing.
 The launch grid therefore depends only on (T, k, E, BM): no host sync, and the whole call is CUDA-graph capturable.
 
-The kernel, for small decode calls (T*k <= MAX_KERNEL_PAIRS: B <= 42 at top-6), is one program: per-expert
-counts by one-hot sums, each pair's sorted position by counting the pairs that sort before it (pairwise over
-[BLK, BLK] blocks: no scan along the pairs), the tile table from the counts. It replaces a radix sort, three
-searchsorted and a scan, ~12 launches and 20-40 us of a decode step's MoE layer on the H200: this kernel takes
-9 us at 6 pairs and 29 us at 192 (2026-11-30; a first version with a 2-D cumsum over [pairs, E] one-hot blocks
-took 190 us, Triton scans across that layout badly; unrolling the block loops made 192 pairs slower, 43 us).
-Larger batches and prefill chunks keep the torch version. Ids outside [0, E) are placed after every run
-(expert_tiles_ref sorts negative ones first) and land in no tile.
+The kernel, for decode-sized calls (T*k <= MAX_KERNEL_PAIRS: B <= 170 at top-6), is one launch of E + 1 small
+programs. Program e reads all ids, counts the pairs of every expert by one-hot sums, ranks its own pairs by a cumsum
+(pair order: stable) and writes its run of the order and its tiles. Program E places the ids outside [0, E) after
+every run (expert_tiles_ref sorts negative ones first; they land in no tile) and fills the table past the last real
+tile. On the H200 (2026-12-02, benchmarks/results/decode-gemms-h200/expert_tiles_ab.json) it takes 1.6 us at 6
+pairs, 4.6 us at 192 and 7.8 us at 1020, where the single program it replaced (pairwise ranking over [128, 128]
+blocks) took 8.2 and 24 us and torch's ~12 launches 57-68 us from 384 pairs on. Larger calls keep the torch version.
 """
 from __future__ import annotations
 
@@ -24,11 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLK = 128  # pairs per block of the kernel's passes
-# larger calls take the torch version: the kernel's pairwise ranking is O(pairs^2) and its block loops a chain of
-# dependent loads (H200, 2026-11-30: 9 us at 6 pairs, 29 us at 192, 402 us at 768 where torch's ~12 launches
-# take ~40 us)
-MAX_KERNEL_PAIRS = 256
+# larger calls take the torch version: every program reads every id, a [pairs, E] one-hot a program
+MAX_KERNEL_PAIRS = 1024
 
 
 def tile_count(n_pairs: int, n_experts: int, block_m: int) -> int:
@@ -37,42 +33,40 @@ def tile_count(n_pairs: int, n_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _expert_tiles_kernel(ids_ptr, n, order_ptr, tiles_ptr, n_tiles, E: tl.constexpr, EP: tl.constexpr,
-                         BM: tl.constexpr, BLK: tl.constexpr, N_BLOCKS: tl.constexpr, T_BLOCKS: tl.constexpr):
+def _expert_run_kernel(ids_ptr, n, order_ptr, tiles_ptr, n_tiles, E: tl.constexpr, EP: tl.constexpr,
+                       BM: tl.constexpr, PMAX: tl.constexpr, TMAX: tl.constexpr, TAIL: tl.constexpr):
+    """Program e < E: expert e's run (its pairs' sorted positions) and its tiles; program E: the pairs with ids
+    outside [0, E) (after every run) and the table's slots past the last real tile. Each program reads all ids."""
+    e = tl.program_id(0)
+    i = tl.arange(0, PMAX)
     ex = tl.arange(0, EP)
-    lane = tl.arange(0, BLK)
-    counts = tl.zeros((EP,), tl.int32)
-    for b in range(N_BLOCKS):  # pairs per expert (ids outside [0, E) count nowhere)
-        i = b * BLK + lane
-        e = tl.load(ids_ptr + i, mask=i < n, other=-1).to(tl.int32)
-        counts += tl.sum(((e[:, None] == ex[None, :]) & (ex[None, :] < E)).to(tl.int32), axis=0)
-    per = (counts + BM - 1) // BM
-    tile_end = tl.cumsum(per, axis=0)
-    start = tl.cumsum(counts, axis=0) - counts  # first sorted position of each expert's run
-    for b in range(N_BLOCKS):  # each pair's sorted position: the pairs that sort before it, counted pairwise
-        i = b * BLK + lane
-        live = i < n
-        e = tl.load(ids_ptr + i, mask=live, other=-1).to(tl.int32)
-        key = tl.where((e >= 0) & (e < E), e, E)  # out-of-range ids sort after every run, in pair order
-        pos = tl.zeros((BLK,), tl.int32)
-        for c in range(N_BLOCKS):
-            j = c * BLK + lane
-            f = tl.load(ids_ptr + j, mask=j < n, other=-1).to(tl.int32)
-            kj = tl.where((f >= 0) & (f < E), f, E)
-            before = (kj[None, :] < key[:, None]) | ((kj[None, :] == key[:, None]) & (j[None, :] < i[:, None]))
-            pos += tl.sum((before & (j[None, :] < n)).to(tl.int32), axis=1)
-        tl.store(order_ptr + pos, i.to(tl.int64), mask=live)
-    for b in range(T_BLOCKS):  # the tile table
-        j = b * BLK + lane
-        te = tl.sum(((tile_end[None, :] <= j[:, None]) & (ex[None, :] < E)).to(tl.int32), axis=1)
-        sel = (ex[None, :] == tl.minimum(te, E - 1)[:, None]).to(tl.int32)
-        first = tl.sum(sel * start[None, :], axis=1)
-        lo = first + (j - tl.sum(sel * (tile_end - per)[None, :], axis=1)) * BM
-        hi = first + tl.sum(sel * counts[None, :], axis=1)
-        m = j < n_tiles
-        tl.store(tiles_ptr + j, te, mask=m)
-        tl.store(tiles_ptr + n_tiles + j, lo, mask=m)
-        tl.store(tiles_ptr + 2 * n_tiles + j, hi, mask=m)
+    ids = tl.load(ids_ptr + i, mask=i < n, other=-1).to(tl.int32)
+    key = tl.where((ids >= 0) & (ids < E), ids, E)  # out-of-range ids sort after every run, in pair order
+    key = tl.where(i < n, key, E + 1)  # padding: in no run
+    counts = tl.sum((key[:, None] == ex[None, :]).to(tl.int32), axis=0)  # [EP]: pairs per expert (ex < E)
+    counts = tl.where(ex < E, counts, 0)
+    per = (counts + BM - 1) // BM  # tiles per expert
+    mine = key == e
+    start = tl.sum(tl.where(ex < e, counts, 0), axis=0)  # program E: every valid pair sorts before its own
+    rank = tl.cumsum(mine.to(tl.int32), axis=0) - 1  # stable: pair order inside the run
+    tl.store(order_ptr + start + rank, i.to(tl.int64), mask=mine)
+    if e < E:
+        cnt = tl.sum(tl.where(ex == e, counts, 0), axis=0)
+        first = tl.sum(tl.where(ex < e, per, 0), axis=0)
+        j = tl.arange(0, TMAX)
+        m = j < (cnt + BM - 1) // BM
+        tl.store(tiles_ptr + first + j, e + j * 0, mask=m)
+        tl.store(tiles_ptr + n_tiles + first + j, start + j * BM, mask=m)
+        tl.store(tiles_ptr + 2 * n_tiles + first + j, start + cnt + j * 0, mask=m)
+    else:  # past the last real tile: expert E, and the last expert's run continued (as expert_tiles_ref writes)
+        last_start = tl.sum(tl.where(ex < E - 1, counts, 0), axis=0)
+        last_first = tl.sum(tl.where(ex < E - 1, per, 0), axis=0)
+        last_end = last_start + tl.sum(tl.where(ex == E - 1, counts, 0), axis=0)
+        jt = tl.sum(per, axis=0) + tl.arange(0, TAIL)
+        mt = jt < n_tiles
+        tl.store(tiles_ptr + jt, E + jt * 0, mask=mt)
+        tl.store(tiles_ptr + n_tiles + jt, last_start + (jt - last_first) * BM, mask=mt)
+        tl.store(tiles_ptr + 2 * n_tiles + jt, last_end + jt * 0, mask=mt)
 
 
 def expert_tiles(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,7 +80,7 @@ def expert_tiles(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch
 
 
 def expert_tiles_kernel(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """expert_tiles by the one-program kernel, whatever the size and device (CUDA or the Triton interpreter)."""
+    """expert_tiles by the kernel, whatever the size and device (CUDA or the Triton interpreter)."""
     flat = ids.reshape(-1).contiguous()
     n = flat.numel()
     n_tiles = tile_count(n, n_experts, block_m)
@@ -97,9 +91,11 @@ def expert_tiles_kernel(ids: torch.Tensor, n_experts: int, block_m: int) -> tupl
     # loop trip counts are compile-time (the interpreter needs that); pairs round up to a power of two so a
     # changing T reuses one of few compiled variants
     cap = triton.next_power_of_2(n)
-    _expert_tiles_kernel[(1,)](flat, n, order, tiles, n_tiles, E=n_experts, EP=triton.next_power_of_2(n_experts),
-                               BM=block_m, BLK=BLK, N_BLOCKS=triton.cdiv(cap, BLK),
-                               T_BLOCKS=triton.cdiv(tile_count(cap, n_experts, block_m), BLK), num_warps=4)
+    pmax = max(16, cap)
+    _expert_run_kernel[(n_experts + 1,)](
+        flat, n, order, tiles, n_tiles, E=n_experts, EP=triton.next_power_of_2(n_experts), BM=block_m, PMAX=pmax,
+        TMAX=max(2, triton.next_power_of_2(triton.cdiv(pmax, block_m))),
+        TAIL=max(2, triton.next_power_of_2(tile_count(cap, n_experts, block_m))), num_warps=4)
     return order, tiles
 
 

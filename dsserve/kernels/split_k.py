@@ -39,28 +39,12 @@ def store_split(acc, rm, rn, M, N, part_ptr, spm, sps, o_ptr, som, cnt_ptr, tile
     last of its tile to arrive, write the sum of all SPLIT partials (in split order) to out."""
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     tl.store(part_ptr + split * sps + rm[:, None] * spm + rn[None, :], acc, mask=mask)
-    if arrive_last(cnt_ptr, tile, SPLIT):
-        total = sum_splits(part_ptr + rm[:, None] * spm + rn[None, :], sps, mask, SPLIT)
-        tl.store(o_ptr + rm[:, None] * som + rn[None, :], total.to(o_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def arrive_last(cnt_ptr, tile, SPLIT: tl.constexpr):
-    """After this program stored its partials: count it in on the tile's counter; True for the last of the SPLIT
-    programs, which also resets the counter to 0 (ready for the next call or graph replay) and then may read
-    every partial (sum_splits)."""
     tl.debug_barrier()  # every thread's partial is written before the count is released
-    last = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
-    if last:
-        tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
-    return last
-
-
-@triton.jit
-def sum_splits(ptrs, sps, mask, SPLIT: tl.constexpr):
-    """fp32 sum in split order of the SPLIT partials at ptrs + s * sps (the last arrival only)."""
-    total = tl.zeros(ptrs.shape, tl.float32)
-    for s in range(SPLIT):
-        # .cg: read at L2, where the other programs' stores landed (this SM's L1 is not coherent with them)
-        total += tl.load(ptrs + s * sps, mask=mask, other=0.0, cache_modifier=".cg")
-    return total
+    if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+        total = tl.zeros(acc.shape, tl.float32)
+        for s in range(SPLIT):
+            # .cg: read at L2, where the other programs' stores landed (this SM's L1 is not coherent with them)
+            total += tl.load(part_ptr + s * sps + rm[:, None] * spm + rn[None, :], mask=mask, other=0.0,
+                             cache_modifier=".cg")
+        tl.store(o_ptr + rm[:, None] * som + rn[None, :], total.to(o_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next call or graph replay

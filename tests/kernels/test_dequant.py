@@ -1,9 +1,11 @@
 """dsserve.kernels.dequant: FP8 block and MXFP4 weights decoded to a float dtype, bit-exact against the torch decode."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from dsserve.kernels import dequant as Q
-from dsserve.layers.quant import pack_mxfp4, quant_fp8_block
+from dsserve.layers.quant import dequant_mxfp4, pack_mxfp4, quant_fp8_block
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -61,3 +63,31 @@ def test_gpu_release_shapes():
     w = torch.randn(48, 512, 5120, device="cuda")  # one EP rank's w1 (inter cut to 512)
     p, sc = pack_mxfp4(w)
     assert torch.equal(Q.dequant_mxfp4(p, sc), Q.dequant_mxfp4_ref(p, sc))
+
+
+@triton.jit
+def _ptx_tile_kernel(w32_ptr, s_ptr, o_ptr, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    rn = tl.arange(0, BN)
+    for t in range(K // BK):
+        v = Q.mxfp4_tile_bf16(w32_ptr, s_ptr, tl.program_id(0), rn, t * BK, N, K, BN, BK)
+        kk = t * BK + tl.arange(0, BK)
+        tl.store(o_ptr + tl.program_id(0) * N * K + rn[:, None] * K + kk[None, :], v, mask=rn[:, None] < N)
+
+
+@cuda
+@pytest.mark.parametrize("bk", [32, 128])
+def test_gpu_mxfp4_ptx_decode_is_exact(bk):
+    """The PTX decode (eight nibbles a word, one bf16x2 multiply by 2^(s - 1)) against quant.dequant_mxfp4, bit for
+    bit: every byte value in every nibble position, every scale byte it takes (0..128: subnormal and normal
+    results), ragged rows (N = 200 in 256-row tiles), two experts."""
+    g = torch.Generator().manual_seed(3)
+    e, n, k = 2, 200, 256
+    packed = torch.randint(0, 256, (e, n, k // 2), generator=g, dtype=torch.uint8)
+    packed[0, :, :128] = torch.arange(256, dtype=torch.uint8).view(2, 128).repeat(100, 1)  # every byte, both nibbles
+    scale = torch.randint(0, 129, (e, n, k // 32), generator=g, dtype=torch.uint8)
+    scale[0, :129, 0] = torch.arange(129, dtype=torch.uint8)
+    want = torch.stack([dequant_mxfp4(packed[i], scale[i]) for i in range(e)]).bfloat16()
+    out = torch.full((e, n, k), float("nan"), dtype=torch.bfloat16, device="cuda")
+    _ptx_tile_kernel[(e,)](packed.cuda().view(torch.int32), scale.cuda(), out, N=n, K=k, BN=256, BK=bk)
+    assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))
+

@@ -28,14 +28,28 @@ def make(n, k, block, device="cpu", seed=0):
     (33, 64, 192, 128, torch.float32, {"BK": 64}),   # BK < block: one scale per tile, ragged K block
     (5, 96, 96, 32, torch.float32, {"BK": 32, "SPLIT_K": 2, "BN": 32}),  # split K, 3 K tiles over 2 programs
 ])
-@pytest.mark.parametrize("swap", [False, True])  # out = x W^T, or out^T = W x^T (the weight as the left operand)
-def test_w8a16_matches_ref(m, n, k, block, dtype, config, swap):
+def test_w8a16_matches_ref(m, n, k, block, dtype, config):
     w_q, w_s = make(n, k, block)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype)
-    out = F.fp8_linear(x, w_q, w_s, block, config=dict(config or {}, swap=swap))
+    out = F.fp8_linear(x, w_q, w_s, block, config=config)
     ref = F.fp8_linear_ref(x, w_q, w_s, block)
     assert out.dtype == dtype and out.shape == (m, n)
     assert rel(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_wide_weights_sum_split_k_in_the_kernel_up_to_64_rows(monkeypatch):
+    """Split-K partials of 17-64 rows: summed by the tile's last program for wide weights (N >= WIDE_N, here
+    lowered to 96), by torch for narrow ones; both the reference's numbers."""
+    monkeypatch.setattr(F, "WIDE_N", 96)
+    calls, real = [], F.tile_counters
+    monkeypatch.setattr(F, "tile_counters", lambda *a: calls.append(a) or real(*a))
+    for n, in_kernel in ((96, True), (80, False)):
+        calls.clear()
+        w_q, w_s = make(n, 96, 32)
+        x = torch.randn(33, 96, generator=torch.Generator().manual_seed(2))
+        out = F.fp8_linear(x, w_q, w_s, 32, config={"BK": 32, "SPLIT_K": 3})
+        assert bool(calls) == in_kernel
+        assert rel(out, F.fp8_linear_ref(x, w_q, w_s, 32)) < 1e-5
 
 
 @pytest.mark.parametrize("groups", [1, 2])
@@ -146,11 +160,10 @@ def test_grouped_ref_is_the_per_group_loop(groups, m, o, k):
     (2, 5, 64, 128, torch.float32, {"BN": 32, "BK": 32, "SPLIT_K": 3}),  # 2 programs a group, 4 K tiles over 2
     (4, 70, 32, 64, torch.float32, None),                     # M > 64: BM 128, BK 64
 ])
-@pytest.mark.parametrize("swap", [False, True])
-def test_grouped_w8a16_matches_ref(groups, m, o, k, dtype, config, swap):
+def test_grouped_w8a16_matches_ref(groups, m, o, k, dtype, config):
     w_q, w_s = make(groups * o, k, 32, seed=m)
     x = torch.randn(m, groups * k, generator=torch.Generator().manual_seed(7)).to(dtype)
-    out = F.fp8_linear(x, w_q, w_s, 32, groups=groups, config=dict(config or {}, swap=swap))
+    out = F.fp8_linear(x, w_q, w_s, 32, groups=groups, config=config)
     ref = F.fp8_linear_ref(x, w_q, w_s, 32, groups=groups)
     assert out.dtype == dtype and out.shape == (m, groups * o)
     assert rel(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
@@ -161,13 +174,11 @@ def test_grouped_w8a16_matches_ref(groups, m, o, k, dtype, config, swap):
     (5, 128, 128, 2, {"BK": 32}),                # grouped: the descriptor spans every group's rows
     (70, 96, 64, 1, None),                       # many rows: 128-row tiles
 ])
-@pytest.mark.parametrize("swap", [False, True])
-def test_w8a16_tma_weight_tiles_equal_pointer_loads(m, n, k, groups, config, swap):
+def test_w8a16_tma_weight_tiles_equal_pointer_loads(m, n, k, groups, config):
     """config tma: the weight tiles by TMA from a host descriptor give the pointer loads' numbers, bit for bit."""
     w_q, w_s = make(n, k, 32)
     x = torch.randn(m, groups * k, generator=torch.Generator().manual_seed(4))
-    config = dict(config or {}, swap=swap)
-    out = F.fp8_linear(x, w_q, w_s, 32, groups=groups, config=dict(config, tma=True))
+    out = F.fp8_linear(x, w_q, w_s, 32, groups=groups, config=dict(config or {}, tma=True))
     assert torch.equal(out, F.fp8_linear(x, w_q, w_s, 32, groups=groups, config=config))
     assert rel(out, F.fp8_linear_ref(x, w_q, w_s, 32, groups=groups)) < 1e-5
 

@@ -66,17 +66,13 @@ def tiny_experts():
     return {fmt: G.ExpertWeights.from_dense(*dense(E, D, INTER), fmt) for fmt in G.FMTS}
 
 
-PATHS = ("decode", "tiles")  # decode_moe's kernels (the default up to MAX_PAIRS pairs), the tile kernels
-
-
-@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("fmt", G.FMTS)
 @pytest.mark.parametrize("t,k", [(1, 3), (3, 1), (17, 2)])
-def test_matches_ref(tiny_experts, fmt, t, k, path):
+def test_matches_ref(tiny_experts, fmt, t, k):
     ex = tiny_experts[fmt]
     ids, w = routing(t, k, E, seed=t * 10 + k)
     x = torch.randn(t, D, generator=torch.Generator().manual_seed(t))
-    out = G.routed_experts(x, ids, w, ex, LIMIT, config={"path": path})
+    out = G.routed_experts(x, ids, w, ex, LIMIT)
     ref = G.routed_experts_ref(x, ids, w, ex, LIMIT)
     assert out.dtype == x.dtype and out.shape == (t, D)
     assert rel(out, ref) < 1e-5
@@ -111,21 +107,18 @@ def test_accumulate_into_adds_in_fp32_and_rounds_once(tiny_experts, dtype):
         G.routed_experts(x, ids, w, ex, LIMIT, accumulate_into=shared[:, :-1].clone())
 
 
-@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("fmt", G.FMTS)
-def test_uneven_routing_and_empty_experts(tiny_experts, fmt, path):
-    t, k = 17, 3  # all 17 tokens on expert 2 (two tiles / row chunks of 16), the rest on 5 and 6; five stay empty
+def test_uneven_routing_and_empty_experts(tiny_experts, fmt):
+    t, k = 17, 3  # all 17 tokens on expert 2 (two tiles of 16), the rest on 5 and 6; five experts stay empty
     ids, w = routing(t, k, E, seed=5, hot=2, pool=[5, 6])
     ex = poison(tiny_experts[fmt], torch.tensor([0, 1, 3, 4, 7]))
     x = torch.randn(t, D, generator=torch.Generator().manual_seed(6))
-    out = G.routed_experts(x, ids, w, ex, LIMIT, config={"path": path})
-    ref = G.routed_experts_ref(x, ids, w, ex, LIMIT)
+    out, ref = G.routed_experts(x, ids, w, ex, LIMIT), G.routed_experts_ref(x, ids, w, ex, LIMIT)
     assert out.isfinite().all() and rel(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("t,k,bk", [(1, 3, 32), (17, 2, 64), (9, 3, 128)])
-def test_mxfp4_dot_scaled_matches_default(tiny_experts, t, k, bk, path):
+def test_mxfp4_dot_scaled_matches_default(tiny_experts, t, k, bk):
     """bf16 rows take tl.dot_scaled (it upcasts the nibbles) by default: against the kernel's own nibble decode on
     the same rows (same epilogue and roundings: equal up to fp32 summation order) and the reference (loose: the
     interpreter truncates fp32 -> bf16 where the reference rounds); one and several K steps (BK 32, 64; 128 is cut
@@ -134,10 +127,9 @@ def test_mxfp4_dot_scaled_matches_default(tiny_experts, t, k, bk, path):
     unused = [e for e in range(E) if e not in set(ids.flatten().tolist())]
     ex = poison(tiny_experts["mxfp4"], torch.tensor(unused, dtype=torch.long))
     x = torch.randn(t, D, generator=torch.Generator().manual_seed(51 + t)).bfloat16()
-    out = G.routed_experts(x, ids, w, ex, LIMIT, config={"BK": bk, "path": path})
+    out = G.routed_experts(x, ids, w, ex, LIMIT, config={"BK": bk})
     assert out.isfinite().all() and out.dtype == torch.bfloat16
-    own = G.routed_experts(x, ids, w, ex, LIMIT, config={"scaled": False, "BK": bk, "path": path})
-    assert rel(out, own) < 1e-5
+    assert rel(out, G.routed_experts(x, ids, w, ex, LIMIT, config={"decode": "own", "BK": bk})) < 1e-5
     assert rel(out, G.routed_experts_ref(x, ids, w, ex, LIMIT)) < 5e-2  # bf16 h: 8 mantissa bits, truncated
 
 
@@ -150,7 +142,6 @@ def test_mxfp4_tma_weight_tiles_equal_pointer_loads(d, inter, cfg):
     ids, w = routing(9, 3, E, seed=10)
     ids[0, 0] = E - 1  # the last expert: its spill-over tile reads past the array (zero-filled)
     x = torch.randn(9, d, generator=torch.Generator().manual_seed(11)).bfloat16()
-    cfg = dict(cfg, path="tiles")
     out = G.routed_experts(x, ids, w, ex, LIMIT, config=dict(cfg, tma=True))
     assert out.isfinite().all()
     assert torch.equal(out, G.routed_experts(x, ids, w, ex, LIMIT, config=cfg))
@@ -161,9 +152,7 @@ def test_ragged_fp8_small_tiles_and_half_x():
     ex = G.ExpertWeights.from_dense(*dense(E, 96, 48, seed=2), "fp8")
     ids, w = routing(9, 3, E, seed=7)
     x = torch.randn(9, 96, generator=torch.Generator().manual_seed(8))
-    out = G.routed_experts(x, ids, w, ex, LIMIT, config={"BM": 16, "BN": 32, "BK": 32, "GROUP_M": 2, "path": "tiles"})
-    assert rel(out, G.routed_experts_ref(x, ids, w, ex, LIMIT)) < 1e-5
-    out = G.routed_experts(x, ids, w, ex, LIMIT, config={"BN": 32, "BK": 32, "SPLIT_UP": 2, "SPLIT_DOWN": 3})
+    out = G.routed_experts(x, ids, w, ex, LIMIT, config={"BM": 16, "BN": 32, "BK": 32, "GROUP_M": 2})
     assert rel(out, G.routed_experts_ref(x, ids, w, ex, LIMIT)) < 1e-5
     ex = G.ExpertWeights.from_dense(*dense(E, D, INTER, seed=3), "mxfp4")
     # fp16, not bf16: the Triton 3.9 interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even)
@@ -172,26 +161,15 @@ def test_ragged_fp8_small_tiles_and_half_x():
     assert out.dtype == torch.float16 and rel(out, G.routed_experts_ref(xh, ids, w, ex, LIMIT)) < 1e-2
 
 
-@pytest.mark.parametrize("fmt", G.FMTS)
-def test_decode_split_k_is_deterministic_and_takes_repeated_ids(tiny_experts, fmt):
-    """decode_moe: K split over 1-3 programs a tile (the last to arrive sums the partials in split order), a token
-    picking one expert in two slots, and the row chunks of an expert holding more than BM pairs."""
-    ex = tiny_experts[fmt]
-    ids, w = routing(20, 2, E, seed=21)
-    ids[:, 1] = ids[:, 0]  # both slots of every token on one expert: expert ids[0, 0] holds >= 2 pairs
-    ids[:18, :] = 4  # 36 pairs on expert 4: three chunks of 16
-    x = torch.randn(20, D, generator=torch.Generator().manual_seed(22))
-    ref = G.routed_experts_ref(x, ids, w, ex, LIMIT)
-    outs = {}
-    for split in (1, 2, 3):
-        cfg = {"BK": 32, "SPLIT_UP": split, "SPLIT_DOWN": split}
-        outs[split] = G.routed_experts(x, ids, w, ex, LIMIT, config=cfg)
-        assert rel(outs[split], ref) < 1e-5
-        assert torch.equal(outs[split], G.routed_experts(x, ids, w, ex, LIMIT, config=cfg))
-    with pytest.raises(ValueError, match="GROUP_M"):
-        G.routed_experts(x, ids, w, ex, LIMIT, config={"GROUP_M": 2})
-    with pytest.raises(ValueError, match="path"):
-        G.routed_experts(x, ids, w, ex, LIMIT, config={"path": "grouped"})
+def test_mxfp4_ptx_decode_is_cuda_only_and_bounded(tiny_experts):
+    ex = tiny_experts["mxfp4"]
+    ids, w = routing(3, 2, E)
+    x = torch.randn(3, D).bfloat16()
+    assert ex.max_scale <= 128 and tiny_experts["bf16"].max_scale == 0
+    with pytest.raises(ValueError, match="asm"):  # the interpreter runs no PTX
+        G.routed_experts(x, ids, w, ex, LIMIT, config={"decode": "asm"})
+    big = replace(ex, s1=ex.s1.index_fill(0, torch.tensor([1]), 129))
+    assert big.max_scale == 129  # a scale byte past the PTX decode's range: dot_scaled serves the layer
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
@@ -302,14 +280,14 @@ def gpu_experts():
 
 
 @cuda
-@pytest.mark.parametrize("fmt,scaled", [(f, True) for f in G.FMTS] + [("mxfp4", False)])
-@pytest.mark.parametrize("t,path", [(1, "decode"), (1, "tiles"), (16, "decode"), (16, "tiles"), (42, "decode"),
-                                    (256, "tiles"), (1024, "tiles")])  # BM 16, 16, 32, 128 (64 unscaled)
-def test_gpu_model_shapes(gpu_experts, fmt, scaled, t, path):
+@pytest.mark.parametrize("fmt,decode", [(f, None) for f in G.FMTS] + [("mxfp4", d) for d in G.MXFP4_DECODES])
+@pytest.mark.parametrize("t", [1, 16, 256, 1024])  # BM 16, 16, 32, 128 (64 unscaled): decode and prefill tiles
+def test_gpu_model_shapes(gpu_experts, fmt, decode, t):
+    """Every format, and every MXFP4 decode (None: the default, the PTX decode up to 32 pairs an expert)."""
     ex = gpu_experts[fmt]
     ids, w = routing(t, GK, GE, "cuda", seed=t)
     x = torch.randn(t, GD, device="cuda", dtype=torch.bfloat16)
-    out = G.routed_experts(x, ids, w, ex, 10.0, config={"scaled": scaled, "path": path})
+    out = G.routed_experts(x, ids, w, ex, 10.0, config={"decode": decode} if decode else None)
     assert out.isfinite().all()
     assert rel(out, G.routed_experts_ref(x, ids, w, ex, 10.0)) < 1e-2
     assert rel(out, G.routed_experts_ref(x.float(), ids, w, ex, 10.0)) < 1e-2
@@ -317,7 +295,7 @@ def test_gpu_model_shapes(gpu_experts, fmt, scaled, t, path):
 
 @cuda
 @pytest.mark.parametrize("fmt", G.FMTS)
-@pytest.mark.parametrize("t", [40, 256])  # the decode path (240 pairs), the tiles
+@pytest.mark.parametrize("t", [40, 256])  # MXFP4: the PTX decode (240 pairs), tl.dot_scaled (1536)
 def test_gpu_uneven_routing_and_empty_experts(gpu_experts, fmt, t):
     # every token on expert 3 (up to 16 tiles of 16 rows), the rest on experts 10..19; 37 experts stay empty
     ids, w = routing(t, GK, GE, "cuda", seed=11, hot=3, pool=list(range(10, 20)))
@@ -326,6 +304,10 @@ def test_gpu_uneven_routing_and_empty_experts(gpu_experts, fmt, t):
     x = torch.randn(t, GD, device="cuda", dtype=torch.bfloat16)
     out = G.routed_experts(x, ids, w, ex, 10.0)
     assert out.isfinite().all() and rel(out, G.routed_experts_ref(x, ids, w, ex, 10.0)) < 1e-2
+    if fmt == "mxfp4":  # poisoned scales (255) are past the PTX decode's range: the unpoisoned experts take it
+        ex = gpu_experts[fmt]
+        out = G.routed_experts(x, ids, w, ex, 10.0, config={"decode": "asm"})
+        assert rel(out, G.routed_experts_ref(x, ids, w, ex, 10.0)) < 1e-2
 
 
 @cuda
@@ -343,12 +325,12 @@ def test_gpu_prefill_dequant_path(gpu_experts, fmt):
 
 
 @cuda
-@pytest.mark.parametrize("path", PATHS)
-def test_gpu_graph_capture_has_no_host_sync(gpu_experts, path):
+@pytest.mark.parametrize("decode", G.MXFP4_DECODES)
+def test_gpu_graph_capture_has_no_host_sync(gpu_experts, decode):
     ex = gpu_experts["mxfp4"]
     ids, w = routing(8, GK, GE, "cuda", seed=12)
     x = torch.randn(8, GD, device="cuda", dtype=torch.bfloat16)
-    cfg = {"path": path}
+    cfg = {"decode": decode}
     ref = G.routed_experts(x, ids, w, ex, 10.0, config=cfg)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

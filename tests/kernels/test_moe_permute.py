@@ -9,7 +9,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("t,k,e,bm", [(1, 6, 48, 16), (7, 2, 8, 16), (120, 2, 8, 16), (40, 6, 48, 64),
-                                      (5, 3, 5, 16)])
+                                      (5, 3, 5, 16), (170, 6, 48, 16)])
 def test_kernel_equals_reference(t, k, e, bm):
     assert t * k <= MAX_KERNEL_PAIRS  # sizes the dispatcher sends to the kernel on CUDA
     g = torch.Generator().manual_seed(t * 100 + e)
