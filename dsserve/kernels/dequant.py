@@ -55,7 +55,7 @@ def _e2m1(c):  # nibble (int32) -> fp32: bit 3 sign, bits 1-2 exponent (bias 1, 
 
 @triton.jit
 def weight_tile(w_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr,
-            BK: tl.constexpr):
+                BK: tl.constexpr):
     """fp32 [BN, BK] tile W_e[rn, k0:k0 + BK] (0 outside) of an expert stack [E, N, K] (FMT 0: float, 1: e4m3 +
     32x32 e8m0 blocks, 2: MXFP4 packed [E, N, K/2] + e8m0 [E, N, K/32]), exactly the reference's dequantised weight."""
     kk = k0 + tl.arange(0, BK)

@@ -170,6 +170,8 @@ def test_mxfp4_ptx_decode_is_cuda_only_and_bounded(tiny_experts):
         G.routed_experts(x, ids, w, ex, LIMIT, config={"decode": "asm"})
     big = replace(ex, s1=ex.s1.index_fill(0, torch.tensor([1]), 129))
     assert big.max_scale == 129  # a scale byte past the PTX decode's range: dot_scaled serves the layer
+    with pytest.raises(ValueError, match="decode"):
+        G.routed_experts(x, ids, w, ex, LIMIT, config={"decode": "fast"})
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
