@@ -7,7 +7,10 @@ One model (`proxy-h200-release`: dense FP8, routed experts MXFP4, Engram tables 
 three engines around it, each with prefix caching on and 8K-token prefill chunks:
   (a) replay off: the exact mode (the decoder runs on every prompt row; window rows kept with the cached blocks);
   (b) replay on, eager: the decoder runs on each prompt's last `replay_window` rows, as plain kernel launches;
-  (c) replay on, graphs (the engine's default): those decoder rows replay a CUDA graph (engine.replay_graphs).
+  (c) replay on, graphs (the engine's default): the encoder rows of a step that fits a row bucket (a prefix hit's
+      replayed + new rows, a short prompt) and the decoder rows replay CUDA graphs (engine.encoder_graphs,
+      engine.replay_graphs), split at the encoder/decoder boundary;
+  (d) as (c) with the encoder eager (the decoder rows' graphs only: (c) before the encoder graphs).
 Per prompt length L: TTFT of fresh random prompts (cold), then of an earlier prompt plus `--hit-new` fresh tokens
 (a prefix hit on the L cached tokens). Every (engine, L, cold/hit) case runs once untimed first (graph capture and
 Triton compilation land there; reported as `first_ms`), then `--repeats` timed requests, one at a time,
@@ -40,17 +43,23 @@ from dsserve.models.loader import LoadedModel  # noqa: E402
 
 MODES = {"a_replay_off": dict(swa_bounded_replay=False),
          "b_replay_eager": dict(swa_bounded_replay=True, enforce_eager=True),
-         "c_replay_graphs": dict(swa_bounded_replay=True)}
+         "c_replay_graphs": dict(swa_bounded_replay=True),
+         "d_decoder_graphs_only": dict(swa_bounded_replay=True, encoder_graphs=False)}
 
 
 def engine(loaded: LoadedModel, mode: dict, kv_bytes: int, max_len: int, smoke: bool) -> EngineCore:
+    mode = dict(mode)
+    encoder_graphs = mode.pop("encoder_graphs", True)
     args = EngineArgs(model="tiny", dtype="bfloat16" if DEV == "cuda" else "float32",
                       # "device": leave the tables where build_core put them (host, FP8) for every engine
                       quantization="fp8" if not smoke else None, engram_tables="device",
                       max_num_seqs=4, max_num_batched_tokens=256 if smoke else 8192, max_model_len=max_len,
                       enable_prefix_caching=True, kv_cache_memory=kv_bytes,
                       reference_ops="all" if smoke and DEV == "cpu" else "", **mode)
-    return EngineCore(args, loaded=loaded)
+    core = EngineCore(args, loaded=loaded)
+    if not encoder_graphs:
+        core.runner.encoder_graphs = None
+    return core
 
 
 def ttft_ms(core: EngineCore, rid: str, ids: list[int]) -> tuple[float, int]:
@@ -85,7 +94,8 @@ def study(core: EngineCore, lengths: list[int], repeats: int, hit_new: int, gen:
             timed = sorted(times[1:])
             rows.append({"L": L, "kind": kind, "first_ms": times[0], "ms": timed[len(timed) // 2], "all_ms": times,
                          "cached_tokens": cached, **{k: after[k] - before[k] for k in (
-                             "decoder_rows_skipped", "replayed_rows", "replay_graph_steps", "prefill_rows")}})
+                             "decoder_rows_skipped", "replayed_rows", "replay_graph_steps", "encoder_graph_steps",
+                             "prefill_rows")}})
             r = rows[-1]
             print(f"  L={L:>6d} {kind:4s} ttft {r['ms']:9.1f} ms (first {r['first_ms']:9.1f}) cached {cached[-1]:>6d} "
                   f"decoder rows skipped {r['decoder_rows_skipped']}", flush=True)
@@ -107,7 +117,7 @@ def plot(res: dict, path: str) -> None:
                                             else ""))
         ax[i].legend()
     for kind, mark in (("cold", "o-"), ("hit", "s--")):
-        for mode in ("b_replay_eager", "c_replay_graphs"):
+        for mode in [m for m in MODES if m != "a_replay_off" and m in res["modes"]]:
             pts = [(r["L"], r["vs_a"]) for r in res["ratios"] if r["kind"] == kind and r["mode"] == mode]
             ax[2].plot([p[0] for p in pts], [p[1] for p in pts], mark, color=color[mode], label=f"{mode} {kind}")
     ax[2].axhline(0.7, ls=":", color="k")
@@ -151,8 +161,9 @@ def main() -> None:
         print(f"{name}:", flush=True)
         core = engine(loaded, MODES[name], kv_bytes, max_len, a.smoke)
         res["modes"][name] = study(core, lengths, a.repeats, a.hit_new, torch.Generator().manual_seed(0))
-        rg = core.runner.replay_graphs
+        rg, eg = core.runner.replay_graphs, core.runner.encoder_graphs
         res["graphs"][name] = {"replay": None if rg is None else rg.report(),
+                               "encoder": None if eg is None else eg.report(),
                                "decode": None if core.runner.decode_graphs is None else
                                core.runner.decode_graphs.report()}
         core.kv = core.runner = core.model = None

@@ -20,6 +20,7 @@ from ..models.quantize import quantize_dense_fp8, quantize_experts, use_fp8_kern
 from .args import EngineArgs, EngineArgsError
 from .decode_graphs import DecodeGraphs
 from .graph_capture import GraphCapture
+from .encoder_graphs import EncoderGraphs
 from .replay_graphs import ReplayGraphs
 from .detokenizer import StopChecker
 from .outputs import CompletionOutput, RequestOutput, make_logprob_dict
@@ -137,7 +138,7 @@ class EngineCore:
             replay_window=args.replay_window or self.cfg.sliding_window,
             enable_prefix_caching=args.enable_prefix_caching, session_retention_s=args.session_retention), self.kv)
         self.stats = EngineStats(layout, self.cfg)
-        graphs = replay_graphs = self.graph_capture = None
+        graphs = replay_graphs = encoder_graphs = self.graph_capture = None
         min_context = -(-1024 // (2 * layout.block_size)) * 2 * layout.block_size
         if backend == "paged" and self.device.type == "cuda" and not args.enforce_eager:
             capture = self.graph_capture = GraphCapture()  # every graph in one memory pool
@@ -145,6 +146,8 @@ class EngineCore:
             if replay:
                 replay_graphs = ReplayGraphs(self.model, self.kv, min(1024, args.max_num_batched_tokens),
                                              args.max_num_seqs, capture, min_context=min_context)
+                encoder_graphs = EncoderGraphs(self.model, self.kv, min(1024, args.max_num_batched_tokens),
+                                               args.max_num_seqs, capture, min_context=min_context)
         elif backend == "paged" and args.async_scheduling:  # fixed shapes, eager (the CPU)
             graphs = DecodeGraphs(self.model, self.kv, args.max_num_seqs, None, min_context=min_context)
         # Asynchronous scheduling runs only fixed-shape decode steps ahead: they take their tokens from the device.
@@ -153,7 +156,7 @@ class EngineCore:
             _say("async scheduling is off: it needs fixed-shape decode steps (the paged attention backend; this engine "
                  "runs %s on %s)", backend, self.cfg.name)
         self._in_flight: _Launched | None = None  # a step whose tokens the host has not read yet
-        self.runner = ModelRunner(self.model, args.replay_form, graphs, replay_graphs)
+        self.runner = ModelRunner(self.model, args.replay_form, graphs, replay_graphs, encoder_graphs)
         self.sampler = Sampler(eos_token_id=self.tokenizer.eos_id)
         self._tracked: dict[str, _Tracked] = {}
         r = self.kv.report()
@@ -250,6 +253,7 @@ class EngineCore:
         self.stats.decoder_rows_skipped = self.runner.decoder_rows_skipped
         self.stats.graph_steps = self.runner.graph_steps
         self.stats.replay_graph_steps = 0 if self.runner.replay_graphs is None else self.runner.replay_graphs.runs
+        self.stats.encoder_graph_steps = 0 if self.runner.encoder_graphs is None else self.runner.encoder_graphs.runs
         self.stats.graph_captures = 0 if self.graph_capture is None else self.graph_capture.captured
 
     def _sample(self, sampling: list[Request], logits: torch.Tensor) -> _Launched:

@@ -11,13 +11,13 @@ from .scheduler import StepPlan
 
 class ModelRunner:
     def __init__(self, model: DeepseekForCausalLM, replay_form: str = "report", decode_graphs=None,
-                 replay_graphs=None):
+                 replay_graphs=None, encoder_graphs=None):
         """``decode_graphs`` (engine.decode_graphs.DecodeGraphs): plain decode steps run through it, in fixed
         shapes (CUDA graphs on a GPU); None: every step runs ``forward_batch``. ``replay_graphs``
         (engine.replay_graphs.ReplayGraphs): other steps' decoder rows after bounded replay's narrowing run
-        through it."""
+        through it; ``encoder_graphs`` (engine.encoder_graphs.EncoderGraphs): their encoder rows before it."""
         self.model, self.replay_form, self.decode_graphs = model, replay_form, decode_graphs
-        self.replay_graphs = replay_graphs
+        self.replay_graphs, self.encoder_graphs = replay_graphs, encoder_graphs
         self.decoder_rows_skipped = 0  # prefill rows bounded replay kept out of the decoder
         self.graph_steps = 0  # steps run by decode_graphs
 
@@ -38,7 +38,8 @@ class ModelRunner:
             seqs.append(SeqRows(slice(row, row + c.num_tokens), r.kv, r.decoder_start))
             row += c.num_tokens
         tokens = torch.tensor(ids, dtype=torch.long)  # on the host: forward_batch checks, then moves them
-        out = self.model.forward_batch(tokens, seqs, replay_form=self.replay_form, decoder_rows=self.replay_graphs)
+        out = self.model.forward_batch(tokens, seqs, replay_form=self.replay_form, decoder_rows=self.replay_graphs,
+                                       encoder_rows=self.encoder_graphs)
         self.decoder_rows_skipped += len(ids) - out.hidden.shape[0]
         last_rows = [s.rows.stop - 1 for c, s in zip(plan.chunks, out.seqs) if c.samples]
         sampling = [c.request for c in plan.chunks if c.samples]

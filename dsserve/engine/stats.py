@@ -20,6 +20,7 @@ class EngineStats:
     decoder_rows_skipped: int = 0  # prefill rows that did not run the decoder (decoder-side replay)
     graph_steps: int = 0  # decode steps run in fixed shapes (replayed CUDA graphs on a GPU)
     replay_graph_steps: int = 0  # steps whose decoder rows ran in fixed shapes after bounded replay's narrowing
+    encoder_graph_steps: int = 0  # replayed steps whose encoder rows ran in fixed shapes (engine.encoder_graphs)
     graph_captures: int = 0  # CUDA graphs captured (each stalls its step once: 0.2-1.6 s on the release proxy)
     ahead_steps: int = 0  # decode steps launched before the host read the previous step's tokens (async)
     steps: int = 0
@@ -59,6 +60,7 @@ class EngineStats:
             "replayed_rows": self.replayed_rows, "prefill_rows": self.prefill_rows,
             "decoder_rows_skipped": self.decoder_rows_skipped, "decoder_flops_saved": self.decoder_flops_saved,
             "graph_steps": self.graph_steps, "replay_graph_steps": self.replay_graph_steps,
+            "encoder_graph_steps": self.encoder_graph_steps,
             "graph_captures": self.graph_captures, "ahead_steps": self.ahead_steps,
             "steps": self.steps, "step_host_seconds": self.step_host_seconds,
             "step_wait_seconds": self.step_wait_seconds,

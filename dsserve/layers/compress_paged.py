@@ -8,7 +8,11 @@ window slot; how many it has is host state (``SequenceKV.carried``). Two forms:
   positions and block tables, uploaded without a wait; no launches per sequence;
 - ``compress_decode`` (a ``DecodeBatch``: one row per sequence, fixed shapes, CUDA-graph capturable): every row
   pools its carried rows with itself and the pool row is -1 (computed, not stored) where no group completes; the
-  row becomes the carry. The host's counts follow in ``commit_decode``.
+  row becomes the carry. The host's counts follow in ``commit_decode``;
+- ``compress_rows`` (an ``EncoderBatch``: several rows per sequence, fixed shapes): every row pools the group
+  ending at it, taking each earlier member from this step's rows or, before the sequence's first row, from the
+  carry; the rows of each sequence's last incomplete group become the carry. The host's counts follow in
+  ``EncoderBatch.commit``.
 """
 from __future__ import annotations
 
@@ -45,6 +49,8 @@ def compress_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> None:
     """Every sequence's new global entries of the step in one pass (see the module's docstring)."""
     if getattr(ctx.paged, "is_decode", False):
         return compress_decode(attn, x, ctx)
+    if getattr(ctx.paged, "is_fixed_rows", False):
+        return compress_rows(attn, x, ctx)
     layer, r = attn.role.index, attn.role.ratio
     cache, dev = ctx.paged.cache, x.device
     epb = cache.layout.sources[layer][1]
@@ -128,6 +134,32 @@ def compress_decode(attn, x: torch.Tensor, ctx: ForwardContext) -> None:
         # carry row j holds the group's position j; the group's last row writes a row that nothing reads
         dst = slot * (r - 1) + (p % r).clamp(max=r - 2)
         cu.flatten(0, 1).index_copy_(0, dst, u)
+        cz.flatten(0, 1).index_copy_(0, dst, z)
+        u, z = pu.flatten(0, 1), pz.flatten(0, 1)
+    _store(attn, ctx, u, z, r, cos_sin, rows, x.dtype)
+
+
+def compress_rows(attn, x: torch.Tensor, ctx: ForwardContext) -> None:
+    """An encoder batch's entries in fixed shapes (kv.encoder_batch): row t (position p) completes the group ending
+    at p when (p + 1) % r == 0 and its entry is not the prefix cache's; member q < p is row t - (p - q) of the step
+    when q is at or after the sequence's first row of the step, else carry row q % r. Rows in their sequence's last
+    incomplete group write the carry; other rows (and padding) write the spare slot, which nothing reads."""
+    layer, r = attn.role.index, attn.role.ratio
+    step = ctx.paged
+    u, z = _projections(attn.compressor, x, r)
+    rows, cos_sin = step.entry_stores(r, attn.rope, x.dtype)
+    if r > 1:
+        p, dev = step.positions, x.device
+        cu, cz = step.cache.carry(layer, u.shape[1], u.dtype)
+        slot = step.carry_slots
+        j = torch.arange(r - 1, device=dev)
+        in_step = (p[:, None] - (r - 1) + j) >= step.first_positions()[:, None]  # [T, r - 1]
+        src = (torch.arange(u.shape[0], device=dev)[:, None] - (r - 1) + j).clamp_min(0)
+        pu = torch.cat((torch.where(in_step[..., None], u[src], cu[slot]), u[:, None]), 1)  # [T, r, width]
+        pz = torch.cat((torch.where(in_step[..., None], z[src], cz[slot]), z[:, None]), 1)
+        carries = p >= torch.div(step.seq_last() + 1, r, rounding_mode="floor") * r
+        dst = torch.where(carries, slot * (r - 1) + p % r, step.cache.slots.num_blocks * (r - 1))
+        cu.flatten(0, 1).index_copy_(0, dst, u)  # after the gathers above: they read the carry first
         cz.flatten(0, 1).index_copy_(0, dst, z)
         u, z = pu.flatten(0, 1), pz.flatten(0, 1)
     _store(attn, ctx, u, z, r, cos_sin, rows, x.dtype)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..kv.decode_batch import DecodeBatch
+from ..kv.encoder_batch import EncoderBatch
 from ..kv.paged_batch import PagedBatch
 from ..kv.replay_batch import ReplayBatch
 from ..kv.sequence_cache import SequenceCache
@@ -81,7 +82,7 @@ class DeepseekForCausalLM(nn.Module):
                       is_image: torch.Tensor | None = None, trace: list | None = None,
                       replay_form: str = "report", decoder_rows=None, index_kl: list | None = None,
                       dense_entries: bool = False, static: bool = False,
-                      segment_first: torch.Tensor | None = None) -> ForwardOutput:
+                      segment_first: torch.Tensor | None = None, encoder_rows=None) -> ForwardOutput:
         """A flat batch of rows from several sequences: ``seqs`` says which rows are whose, in order.
 
         Each sequence's rows continue its cache at ``cache.num_tokens``. Returns the hidden states of the
@@ -91,6 +92,8 @@ class DeepseekForCausalLM(nn.Module):
         every row, 21-39 on the window). Both publish the same global KV. ``decoder_rows``
         (engine.replay_graphs.ReplayGraphs) may run the narrowed rows from there on in fixed shapes (a CUDA
         graph); it returns None for a step it does not take. The DSpark taps of layers it runs are not returned.
+        ``encoder_rows`` (engine.encoder_graphs.EncoderGraphs) may likewise run a replayed step's encoder layers (the
+        split's other piece) and hand their streams to the decoder's KV source layer.
         ``dense_entries`` (training's dense warm-up): every compressed layer attends all its visible global entries.
         ``static`` (training's fixed-shape step, train.step): ``tokens`` are on the model's device and were checked by
         the caller; nothing is read back or uploaded (positions and Engram ids are made on the device), so the step
@@ -146,9 +149,15 @@ class DeepseekForCausalLM(nn.Module):
             ctx.engram_history = [s.cache.engram_history for s in seqs]
             ctx.engram_rows = self._prefetch_engram(ctx, host_ids)
 
-        x, pre = self._embed(tokens)
+        x, first_layer = None, 0
+        if replay and encoder_rows is not None:
+            ran = encoder_rows.run(ctx, host_ids if cfg.engram_layer_ids else None)
+            if ran is not None:
+                (x, pre), first_layer = ran, cfg.encoder_layers
+        if x is None:
+            x, pre = self._embed(tokens)
         taps, hidden = {}, None
-        for block in self.layers:
+        for block in self.layers[first_layer:]:
             i = block.role.index
             if i in cfg.dspark_target_layer_ids:
                 taps[i] = acc(x).mean(1).to(x.dtype)
@@ -216,6 +225,22 @@ class DeepseekForCausalLM(nn.Module):
         if not cfg.is_v41:
             pre = hc_head_pre(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg.rms_norm_eps, cfg.hc_eps)
         return self.logits(collapse(x, pre))
+
+    def forward_encoder_rows(self, batch: EncoderBatch, engram_rows: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The streams [capacity, n, d] and collapse weights [capacity, n] that enter the decoder's KV source layer,
+        for the encoder rows in ``batch``: the embedding and every encoder layer, compressors included.
+        ``engram_rows``: Engram layer -> its rows' gathered table rows [capacity, columns, D] (host tables,
+        prefetched) or table row ids [capacity, columns] (tables on the device), in buffers. Fixed shapes, no host
+        reads or writes: a CUDA graph can capture it. The host's counts follow in ``EncoderBatch.commit``."""
+        batch.begin()
+        ctx = ForwardContext(tokens=batch.tokens, positions=batch.positions, seqs=batch.seqs, qat=self.cfg.qat,
+                             paged=batch, ops=self.kernel_ops)
+        if self.cfg.engram_layer_ids:
+            ctx.engram_ids, ctx.engram_rows = self.engram_token_map[batch.tokens], engram_rows
+        x, pre = self._embed(batch.tokens)
+        for block in self.layers[:self.cfg.encoder_layers]:
+            x, pre, ctx = block(x, pre, ctx)
+        return x, pre
 
     def forward_decoder_rows(self, batch: ReplayBatch, start: int, x: torch.Tensor, h: torch.Tensor,
                              a_pre: torch.Tensor, a_post: torch.Tensor, a_comb: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,8 @@ STAT_COUNTERS = {
     "graph_steps": ("decode_graph_steps", "Decode steps run in fixed shapes (replayed CUDA graphs on a GPU)."),
     "replay_graph_steps": ("replay_graph_steps", "Steps whose decoder rows ran in fixed shapes after bounded "
                            "replay's narrowing (replayed CUDA graphs on a GPU)."),
+    "encoder_graph_steps": ("encoder_graph_steps", "Replayed steps whose encoder rows ran in fixed shapes (CUDA "
+                            "graphs on a GPU)."),
     "graph_captures": ("graph_captures", "CUDA graphs captured (each capture stalls the step that needs it once)."),
     "ahead_steps": ("async_ahead_steps", "Decode steps launched from the previous step's tokens on the device, "
                     "before the host read them (asynchronous scheduling)."),

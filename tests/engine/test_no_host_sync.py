@@ -92,3 +92,29 @@ def test_replay_graph_step_makes_no_host_sync():
     for i in range(3):  # same length: one bucket pair, captured by the first
         llm.generate([list(range(5 + i, 85 + i))], params)
     assert len(guarded) == 2 and graphs.replays == 3
+
+
+@needs_cuda
+def test_encoder_graph_step_makes_no_host_sync():
+    """A replayed step's encoder rows replayed from a CUDA graph: refilling the buffers (Engram row ids hashed on
+    the host and uploaded), the replay, the host's compressor counts."""
+    llm = LLM(model="tiny", dtype="bfloat16", device="cuda", enable_prefix_caching=False, max_num_seqs=4,
+              swa_bounded_replay=True)
+    graphs = llm.engine.runner.encoder_graphs
+    run, guarded = graphs.run, []
+
+    def no_sync(ctx, host_ids):
+        if graphs.key(ctx) not in graphs._steps:  # the bucket's first step captures (and synchronises): unguarded
+            return run(ctx, host_ids)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return run(ctx, host_ids)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            guarded.append(True)
+    graphs.run = no_sync
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for i in range(3):  # same length: one bucket pair, captured by the first
+        llm.generate([list(range(5 + i, 85 + i))], params)
+    assert len(guarded) == 2 and graphs.replays == 3
