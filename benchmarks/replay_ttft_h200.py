@@ -7,10 +7,10 @@ One model (`proxy-h200-release`: dense FP8, routed experts MXFP4, Engram tables 
 three engines around it, each with prefix caching on and 8K-token prefill chunks:
   (a) replay off: the exact mode (the decoder runs on every prompt row; window rows kept with the cached blocks);
   (b) replay on, eager: the decoder runs on each prompt's last `replay_window` rows, as plain kernel launches;
-  (c) replay on, graphs (the engine's default): the encoder rows of a step that fits a row bucket (a prefix hit's
-      replayed + new rows, a short prompt) and the decoder rows replay CUDA graphs (engine.encoder_graphs,
-      engine.replay_graphs), split at the encoder/decoder boundary;
-  (d) as (c) with the encoder eager (the decoder rows' graphs only: (c) before the encoder graphs).
+  (c) replay on, graphs split at the encoder/decoder boundary (`--encoder-graphs`): the encoder rows of a step that
+      fits a row bucket (a prefix hit's replayed + new rows, a short prompt) and the decoder rows replay CUDA graphs
+      (engine.encoder_graphs, engine.replay_graphs);
+  (d) as (c) with the encoder eager (the decoder rows' graphs only: the engine's default).
 Per prompt length L: TTFT of fresh random prompts (cold), then of an earlier prompt plus `--hit-new` fresh tokens
 (a prefix hit on the L cached tokens). Every (engine, L, cold/hit) case runs once untimed first (graph capture and
 Triton compilation land there; reported as `first_ms`), then `--repeats` timed requests, one at a time,
@@ -43,23 +43,18 @@ from dsserve.models.loader import LoadedModel  # noqa: E402
 
 MODES = {"a_replay_off": dict(swa_bounded_replay=False),
          "b_replay_eager": dict(swa_bounded_replay=True, enforce_eager=True),
-         "c_replay_graphs": dict(swa_bounded_replay=True),
+         "c_replay_graphs": dict(swa_bounded_replay=True, encoder_graphs=True),
          "d_decoder_graphs_only": dict(swa_bounded_replay=True, encoder_graphs=False)}
 
 
 def engine(loaded: LoadedModel, mode: dict, kv_bytes: int, max_len: int, smoke: bool) -> EngineCore:
-    mode = dict(mode)
-    encoder_graphs = mode.pop("encoder_graphs", True)
     args = EngineArgs(model="tiny", dtype="bfloat16" if DEV == "cuda" else "float32",
                       # "device": leave the tables where build_core put them (host, FP8) for every engine
                       quantization="fp8" if not smoke else None, engram_tables="device",
                       max_num_seqs=4, max_num_batched_tokens=256 if smoke else 8192, max_model_len=max_len,
                       enable_prefix_caching=True, kv_cache_memory=kv_bytes,
                       reference_ops="all" if smoke and DEV == "cpu" else "", **mode)
-    core = EngineCore(args, loaded=loaded)
-    if not encoder_graphs:
-        core.runner.encoder_graphs = None
-    return core
+    return EngineCore(args, loaded=loaded)
 
 
 def ttft_ms(core: EngineCore, rid: str, ids: list[int]) -> tuple[float, int]:

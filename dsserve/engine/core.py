@@ -146,8 +146,9 @@ class EngineCore:
             if replay:
                 replay_graphs = ReplayGraphs(self.model, self.kv, min(1024, args.max_num_batched_tokens),
                                              args.max_num_seqs, capture, min_context=min_context)
-                encoder_graphs = EncoderGraphs(self.model, self.kv, min(1024, args.max_num_batched_tokens),
-                                               args.max_num_seqs, capture, min_context=min_context)
+                if args.encoder_graphs:
+                    encoder_graphs = EncoderGraphs(self.model, self.kv, min(1024, args.max_num_batched_tokens),
+                                                   args.max_num_seqs, capture, min_context=min_context)
         elif backend == "paged" and args.async_scheduling:  # fixed shapes, eager (the CPU)
             graphs = DecodeGraphs(self.model, self.kv, args.max_num_seqs, None, min_context=min_context)
         # Asynchronous scheduling runs only fixed-shape decode steps ahead: they take their tokens from the device.

@@ -9,6 +9,7 @@ entries from every row and narrows, eagerly, and the decoder rows follow through
 largest bucket (long cold chunks: matmul-bound) stay eager. Without capture (the CPU) the same fixed-shape forward
 runs eagerly: the tests check it against the eager path.
 
+Opt-in (``--encoder-graphs``): see docs/decode_graphs.md for the live-server assert that keeps it off by default.
 Engram rows come in buffers: host tables' rows from the step's prefetch (started before the graph), tables on the
 device as row ids hashed on the host (the eager path hashes them on the host too, for the prefetch).
 ``run`` returns None, counted in ``fallbacks`` by reason, for a step it does not take.

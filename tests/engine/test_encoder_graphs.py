@@ -87,7 +87,7 @@ def test_steps_it_cannot_take_fall_back():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_encoder_graphs_on_gpu():
-    """The engine's default on a GPU captures the encoder rows' graphs: replaying them gives the same tokens and
+    """--encoder-graphs on a GPU captures the encoder rows' graphs: replaying them gives the same tokens and
     logprobs, bit for bit, as the same fixed-shape forward run eagerly; and the eager engine's greedy tokens wherever
     its top-2 margin clears fp32 noise."""
     kw = dict(dtype="float32", device="cuda")
@@ -96,9 +96,11 @@ def test_encoder_graphs_on_gpu():
     captured, _ = _run(_fixed_shape(made, GraphCapture()), **kw)
     assert captured == fixed
     assert made[1].report()["replays"] > 0 and made[1].report()["graphs"] == made[0].report()["fixed_shape_steps"]
-    graphed, eng = _run(None, **kw)
+    graphed, eng = _run(None, encoder_graphs=True, **kw)  # --encoder-graphs
     rep = eng.runner.encoder_graphs.report()
     assert rep["replays"] > 0
+    _, off = _run(None, **kw)  # the default: the decoder rows' graphs only
+    assert off.runner.encoder_graphs is None and off.stats.replay_graph_steps > 0
     eager, _ = _run(False, enforce_eager=True, **kw)
     checked = 0
     for (tok_g, _), (tok_e, lp_e) in zip(graphed, eager):

@@ -99,7 +99,7 @@ def test_encoder_graph_step_makes_no_host_sync():
     """A replayed step's encoder rows replayed from a CUDA graph: refilling the buffers (Engram row ids hashed on
     the host and uploaded), the replay, the host's compressor counts."""
     llm = LLM(model="tiny", dtype="bfloat16", device="cuda", enable_prefix_caching=False, max_num_seqs=4,
-              swa_bounded_replay=True)
+              swa_bounded_replay=True, encoder_graphs=True)
     graphs = llm.engine.runner.encoder_graphs
     run, guarded = graphs.run, []
 

@@ -96,6 +96,7 @@ def test_replay_graphs_on_gpu():
     graphed, eng = _run(None, **kw)  # the engine's own buckets
     rep = eng.runner.replay_graphs.report()
     assert rep["replays"] > 0 and not rep["fallbacks"]
+    assert eng.runner.encoder_graphs is None  # opt-in (--encoder-graphs)
     assert eng.stats.graph_captures == len(rep["graphs"]) + len(eng.runner.decode_graphs.report()["graphs"])
     eager, _ = _run(False, enforce_eager=True, **kw)
     checked = 0
