@@ -67,30 +67,41 @@ def test_graph_decode_step_makes_no_host_sync():
     assert len(guarded) == 2 and graphs.replays == 3
 
 
+def _guard_replays(graphs, ctx_of) -> list:
+    """Wraps ``graphs.run``: every run of a bucket pair already captured runs under torch's sync debug mode (the
+    first captures, and synchronises: unguarded). ``ctx_of``: the run's ForwardContext from its arguments. Returns
+    the list that grows by one per guarded run."""
+    run, guarded = graphs.run, []
+
+    def no_sync(*args):
+        if graphs.key(ctx_of(args)) not in graphs._steps:
+            return run(*args)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return run(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            guarded.append(True)
+    graphs.run = no_sync
+    return guarded
+
+
+def _three_prompts(llm) -> None:
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for i in range(3):  # same length: one bucket pair, captured by the first
+        llm.generate([list(range(5 + i, 85 + i))], params)
+
+
 @needs_cuda
 def test_replay_graph_step_makes_no_host_sync():
     """Bounded replay's decoder rows replayed from a CUDA graph (a prefill step past the window): refilling the
     buffers, copying the narrowed stream in, the replay."""
     llm = LLM(model="tiny", dtype="bfloat16", device="cuda", enable_prefix_caching=False, max_num_seqs=4,
               swa_bounded_replay=True)
-    eng = llm.engine
-    graphs = eng.runner.replay_graphs
-    run, guarded = graphs.run, []
-
-    def no_sync(start, parts, ctx):
-        if graphs.key(ctx) not in graphs._steps:  # the bucket's first step captures (and synchronises): unguarded
-            return run(start, parts, ctx)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return run(start, parts, ctx)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-            guarded.append(True)
-    graphs.run = no_sync
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    for i in range(3):  # same length: one bucket pair, captured by the first
-        llm.generate([list(range(5 + i, 85 + i))], params)
+    graphs = llm.engine.runner.replay_graphs
+    guarded = _guard_replays(graphs, lambda args: args[2])  # run(start, parts, ctx)
+    _three_prompts(llm)
     assert len(guarded) == 2 and graphs.replays == 3
 
 
@@ -101,20 +112,6 @@ def test_encoder_graph_step_makes_no_host_sync():
     llm = LLM(model="tiny", dtype="bfloat16", device="cuda", enable_prefix_caching=False, max_num_seqs=4,
               swa_bounded_replay=True, encoder_graphs=True)
     graphs = llm.engine.runner.encoder_graphs
-    run, guarded = graphs.run, []
-
-    def no_sync(ctx, host_ids):
-        if graphs.key(ctx) not in graphs._steps:  # the bucket's first step captures (and synchronises): unguarded
-            return run(ctx, host_ids)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return run(ctx, host_ids)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-            guarded.append(True)
-    graphs.run = no_sync
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    for i in range(3):  # same length: one bucket pair, captured by the first
-        llm.generate([list(range(5 + i, 85 + i))], params)
+    guarded = _guard_replays(graphs, lambda args: args[0])  # run(ctx, host_ids)
+    _three_prompts(llm)
     assert len(guarded) == 2 and graphs.replays == 3
