@@ -7,9 +7,8 @@ import torch
 
 from dsserve import LLM
 from dsserve.engine.encoder_graphs import EncoderGraphs
-from dsserve.engine.graph_capture import GraphCapture
 from dsserve.engine.replay_graphs import ReplayGraphs
-from test_replay_graphs import PARAMS, _prompts, assert_greedy_agree
+from test_replay_graphs import PARAMS, _prompts, assert_capture_is_exact, assert_greedy_agree
 
 
 def _run(graphs=None, prompts=None, **kw):
@@ -91,11 +90,7 @@ def test_encoder_graphs_on_gpu():
     logprobs, bit for bit, as the same fixed-shape forward run eagerly; and the eager engine's greedy tokens wherever
     its top-2 margin clears fp32 noise."""
     kw = dict(dtype="float32", device="cuda")
-    made = []
-    fixed, _ = _run(_fixed_shape(made), **kw)
-    captured, _ = _run(_fixed_shape(made, GraphCapture()), **kw)
-    assert captured == fixed
-    assert made[1].report()["replays"] > 0 and made[1].report()["graphs"] == made[0].report()["fixed_shape_steps"]
+    assert_capture_is_exact(_run, _fixed_shape, kw)
     graphed, eng = _run(None, encoder_graphs=True, **kw)  # --encoder-graphs
     rep = eng.runner.encoder_graphs.report()
     assert rep["replays"] > 0

@@ -88,11 +88,7 @@ def test_replay_graphs_on_gpu():
     logprobs, bit for bit, as the same fixed-shape forward run eagerly; and the same greedy tokens as the fully
     eager engine (--enforce-eager) wherever that engine's top-2 margin clears fp32 noise."""
     kw = dict(dtype="float32", device="cuda")
-    made = []
-    fixed, _ = _run(_fixed_shape(made), **kw)
-    captured, _ = _run(_fixed_shape(made, GraphCapture()), **kw)
-    assert captured == fixed
-    assert made[1].report()["replays"] > 0 and made[1].report()["graphs"] == made[0].report()["fixed_shape_steps"]
+    assert_capture_is_exact(_run, _fixed_shape, kw)
     graphed, eng = _run(None, **kw)  # the engine's own buckets
     rep = eng.runner.replay_graphs.report()
     assert rep["replays"] > 0 and not rep["fallbacks"]
@@ -100,6 +96,17 @@ def test_replay_graphs_on_gpu():
     assert eng.stats.graph_captures == len(rep["graphs"]) + len(eng.runner.decode_graphs.report()["graphs"])
     eager, _ = _run(False, enforce_eager=True, **kw)
     assert_greedy_agree(graphed, eager)
+
+
+def assert_capture_is_exact(run, fixed_shape, kw) -> None:
+    """The same steps run by fixed-shape graphs captured (GraphCapture) and run eagerly give the same tokens and
+    logprobs, bit for bit, and every bucket pair run eagerly was captured and replayed. ``run`` / ``fixed_shape``:
+    the test file's engine runner and its factory of fixed-shape graphs (made appended to the list given)."""
+    made = []
+    fixed, _ = run(fixed_shape(made), **kw)
+    captured, _ = run(fixed_shape(made, GraphCapture()), **kw)
+    assert captured == fixed
+    assert made[1].report()["replays"] > 0 and made[1].report()["graphs"] == made[0].report()["fixed_shape_steps"]
 
 
 def assert_greedy_agree(graphed, eager) -> None:
