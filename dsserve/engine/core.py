@@ -30,6 +30,7 @@ from .sampler import Sampler, row_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepPlan
 from .stats import EngineStats
+from .step_check import StepCheck
 
 log = logging.getLogger("dsserve")
 CPU_KV_CACHE_MEMORY = 256 << 20
@@ -158,6 +159,7 @@ class EngineCore:
                  "runs %s on %s)", backend, self.cfg.name)
         self._in_flight: _Launched | None = None  # a step whose tokens the host has not read yet
         self.runner = ModelRunner(self.model, args.replay_form, graphs, replay_graphs, encoder_graphs)
+        self.step_check = StepCheck.from_env(self.device)  # a diagnostic: waits for the device after every step
         self.sampler = Sampler(eos_token_id=self.tokenizer.eos_id)
         self._tracked: dict[str, _Tracked] = {}
         r = self.kv.report()
@@ -235,7 +237,10 @@ class EngineCore:
         if not plan.chunks:
             return results
         self.stats.admitted(plan)
+        before = self.step_check and self._runner_runs()
         sampling, logits = self.runner.execute(plan)
+        if self.step_check:
+            self._check_step("scheduled", logits, plan, before)
         self._count_runs()
         self.scheduler.register_full_blocks([c.request for c in plan.chunks])
         if not sampling:
@@ -305,10 +310,26 @@ class EngineCore:
         logits = graphs.run(plan, key, tokens)
         for r in order:
             r.num_computed_tokens += 1
+        if self.step_check:
+            self._check_step("ahead", logits, plan, None, decode=key)
         self.runner.graph_steps += 1
         self.stats.ahead_steps += 1
         self._count_runs()
         return self._sample(order, logits)
+
+    def _runner_runs(self) -> dict:
+        runners = {"encoder_rows": self.runner.encoder_graphs, "decoder_rows": self.runner.replay_graphs}
+        out = {k: (g.runs, getattr(g, "last_key", None)) for k, g in runners.items() if g is not None}
+        dec = self.runner.decode_graphs
+        out["decode"] = (self.runner.graph_steps, None if dec is None else dec.last_key)
+        return out
+
+    def _check_step(self, label: str, logits: torch.Tensor, plan: StepPlan, before: dict | None, **took) -> None:
+        """StepCheck's wait and check, with the step's rows and the fixed-shape runners that took it."""
+        if before is not None:
+            took.update({k: key or "taken" for k, (n, key) in self._runner_runs().items() if n != before[k][0]})
+        seqs = [(c.request.num_computed_tokens - c.num_tokens, c.num_tokens) for c in plan.chunks]
+        self.step_check.after(label, logits, seqs, **took)
 
     def _may_run_ahead(self, r: Request) -> bool:
         """Whether r's next step can run before the host reads its pending token: that token cannot end it by

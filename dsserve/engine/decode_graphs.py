@@ -61,6 +61,7 @@ class DecodeGraphs:
             and not (b.engram.table.memory is not None and b.engram.table.memory.pinned) for b in model.layers)
         self._steps: dict[tuple[int, int], tuple[DecodeBatch, torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self.replays, self.padded_rows, self.fallbacks = 0, 0, Counter()
+        self.last_key = None  # the (batch bucket, context bucket) of the latest run
 
     def key(self, plan: StepPlan, ahead: bool = False) -> tuple[int, int] | None:
         """(batch bucket, context bucket) of a plan that can run as a fixed-shape decode step, or None.
@@ -104,6 +105,7 @@ class DecodeGraphs:
         if key not in self._steps:
             self._steps[key] = self._build(key, seqs, host if tokens is None else tokens)
         batch, graph, logits = self._steps[key]
+        self.last_key = key
         self.model.fill_decode(batch, seqs, host if tokens is None else tokens)
         self.padded_rows += batch.capacity - len(seqs)
         if graph is None:

@@ -46,6 +46,7 @@ class EncoderGraphs:
         self.engram = [b.engram for b in model.layers[:self.split] if b.engram is not None]
         self._steps: dict[tuple[int, int], tuple] = {}
         self.replays, self.runs, self.padded_rows, self.fallbacks = 0, 0, 0, Counter()
+        self.last_key = None  # the (row bucket, context bucket) of the latest run
 
     def _unfit(self, ctx: ForwardContext) -> str | None:
         cfg = self.model.cfg
@@ -82,7 +83,7 @@ class EncoderGraphs:
         batch, engram, graph, out = self._steps[key]
         self._fill(batch, engram, ctx, host_ids)
         rows = ctx.tokens.shape[0]
-        self.runs += 1
+        self.runs, self.last_key = self.runs + 1, key
         self.padded_rows += batch.capacity - rows
         if graph is None:
             out = self.model.forward_encoder_rows(batch, engram)

@@ -53,6 +53,7 @@ class ReplayGraphs:
         self.decoder_engram = any(b.engram is not None for b in model.layers[self.split:])
         self._steps: dict[tuple[int, int], tuple[ReplayBatch, list[torch.Tensor], object, torch.Tensor]] = {}
         self.replays, self.runs, self.padded_rows, self.fallbacks = 0, 0, 0, Counter()
+        self.last_key = None  # the (row bucket, context bucket) of the latest run
 
     def _unfit(self, start: int, ctx: ForwardContext) -> str | None:
         cfg = self.model.cfg
@@ -88,7 +89,7 @@ class ReplayGraphs:
             self._steps[key] = self._build(key, parts, ctx)
         batch, inputs, graph, hidden = self._steps[key]
         rows = self._fill(batch, inputs, parts, ctx)
-        self.runs += 1
+        self.runs, self.last_key = self.runs + 1, key
         self.padded_rows += batch.capacity - rows
         if graph is None:
             hidden = self.model.forward_decoder_rows(batch, start, *inputs)
