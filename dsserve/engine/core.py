@@ -319,7 +319,7 @@ class EngineCore:
 
     def _runner_runs(self) -> dict:
         runners = {"encoder_rows": self.runner.encoder_graphs, "decoder_rows": self.runner.replay_graphs}
-        out = {k: (g.runs, getattr(g, "last_key", None)) for k, g in runners.items() if g is not None}
+        out = {k: (g.runs, g.last_key) for k, g in runners.items() if g is not None}
         dec = self.runner.decode_graphs
         out["decode"] = (self.runner.graph_steps, None if dec is None else dec.last_key)
         return out
