@@ -160,6 +160,8 @@ class EngineCore:
         self._in_flight: _Launched | None = None  # a step whose tokens the host has not read yet
         self.runner = ModelRunner(self.model, args.replay_form, graphs, replay_graphs, encoder_graphs)
         self.step_check = StepCheck.from_env(self.device)  # a diagnostic: waits for the device after every step
+        if self.step_check:
+            self.step_check.attach(self.model)
         self.sampler = Sampler(eos_token_id=self.tokenizer.eos_id)
         self._tracked: dict[str, _Tracked] = {}
         r = self.kv.report()

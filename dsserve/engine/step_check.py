@@ -12,12 +12,49 @@ step: a diagnostic, not a serving mode.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections import deque
 
 import torch
 
 ENV = "DSSERVE_CHECK_STEPS"
+log = logging.getLogger("dsserve")
+_NONE = torch.iinfo(torch.int64).max
+
+
+class ScoreProbe:
+    """Per indexer layer: [NaN scores, +inf scores, rows with either, first such row, first such column], added to
+    by every forward that scores (graph-safe: in-place device ops, no host reads) and read by StepCheck."""
+
+    def __init__(self, num_layers: int, device: torch.device):
+        self.stats = torch.zeros(num_layers, 5, dtype=torch.int64, device=device)
+        self.reset()
+
+    def reset(self) -> None:
+        self.stats.zero_()
+        self.stats[:, 3:] = _NONE
+
+    def add(self, layer: int, scores: torch.Tensor) -> None:
+        if not scores.numel():
+            return
+        nan = scores.isnan()
+        bad = nan | (scores == float("inf"))
+        rows = bad.any(1)
+        t, n = scores.shape
+        first_row = torch.where(rows, torch.arange(t, device=scores.device), _NONE).amin()
+        first_col = torch.where(bad.any(0), torch.arange(n, device=scores.device), _NONE).amin()
+        st = self.stats[layer]
+        st[:3] += torch.stack((nan.sum(), (bad & ~nan).sum(), rows.sum()))
+        st[3:] = torch.minimum(st[3:], torch.stack((first_row, first_col)))
+
+    def take(self) -> dict:
+        """{layer: {nan, posinf, rows, first_row, first_col}} of the layers with a non-finite score since the last
+        take (after a device wait); then zeroes the counters."""
+        st = self.stats.tolist()
+        self.reset()
+        keys = ("nan", "posinf", "rows", "first_row", "first_col")
+        return {i: dict(zip(keys, r)) for i, r in enumerate(st) if r[0] or r[1]}
 
 
 class StepCheckError(RuntimeError):
@@ -27,6 +64,12 @@ class StepCheckError(RuntimeError):
 class StepCheck:
     def __init__(self, path: str, device: torch.device, keep: int = 64):
         self.path, self.device, self.steps, self.checked = path, device, deque(maxlen=keep), 0
+        self.probe: ScoreProbe | None = None
+        self.steps_with_bad_scores = 0
+
+    def attach(self, model) -> None:
+        """Count the model's non-finite index scores; before any graph is captured (they capture the adds)."""
+        self.probe = model.score_probe = ScoreProbe(len(model.layers), self.device)
 
     @classmethod
     def from_env(cls, device: torch.device) -> "StepCheck | None":
@@ -44,6 +87,13 @@ class StepCheck:
         except Exception as e:  # the device's error, raised by the wait
             self._write(label, f"{type(e).__name__}: {e}")
             raise
+        scores = self.probe.take() if self.probe is not None else {}
+        if scores:
+            self.steps[-1]["bad_index_scores"] = scores
+            self.steps_with_bad_scores += 1
+            if self.steps_with_bad_scores <= 20:
+                log.warning("step check: non-finite index scores in a %s step (%d so far): %s; the step: %s", label,
+                            self.steps_with_bad_scores, scores, self.steps[-1])
         if bad:
             self._write(label, f"non-finite logits in rows {bad}")
             raise StepCheckError(f"step check: non-finite logits in rows {bad} of a {label} step (see {self.path})")

@@ -3,13 +3,16 @@
 * row_topk(scores [T, N] fp32/bf16/fp16, any strides, N <= MAX_N, k >= 0)
   -> (idx int64 [T, min(k, N)] ascending, valid bool [T, min(k, N)]), bit for bit topk / stable_topk
   (dsserve.kernels.topk): the k largest scores, ties to the LOWER index, -inf picked last (lowest indices first)
-  and marked invalid (valid = score > -inf). NaN is not supported (the output is then unspecified, though never
-  written out of bounds). The reference is topk (== stable_topk); callers send longer rows and fp64 scores to it.
+  and marked invalid (valid = score > -inf). NaN, whatever its sign or payload, ranks above +inf and is marked
+  invalid, as torch.sort orders it in stable_topk: a row of garbage still gets exactly min(k, N) in-range indices
+  (the GPU's NaN, 0x7FFFFFFF, was once the largest key and left every slot unwritten). The reference is topk
+  (== stable_topk); callers send longer rows and fp64 scores to it.
 
 Algorithm (one program holds its whole row in registers, padded to a power of two BLOCK >= N):
 1. key = the order-preserving int32 key of topk's docstring (sign 0: the bits, sign 1: low 31 bits flipped), with
-   -0.0 folded onto +0.0 by its bit pattern (no `+ 0.0`, which a compiler may drop); padding lanes get INT32_MIN,
-   below every real key (-inf is 0x807FFFFF), so they are never counted above a real threshold nor selected.
+   -0.0 folded onto +0.0 by its bit pattern (no `+ 0.0`, which a compiler may drop), every NaN onto INT32_MAX (by
+   its bits too: a compiler may fold x != x); padding lanes get INT32_MIN, below every real key (-inf is
+   0x807FFFFF), so they are never counted above a real threshold nor selected.
 2. If at most k scores are finite the cut is -inf itself: no search. Otherwise a bitwise radix select finds the
    k-th largest key t from the top bit down, one tl.sum of a comparison per bit, on v = key ^ INT32_MIN (unsigned
    order, so the search is plain bit setting). It stops as soon as some candidate threshold has exactly k keys at
@@ -30,6 +33,8 @@ import triton.language as tl
 MAX_N = 16384
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT32_MIN = tl.constexpr(-2147483648)
+_INT32_MAX = tl.constexpr(2147483647)  # every NaN's key
+_POS_INF_BITS = tl.constexpr(0x7F800000)
 _KEY_NEG_INF = tl.constexpr(-2139095041)  # key of -inf: bits 0xFF800000 ^ 0x7FFFFFFF = 0x807FFFFF
 
 
@@ -54,13 +59,15 @@ def _row_topk_kernel(s_ptr, stride_t, stride_n, idx_ptr, valid_ptr, n, k, BLOCK:
     bits = x.to(tl.int32, bitcast=True)
     bits = tl.where(bits == _INT32_MIN, 0, bits)  # -0.0 ties +0.0, as the float compare says
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = tl.where((bits & 0x7FFFFFFF) > _POS_INF_BITS, _INT32_MAX, key)
     key = tl.where(inb, key, _INT32_MIN)
 
     n_fin = tl.sum((key > _KEY_NEG_INF).to(tl.int32), axis=0)
     busy = n_fin > k
     # (t, n_gt) = (cut key, #keys > cut); with <= k finite scores the cut is -inf
     t = tl.where(busy, 0, _KEY_NEG_INF)
-    n_gt = n_fin
+    # a search in which every candidate passes ends at t = INT32_MAX (>= k NaNs), above which no key lies
+    n_gt = tl.where(busy, 0, n_fin)
     v = n_fin * 0  # v-domain threshold: the bits of the k-th largest v found so far
     one = n_fin * 0 + 1
     for i in range(32):
@@ -87,7 +94,7 @@ def _row_topk_kernel(s_ptr, stride_t, stride_n, idx_ptr, valid_ptr, n, k, BLOCK:
     sel = gt | (eq & (run_eq <= r))
     pos = run_gt + tl.minimum(run_eq, r) - 1
     tl.store(idx_ptr + out_row * k_all + pos, (c0 + offs).to(tl.int64), mask=sel)
-    tl.store(valid_ptr + out_row * k_all + pos, (key > _KEY_NEG_INF).to(tl.int8), mask=sel)
+    tl.store(valid_ptr + out_row * k_all + pos, ((key > _KEY_NEG_INF) & (key < _INT32_MAX)).to(tl.int8), mask=sel)
 
 
 def default_num_warps(block: int) -> int:

@@ -8,7 +8,8 @@ Both ops are GPU-friendly: no Python loops over rows, no .item() syncs, fixed ou
   bits as is for sign 0, the low 31 bits flipped for sign 1, so -inf < ... < -0.0 < +0.0 < ... < +inf); the int64
   key (key << 32) | (2^32 - 1 - index) is unique per row and orders ties by lower index, so one torch.topk on it
   is the stable top-k. The raw bit keys would order -0.0 below +0.0, unlike the float compare; scores are first
-  folded with `+ 0.0` (-0.0 + 0.0 = +0.0), so signed zeros tie as in stable_topk. NaN is not supported.
+  folded with `+ 0.0` (-0.0 + 0.0 = +0.0), so signed zeros tie as in stable_topk; every NaN gets the key 2^31 - 1,
+  above +inf, so NaN ranks first and is marked invalid, as torch.sort orders it in stable_topk.
   bf16/fp16 scores are upcast (exact); fp64 scores use stable_topk itself (the key has no room for 64 bits).
   (A variant with an fp32 radix select plus a running count for the ties was measured on the H200: no faster on
   long prefill rows, where scoring dominates, and 3x slower at decode, where its dozen launches dominate.)
@@ -61,7 +62,8 @@ def topk_int64_keys(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     t, n = scores.shape
     k = min(k, n)
     bits = (scores.float() + 0.0).view(torch.int32)
-    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = torch.where(scores.isnan(), (1 << 31) - 1, key).long()
     tie = (1 << 32) - 1 - torch.arange(n, dtype=torch.int64, device=scores.device)
     order = torch.topk(key * (1 << 32) + tie, k, dim=-1, sorted=False).indices
     idx = torch.sort(order, dim=-1).values

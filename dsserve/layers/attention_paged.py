@@ -66,11 +66,15 @@ def _select(attn, x, q_lat, ctx: ForwardContext, cos, sin):
             tables = torch.arange(tables.shape[0], device=q.device, dtype=torch.int32)[:, None]
     if role.candidate == "consumer":
         s = ops.index_scores_candidates(q, w, pool, fmt, tables, step.row_seq, entries, step.cand_blocks, cbs, n_vis)
+        if ctx.probe is not None:
+            ctx.probe.add(role.index, s)
         idx, valid = ops.topk(s, k)
         from ..kernels.indexer import candidate_entries
         idx = candidate_entries(step.cand_blocks, cbs, idx)
     else:
         s = ops.index_scores(q, w, pool, fmt, tables, step.row_seq, entries, n_vis, step.num_entries(src))
+        if ctx.probe is not None:
+            ctx.probe.add(role.index, s)
         if role.candidate == "source":
             step.cand_blocks = ops.candidate_blocks(s, n_vis, cbs, cfg.candidate_topk_blocks)
         idx, valid = ops.topk(s, k)

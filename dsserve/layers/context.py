@@ -65,6 +65,7 @@ class ForwardContext:
     # The batched path over a paged cache (None: the per-sequence reference path) and its op choices.
     paged: object | None = None  # kv.paged_batch.PagedBatch
     ops: object | None = None  # kernels.ops.KernelOps
+    probe: object | None = None  # engine.step_check.ScoreProbe: counts non-finite index scores (a diagnostic)
 
     def log(self, layer: int, op: str) -> None:
         if self.trace is not None:
@@ -92,4 +93,5 @@ class ForwardContext:
                               is_image=None if self.is_image is None else self.is_image[idx], trace=self.trace,
                               engram_ids=None if self.engram_ids is None else self.engram_ids[idx],
                               engram_history=hist, engram_rows=self.engram_rows, topk=topk, candidates=cands,
-                              paged=None if self.paged is None else self.paged.narrow(idx, seqs), ops=self.ops)
+                              paged=None if self.paged is None else self.paged.narrow(idx, seqs), ops=self.ops,
+                              probe=self.probe)

@@ -45,6 +45,7 @@ class DeepseekForCausalLM(nn.Module):
         # Set by the engine: run attention batched over the paged pools with these ops (None: the
         # per-sequence reference path, which the oracle always uses).
         self.kernel_ops = None
+        self.score_probe = None  # set by engine.step_check (DSSERVE_CHECK_STEPS)
         d, n = cfg.hidden_size, cfg.hc_mult
         self.embed = nn.Embedding(cfg.vocab_size, d)
         self.layers = nn.ModuleList(Block(cfg, role) for role in cfg.roles)
@@ -132,7 +133,7 @@ class DeepseekForCausalLM(nn.Module):
         ctx = ForwardContext(tokens=tokens, positions=positions, seqs=list(seqs),
                              qat=cfg.qat if qat is None else qat, is_image=is_image, trace=trace, index_kl=index_kl,
                              dense_entries=dense_entries, static=static, segment_first=segment_first)
-        ctx.ops = self.kernel_ops  # row-wise ops (MoE, mHC) run on either attention path
+        ctx.ops, ctx.probe = self.kernel_ops, self.score_probe  # row-wise ops (MoE, mHC) run on either path
         if self.kernel_ops is not None and PagedBatch.supports(seqs, self.kernel_ops):
             if dense_entries:
                 raise ModelInputError("dense_entries is training's, on the reference path, not the paged one")
@@ -212,7 +213,7 @@ class DeepseekForCausalLM(nn.Module):
         cfg = self.cfg
         batch.begin()
         ctx = ForwardContext(tokens=batch.tokens, positions=batch.positions, seqs=batch.seqs, qat=cfg.qat,
-                             paged=batch, ops=self.kernel_ops)
+                             paged=batch, ops=self.kernel_ops, probe=self.score_probe)
         if cfg.engram_layer_ids:  # hashed here, on the device: the step needs no token on the host
             ctx.engram_ids = self.engram_token_map[batch.tokens]
             src = torch.cat([ctx.engram_ids[:, None], batch.engram_back], 1)
@@ -234,7 +235,7 @@ class DeepseekForCausalLM(nn.Module):
         reads or writes: a CUDA graph can capture it. The host's counts follow in ``EncoderBatch.commit``."""
         batch.begin()
         ctx = ForwardContext(tokens=batch.tokens, positions=batch.positions, seqs=batch.seqs, qat=self.cfg.qat,
-                             paged=batch, ops=self.kernel_ops)
+                             paged=batch, ops=self.kernel_ops, probe=self.score_probe)
         if self.cfg.engram_layer_ids:
             ctx.engram_ids, ctx.engram_rows = self.engram_token_map[batch.tokens], engram_rows
         x, pre = self._embed(batch.tokens)
@@ -250,7 +251,7 @@ class DeepseekForCausalLM(nn.Module):
         it."""
         batch.begin()
         ctx = ForwardContext(tokens=batch.tokens, positions=batch.positions, seqs=batch.seqs, qat=self.cfg.qat,
-                             paged=batch, ops=self.kernel_ops)
+                             paged=batch, ops=self.kernel_ops, probe=self.score_probe)
         x, pre, ctx = self.layers[start].tail(x, h, a_pre, a_post, a_comb, ctx)
         for block in self.layers[start + 1:]:
             x, pre, ctx = block(x, pre, ctx)

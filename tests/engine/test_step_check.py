@@ -37,6 +37,7 @@ def test_checked_steps_change_nothing(tmp_path, monkeypatch):
     assert _generate(core) == plain
     check = core.step_check
     assert check.checked > 0 and not (tmp_path / "steps.json").exists()
+    assert check.steps_with_bad_scores == 0  # every score of a visible entry is finite
     kinds = {s["step"] for s in check.steps}
     assert kinds == {"scheduled", "ahead"}  # chunked prefills and decode steps launched before the host read
     assert all(s["decode"] for s in check.steps if s["step"] == "ahead")
@@ -59,3 +60,18 @@ def _poison(core: EngineCore) -> None:
     """NaN into the final norm's weight: every row's logits become NaN."""
     with torch.no_grad():
         core.model.norm.weight[0] = float("nan")
+
+
+def test_non_finite_index_scores_are_counted_and_serving_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV, str(tmp_path / "steps.json"))
+    core = _core()
+    layer = next(i for i, b in enumerate(core.model.layers) if b.attn.indexer is not None)
+    with torch.no_grad():  # one head's weight NaN: that indexer's scores of visible entries become NaN
+        core.model.layers[layer].attn.indexer.weights_proj.weight[0] = float("nan")
+    done = _generate(core)
+    assert sorted(done) == ["0", "1", "2"] and all(len(t) == 8 for t in done.values())
+    check = core.step_check
+    assert check.steps_with_bad_scores > 0 and not (tmp_path / "steps.json").exists()
+    seen = [s["bad_index_scores"] for s in check.steps if "bad_index_scores" in s]
+    assert {s["step"] for s in check.steps if "bad_index_scores" in s} == {"scheduled", "ahead"}  # decode graphs too
+    assert seen and all(set(b) == {layer} and b[layer]["nan"] > 0 and b[layer]["first_col"] == 0 for b in seen)

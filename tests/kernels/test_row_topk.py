@@ -63,6 +63,34 @@ def test_dtypes_extremes_and_strides():
     _check(wide.t(), 10)
 
 
+def _nan_rows(t, n, g):
+    """fp32 [t, n] with NaNs of every kind: the GPU's 0x7FFFFFFF, the CPU's 0x7FC00000, negative and payload NaNs
+    (garbage read as scores), mixed with -inf and ties. Rows 0-1 mostly NaN, row 2 all NaN, row 3 a few."""
+    nans = torch.tensor([0x7FFFFFFF, 0x7FC00000, -0x400000, -0x7FFFFF], dtype=torch.int32).view(torch.float32)
+    s = torch.randint(-3, 3, (t, n), generator=g).float() / 2
+    s[torch.rand(t, n, generator=g) < 0.2] = NEG_INF
+    share = torch.tensor([0.9, 0.6, 1.0] + [0.05] * (t - 3))[:, None]
+    pick = nans[torch.randint(0, 4, (t, n), generator=g)]
+    s = torch.where(torch.rand(t, n, generator=g) < share, pick, s)
+    s[0, : n // 2] = nans[0]  # the GPU's NaN only: its key was the largest int32, where the search ended unwritten
+    return s
+
+
+def test_nan_scores_rank_first_and_invalid():
+    # NaN ranks above +inf (torch.sort's order, hence stable_topk's) and is never valid; every slot is written
+    from dsserve.layers.indexer import stable_topk
+    g = torch.Generator().manual_seed(6)
+    for n in (7, 64, 300):
+        s = _nan_rows(5, n, g)
+        for k in sorted({1, n // 4, n // 2, n}):
+            want = stable_topk(s, k)
+            for name, got in (("int64 keys", topk_int64_keys(s, k)), ("row_topk", row_topk(s, k))):
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (name, n, k)
+            _check(s, k)
+            if k <= 64 and n > 64:
+                _check_chunks(s, k, 64)
+
+
 def test_longest_row_and_warps():
     g = torch.Generator().manual_seed(2)
     s = torch.randint(-40, 40, (1, MAX_N), generator=g).float() / 8  # 640 values: a tie at the cut
@@ -166,3 +194,21 @@ def test_gpu_edge_cases():
     _check(s[:, :600], 1024)       # k >= N
     _check(s[:, ::2], 512)         # strided rows
     _check(_scores("ties", 300, 2048, g).cuda(), 512)  # more rows than SMs
+
+
+@cuda
+@pytest.mark.parametrize("n", [16384, 24576])
+def test_gpu_arithmetic_nan(n):
+    # NaN made by the GPU's own arithmetic (0 * inf: 0x7FFFFFFF) over many entries, as a garbage index key gives: the
+    # decode path's top-k (one row_topk, or chunk_topk past MAX_N) still writes every slot, as stable_topk orders
+    from dsserve.layers.indexer import stable_topk
+    g = torch.Generator().manual_seed(n)
+    s = torch.randn(6, n, generator=g).cuda()
+    hit = torch.rand(6, n, generator=g).cuda() < torch.tensor([1.0, 0.5, 0.03, 0.0, 0.2, 0.9], device="cuda")[:, None]
+    s = torch.where(hit, s * 0 * float("inf"), s)
+    s[3, n // 2:] = NEG_INF
+    assert (s[0].view(torch.int32) == 0x7FFFFFFF).all()
+    for k in (512, 2048):
+        got = topk(s, k)
+        want = stable_topk(s.cpu(), k)
+        assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1]), k
