@@ -142,7 +142,7 @@ class EngineCore:
         graphs = replay_graphs = encoder_graphs = self.graph_capture = None
         min_context = -(-1024 // (2 * layout.block_size)) * 2 * layout.block_size
         if backend == "paged" and self.device.type == "cuda" and not args.enforce_eager:
-            capture = self.graph_capture = GraphCapture()  # every graph in one memory pool
+            capture = self.graph_capture = GraphCapture()  # every graph in a memory pool of its own
             graphs = DecodeGraphs(self.model, self.kv, args.max_num_seqs, capture, min_context=min_context)
             if replay:
                 replay_graphs = ReplayGraphs(self.model, self.kv, min(1024, args.max_num_batched_tokens),
@@ -262,7 +262,9 @@ class EngineCore:
         self.stats.graph_steps = self.runner.graph_steps
         self.stats.replay_graph_steps = 0 if self.runner.replay_graphs is None else self.runner.replay_graphs.runs
         self.stats.encoder_graph_steps = 0 if self.runner.encoder_graphs is None else self.runner.encoder_graphs.runs
-        self.stats.graph_captures = 0 if self.graph_capture is None else self.graph_capture.captured
+        if self.graph_capture is not None:
+            self.stats.graph_captures = self.graph_capture.captured
+            self.stats.graph_pool_bytes = self.graph_capture.pool_bytes
 
     def _sample(self, sampling: list[Request], logits: torch.Tensor) -> _Launched:
         out = self.sampler(logits.float(), sampling)

@@ -91,7 +91,7 @@ class EncoderGraphs:
             graph.replay()
             self.replays += 1
         EncoderBatch.commit([s for s in ctx.seqs if s.rows.stop > s.rows.start], self.sources)
-        # copies: every graph shares one memory pool, so another graph's replay may reuse these buffers
+        # copies: the graph's output buffers are its own, rewritten by its next replay
         return out[0][:rows].clone(), out[1][:rows].clone()
 
     def _engram_rows(self, ctx: ForwardContext, host_ids: torch.Tensor | None) -> dict[int, torch.Tensor]:
