@@ -4,10 +4,11 @@ of its own.
 Every graph of the engine (decode steps, bounded replay's decoder and encoder rows) captures through one
 ``GraphCapture``. Each capture gets a pool of its own, which costs memory: a shared pool would let a later capture
 reuse the blocks an earlier one freed, and by PyTorch's rules that is safe for graphs that never run at once. The
-engine's graphs never do, yet with one shared pool a live server at 32 concurrent agent sessions produced NaN
-logits from a decode graph replayed right after a decoder-rows graph (five runs of five, within minutes), and with
-a pool per graph it did not (one run of the same sweep, 409 s: benchmarks/results/agentx-small-h200-c32/
-diagnosis-2026-12-03). The cause inside the shared pool is not found yet (docs/decode_graphs.md).
+engine's graphs never do, yet with one shared pool a live server at 32 concurrent agent sessions failed in a decode
+graph replayed right after a decoder-rows graph (NaN logits; before top-k wrote every slot, a device-side assert),
+in every run past 175 s (six). With a pool per graph it did not (one run of the same sweep, 409 s:
+benchmarks/results/agentx-small-h200-c32/diagnosis-2026-12-03). The cause inside the shared pool is not found yet
+(docs/decode_graphs.md).
 """
 from __future__ import annotations
 
