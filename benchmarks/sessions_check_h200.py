@@ -11,8 +11,11 @@ Writes $OUT/diag-<variant>.json: the counts, the first failure, the last 40 step
 
     DSSERVE_CHECK_STEPS=$OUT/steps.json python benchmarks/sessions_check_h200.py default 210   # seconds of steps
     DIAG_TINY=1 OUT=/tmp python benchmarks/sessions_check_h200.py default 10                  # CPU smoke run
+DIAG_FINGERPRINT=0 skips the weights' byte sums (slow). With DSSERVE_POISON_GRAPH_SCRATCH=1 every graph's scratch is
+filled with NaN bytes before each replay (dsserve/engine/graph_scratch.py).
 """
 import json
+import logging
 import os
 import random
 import sys
@@ -24,6 +27,7 @@ from dsserve.engine.core import EngineCore
 from dsserve.engine.sampling_params import SamplingParams
 from dsserve.kernels import split_k
 
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # the captures' pool sizes
 variant, budget = sys.argv[1], float(sys.argv[2])  # variant: a label for the output file
 
 t_start = time.time()
@@ -59,7 +63,7 @@ for m in net.modules():
         tensors += [t for t in (pk.w1, pk.w3, pk.w2, pk.s1, pk.s3, pk.s2) if t is not None and t.is_cuda]
 
 def fingerprint():
-    if TINY:
+    if TINY or os.environ.get("DIAG_FINGERPRINT") == "0":
         return None
     return torch.stack([t.detach().reshape(-1).view(torch.uint8).sum(dtype=torch.int64) for t in tensors]).cpu()
 

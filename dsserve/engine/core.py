@@ -142,7 +142,7 @@ class EngineCore:
         graphs = replay_graphs = encoder_graphs = self.graph_capture = None
         min_context = -(-1024 // (2 * layout.block_size)) * 2 * layout.block_size
         if backend == "paged" and self.device.type == "cuda" and not args.enforce_eager:
-            capture = self.graph_capture = GraphCapture()  # every graph in a memory pool of its own
+            capture = self.graph_capture = GraphCapture()
             graphs = DecodeGraphs(self.model, self.kv, args.max_num_seqs, capture, min_context=min_context)
             if replay:
                 replay_graphs = ReplayGraphs(self.model, self.kv, min(1024, args.max_num_batched_tokens),

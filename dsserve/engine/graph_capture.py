@@ -1,14 +1,16 @@
-"""Capturing a fixed-shape forward as a CUDA graph: warm-ups on a side stream, then the capture, into a memory pool
-of its own.
+"""Capturing a fixed-shape forward as a CUDA graph: warm-ups, then the capture, on one capture stream, into one
+memory pool shared by every graph.
 
 Every graph of the engine (decode steps, bounded replay's decoder and encoder rows) captures through one
-``GraphCapture``. Each capture gets a pool of its own, which costs memory: a shared pool would let a later capture
-reuse the blocks an earlier one freed, and by PyTorch's rules that is safe for graphs that never run at once. The
-engine's graphs never do, yet with one shared pool a live server at 32 concurrent agent sessions failed in a decode
-graph replayed right after a decoder-rows graph (NaN logits; before top-k wrote every slot, a device-side assert),
-in every run past 175 s (six). With a pool per graph it did not (one run of the same sweep, 409 s:
-benchmarks/results/agentx-small-h200-c32/diagnosis-2026-12-03). The cause inside the shared pool is not found yet
-(docs/decode_graphs.md).
+``GraphCapture``. Sharing the pool is safe for graphs that never run at once (the engine's never do) as long as no
+graph reads, at replay, memory that no live tensor holds: a later capture may hand that memory out as its scratch.
+The split-K tile counters once broke that rule: warm-ups ran on a side stream of their own, so the capture
+stream's counters were first made, and later outgrown and freed, inside captures, while the graphs captured with
+them kept reading them. A live server at 32 concurrent agent sessions then got NaN logits from a decode graph
+replayed after a decoder-rows graph, in every run past 175 s (benchmarks/results/agentx-small-h200-c32/
+diagnosis-2026-12-03, docs/decode_graphs.md). Now the warm-ups run on the capture stream (its counters exist before
+the capture) and outgrown counters stay allocated (kernels.split_k).
+``DSSERVE_POISON_GRAPH_SCRATCH=1`` checks the rule per replay (engine.graph_scratch).
 """
 from __future__ import annotations
 
@@ -17,34 +19,48 @@ from typing import Callable
 
 import torch
 
+from . import graph_scratch
+
 log = logging.getLogger("dsserve")
 
 
 class GraphCapture:
-    def __init__(self, warmups: int = 2):
-        self.warmups = warmups
+    def __init__(self, warmups: int = 2, shared_pool: bool = True):
+        """``shared_pool``: False gives every graph a pool of its own (more memory; what the engine did while the
+        counters' bug was unknown)."""
+        self.warmups, self.shared_pool = warmups, shared_pool
+        self.pool = None
+        self.stream = None  # made on first use: the CPU never captures
         self.captured = 0
-        self.pool_bytes = 0  # device memory the graphs' pools reserved, all captures together
+        self.pool_bytes = 0  # device memory the graphs' pool(s) reserved, all captures together
 
     def __call__(self, run: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """(graph, its output buffer). ``run`` must mask its writes during this call (warm-ups run it for real:
         Triton compiles and lazily built buffers exist before the capture); the capture itself runs nothing."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
+        # Warm up on the stream that captures: buffers kept per stream (split-K counters) are then made and sized
+        # outside the graph's pool.
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
             for _ in range(self.warmups):
                 run()
-        torch.cuda.current_stream().wait_stream(side)
-        # the capture empties the cache first anyway; done here, the growth of reserved memory is the new pool
+        torch.cuda.current_stream().wait_stream(self.stream)
+        # the capture empties the cache first anyway; done here, the growth of reserved memory is the pool's growth
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.pool if self.shared_pool else None, stream=self.stream,
+                              capture_error_mode="thread_local"):
             out = run()
+        if self.shared_pool:
+            self.pool = graph.pool()
         grown = torch.cuda.memory_reserved() - before
         self.captured += 1
         self.pool_bytes += grown
-        log.info("captured CUDA graph %d: its pool %.1f MiB, all graphs' %.2f GiB", self.captured, grown / 2 ** 20,
-                 self.pool_bytes / 2 ** 30)
+        log.info("captured CUDA graph %d: the pool grew %.1f MiB, all graphs' %.2f GiB", self.captured,
+                 grown / 2 ** 20, self.pool_bytes / 2 ** 30)
+        if graph_scratch.enabled():
+            graph = graph_scratch.PoisonedGraph(graph)
         return graph, out

@@ -19,16 +19,23 @@ import triton
 import triton.language as tl
 
 _COUNTERS: dict[tuple, torch.Tensor] = {}
+# Buffers outgrown since, kept allocated: a CUDA graph captured with one baked its address in and reads it at every
+# replay, expecting zeros. Freed, its memory went to a later capture's scratch in the graphs' shared pool, whose
+# replays left it nonzero: the old graph's tiles then summed early or never (garbage, NaN logits: the live server
+# of 2026-12-02/03, docs/decode_graphs.md).
+_OUTGROWN: list[torch.Tensor] = []
 
 
 def tile_counters(device: torch.device, n: int) -> torch.Tensor:
     """A zeroed int32 buffer of at least n counters for calls issued on the current stream of `device`. Grows
-    (a new zeroed buffer) when n exceeds it; never while a CUDA graph is being captured: capture sizes come
-    from warm-up calls on the same shapes, which already grew it."""
+    (a new zeroed buffer; the old one stays allocated, see _OUTGROWN) when n exceeds it. Graph captures warm up on
+    their capture stream (engine.graph_capture), so the capture finds the buffer grown already."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device.type, device.index, stream)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
+        if buf is not None:
+            _OUTGROWN.append(buf)
         buf = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
     return buf
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dsserve import LLM, SamplingParams
+from dsserve.engine import graph_scratch
 from dsserve.engine.graph_capture import GraphCapture
 from dsserve.engine.replay_graphs import ReplayGraphs, decoder_context_bucket
 from dsserve.models.presets import preset
@@ -96,6 +97,22 @@ def test_replay_graphs_on_gpu():
     assert eng.stats.graph_captures == len(rep["graphs"]) + len(eng.runner.decode_graphs.report()["graphs"])
     eager, _ = _run(False, enforce_eager=True, **kw)
     assert_greedy_agree(graphed, eager)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphs_read_only_scratch_they_wrote_on_gpu(monkeypatch):
+    """With every graph's scratch (its pool's free blocks) filled with 0xFF bytes (NaN) before each replay, the
+    engine's graphs (decode steps, decoder rows) give the same tokens and logprobs, bit for bit, as without: no
+    kernel reads a temporary it did not write in that replay."""
+    kw = dict(dtype="float32", device="cuda")
+    clean, _ = _run(None, **kw)
+    monkeypatch.setenv(graph_scratch.ENV, "1")
+    poisoned, eng = _run(None, **kw)
+    graphs = [v[2] for v in eng.runner.replay_graphs._steps.values()] + \
+        [v[1] for v in eng.runner.decode_graphs._steps.values()]
+    assert graphs and all(isinstance(g, graph_scratch.PoisonedGraph) for g in graphs)
+    assert sum(len(g.blocks) for g in graphs) > 0
+    assert poisoned == clean
 
 
 def assert_capture_is_exact(run, fixed_shape, kw) -> None:
