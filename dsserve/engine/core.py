@@ -86,6 +86,7 @@ class _Launched:
     ready: "torch.cuda.Event | None"  # recorded after the copy
     logprobs: tuple | None  # the sampler's logprob tensors, copied like the tokens (None: no row asked)
     want: tuple  # per row: the top-n logprobs it asked for, or None
+    nonfinite: torch.Tensor  # how many rows' logits had a NaN or inf (a scalar, copied like the tokens)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -267,17 +268,22 @@ class EngineCore:
             self.stats.graph_pool_bytes = self.graph_capture.pool_bytes
 
     def _sample(self, sampling: list[Request], logits: torch.Tensor) -> _Launched:
-        out = self.sampler(logits.float(), sampling)
+        logits = logits.float()
+        # the model's own logits (before the sampler masks any), counted on the device and read with the tokens:
+        # a fault shows in the metrics without a wait per step
+        nonfinite = (~torch.isfinite(logits)).any(1).sum()
+        out = self.sampler(logits, sampling)
         ids, lps = out.sampled_token_ids, out.logprob_tensors
         ready = None
         if ids.device.type == "cuda":  # the step's one copy back: tokens and logprobs, waited for in _read
             host = _to_host(ids)
+            nonfinite = _to_host(nonfinite)
             lps = None if lps is None else tuple(None if t is None else _to_host(t) for t in lps)
             ready = torch.cuda.Event()
             ready.record()
         else:
             host = ids
-        return _Launched(sampling, ids, host, ready, lps, out.want)
+        return _Launched(sampling, ids, host, ready, lps, out.want, nonfinite)
 
     def _launch_ahead(self, prev: _Launched) -> _Launched | None:
         """The next decode step of ``prev``'s requests, launched before the host reads ``prev``'s tokens (they
@@ -354,6 +360,11 @@ class EngineCore:
             launched.ready.synchronize()
         tokens = launched.host.tolist()  # here the host waits for the device
         wait = time.perf_counter() - t1
+        bad = int(launched.nonfinite)
+        if bad:
+            self.stats.nonfinite_logit_rows += bad
+            log.warning("non-finite logits in %d of a step's %d sampled rows (%d rows so far)", bad, len(tokens),
+                        self.stats.nonfinite_logit_rows)
         logprobs = row_logprobs(launched.logprobs, launched.want)
         if ahead is not None:
             tok_of = {id(r): tok for r, tok in zip(launched.requests, tokens)}

@@ -24,6 +24,7 @@ class EngineStats:
     graph_captures: int = 0  # CUDA graphs captured (each stalls its step once: 0.2-1.6 s on the release proxy)
     graph_pool_bytes: int = 0  # device memory their shared pool reserved (engine.graph_capture)
     ahead_steps: int = 0  # decode steps launched before the host read the previous step's tokens (async)
+    nonfinite_logit_rows: int = 0  # sampled rows whose logits had a NaN or inf: a fault, 0 in a sound run
     steps: int = 0
     # A step's wall time split at its one copy back of the sampled tokens: host work (scheduling, launching or
     # refilling and replaying, sampling's launches, detokenising, stop checks) and the wait for the device there.
@@ -63,7 +64,7 @@ class EngineStats:
             "graph_steps": self.graph_steps, "replay_graph_steps": self.replay_graph_steps,
             "encoder_graph_steps": self.encoder_graph_steps,
             "graph_captures": self.graph_captures, "graph_pool_bytes": self.graph_pool_bytes,
-            "ahead_steps": self.ahead_steps,
+            "ahead_steps": self.ahead_steps, "nonfinite_logit_rows": self.nonfinite_logit_rows,
             "steps": self.steps, "step_host_seconds": self.step_host_seconds,
             "step_wait_seconds": self.step_wait_seconds,
             **persistent_bytes(lay),

@@ -41,6 +41,8 @@ STAT_COUNTERS = {
                          "pool."),
     "ahead_steps": ("async_ahead_steps", "Decode steps launched from the previous step's tokens on the device, "
                     "before the host read them (asynchronous scheduling)."),
+    "nonfinite_logit_rows": ("nonfinite_logit_rows", "Sampled rows whose logits had a NaN or inf (a fault: 0 in a "
+                             "sound run; DSSERVE_CHECK_STEPS names the step)."),
 }
 
 

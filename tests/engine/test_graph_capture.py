@@ -33,7 +33,7 @@ def _operands(m, n, k, seed):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_shared_pool_graphs_replay_in_any_order_on_gpu():
     """Three graphs in the shared pool: a split-K GEMM, one with more output tiles than any before (its counters
-    grow), then one that fills scratch of the counters' size with 7s (what a freed counters buffer would hold after
+    grow), then one that fills scratch of the counters' sizes with 7s (what a freed counters buffer would hold after
     another graph's replay). Replayed after the third, the first still gives its eager output: its counters were
     made before its capture and never freed."""
     cfg = {"SPLIT_K": 2, "BK": 32, "BN": 32}
@@ -43,8 +43,9 @@ def test_shared_pool_graphs_replay_in_any_order_on_gpu():
     cap = GraphCapture()
     g_small, out_small = cap(lambda: F.fp8_linear(*small, 32, config=cfg))
     cap(lambda: F.fp8_linear(*big, 32, config=cfg))
-    g_fill, _ = cap(lambda: torch.stack([torch.full((4096,), 7, dtype=torch.int32, device="cuda") + i
-                                         for i in range(64)]))
+    # scratch blocks of every counters buffer's size (1024 and 4096 int32) in the pool, filled with 7s at replay
+    g_fill, _ = cap(lambda: torch.cat([torch.full((n,), 7, dtype=torch.int32, device="cuda") + i
+                                       for i in range(32) for n in (1024, 4096)]))
     for _ in range(3):
         g_fill.replay()
         out_small.fill_(float("nan"))  # tiles the replay does not write would show

@@ -56,6 +56,19 @@ def test_non_finite_logits_name_the_step(tmp_path, monkeypatch):
     assert [s["seqs"] for s in report["last_steps"]] == [[[0, 32]], [[32, 8], [0, 17], [0, 7]]]
 
 
+def test_non_finite_logits_are_counted_without_the_check():
+    """Without DSSERVE_CHECK_STEPS the engine serves on, and counts every sampled row whose logits are not
+    finite (scheduled and launched-ahead steps): the fault shows in the metrics."""
+    plain = _core()
+    _generate(plain)
+    assert plain.stats.nonfinite_logit_rows == 0
+    core = _core()
+    _poison(core)
+    done = _generate(core)
+    assert sorted(done) == ["0", "1", "2"]
+    assert core.stats.nonfinite_logit_rows == 3 * 8 == core.stats.as_dict()["nonfinite_logit_rows"]
+
+
 def _poison(core: EngineCore) -> None:
     """NaN into the final norm's weight: every row's logits become NaN."""
     with torch.no_grad():
