@@ -19,6 +19,7 @@ from ..models.loader import DTYPES, LoadedModel, load_model
 from ..models.quantize import quantize_dense_fp8, quantize_experts, use_fp8_kernels
 from .args import EngineArgs, EngineArgsError
 from .decode_graphs import DecodeGraphs
+from . import graph_scratch
 from .graph_capture import GraphCapture
 from .encoder_graphs import EncoderGraphs
 from .replay_graphs import ReplayGraphs
@@ -143,7 +144,7 @@ class EngineCore:
         graphs = replay_graphs = encoder_graphs = self.graph_capture = None
         min_context = -(-1024 // (2 * layout.block_size)) * 2 * layout.block_size
         if backend == "paged" and self.device.type == "cuda" and not args.enforce_eager:
-            capture = self.graph_capture = GraphCapture()
+            capture = self.graph_capture = GraphCapture(shared_pool=graph_scratch.shared_pool())
             graphs = DecodeGraphs(self.model, self.kv, args.max_num_seqs, capture, min_context=min_context)
             if replay:
                 replay_graphs = ReplayGraphs(self.model, self.kv, min(1024, args.max_num_batched_tokens),

@@ -1,10 +1,10 @@
 """Decode steps in fixed shapes, one per (batch bucket, context bucket), captured as CUDA graphs and replayed.
 
 A decode step of B sequences runs as ``DecodeBatch`` buffers of ``batch_bucket(B)`` rows whose index sources
-score ``context_bucket(max position + 1)`` positions' worth of entries (-inf past each row's own); the model's ``forward_decode`` over those
-buffers has no host reads or writes, so on a GPU it is captured once per bucket pair (on first use) and replayed
-with the buffers refilled. Without capture (the CPU) the same fixed-shape step runs eagerly: the tests check
-that path against the reference forward, and the GPU tests check replay against it.
+score ``context_bucket(max position + 1)`` positions' worth of entries (-inf past each row's own); the model's
+``forward_decode`` over those buffers has no host reads or writes, so on a GPU it is captured once per bucket pair
+(on first use) and replayed with the buffers refilled. Without capture (the CPU) the same fixed-shape step runs
+eagerly: the tests check that path against the reference forward, and the GPU tests check replay against it.
 
 Steps that are not plain decodes (prefill chunks, bounded-replay narrowing, a batch past the largest bucket) and
 sequences whose compressor state a fixed-shape step cannot continue fall back to the eager ``forward_batch``;
@@ -130,4 +130,5 @@ class DecodeGraphs:
 
     def report(self) -> dict:
         return {"graphs": sorted(k for k, v in self._steps.items() if v[1] is not None),
-                "fixed_shape_steps": sorted(self._steps), "replays": self.replays, "padded_rows": self.padded_rows, "fallbacks": dict(self.fallbacks)}
+                "fixed_shape_steps": sorted(self._steps), "replays": self.replays, "padded_rows": self.padded_rows,
+                "fallbacks": dict(self.fallbacks)}

@@ -1,11 +1,13 @@
-"""Poisoning a CUDA graph's scratch memory before each replay, to catch kernels that read scratch they never wrote.
+"""Poisoning a CUDA graph's pool memory that no live tensor holds, before each replay: a kernel that reads memory it
+did not write in that replay shows at once.
 
-A captured graph's temporaries live in its memory pool: blocks the capture freed again ("inactive" in the
-allocator's snapshot) that every replay writes and reads. A kernel that reads such a block before writing it reads
-whatever the last user left there: its own graph's previous replay (with a pool per graph), or another graph's
-(with a shared pool). ``DSSERVE_POISON_GRAPH_SCRATCH=1`` fills those blocks with 0xFF bytes (NaN in fp32, bf16 and
-FP8 e4m3; -1 as an index) before every replay, so such a read shows as non-finite logits at once
-(``DSSERVE_CHECK_STEPS`` then names the step). A debugging aid: it costs a memset per block per replay.
+A graph may read at replay only memory it writes in that replay first, or that a live tensor holds (its inputs,
+outputs and persistent buffers). Everything else in its memory pool ("inactive" blocks in the allocator's
+snapshot) is scratch: its own temporaries, and in a shared pool also other graphs' temporaries and tensors freed
+since its capture. ``DSSERVE_POISON_GRAPH_SCRATCH=1`` fills those blocks with 0xFF bytes (NaN in fp32, bf16 and
+FP8 e4m3; -1 as an index) right before every replay, so a read of stale memory gives non-finite logits
+(``dsserve:nonfinite_logit_rows_total``; ``DSSERVE_CHECK_STEPS`` names the step). A debugging aid: it takes an
+allocator snapshot and a memset per block per replay. ``DSSERVE_GRAPH_POOL=shared`` puts every graph in one pool.
 """
 from __future__ import annotations
 
@@ -18,10 +20,19 @@ import torch
 
 log = logging.getLogger("dsserve")
 ENV = "DSSERVE_POISON_GRAPH_SCRATCH"
+POOL_ENV = "DSSERVE_GRAPH_POOL"
 
 
 def enabled() -> bool:
     return os.environ.get(ENV, "") not in ("", "0")
+
+
+def shared_pool() -> bool:
+    """``DSSERVE_GRAPH_POOL``: "own" (default, a pool per graph) or "shared" (one pool for all)."""
+    v = os.environ.get(POOL_ENV, "own")
+    if v not in ("own", "shared"):
+        raise ValueError(f"{POOL_ENV} must be 'own' or 'shared', got {v!r}")
+    return v == "shared"
 
 
 def _cudart() -> ctypes.CDLL:
@@ -39,24 +50,28 @@ def _cudart() -> ctypes.CDLL:
 
 
 def scratch_blocks(graph: torch.cuda.CUDAGraph) -> list[tuple[int, int]]:
-    """(address, bytes) of the free blocks of the graph's pool: the memory its replays use as scratch."""
+    """(address, bytes) of the free blocks of the graph's pool now."""
     pool = tuple(graph.pool())
     return [(b["address"], b["size"]) for seg in torch.cuda.memory_snapshot()
             if tuple(seg["segment_pool_id"]) == pool for b in seg["blocks"] if b["state"] == "inactive"]
 
 
 class PoisonedGraph:
-    """A captured graph whose every replay first fills its scratch with 0xFF bytes on the current stream."""
+    """A captured graph whose every replay first fills its pool's free blocks with 0xFF bytes (current stream)."""
 
     def __init__(self, graph: torch.cuda.CUDAGraph):
-        self.graph, self.blocks, self._rt = graph, scratch_blocks(graph), _cudart()
-        log.info("%s: %d scratch blocks, %.1f MiB, poisoned before each replay", ENV, len(self.blocks),
+        self.graph, self._rt = graph, _cudart()
+        self.blocks = scratch_blocks(graph)  # at capture; replays take them anew (a shared pool's change)
+        self.poisoned_bytes = 0
+        log.info("%s: %d free blocks, %.1f MiB, poisoned before each replay", ENV, len(self.blocks),
                  sum(n for _, n in self.blocks) / 2 ** 20)
 
     def replay(self) -> None:
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        self.blocks = scratch_blocks(self.graph)
         for addr, n in self.blocks:
             err = self._rt.cudaMemsetAsync(ctypes.c_void_p(addr), 0xFF, ctypes.c_size_t(n), stream)
             if err:
                 raise RuntimeError(f"{ENV}: cudaMemsetAsync failed with CUDA error {err}")
+            self.poisoned_bytes += n
         self.graph.replay()

@@ -22,7 +22,7 @@ class EngineStats:
     replay_graph_steps: int = 0  # steps whose decoder rows ran in fixed shapes after bounded replay's narrowing
     encoder_graph_steps: int = 0  # replayed steps whose encoder rows ran in fixed shapes (engine.encoder_graphs)
     graph_captures: int = 0  # CUDA graphs captured (each stalls its step once: 0.2-1.6 s on the release proxy)
-    graph_pool_bytes: int = 0  # device memory their shared pool reserved (engine.graph_capture)
+    graph_pool_bytes: int = 0  # device memory their pools reserved (a pool per graph: engine.graph_capture)
     ahead_steps: int = 0  # decode steps launched before the host read the previous step's tokens (async)
     nonfinite_logit_rows: int = 0  # sampled rows whose logits had a NaN or inf: a fault, 0 in a sound run
     steps: int = 0

@@ -20,16 +20,15 @@ import triton.language as tl
 
 _COUNTERS: dict[tuple, torch.Tensor] = {}
 # Buffers outgrown since, kept allocated: a CUDA graph captured with one baked its address in and reads it at every
-# replay, expecting zeros. Freed, its memory went to a later capture's scratch in the graphs' shared pool, whose
-# replays left it nonzero: the old graph's tiles then summed early or never (garbage, NaN logits: the live server
-# of 2026-12-02/03, docs/decode_graphs.md).
+# replay, expecting zeros; freed, its memory could go to other tensors (or, in a shared graph pool, another graph's
+# scratch) that leave it nonzero, and that graph's tiles would then sum early or never.
 _OUTGROWN: list[torch.Tensor] = []
 
 
 def tile_counters(device: torch.device, n: int) -> torch.Tensor:
     """A zeroed int32 buffer of at least n counters for calls issued on the current stream of `device`. Grows
     (a new zeroed buffer; the old one stays allocated, see _OUTGROWN) when n exceeds it. Graph captures warm up on
-    their capture stream (engine.graph_capture), so the capture finds the buffer grown already."""
+    their capture stream (engine.graph_capture), so a capture finds the buffer made and grown already."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device.type, device.index, stream)
     buf = _COUNTERS.get(key)

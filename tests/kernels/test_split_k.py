@@ -1,4 +1,7 @@
 """kernels.split_k: the last program of each output tile sums the split partials; counters are left at zero."""
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -47,3 +50,15 @@ def test_gpu_split_sum_under_graph_replay():
         torch.cuda.synchronize()
         assert torch.equal(y, out)
     assert ((out.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_outgrown_tile_counters_stay_allocated():
+    """A graph captured with a counters buffer reads it at every replay: growing the buffer must not free the old
+    one (freed, other tensors or another graph's scratch may take its memory)."""
+    dev = torch.device("cpu")
+    old = tile_counters(dev, 1 << 20)
+    gone = weakref.ref(old)
+    del old
+    tile_counters(dev, (1 << 20) + 1)  # grows: a new buffer
+    gc.collect()
+    assert gone() is not None
