@@ -12,8 +12,9 @@ Writes $OUT/diag-<variant>.json: the counts, the first failure, the last 40 step
     DSSERVE_CHECK_STEPS=$OUT/steps.json python benchmarks/sessions_check_h200.py default 210   # seconds of steps
     DIAG_TINY=1 OUT=/tmp python benchmarks/sessions_check_h200.py default 10                  # CPU smoke run
 DIAG_FINGERPRINT=0 skips the weights' byte sums (slow); DIAG_BURST=1 runs the first session's prefill before the
-others arrive, so they come as prefix hits together (decoder-rows graphs of up to 1024 rows). With DSSERVE_POISON_GRAPH_SCRATCH=1 every graph's scratch is
-filled with NaN bytes before each replay (dsserve/engine/graph_scratch.py).
+others arrive, so they come as prefix hits together (bigger mixed steps). With DSSERVE_POISON_GRAPH_SCRATCH=1 every
+graph's free pool memory is filled with NaN bytes before each replay (dsserve/engine/graph_scratch.py);
+DSSERVE_GRAPH_POOL=shared puts the graphs in one pool.
 """
 import json
 import logging
@@ -53,7 +54,7 @@ def submit(sid, prompt):
     core.add_request(f"{sid}:{nreq}", prompt, SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True))
 
 submit(0, base + tok(rng.randint(10, 150) if TINY else rng.randint(100, 1500)))
-if os.environ.get("DIAG_BURST") == "1":  # the prefix cached first: the others arrive together as hits (big mixed steps)
+if os.environ.get("DIAG_BURST") == "1":  # the prefix cached first: the others arrive together as hits
     while not core.step():
         pass
 for sid in range(1, 32):

@@ -2,14 +2,14 @@
 in a memory pool of its own.
 
 Every graph of the engine (decode steps, bounded replay's decoder and encoder rows) captures through one
-``GraphCapture``. A pool per graph costs memory (each graph's scratch kept apart: 80-620 MiB a graph on the
+``GraphCapture``. A pool per graph costs memory (each graph's scratch kept apart: 24-620 MiB a graph on the
 release proxy, `dsserve:graph_pool_bytes_total`). A shared pool would be safe for graphs that never run at once
 (the engine's never do) provided no graph reads, at replay, pool memory that no live tensor holds, since a later
 capture may take that memory for its scratch. Yet with one shared pool a live server at 32 concurrent agent
 sessions got NaN logits from a decode graph replayed after a decoder-rows graph, in every run past 175 s (six);
 with a pool per graph it did not (benchmarks/results/agentx-small-h200-c32/diagnosis-2026-12-03). The cause is
-not found (docs/decode_graphs.md); ``shared_pool=True`` and ``DSSERVE_POISON_GRAPH_SCRATCH=1``
-(engine.graph_scratch) are there to find it.
+not found (docs/decode_graphs.md); ``DSSERVE_GRAPH_POOL=shared`` (``shared_pool=True``) and
+``DSSERVE_POISON_GRAPH_SCRATCH=1`` (engine.graph_scratch) are there to find it.
 """
 from __future__ import annotations
 
