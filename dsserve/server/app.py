@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine.core import RequestError
 from ..engine.sampling_params import SamplingParamsError
 from . import openai_format as fmt
-from .async_engine import AsyncEngine, EngineFault, EngineOverloaded
+from .async_engine import AsyncEngine, EngineOverloaded
 from .chat import ChatFormatError, chat_prompt_ids
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 

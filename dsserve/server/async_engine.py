@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass
 
 from ..engine.core import EngineCore
-from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import SamplingParams
 
 log = logging.getLogger("dsserve.server")

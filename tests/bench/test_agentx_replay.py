@@ -4,7 +4,6 @@ import json
 import os
 import sys
 
-import httpx
 import pytest
 
 from dsserve.cli import main

@@ -2,7 +2,6 @@
 import random
 
 import pytest
-import torch
 
 from dsserve import LLM, SamplingParams
 from dsserve.engine.args import EngineArgsError

@@ -3,7 +3,6 @@
 The model is replaced by bookkeeping (rows advance the cache's token count), so thousands of steps run
 in seconds; the real forward over the same scheduler is tested in test_paged_engine.py.
 """
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

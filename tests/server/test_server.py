@@ -1,6 +1,5 @@
 """The live server on loopback, through the official openai client and raw HTTP."""
 import asyncio
-import json
 import os
 import sys
 
