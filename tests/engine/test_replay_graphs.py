@@ -100,12 +100,14 @@ def test_replay_graphs_on_gpu():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_graphs_read_only_scratch_they_wrote_on_gpu(monkeypatch):
-    """With every graph's scratch (its pool's free blocks) filled with 0xFF bytes (NaN) before each replay, the
-    engine's graphs (decode steps, decoder rows) give the same tokens and logprobs, bit for bit, as without: no
-    kernel reads a temporary it did not write in that replay."""
+@pytest.mark.parametrize("pool", ["own", "shared"])
+def test_graphs_read_only_scratch_they_wrote_on_gpu(monkeypatch, pool):
+    """With every graph's free pool memory filled with 0xFF bytes (NaN) before each replay, the engine's graphs
+    (decode steps, decoder rows) give the same tokens and logprobs, bit for bit, as without: no kernel reads memory
+    it did not write in that replay and that no live tensor holds, with a pool per graph or one shared pool."""
     kw = dict(dtype="float32", device="cuda")
     clean, _ = _run(None, **kw)
+    monkeypatch.setenv(graph_scratch.POOL_ENV, pool)
     monkeypatch.setenv(graph_scratch.ENV, "1")
     poisoned, eng = _run(None, **kw)
     graphs = [v[2] for v in eng.runner.replay_graphs._steps.values()] + \
