@@ -181,6 +181,13 @@ class Replayer:
         return (now, now + int(self.a.duration * 1e9)), before, await scrape(self.client)
 
 
+def _delta(before: dict, after: dict, name: str) -> float | None:
+    """How much the server's counter ``name`` (any prefix: dsserve:, vllm:) moved over the profiling window; None
+    when the server does not export it."""
+    v0, v1 = (next((v for k, v in d.items() if k.split(":")[-1] == name), None) for d in (before, after))
+    return None if None in (v0, v1) else v1 - v0
+
+
 async def _main(a) -> int:
     con, err, trace = Console(width=140), Console(stderr=True), generate(a.preset, a.seed, a.num_sessions)
     out, tag, aggs, records, points, series, rc = Path(a.output_dir), uuid.uuid4().hex[:12], [], [], [], [], 0
@@ -212,8 +219,6 @@ async def _main(a) -> int:
             agg = M.aggregate(rp.records, window, a.num_gpus, meta=meta, server={"before": before, "after": after},
                               dataset=ds, price_per_gpu_hr=a.price_per_gpu_hr)
             M.write_agg(out, agg), aggs.append(agg)
-            h0, h1 = (next((v for k, v in d.items() if k.split(":")[-1] == "prefix_cache_hits_total"), None)
-                      for d in (before, after))
             points.append({"conc": c, "requests": agg["num_requests_successful"], "all_requests": len(rp.records),
                            "errors": sum(bool(r["error"]) for r in rp.records), "skipped": rp.skipped,
                            **{k: agg[k] for k in ("p90_ttft", "p90_intvty", "tput_per_gpu")},
@@ -222,7 +227,11 @@ async def _main(a) -> int:
                            "warmup_requests": sum(r["phase"] == "warmup" for r in rp.records),
                            "usage_cached_tokens": sum(r.get("cached") or 0 for r in rp.records  # profiling phase
                                                       if r["phase"] == "profile"),
-                           "server_hits_delta": None if None in (h0, h1) else h1 - h0,
+                           "server_hits_delta": _delta(before, after, "prefix_cache_hits_total"),
+                           # first-use CUDA graph captures stall their steps; NaN logits would be a fault
+                           "graph_captures_delta": _delta(before, after, "graph_captures_total"),
+                           "nonfinite_logit_rows_delta": _delta(before, after, "nonfinite_logit_rows_total"),
+                           "preemptions_delta": _delta(before, after, "num_preemptions_total"),
                            "chat_token_mismatch": mismatches(rp.records) if a.api == "chat" else None})
     M.write_requests_jsonl(out / "requests.jsonl", records)
     write_series(out / "metrics_timeseries.csv", series)
