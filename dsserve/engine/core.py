@@ -272,7 +272,7 @@ class EngineCore:
         logits = logits.float()
         # the model's own logits (before the sampler masks any), counted on the device and read with the tokens:
         # a fault shows in the metrics without a wait per step
-        nonfinite = (~torch.isfinite(logits)).any(1).sum()
+        nonfinite = torch.isfinite(logits).all(1).logical_not().sum()  # one pass over [B, V], then B values
         out = self.sampler(logits, sampling)
         ids, lps = out.sampled_token_ids, out.logprob_tensors
         ready = None
