@@ -61,11 +61,10 @@ class EngineArgs:
         "run every step eagerly; otherwise on a GPU (paged backend) decode steps, and (V4.1) the decoder rows of other "
         "steps after bounded replay's narrowing (and their encoder rows: --encoder-graphs), run as CUDA graphs "
         "captured per row and context bucket on first use"))
-    encoder_graphs: bool = field(default=False, metadata=_h(
+    encoder_graphs: bool = field(default=True, metadata=_h(
         "with bounded replay and CUDA graphs: a step that narrows and fits a row bucket (up to 1024 rows: a prefix "
         "hit's replayed and new rows, a short prompt) runs its encoder layers as a CUDA graph too (a hit's TTFT "
-        "0.66-0.86x on the release proxy). Off by default: a live server with it at 32 concurrent agent sessions "
-        "hit a device-side index assert not yet explained (docs/decode_graphs.md)"))
+        "0.66-0.86x on the release proxy); --no-encoder-graphs runs them eagerly, the decoder rows still as graphs"))
     async_scheduling: bool | None = field(default=None, metadata=_h(
         "launch the next decode step before the host has read the current one's tokens (it takes them from the "
         "device), so scheduling, refills and output processing overlap the device's work; a step's tokens reach "

@@ -1,15 +1,16 @@
 """Capturing a fixed-shape forward as a CUDA graph: warm-ups, then the capture, on one capture stream; every graph
-in a memory pool of its own.
+in one shared memory pool.
 
 Every graph of the engine (decode steps, bounded replay's decoder and encoder rows) captures through one
-``GraphCapture``. A pool per graph costs memory (each graph's scratch kept apart: 24-620 MiB a graph on the
-release proxy, `dsserve:graph_pool_bytes_total`). A shared pool would be safe for graphs that never run at once
-(the engine's never do) provided no graph reads, at replay, pool memory that no live tensor holds, since a later
-capture may take that memory for its scratch. Yet with one shared pool a live server at 32 concurrent agent
-sessions got NaN logits from a decode graph replayed after a decoder-rows graph, in every run past 175 s (six);
-with a pool per graph it did not (benchmarks/results/agentx-small-h200-c32/diagnosis-2026-12-03). The cause is
-not found (docs/decode_graphs.md); ``DSSERVE_GRAPH_POOL=shared`` (``shared_pool=True``) and
-``DSSERVE_POISON_GRAPH_SCRATCH=1`` (engine.graph_scratch) are there to find it.
+``GraphCapture``. Graphs that never run at once (the engine's never do) may share a pool provided no graph reads,
+at replay, pool memory that no live tensor holds: a later capture may take that memory for its scratch. A shared
+pool keeps the graphs' memory to about a third of a pool each (offline on the release proxy: 86 against 255 MB a
+graph; `dsserve:graph_pool_bytes_total`). Until 55e8b1a a live server at 32 concurrent agent sessions got NaN
+logits with it in every run past 175 s (six runs), then the warm-ups moved onto the capture stream, so that what
+PyTorch and our kernels keep per stream (the cuBLAS workspace, the split-K counters) is made before any capture and
+outside the pools; four live runs since ran clean, one with every graph's free pool memory poisoned before each
+replay (docs/decode_graphs.md). ``DSSERVE_GRAPH_POOL=own`` (``shared_pool=False``) gives every graph its own pool;
+``DSSERVE_POISON_GRAPH_SCRATCH=1`` (engine.graph_scratch) shows a graph reading scratch it did not write.
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ log = logging.getLogger("dsserve")
 
 
 class GraphCapture:
-    def __init__(self, warmups: int = 2, shared_pool: bool = False):
-        """``shared_pool``: one pool for every graph (less memory; see the module docstring)."""
+    def __init__(self, warmups: int = 2, shared_pool: bool = True):
+        """``shared_pool``: one pool for every graph; False: a pool per graph (see the module docstring)."""
         self.warmups, self.shared_pool = warmups, shared_pool
         self.pool = None
         self.stream = None  # made on first use: the CPU never captures

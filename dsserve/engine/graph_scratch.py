@@ -7,7 +7,8 @@ snapshot) is scratch: its own temporaries, and in a shared pool also other graph
 since its capture. ``DSSERVE_POISON_GRAPH_SCRATCH=1`` fills those blocks with 0xFF bytes (NaN in fp32, bf16 and
 FP8 e4m3; -1 as an index) right before every replay, so a read of stale memory gives non-finite logits
 (``dsserve:nonfinite_logit_rows_total``; ``DSSERVE_CHECK_STEPS`` names the step). A debugging aid: it takes an
-allocator snapshot and a memset per block per replay. ``DSSERVE_GRAPH_POOL=shared`` puts every graph in one pool.
+allocator snapshot and a memset per block per replay. ``DSSERVE_GRAPH_POOL=own`` gives every graph a pool of its own
+(the default is one shared pool).
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def enabled() -> bool:
 
 
 def shared_pool() -> bool:
-    """``DSSERVE_GRAPH_POOL``: "own" (default, a pool per graph) or "shared" (one pool for all)."""
-    v = os.environ.get(POOL_ENV, "own")
+    """``DSSERVE_GRAPH_POOL``: "shared" (default, one pool for all graphs) or "own" (a pool per graph)."""
+    v = os.environ.get(POOL_ENV, "shared")
     if v not in ("own", "shared"):
         raise ValueError(f"{POOL_ENV} must be 'own' or 'shared', got {v!r}")
     return v == "shared"

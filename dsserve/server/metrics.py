@@ -37,8 +37,8 @@ STAT_COUNTERS = {
     "encoder_graph_steps": ("encoder_graph_steps", "Replayed steps whose encoder rows ran in fixed shapes (CUDA "
                             "graphs on a GPU)."),
     "graph_captures": ("graph_captures", "CUDA graphs captured (each capture stalls the step that needs it once)."),
-    "graph_pool_bytes": ("graph_pool_bytes", "Device memory reserved by the captured CUDA graphs' memory pools (a "
-                         "pool per graph)."),
+    "graph_pool_bytes": ("graph_pool_bytes", "Device memory reserved by the captured CUDA graphs' memory pool "
+                         "(one shared pool; DSSERVE_GRAPH_POOL=own: a pool per graph)."),
     "ahead_steps": ("async_ahead_steps", "Decode steps launched from the previous step's tokens on the device, "
                     "before the host read them (asynchronous scheduling)."),
     "nonfinite_logit_rows": ("nonfinite_logit_rows", "Sampled rows whose logits had a NaN or inf (a fault: 0 in a "

@@ -86,15 +86,15 @@ def test_steps_it_cannot_take_fall_back():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_encoder_graphs_on_gpu():
-    """--encoder-graphs on a GPU captures the encoder rows' graphs: replaying them gives the same tokens and
+    """On a GPU the engine (by default) captures the encoder rows' graphs: replaying them gives the same tokens and
     logprobs, bit for bit, as the same fixed-shape forward run eagerly; and the eager engine's greedy tokens wherever
     its top-2 margin clears fp32 noise."""
     kw = dict(dtype="float32", device="cuda")
     assert_capture_is_exact(_run, _fixed_shape, kw)
-    graphed, eng = _run(None, encoder_graphs=True, **kw)  # --encoder-graphs
+    graphed, eng = _run(None, **kw)  # the default: --encoder-graphs
     rep = eng.runner.encoder_graphs.report()
     assert rep["replays"] > 0
-    _, off = _run(None, **kw)  # the default: the decoder rows' graphs only
+    _, off = _run(None, encoder_graphs=False, **kw)  # --no-encoder-graphs: the decoder rows' graphs only
     assert off.runner.encoder_graphs is None and off.stats.replay_graph_steps > 0
     eager, _ = _run(False, enforce_eager=True, **kw)
     assert_greedy_agree(graphed, eager)

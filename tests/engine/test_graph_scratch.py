@@ -8,9 +8,9 @@ from dsserve.engine.graph_capture import GraphCapture
 
 def test_pool_switch(monkeypatch):
     monkeypatch.delenv(graph_scratch.POOL_ENV, raising=False)
-    assert graph_scratch.shared_pool() is False
-    monkeypatch.setenv(graph_scratch.POOL_ENV, "shared")
     assert graph_scratch.shared_pool() is True
+    monkeypatch.setenv(graph_scratch.POOL_ENV, "own")
+    assert graph_scratch.shared_pool() is False
     monkeypatch.setenv(graph_scratch.POOL_ENV, "one")
     with pytest.raises(ValueError, match="'own' or 'shared'"):
         graph_scratch.shared_pool()

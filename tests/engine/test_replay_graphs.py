@@ -30,8 +30,9 @@ def test_decoder_context_buckets():
 
 def _run(graphs=None, **kw):
     """Each round's prompts submitted together (mixed steps: one prompt's prefill chunk with the others' decode
-    rows). graphs: None (the engine's default), False (every replay step eager) or a ReplayGraphs factory."""
-    llm = LLM(model="tiny", swa_bounded_replay=True, max_num_batched_tokens=64, **kw)
+    rows). graphs: None (the engine's default), False (every replay step eager) or a ReplayGraphs factory. The
+    encoder rows run eagerly unless ``encoder_graphs=True`` (test_encoder_graphs covers their graphs)."""
+    llm = LLM(model="tiny", swa_bounded_replay=True, max_num_batched_tokens=64, **{"encoder_graphs": False, **kw})
     eng = llm.engine
     if graphs is not None:
         eng.runner.replay_graphs = graphs(eng) if graphs else None
@@ -85,7 +86,7 @@ def test_other_replay_form_falls_back():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_replay_graphs_on_gpu():
-    """The engine's default on a GPU captures the decoder rows' graphs: replaying them gives the same tokens and
+    """On a GPU the engine captures the decoder rows' graphs: replaying them gives the same tokens and
     logprobs, bit for bit, as the same fixed-shape forward run eagerly; and the same greedy tokens as the fully
     eager engine (--enforce-eager) wherever that engine's top-2 margin clears fp32 noise."""
     kw = dict(dtype="float32", device="cuda")
@@ -93,7 +94,7 @@ def test_replay_graphs_on_gpu():
     graphed, eng = _run(None, **kw)  # the engine's own buckets
     rep = eng.runner.replay_graphs.report()
     assert rep["replays"] > 0 and not rep["fallbacks"]
-    assert eng.runner.encoder_graphs is None  # opt-in (--encoder-graphs)
+    assert eng.runner.encoder_graphs is None  # --no-encoder-graphs (_run)
     assert eng.stats.graph_captures == len(rep["graphs"]) + len(eng.runner.decode_graphs.report()["graphs"])
     eager, _ = _run(False, enforce_eager=True, **kw)
     assert_greedy_agree(graphed, eager)
@@ -103,16 +104,19 @@ def test_replay_graphs_on_gpu():
 @pytest.mark.parametrize("pool", ["own", "shared"])
 def test_graphs_read_only_scratch_they_wrote_on_gpu(monkeypatch, pool):
     """With every graph's free pool memory filled with 0xFF bytes (NaN) before each replay, the engine's graphs
-    (decode steps, decoder rows) give the same tokens and logprobs, bit for bit, as without: no kernel reads memory
-    it did not write in that replay and that no live tensor holds, with a pool per graph or one shared pool."""
-    kw = dict(dtype="float32", device="cuda")
+    (decode steps, decoder and encoder rows) give the same tokens and logprobs, bit for bit, as without: no kernel
+    reads memory it did not write in that replay and that no live tensor holds, with a pool per graph or one shared
+    pool."""
+    kw = dict(dtype="float32", device="cuda", encoder_graphs=True)
     clean, _ = _run(None, **kw)
     monkeypatch.setenv(graph_scratch.POOL_ENV, pool)
     monkeypatch.setenv(graph_scratch.ENV, "1")
     poisoned, eng = _run(None, **kw)
     graphs = [v[2] for v in eng.runner.replay_graphs._steps.values()] + \
         [v[1] for v in eng.runner.decode_graphs._steps.values()]
-    assert graphs and all(isinstance(g, graph_scratch.PoisonedGraph) for g in graphs)
+    encoder = [v[2] for v in eng.runner.encoder_graphs._steps.values() if v[2] is not None]
+    assert encoder and graphs and all(isinstance(g, graph_scratch.PoisonedGraph) for g in encoder)
+    assert all(isinstance(g, graph_scratch.PoisonedGraph) for g in graphs)
     assert sum(len(g.blocks) for g in graphs) > 0
     assert poisoned == clean
 
