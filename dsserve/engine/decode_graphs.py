@@ -60,8 +60,11 @@ class DecodeGraphs:
             b.engram is not None and b.engram.table is not None
             and not (b.engram.table.memory is not None and b.engram.table.memory.pinned) for b in model.layers)
         self._steps: dict[tuple[int, int], tuple[DecodeBatch, torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
-        self.replays, self.padded_rows, self.fallbacks = 0, 0, Counter()
+        self.reset_counts()
         self.last_key = None  # the (batch bucket, context bucket) of the latest run
+
+    def reset_counts(self) -> None:
+        self.replays, self.padded_rows, self.fallbacks = 0, 0, Counter()
 
     def key(self, plan: StepPlan, ahead: bool = False) -> tuple[int, int] | None:
         """(batch bucket, context bucket) of a plan that can run as a fixed-shape decode step, or None.

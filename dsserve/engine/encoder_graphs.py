@@ -45,8 +45,11 @@ class EncoderGraphs:
         self.sources = {i: r for i, (r, _) in kv.layout.sources.items() if i < self.split}  # encoder KV sources
         self.engram = [b.engram for b in model.layers[:self.split] if b.engram is not None]
         self._steps: dict[tuple[int, int], tuple] = {}
-        self.replays, self.runs, self.padded_rows, self.fallbacks = 0, 0, 0, Counter()
+        self.reset_counts()
         self.last_key = None  # the (row bucket, context bucket) of the latest run
+
+    def reset_counts(self) -> None:
+        self.replays, self.runs, self.padded_rows, self.fallbacks = 0, 0, 0, Counter()
 
     def _unfit(self, ctx: ForwardContext) -> str | None:
         cfg = self.model.cfg

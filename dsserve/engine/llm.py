@@ -10,6 +10,7 @@ from .args import EngineArgs
 from .core import EngineCore, RequestError
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
+from .warmup import warm_up
 
 PromptType = str | list[int] | dict
 
@@ -20,6 +21,8 @@ class LLM:
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_options):
         self.engine = EngineCore(EngineArgs.from_kwargs(model=model, **engine_options))
+        if self.engine.args.warmup:
+            warm_up(self.engine)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

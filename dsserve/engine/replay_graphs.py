@@ -52,8 +52,11 @@ class ReplayGraphs:
         self.split = model.cfg.encoder_layers  # the report form's narrowing: layer 20's attention on
         self.decoder_engram = any(b.engram is not None for b in model.layers[self.split:])
         self._steps: dict[tuple[int, int], tuple[ReplayBatch, list[torch.Tensor], object, torch.Tensor]] = {}
-        self.replays, self.runs, self.padded_rows, self.fallbacks = 0, 0, 0, Counter()
+        self.reset_counts()
         self.last_key = None  # the (row bucket, context bucket) of the latest run
+
+    def reset_counts(self) -> None:
+        self.replays, self.runs, self.padded_rows, self.fallbacks = 0, 0, 0, Counter()
 
     def _unfit(self, start: int, ctx: ForwardContext) -> str | None:
         cfg = self.model.cfg

@@ -18,8 +18,15 @@ class ModelRunner:
         through it; ``encoder_graphs`` (engine.encoder_graphs.EncoderGraphs): their encoder rows before it."""
         self.model, self.replay_form, self.decode_graphs = model, replay_form, decode_graphs
         self.replay_graphs, self.encoder_graphs = replay_graphs, encoder_graphs
+        self.reset_counts()
+
+    def reset_counts(self) -> None:
+        """Zeroes what this runner and its fixed-shape runners counted (the warm-up's steps are not traffic)."""
         self.decoder_rows_skipped = 0  # prefill rows bounded replay kept out of the decoder
         self.graph_steps = 0  # steps run by decode_graphs
+        for g in (self.decode_graphs, self.replay_graphs, self.encoder_graphs):
+            if g is not None:
+                g.reset_counts()
 
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> tuple[list[Request], torch.Tensor]:

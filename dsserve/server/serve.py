@@ -29,6 +29,7 @@ def run_server(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from ..engine.core import EngineCore
+    from ..engine import warmup
     from .app import build_app
     from .async_engine import AsyncEngine
     from .metrics import EngineMetrics
@@ -37,6 +38,8 @@ def run_server(ns: argparse.Namespace) -> int:
         ns.model = ns.served_model
     args = EngineArgs.from_cli(ns)
     core = EngineCore(args)
+    if warmup.wanted(args.warmup, core.device):
+        warmup.warm_up(core)  # before the port opens: /health answers once the first shapes are compiled and captured
     name = ns.served_model_name or args.model
     engine = AsyncEngine(core, ns.max_waiting, EngineMetrics(model_name=name))
     app = build_app(engine, name, ns.api_key, ns.max_body_bytes, ns.default_max_tokens)

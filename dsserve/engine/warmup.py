@@ -1,0 +1,97 @@
+"""Warming the engine up before it serves: synthetic requests through the shapes the first traffic takes, so that
+Triton compiles its kernels and the CUDA graphs of those shapes are captured before any user waits for them.
+
+On a bare H200 a live server otherwise spends its first minutes compiling: the first server of the release proxy on
+a machine took 120 s for AgentX's 64 warm-up requests, the next one on that machine 30 s
+(benchmarks/results/agentx-small-h200-c32/shared-pool-2026-12-03). The rounds:
+- one cold prompt of a whole chunk (``max_num_batched_tokens`` rows, less where ``max_model_len`` is shorter): the
+  eager prefill's large-row kernels;
+- per decode batch bucket b up to ``max_num_seqs``: b short prompts at once, then b prefix hits on them (the
+  prompts and a few new tokens), each decoding a few tokens: the decode steps' graphs (b, the first context
+  bucket), and bounded replay's decoder- and encoder-row graphs of b hits (the replayed window plus the new rows).
+Shapes it does not reach (longer contexts, other row buckets) still compile or capture on first use.
+
+Its requests carry a cache salt of their own, so no user prompt hits their blocks (freed first, they are also
+evicted first). Afterwards the engine's counters start from zero again; the graphs stay captured, and
+``dsserve:graph_captures_total`` counts them.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .decode_graphs import BATCH_BUCKETS
+from .sampling_params import SamplingParams
+from .stats import EngineStats
+
+log = logging.getLogger("dsserve")
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    requests: int
+    steps: int
+    seconds: float
+    prefix_hit_tokens: int  # prompt tokens of its hits found in the cache (bounded replay's path ran)
+    graph_captures: int  # graphs captured during the warm-up
+
+
+def wanted(setting: bool | None, device: torch.device) -> bool:
+    """``--warmup``: True or False as given; None (``dsserve serve``'s default) on a GPU only."""
+    return setting if setting is not None else device.type == "cuda"
+
+
+def batch_sizes(max_num_seqs: int) -> list[int]:
+    """The decode batch buckets a step of up to ``max_num_seqs`` rows can fall in (the last one is the maximum)."""
+    return sorted({b for b in BATCH_BUCKETS if b < max_num_seqs} | {max_num_seqs})
+
+
+def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
+    """Runs the rounds above through ``core`` (an idle EngineCore) to completion, then zeroes its counters."""
+    if core.has_unfinished_requests():
+        raise RuntimeError("warm_up needs an idle engine")
+    t0, steps, captured = time.perf_counter(), 0, core.stats.graph_captures
+    gen = torch.Generator().manual_seed(seed)
+    salt = "dsserve-warmup-" + secrets.token_hex(8)
+    cfg, sched = core.cfg, core.scheduler.config
+    block = core.kv.layout.block_size
+    # a hit adds 8 tokens, then decodes new_tokens; a request must fit the cache
+    room = min(core.max_model_len, core.kv.blocks.num_blocks * block) - new_tokens - 8
+    # a short prompt: whole blocks past the replay window, so that a hit replays a full window
+    short = min(room, (sched.replay_window // block + 2) * block)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    ids = iter(range(1 << 30))
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
+
+    def run(prompts: list[list[int]]) -> None:
+        nonlocal steps
+        for p in prompts:
+            core.add_request(f"warmup-{next(ids)}", p, params, cache_salt=salt)
+        while core.has_unfinished_requests():
+            core.step()
+            steps += 1
+
+    if short < 1:
+        log.warning("warm-up skipped: max_model_len %d leaves no room for a prompt", core.max_model_len)
+        return WarmupReport(0, 0, 0.0, 0, 0)
+    run([prompt(min(sched.max_num_batched_tokens, room))])
+    n = 1
+    for b in batch_sizes(sched.max_num_seqs):
+        firsts = [prompt(short) for _ in range(b)]
+        run(firsts)
+        run([p + prompt(8) for p in firsts])
+        n += 2 * b
+    hits = core.stats.prefix_hit_tokens
+    core.stats = EngineStats(core.stats.layout, core.stats.cfg)
+    core.runner.reset_counts()
+    core._count_runs()  # the graphs' captures and pool bytes stay: the graphs do
+    report = WarmupReport(n, steps, time.perf_counter() - t0, hits, core.stats.graph_captures - captured)
+    log.info("warm-up: %d requests in %d steps, %.1f s, %d CUDA graphs captured", report.requests, report.steps,
+             report.seconds, report.graph_captures)
+    return report

@@ -1,0 +1,62 @@
+"""engine.warmup: the warm-up runs the shapes it promises, then leaves no trace in outputs, cache or counters."""
+import pytest
+import torch
+
+from dsserve import LLM, SamplingParams
+from dsserve.engine.warmup import batch_sizes, wanted, warm_up
+from dsserve.models.presets import preset
+from test_paged_engine import make_prompts
+
+PARAMS = SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True)
+# the paged backend's fixed-shape decode steps, with the ops' torch references (the kernels: tests/kernels)
+KW = dict(model="tiny", dtype="float32", attention_backend="paged", reference_ops="all", async_scheduling=True,
+          max_num_seqs=3, max_num_batched_tokens=64, swa_bounded_replay=True)
+
+
+def _rounds():
+    ps = make_prompts(preset("tiny"), seed=9)
+    base = torch.randint(0, preset("tiny").vocab_size, (150,), generator=torch.Generator().manual_seed(9)).tolist()
+    return [[base + [5, 6], ps[4], ps[1]], [base + [7], ps[3]]]  # the second round: a prefix hit on the first
+
+
+def _serve(llm):
+    outs = [o.outputs[0] for batch in _rounds() for o in llm.generate(batch, PARAMS, use_tqdm=False)]
+    return [(c.token_ids, [sorted((k, v.logprob) for k, v in d.items()) for d in c.logprobs]) for c in outs]
+
+
+def test_batch_sizes():
+    assert batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert batch_sizes(3) == [1, 2, 3]
+    assert batch_sizes(1) == [1]
+
+
+def test_wanted():
+    assert wanted(None, torch.device("cuda")) and not wanted(None, torch.device("cpu"))
+    assert wanted(True, torch.device("cpu")) and not wanted(False, torch.device("cuda"))
+
+
+def test_warm_up_runs_every_batch_bucket_and_hits_then_leaves_no_trace():
+    cold, warm = LLM(**KW), LLM(**KW)
+    eng = warm.engine
+    report = warm_up(eng)
+    assert report.requests == 1 + 2 * (1 + 2 + 3) and report.prefix_hit_tokens > 0
+    # the fixed-shape decode steps of every batch bucket ran (on a GPU: their graphs were captured)
+    assert {b for b, _ in eng.runner.decode_graphs.report()["fixed_shape_steps"]} == {1, 2, 3}
+    # nothing left: no request, every block and window slot free, every counter zero
+    assert not eng.has_unfinished_requests() and not eng.scheduler.requests
+    assert eng.kv.blocks.num_used == 0 and eng.kv.slots.num_used == 0
+    assert eng.stats.steps == 0 and eng.stats.prefix_query_tokens == 0 and eng.stats.prefill_rows == 0
+    assert eng.runner.graph_steps == 0 and eng.runner.decode_graphs.report()["replays"] == 0
+    # and the same traffic afterwards gives the same tokens, logprobs and counts as on an engine never warmed
+    assert _serve(warm) == _serve(cold)
+    a, b = ({k: v for k, v in llm.engine.stats.as_dict().items() if not k.endswith("_seconds")}
+            for llm in (warm, cold))
+    assert a == b and a["prefix_hit_tokens"] > 0  # the warm-up's salted blocks gave no user prompt a hit
+
+
+def test_warmup_option_and_busy_engine():
+    llm = LLM(**KW, warmup=True)  # LLM(warmup=True) warms up in its constructor
+    assert {b for b, _ in llm.engine.runner.decode_graphs.report()["fixed_shape_steps"]} == {1, 2, 3}
+    llm.engine.add_request("busy", [1, 2, 3], PARAMS)
+    with pytest.raises(RuntimeError, match="idle engine"):
+        warm_up(llm.engine)
