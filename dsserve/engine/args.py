@@ -59,8 +59,8 @@ class EngineArgs:
         "reference path | auto: paged on cuda, reference on cpu"))
     enforce_eager: bool = field(default=False, metadata=_h(
         "run every step eagerly; otherwise on a GPU (paged backend) decode steps, and (V4.1) the decoder rows of other "
-        "steps after bounded replay's narrowing (and their encoder rows: --encoder-graphs), run as CUDA graphs "
-        "captured per row and context bucket on first use"))
+        "steps after bounded replay's narrowing (and their encoder rows, unless --no-encoder-graphs), run as CUDA "
+        "graphs captured per row and context bucket on first use (or in the warm-up: --warmup)"))
     encoder_graphs: bool = field(default=True, metadata=_h(
         "with bounded replay and CUDA graphs: a step that narrows and fits a row bucket (up to 1024 rows: a prefix "
         "hit's replayed and new rows, a short prompt) runs its encoder layers as a CUDA graph too (a hit's TTFT "

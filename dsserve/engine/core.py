@@ -259,6 +259,12 @@ class EngineCore:
         self.stats.step_done(time.perf_counter() - t0 - wait, wait)
         return results
 
+    def reset_counts(self) -> None:
+        """Counts start again from zero (after the warm-up: engine.warmup); captured graphs and their pools stay."""
+        self.stats = EngineStats(self.stats.layout, self.cfg)
+        self.runner.reset_counts()
+        self._count_runs()
+
     def _count_runs(self) -> None:
         self.stats.decoder_rows_skipped = self.runner.decoder_rows_skipped
         self.stats.graph_steps = self.runner.graph_steps

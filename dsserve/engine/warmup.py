@@ -26,7 +26,6 @@ import torch
 
 from .decode_graphs import BATCH_BUCKETS
 from .sampling_params import SamplingParams
-from .stats import EngineStats
 
 log = logging.getLogger("dsserve")
 
@@ -38,6 +37,7 @@ class WarmupReport:
     seconds: float
     prefix_hit_tokens: int  # prompt tokens of its hits found in the cache (bounded replay's path ran)
     graph_captures: int  # graphs captured during the warm-up
+    nonfinite_logit_rows: int = 0  # sampled rows with NaN or inf logits during the warm-up (a fault)
 
 
 def wanted(setting: bool | None, device: torch.device) -> bool:
@@ -87,11 +87,11 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
         run(firsts)
         run([p + prompt(8) for p in firsts])
         n += 2 * b
-    hits = core.stats.prefix_hit_tokens
-    core.stats = EngineStats(core.stats.layout, core.stats.cfg)
-    core.runner.reset_counts()
-    core._count_runs()  # the graphs' captures and pool bytes stay: the graphs do
-    report = WarmupReport(n, steps, time.perf_counter() - t0, hits, core.stats.graph_captures - captured)
+    hits, bad = core.stats.prefix_hit_tokens, core.stats.nonfinite_logit_rows
+    core.reset_counts()
+    report = WarmupReport(n, steps, time.perf_counter() - t0, hits, core.stats.graph_captures - captured, bad)
     log.info("warm-up: %d requests in %d steps, %.1f s, %d CUDA graphs captured", report.requests, report.steps,
              report.seconds, report.graph_captures)
+    if bad:  # zeroed with the other counts, so said here
+        log.warning("warm-up: non-finite logits in %d sampled rows", bad)
     return report

@@ -36,7 +36,8 @@ STAT_COUNTERS = {
                            "replay's narrowing (replayed CUDA graphs on a GPU)."),
     "encoder_graph_steps": ("encoder_graph_steps", "Replayed steps whose encoder rows ran in fixed shapes (CUDA "
                             "graphs on a GPU)."),
-    "graph_captures": ("graph_captures", "CUDA graphs captured (each capture stalls the step that needs it once)."),
+    "graph_captures": ("graph_captures", "CUDA graphs captured (each capture stalls the step that needs it once; "
+                       "the warm-up's included)."),
     "graph_pool_bytes": ("graph_pool_bytes", "Device memory reserved by the captured CUDA graphs' memory pool "
                          "(one shared pool; DSSERVE_GRAPH_POOL=own: a pool per graph)."),
     "ahead_steps": ("async_ahead_steps", "Decode steps launched from the previous step's tokens on the device, "
