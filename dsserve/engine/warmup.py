@@ -3,13 +3,16 @@ Triton compiles its kernels and the CUDA graphs of those shapes are captured bef
 
 On a bare H200 a live server otherwise spends its first minutes compiling: the first server of the release proxy on
 a machine took 120 s for AgentX's 64 warm-up requests, the next one on that machine 30 s
-(benchmarks/results/agentx-small-h200-c32/shared-pool-2026-12-03). The rounds:
-- one cold prompt of a whole chunk (``max_num_batched_tokens`` rows, less where ``max_model_len`` is shorter): the
-  eager prefill's large-row kernels;
+(benchmarks/results/agentx-small-h200-c32/shared-pool-2026-12-03). Some kernels take sizes that grow with the
+context as constexprs (the top-k's BLOCK: the entry count's next power of two), so longer contexts compile kernels
+of their own. The rounds:
+- a context ladder: one cold prompt reaching the last decode context bucket that fits ``max_model_len`` and the
+  cache (at least a whole chunk: the eager prefill's large-row kernels), then one prefix hit on it ending in each
+  lower bucket, each decoding a few tokens alone: the decode graphs (1, c) and the replay graphs at every context;
 - per decode batch bucket b up to ``max_num_seqs``: b short prompts at once, then b prefix hits on them (the
   prompts and a few new tokens), each decoding a few tokens: the decode steps' graphs (b, the first context
   bucket), and bounded replay's decoder- and encoder-row graphs of b hits (the replayed window plus the new rows).
-Shapes it does not reach (longer contexts, other row buckets) still compile or capture on first use.
+Graphs of other pairs (b > 1 past the first context bucket, other row buckets) still capture on first use.
 
 Its requests carry a cache salt of their own, so no user prompt hits their blocks (freed first, they are also
 evicted first). Afterwards the engine's counters start from zero again; the graphs stay captured, and
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .decode_graphs import BATCH_BUCKETS
+from .decode_graphs import BATCH_BUCKETS, context_bucket
 from .sampling_params import SamplingParams
 
 log = logging.getLogger("dsserve")
@@ -50,6 +53,15 @@ def batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted({b for b in BATCH_BUCKETS if b < max_num_seqs} | {max_num_seqs})
 
 
+def context_ladder(max_len: int, min_context: int) -> list[int]:
+    """Every decode context bucket up to ``max_len`` positions."""
+    out, c = [], context_bucket(1, min_context)
+    while c <= max_len:
+        out.append(c)
+        c = context_bucket(c + 1, min_context)
+    return out
+
+
 def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
     """Runs the rounds above through ``core`` (an idle EngineCore) to completion, then zeroes its counters."""
     if core.has_unfinished_requests():
@@ -59,8 +71,8 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
     salt = "dsserve-warmup-" + secrets.token_hex(8)
     cfg, sched = core.cfg, core.scheduler.config
     block = core.kv.layout.block_size
-    # a hit adds 8 tokens, then decodes new_tokens; a request must fit the cache
-    room = min(core.max_model_len, core.kv.blocks.num_blocks * block) - new_tokens - 8
+    cap = min(core.max_model_len, core.kv.blocks.num_blocks * block)  # positions a request may reach
+    room = cap - new_tokens - 8  # a hit adds 8 tokens, then decodes new_tokens
     # a short prompt: whole blocks past the replay window, so that a hit replays a full window
     short = min(room, (sched.replay_window // block + 2) * block)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -80,8 +92,14 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
     if short < 1:
         log.warning("warm-up skipped: max_model_len %d leaves no room for a prompt", core.max_model_len)
         return WarmupReport(0, 0, 0.0, 0, 0)
-    run([prompt(min(sched.max_num_batched_tokens, room))])
-    n = 1
+    graphs = core.runner.decode_graphs
+    # prompt lengths whose decode steps stay in each bucket c (positions up to c)
+    ladder = [c - new_tokens for c in context_ladder(cap, graphs.min_context if graphs else 1024)]
+    longest = prompt(max(ladder[-1:] + [min(sched.max_num_batched_tokens, room)]))
+    run([longest])
+    for n_tokens in ladder[:-1]:
+        run([longest[:n_tokens]])  # alone: together they would decode in the largest bucket only
+    n = len(ladder[:-1]) + 1
     for b in batch_sizes(sched.max_num_seqs):
         firsts = [prompt(short) for _ in range(b)]
         run(firsts)

@@ -3,14 +3,14 @@ import pytest
 import torch
 
 from dsserve import LLM, SamplingParams
-from dsserve.engine.warmup import batch_sizes, wanted, warm_up
+from dsserve.engine.warmup import batch_sizes, context_ladder, wanted, warm_up
 from dsserve.models.presets import preset
 from test_paged_engine import make_prompts
 
 PARAMS = SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True)
 # the paged backend's fixed-shape decode steps, with the ops' torch references (the kernels: tests/kernels)
 KW = dict(model="tiny", dtype="float32", attention_backend="paged", reference_ops="all", async_scheduling=True,
-          max_num_seqs=3, max_num_batched_tokens=64, swa_bounded_replay=True)
+          max_num_seqs=3, max_num_batched_tokens=256, max_model_len=2100, swa_bounded_replay=True)
 
 
 def _rounds():
@@ -30,18 +30,24 @@ def test_batch_sizes():
     assert batch_sizes(1) == [1]
 
 
+def test_context_ladder():
+    assert context_ladder(40000, 1024) == [1024 * i for i in range(1, 9)] + [
+        10240, 12288, 14336, 16384, 20480, 24576, 28672, 32768]
+    assert context_ladder(1000, 1024) == []
+
+
 def test_wanted():
     assert wanted(None, torch.device("cuda")) and not wanted(None, torch.device("cpu"))
     assert wanted(True, torch.device("cpu")) and not wanted(False, torch.device("cuda"))
 
 
-def test_warm_up_runs_every_batch_bucket_and_hits_then_leaves_no_trace():
+def test_warm_up_runs_every_bucket_and_hits_then_leaves_no_trace():
     cold, warm = LLM(**KW), LLM(**KW)
     eng = warm.engine
     report = warm_up(eng)
-    assert report.requests == 1 + 2 * (1 + 2 + 3) and report.prefix_hit_tokens > 0
-    # the fixed-shape decode steps of every batch bucket ran (on a GPU: their graphs were captured)
-    assert {b for b, _ in eng.runner.decode_graphs.report()["fixed_shape_steps"]} == {1, 2, 3}
+    assert report.requests == 2 + 2 * (1 + 2 + 3) and report.prefix_hit_tokens > 0
+    # the fixed-shape decode steps of every batch bucket and context bucket ran (on a GPU: their graphs captured)
+    assert set(eng.runner.decode_graphs.report()["fixed_shape_steps"]) == {(1, 1024), (2, 1024), (3, 1024), (1, 2048)}
     # nothing left: no request, every block and window slot free, every counter zero
     assert not eng.has_unfinished_requests() and not eng.scheduler.requests
     assert eng.kv.blocks.num_used == 0 and eng.kv.slots.num_used == 0
@@ -57,6 +63,7 @@ def test_warm_up_runs_every_batch_bucket_and_hits_then_leaves_no_trace():
 def test_warmup_option_and_busy_engine():
     llm = LLM(**KW, warmup=True)  # LLM(warmup=True) warms up in its constructor
     assert {b for b, _ in llm.engine.runner.decode_graphs.report()["fixed_shape_steps"]} == {1, 2, 3}
+    assert llm.engine.stats.steps == 0
     llm.engine.add_request("busy", [1, 2, 3], PARAMS)
     with pytest.raises(RuntimeError, match="idle engine"):
         warm_up(llm.engine)
