@@ -10,6 +10,8 @@
 #   CONC        concurrencies ["1 8 16 32"];  DUR: profiling seconds per point [60];  TIER: tok/s/user read [150]
 #   BUDGET_S    seconds this script may take in all [560]; split evenly between the modes still to run. A sweep
 #               still running when its mode's share is spent is stopped: its finished points (agg_*.json) stay
+#   (the server warms up before /health answers: engine/warmup.py, `--no-warmup` in MODEL_ARGS skips it; that
+#   time counts against the mode's share)
 #   MODEL_ARGS  what follows `dsserve serve` [the release proxy, below]; BENCH_ARGS: more `bench agentx` flags
 #               [--vocab-size 128000]; KV_BYTES: --kv-cache-memory [8 GiB]; PORT [8000]; SERVER_WAIT_S [300]
 # What comes back (the device returns at most 8 files from $OUT): per mode agentx-replay-<mode>.tgz (the bench's

@@ -67,3 +67,18 @@ def test_warmup_option_and_busy_engine():
     llm.engine.add_request("busy", [1, 2, 3], PARAMS)
     with pytest.raises(RuntimeError, match="idle engine"):
         warm_up(llm.engine)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_warm_up_captures_graphs_on_gpu():
+    """On a GPU the warm-up captures the graphs of its shapes (decode steps, decoder and encoder rows), and traffic
+    after it gives the same tokens and logprobs, bit for bit, as on an engine that captures on first use."""
+    kw = dict(model="tiny", dtype="float32", device="cuda", max_num_seqs=3, max_num_batched_tokens=256,
+              max_model_len=2100)
+    cold, warm = LLM(**kw), LLM(**kw)
+    report = warm_up(warm.engine)
+    eng = warm.engine
+    assert report.graph_captures > 0 and report.nonfinite_logit_rows == 0
+    assert eng.stats.graph_captures == report.graph_captures  # counted though the other counts were zeroed
+    assert eng.runner.replay_graphs.report()["graphs"] and eng.runner.encoder_graphs.report()["graphs"]
+    assert _serve(warm) == _serve(cold)
