@@ -21,8 +21,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def live_server(model: str = "tiny", args=SERVER_ARGS):
-    """Yields the base URL; on exit sends SIGTERM, which must drain and exit 0."""
+def live_server(model: str = "tiny", args=SERVER_ARGS, log: list | None = None):
+    """Yields the base URL; on exit sends SIGTERM, which must drain and exit 0. ``log``: the server's output is
+    appended to it once the process has exited."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "dsserve", "serve", model, "--port", str(port), *args,
                              "--shutdown-timeout", "5"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -50,5 +51,8 @@ def live_server(model: str = "tiny", args=SERVER_ARGS):
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
+    out = proc.stdout.read()
     if code != 0:
-        raise RuntimeError(f"server exited {code} after SIGTERM:\n" + proc.stdout.read())
+        raise RuntimeError(f"server exited {code} after SIGTERM:\n" + out)
+    if log is not None:
+        log.append(out)

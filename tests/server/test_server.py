@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from live_server import SERVER_ARGS  # noqa: E402
+from live_server import SERVER_ARGS, live_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +121,17 @@ def test_metrics_parse_and_move(server, client):
     client.completions.create(model="tiny", prompt="count me", max_tokens=5, temperature=0)
     assert metric(server, "dsserve:generation_tokens_total") == before + 5
     assert metric(server, "dsserve:time_to_first_token_seconds_count") >= 1
+
+
+def test_warmup_runs_before_the_port_opens_and_counts_nothing():
+    """`serve --warmup` runs its synthetic requests before /health answers; the counters start at zero after it."""
+    log = []
+    args = SERVER_ARGS + ["--warmup", "--max-num-seqs", "2", "--max-model-len", "1100"]
+    with live_server(args=args, log=log) as base:
+        assert metric(base, "dsserve:prompt_tokens_total") == 0 and metric(base, "dsserve:prefill_rows_total") == 0
+        httpx.post(base + "/v1/completions", json={"prompt": "warm", "max_tokens": 2}, timeout=60).raise_for_status()
+        assert metric(base, "dsserve:generation_tokens_total") == 2
+    assert "warm-up: 7 requests" in log[0]  # the ladder: 1 (max_model_len 1100: one bucket); then 2 x (1 + 2)
 
 
 @pytest.mark.parametrize("body, status, needle", [
