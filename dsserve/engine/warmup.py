@@ -78,8 +78,10 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     ids = iter(range(1 << 30))
 
+    vocab = min(cfg.vocab_size, core.tokenizer.vocab_size)  # ids the tokenizer knows (the model may pad past it)
+
     def prompt(n: int) -> list[int]:
-        return torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
+        return torch.randint(0, vocab, (n,), generator=gen).tolist()
 
     def run(prompts: list[list[int]]) -> None:
         nonlocal steps
