@@ -230,6 +230,7 @@ async def _main(a) -> int:
                            "server_hits_delta": _delta(before, after, "prefix_cache_hits_total"),
                            # first-use CUDA graph captures stall their steps; NaN logits would be a fault
                            "graph_captures_delta": _delta(before, after, "graph_captures_total"),
+                           "graph_capture_seconds_delta": _delta(before, after, "graph_capture_seconds_total"),
                            "nonfinite_logit_rows_delta": _delta(before, after, "nonfinite_logit_rows_total"),
                            "preemptions_delta": _delta(before, after, "num_preemptions_total"),
                            "chat_token_mismatch": mismatches(rp.records) if a.api == "chat" else None})

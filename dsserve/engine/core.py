@@ -272,6 +272,7 @@ class EngineCore:
         self.stats.encoder_graph_steps = 0 if self.runner.encoder_graphs is None else self.runner.encoder_graphs.runs
         if self.graph_capture is not None:
             self.stats.graph_captures = self.graph_capture.captured
+            self.stats.graph_capture_seconds = self.graph_capture.seconds
             self.stats.graph_pool_bytes = self.graph_capture.pool_bytes
 
     def _sample(self, sampling: list[Request], logits: torch.Tensor) -> _Launched:

@@ -128,7 +128,8 @@ class DecodeGraphs:
         # carry is read then overwritten); the step refills the buffers before the first replay.
         self.model.fill_decode(batch, seqs, tokens)
         batch.mask_writes()
-        graph, logits = self.capture(lambda: self.model.forward_decode(batch))
+        graph, logits = self.capture(lambda: self.model.forward_decode(batch),
+                                     f"decode step: batch {key[0]}, context {key[1]}")
         return batch, graph, logits
 
     def report(self) -> dict:

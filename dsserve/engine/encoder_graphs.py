@@ -9,7 +9,8 @@ entries from every row and narrows, eagerly, and the decoder rows follow through
 largest bucket (long cold chunks: matmul-bound) stay eager. Without capture (the CPU) the same fixed-shape forward
 runs eagerly: the tests check it against the eager path.
 
-Opt-in (``--encoder-graphs``): see docs/decode_graphs.md for the live-server assert that keeps it off by default.
+On by default (``--no-encoder-graphs`` turns it off): four live runs at 32 agent sessions ran clean with it
+(docs/decode_graphs.md has the history of the failures that kept it off before).
 Engram rows come in buffers: host tables' rows from the step's prefetch (started before the graph), tables on the
 device as row ids hashed on the host (the eager path hashes them on the host too, for the prefetch).
 ``run`` returns None, counted in ``fallbacks`` by reason, for a step it does not take.
@@ -126,7 +127,8 @@ class EncoderGraphs:
         # buffers before the replay.
         self._fill(batch, engram, ctx, host_ids)
         batch.mask_writes()
-        graph, out = self.capture(lambda: self.model.forward_encoder_rows(batch, engram))
+        graph, out = self.capture(lambda: self.model.forward_encoder_rows(batch, engram),
+                                  f"encoder rows: {rows} rows, context {bound}")
         return batch, engram, graph, out
 
     def report(self) -> dict:

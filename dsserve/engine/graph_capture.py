@@ -15,6 +15,7 @@ replay (docs/decode_graphs.md). ``DSSERVE_GRAPH_POOL=own`` (``shared_pool=False`
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable
 
 import torch
@@ -32,10 +33,13 @@ class GraphCapture:
         self.stream = None  # made on first use: the CPU never captures
         self.captured = 0
         self.pool_bytes = 0  # device memory the graphs' pools reserved, all captures together
+        self.seconds = 0.0  # wall time of the captures, their warm-ups included: the steps that needed them waited
 
-    def __call__(self, run: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def __call__(self, run: Callable[[], torch.Tensor], what: str = "") -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """(graph, its output buffer). ``run`` must mask its writes during this call (warm-ups run it for real:
-        Triton compiles and lazily built buffers exist before the capture); the capture itself runs nothing."""
+        Triton compiles and lazily built buffers exist before the capture); the capture itself runs nothing.
+        ``what``: the graph's kind and shape, for the log."""
+        t0 = time.perf_counter()
         if self.stream is None:
             self.stream = torch.cuda.Stream()
         # Warm up on the stream that captures: buffers kept per stream (split-K counters) are then made and sized
@@ -56,10 +60,12 @@ class GraphCapture:
         if self.shared_pool:
             self.pool = graph.pool()
         grown = torch.cuda.memory_reserved() - before
+        took = time.perf_counter() - t0
         self.captured += 1
         self.pool_bytes += grown
-        log.info("captured CUDA graph %d: pools grew %.1f MiB, all graphs' %.2f GiB", self.captured,
-                 grown / 2 ** 20, self.pool_bytes / 2 ** 30)
+        self.seconds += took
+        log.info("captured CUDA graph %d (%s) in %.2f s: pools grew %.1f MiB, all graphs' %.2f GiB", self.captured,
+                 what or "?", took, grown / 2 ** 20, self.pool_bytes / 2 ** 30)
         if graph_scratch.enabled():
             graph = graph_scratch.PoisonedGraph(graph)
         return graph, out

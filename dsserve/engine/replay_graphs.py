@@ -116,7 +116,8 @@ class ReplayGraphs:
         # Warm up on this step's inputs with every write masked; the step refills the buffers before the replay.
         self._fill(batch, inputs, parts, ctx)
         batch.mask_writes()
-        graph, hidden = self.capture(lambda: self.model.forward_decoder_rows(batch, self.split, *inputs))
+        graph, hidden = self.capture(lambda: self.model.forward_decoder_rows(batch, self.split, *inputs),
+                                     f"decoder rows: {rows} rows, context {bound}")
         return batch, inputs, graph, hidden
 
     def report(self) -> dict:

@@ -22,7 +22,8 @@ class EngineStats:
     replay_graph_steps: int = 0  # steps whose decoder rows ran in fixed shapes after bounded replay's narrowing
     encoder_graph_steps: int = 0  # replayed steps whose encoder rows ran in fixed shapes (engine.encoder_graphs)
     graph_captures: int = 0  # CUDA graphs captured (each stalls its step once: 0.2-1.6 s on the release proxy)
-    graph_pool_bytes: int = 0  # device memory their pools reserved (a pool per graph: engine.graph_capture)
+    graph_capture_seconds: float = 0.0  # the time those steps waited for their captures
+    graph_pool_bytes: int = 0  # device memory their pools reserved (one shared pool: engine.graph_capture)
     ahead_steps: int = 0  # decode steps launched before the host read the previous step's tokens (async)
     nonfinite_logit_rows: int = 0  # sampled rows whose logits had a NaN or inf: a fault, 0 in a sound run
     steps: int = 0
@@ -63,7 +64,8 @@ class EngineStats:
             "decoder_rows_skipped": self.decoder_rows_skipped, "decoder_flops_saved": self.decoder_flops_saved,
             "graph_steps": self.graph_steps, "replay_graph_steps": self.replay_graph_steps,
             "encoder_graph_steps": self.encoder_graph_steps,
-            "graph_captures": self.graph_captures, "graph_pool_bytes": self.graph_pool_bytes,
+            "graph_captures": self.graph_captures, "graph_capture_seconds": self.graph_capture_seconds,
+            "graph_pool_bytes": self.graph_pool_bytes,
             "ahead_steps": self.ahead_steps, "nonfinite_logit_rows": self.nonfinite_logit_rows,
             "steps": self.steps, "step_host_seconds": self.step_host_seconds,
             "step_wait_seconds": self.step_wait_seconds,

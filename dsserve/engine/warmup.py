@@ -11,8 +11,17 @@ of their own. The rounds:
   lower bucket, each decoding a few tokens alone: the decode graphs (1, c) and the replay graphs at every context;
 - per decode batch bucket b up to ``max_num_seqs``: b short prompts at once, then b prefix hits on them (the
   prompts and a few new tokens), each decoding a few tokens: the decode steps' graphs (b, the first context
-  bucket), and bounded replay's decoder- and encoder-row graphs of b hits (the replayed window plus the new rows).
-Graphs of other pairs (b > 1 past the first context bucket, other row buckets) still capture on first use.
+  bucket), and bounded replay's decoder- and encoder-row graphs of b hits (the replayed window plus the new rows);
+- a row ladder: prefill steps alone, each of a row count from ``prefill_rows`` (every row bucket of the replay
+  graphs, every power of two up to a whole chunk and one row less): prefix hits on a short prompt whose new
+  tokens (plus the replayed window, with bounded replay) make that many rows, or cold prompts where the window
+  alone is more. Prefill kernels take powers of two of the row count as constexprs (the GEMMs' BM, the router's,
+  the MoE permutation's), and Triton compiles an integer argument apart when it is a multiple of 16: in the first
+  live sweep with the warm-up, a replay-off server at one session (no row graphs: every hit eager in its exact
+  row count) took 1-7 s for hits of 85-2,440 new tokens, most likely compiling (benchmarks/results/
+  agentx-small-h200-warmup).
+Graphs of other pairs (b > 1 past the first context bucket, row buckets past the first context bucket) still
+capture on first use.
 
 Its requests carry a cache salt of their own, so no user prompt hits their blocks (freed first, they are also
 evicted first). Afterwards the engine's counters start from zero again; the graphs stay captured, and
@@ -28,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from .decode_graphs import BATCH_BUCKETS, context_bucket
+from .replay_graphs import ROW_BUCKETS
 from .sampling_params import SamplingParams
 
 log = logging.getLogger("dsserve")
@@ -60,6 +70,17 @@ def context_ladder(max_len: int, min_context: int) -> list[int]:
         out.append(c)
         c = context_bucket(c + 1, min_context)
     return out
+
+
+def prefill_rows(max_rows: int, graph_rows: int) -> list[int]:
+    """Row counts for the row ladder: the row graphs' buckets up to ``graph_rows`` (0: no row graphs), every power
+    of two up to ``max_rows`` (a whole chunk) and each one row less, and ``max_rows`` itself."""
+    out = {r for r in ROW_BUCKETS if r <= min(graph_rows, max_rows)} | {max_rows}
+    p = 1
+    while p <= max_rows:
+        out |= {p, p - 1}
+        p *= 2
+    return sorted(out - {0})
 
 
 def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
@@ -107,6 +128,21 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
         run(firsts)
         run([p + prompt(8) for p in firsts])
         n += 2 * b
+    # the row ladder; with bounded replay a hit's rows are the replayed window plus its new tokens
+    window = sched.replay_window if sched.swa_bounded_replay else 0
+    base = prompt(short)
+    run([base])
+    n += 1
+    row_graphs = [g for g in (core.runner.replay_graphs, core.runner.encoder_graphs) if g is not None]
+    for rows in prefill_rows(min(sched.max_num_batched_tokens, room), max([g.max_rows for g in row_graphs] + [0])):
+        new = rows - window
+        if new < 1:
+            run([prompt(rows)])
+        elif short + new <= room:
+            run([base + prompt(new)])
+        else:
+            continue
+        n += 1
     hits, bad = core.stats.prefix_hit_tokens, core.stats.nonfinite_logit_rows
     core.reset_counts()
     report = WarmupReport(n, steps, time.perf_counter() - t0, hits, core.stats.graph_captures - captured, bad)

@@ -38,6 +38,8 @@ STAT_COUNTERS = {
                             "graphs on a GPU)."),
     "graph_captures": ("graph_captures", "CUDA graphs captured (each capture stalls the step that needs it once; "
                        "the warm-up's included)."),
+    "graph_capture_seconds": ("graph_capture_seconds", "Wall time of those captures, their warm-up runs included "
+                              "(Triton's first compiles of their shapes too): the time their steps waited."),
     "graph_pool_bytes": ("graph_pool_bytes", "Device memory reserved by the captured CUDA graphs' memory pool "
                          "(one shared pool; DSSERVE_GRAPH_POOL=own: a pool per graph)."),
     "ahead_steps": ("async_ahead_steps", "Decode steps launched from the previous step's tokens on the device, "
@@ -149,7 +151,7 @@ class EngineMetrics:
             if stats is not self._stats_obj:  # a new engine: its counts start from zero
                 self._stats_obj, self._last_stats = stats, {}
             for field, c in self.stat_counters.items():
-                v = int(getattr(stats, field))
+                v = getattr(stats, field)
                 d = v - self._last_stats.get(field, 0)
                 if d > 0:
                     c.inc(d)

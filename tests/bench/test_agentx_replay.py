@@ -38,7 +38,8 @@ def test_agentx_replay_small(tiny_server, tmp_path, capsys):
     assert pt["usage_cached_tokens"] > 0
     assert pt["server_hits_delta"] == pt["usage_cached_tokens"]
     # the CPU engine captures no graphs; no row's logits were NaN; nothing was preempted
-    assert pt["graph_captures_delta"] == 0 and pt["nonfinite_logit_rows_delta"] == 0 and pt["preemptions_delta"] == 0
+    assert pt["graph_captures_delta"] == 0 and pt["graph_capture_seconds_delta"] == 0
+    assert pt["nonfinite_logit_rows_delta"] == 0 and pt["preemptions_delta"] == 0
     assert 0 < pt["server_hit"] <= 1 and 0 < pt["theoretical_hit"] <= 1
     # the tier read at --tier-tok-s (default 150 tok/s/user): the tiny CPU server is far slower, so no point
     # reaches it; the same JSON is written as summary.json
@@ -68,6 +69,7 @@ def test_agentx_replay_small(tiny_server, tmp_path, capsys):
     assert len(series) >= 1 and all(s["conc"] == "2" for s in series)
     assert float(series[-1]["prefix_cache_queries"]) > 0 and series[-1]["running"] != ""
     assert float(series[-1]["graph_captures"]) == 0  # dsserve's counter, sampled like the others
+    assert float(series[-1]["graph_capture_seconds"]) == 0
     for r in rows:
         assert r["osl"] == r["max_tokens"] and r["isl"] > 0 and 0 <= r["ttft"] <= r["e2el"]
         assert r["end_ns"] >= r["start_ns"] and r["cached"] is not None and r["cached"] <= r["isl"]

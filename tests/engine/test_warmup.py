@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from dsserve import LLM, SamplingParams
-from dsserve.engine.warmup import batch_sizes, context_ladder, wanted, warm_up
+from dsserve.engine.warmup import batch_sizes, context_ladder, prefill_rows, wanted, warm_up
 from dsserve.models.presets import preset
 from test_paged_engine import make_prompts
 
@@ -24,6 +24,22 @@ def _serve(llm):
     return [(c.token_ids, [sorted((k, v.logprob) for k, v in d.items()) for d in c.logprobs]) for c in outs]
 
 
+def _warm_up_recording_prefills(eng):
+    """warm_up(eng), and the (rows, prefix hit tokens) of every step it ran with a prompt's rows."""
+    steps, execute = [], eng.runner.execute
+
+    def recording(plan):
+        if any(c.request.num_computed_tokens < c.request.num_prompt_tokens for c in plan.chunks):
+            cs = plan.chunks
+            steps.append((sum(c.num_tokens for c in cs), sum(c.request.num_cached_tokens for c in cs)))
+        return execute(plan)
+    eng.runner.execute = recording
+    try:
+        return warm_up(eng), steps
+    finally:
+        eng.runner.execute = execute
+
+
 def test_batch_sizes():
     assert batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
     assert batch_sizes(3) == [1, 2, 3]
@@ -36,6 +52,12 @@ def test_context_ladder():
     assert context_ladder(1000, 1024) == []
 
 
+def test_prefill_rows():
+    assert prefill_rows(8192, 1024) == sorted({1, 3, 7, 15, 31, 63, 127, 255, 511, 1023, 2047, 4095, 8191}
+                                        | {2 ** k for k in range(14)} | {192, 384, 768})
+    assert prefill_rows(100, 64) == [1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 63, 64, 100]
+
+
 def test_wanted():
     assert wanted(None, torch.device("cuda")) and not wanted(None, torch.device("cpu"))
     assert wanted(True, torch.device("cpu")) and not wanted(False, torch.device("cuda"))
@@ -44,8 +66,12 @@ def test_wanted():
 def test_warm_up_runs_every_bucket_and_hits_then_leaves_no_trace():
     cold, warm = LLM(**KW), LLM(**KW)
     eng = warm.engine
-    report = warm_up(eng)
-    assert report.requests == 2 + 2 * (1 + 2 + 3) and report.prefix_hit_tokens > 0
+    report, steps = _warm_up_recording_prefills(eng)
+    ladder = prefill_rows(256, 0)  # the CPU captures no row graphs
+    assert report.requests == 2 + 2 * (1 + 2 + 3) + 1 + len(ladder) and report.prefix_hit_tokens > 0
+    # the row ladder: a prefill step of each row count, alone; past the replay window (32) a prefix hit
+    assert all((r, 0) in steps for r in ladder if r <= 32) and all(
+        any(rows == r and hit > 0 for rows, hit in steps) for r in ladder if r > 32), steps
     # the fixed-shape decode steps of every batch bucket and context bucket ran (on a GPU: their graphs captured)
     assert set(eng.runner.decode_graphs.report()["fixed_shape_steps"]) == {(1, 1024), (2, 1024), (3, 1024), (1, 2048)}
     # nothing left: no request, every block and window slot free, every counter zero
@@ -58,6 +84,12 @@ def test_warm_up_runs_every_bucket_and_hits_then_leaves_no_trace():
     a, b = ({k: v for k, v in llm.engine.stats.as_dict().items() if not k.endswith("_seconds")}
             for llm in (warm, cold))
     assert a == b and a["prefix_hit_tokens"] > 0  # the warm-up's salted blocks gave no user prompt a hit
+
+
+def test_row_ladder_without_replay_runs_hits_of_every_row_count():
+    eng = LLM(**{**KW, "swa_bounded_replay": False}).engine
+    _, steps = _warm_up_recording_prefills(eng)
+    assert all(any(rows == r and hit > 0 for rows, hit in steps) for r in prefill_rows(256, 0)), steps
 
 
 def test_warmup_option_and_busy_engine():

@@ -158,7 +158,7 @@ def test_stat_deltas_and_preemptions_from_a_fake_engine():
     req = SimpleNamespace(num_preemptions=0)
     stats = SimpleNamespace(prefix_query_tokens=100, prefix_hit_tokens=64, replayed_rows=5, prefill_rows=36,
                             decoder_rows_skipped=7, graph_steps=3, replay_graph_steps=2, encoder_graph_steps=5,
-                            graph_captures=4, graph_pool_bytes=3 << 20, ahead_steps=6,
+                            graph_captures=4, graph_capture_seconds=1.25, graph_pool_bytes=3 << 20, ahead_steps=6,
                             nonfinite_logit_rows=2)
     eng = SimpleNamespace(scheduler=SimpleNamespace(running=[req], waiting=[], requests={"r": req}),
                           kv=SimpleNamespace(blocks=pool, slots=SimpleNamespace(num_blocks=4, num_used=1)),
@@ -176,6 +176,7 @@ def test_stat_deltas_and_preemptions_from_a_fake_engine():
     assert value(s, "dsserve:replay_graph_steps_total") == 2
     assert value(s, "dsserve:encoder_graph_steps_total") == 5
     assert value(s, "dsserve:graph_captures_total") == 4
+    assert value(s, "dsserve:graph_capture_seconds_total") == 1.25  # seconds stay fractional
     assert value(s, "dsserve:graph_pool_bytes_total") == 3 << 20
     assert value(s, "dsserve:async_ahead_steps_total") == 6
     assert value(s, "dsserve:nonfinite_logit_rows_total") == 2
@@ -186,7 +187,7 @@ def test_stat_deltas_and_preemptions_from_a_fake_engine():
     # A new engine (new stats object) starts from zero: its totals add on, nothing goes backwards.
     eng.stats = SimpleNamespace(prefix_query_tokens=20, prefix_hit_tokens=0, replayed_rows=0, prefill_rows=0,
                                 decoder_rows_skipped=0, graph_steps=0, replay_graph_steps=0, encoder_graph_steps=0,
-                                graph_captures=0, graph_pool_bytes=0, ahead_steps=0,
+                                graph_captures=0, graph_capture_seconds=0.0, graph_pool_bytes=0, ahead_steps=0,
                                 nonfinite_logit_rows=0)
     m.observe_step(eng)
     assert value(parse(m)[1], "dsserve:prefix_cache_queries_total") == 150

@@ -10,6 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from dsserve.engine.warmup import prefill_rows
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from live_server import SERVER_ARGS, live_server  # noqa: E402
 
@@ -131,7 +133,9 @@ def test_warmup_runs_before_the_port_opens_and_counts_nothing():
         assert metric(base, "dsserve:prompt_tokens_total") == 0 and metric(base, "dsserve:prefill_rows_total") == 0
         httpx.post(base + "/v1/completions", json={"prompt": "warm", "max_tokens": 2}, timeout=60).raise_for_status()
         assert metric(base, "dsserve:generation_tokens_total") == 2
-    assert "warm-up: 7 requests" in log[0]  # the ladder: 1 (max_model_len 1100: one bucket); then 2 x (1 + 2)
+    # the context ladder: 1 (max_model_len 1100: one bucket); the batch buckets: 2 x (1 + 2); the row ladder: its
+    # base prompt and one request a row count (chunks of 256 rows, no row graphs on the CPU)
+    assert f"warm-up: {1 + 2 * (1 + 2) + 1 + len(prefill_rows(256, 0))} requests" in log[0]
 
 
 @pytest.mark.parametrize("body, status, needle", [
