@@ -136,9 +136,9 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
     row_graphs = [g for g in (core.runner.replay_graphs, core.runner.encoder_graphs) if g is not None]
     for rows in prefill_rows(min(sched.max_num_batched_tokens, room), max([g.max_rows for g in row_graphs] + [0])):
         new = rows - window
-        if new < 1:
+        if new < 1 and rows <= room:
             run([prompt(rows)])
-        elif short + new <= room:
+        elif 1 <= new and short + new <= room:
             run([base + prompt(new)])
         else:
             continue
