@@ -51,6 +51,8 @@ class WarmupReport:
     prefix_hit_tokens: int  # prompt tokens of its hits found in the cache (bounded replay's path ran)
     graph_captures: int  # graphs captured during the warm-up
     nonfinite_logit_rows: int = 0  # sampled rows with NaN or inf logits during the warm-up (a fault)
+    round_seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)  # the context ladder, the batch buckets, the rows
+    capture_seconds: float = 0.0  # of ``seconds``, the graphs' captures (their warm-up runs and compiles included)
 
 
 def wanted(setting: bool | None, device: torch.device) -> bool:
@@ -87,7 +89,8 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
     """Runs the rounds above through ``core`` (an idle EngineCore) to completion, then zeroes its counters."""
     if core.has_unfinished_requests():
         raise RuntimeError("warm_up needs an idle engine")
-    t0, steps, captured = time.perf_counter(), 0, core.stats.graph_captures
+    t0, steps = time.perf_counter(), 0
+    captured, capture_s = core.stats.graph_captures, core.stats.graph_capture_seconds
     gen = torch.Generator().manual_seed(seed)
     salt = "dsserve-warmup-" + secrets.token_hex(8)
     cfg, sched = core.cfg, core.scheduler.config
@@ -123,11 +126,13 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
     for n_tokens in ladder[:-1]:
         run([longest[:n_tokens]])  # alone: together they would decode in the largest bucket only
     n = len(ladder[:-1]) + 1
+    t1 = time.perf_counter()
     for b in batch_sizes(sched.max_num_seqs):
         firsts = [prompt(short) for _ in range(b)]
         run(firsts)
         run([p + prompt(8) for p in firsts])
         n += 2 * b
+    t2 = time.perf_counter()
     # the row ladder; with bounded replay a hit's rows are the replayed window plus its new tokens
     window = sched.replay_window if sched.swa_bounded_replay else 0
     base = prompt(short)
@@ -145,9 +150,12 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
         n += 1
     hits, bad = core.stats.prefix_hit_tokens, core.stats.nonfinite_logit_rows
     core.reset_counts()
-    report = WarmupReport(n, steps, time.perf_counter() - t0, hits, core.stats.graph_captures - captured, bad)
-    log.info("warm-up: %d requests in %d steps, %.1f s, %d CUDA graphs captured", report.requests, report.steps,
-             report.seconds, report.graph_captures)
+    t3 = time.perf_counter()
+    report = WarmupReport(n, steps, t3 - t0, hits, core.stats.graph_captures - captured, bad,
+                          (t1 - t0, t2 - t1, t3 - t2), core.stats.graph_capture_seconds - capture_s)
+    log.info("warm-up: %d requests in %d steps, %.1f s (context ladder %.1f, batch buckets %.1f, row ladder %.1f), "
+             "%d CUDA graphs captured in %.1f s of it", report.requests, report.steps, report.seconds,
+             *report.round_seconds, report.graph_captures, report.capture_seconds)
     if bad:  # zeroed with the other counts, so said here
         log.warning("warm-up: non-finite logits in %d sampled rows", bad)
     return report

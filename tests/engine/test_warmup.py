@@ -69,6 +69,8 @@ def test_warm_up_runs_every_bucket_and_hits_then_leaves_no_trace():
     report, steps = _warm_up_recording_prefills(eng)
     ladder = prefill_rows(256, 0)  # the CPU captures no row graphs
     assert report.requests == 2 + 2 * (1 + 2 + 3) + 1 + len(ladder) and report.prefix_hit_tokens > 0
+    assert min(report.round_seconds) > 0 and sum(report.round_seconds) == pytest.approx(report.seconds)
+    assert report.capture_seconds == 0  # the CPU captures nothing
     # the row ladder: a prefill step of each row count, alone; past the replay window (32) a prefix hit
     assert all((r, 0) in steps for r in ladder if r <= 32) and all(
         any(rows == r and hit > 0 for rows, hit in steps) for r in ladder if r > 32), steps
@@ -111,6 +113,7 @@ def test_warm_up_captures_graphs_on_gpu():
     report = warm_up(warm.engine)
     eng = warm.engine
     assert report.graph_captures > 0 and report.nonfinite_logit_rows == 0
+    assert 0 < report.capture_seconds < report.seconds
     assert eng.stats.graph_captures == report.graph_captures  # counted though the other counts were zeroed
     assert eng.runner.replay_graphs.report()["graphs"] and eng.runner.encoder_graphs.report()["graphs"]
     assert _serve(warm) == _serve(cold)
