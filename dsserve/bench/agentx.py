@@ -8,9 +8,12 @@ play; streaming, max_tokens = trace output, ignore_eos, include_usage, X-Session
 ``--api chat``: growing message arrays of exactly ISL tokens under ``--tokenizer`` (``agentx_chat``). Warm-up
 (t* points, ``--warmup-turns``, ``--fast``) and the 1 s /metrics series: ``agentx_warmup``. ``--scale`` < 1 keeps
 round(64*scale) tokens per 64-token block (prefix sharing kept) and scales outputs (min 2), for tiny models.
+Before each point the server's prefix cache is emptied (``--[no-]reset-cache``: POST /reset_prefix_cache, vLLM's
+route too), the spec's fresh server or cache flush per point; ``cache_reset`` in the point's JSON says if it was.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -188,6 +191,25 @@ def _delta(before: dict, after: dict, name: str) -> float | None:
     return None if None in (v0, v1) else v1 - v0
 
 
+async def reset_cache(client: httpx.AsyncClient, err: Console, tries: int = 20) -> bool | None:
+    """POST /reset_prefix_cache until the server takes it (409: requests of the last point still finishing);
+    None when it has no such route."""
+    for _ in range(tries):
+        try:
+            r = await client.post("/reset_prefix_cache")
+        except httpx.HTTPError as e:
+            err.print(f"dsserve: warning: /reset_prefix_cache failed ({e}); the point runs on a warm cache")
+            return False
+        if r.status_code in (404, 405):
+            err.print("dsserve: warning: the server has no /reset_prefix_cache; the point runs on a warm cache")
+            return None
+        if r.status_code != 409:
+            return r.is_success
+        await asyncio.sleep(0.5)
+    err.print("dsserve: warning: the server kept refusing /reset_prefix_cache (409); the point runs on a warm cache")
+    return False
+
+
 async def _main(a) -> int:
     con, err, trace = Console(width=140), Console(stderr=True), generate(a.preset, a.seed, a.num_sessions)
     out, tag, aggs, records, points, series, rc = Path(a.output_dir), uuid.uuid4().hex[:12], [], [], [], [], 0
@@ -205,6 +227,7 @@ async def _main(a) -> int:
         ds = {"source_type": "synthetic", "generator": VERSION, "preset": a.preset, "seed": a.seed,
               "sha256": trace.sha256(), "entries": len(trace.sessions), "scale": a.scale}
         for c in a.concurrency:
+            cache_reset = await reset_cache(client, err) if a.reset_cache else None
             rp = Replayer(a, trace, client, c, tag)
             try:
                 window, before, after = await rp.run(err)
@@ -219,7 +242,8 @@ async def _main(a) -> int:
             agg = M.aggregate(rp.records, window, a.num_gpus, meta=meta, server={"before": before, "after": after},
                               dataset=ds, price_per_gpu_hr=a.price_per_gpu_hr)
             M.write_agg(out, agg), aggs.append(agg)
-            points.append({"conc": c, "requests": agg["num_requests_successful"], "all_requests": len(rp.records),
+            points.append({"conc": c, "cache_reset": cache_reset,
+                           "requests": agg["num_requests_successful"], "all_requests": len(rp.records),
                            "errors": sum(bool(r["error"]) for r in rp.records), "skipped": rp.skipped,
                            **{k: agg[k] for k in ("p90_ttft", "p90_intvty", "tput_per_gpu")},
                            "theoretical_hit": agg["request_metrics"]["cache"]["theoretical_cache_hit_rate"],
@@ -273,6 +297,9 @@ def add_bench_agentx_args(p) -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=None, help="points (default: the preset's)")
     p.add_argument("--fast", action="store_true", help="1 warm-up request per lane (default duration <= 1200 s)")
     p.add_argument("--reserved-ids", type=int, nargs="*", default=[], help="token ids never used (plus 0 1 2)")
+    p.add_argument("--reset-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="empty the server's prefix cache before each point (POST /reset_prefix_cache, vLLM's and "
+                        "dsserve's): the spec's fresh server or cache flush per point")
     for flag, kind, default, doc in (
             ("--base-url", str, "http://127.0.0.1:8000", ""), ("--seed", int, 42, "trace and sampler seed"),
             ("--duration", float, None, "profiling seconds per point (default: the preset's)"),

@@ -220,6 +220,10 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache (an AgentX point starts cold: bench.agentx); False while requests run."""
+        return not self.has_unfinished_requests() and self.kv.reset_prefix_cache()
+
     # ------------------------------------------------------------------------- one step
     def step(self) -> list[RequestOutput]:
         """One scheduled step; returns the outputs of the tokens the host read in it. With asynchronous

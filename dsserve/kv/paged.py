@@ -115,6 +115,16 @@ class PagedKVCache:
             seq.engram_history = self.engram_token_map[torch.tensor(tokens[max(0, start - lb):start])]
         return start
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix and end the session holds; False (nothing done) while any block is in use,
+        since a live sequence would go on registering the blocks it holds."""
+        if self.blocks.num_used:
+            return False
+        if self.prefix is not None:
+            self.prefix.clear()
+        self.blocks.expire_holds(float("inf"))
+        return True
+
     def register_full_blocks(self, seq: "SequenceKV", hashes: list[bytes]) -> None:
         """Blocks whose every row has been through the model become shareable at once."""
         if self.prefix is None:

@@ -53,3 +53,7 @@ class PrefixCache:
 
     def is_cached(self, block: int) -> bool:
         return block in self._hash_of
+
+    def clear(self) -> None:
+        self._block_of.clear()
+        self._hash_of.clear()

@@ -103,6 +103,14 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         body, ctype = engine.metrics.render()
         return Response(body, media_type=ctype)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """vLLM's: every cached prefix forgotten (a benchmark point starts cold). Only an idle engine does it."""
+        if not await engine.reset_prefix_cache():
+            return err(409, f"the prefix cache can be reset only while no request runs ({engine.num_in_flight()} "
+                       "in flight); retry once they finish", "conflict_error")
+        return {"status": "ok"}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": int(time.time()),

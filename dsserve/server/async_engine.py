@@ -67,6 +67,19 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache on the engine thread, between steps; False while requests run (or the loop
+        is shutting down)."""
+        if not self._intake_open or not self.alive():
+            return False
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._inbox.put(("reset_prefix_cache", done, loop))
+        try:
+            return await asyncio.wait_for(done, 60)  # the loop answers between steps
+        except asyncio.TimeoutError:
+            return False
+
     def alive(self) -> bool:
         return self._thread.is_alive()
 
@@ -123,6 +136,9 @@ class AsyncEngine:
                 self._deliver(item, e)
         elif item[0] == "abort":
             self._abort(item[1])
+        elif item[0] == "reset_prefix_cache":
+            _, done, loop = item
+            loop.call_soon_threadsafe(done.set_result, self.core.reset_prefix_cache())
 
     def _abort(self, rid: str) -> None:
         sub = self._sinks.pop(rid, None)

@@ -1,15 +1,30 @@
 """`dsserve bench agentx` against a live tiny server, and the in-process `bench latency` / `bench throughput`."""
+import asyncio
 import csv
 import json
 import os
 import sys
 
+import httpx
 import pytest
+from rich.console import Console
 
+from dsserve.bench.agentx import reset_cache
 from dsserve.cli import main
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from live_server import live_server  # noqa: E402
+
+
+def test_reset_cache_retries_while_busy_and_says_when_the_server_lacks_it():
+    async def reset(codes):
+        answers = iter(codes)
+        transport = httpx.MockTransport(lambda request: httpx.Response(next(answers)))
+        async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+            return await reset_cache(client, Console(stderr=True, quiet=True), tries=3)
+    assert asyncio.run(reset([409, 409, 200])) is True
+    assert asyncio.run(reset([409, 409, 409])) is False
+    assert asyncio.run(reset([404])) is None  # another engine without the route: the point runs warm
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +48,7 @@ def test_agentx_replay_small(tiny_server, tmp_path, capsys):
     assert "bench agentx" in text and summary["bench"] == "agentx" and summary["model"] == "tiny"
     (pt,) = summary["points"]
     assert pt["conc"] == 2 and pt["all_requests"] > 0 and pt["errors"] == 0 and pt["warmup_requests"] == 2
+    assert pt["cache_reset"] is True  # the point started on an empty prefix cache (POST /reset_prefix_cache)
     # over the profiling window the engine's cumulative hit counter moved by exactly the cached tokens the server
     # reported in usage
     assert pt["usage_cached_tokens"] > 0

@@ -180,6 +180,24 @@ def test_session_retention_keeps_a_paused_agents_prefix(retention):
     assert (back.num_cached_tokens == 64) == (retention > 0)
 
 
+@pytest.mark.parametrize("replay", [True, False])
+def test_reset_prefix_cache_forgets_every_prefix_only_when_idle(replay):
+    llm = make_llm(replay, 32, session_retention=3600.0)
+    prefix, sp = rand_tokens(64, 14), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": prefix + [1], "session_id": "s"}], sp, use_tqdm=False)[0]
+    assert llm.engine.kv.blocks._held  # the session holds its blocks ahead of the LRU queue
+    llm.engine.add_request("busy", prefix + [2], sp)
+    assert not llm.engine.reset_prefix_cache()  # a running request would go on registering its blocks
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.engine.reset_prefix_cache()
+    kv = llm.engine.kv
+    assert len(kv.prefix) == 0 and not kv.blocks._held and kv.blocks.num_used == 0
+    again = llm.generate([prefix + [1]], sp, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.generate([prefix + [3]], sp, use_tqdm=False)[0].num_cached_tokens == 64  # caching goes on
+
+
 def test_stats_for_the_real_config():
     b = persistent_bytes(KVLayout.build(preset("v41-flash")))
     assert b["persistent_bytes_per_token"] == 890

@@ -1,9 +1,12 @@
 """Error paths of the HTTP front, in process (FastAPI's TestClient) over a real tiny engine."""
+import asyncio
+
 import pytest
 from fastapi.testclient import TestClient
 
 from dsserve.engine.args import EngineArgs
 from dsserve.engine.core import EngineCore
+from dsserve.engine.sampling_params import SamplingParams
 from dsserve.server.app import build_app
 from dsserve.server.async_engine import AsyncEngine, EngineOverloaded
 from dsserve.server.metrics import EngineMetrics
@@ -83,3 +86,33 @@ def test_graceful_drain_finishes_then_aborts(core):
 async def _submit(engine):
     from dsserve import SamplingParams
     engine.submit("late", [1, 2], SamplingParams())
+
+
+def test_reset_prefix_cache_route(core):
+    engine, c = make(core, api_key="sekret")
+    auth = {"Authorization": "Bearer sekret"}
+    check_error(c.post("/reset_prefix_cache"), 401, "API key")  # an admin route: behind the key
+    body = {"prompt": list(range(5, 45)), "max_tokens": 1}  # two full blocks of 16
+    c.post("/v1/completions", json=body, headers=auth).raise_for_status()
+    assert c.post("/v1/completions", json=body, headers=auth).json()["usage"]["prompt_tokens_details"][
+        "cached_tokens"] > 0
+    r = c.post("/reset_prefix_cache", headers=auth)
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    assert c.post("/v1/completions", json=body, headers=auth).json()["usage"]["prompt_tokens_details"][
+        "cached_tokens"] == 0
+    # with a request in flight the engine refuses, and keeps serving it
+    sink_loop = asyncio.new_event_loop()
+
+    async def busy_then_reset():
+        params = SamplingParams(max_tokens=32, ignore_eos=True)  # steps enough to still run when the reset arrives
+        sink = engine.submit("long", core.validate("x", params), params)
+        refused = not await engine.reset_prefix_cache()
+        outs = []
+        while (o := await sink.get()) is not None:
+            outs.append(o)
+        return refused, outs[-1]
+    refused, last = sink_loop.run_until_complete(busy_then_reset())
+    sink_loop.close()
+    assert refused and last.finished and len(last.outputs[0].token_ids) == 32
+    engine.reset_prefix_cache = lambda: asyncio.sleep(0, result=False)  # the engine's refusal, as the route says it
+    check_error(c.post("/reset_prefix_cache", headers=auth), 409, "only while no request runs")
