@@ -12,14 +12,15 @@ of their own. The rounds:
 - per decode batch bucket b up to ``max_num_seqs``: b short prompts at once, then b prefix hits on them (the
   prompts and a few new tokens), each decoding a few tokens: the decode steps' graphs (b, the first context
   bucket), and bounded replay's decoder- and encoder-row graphs of b hits (the replayed window plus the new rows);
-- a row ladder: prefill steps alone, each of a row count from ``prefill_rows`` (every row bucket of the replay
-  graphs, every power of two up to a whole chunk and one row less): prefix hits on a short prompt whose new
-  tokens (plus the replayed window, with bounded replay) make that many rows, or cold prompts where the window
-  alone is more. Prefill kernels take powers of two of the row count as constexprs (the GEMMs' BM, the router's,
-  the MoE permutation's), and Triton compiles an integer argument apart when it is a multiple of 16: in the first
-  live sweep with the warm-up, a replay-off server at one session (no row graphs: every hit eager in its exact
-  row count) took 1-7 s for hits of 85-2,440 new tokens, most likely compiling (benchmarks/results/
-  agentx-small-h200-warmup).
+- a row ladder: prefill steps alone, each of a row count from ``prefill_rows``: every row bucket of the row
+  graphs, one less than every power of two up to a whole chunk, and the chunk. They are prefix hits on a short
+  prompt whose new tokens (plus the replayed window, with bounded replay) make that many rows, or cold prompts
+  where the window alone is more. Prefill kernels take the next power of two of the row count as a constexpr
+  (the GEMMs' BM, the router's, the MoE permutation's), and Triton compiles an integer argument apart when it is
+  a multiple of 16 (or 1): eager steps of traffic mostly have other row counts, 2^k - 1 among them; whole chunks
+  and the graphs' buckets are multiples of 16. In the first live sweep with the warm-up, a replay-off server at
+  one session (no row graphs: every hit eager in its exact row count) took 1-7 s for hits of 85-2,440 new
+  tokens, most likely compiling (benchmarks/results/agentx-small-h200-warmup).
 Graphs of other pairs (b > 1 past the first context bucket, row buckets past the first context bucket) still
 capture on first use.
 
@@ -75,12 +76,12 @@ def context_ladder(max_len: int, min_context: int) -> list[int]:
 
 
 def prefill_rows(max_rows: int, graph_rows: int) -> list[int]:
-    """Row counts for the row ladder: the row graphs' buckets up to ``graph_rows`` (0: no row graphs), every power
-    of two up to ``max_rows`` (a whole chunk) and each one row less, and ``max_rows`` itself."""
+    """Row counts for the row ladder: the row graphs' buckets up to ``graph_rows`` (0: no row graphs), 2^k - 1
+    for every power of two up to ``max_rows`` (a whole chunk), and ``max_rows`` itself."""
     out = {r for r in ROW_BUCKETS if r <= min(graph_rows, max_rows)} | {max_rows}
-    p = 1
+    p = 2
     while p <= max_rows:
-        out |= {p, p - 1}
+        out.add(p - 1)
         p *= 2
     return sorted(out - {0})
 
