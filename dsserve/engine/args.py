@@ -72,10 +72,10 @@ class EngineArgs:
         "min_tokens run the synchronous way. None: on wherever decode steps run in fixed shapes (a GPU's CUDA "
         "graphs); True also runs the CPU's paged decode steps in fixed shapes"))
     warmup: bool | None = field(default=None, metadata=_h(
-        "before the first request, run synthetic requests up every decode context bucket and through every "
-        "decode batch bucket, fresh and as prefix hits, so that Triton compiles and the CUDA graphs of those "
-        "shapes capture before anyone waits (engine/warmup.py). None: on for `dsserve serve` on a GPU, off "
-        "otherwise"))
+        "before the first request, run synthetic requests up every decode context bucket, through every "
+        "decode batch bucket (fresh and as prefix hits) and through a ladder of prefill row counts, so that "
+        "Triton compiles and the CUDA graphs of those shapes capture before anyone waits (engine/warmup.py). "
+        "None: on for `dsserve serve` on a GPU, off otherwise"))
     reference_ops: str = field(default="", metadata=_h(
         "ops that run their torch reference instead of Triton (on the paged backend), for bisecting: a comma "
         "list of attention, indexer, topk, kv_write, linear, router, moe, mhc, rowwise, entry_rows, engram_rows, "

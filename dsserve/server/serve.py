@@ -28,8 +28,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def run_server(ns: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..engine.core import EngineCore
     from ..engine import warmup
+    from ..engine.core import EngineCore
     from .app import build_app
     from .async_engine import AsyncEngine
     from .metrics import EngineMetrics
