@@ -131,7 +131,7 @@ class ExpertWeights:
 
 @triton.jit
 def _dot_scaled(acc, a, w_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                TMA: tl.constexpr = False, SWAP: tl.constexpr = False):
+                TMA: tl.constexpr = False):
     """MXFP4 with bf16 rows: acc + a @ W_e[rn, k0:k0 + BK]^T by tl.dot_scaled, which upcasts the packed nibbles
     and their e8m0 scales to bf16 itself (Hopper has no FP4 MMA): the reference's bf16 weight, exactly. TMA:
     w_ptr is a tensor descriptor of the packed weights as [E * N, K / 2] rows (tiles past the array read 0; rows
@@ -147,45 +147,15 @@ def _dot_scaled(acc, a, w_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexp
     else:
         b = tl.load(w_ptr + e * N * KH + rn[:, None] * KH + kh[None, :], mask=nm & (kh[None, :] < KH), other=0)
     s = tl.load(s_ptr + e * N * KS + rn[:, None] * KS + ks[None, :], mask=nm & (ks[None, :] < KS), other=127)
-    if SWAP:  # acc [BN, BM] + W tile @ a^T: the weights as the MMA's left operand
-        acc = tl.dot_scaled(b, s, "e2m1", tl.trans(a), None, "bf16", acc, fast_math=True)
-    else:  # (one return: the compiler checks every return of a jit function, constexpr branches too)
-        acc = tl.dot_scaled(a, None, "bf16", tl.trans(b), s, "e2m1", acc, fast_math=True)
-    return acc
+    return tl.dot_scaled(a, None, "bf16", tl.trans(b), s, "e2m1", acc, fast_math=True)
 
 
 @triton.jit
-def _dot(acc, a, w, DOT_F32: tl.constexpr, SWAP: tl.constexpr = False):
-    """acc [BM, BN] + a [BM, BK] @ w [BN, BK]^T, w cast to a's dtype as the ref does; SWAP: acc [BN, BM] + w @ a^T
-    (the same products, the weights as the MMA's left operand: each decoded weight goes to one thread's registers,
-    and the row tile, however few its rows, is the right operand)."""
-    w = w.to(a.dtype)
+def _dot(acc, a, w, DOT_F32: tl.constexpr):  # acc + a [BM, BK] @ w[BN, BK]^T, w cast to a's dtype as the ref does
     if DOT_F32:
-        a, w = a.to(tl.float32), w.to(tl.float32)
-        if SWAP:
-            acc += tl.dot(w, tl.trans(a), input_precision="ieee")
-        else:
-            acc += tl.dot(a, tl.trans(w), input_precision="ieee")
-    elif SWAP:
-        acc = tl.dot(w, tl.trans(a), acc)
+        acc += tl.dot(a.to(tl.float32), tl.trans(w.to(a.dtype).to(tl.float32)), input_precision="ieee")
     else:
-        acc = tl.dot(a, tl.trans(w), acc)
-    return acc
-
-
-@triton.jit
-def _zeros(BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr):  # an accumulator, [BN, BM] when swapped
-    if SWAP:
-        z = tl.zeros((BN, BM), tl.float32)
-    else:
-        z = tl.zeros((BM, BN), tl.float32)
-    return z
-
-
-@triton.jit
-def _unswap(acc, SWAP: tl.constexpr):  # the accumulator as [BM, BN]
-    if SWAP:
-        acc = tl.trans(acc)
+        acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc)
     return acc
 
 
@@ -208,28 +178,26 @@ def _tile(tiles_ptr, n_tiles, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexp
 def _up_kernel(x_ptr, sxm, tiles_ptr, order_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, n_tiles, n_experts,
                limit, KSLOT: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr,
                BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
-               SCALED: tl.constexpr, TMA: tl.constexpr = False, ASM: tl.constexpr = False,
-               SWAP: tl.constexpr = False):
+               SCALED: tl.constexpr, TMA: tl.constexpr = False, ASM: tl.constexpr = False):
     e, p, pm, rn = _tile(tiles_ptr, n_tiles, I, BM, BN, GROUP_M)
     if e >= n_experts:  # past the last real tile
         return
     pair = tl.load(order_ptr + p, mask=pm, other=0)
     xrow = x_ptr + (pair // KSLOT) * sxm
-    acc1 = _zeros(BM, BN, SWAP)
-    acc3 = _zeros(BM, BN, SWAP)
+    acc1 = tl.zeros((BM, BN), tl.float32)
+    acc3 = tl.zeros((BM, BN), tl.float32)
     for t in range((D + BK - 1) // BK):
         kk = t * BK + tl.arange(0, BK)
         a = tl.load(xrow[:, None] + kk[None, :], mask=pm[:, None] & (kk[None, :] < D), other=0.0)
         if SCALED:
-            acc1 = _dot_scaled(acc1, a, w1_ptr, s1_ptr, e, rn, t * BK, I, D, BK, TMA, SWAP)
-            acc3 = _dot_scaled(acc3, a, w3_ptr, s3_ptr, e, rn, t * BK, I, D, BK, TMA, SWAP)
+            acc1 = _dot_scaled(acc1, a, w1_ptr, s1_ptr, e, rn, t * BK, I, D, BK, TMA)
+            acc3 = _dot_scaled(acc3, a, w3_ptr, s3_ptr, e, rn, t * BK, I, D, BK, TMA)
         elif ASM:  # MXFP4 decoded by PTX (w*_ptr: int32 words of 8 nibbles)
-            acc1 = _dot(acc1, a, mxfp4_tile_bf16(w1_ptr, s1_ptr, e, rn, t * BK, I, D, BN, BK), False, SWAP)
-            acc3 = _dot(acc3, a, mxfp4_tile_bf16(w3_ptr, s3_ptr, e, rn, t * BK, I, D, BN, BK), False, SWAP)
+            acc1 = tl.dot(a, tl.trans(mxfp4_tile_bf16(w1_ptr, s1_ptr, e, rn, t * BK, I, D, BN, BK)), acc1)
+            acc3 = tl.dot(a, tl.trans(mxfp4_tile_bf16(w3_ptr, s3_ptr, e, rn, t * BK, I, D, BN, BK)), acc3)
         else:
-            acc1 = _dot(acc1, a, weight_tile(w1_ptr, s1_ptr, e, rn, t * BK, I, D, FMT, BN, BK), DOT_F32, SWAP)
-            acc3 = _dot(acc3, a, weight_tile(w3_ptr, s3_ptr, e, rn, t * BK, I, D, FMT, BN, BK), DOT_F32, SWAP)
-    acc1, acc3 = _unswap(acc1, SWAP), _unswap(acc3, SWAP)
+            acc1 = _dot(acc1, a, weight_tile(w1_ptr, s1_ptr, e, rn, t * BK, I, D, FMT, BN, BK), DOT_F32)
+            acc3 = _dot(acc3, a, weight_tile(w3_ptr, s3_ptr, e, rn, t * BK, I, D, FMT, BN, BK), DOT_F32)
     # the reference's roundings: x-dtype matmul outputs, x-dtype silu and product, then the fp32 routing weight
     dt = h_ptr.dtype.element_ty
     g = tl.minimum(acc1.to(dt).to(tl.float32), limit)
@@ -243,22 +211,21 @@ def _up_kernel(x_ptr, sxm, tiles_ptr, order_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr,
 def _down_kernel(h_ptr, tiles_ptr, order_ptr, w2_ptr, s2_ptr, y_ptr, n_tiles, n_experts, D: tl.constexpr,
                  I: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  GROUP_M: tl.constexpr, DOT_F32: tl.constexpr, SCALED: tl.constexpr, TMA: tl.constexpr = False,
-                 ASM: tl.constexpr = False, SWAP: tl.constexpr = False):
+                 ASM: tl.constexpr = False):
     e, p, pm, rn = _tile(tiles_ptr, n_tiles, D, BM, BN, GROUP_M)
     if e >= n_experts:
         return
     hrow = h_ptr + p.to(tl.int64) * I
-    acc = _zeros(BM, BN, SWAP)
+    acc = tl.zeros((BM, BN), tl.float32)
     for t in range((I + BK - 1) // BK):
         kk = t * BK + tl.arange(0, BK)
         a = tl.load(hrow[:, None] + kk[None, :], mask=pm[:, None] & (kk[None, :] < I), other=0.0)
         if SCALED:
-            acc = _dot_scaled(acc, a, w2_ptr, s2_ptr, e, rn, t * BK, D, I, BK, TMA, SWAP)
+            acc = _dot_scaled(acc, a, w2_ptr, s2_ptr, e, rn, t * BK, D, I, BK, TMA)
         elif ASM:
-            acc = _dot(acc, a, mxfp4_tile_bf16(w2_ptr, s2_ptr, e, rn, t * BK, D, I, BN, BK), False, SWAP)
+            acc = tl.dot(a, tl.trans(mxfp4_tile_bf16(w2_ptr, s2_ptr, e, rn, t * BK, D, I, BN, BK)), acc)
         else:
-            acc = _dot(acc, a, weight_tile(w2_ptr, s2_ptr, e, rn, t * BK, D, I, FMT, BN, BK), DOT_F32, SWAP)
-    acc = _unswap(acc, SWAP)
+            acc = _dot(acc, a, weight_tile(w2_ptr, s2_ptr, e, rn, t * BK, D, I, FMT, BN, BK), DOT_F32)
     pair = tl.load(order_ptr + p, mask=pm, other=0)
     tl.store(y_ptr + pair[:, None] * D + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=pm[:, None] & (rn[None, :] < D))
@@ -396,7 +363,6 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *,
     if dense:
         cfg = {**DEQUANT_TILES, **cfg}
     tma = scaled and cfg.pop("tma", False)
-    swap = bool(cfg.pop("swap", False))
     c = _config(t * k, n_exp, d, inter, cfg, x.element_size() if dense else
                 max(x.element_size(), experts.w1.element_size()), scaled, asm)
     order, tiles = expert_tiles(ids, n_exp, c["BM"])
@@ -407,7 +373,7 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *,
     yk = _empty((t * k, d), dtype=x.dtype, device=x.device)
     s1, s3, s2 = (s if s is not None else w for w, s in experts._pairs())  # bf16: unused, any pointer does
     common = dict(FMT=fmt, BM=c["BM"], GROUP_M=c["GROUP_M"], DOT_F32=_INTERPRET or x.dtype == torch.float32,
-                  SCALED=scaled, ASM=asm, SWAP=swap, num_warps=c["num_warps"])
+                  SCALED=scaled, ASM=asm, num_warps=c["num_warps"])
     up_stages = c.get("up_stages_many_tiles", c["up_stages"]) if nt >= 16 else c["up_stages"]
     w1, w3, w2 = experts.w1, experts.w3, experts.w2
     if dense:  # w2 is dequantised after the up kernel, into the memory w1 and w3 free (stream order)

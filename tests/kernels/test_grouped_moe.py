@@ -117,22 +117,6 @@ def test_uneven_routing_and_empty_experts(tiny_experts, fmt):
     assert out.isfinite().all() and rel(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("fmt,decode", [("bf16", None), ("fp8", None), ("mxfp4", "own"), ("mxfp4", "scaled")])
-@pytest.mark.parametrize("t,k,cfg", [(1, 3, {}), (17, 2, {"BM": 16, "BN": 32, "BK": 32}), (9, 3, {"BK": 64})])
-def test_swapped_operands_give_the_unswapped_products(tiny_experts, fmt, decode, t, k, cfg):
-    """config swap (out^T = W x^T, the weights as the MMA's left operand): the same products as the unswapped tiles,
-    every format and decode the interpreter runs, one and several row / column / K tiles, unused experts poisoned."""
-    ids, w = routing(t, k, E, seed=70 + t)
-    unused = [e for e in range(E) if e not in set(ids.flatten().tolist())]
-    ex = poison(tiny_experts[fmt], torch.tensor(unused, dtype=torch.long))
-    x = torch.randn(t, D, generator=torch.Generator().manual_seed(71 + t)).bfloat16()
-    cfg = dict(cfg, **({"decode": decode} if decode else {}))
-    out = G.routed_experts(x, ids, w, ex, LIMIT, config=dict(cfg, swap=True))
-    assert out.isfinite().all()
-    assert rel(out, G.routed_experts(x, ids, w, ex, LIMIT, config=cfg)) < 1e-5
-    assert rel(out, G.routed_experts_ref(x, ids, w, ex, LIMIT)) < 3e-2
-
-
 @pytest.mark.parametrize("t,k,bk", [(1, 3, 32), (17, 2, 64), (9, 3, 128)])
 def test_mxfp4_dot_scaled_matches_default(tiny_experts, t, k, bk):
     """bf16 rows take tl.dot_scaled (it upcasts the nibbles) by default: against the kernel's own nibble decode on
@@ -309,20 +293,6 @@ def test_gpu_model_shapes(gpu_experts, fmt, decode, t):
     assert out.isfinite().all()
     assert rel(out, G.routed_experts_ref(x, ids, w, ex, 10.0)) < 1e-2
     assert rel(out, G.routed_experts_ref(x.float(), ids, w, ex, 10.0)) < 1e-2
-
-
-@cuda
-@pytest.mark.parametrize("fmt,decode", [("fp8", None), ("mxfp4", "asm"), ("mxfp4", "scaled")])
-@pytest.mark.parametrize("t", [1, 64, 256])  # 0.1, 8 and 32 pairs an expert
-def test_gpu_swapped_operands(gpu_experts, fmt, decode, t):
-    ex = gpu_experts[fmt]
-    ids, w = routing(t, GK, GE, "cuda", seed=20 + t)
-    x = torch.randn(t, GD, device="cuda", dtype=torch.bfloat16)
-    cfg = {"decode": decode} if decode else {}
-    out = G.routed_experts(x, ids, w, ex, 10.0, config=dict(cfg, swap=True))
-    assert out.isfinite().all()
-    assert rel(out, G.routed_experts_ref(x, ids, w, ex, 10.0)) < 1e-2
-    assert rel(out, G.routed_experts(x, ids, w, ex, 10.0, config=cfg)) < 1e-2
 
 
 @cuda

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # benchmarks/
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 from decode_gemms_h200 import DEADLINE, D, INTER, N_EXP, TOPK, ceilings, rel, search  # noqa: E402
