@@ -24,8 +24,9 @@ _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 SERIES = {"prefix_cache_hits": "prefix_cache_hits", "prefix_cache_queries": "prefix_cache_queries",
           "running": "num_requests_running", "waiting": "num_requests_waiting",
           "prompt_tokens": "prompt_tokens", "generation_tokens": "generation_tokens",
-          # dsserve's: when first-use CUDA graph captures stalled steps, and for how long
-          "graph_captures": "graph_captures", "graph_capture_seconds": "graph_capture_seconds"}
+          # dsserve's: when first-use CUDA graph captures and Triton compiles stalled steps, and for how long
+          "graph_captures": "graph_captures", "graph_capture_seconds": "graph_capture_seconds",
+          "triton_compiles": "triton_compiles", "triton_compile_seconds": "triton_compile_seconds"}
 KV_USAGE = ("kv_cache_usage_perc", "gpu_cache_usage_perc")  # vLLM v1 / v0 names
 COLS = ("time_unix", "t_s", "conc", "phase", *SERIES, "hit_rate", "input_tps", "output_tps")
 

@@ -19,7 +19,7 @@ from ..models.loader import DTYPES, LoadedModel, load_model
 from ..models.quantize import quantize_dense_fp8, quantize_experts, use_fp8_kernels
 from .args import EngineArgs, EngineArgsError
 from .decode_graphs import DecodeGraphs
-from . import graph_scratch
+from . import graph_scratch, jit_compiles
 from .graph_capture import GraphCapture
 from .encoder_graphs import EncoderGraphs
 from .replay_graphs import ReplayGraphs
@@ -141,6 +141,8 @@ class EngineCore:
             replay_window=args.replay_window or self.cfg.sliding_window,
             enable_prefix_caching=args.enable_prefix_caching, session_retention_s=args.session_retention), self.kv)
         self.stats = EngineStats(layout, self.cfg)
+        jit_compiles.watch()  # process-wide; this engine counts the compiles from here on
+        self._jit_base = jit_compiles.COMPILES.snapshot()
         graphs = replay_graphs = encoder_graphs = self.graph_capture = None
         min_context = -(-1024 // (2 * layout.block_size)) * 2 * layout.block_size
         if backend == "paged" and self.device.type == "cuda" and not args.enforce_eager:
@@ -266,6 +268,7 @@ class EngineCore:
     def reset_counts(self) -> None:
         """Counts start again from zero (after the warm-up: engine.warmup); captured graphs and their pools stay."""
         self.stats = EngineStats(self.stats.layout, self.cfg)
+        self._jit_base = jit_compiles.COMPILES.snapshot()
         self.runner.reset_counts()
         self._count_runs()
 
@@ -274,6 +277,8 @@ class EngineCore:
         self.stats.graph_steps = self.runner.graph_steps
         self.stats.replay_graph_steps = 0 if self.runner.replay_graphs is None else self.runner.replay_graphs.runs
         self.stats.encoder_graph_steps = 0 if self.runner.encoder_graphs is None else self.runner.encoder_graphs.runs
+        n, secs = jit_compiles.COMPILES.snapshot()
+        self.stats.triton_compiles, self.stats.triton_compile_seconds = n - self._jit_base[0], secs - self._jit_base[1]
         if self.graph_capture is not None:
             self.stats.graph_captures = self.graph_capture.captured
             self.stats.graph_capture_seconds = self.graph_capture.seconds

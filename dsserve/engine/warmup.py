@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from .decode_graphs import BATCH_BUCKETS, context_bucket
+from .jit_compiles import COMPILES
 from .replay_graphs import ROW_BUCKETS
 from .sampling_params import SamplingParams
 
@@ -54,6 +55,8 @@ class WarmupReport:
     nonfinite_logit_rows: int = 0  # sampled rows with NaN or inf logits during the warm-up (a fault)
     round_seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)  # the context ladder, the batch buckets, the rows
     capture_seconds: float = 0.0  # of ``seconds``, the graphs' captures (their warm-up runs and compiles included)
+    triton_compiles: int = 0  # Triton compiles (or loads from its disk cache) during the warm-up
+    triton_compile_seconds: float = 0.0  # their share of ``seconds`` (some inside the captures)
 
 
 def wanted(setting: bool | None, device: torch.device) -> bool:
@@ -92,6 +95,7 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
         raise RuntimeError("warm_up needs an idle engine")
     t0, steps = time.perf_counter(), 0
     captured, capture_s = core.stats.graph_captures, core.stats.graph_capture_seconds
+    compiled, compile_s = COMPILES.snapshot()
     gen = torch.Generator().manual_seed(seed)
     salt = "dsserve-warmup-" + secrets.token_hex(8)
     cfg, sched = core.cfg, core.scheduler.config
@@ -153,10 +157,12 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
     core.reset_counts()
     t3 = time.perf_counter()
     report = WarmupReport(n, steps, t3 - t0, hits, core.stats.graph_captures - captured, bad,
-                          (t1 - t0, t2 - t1, t3 - t2), core.stats.graph_capture_seconds - capture_s)
+                          (t1 - t0, t2 - t1, t3 - t2), core.stats.graph_capture_seconds - capture_s,
+                          COMPILES.count - compiled, COMPILES.seconds - compile_s)
     log.info("warm-up: %d requests in %d steps, %.1f s (context ladder %.1f, batch buckets %.1f, row ladder %.1f), "
-             "%d CUDA graphs captured in %.1f s of it", report.requests, report.steps, report.seconds,
-             *report.round_seconds, report.graph_captures, report.capture_seconds)
+             "%d CUDA graphs captured in %.1f s of it, %d Triton compiles in %.1f s", report.requests, report.steps,
+             report.seconds, *report.round_seconds, report.graph_captures, report.capture_seconds,
+             report.triton_compiles, report.triton_compile_seconds)
     if bad:  # zeroed with the other counts, so said here
         log.warning("warm-up: non-finite logits in %d sampled rows", bad)
     return report
