@@ -36,9 +36,14 @@ def entry_rows_ref(entries, valid, seq_tables, row_seq, epb: int) -> torch.Tenso
     return torch.where(valid & (blk >= 0), blk * epb + e % epb, -1).to(torch.int32)
 
 
-@triton.jit
-def _entry_rows_kernel(e_ptr, v_ptr, tab_ptr, seq_ptr, out_ptr, t, K: tl.constexpr, MB: tl.constexpr, EPB: tl.constexpr,
-                       BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+# The entry count K and the tables' width MB are runtime ints, not constexprs: MB follows the step's longest context
+# and K its entries, so as constexprs each new pair compiled a kernel (0.5-0.9 s on the H200) in the step that met it:
+# 70 compiles in two minutes of a live replay-off server, the warm-up's 94 besides (benchmarks/results/
+# agentx-replay-off-compiles-h200). Only the power-of-two tile BLOCK_K remains; t and MB, bounds only, are not
+# specialised on their value's alignment either.
+@triton.jit(do_not_specialize=["t", "MB"])
+def _entry_rows_kernel(e_ptr, v_ptr, tab_ptr, seq_ptr, out_ptr, t, K, MB, EPB: tl.constexpr, BLOCK_K: tl.constexpr,
+                       ROWS: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     j = tl.arange(0, BLOCK_K)
     m = (r[:, None] < t) & (j[None, :] < K)
@@ -56,6 +61,6 @@ def entry_rows(entries, valid, seq_tables, row_seq, epb: int) -> torch.Tensor:
     out = torch.empty(t, k, dtype=torch.int32, device=entries.device)
     if t and k:
         _entry_rows_kernel[(triton.cdiv(t, _ROWS),)](
-            entries.contiguous(), valid.contiguous(), seq_tables.contiguous(), row_seq.contiguous(), out, t, K=k,
-            MB=seq_tables.shape[1], EPB=epb, BLOCK_K=triton.next_power_of_2(k), ROWS=_ROWS)
+            entries.contiguous(), valid.contiguous(), seq_tables.contiguous(), row_seq.contiguous(), out, t, k,
+            seq_tables.shape[1], EPB=epb, BLOCK_K=triton.next_power_of_2(k), ROWS=_ROWS)
     return out

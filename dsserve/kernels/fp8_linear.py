@@ -52,7 +52,7 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, o_ptr, part_ptr, cnt_ptr, M, N, sxm, som, sos, K: tl.constexpr,
                   BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, K_TILES: tl.constexpr,
                   SPLIT: tl.constexpr, DOT_F32: tl.constexpr, GROUP_N: tl.constexpr = 0, TMA: tl.constexpr = False):

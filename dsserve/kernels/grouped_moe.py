@@ -174,7 +174,7 @@ def _tile(tiles_ptr, n_tiles, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexp
     return e, p, p < tl.load(tiles_ptr + 2 * n_tiles + pid_m), pid_n * BN + tl.arange(0, BN)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tiles"])
 def _up_kernel(x_ptr, sxm, tiles_ptr, order_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, n_tiles, n_experts,
                limit, KSLOT: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr,
                BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
@@ -207,7 +207,7 @@ def _up_kernel(x_ptr, sxm, tiles_ptr, order_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr,
     tl.store(h_ptr + p.to(tl.int64)[:, None] * I + rn[None, :], a.to(dt), mask=pm[:, None] & (rn[None, :] < I))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tiles"])
 def _down_kernel(h_ptr, tiles_ptr, order_ptr, w2_ptr, s2_ptr, y_ptr, n_tiles, n_experts, D: tl.constexpr,
                  I: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  GROUP_M: tl.constexpr, DOT_F32: tl.constexpr, SCALED: tl.constexpr, TMA: tl.constexpr = False,

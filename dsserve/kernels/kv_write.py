@@ -135,7 +135,7 @@ def _load_pair(ptr, at, m, GATE: tl.constexpr, z_ptr, D: tl.constexpr):
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _kv_write_kernel(x_ptr, z_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr, pool_ptr, out_ptr, lat_ptr, n, eps, pool_stride,
                      ROWS: tl.constexpr, D: tl.constexpr, R_HALF: tl.constexpr, GATE: tl.constexpr,
                      NORM_ROPE: tl.constexpr, HAS_LAT: tl.constexpr, FQ: tl.constexpr, FQ_G: tl.constexpr,

@@ -40,7 +40,7 @@ _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl
 _alloc = torch.empty  # a seam: tests poison every output and scratch buffer through it
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _site_partial(x_ptr, fn_ptr, pre_ptr, h_ptr, pm_ptr, ps_ptr, T, D, MIX, N: tl.constexpr, MIXP: tl.constexpr,
                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, D_ITERS: tl.constexpr, PREC: tl.constexpr,
                   DT: tl.constexpr, UPCAST: tl.constexpr = False):
@@ -78,7 +78,7 @@ def _site_partial(x_ptr, fn_ptr, pre_ptr, h_ptr, pm_ptr, ps_ptr, T, D, MIX, N: t
     tl.store(ps_ptr + part * 2 + 1, cssq, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _site_finish(h_ptr, w_ptr, pm_ptr, ps_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, D, SPLIT,
                  norm_eps, rms_eps, hc_eps, N: tl.constexpr, MIXP: tl.constexpr, SPLIT_P: tl.constexpr,
                  ITERS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, DT: tl.constexpr):
@@ -118,7 +118,7 @@ def _site_finish(h_ptr, w_ptr, pm_ptr, ps_ptr, base_ptr, scale_ptr, pre_ptr, pos
                  mask=rmask[:, None, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _expand_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, o_ptr, T, D, N: tl.constexpr, BLOCK_T: tl.constexpr,
                    BLOCK_D: tl.constexpr, DT: tl.constexpr):
     rows, cols = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T), tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)

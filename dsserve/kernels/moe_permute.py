@@ -32,7 +32,7 @@ def tile_count(n_pairs: int, n_experts: int, block_m: int) -> int:
     return (n_pairs + min(n_experts, n_pairs) * (block_m - 1)) // block_m
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "n_tiles"])
 def _expert_run_kernel(ids_ptr, n, order_ptr, tiles_ptr, n_tiles, E: tl.constexpr, EP: tl.constexpr,
                        BM: tl.constexpr, PMAX: tl.constexpr, TMAX: tl.constexpr, TAIL: tl.constexpr):
     """Program e < E: expert e's run (its pairs' sorted positions) and its tiles; program E: the pairs with ids

@@ -79,7 +79,7 @@ def _pick(logits, rows, cols, T, E, b_ptr, ba_ptr, u_ptr, ids_ptr, wo_ptr, temp,
     tl.store(wo_ptr + rows[:, None] * K + kc[None, :], w, mask=(rows[:, None] < T) & (kc[None, :] < K))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _route_kernel(x_ptr, w_ptr, b_ptr, ba_ptr, u_ptr, ids_ptr, wo_ptr, p_ptr, T, E, sx, temp, scale,
                   D: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, K_TILES: tl.constexpr,
                   K: tl.constexpr, KP: tl.constexpr, FUSED: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -104,7 +104,7 @@ def _route_kernel(x_ptr, w_ptr, b_ptr, ba_ptr, u_ptr, ids_ptr, wo_ptr, p_ptr, T,
         tl.store(p, acc, mask=(rows[:, None] < T) & (cols[None, :] < E))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _select_kernel(p_ptr, b_ptr, ba_ptr, u_ptr, ids_ptr, wo_ptr, T, E, temp, scale, SPLIT: tl.constexpr,
                    BT: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
                    HAS_ALT: tl.constexpr):

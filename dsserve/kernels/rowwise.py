@@ -37,7 +37,7 @@ def _runs_kernel(x: torch.Tensor) -> bool:
 
 
 # ------------------------------------------------------------------ RMSNorm
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n_rows, eps, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
                      HAS_W: tl.constexpr, DT: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -75,7 +75,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> to
 
 
 # ------------------------------------------------------------------ RoPE
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, n_rows, per_t, D: tl.constexpr, R2: tl.constexpr, BLOCK_R: tl.constexpr,
                  ROWS: tl.constexpr, DT: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)

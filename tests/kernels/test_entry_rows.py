@@ -33,3 +33,27 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="row_seq"):
         entry_rows(e, v, tab, seq[:1], 4)
     assert entry_rows(e[:0], v[:0], tab, seq[:0], 4).shape == (0, 3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton compiles only on a GPU")
+def test_gpu_new_table_widths_and_row_counts_compile_nothing():
+    """A step's table width follows its longest context and its row count its tokens: neither may compile a new
+    kernel (they did as constexprs: 70 compiles stalled two minutes of a live server). Entry counts of one power
+    of two share one kernel too."""
+    from dsserve.engine import jit_compiles
+    if not jit_compiles.watch():
+        pytest.skip("this Triton has no compile hooks")
+    g = torch.Generator().manual_seed(3)
+
+    def call(t, k, mb):
+        tables = torch.randint(0, 1000, (2, mb), generator=g, dtype=torch.int32).cuda()
+        row_seq = torch.randint(0, 2, (t,), generator=g, dtype=torch.int32).cuda()
+        entries = torch.randint(0, mb * 4, (t, k), generator=g).cuda()
+        valid = (torch.rand(t, k, generator=g) < 0.9).cuda()
+        assert torch.equal(entry_rows(entries, valid, tables, row_seq, 4), entry_rows_ref(entries, valid, tables,
+                                                                                          row_seq, 4))
+    call(5, 300, 9)
+    before = jit_compiles.COMPILES.count
+    for t, k, mb in [(1, 301, 9), (16, 305, 64), (37, 300, 129), (512, 299, 1000)]:
+        call(t, k, mb)
+    assert jit_compiles.COMPILES.count == before
