@@ -20,7 +20,9 @@ of their own. The rounds:
   a multiple of 16 (or 1): eager steps of traffic mostly have other row counts, 2^k - 1 among them; whole chunks
   and the graphs' buckets are multiples of 16. In the first live sweep with the warm-up, a replay-off server at
   one session (no row graphs: every hit eager in its exact row count) took 1-7 s for hits of 85-2,440 new
-  tokens, most likely compiling (benchmarks/results/agentx-small-h200-warmup).
+  tokens; with this ladder it still did, and the compile count (engine.jit_compiles) showed why: the entry-rows
+  gather compiled once per new context (its table width was a constexpr; it no longer is), which no ladder of
+  short prompts reaches (benchmarks/results/agentx-replay-off-compiles-h200).
 Graphs of other pairs (b > 1 past the first context bucket, row buckets past the first context bucket) still
 capture on first use.
 
