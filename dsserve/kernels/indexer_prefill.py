@@ -57,7 +57,9 @@ def _pass(q, w, pool_ptr, bt_ptr, seq_ptr, nvis_ptr, out_ptr, rows, rm, seq, row
                      mask=rm[:, None] & (n < n_max)[None, :])
 
 
-@triton.jit(do_not_specialize=["T", "row_stride", "epb", "bt_stride", "reach"])
+# n_max (the step's entry count, also the scores' row stride) too: its alignment only shapes the score stores, a
+# small part next to the dots, and specialised it compiled a kernel of its own for entry counts off 16
+@triton.jit(do_not_specialize=["T", "n_max", "row_stride", "epb", "bt_stride", "reach"])
 def _prefill_scores_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, seq_ptr, nvis_ptr, out_ptr, T, n_max, H, row_stride,
                            bt_stride, epb, reach, DI: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
                            BLOCK_N: tl.constexpr, SUPER: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr):
