@@ -59,9 +59,12 @@ def kv_cache_budget(args: EngineArgs, device: torch.device = torch.device("cpu")
 
 
 def _say(msg: str, *a) -> None:
-    """Start-up facts go to stderr like vLLM's, unless the user configured logging for "dsserve"."""
+    """Start-up facts go to stderr like vLLM's (level and time first: a stall in a server's log can then be matched
+    to the requests it held up), unless the user configured logging for "dsserve"."""
     if not log.handlers and not logging.getLogger().handlers:
-        log.addHandler(logging.StreamHandler())
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%m-%d %H:%M:%S"))
+        log.addHandler(handler)
         log.setLevel(logging.INFO)
     log.info(msg, *a)
 
