@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from .decode_graphs import BATCH_BUCKETS, context_bucket
-from .jit_compiles import COMPILES
+from . import jit_compiles
 from .replay_graphs import ROW_BUCKETS
 from .sampling_params import SamplingParams
 
@@ -97,7 +97,7 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
         raise RuntimeError("warm_up needs an idle engine")
     t0, steps = time.perf_counter(), 0
     captured, capture_s = core.stats.graph_captures, core.stats.graph_capture_seconds
-    compiled, compile_s = COMPILES.snapshot()
+    compiled, compile_s = jit_compiles.COMPILES.snapshot()
     gen = torch.Generator().manual_seed(seed)
     salt = "dsserve-warmup-" + secrets.token_hex(8)
     cfg, sched = core.cfg, core.scheduler.config
@@ -160,7 +160,7 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
     t3 = time.perf_counter()
     report = WarmupReport(n, steps, t3 - t0, hits, core.stats.graph_captures - captured, bad,
                           (t1 - t0, t2 - t1, t3 - t2), core.stats.graph_capture_seconds - capture_s,
-                          COMPILES.count - compiled, COMPILES.seconds - compile_s)
+                          jit_compiles.COMPILES.count - compiled, jit_compiles.COMPILES.seconds - compile_s)
     log.info("warm-up: %d requests in %d steps, %.1f s (context ladder %.1f, batch buckets %.1f, row ladder %.1f), "
              "%d CUDA graphs captured in %.1f s of it, %d Triton compiles in %.1f s", report.requests, report.steps,
              report.seconds, *report.round_seconds, report.graph_captures, report.capture_seconds,
