@@ -58,7 +58,7 @@ def kv_cache_budget(args: EngineArgs, device: torch.device = torch.device("cpu")
     return CPU_KV_CACHE_MEMORY
 
 
-def _say(msg: str, *a) -> None:
+def log_to_stderr() -> None:
     """Start-up facts go to stderr like vLLM's (level and time first: a stall in a server's log can then be matched
     to the requests it held up), unless the user configured logging for "dsserve"."""
     if not log.handlers and not logging.getLogger().handlers:
@@ -66,6 +66,10 @@ def _say(msg: str, *a) -> None:
         handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%m-%d %H:%M:%S"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
+
+
+def _say(msg: str, *a) -> None:
+    log_to_stderr()
     log.info(msg, *a)
 
 
@@ -104,6 +108,8 @@ class EngineCore:
         """``loaded``: a model already built (benchmarks build dummy-weight proxies straight on the device);
         None loads ``args.model``."""
         self.args = args
+        jit_compiles.watch()  # process-wide; this engine counts the compiles from here on (its model's build too)
+        self._jit_base = jit_compiles.COMPILES.snapshot()
         self.device = resolve_device(args.device)  # first: a dummy model with packed experts is built there
         lm = loaded or load_model(args.model, args.load_format, args.dtype, args.seed, qat=args.qat,
                                   expert_format=args.expert_format, device=self.device)
@@ -144,8 +150,6 @@ class EngineCore:
             replay_window=args.replay_window or self.cfg.sliding_window,
             enable_prefix_caching=args.enable_prefix_caching, session_retention_s=args.session_retention), self.kv)
         self.stats = EngineStats(layout, self.cfg)
-        jit_compiles.watch()  # process-wide; this engine counts the compiles from here on
-        self._jit_base = jit_compiles.COMPILES.snapshot()
         graphs = replay_graphs = encoder_graphs = self.graph_capture = None
         min_context = -(-1024 // (2 * layout.block_size)) * 2 * layout.block_size
         if backend == "paged" and self.device.type == "cuda" and not args.enforce_eager:

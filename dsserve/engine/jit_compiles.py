@@ -29,13 +29,15 @@ class JitCompiles:
     count: int = 0
     seconds: float = 0.0
     by_kernel: dict[str, list] = field(default_factory=dict)  # kernel name -> [compiles, seconds]
+    # (kernel "module:name", Triton's specialization_data) of each compile, in order: engine.kernel_manifest
+    specs: dict[tuple[str, str], None] = field(default_factory=dict)
     _started: dict[int, float] = field(default_factory=dict)  # thread id -> the compile it is in since
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def started(self) -> None:
         self._started[threading.get_ident()] = time.perf_counter()
 
-    def finished(self, name: str, what: str) -> None:
+    def finished(self, name: str, what: str, spec: tuple[str, str] | None = None) -> None:
         t0 = self._started.pop(threading.get_ident(), None)
         took = 0.0 if t0 is None else time.perf_counter() - t0
         with self._lock:
@@ -44,6 +46,8 @@ class JitCompiles:
             k = self.by_kernel.setdefault(name, [0, 0.0])
             k[0] += 1
             k[1] += took
+            if spec is not None:
+                self.specs[spec] = None
         if took >= LOG_SECONDS:
             log.info("triton compiled %s in %.2f s: %s", name, took, what[:1500])
 
@@ -60,6 +64,16 @@ def _what(kwargs: dict) -> str:
     shown = ", ".join(f"{names[k[0]] if isinstance(k, tuple) and k and k[0] < len(names) else k}={v}"
                       for k, v in consts.items() if not callable(v))
     return f"constexprs {{{shown}}}; {kwargs.get('repr', '')}"
+
+
+def _spec(kwargs: dict) -> tuple[str, str] | None:
+    """("module:name", specialization_data): what JITFunction.preload compiles again (engine.kernel_manifest)."""
+    fn, data = kwargs.get("fn"), (kwargs.get("compile") or {}).get("specialization_data")
+    module = getattr(fn, "module", None)
+    module = getattr(module, "__name__", module)  # Triton passes the module's name
+    if not (isinstance(module, str) and getattr(fn, "name", None) and isinstance(data, str)):
+        return None
+    return f"{module}:{fn.name}", data
 
 
 COMPILES = JitCompiles()
@@ -84,7 +98,7 @@ def watch() -> bool:
 
     def post_hook(*args, **kwargs):
         fn = kwargs.get("fn")
-        COMPILES.finished(getattr(fn, "name", "?"), _what(kwargs))
+        COMPILES.finished(getattr(fn, "name", "?"), _what(kwargs), _spec(kwargs))
         return before_post(*args, **kwargs) if before_post else None
 
     rt.jit_cache_hook, rt.jit_post_compile_hook = cache_hook, post_hook

@@ -22,14 +22,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-max-tokens", type=int, default=256)
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM (default: 30)")
+    p.add_argument("--kernel-manifest", default=None, metavar="FILE",
+                   help="a list of the Triton kernels this server compiles: at start, those it lists compile in "
+                        "parallel worker processes before the model is built; after the warm-up it is rewritten "
+                        "with every kernel compiled (engine/kernel_manifest.py). Default: none")
+    p.add_argument("--precompile-workers", type=int, default=None, metavar="N",
+                   help="worker processes for --kernel-manifest (default: the CPU count, at most 16; 0: in this "
+                        "process)")
     EngineArgs.add_cli_args(p)
 
 
 def run_server(ns: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..engine import warmup
-    from ..engine.core import EngineCore
+    from ..engine import kernel_manifest, warmup
+    from ..engine.core import EngineCore, log_to_stderr
     from .app import build_app
     from .async_engine import AsyncEngine
     from .metrics import EngineMetrics
@@ -37,9 +44,17 @@ def run_server(ns: argparse.Namespace) -> int:
     if ns.served_model:
         ns.model = ns.served_model
     args = EngineArgs.from_cli(ns)
+    if ns.precompile_workers is not None and ns.precompile_workers < 0:
+        raise SystemExit(f"--precompile-workers must be >= 0, got {ns.precompile_workers}")
+    log_to_stderr()
+    if ns.kernel_manifest:  # before the model: the workers' CUDA contexts are gone when the KV cache is sized
+        kernel_manifest.precompile(ns.kernel_manifest, kernel_manifest.default_workers()
+                                   if ns.precompile_workers is None else ns.precompile_workers)
     core = EngineCore(args)
     if warmup.wanted(args.warmup, core.device):
         warmup.warm_up(core)  # before the port opens: /health answers once the first shapes are compiled and captured
+    if ns.kernel_manifest:
+        log.info("kernel manifest %s: %d kernels listed", ns.kernel_manifest, kernel_manifest.save(ns.kernel_manifest))
     name = ns.served_model_name or args.model
     engine = AsyncEngine(core, ns.max_waiting, EngineMetrics(model_name=name))
     app = build_app(engine, name, ns.api_key, ns.max_body_bytes, ns.default_max_tokens)

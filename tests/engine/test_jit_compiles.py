@@ -23,8 +23,9 @@ def fresh_hooks(monkeypatch):
 
 def _compile(rt, name, key, clock, monkeypatch, seconds):
     """What JITFunction._do_compile does around a compile, as Triton calls the hooks (keywords only)."""
-    fn = SimpleNamespace(name=name, jit_function=SimpleNamespace(params=[SimpleNamespace(name=n) for n in "tK"]))
-    comp = {"constants": {(1,): 512}}  # Triton keys constexprs by argument path
+    fn = SimpleNamespace(name=name, module="dsserve.kernels.x", jit_function=SimpleNamespace(
+        params=[SimpleNamespace(name=n) for n in "tK"]))
+    comp = {"constants": {(1,): 512}, "specialization_data": f'{{"name": "{name}", "key": "{key}"}}'}
     skip = rt.jit_cache_hook(key=key, repr=f"{name}[num_warps=4](t: i32)", fn=fn, compile=comp,
                              is_manual_warmup=False, already_compiled=False)
     clock[0] += seconds
@@ -49,6 +50,9 @@ def test_hooks_count_time_and_chain(fresh_hooks, monkeypatch, caplog):
     slow = [r.getMessage() for r in caplog.records if "triton compiled" in r.getMessage()]
     assert len(slow) == 2 and "_up_kernel in 2.00 s" in slow[0]  # only those past 0.5 s
     assert "constexprs {K=512}" in slow[0] and "(t: i32)" in slow[0]  # the specialisation that was compiled
+    # what engine.kernel_manifest saves: each compile's kernel and Triton's serialisation of it, once
+    assert list(J.COMPILES.specs) == [(f"dsserve.kernels.x:{n}", f'{{"name": "{n}", "key": "{k}"}}')
+                                      for n, k in (("_up_kernel", "k1"), ("_topk", "k2"), ("_up_kernel", "k3"))]
 
 
 def test_engine_counts_compiles_since_its_start_and_its_warm_up(fresh_hooks, monkeypatch):

@@ -125,10 +125,13 @@ def test_metrics_parse_and_move(server, client):
     assert metric(server, "dsserve:time_to_first_token_seconds_count") >= 1
 
 
-def test_warmup_runs_before_the_port_opens_and_counts_nothing():
-    """`serve --warmup` runs its synthetic requests before /health answers; the counters start at zero after it."""
+def test_warmup_runs_before_the_port_opens_and_counts_nothing(tmp_path):
+    """`serve --warmup` runs its synthetic requests before /health answers; the counters start at zero after it.
+    `--kernel-manifest` is written after the warm-up (empty here: the interpreter compiles nothing)."""
     log = []
-    args = SERVER_ARGS + ["--warmup", "--max-num-seqs", "2", "--max-model-len", "1100"]
+    manifest = tmp_path / "kernels.jsonl"
+    args = SERVER_ARGS + ["--warmup", "--max-num-seqs", "2", "--max-model-len", "1100", "--kernel-manifest",
+                          str(manifest), "--precompile-workers", "0"]
     with live_server(args=args, log=log) as base:
         assert metric(base, "dsserve:prompt_tokens_total") == 0 and metric(base, "dsserve:prefill_rows_total") == 0
         httpx.post(base + "/v1/completions", json={"prompt": "warm", "max_tokens": 2}, timeout=60).raise_for_status()
@@ -136,6 +139,7 @@ def test_warmup_runs_before_the_port_opens_and_counts_nothing():
     # the context ladder: 1 (max_model_len 1100: one bucket); the batch buckets: 2 x (1 + 2); the row ladder: its
     # base prompt and one request a row count (chunks of 256 rows, no row graphs on the CPU)
     assert f"warm-up: {1 + 2 * (1 + 2) + 1 + len(prefill_rows(256, 0))} requests" in log[0]
+    assert manifest.exists() and manifest.read_text() == ""
 
 
 @pytest.mark.parametrize("body, status, needle", [
