@@ -14,6 +14,8 @@
 #   time counts against the mode's share)
 #   MODEL_ARGS  what follows `dsserve serve` [the release proxy, below]; BENCH_ARGS: more `bench agentx` flags
 #               [--vocab-size 128000]; KV_BYTES: --kv-cache-memory [8 GiB]; PORT [8000]; SERVER_WAIT_S [420]
+#   KERNEL_MANIFEST  a file for `serve --kernel-manifest` [none]: precompiled in parallel at start when present,
+#               rewritten after the warm-up; a copy goes to $OUT (a later call on the same machine may take it back)
 # What comes back (the device returns at most 8 files from $OUT): per mode agentx-replay-<mode>.tgz (the bench's
 # directory: agg_*.json per point, requests.jsonl, metrics_timeseries.csv, points.csv, the plots, summary.json,
 # bench.log, server.log, server_up_s.txt, metrics_final.prom), and agentx-summary.json + agentx-frontier.png over
@@ -35,6 +37,8 @@ MODEL_ARGS=${MODEL_ARGS:-proxy-h200-release --load-format dummy --dtype bfloat16
 --expert-format mxfp4 --engram-tables host-fp8 --max-num-seqs 32 --max-model-len 40000 \
 --max-num-batched-tokens 8192 --kv-cache-memory $KV_BYTES}
 BENCH_ARGS=${BENCH_ARGS:---vocab-size 128000}
+KERNEL_MANIFEST=${KERNEL_MANIFEST:-}
+[ -n "$KERNEL_MANIFEST" ] && MODEL_ARGS="$MODEL_ARGS --kernel-manifest $KERNEL_MANIFEST"
 
 case "$REPLAY" in
   on | off) MODES=$REPLAY ;;
@@ -126,5 +130,6 @@ dirs=$(ls -d "$OUT"/agentx-replay-*/ 2>/dev/null)
 # shellcheck disable=SC2086
 [ -n "$dirs" ] && python -m dsserve.bench.agentx_summary --tier-tok-s "$TIER" --out "$OUT" $dirs
 rm -rf "$OUT"/agentx-replay-*/  # packed above: $OUT keeps the tgz files, the summary and the plot
+[ -n "$KERNEL_MANIFEST" ] && [ -f "$KERNEL_MANIFEST" ] && cp "$KERNEL_MANIFEST" "$OUT/kernel-manifest.jsonl"
 say "done, status $status"
 exit "$status"
