@@ -3,10 +3,10 @@
 A server's first start on a machine compiles its kernels one after another in the warm-up (376 compiles, 261 of
 its 300 s for the release proxy on a bare H200: benchmarks/results/agentx-replay-off-compiles-h200), and Triton's
 on-disk cache (~/.triton/cache) only helps a machine that kept it. `dsserve serve --kernel-manifest FILE` keeps
-the list instead: after the warm-up the file is rewritten with every kernel specialisation this process compiled
-(Triton's own serialisation, ``specialization_data``, which engine.jit_compiles records), and at the next start,
-before the model is built, worker processes compile everything the file lists (``JITFunction.preload``) into the
-disk cache, in parallel, so the warm-up only loads them.
+the list instead: after the warm-up and at shutdown the file is rewritten with every kernel specialisation this
+process compiled (Triton's own serialisation, ``specialization_data``, which engine.jit_compiles records), and at
+the next start, before the model is built, worker processes compile everything the file lists
+(``JITFunction.preload``) into the disk cache, in parallel, so the warm-up only loads them.
 
 Workers are spawned (each makes its own CUDA context: they finish before the KV cache is sized); an entry that no
 longer matches its kernel (the code changed) fails in its worker and is only counted.

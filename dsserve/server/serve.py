@@ -63,6 +63,8 @@ def run_server(ns: argparse.Namespace) -> int:
     async def lifespan(_):
         yield
         engine.shutdown(ns.shutdown_timeout)  # uvicorn has stopped accepting; drain, then abort the rest
+        if ns.kernel_manifest:  # with what serving compiled besides the warm-up
+            kernel_manifest.save(ns.kernel_manifest)
 
     app.router.lifespan_context = lifespan
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level="warning",
