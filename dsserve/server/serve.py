@@ -48,8 +48,11 @@ def run_server(ns: argparse.Namespace) -> int:
         raise SystemExit(f"--precompile-workers must be >= 0, got {ns.precompile_workers}")
     log_to_stderr()
     if ns.kernel_manifest:  # before the model: the workers' CUDA contexts are gone when the KV cache is sized
-        kernel_manifest.precompile(ns.kernel_manifest, kernel_manifest.default_workers()
-                                   if ns.precompile_workers is None else ns.precompile_workers)
+        try:
+            kernel_manifest.precompile(ns.kernel_manifest, kernel_manifest.default_workers()
+                                       if ns.precompile_workers is None else ns.precompile_workers)
+        except (ValueError, OSError) as e:
+            raise SystemExit(f"--kernel-manifest {ns.kernel_manifest}: {e}") from None
     core = EngineCore(args)
     if warmup.wanted(args.warmup, core.device):
         warmup.warm_up(core)  # before the port opens: /health answers once the first shapes are compiled and captured

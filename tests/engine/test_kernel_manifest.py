@@ -47,3 +47,13 @@ def test_stale_entries_fail_alone(tmp_path):
     assert (report.entries, report.failed) == (3, 3)
     assert M.preload_one(("dsserve.kernels.no_such_module:_k", "{}")).startswith("dsserve.kernels.no_such_module")
     assert M.precompile(tmp_path / "missing.jsonl", workers=4) == M.PrecompileReport(0, 0, 0.0, 0)
+
+
+def test_serve_names_a_bad_manifest_before_building_anything(tmp_path):
+    from dsserve.cli import main
+    bad = tmp_path / "k.jsonl"
+    bad.write_text("not json\n")
+    with pytest.raises(SystemExit, match=r"--kernel-manifest .*k.jsonl:1: not a kernel manifest line"):
+        main(["serve", "tiny", "--kernel-manifest", str(bad), "--precompile-workers", "0"])
+    with pytest.raises(SystemExit, match="--precompile-workers must be >= 0"):
+        main(["serve", "tiny", "--kernel-manifest", str(bad), "--precompile-workers", "-1"])
