@@ -24,8 +24,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests get to finish after SIGTERM (default: 30)")
     p.add_argument("--kernel-manifest", default=None, metavar="FILE",
                    help="a list of the Triton kernels this server compiles: at start, those it lists compile in "
-                        "parallel worker processes before the model is built; after the warm-up it is rewritten "
-                        "with every kernel compiled (engine/kernel_manifest.py). Default: none")
+                        "parallel worker processes before the model is built; after the warm-up and at shutdown "
+                        "it is rewritten with every kernel compiled (engine/kernel_manifest.py). Default: none")
     p.add_argument("--precompile-workers", type=int, default=None, metavar="N",
                    help="worker processes for --kernel-manifest (default: the CPU count, at most 16; 0: in this "
                         "process)")
