@@ -35,7 +35,7 @@ def test_bad_input_is_named():
     assert entry_rows(e[:0], v[:0], tab, seq[:0], 4).shape == (0, 3)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton compiles only on a GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_new_table_widths_and_row_counts_compile_nothing():
     """A step's table width follows its longest context and its row count its tokens: neither may compile a new
     kernel (they did as constexprs: 70 compiles stalled two minutes of a live server). Entry counts of one power
