@@ -257,6 +257,7 @@ async def _main(a) -> int:
                            "graph_capture_seconds_delta": _delta(before, after, "graph_capture_seconds_total"),
                            "triton_compiles_delta": _delta(before, after, "triton_compiles_total"),
                            "triton_compile_seconds_delta": _delta(before, after, "triton_compile_seconds_total"),
+                           "triton_cache_loads_delta": _delta(before, after, "triton_cache_loads_total"),
                            "nonfinite_logit_rows_delta": _delta(before, after, "nonfinite_logit_rows_total"),
                            "preemptions_delta": _delta(before, after, "num_preemptions_total"),
                            "chat_token_mismatch": mismatches(rp.records) if a.api == "chat" else None})

@@ -26,7 +26,8 @@ SERIES = {"prefix_cache_hits": "prefix_cache_hits", "prefix_cache_queries": "pre
           "prompt_tokens": "prompt_tokens", "generation_tokens": "generation_tokens",
           # dsserve's: when first-use CUDA graph captures and Triton compiles stalled steps, and for how long
           "graph_captures": "graph_captures", "graph_capture_seconds": "graph_capture_seconds",
-          "triton_compiles": "triton_compiles", "triton_compile_seconds": "triton_compile_seconds"}
+          "triton_compiles": "triton_compiles", "triton_compile_seconds": "triton_compile_seconds",
+          "triton_cache_loads": "triton_cache_loads"}
 KV_USAGE = ("kv_cache_usage_perc", "gpu_cache_usage_perc")  # vLLM v1 / v0 names
 COLS = ("time_unix", "t_s", "conc", "phase", *SERIES, "hit_rate", "input_tps", "output_tps")
 

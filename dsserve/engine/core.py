@@ -284,8 +284,9 @@ class EngineCore:
         self.stats.graph_steps = self.runner.graph_steps
         self.stats.replay_graph_steps = 0 if self.runner.replay_graphs is None else self.runner.replay_graphs.runs
         self.stats.encoder_graph_steps = 0 if self.runner.encoder_graphs is None else self.runner.encoder_graphs.runs
-        n, secs = jit_compiles.COMPILES.snapshot()
+        n, secs, loads = jit_compiles.COMPILES.snapshot()
         self.stats.triton_compiles, self.stats.triton_compile_seconds = n - self._jit_base[0], secs - self._jit_base[1]
+        self.stats.triton_cache_loads = loads - self._jit_base[2]
         if self.graph_capture is not None:
             self.stats.graph_captures = self.graph_capture.captured
             self.stats.graph_capture_seconds = self.graph_capture.seconds

@@ -24,8 +24,9 @@ class EngineStats:
     graph_captures: int = 0  # CUDA graphs captured (each stalls its step once: 0.2-1.6 s on the release proxy)
     graph_capture_seconds: float = 0.0  # the time those steps waited for their captures
     graph_pool_bytes: int = 0  # device memory their pools reserved (one shared pool: engine.graph_capture)
-    triton_compiles: int = 0  # Triton kernels compiled (or loaded from its disk cache) by this process since
-    triton_compile_seconds: float = 0.0  # the start or the warm-up; each stalled its step (engine.jit_compiles)
+    triton_compiles: int = 0  # Triton kernels compiled by this process since the start or the warm-up; each
+    triton_compile_seconds: float = 0.0  # stalled its step (engine.jit_compiles)
+    triton_cache_loads: int = 0  # kernels loaded from Triton's disk cache instead (a few ms each)
     ahead_steps: int = 0  # decode steps launched before the host read the previous step's tokens (async)
     nonfinite_logit_rows: int = 0  # sampled rows whose logits had a NaN or inf: a fault, 0 in a sound run
     steps: int = 0
@@ -69,6 +70,7 @@ class EngineStats:
             "graph_captures": self.graph_captures, "graph_capture_seconds": self.graph_capture_seconds,
             "graph_pool_bytes": self.graph_pool_bytes,
             "triton_compiles": self.triton_compiles, "triton_compile_seconds": self.triton_compile_seconds,
+            "triton_cache_loads": self.triton_cache_loads,
             "ahead_steps": self.ahead_steps, "nonfinite_logit_rows": self.nonfinite_logit_rows,
             "steps": self.steps, "step_host_seconds": self.step_host_seconds,
             "step_wait_seconds": self.step_wait_seconds,

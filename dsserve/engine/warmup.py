@@ -57,8 +57,9 @@ class WarmupReport:
     nonfinite_logit_rows: int = 0  # sampled rows with NaN or inf logits during the warm-up (a fault)
     round_seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)  # the context ladder, the batch buckets, the rows
     capture_seconds: float = 0.0  # of ``seconds``, the graphs' captures (their warm-up runs and compiles included)
-    triton_compiles: int = 0  # Triton compiles (or loads from its disk cache) during the warm-up
+    triton_compiles: int = 0  # Triton compiles during the warm-up
     triton_compile_seconds: float = 0.0  # their share of ``seconds`` (some inside the captures)
+    triton_cache_loads: int = 0  # kernels loaded from Triton's disk cache instead (engine.jit_compiles)
 
 
 def wanted(setting: bool | None, device: torch.device) -> bool:
@@ -97,7 +98,7 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
         raise RuntimeError("warm_up needs an idle engine")
     t0, steps = time.perf_counter(), 0
     captured, capture_s = core.stats.graph_captures, core.stats.graph_capture_seconds
-    compiled, compile_s = jit_compiles.COMPILES.snapshot()
+    compiled, compile_s, loaded = jit_compiles.COMPILES.snapshot()
     gen = torch.Generator().manual_seed(seed)
     salt = "dsserve-warmup-" + secrets.token_hex(8)
     cfg, sched = core.cfg, core.scheduler.config
@@ -160,11 +161,12 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
     t3 = time.perf_counter()
     report = WarmupReport(n, steps, t3 - t0, hits, core.stats.graph_captures - captured, bad,
                           (t1 - t0, t2 - t1, t3 - t2), core.stats.graph_capture_seconds - capture_s,
-                          jit_compiles.COMPILES.count - compiled, jit_compiles.COMPILES.seconds - compile_s)
+                          jit_compiles.COMPILES.count - compiled, jit_compiles.COMPILES.seconds - compile_s,
+                          jit_compiles.COMPILES.loads - loaded)
     log.info("warm-up: %d requests in %d steps, %.1f s (context ladder %.1f, batch buckets %.1f, row ladder %.1f), "
-             "%d CUDA graphs captured in %.1f s of it, %d Triton compiles in %.1f s", report.requests, report.steps,
-             report.seconds, *report.round_seconds, report.graph_captures, report.capture_seconds,
-             report.triton_compiles, report.triton_compile_seconds)
+             "%d CUDA graphs captured in %.1f s of it, %d Triton compiles in %.1f s, %d kernels loaded from Triton's "
+             "cache", report.requests, report.steps, report.seconds, *report.round_seconds, report.graph_captures,
+             report.capture_seconds, report.triton_compiles, report.triton_compile_seconds, report.triton_cache_loads)
     if bad:  # zeroed with the other counts, so said here
         log.warning("warm-up: non-finite logits in %d sampled rows", bad)
     return report

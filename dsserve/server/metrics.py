@@ -42,10 +42,13 @@ STAT_COUNTERS = {
                               "(Triton's first compiles of their shapes too): the time their steps waited."),
     "graph_pool_bytes": ("graph_pool_bytes", "Device memory reserved by the captured CUDA graphs' memory pool "
                          "(one shared pool; DSSERVE_GRAPH_POOL=own: a pool per graph)."),
-    "triton_compiles": ("triton_compiles", "Triton kernels compiled (or loaded from Triton's disk cache) while "
-                        "serving, the warm-up's not counted: each stalls the step that first launches its shape."),
+    "triton_compiles": ("triton_compiles", "Triton kernels compiled while serving, the warm-up's not counted: "
+                        "each stalls the step that first launches its shape (where Triton has no compilation "
+                        "listener, loads from its disk cache count here too)."),
     "triton_compile_seconds": ("triton_compile_seconds", "Wall time of those compiles: the time their steps "
                                "waited (those inside graph captures are in graph_capture_seconds too)."),
+    "triton_cache_loads": ("triton_cache_loads", "Triton kernels loaded from Triton's disk cache while serving "
+                           "(compiled by an earlier process or a --kernel-manifest precompile): a few ms each."),
     "ahead_steps": ("async_ahead_steps", "Decode steps launched from the previous step's tokens on the device, "
                     "before the host read them (asynchronous scheduling)."),
     "nonfinite_logit_rows": ("nonfinite_logit_rows", "Sampled rows whose logits had a NaN or inf (a fault: 0 in a "

@@ -1,5 +1,6 @@
-"""engine.jit_compiles: Triton's compile hooks count and time compiles, chain hooks installed before them, and never
-skip a compile; the engine's counters are those since its start (or its warm-up)."""
+"""engine.jit_compiles: Triton's compile hooks count and time compiles, tell loads from its disk cache apart, chain
+hooks installed before them, and never skip a compile; the engine's counters are those since its start (or its
+warm-up)."""
 import logging
 from types import SimpleNamespace
 
@@ -16,19 +17,25 @@ def fresh_hooks(monkeypatch):
     calls = []
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: calls.append(("cache", kw["key"])) or False)
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: calls.append(("post", kw["key"])))
+    if hasattr(knobs, "compilation") and hasattr(knobs.compilation, "listener"):
+        monkeypatch.setattr(knobs.compilation, "listener", lambda **kw: calls.append(("listen", kw["cache_hit"])))
     monkeypatch.setattr(J, "COMPILES", J.JitCompiles())
     monkeypatch.setattr(J, "_installed", False)
     return knobs.runtime, calls
 
 
-def _compile(rt, name, key, clock, monkeypatch, seconds):
-    """What JITFunction._do_compile does around a compile, as Triton calls the hooks (keywords only)."""
+def _compile(rt, name, key, clock, monkeypatch, seconds, cache_hit=None):
+    """What JITFunction._do_compile does around a compile, as Triton calls the hooks (keywords only); ``cache_hit``
+    (None: no listener call, as in a Triton without one) is what triton.compile tells its listener inside."""
     fn = SimpleNamespace(name=name, module="dsserve.kernels.x", jit_function=SimpleNamespace(
         params=[SimpleNamespace(name=n) for n in "tK"]))
     comp = {"constants": {(1,): 512}, "specialization_data": f'{{"name": "{name}", "key": "{key}"}}'}
     skip = rt.jit_cache_hook(key=key, repr=f"{name}[num_warps=4](t: i32)", fn=fn, compile=comp,
                              is_manual_warmup=False, already_compiled=False)
     clock[0] += seconds
+    if cache_hit is not None:
+        import triton
+        triton.knobs.compilation.listener(src=None, metadata={}, metadata_group={}, times=None, cache_hit=cache_hit)
     rt.jit_post_compile_hook(key=key, repr=f"{name}[num_warps=4](t: i32)", fn=fn, compile=comp,
                              is_manual_warmup=False, already_compiled=False)
     return skip
@@ -43,7 +50,7 @@ def test_hooks_count_time_and_chain(fresh_hooks, monkeypatch, caplog):
         assert not _compile(rt, "_up_kernel", "k1", clock, monkeypatch, 2.0)  # a compile is never skipped
         assert not _compile(rt, "_topk", "k2", clock, monkeypatch, 0.1)
         assert not _compile(rt, "_up_kernel", "k3", clock, monkeypatch, 1.0)
-    assert J.COMPILES.snapshot() == (3, pytest.approx(3.1))
+    assert J.COMPILES.snapshot() == (3, pytest.approx(3.1), 0)
     assert J.COMPILES.by_kernel == {"_up_kernel": [2, pytest.approx(3.0)], "_topk": [1, pytest.approx(0.1)]}
     assert calls == [("cache", "k1"), ("post", "k1"), ("cache", "k2"), ("post", "k2"), ("cache", "k3"),
                      ("post", "k3")]  # the hooks installed before still run, in order
@@ -73,3 +80,33 @@ def test_engine_counts_compiles_since_its_start_and_its_warm_up(fresh_hooks, mon
     _compile(rt, "_later", "k2", clock, monkeypatch, 0.25)
     core._count_runs()
     assert (core.stats.triton_compiles, core.stats.triton_compile_seconds) == (1, pytest.approx(0.25))
+    if hasattr(rt, "jit_cache_hook") and J.COMPILES.loads == 0:
+        import triton
+        if hasattr(getattr(triton.knobs, "compilation", None), "listener"):
+            _compile(rt, "_loaded", "k3", clock, monkeypatch, 0.01, cache_hit=True)
+            core._count_runs()
+            assert (core.stats.triton_compiles, core.stats.triton_cache_loads) == (1, 1)
+            assert core.stats.as_dict()["triton_cache_loads"] == 1
+
+
+def test_loads_from_the_disk_cache_are_told_apart(fresh_hooks, monkeypatch, caplog):
+    import triton
+    if not hasattr(getattr(triton.knobs, "compilation", None), "listener"):
+        pytest.skip("this Triton has no compilation listener")
+    rt, calls = fresh_hooks
+    clock = [0.0]
+    monkeypatch.setattr(J.time, "perf_counter", lambda: clock[0])
+    assert J.watch()
+    with caplog.at_level(logging.INFO, logger="dsserve"):
+        _compile(rt, "_up_kernel", "k1", clock, monkeypatch, 0.6, cache_hit=True)  # slow for a load: not logged
+        _compile(rt, "_up_kernel", "k2", clock, monkeypatch, 2.0, cache_hit=False)
+        # a direct triton.compile (no JIT hooks) whose hit must not be taken for the next JIT compile's
+        triton.knobs.compilation.listener(src=None, metadata={}, metadata_group={}, times=None, cache_hit=True)
+        _compile(rt, "_topk", "k3", clock, monkeypatch, 1.0)
+    assert J.COMPILES.snapshot() == (2, pytest.approx(3.0), 1)
+    assert J.COMPILES.load_seconds == pytest.approx(0.6)
+    assert J.COMPILES.by_kernel == {"_up_kernel": [1, pytest.approx(2.0)], "_topk": [1, pytest.approx(1.0)]}
+    assert [c for c in calls if c[0] == "listen"] == [("listen", True), ("listen", False), ("listen", True)]
+    slow = [r.getMessage() for r in caplog.records if "triton compiled" in r.getMessage()]
+    assert [m.split(" in ")[0] for m in slow] == ["triton compiled _up_kernel", "triton compiled _topk"]
+    assert [k for k, _ in J.COMPILES.specs] == ["dsserve.kernels.x:_up_kernel"] * 2 + ["dsserve.kernels.x:_topk"]

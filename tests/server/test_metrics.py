@@ -159,7 +159,8 @@ def test_stat_deltas_and_preemptions_from_a_fake_engine():
     stats = SimpleNamespace(prefix_query_tokens=100, prefix_hit_tokens=64, replayed_rows=5, prefill_rows=36,
                             decoder_rows_skipped=7, graph_steps=3, replay_graph_steps=2, encoder_graph_steps=5,
                             graph_captures=4, graph_capture_seconds=1.25, graph_pool_bytes=3 << 20, ahead_steps=6,
-                            nonfinite_logit_rows=2, triton_compiles=9, triton_compile_seconds=3.5)
+                            nonfinite_logit_rows=2, triton_compiles=9, triton_compile_seconds=3.5,
+                            triton_cache_loads=11)
     eng = SimpleNamespace(scheduler=SimpleNamespace(running=[req], waiting=[], requests={"r": req}),
                           kv=SimpleNamespace(blocks=pool, slots=SimpleNamespace(num_blocks=4, num_used=1)),
                           stats=stats)
@@ -182,6 +183,7 @@ def test_stat_deltas_and_preemptions_from_a_fake_engine():
     assert value(s, "dsserve:nonfinite_logit_rows_total") == 2
     assert value(s, "dsserve:triton_compiles_total") == 9
     assert value(s, "dsserve:triton_compile_seconds_total") == 3.5
+    assert value(s, "dsserve:triton_cache_loads_total") == 11
     assert value(s, "dsserve:num_preemptions_total") == 1
     assert value(s, "dsserve:kv_cache_usage_perc", kind="global") == pytest.approx(0.3)
     assert value(s, "dsserve:kv_cache_usage_perc", kind="window") == pytest.approx(0.25)
@@ -190,7 +192,8 @@ def test_stat_deltas_and_preemptions_from_a_fake_engine():
     eng.stats = SimpleNamespace(prefix_query_tokens=20, prefix_hit_tokens=0, replayed_rows=0, prefill_rows=0,
                                 decoder_rows_skipped=0, graph_steps=0, replay_graph_steps=0, encoder_graph_steps=0,
                                 graph_captures=0, graph_capture_seconds=0.0, graph_pool_bytes=0, ahead_steps=0,
-                                nonfinite_logit_rows=0, triton_compiles=0, triton_compile_seconds=0.0)
+                                nonfinite_logit_rows=0, triton_compiles=0, triton_compile_seconds=0.0,
+                                triton_cache_loads=0)
     m.observe_step(eng)
     assert value(parse(m)[1], "dsserve:prefix_cache_queries_total") == 150
 
