@@ -6,6 +6,11 @@ score ``context_bucket(max position + 1)`` positions' worth of entries (-inf pas
 (on first use) and replayed with the buffers refilled. Without capture (the CPU) the same fixed-shape step runs
 eagerly: the tests check that path against the reference forward, and the GPU tests check replay against it.
 
+With ``ahead_batches`` set (the engine's warm-up: engine.warmup) a step also builds, from its own rows, the steps of
+every larger batch bucket at its context bucket: the capture masks every write and a replay refills all the buffers,
+so a graph does not depend on the rows it was captured from, and the warm-up's one-sequence context ladder then
+captures the whole (batch, context) grid instead of leaving most pairs to stall a live step on first use.
+
 Steps that are not plain decodes (prefill chunks, bounded-replay narrowing, a batch past the largest bucket) and
 sequences whose compressor state a fixed-shape step cannot continue fall back to the eager ``forward_batch``;
 ``fallbacks`` counts why.
@@ -62,6 +67,7 @@ class DecodeGraphs:
         self._steps: dict[tuple[int, int], tuple[DecodeBatch, torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self.reset_counts()
         self.last_key = None  # the (batch bucket, context bucket) of the latest run
+        self.ahead_batches = False  # a step also builds its context bucket's larger batch buckets (the warm-up)
 
     def reset_counts(self) -> None:
         self.replays, self.padded_rows, self.fallbacks = 0, 0, Counter()
@@ -105,8 +111,13 @@ class DecodeGraphs:
         host = None
         if tokens is None:
             host = [c.request.token_ids(c.request.num_computed_tokens, c.request.num_tokens)[0] for c in plan.chunks]
-        if key not in self._steps:
-            self._steps[key] = self._build(key, seqs, host if tokens is None else tokens)
+        wanted = [key]
+        if self.ahead_batches:
+            sizes = {b for b in self.batch_buckets if b < self.max_batch} | {self.max_batch}
+            wanted += [(b, key[1]) for b in sorted(sizes) if b > key[0]]
+        for k in wanted:
+            if k not in self._steps:
+                self._steps[k] = self._build(k, seqs, host if tokens is None else tokens)
         batch, graph, logits = self._steps[key]
         self.last_key = key
         self.model.fill_decode(batch, seqs, host if tokens is None else tokens)

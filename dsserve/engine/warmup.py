@@ -8,10 +8,13 @@ context as constexprs (the top-k's BLOCK: the entry count's next power of two), 
 of their own. The rounds:
 - a context ladder: one cold prompt reaching the last decode context bucket that fits ``max_model_len`` and the
   cache (at least a whole chunk: the eager prefill's large-row kernels), then one prefix hit on it ending in each
-  lower bucket, each decoding a few tokens alone: the decode graphs (1, c) and the replay graphs at every context;
+  lower bucket, each decoding a few tokens alone: the replay graphs at every context, and the decode graphs (b, c)
+  of every batch bucket b at every context c (``DecodeGraphs.ahead_batches``: a lone row's step captures the
+  larger buckets too). Before, only (1, c) and (b, the first c) were captured here; an AgentX window of 60 s at 8
+  sessions then captured 19 graphs in 6.5 s of stalled steps (benchmarks/results/agentx-compile-fixes-h200);
 - per decode batch bucket b up to ``max_num_seqs``: b short prompts at once, then b prefix hits on them (the
-  prompts and a few new tokens), each decoding a few tokens: the decode steps' graphs (b, the first context
-  bucket), and bounded replay's decoder- and encoder-row graphs of b hits (the replayed window plus the new rows);
+  prompts and a few new tokens), each decoding a few tokens (in the graphs the ladder captured): bounded replay's
+  decoder- and encoder-row graphs of b hits (the replayed window plus the new rows), and b-row eager kernels;
 - a row ladder: prefill steps alone, each of a row count from ``prefill_rows``: every row bucket of the row
   graphs, one less than every power of two up to a whole chunk, and the chunk. They are prefix hits on a short
   prompt whose new tokens (plus the replayed window, with bounded replay) make that many rows, or cold prompts
@@ -23,8 +26,7 @@ of their own. The rounds:
   tokens; with this ladder it still did, and the compile count (engine.jit_compiles) showed why: the entry-rows
   gather compiled once per new context (its table width was a constexpr; it no longer is), which no ladder of
   short prompts reaches (benchmarks/results/agentx-replay-off-compiles-h200).
-Graphs of other pairs (b > 1 past the first context bucket, row buckets past the first context bucket) still
-capture on first use.
+Row graphs of row buckets past the first context bucket still capture on first use.
 
 Its requests carry a cache salt of their own, so no user prompt hits their blocks (freed first, they are also
 evicted first). Afterwards the engine's counters start from zero again; the graphs stay captured, and
@@ -130,9 +132,15 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
     # prompt lengths whose decode steps stay in each bucket c (positions up to c)
     ladder = [c - new_tokens for c in context_ladder(cap, graphs.min_context if graphs else 1024)]
     longest = prompt(max(ladder[-1:] + [min(sched.max_num_batched_tokens, room)]))
-    run([longest])
-    for n_tokens in ladder[:-1]:
-        run([longest[:n_tokens]])  # alone: together they would decode in the largest bucket only
+    if graphs is not None:
+        graphs.ahead_batches = True  # each lone decode also captures the larger batch buckets at its context
+    try:
+        run([longest])
+        for n_tokens in ladder[:-1]:
+            run([longest[:n_tokens]])  # alone: together they would decode in the largest bucket only
+    finally:
+        if graphs is not None:
+            graphs.ahead_batches = False
     n = len(ladder[:-1]) + 1
     t1 = time.perf_counter()
     for b in batch_sizes(sched.max_num_seqs):

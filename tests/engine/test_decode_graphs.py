@@ -23,16 +23,17 @@ def test_buckets():
         1024, 1024, 2048, 3072, 8192, 10240, 20480, 163840]
 
 
-def _graphs(capture, made, min_context=128, **kw):
+def _graphs(capture, made, min_context=128, ahead_batches=False, **kw):
     def make(kv):
         g = DecodeGraphs(model, kv, max_batch=8, capture=GraphCapture() if capture else None, min_context=min_context,
                          **kw)  # 5 rows pad to 8
+        g.ahead_batches = ahead_batches
         made.append(g)
         return g
     return make
 
 
-def _fixed_shape_vs_oracle(m, prompt_ids, chunk=7, min_context=128, **kw) -> dict:
+def _fixed_shape_vs_oracle(m, prompt_ids, chunk=7, min_context=128, ahead_batches=False, **kw) -> dict:
     """The engine (fp64, references, fixed-shape decode steps run eagerly) on make_prompts' ``prompt_ids``, 24 tokens
     each: its greedy tokens and logits equal the oracle's; returns the DecodeGraphs report."""
     global model
@@ -43,7 +44,8 @@ def _fixed_shape_vs_oracle(m, prompt_ids, chunk=7, min_context=128, **kw) -> dic
         ref = [m.reference_logits(torch.tensor(p + c[:-1]))[len(p) - 1:] for p, c in zip(prompts, conts)]
     made = []
     reqs, _, logits = _engine(m, prompts, chunk, KernelOps(frozenset(OPS)), torch.float64, "cpu", 24,
-                              decode_graphs=_graphs(False, made, min_context=min_context), **kw)
+                              decode_graphs=_graphs(False, made, min_context=min_context,
+                                                    ahead_batches=ahead_batches), **kw)
     assert [r.output_token_ids for r in reqs] == conts
     assert max(float((g - r).abs().max()) for g, r in zip(logits, ref)) < 1e-9
     return made[0].report()
@@ -115,6 +117,16 @@ def test_paged_kernels_interpreted_eager_prefill_then_fixed_shape_decode():
     assert made[0].report()["padded_rows"] > 0
 
 
+def test_steps_built_ahead_from_fewer_rows_are_exact(tiny_models):
+    """With ``ahead_batches`` (the warm-up) a step also builds the larger batch buckets at its context bucket from
+    its own rows (writes masked); later steps of more rows run in them, refilled, and still equal the oracle."""
+    rep = _fixed_shape_vs_oracle(tiny_models["tiny"], (11, 3, 9, 0, 6), ahead_batches=True)
+    # the first step at context 128 had 4 rows, at 256 one row: every larger bucket was built then. Without
+    # ahead_batches the run takes (4, 128), (8, 128), (1, 256), (2, 256), (4, 256): so (8, 128), (2, 256) and
+    # (4, 256) ran steps in batches built from fewer rows
+    assert set(rep["fixed_shape_steps"]) == {(4, 128), (8, 128), (1, 256), (2, 256), (4, 256), (8, 256)}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graph_replay_equals_the_fixed_shape_step_on_gpu():
     """CUDA graphs captured per bucket and replayed give the same logits, bit for bit, as the same fixed-shape
@@ -122,16 +134,22 @@ def test_graph_replay_equals_the_fixed_shape_step_on_gpu():
     every choice whose top-2 margin clears the rounding noise)."""
     global model
     runs = {}
-    for capture in (False, True):
+    # (True, True): graphs of larger batches captured ahead from a step's fewer rows (the warm-up's way) replay the
+    # same: a graph depends on its buffers' shapes, not on the rows it was captured from
+    for capture, ahead in ((False, False), (True, False), (True, True)):
         model = m = _tiny(torch.float32, "cuda")
         prompts = [make_prompts(m.cfg, seed=3)[i] for i in (11, 3, 9, 0, 6)]
         made = []
         reqs, _, logits = _engine(m, prompts, 7, KernelOps(), torch.float32, "cuda", 24,
-                                  decode_graphs=_graphs(capture, made))
-        runs[capture] = [r.output_token_ids for r in reqs], logits, made[0].report()
-    assert runs[True][0] == runs[False][0]
-    assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1]))
-    assert runs[True][2]["replays"] > 0 and runs[True][2]["graphs"] == runs[False][2]["fixed_shape_steps"]
+                                  decode_graphs=_graphs(capture, made, ahead_batches=ahead))
+        runs[capture, ahead] = [r.output_token_ids for r in reqs], logits, made[0].report()
+    eager = runs[False, False]
+    for key in ((True, False), (True, True)):
+        assert runs[key][0] == eager[0]
+        assert all(torch.equal(a, b) for a, b in zip(runs[key][1], eager[1])), key
+        assert runs[key][2]["replays"] > 0
+    assert runs[True, False][2]["graphs"] == eager[2]["fixed_shape_steps"]
+    assert set(runs[True, True][2]["graphs"]) > set(eager[2]["fixed_shape_steps"])
     made = []
     model = _tiny(torch.float32, "cuda")
     _greedy_agrees_with_oracle("cuda", range(16), 10, 0, KernelOps(), model=model,

@@ -75,8 +75,11 @@ def test_warm_up_runs_every_bucket_and_hits_then_leaves_no_trace():
     # the row ladder: a prefill step of each row count, alone; past the replay window (32) a prefix hit
     assert all((r, 0) in steps for r in ladder if r <= 32) and all(
         any(rows == r and hit > 0 for rows, hit in steps) for r in ladder if r > 32), steps
-    # the fixed-shape decode steps of every batch bucket and context bucket ran (on a GPU: their graphs captured)
-    assert set(eng.runner.decode_graphs.report()["fixed_shape_steps"]) == {(1, 1024), (2, 1024), (3, 1024), (1, 2048)}
+    # the fixed-shape decode steps of every batch bucket at every context bucket were built (on a GPU: their graphs
+    # captured), those of 2 and 3 rows at 2048 from the ladder's lone sequence
+    assert set(eng.runner.decode_graphs.report()["fixed_shape_steps"]) == {(b, c) for b in (1, 2, 3) for c in (1024,
+                                                                                                           2048)}
+    assert not eng.runner.decode_graphs.ahead_batches  # for the warm-up only
     # nothing left: no request, every block and window slot free, every counter zero
     assert not eng.has_unfinished_requests() and not eng.scheduler.requests
     assert eng.kv.blocks.num_used == 0 and eng.kv.slots.num_used == 0
