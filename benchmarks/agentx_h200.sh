@@ -16,6 +16,9 @@
 #               [--vocab-size 128000]; KV_BYTES: --kv-cache-memory [8 GiB]; PORT [8000]; SERVER_WAIT_S [420]
 #   KERNEL_MANIFEST  a file for `serve --kernel-manifest` [none]: precompiled in parallel at start when present,
 #               rewritten after the warm-up; a copy goes to $OUT (a later call on the same machine may take it back)
+#   MANIFEST_SEED  where a missing KERNEL_MANIFEST starts from [the gzipped manifest of an H200 run committed in
+#               benchmarks/results/agentx-compile-fixes-h200: a bare machine's first server then compiles in parallel
+#               too (69 s to /health against 147 s there); entries the code no longer has fail one by one, harmlessly]
 # What comes back (the device returns at most 8 files from $OUT): per mode agentx-replay-<mode>.tgz (the bench's
 # directory: agg_*.json per point, requests.jsonl, metrics_timeseries.csv, points.csv, the plots, summary.json,
 # bench.log, server.log, server_up_s.txt, metrics_final.prom), and agentx-summary.json + agentx-frontier.png over
@@ -38,7 +41,13 @@ MODEL_ARGS=${MODEL_ARGS:-proxy-h200-release --load-format dummy --dtype bfloat16
 --max-num-batched-tokens 8192 --kv-cache-memory $KV_BYTES}
 BENCH_ARGS=${BENCH_ARGS:---vocab-size 128000}
 KERNEL_MANIFEST=${KERNEL_MANIFEST:-}
-[ -n "$KERNEL_MANIFEST" ] && MODEL_ARGS="$MODEL_ARGS --kernel-manifest $KERNEL_MANIFEST"
+MANIFEST_SEED=${MANIFEST_SEED:-benchmarks/results/agentx-compile-fixes-h200/kernel-manifest.jsonl.gz}
+if [ -n "$KERNEL_MANIFEST" ]; then
+  if [ ! -e "$KERNEL_MANIFEST" ] && [ -f "$MANIFEST_SEED" ]; then
+    mkdir -p "$(dirname "$KERNEL_MANIFEST")" && gzip -dc "$MANIFEST_SEED" >"$KERNEL_MANIFEST"
+  fi
+  MODEL_ARGS="$MODEL_ARGS --kernel-manifest $KERNEL_MANIFEST"
+fi
 
 case "$REPLAY" in
   on | off) MODES=$REPLAY ;;
