@@ -80,13 +80,12 @@ def test_engine_counts_compiles_since_its_start_and_its_warm_up(fresh_hooks, mon
     _compile(rt, "_later", "k2", clock, monkeypatch, 0.25)
     core._count_runs()
     assert (core.stats.triton_compiles, core.stats.triton_compile_seconds) == (1, pytest.approx(0.25))
-    if hasattr(rt, "jit_cache_hook") and J.COMPILES.loads == 0:
-        import triton
-        if hasattr(getattr(triton.knobs, "compilation", None), "listener"):
-            _compile(rt, "_loaded", "k3", clock, monkeypatch, 0.01, cache_hit=True)
-            core._count_runs()
-            assert (core.stats.triton_compiles, core.stats.triton_cache_loads) == (1, 1)
-            assert core.stats.as_dict()["triton_cache_loads"] == 1
+    import triton
+    if hasattr(getattr(triton.knobs, "compilation", None), "listener"):  # loads are counted apart
+        _compile(rt, "_loaded", "k3", clock, monkeypatch, 0.01, cache_hit=True)
+        core._count_runs()
+        assert (core.stats.triton_compiles, core.stats.triton_cache_loads) == (1, 1)
+        assert core.stats.as_dict()["triton_cache_loads"] == 1
 
 
 def test_loads_from_the_disk_cache_are_told_apart(fresh_hooks, monkeypatch, caplog):
