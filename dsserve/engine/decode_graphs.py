@@ -36,6 +36,11 @@ def batch_bucket(b: int, max_batch: int, buckets: tuple[int, ...] = BATCH_BUCKET
     return min([x for x in buckets if b <= x < max_batch] + [max_batch])
 
 
+def bucket_sizes(max_batch: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> list[int]:
+    """Every bucket ``batch_bucket`` can return for up to ``max_batch`` rows."""
+    return sorted({x for x in buckets if x < max_batch} | {max_batch})
+
+
 def context_bucket(n: int, min_context: int) -> int:
     """The position bound for a step whose longest row needs n positions: min_context m, then steps of m up to
     8m, then a quarter of the power-of-two multiple of m below (8m, 10m, 12m, 14m, 16m, 20m, ...): the index sources
@@ -113,8 +118,7 @@ class DecodeGraphs:
             host = [c.request.token_ids(c.request.num_computed_tokens, c.request.num_tokens)[0] for c in plan.chunks]
         wanted = [key]
         if self.ahead_batches:
-            sizes = {b for b in self.batch_buckets if b < self.max_batch} | {self.max_batch}
-            wanted += [(b, key[1]) for b in sorted(sizes) if b > key[0]]
+            wanted += [(b, key[1]) for b in bucket_sizes(self.max_batch, self.batch_buckets) if b > key[0]]
         for k in wanted:
             if k not in self._steps:
                 self._steps[k] = self._build(k, seqs, host if tokens is None else tokens)

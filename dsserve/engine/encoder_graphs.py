@@ -13,7 +13,11 @@ On by default (``--no-encoder-graphs`` turns it off): four live runs at 32 agent
 (docs/decode_graphs.md has the history of the failures that kept it off before).
 Engram rows come in buffers: host tables' rows from the step's prefetch (started before the graph), tables on the
 device as row ids hashed on the host (the eager path hashes them on the host too, for the prefetch).
-``run`` returns None, counted in ``fallbacks`` by reason, for a step it does not take.
+``run`` returns None, counted in ``fallbacks`` by reason, for a step it does not take. With ``ahead_rows`` set (the
+engine's warm-up: engine.warmup) a step also builds the larger row buckets at its context bucket, from its rows
+padded. Not the smaller ones: cut short, a hit's rows could lie inside its cached prefix, which the encoder's
+fixed shapes do not take (``EncoderBatch.fits``); live traffic on the release proxy met encoder buckets of 256 rows
+and up only (benchmarks/results/agentx-grid-300s-h200).
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from ..kv.paged import PagedKVCache
 from ..kv.paged_batch import PagedBatch
 from ..layers.context import ForwardContext
 from ..models.model import DeepseekForCausalLM
-from .decode_graphs import batch_bucket
+from .decode_graphs import batch_bucket, bucket_sizes
 from .graph_capture import GraphCapture
 from .replay_graphs import ROW_BUCKETS, decoder_context_bucket
 
@@ -48,6 +52,7 @@ class EncoderGraphs:
         self._steps: dict[tuple[int, int], tuple] = {}
         self.reset_counts()
         self.last_key = None  # the (row bucket, context bucket) of the latest run
+        self.ahead_rows = False  # a step also builds the larger row buckets of its context bucket (the warm-up)
 
     def reset_counts(self) -> None:
         self.replays, self.runs, self.padded_rows, self.fallbacks = 0, 0, 0, Counter()
@@ -82,8 +87,12 @@ class EncoderGraphs:
             self.fallbacks[why] += 1
             return None
         key = self.key(ctx)
-        if key not in self._steps:
-            self._steps[key] = self._build(key, ctx, host_ids)
+        wanted = [key]
+        if self.ahead_rows:
+            wanted += [(r, key[1]) for r in bucket_sizes(self.max_rows, self.row_buckets) if r > key[0]]
+        for k in wanted:
+            if k not in self._steps:
+                self._steps[k] = self._build(k, ctx, host_ids)
         batch, engram, graph, out = self._steps[key]
         self._fill(batch, engram, ctx, host_ids)
         rows = ctx.tokens.shape[0]

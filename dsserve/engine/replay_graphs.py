@@ -10,11 +10,14 @@ mHC coefficients copied into static buffers. The encoder side stays eager (its c
 matmul-bound, and a graph would need a bucket per chunk length). Without capture (the CPU) the same fixed-shape
 forward runs eagerly: the tests check it against the eager path.
 
-``run`` returns None, counted in ``fallbacks`` by reason, for a step it does not take.
+``run`` returns None, counted in ``fallbacks`` by reason, for a step it does not take. With ``ahead_rows`` set (the
+engine's warm-up: engine.warmup) a step also builds every other row bucket at its context bucket: the larger ones
+from its rows padded, the smaller ones from its first rows (the masked capture runs need valid rows, not these).
 """
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import torch
 
@@ -23,7 +26,7 @@ from ..kv.paged_batch import PagedBatch
 from ..kv.replay_batch import ReplayBatch
 from ..layers.context import ForwardContext
 from ..models.model import DeepseekForCausalLM
-from .decode_graphs import batch_bucket
+from .decode_graphs import batch_bucket, bucket_sizes
 from .graph_capture import GraphCapture
 
 ROW_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024)
@@ -54,6 +57,7 @@ class ReplayGraphs:
         self._steps: dict[tuple[int, int], tuple[ReplayBatch, list[torch.Tensor], object, torch.Tensor]] = {}
         self.reset_counts()
         self.last_key = None  # the (row bucket, context bucket) of the latest run
+        self.ahead_rows = False  # a step also builds every row bucket of its context bucket (the warm-up)
 
     def reset_counts(self) -> None:
         self.replays, self.runs, self.padded_rows, self.fallbacks = 0, 0, 0, Counter()
@@ -88,8 +92,12 @@ class ReplayGraphs:
             self.fallbacks[why] += 1
             return None
         key = self.key(ctx)
-        if key not in self._steps:
-            self._steps[key] = self._build(key, parts, ctx)
+        wanted = [key]
+        if self.ahead_rows:
+            wanted += [(r, key[1]) for r in bucket_sizes(self.max_rows, self.row_buckets) if r != key[0]]
+        for k in wanted:
+            if k not in self._steps:
+                self._steps[k] = self._build(k, *first_rows(k[0], parts, ctx))
         batch, inputs, graph, hidden = self._steps[key]
         rows = self._fill(batch, inputs, parts, ctx)
         self.runs, self.last_key = self.runs + 1, key
@@ -124,3 +132,17 @@ class ReplayGraphs:
         return {"graphs": sorted(k for k, v in self._steps.items() if v[2] is not None),
                 "fixed_shape_steps": sorted(self._steps), "runs": self.runs, "replays": self.replays,
                 "padded_rows": self.padded_rows, "fallbacks": dict(self.fallbacks)}
+
+
+def first_rows(n: int, parts: tuple, ctx: ForwardContext) -> tuple[tuple, ForwardContext]:
+    """``parts`` and the narrowed ``ctx`` cut to their first ``n`` rows (all of them if fewer): sequences in order,
+    the last one kept cut short. What an ahead-built smaller row bucket runs its masked capture runs on."""
+    rows = parts[0].shape[0]
+    if n >= rows:
+        return parts, ctx
+    seqs, left = [], n
+    for s in ctx.seqs:
+        k = min(left, s.rows.stop - s.rows.start)
+        seqs.append(replace(s, rows=slice(s.rows.start, s.rows.start + k)))
+        left -= k
+    return tuple(t[:n] for t in parts), replace(ctx, tokens=ctx.tokens[:n], positions=ctx.positions[:n], seqs=seqs)

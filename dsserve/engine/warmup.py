@@ -8,10 +8,12 @@ context as constexprs (the top-k's BLOCK: the entry count's next power of two), 
 of their own. The rounds:
 - a context ladder: one cold prompt reaching the last decode context bucket that fits ``max_model_len`` and the
   cache (at least a whole chunk: the eager prefill's large-row kernels), then one prefix hit on it ending in each
-  lower bucket, each decoding a few tokens alone: the replay graphs at every context, and the decode graphs (b, c)
-  of every batch bucket b at every context c (``DecodeGraphs.ahead_batches``: a lone row's step captures the
-  larger buckets too). Before, only (1, c) and (b, the first c) were captured here; an AgentX window of 60 s at 8
-  sessions then captured 19 graphs in 6.5 s of stalled steps (benchmarks/results/agentx-compile-fixes-h200);
+  bucket, each decoding a few tokens alone: the decode graphs (b, c) of every batch bucket b at every context
+  c (``DecodeGraphs.ahead_batches``: a lone row's step captures the larger buckets too), and with bounded replay
+  the row graphs at every context: the decoder rows' every row bucket, the encoder rows' from the hit's rows up
+  (their ``ahead_rows``). Before, only (1, c) and (b, the first c) were captured here; an AgentX window of 60 s at
+  8 sessions then captured 19 graphs in 6.5 s of stalled steps (benchmarks/results/agentx-compile-fixes-h200).
+  With the decode grid, windows of 90-300 s still captured 1-16 row graphs (agentx-grid-300s-h200);
 - per decode batch bucket b up to ``max_num_seqs``: b short prompts at once, then b prefix hits on them (the
   prompts and a few new tokens), each decoding a few tokens (in the graphs the ladder captured): bounded replay's
   decoder- and encoder-row graphs of b hits (the replayed window plus the new rows), and b-row eager kernels;
@@ -26,7 +28,7 @@ of their own. The rounds:
   tokens; with this ladder it still did, and the compile count (engine.jit_compiles) showed why: the entry-rows
   gather compiled once per new context (its table width was a constexpr; it no longer is), which no ladder of
   short prompts reaches (benchmarks/results/agentx-replay-off-compiles-h200).
-Row graphs of row buckets past the first context bucket still capture on first use.
+Encoder-row graphs of fewer rows than a hit's still capture on first use (traffic met none on the release proxy).
 
 Its requests carry a cache salt of their own, so no user prompt hits their blocks (freed first, they are also
 evicted first). Afterwards the engine's counters start from zero again; the graphs stay captured, and
@@ -41,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .decode_graphs import BATCH_BUCKETS, context_bucket
+from .decode_graphs import bucket_sizes, context_bucket
 from . import jit_compiles
 from .replay_graphs import ROW_BUCKETS
 from .sampling_params import SamplingParams
@@ -71,7 +73,7 @@ def wanted(setting: bool | None, device: torch.device) -> bool:
 
 def batch_sizes(max_num_seqs: int) -> list[int]:
     """The decode batch buckets a step of up to ``max_num_seqs`` rows can fall in (the last one is the maximum)."""
-    return sorted({b for b in BATCH_BUCKETS if b < max_num_seqs} | {max_num_seqs})
+    return bucket_sizes(max_num_seqs)
 
 
 def context_ladder(max_len: int, min_context: int) -> list[int]:
@@ -92,6 +94,15 @@ def prefill_rows(max_rows: int, graph_rows: int) -> list[int]:
         out.add(p - 1)
         p *= 2
     return sorted(out - {0})
+
+
+def ahead(decode_graphs, row_graphs: list, on: bool) -> None:
+    """The context ladder's steps also build other buckets at their context: every larger decode batch bucket, and
+    the row graphs' other row buckets (their ``ahead_rows``)."""
+    if decode_graphs is not None:
+        decode_graphs.ahead_batches = on
+    for g in row_graphs:
+        g.ahead_rows = on
 
 
 def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
@@ -129,19 +140,18 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
         log.warning("warm-up skipped: max_model_len %d leaves no room for a prompt", core.max_model_len)
         return WarmupReport(0, 0, 0.0, 0, 0)
     graphs = core.runner.decode_graphs
+    row_graphs = [g for g in (core.runner.replay_graphs, core.runner.encoder_graphs) if g is not None]
     # prompt lengths whose decode steps stay in each bucket c (positions up to c)
     ladder = [c - new_tokens for c in context_ladder(cap, graphs.min_context if graphs else 1024)]
     longest = prompt(max(ladder[-1:] + [min(sched.max_num_batched_tokens, room)]))
-    if graphs is not None:
-        graphs.ahead_batches = True  # each lone decode also captures the larger batch buckets at its context
+    ahead(graphs, row_graphs, True)
     try:
         run([longest])
-        for n_tokens in ladder[:-1]:
+        for n_tokens in ladder:  # the last one a hit in the cold prompt's bucket: its encoder rows fit a row graph
             run([longest[:n_tokens]])  # alone: together they would decode in the largest bucket only
     finally:
-        if graphs is not None:
-            graphs.ahead_batches = False
-    n = len(ladder[:-1]) + 1
+        ahead(graphs, row_graphs, False)
+    n = len(ladder) + 1
     t1 = time.perf_counter()
     for b in batch_sizes(sched.max_num_seqs):
         firsts = [prompt(short) for _ in range(b)]
@@ -154,7 +164,6 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
     base = prompt(short)
     run([base])
     n += 1
-    row_graphs = [g for g in (core.runner.replay_graphs, core.runner.encoder_graphs) if g is not None]
     for rows in prefill_rows(min(sched.max_num_batched_tokens, room), max([g.max_rows for g in row_graphs] + [0])):
         new = rows - window
         if new < 1 and rows <= room:

@@ -8,7 +8,8 @@ import torch
 from dsserve import LLM
 from dsserve.engine.encoder_graphs import EncoderGraphs
 from dsserve.engine.replay_graphs import ReplayGraphs
-from test_replay_graphs import PARAMS, _prompts, assert_capture_is_exact, assert_greedy_agree
+from test_replay_graphs import (PARAMS, EagerCapture, _long_prompts, _prompts, assert_capture_is_exact,
+                                assert_greedy_agree)
 
 
 def _run(graphs=None, prompts=None, **kw):
@@ -24,12 +25,15 @@ def _run(graphs=None, prompts=None, **kw):
     return [(c.token_ids, [sorted((k, v.logprob) for k, v in d.items()) for d in c.logprobs]) for c in outs], eng
 
 
-def _fixed_shape(made, capture=None, row_buckets=(16, 32, 64), decoder=True):
+def _fixed_shape(made, capture=None, row_buckets=(16, 32, 64), decoder=True, ahead_rows=False):
     def make(eng):
         made.append(EncoderGraphs(eng.model, eng.kv, row_buckets[-1], 4, capture, min_context=128,
                                   row_buckets=row_buckets))
         rep = ReplayGraphs(eng.model, eng.kv, row_buckets[-1], 4, capture, min_context=128,
                            row_buckets=row_buckets) if decoder else None
+        for g in (made[-1], rep):
+            if g is not None:
+                g.ahead_rows = ahead_rows
         return made[-1], rep
     return make
 
@@ -55,6 +59,22 @@ def test_fixed_shape_encoder_rows_are_exact(decoder):
     assert rep["runs"] == eng.stats.encoder_graph_steps > 0 and rep["padded_rows"] > 0
     assert len({rows for rows, _ in rep["fixed_shape_steps"]}) > 1  # several row buckets
     assert set(rep["fallbacks"]) <= {"rows outside the buckets"}  # only the 64-row chunks of a 64-row budget
+
+
+def test_row_buckets_built_ahead_are_exact():
+    """fp64, every op on its torch reference: with ``ahead_rows`` (the warm-up's) on both pieces, a step's encoder
+    rows also build, and run the masked capture runs of, the larger row buckets at its context, from its rows
+    padded; the outputs stay the reference path's. The steps run 16 and 64 rows at 128 and 512 positions, 16, 32
+    and 64 at 256: (32, 128) and (32, 512) are built ahead only."""
+    ref, _ = _run(False, _long_prompts(), dtype="float64", device="cpu", attention_backend="reference")
+    made, capture = [], EagerCapture()
+    got, eng = _run(_fixed_shape(made, capture, ahead_rows=True), _long_prompts(), dtype="float64", device="cpu",
+                    attention_backend="paged", reference_ops="all")
+    _close(ref, got)
+    rep = made[0].report()
+    assert set(rep["fixed_shape_steps"]) == {(r, c) for r in (16, 32, 64) for c in (128, 256, 512)}
+    assert rep["graphs"] == rep["fixed_shape_steps"] and rep["replays"] == rep["runs"] and not rep["fallbacks"]
+    assert sum(w.startswith("encoder rows") for w in capture.whats) == 9
 
 
 def test_host_engram_tables_and_odd_starts():

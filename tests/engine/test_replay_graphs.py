@@ -28,7 +28,7 @@ def test_decoder_context_buckets():
         1024, 1024, 2048, 8192, 65536, 262144]
 
 
-def _run(graphs=None, **kw):
+def _run(graphs=None, prompts=None, **kw):
     """Each round's prompts submitted together (mixed steps: one prompt's prefill chunk with the others' decode
     rows). graphs: None (the engine's default), False (every replay step eager) or a ReplayGraphs factory. The
     encoder rows run eagerly unless ``encoder_graphs=True`` (test_encoder_graphs covers their graphs)."""
@@ -36,17 +36,49 @@ def _run(graphs=None, **kw):
     eng = llm.engine
     if graphs is not None:
         eng.runner.replay_graphs = graphs(eng) if graphs else None
-    outs = [o.outputs[0] for batch in _prompts() for o in llm.generate(batch, PARAMS)]
+    outs = [o.outputs[0] for batch in (prompts or _prompts()) for o in llm.generate(batch, PARAMS)]
     assert eng.stats.as_dict()["prefix_hit_tokens"] > 0 and eng.stats.as_dict()["decoder_rows_skipped"] > 0
     return [(c.token_ids, [sorted((k, v.logprob) for k, v in d.items()) for d in c.logprobs]) for c in outs], eng
 
 
-def _fixed_shape(made, capture=None, row_buckets=(16, 32, 64)):
+def _long_prompts():
+    """Prompts alone in three context buckets of 128 positions doubled (128, 256, 512), then prefix hits on two."""
+    gen = torch.Generator().manual_seed(5)
+    a, b, c = (torch.randint(3, preset("tiny").vocab_size, (n,), generator=gen).tolist() for n in (300, 150, 40))
+    return [[c], [b], [a], [a + [7, 8, 9, 10, 11], b + [12, 13]]]
+
+
+def _fixed_shape(made, capture=None, row_buckets=(16, 32, 64), ahead_rows=False):
     def make(eng):
         made.append(ReplayGraphs(eng.model, eng.kv, row_buckets[-1], 4, capture, min_context=128,
                                  row_buckets=row_buckets))
+        made[-1].ahead_rows = ahead_rows
         return made[-1]
     return make
+
+
+class EagerCapture:
+    """GraphCapture's contract on the CPU: capturing runs the forward once (its writes masked by the caller, as
+    for GraphCapture's warm-up runs) and keeps its output buffers; a replay runs it again into them. So the masked
+    runs of a capture happen here too, on whatever rows the caller filled."""
+
+    def __init__(self):
+        self.whats = []
+
+    def __call__(self, run, what=""):
+        out = run()
+        self.whats.append(what)
+        return _EagerGraph(run, out), out
+
+
+class _EagerGraph:
+    def __init__(self, run, out):
+        self.run, self.out = run, out
+
+    def replay(self):
+        new = self.run()
+        for buf, t in zip(*((x,) if torch.is_tensor(x) else x for x in (self.out, new))):
+            buf.copy_(t)
 
 
 @pytest.mark.parametrize("key_tables", [False, True])
@@ -68,6 +100,26 @@ def test_fixed_shape_decoder_rows_are_exact(monkeypatch, key_tables):
     rep = made[0].report()
     assert rep["runs"] == eng.stats.replay_graph_steps > 0 and rep["padded_rows"] > 0
     assert len({rows for rows, _ in rep["fixed_shape_steps"]}) > 1  # several row buckets
+    assert not rep["fallbacks"]
+
+
+def test_row_buckets_built_ahead_are_exact():
+    """fp64, every op on its torch reference: with ``ahead_rows`` (the warm-up's) a step builds, and runs the masked
+    capture runs of, every other row bucket at its context, the smaller ones from its first rows; the outputs stay
+    the reference path's (the masked runs wrote nothing), and later steps of other row counts replay those."""
+    ref, _ = _run(False, _long_prompts(), dtype="float64", device="cpu", attention_backend="reference")
+    made, capture = [], EagerCapture()
+    got, eng = _run(_fixed_shape(made, capture, ahead_rows=True), _long_prompts(), dtype="float64", device="cpu",
+                    attention_backend="paged", reference_ops="all")
+    for (tok_a, lp_a), (tok_b, lp_b) in zip(ref, got):
+        assert tok_a == tok_b
+        assert max(abs(a[1] - b[1]) for da, db in zip(lp_a, lp_b) for a, b in zip(da, db)) < 1e-9
+    rep = made[0].report()
+    steps = set(rep["fixed_shape_steps"])
+    contexts = {c for _, c in steps}
+    # the steps run (16, 128), (32, 128) and (16, 512), (32, 512), (64, 512): (64, 128) only ahead
+    assert contexts == {128, 512} and steps == {(r, c) for r in (16, 32, 64) for c in contexts}
+    assert rep["graphs"] == sorted(steps) and len(capture.whats) == len(steps) and rep["replays"] == rep["runs"] == 5
     assert not rep["fallbacks"]
 
 
