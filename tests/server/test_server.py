@@ -136,9 +136,10 @@ def test_warmup_runs_before_the_port_opens_and_counts_nothing(tmp_path):
         assert metric(base, "dsserve:prompt_tokens_total") == 0 and metric(base, "dsserve:prefill_rows_total") == 0
         httpx.post(base + "/v1/completions", json={"prompt": "warm", "max_tokens": 2}, timeout=60).raise_for_status()
         assert metric(base, "dsserve:generation_tokens_total") == 2
-    # the context ladder: 1 (max_model_len 1100: one bucket); the batch buckets: 2 x (1 + 2); the row ladder: its
-    # base prompt and one request a row count (chunks of 256 rows, no row graphs on the CPU)
-    assert f"warm-up: {1 + 2 * (1 + 2) + 1 + len(prefill_rows(256, 0))} requests" in log[0]
+    # the context ladder: the cold prompt and a hit on it (max_model_len 1100: one bucket); the batch buckets:
+    # 2 x (1 + 2); the row ladder: its base prompt and one request a row count (chunks of 256 rows, no row graphs on
+    # the CPU)
+    assert f"warm-up: {2 + 2 * (1 + 2) + 1 + len(prefill_rows(256, 0))} requests" in log[0]
     assert manifest.exists() and manifest.read_text() == ""
 
 
