@@ -62,10 +62,13 @@ def test_fixed_shape_encoder_rows_are_exact(decoder):
 
 
 def test_row_buckets_built_ahead_are_exact():
-    """fp64, every op on its torch reference: with ``ahead_rows`` (the warm-up's) on both pieces, a step's encoder
-    rows also build, and run the masked capture runs of, the larger row buckets at its context, from its rows
-    padded; the outputs stay the reference path's. The steps run 16 and 64 rows at 128 and 512 positions, 16, 32
-    and 64 at 256: (32, 128) and (32, 512) are built ahead only."""
+    """fp64, every op on its torch reference: with ``ahead_rows`` (the warm-up's) on both pieces, a step also builds,
+    and runs the masked capture runs of (EagerCapture), other row buckets at its context: the encoder rows the larger
+    ones, from its rows padded; the decoder rows every one, the smaller ones from its first rows. The outputs stay
+    the reference path's (the masked runs wrote nothing), and later steps of other row counts replay those. The
+    encoder steps run 16 and 64 rows at 128 and 512 positions, 16, 32 and 64 at 256: (32, 128) and (32, 512) are
+    built ahead only; the decoder steps run (16, 128), (32, 128), (16, 512), (32, 512), (64, 512): (64, 128) only
+    ahead, from the first 16 or 32 rows of a step of 64."""
     ref, _ = _run(False, _long_prompts(), dtype="float64", device="cpu", attention_backend="reference")
     made, capture = [], EagerCapture()
     got, eng = _run(_fixed_shape(made, capture, ahead_rows=True), _long_prompts(), dtype="float64", device="cpu",
@@ -75,6 +78,9 @@ def test_row_buckets_built_ahead_are_exact():
     assert set(rep["fixed_shape_steps"]) == {(r, c) for r in (16, 32, 64) for c in (128, 256, 512)}
     assert rep["graphs"] == rep["fixed_shape_steps"] and rep["replays"] == rep["runs"] and not rep["fallbacks"]
     assert sum(w.startswith("encoder rows") for w in capture.whats) == 9
+    dec = eng.runner.replay_graphs.report()
+    assert set(dec["fixed_shape_steps"]) == {(r, c) for r in (16, 32, 64) for c in (128, 512)}
+    assert dec["graphs"] == dec["fixed_shape_steps"] and dec["replays"] == dec["runs"] == 5 and not dec["fallbacks"]
 
 
 def test_host_engram_tables_and_odd_starts():

@@ -103,26 +103,6 @@ def test_fixed_shape_decoder_rows_are_exact(monkeypatch, key_tables):
     assert not rep["fallbacks"]
 
 
-def test_row_buckets_built_ahead_are_exact():
-    """fp64, every op on its torch reference: with ``ahead_rows`` (the warm-up's) a step builds, and runs the masked
-    capture runs of, every other row bucket at its context, the smaller ones from its first rows; the outputs stay
-    the reference path's (the masked runs wrote nothing), and later steps of other row counts replay those."""
-    ref, _ = _run(False, _long_prompts(), dtype="float64", device="cpu", attention_backend="reference")
-    made, capture = [], EagerCapture()
-    got, eng = _run(_fixed_shape(made, capture, ahead_rows=True), _long_prompts(), dtype="float64", device="cpu",
-                    attention_backend="paged", reference_ops="all")
-    for (tok_a, lp_a), (tok_b, lp_b) in zip(ref, got):
-        assert tok_a == tok_b
-        assert max(abs(a[1] - b[1]) for da, db in zip(lp_a, lp_b) for a, b in zip(da, db)) < 1e-9
-    rep = made[0].report()
-    steps = set(rep["fixed_shape_steps"])
-    contexts = {c for _, c in steps}
-    # the steps run (16, 128), (32, 128) and (16, 512), (32, 512), (64, 512): (64, 128) only ahead
-    assert contexts == {128, 512} and steps == {(r, c) for r in (16, 32, 64) for c in contexts}
-    assert rep["graphs"] == sorted(steps) and len(capture.whats) == len(steps) and rep["replays"] == rep["runs"] == 5
-    assert not rep["fallbacks"]
-
-
 def test_other_replay_form_falls_back():
     """The vllm form narrows after layer 20's attention (its top-k already published): that step runs eagerly,
     counted, and the output is the eager path's."""
