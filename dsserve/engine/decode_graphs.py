@@ -119,7 +119,7 @@ class DecodeGraphs:
         wanted = [key]
         if self.ahead_batches:
             wanted += [(b, key[1]) for b in bucket_sizes(self.max_batch, self.batch_buckets) if b > key[0]]
-        for k in wanted:
+        for k in sorted(wanted, reverse=True):  # largest first: the smaller captures reuse its freed scratch
             if k not in self._steps:
                 self._steps[k] = self._build(k, seqs, host if tokens is None else tokens)
         batch, graph, logits = self._steps[key]
@@ -144,7 +144,7 @@ class DecodeGraphs:
         self.model.fill_decode(batch, seqs, tokens)
         batch.mask_writes()
         graph, logits = self.capture(lambda: self.model.forward_decode(batch),
-                                     f"decode step: batch {key[0]}, context {key[1]}")
+                                     f"decode step: batch {key[0]}, context {key[1]}", batch.forget_derived)
         return batch, graph, logits
 
     def report(self) -> dict:

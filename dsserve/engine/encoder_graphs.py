@@ -90,7 +90,7 @@ class EncoderGraphs:
         wanted = [key]
         if self.ahead_rows:
             wanted += [(r, key[1]) for r in bucket_sizes(self.max_rows, self.row_buckets) if r > key[0]]
-        for k in wanted:
+        for k in sorted(wanted, reverse=True):  # largest first: the smaller captures reuse its freed scratch
             if k not in self._steps:
                 self._steps[k] = self._build(k, ctx, host_ids)
         batch, engram, graph, out = self._steps[key]
@@ -137,7 +137,7 @@ class EncoderGraphs:
         self._fill(batch, engram, ctx, host_ids)
         batch.mask_writes()
         graph, out = self.capture(lambda: self.model.forward_encoder_rows(batch, engram),
-                                  f"encoder rows: {rows} rows, context {bound}")
+                                  f"encoder rows: {rows} rows, context {bound}", batch.forget_derived)
         return batch, engram, graph, out
 
     def report(self) -> dict:

@@ -35,10 +35,12 @@ class GraphCapture:
         self.pool_bytes = 0  # device memory the graphs' pools reserved, all captures together
         self.seconds = 0.0  # wall time of the captures, their warm-ups included: the steps that needed them waited
 
-    def __call__(self, run: Callable[[], torch.Tensor], what: str = "") -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def __call__(self, run: Callable[[], torch.Tensor], what: str = "",
+                 release: Callable[[], None] | None = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """(graph, its output buffer). ``run`` must mask its writes during this call (warm-ups run it for real:
         Triton compiles and lazily built buffers exist before the capture); the capture itself runs nothing.
-        ``what``: the graph's kind and shape, for the log."""
+        ``what``: the graph's kind and shape, for the log; ``release``: drops the references the run left to what
+        it computed and the graph recomputes in every replay (its scratch: freed, later captures reuse it)."""
         t0 = time.perf_counter()
         if self.stream is None:
             self.stream = torch.cuda.Stream()
@@ -57,6 +59,8 @@ class GraphCapture:
         with torch.cuda.graph(graph, pool=self.pool if self.shared_pool else None, stream=self.stream,
                               capture_error_mode="thread_local"):
             out = run()
+        if release is not None:
+            release()
         if self.shared_pool:
             self.pool = graph.pool()
         grown = torch.cuda.memory_reserved() - before
@@ -64,8 +68,12 @@ class GraphCapture:
         self.captured += 1
         self.pool_bytes += grown
         self.seconds += took
-        log.info("captured CUDA graph %d (%s) in %.2f s: pools grew %.1f MiB, all graphs' %.2f GiB", self.captured,
-                 what or "?", took, grown / 2 ** 20, self.pool_bytes / 2 ** 30)
+        held = ""
+        if self.shared_pool and log.isEnabledFor(logging.INFO):
+            live, size = graph_scratch.pool_usage(self.pool)
+            held = f" ({live / 2 ** 30:.2f} of the shared pool's {size / 2 ** 30:.2f} GiB held by live tensors)"
+        log.info("captured CUDA graph %d (%s) in %.2f s: pools grew %.1f MiB, all graphs' %.2f GiB%s", self.captured,
+                 what or "?", took, grown / 2 ** 20, self.pool_bytes / 2 ** 30, held)
         if graph_scratch.enabled():
             graph = graph_scratch.PoisonedGraph(graph)
         return graph, out

@@ -57,6 +57,13 @@ def scratch_blocks(graph: torch.cuda.CUDAGraph) -> list[tuple[int, int]]:
             if tuple(seg["segment_pool_id"]) == pool for b in seg["blocks"] if b["state"] == "inactive"]
 
 
+def pool_usage(pool) -> tuple[int, int]:
+    """(bytes of a graph memory pool (``graph.pool()``) that live tensors hold, bytes it reserved)."""
+    pool = tuple(pool)
+    segs = [seg for seg in torch.cuda.memory_snapshot() if tuple(seg["segment_pool_id"]) == pool]
+    return sum(seg["active_size"] for seg in segs), sum(seg["total_size"] for seg in segs)
+
+
 class PoisonedGraph:
     """A captured graph whose every replay first fills its pool's free blocks with 0xFF bytes (current stream)."""
 

@@ -95,7 +95,7 @@ class ReplayGraphs:
         wanted = [key]
         if self.ahead_rows:
             wanted += [(r, key[1]) for r in bucket_sizes(self.max_rows, self.row_buckets) if r != key[0]]
-        for k in wanted:
+        for k in sorted(wanted, reverse=True):  # largest first: the smaller captures reuse its freed scratch
             if k not in self._steps:
                 self._steps[k] = self._build(k, *first_rows(k[0], parts, ctx))
         batch, inputs, graph, hidden = self._steps[key]
@@ -125,7 +125,7 @@ class ReplayGraphs:
         self._fill(batch, inputs, parts, ctx)
         batch.mask_writes()
         graph, hidden = self.capture(lambda: self.model.forward_decoder_rows(batch, self.split, *inputs),
-                                     f"decoder rows: {rows} rows, context {bound}")
+                                     f"decoder rows: {rows} rows, context {bound}", batch.forget_derived)
         return batch, inputs, graph, hidden
 
     def report(self) -> dict:

@@ -8,11 +8,13 @@ context as constexprs (the top-k's BLOCK: the entry count's next power of two), 
 of their own. The rounds:
 - a context ladder: one cold prompt reaching the last decode context bucket that fits ``max_model_len`` and the
   cache (at least a whole chunk: the eager prefill's large-row kernels), then one prefix hit on it ending in each
-  bucket, each decoding a few tokens alone: the decode graphs (b, c) of every batch bucket b at every context
-  c (``DecodeGraphs.ahead_batches``: a lone row's step captures the larger buckets too), and with bounded replay
-  the row graphs at every context: the decoder rows' every row bucket, the encoder rows' from the hit's rows up
-  (their ``ahead_rows``). Before, only (1, c) and (b, the first c) were captured here; an AgentX window of 60 s at
-  8 sessions then captured 19 graphs in 6.5 s of stalled steps (benchmarks/results/agentx-compile-fixes-h200).
+  bucket, from the last one down, each decoding a few tokens alone: the decode graphs (b, c) of every batch bucket b
+  at every context c (``DecodeGraphs.ahead_batches``: a lone row's step captures the larger buckets too), and with
+  bounded replay the row graphs at every context: the decoder rows' every row bucket, the encoder rows' from the
+  hit's rows up (their ``ahead_rows``). The ladder and each step capture the largest shapes first, so that later
+  captures reuse their freed scratch. Before, only (1, c) and (b, the first c) were captured here; an AgentX
+  window of 60 s at 8 sessions then captured 19 graphs in 6.5 s of stalled steps
+  (benchmarks/results/agentx-compile-fixes-h200).
   With the decode grid, windows of 90-300 s still captured 1-16 row graphs (agentx-grid-300s-h200);
 - per decode batch bucket b up to ``max_num_seqs``: b short prompts at once, then b prefix hits on them (the
   prompts and a few new tokens), each decoding a few tokens (in the graphs the ladder captured): bounded replay's
@@ -147,7 +149,9 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
     ahead(graphs, row_graphs, True)
     try:
         run([longest])
-        for n_tokens in ladder:  # the last one a hit in the cold prompt's bucket: its encoder rows fit a row graph
+        # the first one a hit in the cold prompt's bucket (its encoder rows fit a row graph); largest first, as in
+        # each step (the smaller contexts' captures reuse the larger ones' freed scratch)
+        for n_tokens in reversed(ladder):
             run([longest[:n_tokens]])  # alone: together they would decode in the largest bucket only
     finally:
         ahead(graphs, row_graphs, False)

@@ -49,10 +49,13 @@ class DecodeBatch(FixedBatch):
     def _segment(self, name: str) -> torch.Tensor:
         return self.inputs[self._at[name]]
 
-    def begin(self) -> None:
-        super().begin()
+    def forget_derived(self) -> None:
+        super().forget_derived()
         self._entry_stores = {}
         self.derived: dict = {}  # what layers derive from the buffers once a run (layers.compress_v4_decode)
+
+    def begin(self) -> None:
+        super().begin()
         if not hasattr(self, "engram_back"):  # FixedBatch.__init__'s call: nothing uploaded yet
             return
         cap = self.capacity

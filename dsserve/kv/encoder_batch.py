@@ -27,8 +27,8 @@ class EncoderBatch(ReplayBatch):
         self.carry_slots = torch.zeros(capacity, dtype=torch.long, device=dev)
         super().__init__(cache, capacity, seq_capacity, bound)
 
-    def begin(self) -> None:
-        super().begin()
+    def forget_derived(self) -> None:
+        super().forget_derived()
         self._entry_stores, self._seq_last = {}, None
 
     @staticmethod

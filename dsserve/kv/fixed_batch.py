@@ -38,6 +38,11 @@ class FixedBatch(PagedBatch):
 
     def begin(self) -> None:
         """Drop what the previous run derived from the buffers (a graph's capture must record computing it)."""
+        self.forget_derived()
+
+    def forget_derived(self) -> None:
+        """Drop what a run derived from the buffers. Also after a graph's capture: the graph recomputes all of it in
+        every replay, so held here it would only keep the graph's scratch out of the shared pool."""
         self.topk = self.cand_blocks = None
         self._cos_sin, self._visible = {}, {}
         self._store_rows = self._window = self._no_rows = self._tag_rows = None

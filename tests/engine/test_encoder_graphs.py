@@ -2,6 +2,8 @@
 
 The Triton kernels on fixed shapes run under the interpreter in test_decode_graphs; here on a GPU only.
 """
+import re
+
 import pytest
 import torch
 
@@ -78,6 +80,11 @@ def test_row_buckets_built_ahead_are_exact():
     assert set(rep["fixed_shape_steps"]) == {(r, c) for r in (16, 32, 64) for c in (128, 256, 512)}
     assert rep["graphs"] == rep["fixed_shape_steps"] and rep["replays"] == rep["runs"] and not rep["fallbacks"]
     assert sum(w.startswith("encoder rows") for w in capture.whats) == 9
+    # a step's captures go largest first (the smaller ones reuse its freed scratch), each dropping what it derived
+    shapes = [tuple(int(x) for x in re.findall(r"\d+", w)) + (w.split(":")[0],) for w in capture.whats]
+    for (r0, c0, k0), (r1, c1, k1) in zip(shapes, shapes[1:]):
+        assert not (c0 == c1 and k0 == k1 and r1 >= r0), capture.whats
+    assert capture.released == len(capture.whats)
     dec = eng.runner.replay_graphs.report()
     assert set(dec["fixed_shape_steps"]) == {(r, c) for r in (16, 32, 64) for c in (128, 512)}
     assert dec["graphs"] == dec["fixed_shape_steps"] and dec["replays"] == dec["runs"] == 5 and not dec["fallbacks"]

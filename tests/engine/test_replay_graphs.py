@@ -63,11 +63,14 @@ class EagerCapture:
     runs of a capture happen here too, on whatever rows the caller filled."""
 
     def __init__(self):
-        self.whats = []
+        self.whats, self.released = [], 0
 
-    def __call__(self, run, what=""):
+    def __call__(self, run, what="", release=None):
         out = run()
         self.whats.append(what)
+        if release is not None:  # what the run derived: each replay recomputes it
+            release()
+            self.released += 1
         return _EagerGraph(run, out), out
 
 
