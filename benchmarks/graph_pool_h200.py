@@ -37,10 +37,10 @@ class Recorder:
     def __init__(self, capture):
         self.capture, self.rows = capture, []
 
-    def __call__(self, run, what="", release=None):
+    def __call__(self, run, what="", release=None, outputs=None):
         before = self.capture.pool_bytes
         t0 = time.perf_counter()
-        graph, out = self.capture(run, what, release)
+        graph, out = self.capture(run, what, release, outputs)
         live, size = graph_scratch.pool_usage(self.capture.pool) if self.capture.pool is not None else (0, 0)
         self.rows.append({"n": len(self.rows) + 1, "what": what, "seconds": round(time.perf_counter() - t0, 3),
                           "grew_mib": round((self.capture.pool_bytes - before) / MIB, 1),

@@ -25,7 +25,7 @@ from ..kv.decode_batch import DecodeBatch
 from ..kv.paged_batch import PagedBatch
 from ..kv.paged import PagedKVCache
 from ..models.model import DeepseekForCausalLM
-from .graph_capture import GraphCapture
+from .graph_capture import GraphCapture, SharedOutputs
 from .scheduler import StepPlan
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -70,6 +70,7 @@ class DecodeGraphs:
             b.engram is not None and b.engram.table is not None
             and not (b.engram.table.memory is not None and b.engram.table.memory.pinned) for b in model.layers)
         self._steps: dict[tuple[int, int], tuple[DecodeBatch, torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+        self._logits = SharedOutputs(max_batch)  # every graph's logits, in its first rows
         self.reset_counts()
         self.last_key = None  # the (batch bucket, context bucket) of the latest run
         self.ahead_batches = False  # a step also builds its context bucket's larger batch buckets (the warm-up)
@@ -144,7 +145,8 @@ class DecodeGraphs:
         self.model.fill_decode(batch, seqs, tokens)
         batch.mask_writes()
         graph, logits = self.capture(lambda: self.model.forward_decode(batch),
-                                     f"decode step: batch {key[0]}, context {key[1]}", batch.forget_derived)
+                                     f"decode step: batch {key[0]}, context {key[1]}", batch.forget_derived,
+                                     self._logits)
         return batch, graph, logits
 
     def report(self) -> dict:

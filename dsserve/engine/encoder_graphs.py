@@ -31,7 +31,7 @@ from ..kv.paged_batch import PagedBatch
 from ..layers.context import ForwardContext
 from ..models.model import DeepseekForCausalLM
 from .decode_graphs import batch_bucket, bucket_sizes
-from .graph_capture import GraphCapture
+from .graph_capture import GraphCapture, SharedOutputs
 from .replay_graphs import ROW_BUCKETS, decoder_context_bucket
 
 
@@ -50,6 +50,7 @@ class EncoderGraphs:
         self.sources = {i: r for i, (r, _) in kv.layout.sources.items() if i < self.split}  # encoder KV sources
         self.engram = [b.engram for b in model.layers[:self.split] if b.engram is not None]
         self._steps: dict[tuple[int, int], tuple] = {}
+        self._streams = SharedOutputs(max_rows)  # every graph's streams and collapse weights, in its first rows
         self.reset_counts()
         self.last_key = None  # the (row bucket, context bucket) of the latest run
         self.ahead_rows = False  # a step also builds the larger row buckets of its context bucket (the warm-up)
@@ -137,7 +138,8 @@ class EncoderGraphs:
         self._fill(batch, engram, ctx, host_ids)
         batch.mask_writes()
         graph, out = self.capture(lambda: self.model.forward_encoder_rows(batch, engram),
-                                  f"encoder rows: {rows} rows, context {bound}", batch.forget_derived)
+                                  f"encoder rows: {rows} rows, context {bound}", batch.forget_derived,
+                                  self._streams)
         return batch, engram, graph, out
 
     def report(self) -> dict:

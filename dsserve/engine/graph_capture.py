@@ -11,6 +11,12 @@ PyTorch and our kernels keep per stream (the cuBLAS workspace, the split-K count
 outside the pools; four live runs since ran clean, one with every graph's free pool memory poisoned before each
 replay (docs/decode_graphs.md). ``DSSERVE_GRAPH_POOL=own`` (``shared_pool=False``) gives every graph its own pool;
 ``DSSERVE_POISON_GRAPH_SCRATCH=1`` (engine.graph_scratch) shows a graph reading scratch it did not write.
+
+A graph's output would otherwise stay alive in the pool, one per graph: 1.60 of the 2.03 GiB the warm-up's 212
+graphs took on the release proxy (benchmarks/results/agentx-300s-h200-2026-12-04), most of it the decode steps'
+logits. Graphs of one kind replay one at a time and their callers copy the rows they keep before the next replay,
+so with ``outputs`` (a ``SharedOutputs`` per kind) each graph ends by copying its result into the first rows of
+one buffer sized for the kind's largest bucket, made outside the pool; the result itself is then scratch.
 """
 from __future__ import annotations
 
@@ -25,6 +31,37 @@ from . import graph_scratch
 log = logging.getLogger("dsserve")
 
 
+Outputs = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+class SharedOutputs:
+    """The output buffers of one kind of graph: ``capacity`` rows (the kind's largest bucket), each graph's result
+    in the first rows."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.buffers: tuple[torch.Tensor, ...] | None = None  # made from the first result seen
+
+    def rows_like(self, result: Outputs) -> Outputs:
+        """Views of the buffers shaped like ``result`` (a tensor or a tuple of them, rows first)."""
+        parts = (result,) if torch.is_tensor(result) else tuple(result)
+        if self.buffers is None:
+            self.buffers = tuple(t.new_empty((self.capacity,) + tuple(t.shape[1:])) for t in parts)
+        if len(parts) != len(self.buffers) or any(
+                t.shape[0] > self.capacity or t.shape[1:] != b.shape[1:] or t.dtype != b.dtype
+                for t, b in zip(parts, self.buffers)):
+            raise ValueError(f"graph outputs {[(tuple(t.shape), t.dtype) for t in parts]} do not fit the shared "
+                             f"buffers {[(tuple(b.shape), b.dtype) for b in self.buffers]}")
+        views = tuple(b[:t.shape[0]] for t, b in zip(parts, self.buffers))
+        return views[0] if torch.is_tensor(result) else views
+
+
+def copy_outputs(dst: Outputs, src: Outputs) -> Outputs:
+    for d, s in zip(*((x,) if torch.is_tensor(x) else x for x in (dst, src))):
+        d.copy_(s)
+    return dst
+
+
 class GraphCapture:
     def __init__(self, warmups: int = 2, shared_pool: bool = True):
         """``shared_pool``: one pool for every graph; False: a pool per graph (see the module docstring)."""
@@ -35,12 +72,15 @@ class GraphCapture:
         self.pool_bytes = 0  # device memory the graphs' pools reserved, all captures together
         self.seconds = 0.0  # wall time of the captures, their warm-ups included: the steps that needed them waited
 
-    def __call__(self, run: Callable[[], torch.Tensor], what: str = "",
-                 release: Callable[[], None] | None = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """(graph, its output buffer). ``run`` must mask its writes during this call (warm-ups run it for real:
+    def __call__(self, run: Callable[[], Outputs], what: str = "", release: Callable[[], None] | None = None,
+                 outputs: SharedOutputs | None = None) -> tuple[torch.cuda.CUDAGraph, Outputs]:
+        """(graph, its output buffers). ``run`` must mask its writes during this call (warm-ups run it for real:
         Triton compiles and lazily built buffers exist before the capture); the capture itself runs nothing.
         ``what``: the graph's kind and shape, for the log; ``release``: drops the references the run left to what
-        it computed and the graph recomputes in every replay (its scratch: freed, later captures reuse it)."""
+        it computed and the graph recomputes in every replay (its scratch: freed, later captures reuse it);
+        ``outputs``: the kind's shared buffers, which the graph's result is copied into (the module docstring)."""
+        if outputs is not None and self.warmups < 1:
+            raise ValueError("shared graph outputs take their shapes from a warm-up run: warmups must be >= 1")
         t0 = time.perf_counter()
         if self.stream is None:
             self.stream = torch.cuda.Stream()
@@ -49,8 +89,10 @@ class GraphCapture:
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             for _ in range(self.warmups):
-                run()
+                result = run()
         torch.cuda.current_stream().wait_stream(self.stream)
+        dst = None if outputs is None else outputs.rows_like(result)  # made outside the pool, once per kind
+        result = None
         # the capture empties the cache first anyway; done here, the growth of reserved memory is the pool's growth
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -58,7 +100,7 @@ class GraphCapture:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool if self.shared_pool else None, stream=self.stream,
                               capture_error_mode="thread_local"):
-            out = run()
+            out = run() if dst is None else copy_outputs(dst, run())
         if release is not None:
             release()
         if self.shared_pool:

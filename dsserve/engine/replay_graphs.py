@@ -27,7 +27,7 @@ from ..kv.replay_batch import ReplayBatch
 from ..layers.context import ForwardContext
 from ..models.model import DeepseekForCausalLM
 from .decode_graphs import batch_bucket, bucket_sizes
-from .graph_capture import GraphCapture
+from .graph_capture import GraphCapture, SharedOutputs
 
 ROW_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024)
 
@@ -55,6 +55,7 @@ class ReplayGraphs:
         self.split = model.cfg.encoder_layers  # the report form's narrowing: layer 20's attention on
         self.decoder_engram = any(b.engram is not None for b in model.layers[self.split:])
         self._steps: dict[tuple[int, int], tuple[ReplayBatch, list[torch.Tensor], object, torch.Tensor]] = {}
+        self._hidden = SharedOutputs(max_rows)  # every graph's hidden states, in its first rows
         self.reset_counts()
         self.last_key = None  # the (row bucket, context bucket) of the latest run
         self.ahead_rows = False  # a step also builds every row bucket of its context bucket (the warm-up)
@@ -125,7 +126,8 @@ class ReplayGraphs:
         self._fill(batch, inputs, parts, ctx)
         batch.mask_writes()
         graph, hidden = self.capture(lambda: self.model.forward_decoder_rows(batch, self.split, *inputs),
-                                     f"decoder rows: {rows} rows, context {bound}", batch.forget_derived)
+                                     f"decoder rows: {rows} rows, context {bound}", batch.forget_derived,
+                                     self._hidden)
         return batch, inputs, graph, hidden
 
     def report(self) -> dict:

@@ -85,6 +85,7 @@ def test_row_buckets_built_ahead_are_exact():
     for (r0, c0, k0), (r1, c1, k1) in zip(shapes, shapes[1:]):
         assert not (c0 == c1 and k0 == k1 and r1 >= r0), capture.whats
     assert capture.released == len(capture.whats)
+    assert len(capture.shared) == 2  # one set of output buffers per kind (encoder, decoder rows) for all its graphs
     dec = eng.runner.replay_graphs.report()
     assert set(dec["fixed_shape_steps"]) == {(r, c) for r in (16, 32, 64) for c in (128, 512)}
     assert dec["graphs"] == dec["fixed_shape_steps"] and dec["replays"] == dec["runs"] == 5 and not dec["fallbacks"]

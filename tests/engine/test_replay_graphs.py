@@ -8,7 +8,7 @@ import torch
 
 from dsserve import LLM, SamplingParams
 from dsserve.engine import graph_scratch
-from dsserve.engine.graph_capture import GraphCapture
+from dsserve.engine.graph_capture import GraphCapture, copy_outputs
 from dsserve.engine.replay_graphs import ReplayGraphs, decoder_context_bucket
 from dsserve.models.presets import preset
 from test_paged_engine import make_prompts
@@ -59,14 +59,18 @@ def _fixed_shape(made, capture=None, row_buckets=(16, 32, 64), ahead_rows=False)
 
 class EagerCapture:
     """GraphCapture's contract on the CPU: capturing runs the forward once (its writes masked by the caller, as
-    for GraphCapture's warm-up runs) and keeps its output buffers; a replay runs it again into them. So the masked
-    runs of a capture happen here too, on whatever rows the caller filled."""
+    for GraphCapture's warm-up runs) and keeps its output buffers (with ``outputs``: the first rows of the kind's
+    shared ones, which every graph of the kind writes); a replay runs it again into them. So the masked runs of a
+    capture happen here too, on whatever rows the caller filled."""
 
     def __init__(self):
-        self.whats, self.released = [], 0
+        self.whats, self.released, self.shared = [], 0, set()
 
-    def __call__(self, run, what="", release=None):
+    def __call__(self, run, what="", release=None, outputs=None):
         out = run()
+        if outputs is not None:
+            out = copy_outputs(outputs.rows_like(out), out)
+            self.shared.add(id(outputs))
         self.whats.append(what)
         if release is not None:  # what the run derived: each replay recomputes it
             release()
@@ -79,9 +83,7 @@ class _EagerGraph:
         self.run, self.out = run, out
 
     def replay(self):
-        new = self.run()
-        for buf, t in zip(*((x,) if torch.is_tensor(x) else x for x in (self.out, new))):
-            buf.copy_(t)
+        copy_outputs(self.out, self.run())
 
 
 @pytest.mark.parametrize("key_tables", [False, True])
