@@ -20,7 +20,8 @@ of their own. The rounds:
   prompts and a few new tokens), each decoding a few tokens (in the graphs the ladder captured): bounded replay's
   decoder- and encoder-row graphs of b hits (the replayed window plus the new rows), and b-row eager kernels;
 - a row ladder: prefill steps alone, each of a row count from ``prefill_rows``: every row bucket of the row
-  graphs, one less than every power of two up to a whole chunk, and the chunk. They are prefix hits on a short
+  graphs, one less than every power of two up to a whole chunk, the chunk, and one row count per split-K variant
+  of the attention kernel (``attention_split_rows``). They are prefix hits on a short
   prompt whose new tokens (plus the replayed window, with bounded replay) make that many rows, or cold prompts
   where the window alone is more. Prefill kernels take the next power of two of the row count as a constexpr
   (the GEMMs' BM, the router's, the MoE permutation's), and Triton compiles an integer argument apart when it is
@@ -87,15 +88,25 @@ def context_ladder(max_len: int, min_context: int) -> list[int]:
     return out
 
 
-def prefill_rows(max_rows: int, graph_rows: int) -> list[int]:
+def prefill_rows(max_rows: int, graph_rows: int, extra: tuple[int, ...] = ()) -> list[int]:
     """Row counts for the row ladder: the row graphs' buckets up to ``graph_rows`` (0: no row graphs), 2^k - 1
-    for every power of two up to ``max_rows`` (a whole chunk), and ``max_rows`` itself."""
-    out = {r for r in ROW_BUCKETS if r <= min(graph_rows, max_rows)} | {max_rows}
+    for every power of two up to ``max_rows`` (a whole chunk), ``max_rows`` itself, and the ``extra`` ones up to
+    it."""
+    out = {r for r in ROW_BUCKETS if r <= min(graph_rows, max_rows)} | {max_rows} | {r for r in extra if r <= max_rows}
     p = 2
     while p <= max_rows:
         out.add(p - 1)
         p *= 2
     return sorted(out - {0})
+
+
+def attention_split_rows(cfg) -> tuple[int, ...]:
+    """A row count per split-K variant of the attention kernel, for layers with selected entries and window-only ones
+    (kernels.sparse_attention.split_rows). The 2^k - 1 rows miss two of them on the release proxy (38-52 and 66-87
+    rows), which a bare machine's traffic then compiled, 2.4 s each (benchmarks/results/agentx-compile-fixes-h200)."""
+    from ..kernels.sparse_attention import split_rows
+    return tuple(sorted({r for k in (cfg.index_topk, 0)
+                         for r in split_rows(cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window, k)}))
 
 
 def ahead(decode_graphs, row_graphs: list, on: bool) -> None:
@@ -168,7 +179,8 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
     base = prompt(short)
     run([base])
     n += 1
-    for rows in prefill_rows(min(sched.max_num_batched_tokens, room), max([g.max_rows for g in row_graphs] + [0])):
+    for rows in prefill_rows(min(sched.max_num_batched_tokens, room), max([g.max_rows for g in row_graphs] + [0]),
+                             attention_split_rows(cfg)):
         new = rows - window
         if new < 1 and rows <= room:
             run([prompt(rows)])

@@ -237,6 +237,27 @@ def num_splits(programs, blocks, fill=_FILL):
     return 1 if programs >= fill else max(1, min(blocks, triton.cdiv(fill, programs)))
 
 
+def split_plan(t, h, w, k, cfg, splits=None):
+    """(NUM_SPLITS, BPS, IT_W, IT_K) for T rows of H heads over a window of W keys and K selected entries, with
+    _tiles' cfg; `splits` forces the factor (rounded so that no split is empty)."""
+    nb_w, nb_k = triton.cdiv(w, cfg["block_n"]), triton.cdiv(k, cfg["block_n"])
+    blocks = 2 * nb_w + nb_k
+    bps = triton.cdiv(blocks, num_splits(t * triton.cdiv(h, cfg["block_h"]), blocks, cfg["fill"])
+                      if splits is None else splits)  # key blocks per split; then no split is empty
+    return triton.cdiv(blocks, bps), bps, min(bps, nb_w), min(bps, nb_k)
+
+
+def split_rows(h, d, w, k, fill=_FILL):
+    """The fewest rows of each split-K variant below the prefill kernel's rows: the four numbers of split_plan are
+    constexprs, so each variant compiles apart, and they follow from the row count alone. A warm-up that runs
+    these row counts builds every variant traffic can meet (engine.warmup)."""
+    cfg = dict(_tiles(1, h, d), fill=fill)
+    first = {}
+    for t in range(1, prefill.PREFILL_MIN_ROWS):
+        first.setdefault(split_plan(t, h, w, k, cfg), t)
+    return sorted(first.values())
+
+
 TILE_OVERRIDE: dict | None = None  # tuning sweeps only: keys of _tiles' result to force
 
 
@@ -289,10 +310,7 @@ def sparse_attention(q, cos, sin, window_pool, window_fmt, old_rows, fresh_kv, r
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     # Split-K (decode): few programs each walking ~20 key blocks serially is latency-bound, so spread each row's
     # blocks over S programs and merge the partial softmaxes in a second small launch.
-    nb_w, nb_k = triton.cdiv(w, block_n), triton.cdiv(k, block_n)
-    bps = triton.cdiv(2 * nb_w + nb_k, num_splits(t * triton.cdiv(h, block_h), 2 * nb_w + nb_k, cfg["fill"])
-                      if splits is None else splits)  # key blocks per split; then no split is empty
-    n_split = triton.cdiv(2 * nb_w + nb_k, bps)
+    n_split, bps, it_w, it_k = split_plan(t, h, w, k, cfg, splits)
     # The single pass writes o directly; its workspace pointers are unused.
     m_ws, l_ws, acc_ws = split_workspace(t, h, n_split, d, q.device) if n_split > 1 else (sink, sink, sink)
     _sparse_attention_kernel[(t, triton.cdiv(h, block_h), n_split)](
@@ -300,7 +318,7 @@ def sparse_attention(q, cos, sin, window_pool, window_fmt, old_rows, fresh_kv, r
         window_pool, window_pool.stride(0), old_rows, fresh_kv, fresh_kv.stride(0), fresh_kv.stride(1), row_first,
         mpool, mpool.stride(0), sel, sink, out, m_ws, l_ws, acc_ws, h, float(scale) * math.log2(math.e),
         D=d, R2=r2, W=w, K=k, WFMT=_FMT_CODE[window_fmt], MFMT=_FMT_CODE[main_fmt] if mf is not None else 0,
-        BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=n_split, BPS=bps, IT_W=min(bps, nb_w), IT_K=min(bps, nb_k),
+        BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=n_split, BPS=bps, IT_W=it_w, IT_K=it_k,
         UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16, SKIP_EMPTY=cfg["skip_empty"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if n_split > 1:

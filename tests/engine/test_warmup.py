@@ -6,7 +6,8 @@ from dsserve import LLM, SamplingParams
 from dsserve.engine.encoder_graphs import EncoderGraphs
 from dsserve.engine.decode_graphs import bucket_sizes
 from dsserve.engine.replay_graphs import ROW_BUCKETS, ReplayGraphs
-from dsserve.engine.warmup import batch_sizes, context_ladder, prefill_rows, wanted, warm_up
+from dsserve.engine.warmup import attention_split_rows, batch_sizes, context_ladder, prefill_rows, wanted, warm_up
+from dsserve.kernels import sparse_attention
 from dsserve.models.presets import preset
 from test_paged_engine import make_prompts
 from test_replay_graphs import EagerCapture
@@ -61,6 +62,27 @@ def test_prefill_rows():
                                         1023, 1024, 2047, 4095, 8191, 8192]
     assert prefill_rows(8192, 0) == [1, 3, 7, 15, 31, 63, 127, 255, 511, 1023, 2047, 4095, 8191, 8192]
     assert prefill_rows(100, 64) == [1, 3, 7, 15, 16, 31, 32, 63, 64, 100]
+    assert prefill_rows(100, 0, (38, 66, 120)) == [1, 3, 7, 15, 31, 38, 63, 66, 100]
+
+
+@pytest.mark.parametrize("model", ["proxy-h200-release", "tiny"])
+def test_row_ladder_runs_every_split_k_variant_of_the_attention(model):
+    """Below the prefill kernel's rows the attention's split-K constexprs follow from the row count: every variant
+    that 1-127 rows take (on the H200's fill), for layers with selected entries and window-only ones, is one that a
+    row of the ladder takes; without the split rows the release proxy's 38-52 and 66-87 rows (compiled in traffic on
+    a bare machine) are missed."""
+    cfg = preset(model)
+    tiles = dict(sparse_attention._tiles(1, cfg.num_attention_heads, cfg.head_dim), fill=sparse_attention._FILL)
+
+    def variants(rows, k):
+        return {sparse_attention.split_plan(t, cfg.num_attention_heads, cfg.sliding_window, k, tiles)
+                for t in rows if t < sparse_attention.prefill.PREFILL_MIN_ROWS}
+    ladder = prefill_rows(8192, 1024, attention_split_rows(cfg))
+    for k in (cfg.index_topk, 0):
+        assert variants(range(1, 8192), k) == variants(ladder, k)
+    if model == "proxy-h200-release":
+        k = cfg.index_topk
+        assert variants(range(1, 8192), k) - variants(prefill_rows(8192, 1024), k) == variants([38, 66], k)
 
 
 def test_wanted():
@@ -82,7 +104,7 @@ def test_warm_up_runs_every_bucket_and_hits_then_leaves_no_trace():
     _row_graphs(cold.engine, None)
     _row_graphs(eng, EagerCapture())
     report, steps = _warm_up_recording_prefills(eng)
-    ladder = prefill_rows(256, 128)
+    ladder = prefill_rows(256, 128, attention_split_rows(eng.cfg))
     assert report.requests == 3 + 2 * (1 + 2 + 3) + 1 + len(ladder) and report.prefix_hit_tokens > 0
     assert min(report.round_seconds) > 0 and sum(report.round_seconds) == pytest.approx(report.seconds)
     assert report.capture_seconds == 0  # the CPU captures nothing
@@ -116,7 +138,8 @@ def test_warm_up_runs_every_bucket_and_hits_then_leaves_no_trace():
 def test_row_ladder_without_replay_runs_hits_of_every_row_count():
     kw = {**KW, "swa_bounded_replay": False, "max_num_seqs": 1, "max_model_len": 1100, "max_num_batched_tokens": 128}
     _, steps = _warm_up_recording_prefills(LLM(**kw).engine)
-    assert all(any(rows == r and hit > 0 for rows, hit in steps) for r in prefill_rows(128, 0)), steps
+    assert all(any(rows == r and hit > 0 for rows, hit in steps)
+               for r in prefill_rows(128, 0, attention_split_rows(preset("tiny")))), steps
 
 
 def test_warmup_option_and_busy_engine():
