@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.sparse_attention import split_rows
 from .decode_graphs import bucket_sizes, context_bucket
 from . import jit_compiles
 from .replay_graphs import ROW_BUCKETS
@@ -104,7 +105,6 @@ def attention_split_rows(cfg) -> tuple[int, ...]:
     """A row count per split-K variant of the attention kernel, for layers with selected entries and window-only ones
     (kernels.sparse_attention.split_rows). The 2^k - 1 rows miss two of them on the release proxy (38-52 and 66-87
     rows), which a bare machine's traffic then compiled, 2.4 s each (benchmarks/results/agentx-compile-fixes-h200)."""
-    from ..kernels.sparse_attention import split_rows
     return tuple(sorted({r for k in (cfg.index_topk, 0)
                          for r in split_rows(cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window, k)}))
 
