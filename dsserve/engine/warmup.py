@@ -21,7 +21,8 @@ of their own. The rounds:
   decoder- and encoder-row graphs of b hits (the replayed window plus the new rows), and b-row eager kernels;
 - a row ladder: prefill steps alone, each of a row count from ``prefill_rows``: every row bucket of the row
   graphs, one less than every power of two up to a whole chunk, the chunk, and one row count per split-K variant
-  of the attention kernel (``attention_split_rows``). They are prefix hits on a short
+  of the attention kernel and per launch variant of the router (``attention_split_rows``, ``router_split_rows``:
+  constexprs that follow from the row count). They are prefix hits on a short
   prompt whose new tokens (plus the replayed window, with bounded replay) make that many rows, or cold prompts
   where the window alone is more. Prefill kernels take the next power of two of the row count as a constexpr
   (the GEMMs' BM, the router's, the MoE permutation's), and Triton compiles an integer argument apart when it is
@@ -46,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import router
 from ..kernels.sparse_attention import split_rows
 from .decode_graphs import bucket_sizes, context_bucket
 from . import jit_compiles
@@ -107,6 +109,15 @@ def attention_split_rows(cfg) -> tuple[int, ...]:
     rows), which a bare machine's traffic then compiled, 2.4 s each (benchmarks/results/agentx-compile-fixes-h200)."""
     return tuple(sorted({r for k in (cfg.index_topk, 0)
                          for r in split_rows(cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window, k)}))
+
+
+def router_split_rows(cfg, sms: int, max_rows: int) -> tuple[int, ...]:
+    """A row count per launch variant of the router up to ``max_rows`` (kernels.router.split_rows): past 64 rows its
+    split of d over the SMs changes with the 64-row tile count. On the release proxy at 132 SMs the other rows of the
+    ladder miss 7 of its 19 variants (513-576, 577-704, 833-896, 1025-1152, 1153-1408, 1409-1664, 2113-2816 rows);
+    a bare machine's traffic compiled one of them (SPLIT=6, 1153-1408 rows; benchmarks/results/
+    agentx-shared-outputs-h200)."""
+    return tuple(router.split_rows(cfg.n_routed_experts, cfg.hidden_size, sms, max_rows))
 
 
 def ahead(decode_graphs, row_graphs: list, on: bool) -> None:
@@ -179,8 +190,9 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
     base = prompt(short)
     run([base])
     n += 1
-    for rows in prefill_rows(min(sched.max_num_batched_tokens, room), max([g.max_rows for g in row_graphs] + [0]),
-                             attention_split_rows(cfg)):
+    max_rows = min(sched.max_num_batched_tokens, room)
+    variant_rows = attention_split_rows(cfg) + router_split_rows(cfg, router.sm_count(core.device), max_rows)
+    for rows in prefill_rows(max_rows, max([g.max_rows for g in row_graphs] + [0]), variant_rows):
         new = rows - window
         if new < 1 and rows <= room:
             run([prompt(rows)])

@@ -181,6 +181,22 @@ def _plan(t, e, d, sms, cfg, elem: int = 2):
     return p, ep
 
 
+def sm_count(device: torch.device) -> int:
+    """The SMs _plan spreads a batch's programs over (1 off the GPU, where the interpreter runs one at a time)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def split_rows(e: int, d: int, sms: int, max_rows: int) -> list[int]:
+    """The fewest rows of each launch variant up to ``max_rows``: _plan's tiles and its split of d (K_TILES, and
+    SPLIT in _select_kernel) are constexprs that follow from the row count and the SM count alone, so each variant
+    compiles apart. A warm-up that runs these row counts builds every variant traffic can meet (engine.warmup).
+    The operands' width only moves num_stages, which changes where the tiles do, so it adds no row here."""
+    first = {}
+    for t in range(1, max_rows + 1):
+        first.setdefault(tuple(sorted(_plan(t, e, d, sms, {})[0].items())), t)
+    return sorted(first.values())
+
+
 def route(x, weight, bias, k: int, temp: float, scale: float, bias_alt=None, use_alt=None, *,
           out=None, config: dict | None = None):
     """Triton route_ref. out: optional (ids int64 [T, k], weights fp32 [T, k]) to write into; config overrides
@@ -200,7 +216,7 @@ def route(x, weight, bias, k: int, temp: float, scale: float, bias_alt=None, use
     has_alt = bias_alt is not None and use_alt is not None
     b = bias.contiguous() if bias is not None else wo  # else a dummy pointer, never read (HAS_BIAS False)
     ba, u = (bias_alt.contiguous(), use_alt.contiguous().view(torch.uint8)) if has_alt else (b, ids)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if x.is_cuda else 1
+    sms = sm_count(dev)
     p, ep = _plan(t, e, d, sms, dict(config or {}), max(x.element_size(), weight.element_size()))
     kp = triton.next_power_of_2(k)
     part = wo if p["FUSED"] else torch.empty(p["SPLIT"], t, e, dtype=torch.float32, device=dev)

@@ -6,8 +6,9 @@ from dsserve import LLM, SamplingParams
 from dsserve.engine.encoder_graphs import EncoderGraphs
 from dsserve.engine.decode_graphs import bucket_sizes
 from dsserve.engine.replay_graphs import ROW_BUCKETS, ReplayGraphs
-from dsserve.engine.warmup import attention_split_rows, batch_sizes, context_ladder, prefill_rows, wanted, warm_up
-from dsserve.kernels import sparse_attention
+from dsserve.engine.warmup import (attention_split_rows, batch_sizes, context_ladder, prefill_rows, router_split_rows,
+                                   wanted, warm_up)
+from dsserve.kernels import router, sparse_attention
 from dsserve.models.presets import preset
 from test_paged_engine import make_prompts
 from test_replay_graphs import EagerCapture
@@ -85,6 +86,27 @@ def test_row_ladder_runs_every_split_k_variant_of_the_attention(model):
         assert variants(range(1, 8192), k) - variants(prefill_rows(8192, 1024), k) == variants([38, 66], k)
 
 
+@pytest.mark.parametrize("model", ["proxy-h200-release", "tiny"])
+@pytest.mark.parametrize("sms", [132, 1])
+def test_row_ladder_runs_every_launch_variant_of_the_router(model, sms):
+    """The router's tiles and split of d follow from the row count and the SM count: every variant of 1-8192 rows
+    is one that a row of the ladder takes; without the router's rows the release proxy on an H200's 132 SMs misses
+    7 of them, among them SPLIT=6 (1153-1408 rows), which a bare machine's traffic compiled."""
+    cfg = preset(model)
+
+    def variants(rows):
+        return {tuple(sorted(router._plan(t, cfg.n_routed_experts, cfg.hidden_size, sms, {})[0].items()))
+                for t in rows}
+    others = attention_split_rows(cfg)
+    ladder = prefill_rows(8192, 1024, others + router_split_rows(cfg, sms, 8192))
+    assert variants(range(1, 8193)) == variants(ladder)
+    assert max(router_split_rows(cfg, sms, 100)) <= 100
+    if model == "proxy-h200-release" and sms == 132:
+        missed = variants(range(1, 8193)) - variants(prefill_rows(8192, 1024, others))
+        assert missed == variants([513, 577, 833, 1025, 1153, 1409, 2113])
+        assert router._plan(1153, cfg.n_routed_experts, cfg.hidden_size, sms, {})[0]["SPLIT"] == 6
+
+
 def test_wanted():
     assert wanted(None, torch.device("cuda")) and not wanted(None, torch.device("cpu"))
     assert wanted(True, torch.device("cpu")) and not wanted(False, torch.device("cuda"))
@@ -104,7 +126,8 @@ def test_warm_up_runs_every_bucket_and_hits_then_leaves_no_trace():
     _row_graphs(cold.engine, None)
     _row_graphs(eng, EagerCapture())
     report, steps = _warm_up_recording_prefills(eng)
-    ladder = prefill_rows(256, 128, attention_split_rows(eng.cfg))
+    ladder = prefill_rows(256, 128, attention_split_rows(eng.cfg) + router_split_rows(eng.cfg, 1, 256))
+    assert 65 in ladder  # the router's first split-K row count on one SM
     assert report.requests == 3 + 2 * (1 + 2 + 3) + 1 + len(ladder) and report.prefix_hit_tokens > 0
     assert min(report.round_seconds) > 0 and sum(report.round_seconds) == pytest.approx(report.seconds)
     assert report.capture_seconds == 0  # the CPU captures nothing
