@@ -15,7 +15,9 @@ Per prompt length L: TTFT of fresh random prompts (cold), then of an earlier pro
 (a prefix hit on the L cached tokens). Every (engine, L, cold/hit) case runs once untimed first (graph capture and
 Triton compilation land there; reported as `first_ms`), then `--repeats` timed requests, one at a time,
 max_tokens 1. TTFT = wall time from add_request to the step that returns the token (the engine's own wait for
-the device included). Prints a table, then one JSON line.
+the device included). With ``--profile-hit``, one more hit per L runs under torch.profiler afterwards: its TTFT,
+the device time of its kernels grouped by name (on the CPU smoke run: the ops' self time) and the host time not
+covered by them, to say what a hit's step spends at each length. Prints a table, then one JSON line.
 """
 from __future__ import annotations
 
@@ -97,6 +99,34 @@ def study(core: EngineCore, lengths: list[int], repeats: int, hit_new: int, gen:
     return rows
 
 
+def profile_hit(core: EngineCore, L: int, hit_new: int, gen: torch.Generator, top: int = 15) -> dict:
+    """A cold prompt of L tokens, then a hit on it (+hit_new fresh tokens) under torch.profiler: the hit's TTFT,
+    its kernels' total device ms and count, and the `top` kernel names by device ms (CPU: ops by self time)."""
+    from torch.profiler import ProfilerActivity, profile
+    vocab = core.cfg.vocab_size
+    prompt = torch.randint(3, vocab - 2, (L,), generator=gen).tolist()
+    ttft_ms(core, f"prof-{L}-cold", prompt)
+    hit = prompt + torch.randint(3, vocab - 2, (hit_new,), generator=gen).tolist()
+    acts = [ProfilerActivity.CUDA] if DEV == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
+        ms, cached = ttft_ms(core, f"prof-{L}-hit", hit)
+    per: dict[str, list] = {}
+    if DEV == "cuda":
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                k = per.setdefault(e.name[:80], [0.0, 0])
+                k[0] += e.time_range.elapsed_us() / 1e3
+                k[1] += 1
+    else:
+        for e in prof.key_averages():
+            per[e.key[:80]] = [e.self_cpu_time_total / 1e3, e.count]
+    busy = sum(v[0] for v in per.values())
+    ranked = sorted(per.items(), key=lambda kv: -kv[1][0])
+    return {"L": L, "ttft_ms": ms, "cached_tokens": cached, "kernels_ms": busy,
+            "kernels": sum(v[1] for v in per.values()), "not_kernels_ms": ms - busy,
+            "top": [{"name": n, "ms": round(v[0], 3), "count": v[1]} for n, v in ranked[:top]]}
+
+
 def plot(res: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -131,6 +161,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed requests per case (halved past 32K)")
     p.add_argument("--hit-new", type=int, default=256, help="fresh tokens after the cached prefix")
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--profile-hit", action="store_true", help="then profile one more hit per length and mode")
     a = p.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")] if a.lengths else (
         [40, 100, 200] if a.smoke else [1024, 8192, 32768, 100000])
@@ -148,7 +179,7 @@ def main() -> None:
                     "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "torch": torch.__version__,
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": loaded.cfg.name,
                     "hit_new": a.hit_new, "lengths": lengths, "build_s": time.perf_counter() - t0},
-           "modes": {}, "graphs": {}}
+           "modes": {}, "graphs": {}, "profiles": {}}
     os.makedirs(a.out, exist_ok=True)
     max_len = max(lengths) + a.hit_new + 64
     kv_bytes = (1 << 26) if a.smoke else 24 << 30
@@ -156,6 +187,13 @@ def main() -> None:
         print(f"{name}:", flush=True)
         core = engine(loaded, MODES[name], kv_bytes, max_len, a.smoke)
         res["modes"][name] = study(core, lengths, a.repeats, a.hit_new, torch.Generator().manual_seed(0))
+        if a.profile_hit:
+            res["profiles"][name] = [profile_hit(core, L, a.hit_new, torch.Generator().manual_seed(1))
+                                     for L in lengths]
+            for r in res["profiles"][name]:
+                print(f"  profiled hit L={r['L']:>6d}: ttft {r['ttft_ms']:.1f} ms, kernels {r['kernels_ms']:.1f} ms "
+                      f"({r['kernels']}), top: " + ", ".join(f"{t['name'][:32]} {t['ms']:.1f}" for t in r["top"][:4]),
+                      flush=True)
         rg, eg = core.runner.replay_graphs, core.runner.encoder_graphs
         res["graphs"][name] = {"replay": None if rg is None else rg.report(),
                                "encoder": None if eg is None else eg.report(),
@@ -176,7 +214,8 @@ def main() -> None:
     print(f"{'L':>7s} {'kind':5s} " + " ".join(f"{m:>16s}" for m in res["modes"]) + "   c faster than a")
     for L in lengths:
         for kind in ("cold", "hit"):
-            ms = {m: next(r["ms"] for r in rows if r["L"] == L and r["kind"] == kind) for m, rows in res["modes"].items()}
+            ms = {m: next(r["ms"] for r in rows if r["L"] == L and r["kind"] == kind)
+                  for m, rows in res["modes"].items()}
             c = next((r["faster_than_a"] for r in res["ratios"] if r["mode"] == "c_replay_graphs" and r["L"] == L
                       and r["kind"] == kind), float("nan"))
             print(f"{L:7d} {kind:5s} " + " ".join(f"{v:14.1f}ms" for v in ms.values()) + f"   {c:6.0%}")
