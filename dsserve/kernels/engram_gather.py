@@ -72,7 +72,7 @@ def _to_bf16(x):
     return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # the row count: only a row mask
 def _engram_gather_kernel(data_ptr, ids_ptr, out_ptr, n, DIM: tl.constexpr, ROW_STRIDE: tl.constexpr,
                           FP8: tl.constexpr, DT: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)

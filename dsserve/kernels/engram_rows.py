@@ -63,7 +63,7 @@ def engram_rows_ref(src: torch.Tensor, mult: torch.Tensor, primes: torch.Tensor,
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # the row count: only a row mask
 def _engram_rows_kernel(src_ptr, mult_ptr, primes_ptr, offs_ptr, out_ptr, n_rows, s_row, s_col, pad_id,
                         MAX_NGRAM: tl.constexpr, HEADS: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)

@@ -138,7 +138,10 @@ def _score(q, w, kT, RM: tl.constexpr, RH: tl.constexpr, BLOCK_N: tl.constexpr, 
 _ROW_ARGS = ["T", "row_stride", "epb", "bt_stride", "reach"]
 
 
-@triton.jit(do_not_specialize=_ROW_ARGS)
+# n_max (the longest row's entry count, also the output's row stride): a new one each step, and an odd one compiled
+# a second kernel in traffic (benchmarks/results/agentx-shared-outputs-h200); the scoring dots, not the stores, set
+# this kernel's time
+@triton.jit(do_not_specialize=_ROW_ARGS + ["n_max"])
 def _index_scores_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, seq_ptr, nvis_ptr, out_ptr, T, n_max, H, row_stride,
                          bt_stride, epb, reach, DI: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_H1: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_TILES: tl.constexpr, FP4: tl.constexpr,

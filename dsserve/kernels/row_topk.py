@@ -38,7 +38,8 @@ _POS_INF_BITS = tl.constexpr(0x7F800000)
 _KEY_NEG_INF = tl.constexpr(-2139095041)  # key of -inf: bits 0xFF800000 ^ 0x7FFFFFFF = 0x807FFFFF
 
 
-@triton.jit(do_not_specialize=["n", "k"])  # entry and pick counts: new ones each step; masks, small outputs
+# entry and pick counts, and the scores' row stride (an entry count too): new ones each step; masks, small outputs
+@triton.jit(do_not_specialize=["stride_t", "n", "k"])
 def _row_topk_kernel(s_ptr, stride_t, stride_n, idx_ptr, valid_ptr, n, k, BLOCK: tl.constexpr,
                      CHUNKS: tl.constexpr = 1, KP: tl.constexpr = 16):
     # CHUNKS > 1 (chunk_topk): program p takes chunk p % CHUNKS of row p // CHUNKS (BLOCK scores from

@@ -44,7 +44,7 @@ def window_rows_ref(tags: torch.Tensor, tag_at: torch.Tensor, q: torch.Tensor, r
     return torch.where(tags[tag_at] == q, rows, -1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["t"])  # the row count: only a row mask
 def _window_rows_kernel(tags_ptr, at_ptr, q_ptr, rows_ptr, out_ptr, t, W: tl.constexpr, BLOCK_W: tl.constexpr,
                         ROWS: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)

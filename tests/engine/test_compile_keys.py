@@ -66,3 +66,41 @@ def test_a_hit_at_a_new_context_needs_no_new_kernel(replay):
     assert core.stats.prefix_hit_tokens == 5 * block + 7 * block  # both hits found their whole blocks
     assert census.errors == [] and census.launches > 1000
     assert census.new_since(before) == {}
+
+
+def test_counts_that_change_every_step_do_not_split_kernels():
+    """The scores' row stride of the row top-k, the index scores' n_max (the longest row's entry count) and the row
+    counts of the SwiGLU, Engram and window-rows kernels change every step: an odd one must not compile a kernel of
+    its own (on a bare H200 such pairs were 22 of 216 kernels, and an odd n_max compiled the index scores and the
+    top-k in live traffic: benchmarks/results/agentx-shared-outputs-h200)."""
+    from dsserve.kernels import indexer as ix
+    from dsserve.kernels.engram_gather import engram_gather
+    from dsserve.kernels.engram_rows import engram_rows
+    from dsserve.kernels.row_topk import row_topk
+    from dsserve.kernels.swiglu import swiglu
+    from dsserve.kernels.window_rows import window_rows
+
+    g = torch.Generator().manual_seed(0)
+    pool = ix._row_format("fp4", 128).pack(torch.randn(64, 128, generator=g))
+    table = torch.arange(8, dtype=torch.int32).view(1, 8)  # one sequence: 8 blocks of 8 entries
+
+    def launches(n):
+        t = 5 if n % 2 else 4  # row counts off 16 and not
+        q, w = torch.randn(t, 32, 128, generator=g), torch.randn(t, 32, generator=g)
+        nv = torch.full((t,), n - 3, dtype=torch.int32)
+        ix.index_scores(q, w, pool, "fp4", table, torch.zeros(t, dtype=torch.long), 8, nv, n)
+        row_topk(torch.randn(t, n, generator=g), 8)
+        swiglu(torch.randn(n, 64, generator=g).bfloat16(), 7.0)
+        window_rows(torch.arange(16), torch.zeros(n, 16, dtype=torch.long), torch.ones(n, 16, dtype=torch.long),
+                    torch.zeros(n, 16, dtype=torch.int32))
+        engram_gather(torch.randn(9, 32, generator=g), torch.zeros(n, dtype=torch.long), "float", 32, torch.float32)
+        primes = torch.full((2, 4), 7, dtype=torch.long)
+        engram_rows(torch.zeros(n, 3, dtype=torch.long), torch.ones(3, dtype=torch.long), primes, primes * 0, 0)
+    census = LaunchCensus()
+    with census.recording():
+        launches(48)
+    before = census.snapshot()
+    with census.recording():
+        for n in (50, 51, 33, 64):
+            launches(n)
+    assert census.new_since(before) == {} and census.errors == []
