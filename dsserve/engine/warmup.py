@@ -19,19 +19,19 @@ of their own. The rounds:
 - per decode batch bucket b up to ``max_num_seqs``: b short prompts at once, then b prefix hits on them (the
   prompts and a few new tokens), each decoding a few tokens (in the graphs the ladder captured): bounded replay's
   decoder- and encoder-row graphs of b hits (the replayed window plus the new rows), and b-row eager kernels;
-- a row ladder: prefill steps alone, each of a row count from ``prefill_rows``: every row bucket of the row
-  graphs, one less than every power of two up to a whole chunk, the chunk, and one row count per split-K variant
-  of the attention kernel and per launch variant of the router (``attention_split_rows``, ``router_split_rows``:
-  constexprs that follow from the row count). They are prefix hits on a short
-  prompt whose new tokens (plus the replayed window, with bounded replay) make that many rows, or cold prompts
-  where the window alone is more. Prefill kernels take the next power of two of the row count as a constexpr
-  (the GEMMs' BM, the router's, the MoE permutation's), and Triton compiles an integer argument apart when it is
-  a multiple of 16 (or 1): eager steps of traffic mostly have other row counts, 2^k - 1 among them; whole chunks
-  and the graphs' buckets are multiples of 16. In the first live sweep with the warm-up, a replay-off server at
-  one session (no row graphs: every hit eager in its exact row count) took 1-7 s for hits of 85-2,440 new
-  tokens; with this ladder it still did, and the compile count (engine.jit_compiles) showed why: the entry-rows
-  gather compiled once per new context (its table width was a constexpr; it no longer is), which no ladder of
-  short prompts reaches (benchmarks/results/agentx-replay-off-compiles-h200).
+- a row ladder: prefill steps alone, each of a row count from ``prefill_rows``: every row bucket of the row graphs,
+  one less than every power of two up to a whole chunk, the chunk, and one row count per split-K variant of the
+  attention kernel and per launch variant of the router and of the MoE's expert-run kernel (``attention_split_rows``,
+  ``router_split_rows``, ``moe_run_rows``: constexprs that follow from the row count). They are prefix hits on a short
+  prompt whose new tokens (plus the replayed window, with bounded replay) make that many rows, or cold prompts where
+  the window alone is more. Prefill kernels take the next power of two of the row count as a constexpr (the GEMMs' BM,
+  the router's, the MoE permutation's), and Triton compiles an integer argument apart when it is a multiple of 16 (or
+  1): eager steps of traffic mostly have other row counts, 2^k - 1 among them; whole chunks and the graphs' buckets
+  are multiples of 16. In the first live sweep with the warm-up, a replay-off server at one session (no row graphs:
+  every hit eager in its exact row count) took 1-7 s for hits of 85-2,440 new tokens; with this ladder it still did,
+  and the compile count (engine.jit_compiles) showed why: the entry-rows gather compiled once per new context (its
+  table width was a constexpr; it no longer is), which no ladder of short prompts reaches
+  (benchmarks/results/agentx-replay-off-compiles-h200).
 Encoder-row graphs of fewer rows than a hit's still capture on first use (traffic met none on the release proxy).
 
 Its requests carry a cache salt of their own, so no user prompt hits their blocks (freed first, they are also
@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import router
+from ..kernels.grouped_moe import expert_run_rows
 from ..kernels.sparse_attention import split_rows
 from .decode_graphs import bucket_sizes, context_bucket
 from . import jit_compiles
@@ -118,6 +119,15 @@ def router_split_rows(cfg, sms: int, max_rows: int) -> tuple[int, ...]:
     a bare machine's traffic compiled one of them (SPLIT=6, 1153-1408 rows; benchmarks/results/
     agentx-shared-outputs-h200)."""
     return tuple(router.split_rows(cfg.n_routed_experts, cfg.hidden_size, sms, max_rows))
+
+
+def moe_run_rows(cfg) -> tuple[int, ...]:
+    """A row count per launch variant of the MoE's expert-run kernel (kernels.grouped_moe.expert_run_rows). The
+    other rows of the ladder miss two on the release proxy: 2 tokens (the decode graphs of batch 2 build it) and
+    129-170 (BM 32, TMAX 32: most likely the TMAX=32 run a bare machine's replay-off traffic compiled,
+    benchmarks/results/agentx-compile-fixes-h200)."""
+    return tuple(expert_run_rows(cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size,
+                                 cfg.moe_intermediate_size))
 
 
 def ahead(decode_graphs, row_graphs: list, on: bool) -> None:
@@ -191,7 +201,8 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
     run([base])
     n += 1
     max_rows = min(sched.max_num_batched_tokens, room)
-    variant_rows = attention_split_rows(cfg) + router_split_rows(cfg, router.sm_count(core.device), max_rows)
+    variant_rows = (attention_split_rows(cfg) + router_split_rows(cfg, router.sm_count(core.device), max_rows)
+                    + moe_run_rows(cfg))
     for rows in prefill_rows(max_rows, max([g.max_rows for g in row_graphs] + [0]), variant_rows):
         new = rows - window
         if new < 1 and rows <= room:

@@ -35,7 +35,7 @@ from ..layers.numerics import acc
 from ..layers.quant import MX_BLOCK, dequant_fp8_block, dequant_mxfp4, pack_mxfp4, quant_fp8_block
 from .dequant import MXFP4_FAST_MAX_SCALE, dequant_fp8, mxfp4_tile_bf16, weight_tile
 from .dequant import dequant_mxfp4 as dequant_mxfp4_rows
-from .moe_permute import expert_tiles
+from .moe_permute import MAX_KERNEL_PAIRS, expert_tiles, run_constexprs
 
 FMTS = ("bf16", "fp8", "mxfp4")
 FP8_BLOCK = 32  # V4.1's weight_block_size; MXFP4 blocks are quant.MX_BLOCK (also 32) along `in`
@@ -333,6 +333,18 @@ def _weight_desc(w: torch.Tensor, bn: int, bk: int):
     from triton.tools.tensor_descriptor import TensorDescriptor
     e, n, kh = w.shape
     return TensorDescriptor(w.view(e * n, kh), [e * n, kh], [kh, 1], [bn, bk // 2])
+
+
+def expert_run_rows(n_exp: int, k: int, d: int, inter: int) -> list[int]:
+    """The fewest tokens of each launch variant of the expert-run kernel (moe_permute.run_constexprs: its sizes and
+    _config's BM follow from the token count), with packed MXFP4 tiles and without. A warm-up that runs these row
+    counts builds every variant traffic can meet (engine.warmup); past MAX_KERNEL_PAIRS pairs torch sorts."""
+    first = {}
+    for t in range(1, MAX_KERNEL_PAIRS // k + 1):
+        for packed in (False, True):
+            bm = _config(t * k, n_exp, d, inter, {}, scaled=packed)["BM"]
+            first.setdefault(tuple(sorted(run_constexprs(t * k, n_exp, bm).items())), t)
+    return sorted(set(first.values()))
 
 
 def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *,

@@ -79,6 +79,16 @@ def expert_tiles(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch
     return expert_tiles_kernel(ids, n_experts, block_m)
 
 
+def run_constexprs(n: int, n_experts: int, block_m: int) -> dict:
+    """The expert-run kernel's sizes for n pairs: loop trip counts are compile-time (the interpreter needs that), so
+    pairs round up to a power of two and a changing T reuses one of few compiled variants."""
+    cap = triton.next_power_of_2(n)
+    pmax = max(16, cap)
+    return dict(E=n_experts, EP=triton.next_power_of_2(n_experts), BM=block_m, PMAX=pmax,
+                TMAX=max(2, triton.next_power_of_2(triton.cdiv(pmax, block_m))),
+                TAIL=max(2, triton.next_power_of_2(tile_count(cap, n_experts, block_m))))
+
+
 def expert_tiles_kernel(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """expert_tiles by the kernel, whatever the size and device (CUDA or the Triton interpreter)."""
     flat = ids.reshape(-1).contiguous()
@@ -88,14 +98,8 @@ def expert_tiles_kernel(ids: torch.Tensor, n_experts: int, block_m: int) -> tupl
     tiles = torch.empty((3, n_tiles), dtype=torch.int32, device=ids.device)
     if n == 0:
         return order, tiles
-    # loop trip counts are compile-time (the interpreter needs that); pairs round up to a power of two so a
-    # changing T reuses one of few compiled variants
-    cap = triton.next_power_of_2(n)
-    pmax = max(16, cap)
-    _expert_run_kernel[(n_experts + 1,)](
-        flat, n, order, tiles, n_tiles, E=n_experts, EP=triton.next_power_of_2(n_experts), BM=block_m, PMAX=pmax,
-        TMAX=max(2, triton.next_power_of_2(triton.cdiv(pmax, block_m))),
-        TAIL=max(2, triton.next_power_of_2(tile_count(cap, n_experts, block_m))), num_warps=4)
+    _expert_run_kernel[(n_experts + 1,)](flat, n, order, tiles, n_tiles, **run_constexprs(n, n_experts, block_m),
+                                         num_warps=4)
     return order, tiles
 
 

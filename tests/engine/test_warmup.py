@@ -6,9 +6,9 @@ from dsserve import LLM, SamplingParams
 from dsserve.engine.encoder_graphs import EncoderGraphs
 from dsserve.engine.decode_graphs import bucket_sizes
 from dsserve.engine.replay_graphs import ROW_BUCKETS, ReplayGraphs
-from dsserve.engine.warmup import (attention_split_rows, batch_sizes, context_ladder, prefill_rows, router_split_rows,
-                                   wanted, warm_up)
-from dsserve.kernels import router, sparse_attention
+from dsserve.engine.warmup import (attention_split_rows, batch_sizes, context_ladder, moe_run_rows, prefill_rows,
+                                   router_split_rows, wanted, warm_up)
+from dsserve.kernels import grouped_moe, moe_permute, router, sparse_attention
 from dsserve.models.presets import preset
 from test_paged_engine import make_prompts
 from test_replay_graphs import EagerCapture
@@ -107,6 +107,32 @@ def test_row_ladder_runs_every_launch_variant_of_the_router(model, sms):
         assert router._plan(1153, cfg.n_routed_experts, cfg.hidden_size, sms, {})[0]["SPLIT"] == 6
 
 
+@pytest.mark.parametrize("model", ["proxy-h200-release", "tiny"])
+def test_row_ladder_runs_every_launch_variant_of_the_expert_run(model):
+    """The expert-run kernel's sizes and its tile rows BM follow from the token count (up to the kernel's 1024
+    pairs), with packed MXFP4 tiles or not: every variant is one a row of the ladder takes; without the MoE's rows
+    the release proxy misses 2 tokens and 129-170 (BM 32, TMAX 32: most likely the one a bare machine's replay-off
+    traffic compiled)."""
+    cfg = preset(model)
+    k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
+
+    def variants(rows):
+        out = set()
+        for t in rows:
+            if t * k <= moe_permute.MAX_KERNEL_PAIRS:
+                for packed in (False, True):
+                    bm = grouped_moe._config(t * k, e, cfg.hidden_size, cfg.moe_intermediate_size, {},
+                                             scaled=packed)["BM"]
+                    out.add(tuple(sorted(moe_permute.run_constexprs(t * k, e, bm).items())))
+        return out
+    others = attention_split_rows(cfg) + router_split_rows(cfg, 132, 8192)
+    assert variants(range(1, 8193)) == variants(prefill_rows(8192, 1024, others + moe_run_rows(cfg)))
+    if model == "proxy-h200-release":
+        missed = variants(range(1, 8193)) - variants(prefill_rows(8192, 1024, others))
+        assert missed == variants([2, 129]) and len(missed) == 2
+        assert dict(next(iter(variants([129]))))["TMAX"] == 32
+
+
 def test_wanted():
     assert wanted(None, torch.device("cuda")) and not wanted(None, torch.device("cpu"))
     assert wanted(True, torch.device("cpu")) and not wanted(False, torch.device("cuda"))
@@ -126,7 +152,8 @@ def test_warm_up_runs_every_bucket_and_hits_then_leaves_no_trace():
     _row_graphs(cold.engine, None)
     _row_graphs(eng, EagerCapture())
     report, steps = _warm_up_recording_prefills(eng)
-    ladder = prefill_rows(256, 128, attention_split_rows(eng.cfg) + router_split_rows(eng.cfg, 1, 256))
+    ladder = prefill_rows(256, 128, attention_split_rows(eng.cfg) + router_split_rows(eng.cfg, 1, 256)
+                          + moe_run_rows(eng.cfg))
     assert 65 in ladder  # the router's first split-K row count on one SM
     assert report.requests == 3 + 2 * (1 + 2 + 3) + 1 + len(ladder) and report.prefix_hit_tokens > 0
     assert min(report.round_seconds) > 0 and sum(report.round_seconds) == pytest.approx(report.seconds)

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from dsserve.engine.warmup import attention_split_rows, prefill_rows, router_split_rows
+from dsserve.engine.warmup import attention_split_rows, moe_run_rows, prefill_rows, router_split_rows
 from dsserve.models.presets import preset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -139,9 +139,10 @@ def test_warmup_runs_before_the_port_opens_and_counts_nothing(tmp_path):
         assert metric(base, "dsserve:generation_tokens_total") == 2
     # the context ladder: the cold prompt and a hit on it (max_model_len 1100: one bucket); the batch buckets:
     # 2 x (1 + 2); the row ladder: its base prompt and one request a row count (chunks of 256 rows, no row graphs on
-    # the CPU; the split-K rows of the default model, the tiny shape trained; the router's on one SM, the CPU's)
+    # the CPU; the split-K rows of the default model, the tiny shape trained; the router's on one SM, the CPU's;
+    # the MoE's expert run's)
     tiny = preset("tiny")
-    rows = prefill_rows(256, 0, attention_split_rows(tiny) + router_split_rows(tiny, 1, 256))
+    rows = prefill_rows(256, 0, attention_split_rows(tiny) + router_split_rows(tiny, 1, 256) + moe_run_rows(tiny))
     assert f"warm-up: {2 + 2 * (1 + 2) + 1 + len(rows)} requests" in log[0]
     assert manifest.exists() and manifest.read_text() == ""
 
