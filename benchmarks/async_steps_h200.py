@@ -8,6 +8,7 @@ the host in between). Exposed host time = step - device step; the goal is under 
 Needs a GPU. Requests are injected with synthetic caches at the context (no prefill), Engram tables in pinned
 host memory (FP8). Prints a table, then one JSON line.
 """
+
 import argparse
 import json
 import os
@@ -38,8 +39,9 @@ def inject(core, tag: str, b: int, ctx: int, tokens: int, gen: torch.Generator) 
         r.status = RequestStatus.RUNNING
         core.scheduler.requests[r.request_id] = r
         core.scheduler.running.append(r)
-        stops = StopChecker(core.tokenizer, ids, params, eos_token_id=core.tokenizer.eos_id,
-                            max_model_len=core.max_model_len)
+        stops = StopChecker(
+            core.tokenizer, ids, params, eos_token_id=core.tokenizer.eos_id, max_model_len=core.max_model_len
+        )
         core._tracked[r.request_id] = _Tracked(r, stops, None, None)
         reqs.append(r)
     return reqs
@@ -58,8 +60,12 @@ def run_mode(core, async_on: bool, b: int, ctx: int, steps: int, gen: torch.Gene
         core.step()
     wall = time.perf_counter() - t
     n = st.steps - n0
-    out = {"step_ms": wall / steps * 1e3, "host_ms_per_step": (st.step_host_seconds - h0) / n * 1e3,
-           "wait_ms_per_step": (st.step_wait_seconds - w0) / n * 1e3, "ahead_steps": st.ahead_steps - a0}
+    out = {
+        "step_ms": wall / steps * 1e3,
+        "host_ms_per_step": (st.step_host_seconds - h0) / n * 1e3,
+        "wait_ms_per_step": (st.step_wait_seconds - w0) / n * 1e3,
+        "ahead_steps": st.ahead_steps - a0,
+    }
     for r in reqs:
         core.abort_request(r.request_id)
     while core.has_unfinished_requests():
@@ -93,14 +99,20 @@ def device_step_ms(core, b: int, ctx: int, gen: torch.Generator, reps: int = 20)
 def plot(res: dict, path: str) -> None:
     """Step ms per batch size: sync, async, and the device's own step (graph replays back to back)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     rows = res["cases"]
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     xs = range(len(rows))
-    for k, (label, get) in enumerate((("synchronous", lambda r: r["sync"]["step_ms"]),
-                                      ("async scheduling", lambda r: r["async"]["step_ms"]),
-                                      ("device step (replays back to back)", lambda r: r["device_step_ms"]))):
+    for k, (label, get) in enumerate(
+        (
+            ("synchronous", lambda r: r["sync"]["step_ms"]),
+            ("async scheduling", lambda r: r["async"]["step_ms"]),
+            ("device step (replays back to back)", lambda r: r["device_step_ms"]),
+        )
+    ):
         ax.bar([x + (k - 1) * 0.27 for x in xs], [get(r) for r in rows], 0.27, label=label)
     ax.set_xticks(list(xs), [f"B = {r['B']}" for r in rows])
     ax.set_ylabel(f"decode step ms (context {rows[0]['ctx']})")
@@ -123,29 +135,54 @@ def main() -> None:
             plot(json.load(f), os.path.join(a.out, "async_steps.png"))
         return
     import model_h200 as M
+
     batches = [int(x) for x in a.batches.split(",")]
-    core, info = M.build_core("proxy-h200-release", (max(batches) * 3, a.context + a.steps + 64), release=True,
-                              smoke=False, engram_tables="host-fp8")
+    core, info = M.build_core(
+        "proxy-h200-release",
+        (max(batches) * 3, a.context + a.steps + 64),
+        release=True,
+        smoke=False,
+        engram_tables="host-fp8",
+    )
     gen = torch.Generator().manual_seed(0)
     rows = []
     for b in batches:
         sync = run_mode(core, False, b, a.context, a.steps, gen)
         asyn = run_mode(core, True, b, a.context, a.steps, gen)
         dev = device_step_ms(core, b, a.context, gen)
-        rows.append({"B": b, "ctx": a.context, "device_step_ms": dev, "sync": sync, "async": asyn,
-                     "exposed_host_ms": {"sync": sync["step_ms"] - dev, "async": asyn["step_ms"] - dev},
-                     "exposed_fraction": {"sync": 1 - dev / sync["step_ms"], "async": 1 - dev / asyn["step_ms"]},
-                     "speedup": sync["step_ms"] / asyn["step_ms"]})
+        rows.append(
+            {
+                "B": b,
+                "ctx": a.context,
+                "device_step_ms": dev,
+                "sync": sync,
+                "async": asyn,
+                "exposed_host_ms": {"sync": sync["step_ms"] - dev, "async": asyn["step_ms"] - dev},
+                "exposed_fraction": {"sync": 1 - dev / sync["step_ms"], "async": 1 - dev / asyn["step_ms"]},
+                "speedup": sync["step_ms"] / asyn["step_ms"],
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
-    print(f"{'B':>4s} {'device ms':>10s} {'sync ms':>9s} {'async ms':>9s} {'exposed sync':>13s} "
-          f"{'exposed async':>14s} {'host busy sync/async ms':>24s}")
+    print(
+        f"{'B':>4s} {'device ms':>10s} {'sync ms':>9s} {'async ms':>9s} {'exposed sync':>13s} "
+        f"{'exposed async':>14s} {'host busy sync/async ms':>24s}"
+    )
     for r in rows:
-        print(f"{r['B']:4d} {r['device_step_ms']:10.2f} {r['sync']['step_ms']:9.2f} {r['async']['step_ms']:9.2f} "
-              f"{r['exposed_fraction']['sync']:12.1%} {r['exposed_fraction']['async']:13.1%} "
-              f"{r['sync']['host_ms_per_step']:11.2f} / {r['async']['host_ms_per_step']:.2f}")
-    res = {"meta": {"command": " ".join(["python", "benchmarks/async_steps_h200.py"] + sys.argv[1:]),
-                    "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, "model": info, "cases": rows}
+        print(
+            f"{r['B']:4d} {r['device_step_ms']:10.2f} {r['sync']['step_ms']:9.2f} {r['async']['step_ms']:9.2f} "
+            f"{r['exposed_fraction']['sync']:12.1%} {r['exposed_fraction']['async']:13.1%} "
+            f"{r['sync']['host_ms_per_step']:11.2f} / {r['async']['host_ms_per_step']:.2f}"
+        )
+    res = {
+        "meta": {
+            "command": " ".join(["python", "benchmarks/async_steps_h200.py"] + sys.argv[1:]),
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        },
+        "model": info,
+        "cases": rows,
+    }
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "async_steps.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)

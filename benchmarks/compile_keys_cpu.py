@@ -9,6 +9,7 @@ that every turn is a prefix hit at a new context. Prints, per mode, the warm-up'
 traffic met that the warm-up had not, each with the fields that differ from its nearest warm-up key: on a GPU each
 would be a compile stalling a live step. Last line: the JSON written to compile_keys.json under --out.
 """
+
 import argparse
 import json
 import os
@@ -35,10 +36,22 @@ def nearest_diff(key: tuple, seen) -> list:
 
 def run_mode(replay: bool, a) -> dict:
     t0 = time.time()
-    core = EngineCore(EngineArgs(model="tiny", load_format="dummy", dtype="bfloat16", device="cpu",
-                                 attention_backend="paged", enable_prefix_caching=True, swa_bounded_replay=replay,
-                                 max_model_len=a.max_model_len, kv_cache_memory=32 << 20, max_num_seqs=4,
-                                 max_num_batched_tokens=a.chunk, async_scheduling=True))
+    core = EngineCore(
+        EngineArgs(
+            model="tiny",
+            load_format="dummy",
+            dtype="bfloat16",
+            device="cpu",
+            attention_backend="paged",
+            enable_prefix_caching=True,
+            swa_bounded_replay=replay,
+            max_model_len=a.max_model_len,
+            kv_cache_memory=32 << 20,
+            max_num_seqs=4,
+            max_num_batched_tokens=a.chunk,
+            async_scheduling=True,
+        )
+    )
     census = LaunchCensus()
     core.model.kernel_ops = CensusOps(census=census)
     report = warm_up(core)
@@ -55,13 +68,24 @@ def run_mode(replay: bool, a) -> dict:
                 sent += 1
         while core.has_unfinished_requests():
             core.step()
-    new = {name: [nearest_diff(k, warm.get(name, ())) for k in keys - warm.get(name, frozenset())]
-           for name, keys in census.keys.items() if keys - warm.get(name, frozenset())}
-    return {"replay": replay, "warmup_requests": report.requests, "warmup_keys": sum(len(v) for v in warm.values()),
-            "warmup_keys_by_kernel": {k: len(v) for k, v in sorted(warm.items())}, "traffic_requests": sent,
-            "traffic_prefix_hit_tokens": core.stats.prefix_hit_tokens, "launches": census.launches,
-            "new_keys": sum(len(v) for v in new.values()), "new_keys_by_kernel": new, "census_errors": census.errors,
-            "seconds": time.time() - t0}
+    new = {
+        name: [nearest_diff(k, warm.get(name, ())) for k in keys - warm.get(name, frozenset())]
+        for name, keys in census.keys.items()
+        if keys - warm.get(name, frozenset())
+    }
+    return {
+        "replay": replay,
+        "warmup_requests": report.requests,
+        "warmup_keys": sum(len(v) for v in warm.values()),
+        "warmup_keys_by_kernel": {k: len(v) for k, v in sorted(warm.items())},
+        "traffic_requests": sent,
+        "traffic_prefix_hit_tokens": core.stats.prefix_hit_tokens,
+        "launches": census.launches,
+        "new_keys": sum(len(v) for v in new.values()),
+        "new_keys_by_kernel": new,
+        "census_errors": census.errors,
+        "seconds": time.time() - t0,
+    }
 
 
 def main():
@@ -74,21 +98,36 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    res = {"meta": {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                    "torch": torch.__version__, "device": "cpu (Triton interpreter census)"},
-           "modes": [run_mode(r, a) for r in (False, True)]}
+    res = {
+        "meta": {
+            "command": " ".join(sys.argv),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "torch": torch.__version__,
+            "device": "cpu (Triton interpreter census)",
+        },
+        "modes": [run_mode(r, a) for r in (False, True)],
+    }
     print(f"{'replay':>6} | {'warm-up keys':>12} | {'traffic requests':>16} | {'new keys':>8} | by kernel")
     for m in res["modes"]:
         by = ", ".join(f"{k} {len(v)}" for k, v in m["new_keys_by_kernel"].items()) or "-"
-        print(f"{'on' if m['replay'] else 'off':>6} | {m['warmup_keys']:>12} | {m['traffic_requests']:>16} | "
-              f"{m['new_keys']:>8} | {by}")
+        print(
+            f"{'on' if m['replay'] else 'off':>6} | {m['warmup_keys']:>12} | {m['traffic_requests']:>16} | "
+            f"{m['new_keys']:>8} | {by}"
+        )
         for name, diffs in m["new_keys_by_kernel"].items():
             for d in diffs:
                 print(f"         {name}: " + "; ".join(f"{x} -> {y}" for x, y in d))
     with open(os.path.join(a.out, "compile_keys.json"), "w") as f:
         json.dump(res, f, indent=1)
-    print(json.dumps({"modes": [{k: m[k] for k in ("replay", "warmup_keys", "traffic_requests", "new_keys")}
-                                for m in res["modes"]]}))
+    print(
+        json.dumps(
+            {
+                "modes": [
+                    {k: m[k] for k in ("replay", "warmup_keys", "traffic_requests", "new_keys")} for m in res["modes"]
+                ]
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Needs a GPU. Weights rotate over 2 copies larger than L2 (so they stream from HB
 over 4 random draws. Every variant is checked against the torch reference before it is timed. Prints a line per T,
 then one JSON line; writes decode_gemms.json and decode_gemms.png under --out.
 """
+
 import argparse
 import json
 import os
@@ -34,6 +35,7 @@ def ceilings() -> dict:
     """The benchmarks' copy and matmul ceilings (attention_h200: eager; a captured 1 GB copy runs on a copy engine,
     2.7 TB/s) and a read pass over 1 GB: the ceiling of a weight stream."""
     from attention_h200 import ceilings as gpu_ceilings
+
     x = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
     read = 2 * x.numel() / graph_ms(lambda _: x.sum(dtype=torch.float32), calls=5) / 1e6
     return {**gpu_ceilings(), "read_GBps": read}
@@ -66,9 +68,16 @@ def search(evaluate, start: dict, axes: dict, log: list, label: str) -> tuple[di
 def moe_part(res: dict, ceil: dict, tokens=(1, 8, 32)) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     copies = 2
-    exs = [G.ExpertWeights.from_dense(*(torch.randn(N_EXP, o, i, device="cuda", generator=g) * i ** -0.5
-                                        for o, i in ((INTER, D), (INTER, D), (D, INTER))), "mxfp4")
-           for _ in range(copies)]
+    exs = [
+        G.ExpertWeights.from_dense(
+            *(
+                torch.randn(N_EXP, o, i, device="cuda", generator=g) * i**-0.5
+                for o, i in ((INTER, D), (INTER, D), (D, INTER))
+            ),
+            "mxfp4",
+        )
+        for _ in range(copies)
+    ]
     per_expert = sum(w[0].numel() + s[0].numel() for w, s in exs[0]._pairs())
     # the same kernels on bf16 experts (4x the bytes, no decode): what the tile structure streams undecoded
     bf16 = G.ExpertWeights("bf16", *(exs[0].dequantized(n, torch.bfloat16) for n in ("w1", "w3", "w2")))
@@ -94,30 +103,54 @@ def moe_part(res: dict, ceil: dict, tokens=(1, 8, 32)) -> None:
 
         scaled_ms = evaluate({"decode": "scaled"})  # the kernels' default before the PTX decode
         asm_ms = evaluate({})  # the default now: the PTX decode, its tiles
-        tuned, tuned_ms = search(evaluate, {"decode": "asm"},
-                                 {"BN": [64, 128], "BK": [128, 256], "num_stages": [1, 2, 3]}, out["log"], f"T={t}")
+        tuned, tuned_ms = search(
+            evaluate,
+            {"decode": "asm"},
+            {"BN": [64, 128], "BK": [128, 256], "num_stages": [1, 2, 3]},
+            out["log"],
+            f"T={t}",
+        )
         bf16_ms = graph_ms(lambda i: G.routed_experts(xs[i % sets], ids[i % sets], ws[i % sets], bf16, 10.0), sets)
         wbytes = used * per_expert
         gbps = {name: wbytes / ms / 1e6 for name, ms in (("scaled", scaled_ms), ("asm", asm_ms), ("tuned", tuned_ms))}
-        out["rows"][f"T={t}"] = {"experts_touched": used, "weight_bytes": wbytes, "scaled_ms": scaled_ms,
-                                 "asm_ms": asm_ms, "tuned_ms": tuned_ms, "tuned_config": tuned,
-                                 **{f"{k}_GBps": v for k, v in gbps.items()}, "asm_speedup": scaled_ms / asm_ms,
-                                 "asm_over_read_floor": asm_ms / (wbytes / ceil["read_GBps"] / 1e6),
-                                 "bf16_experts_ms": bf16_ms, "bf16_experts_GBps": used * bf16_per / bf16_ms / 1e6}
-        print(f"moe T={t}: " + ", ".join(f"{k} {v:.0f} GB/s" for k, v in gbps.items())
-              + f", bf16 experts {used * bf16_per / bf16_ms / 1e6:.0f} GB/s", flush=True)
+        out["rows"][f"T={t}"] = {
+            "experts_touched": used,
+            "weight_bytes": wbytes,
+            "scaled_ms": scaled_ms,
+            "asm_ms": asm_ms,
+            "tuned_ms": tuned_ms,
+            "tuned_config": tuned,
+            **{f"{k}_GBps": v for k, v in gbps.items()},
+            "asm_speedup": scaled_ms / asm_ms,
+            "asm_over_read_floor": asm_ms / (wbytes / ceil["read_GBps"] / 1e6),
+            "bf16_experts_ms": bf16_ms,
+            "bf16_experts_GBps": used * bf16_per / bf16_ms / 1e6,
+        }
+        print(
+            f"moe T={t}: "
+            + ", ".join(f"{k} {v:.0f} GB/s" for k, v in gbps.items())
+            + f", bf16 experts {used * bf16_per / bf16_ms / 1e6:.0f} GB/s",
+            flush=True,
+        )
 
 
 def plot(res: dict, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
     rows = res["moe"]["rows"]
     names = list(rows)
     xs = range(len(names))
-    for j, (key, label) in enumerate((("scaled_GBps", "tl.dot_scaled"), ("asm_GBps", "PTX decode (default)"),
-                                      ("bf16_experts_GBps", "bf16 experts (no decode)"))):
+    for j, (key, label) in enumerate(
+        (
+            ("scaled_GBps", "tl.dot_scaled"),
+            ("asm_GBps", "PTX decode (default)"),
+            ("bf16_experts_GBps", "bf16 experts (no decode)"),
+        )
+    ):
         ax.bar([i + (j - 1) * 0.27 for i in xs], [rows[n][key] for n in names], 0.27, label=label)
     ax.axhline(res["ceilings"]["read_GBps"], ls=":", c="k", label="read bandwidth")
     ax.set_xticks(list(xs), names)
@@ -135,15 +168,24 @@ def main():
     a = p.parse_args()
     DEADLINE[0] = time.time() + a.budget_s
     os.makedirs(a.out, exist_ok=True)
-    res = {"meta": {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(),
-                    "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}}
+    res = {
+        "meta": {
+            "command": " ".join(sys.argv),
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        }
+    }
     res["ceilings"] = ceilings()
-    print(f"ceilings: copy {res['ceilings']['copy_GBps']:.0f} GB/s, read {res['ceilings']['read_GBps']:.0f} GB/s",
-          flush=True)
+    print(
+        f"ceilings: copy {res['ceilings']['copy_GBps']:.0f} GB/s, read {res['ceilings']['read_GBps']:.0f} GB/s",
+        flush=True,
+    )
 
     def save():
         with open(os.path.join(a.out, "decode_gemms.json"), "w") as f:
             json.dump(res, f, indent=1)
+
     t0 = time.time()
     moe_part(res, res["ceilings"])
     res["meta"]["moe_s"] = time.time() - t0

@@ -6,6 +6,7 @@ allocation sites hold it, from PyTorch's allocator history (the first dsserve fr
 
 Needs a GPU. Prints a table, then one JSON line; writes captures.csv and summary.json under --out.
 """
+
 import argparse
 import csv
 import json
@@ -25,10 +26,12 @@ from dsserve.engine.args import EngineArgs  # noqa: E402
 from dsserve.engine.core import EngineCore, log_to_stderr  # noqa: E402
 from dsserve.server.serve import add_serve_args  # noqa: E402
 
-SERVE_ARGS = ("proxy-h200-release --load-format dummy --dtype bfloat16 --quantization fp8 --expert-format mxfp4 "
-              "--engram-tables host-fp8 --max-num-seqs 32 --max-model-len 40000 --max-num-batched-tokens 8192 "
-              f"--kv-cache-memory {8 << 30}")
-MIB = 2 ** 20
+SERVE_ARGS = (
+    "proxy-h200-release --load-format dummy --dtype bfloat16 --quantization fp8 --expert-format mxfp4 "
+    "--engram-tables host-fp8 --max-num-seqs 32 --max-model-len 40000 --max-num-batched-tokens 8192 "
+    f"--kv-cache-memory {8 << 30}"
+)
+MIB = 2**20
 
 
 class Recorder:
@@ -42,9 +45,16 @@ class Recorder:
         t0 = time.perf_counter()
         graph, out = self.capture(run, what, release, outputs)
         live, size = graph_scratch.pool_usage(self.capture.pool) if self.capture.pool is not None else (0, 0)
-        self.rows.append({"n": len(self.rows) + 1, "what": what, "seconds": round(time.perf_counter() - t0, 3),
-                          "grew_mib": round((self.capture.pool_bytes - before) / MIB, 1),
-                          "pool_mib": round(size / MIB, 1), "live_mib": round(live / MIB, 1)})
+        self.rows.append(
+            {
+                "n": len(self.rows) + 1,
+                "what": what,
+                "seconds": round(time.perf_counter() - t0, 3),
+                "grew_mib": round((self.capture.pool_bytes - before) / MIB, 1),
+                "pool_mib": round(size / MIB, 1),
+                "live_mib": round(live / MIB, 1),
+            }
+        )
         return graph, out
 
 
@@ -62,14 +72,25 @@ def holders(pool: tuple) -> tuple[list[dict], dict]:
                 free.append(b["size"])
                 continue
             frames = b.get("frames") or []
-            site = next((f"{f['filename'].split('dsserve/')[-1]}:{f['line']} {f['name']}" for f in frames
-                         if "/dsserve/" in f["filename"] and "graph_capture" not in f["filename"]), "?")
+            site = next(
+                (
+                    f"{f['filename'].split('dsserve/')[-1]}:{f['line']} {f['name']}"
+                    for f in frames
+                    if "/dsserve/" in f["filename"] and "graph_capture" not in f["filename"]
+                ),
+                "?",
+            )
             by_site[site][0] += b["size"]
             by_site[site][1] += 1
-    sites = sorted(({"site": k, "mib": round(v[0] / MIB, 1), "blocks": v[1]} for k, v in by_site.items()),
-                   key=lambda d: -d["mib"])
-    return sites, {"segments": len(sizes), "largest_segments_mib": [round(s / MIB, 1) for s in sorted(sizes)[-8:]],
-                   "free_mib": round(sum(free) / MIB, 1), "largest_free_mib": round(max(free, default=0) / MIB, 1)}
+    sites = sorted(
+        ({"site": k, "mib": round(v[0] / MIB, 1), "blocks": v[1]} for k, v in by_site.items()), key=lambda d: -d["mib"]
+    )
+    return sites, {
+        "segments": len(sizes),
+        "largest_segments_mib": [round(s / MIB, 1) for s in sorted(sizes)[-8:]],
+        "free_mib": round(sum(free) / MIB, 1),
+        "largest_free_mib": round(max(free, default=0) / MIB, 1),
+    }
 
 
 def main() -> None:
@@ -113,17 +134,27 @@ def main() -> None:
         print(f"{k:<14}{n:>8}{grew:>10.1f}")
     print("largest growths:")
     for r in sorted(rec.rows, key=lambda r: -r["grew_mib"])[:12]:
-        print(f"  #{r['n']:<4} {r['what']:<44} grew {r['grew_mib']:>7.1f} MiB, pool {r['pool_mib']:>7.1f}, "
-              f"live {r['live_mib']:>7.1f}")
+        print(
+            f"  #{r['n']:<4} {r['what']:<44} grew {r['grew_mib']:>7.1f} MiB, pool {r['pool_mib']:>7.1f}, "
+            f"live {r['live_mib']:>7.1f}"
+        )
     print("live pool memory by allocation site:")
     for s in sites[:20]:
         print(f"  {s['mib']:>8.1f} MiB in {s['blocks']:>5} blocks  {s['site']}")
-    summary = {"graphs": len(rec.rows), "pool_gib": round(size / 2 ** 30, 3),
-               "grown_gib": round(core.graph_capture.pool_bytes / 2 ** 30, 3), "live_gib": round(live / 2 ** 30, 3),
-               "warmup_s": round(report.seconds, 1),
-               "capture_s": round(report.capture_seconds, 1), "history": a.history, "segments": segs,
-               "by_kind": {k: {"graphs": n, "grew_mib": round(g, 1)} for k, (n, g) in kinds.items()},
-               "holders": sites[:40], "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    summary = {
+        "graphs": len(rec.rows),
+        "pool_gib": round(size / 2**30, 3),
+        "grown_gib": round(core.graph_capture.pool_bytes / 2**30, 3),
+        "live_gib": round(live / 2**30, 3),
+        "warmup_s": round(report.seconds, 1),
+        "capture_s": round(report.capture_seconds, 1),
+        "history": a.history,
+        "segments": segs,
+        "by_kind": {k: {"graphs": n, "grew_mib": round(g, 1)} for k, (n, g) in kinds.items()},
+        "holders": sites[:40],
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+    }
     with open(os.path.join(a.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(json.dumps({k: v for k, v in summary.items() if k != "holders"}))

@@ -6,6 +6,7 @@ bookkeeping) and the replayed kernels' device time (torch.profiler): every kerne
 
 Needs a GPU. Prints a table, then one JSON line.
 """
+
 import argparse
 import json
 import os
@@ -38,6 +39,7 @@ def profile_case(core, b: int, ctx: int, gen: torch.Generator, steps: int = 3) -
 
     def plan():
         return StepPlan([ScheduledChunk(r, 1) for r in reqs], [])
+
     torch.cuda.synchronize()
     t = time.perf_counter()
     core.runner.execute(plan())  # captures this bucket pair's graph
@@ -82,39 +84,66 @@ def profile_case(core, b: int, ctx: int, gen: torch.Generator, steps: int = 3) -
     for r in reqs:
         core.kv.release(r.kv)
     med = {k: sorted(p[k] for p in phases)[len(phases) // 2] * 1e3 for k in phases[0]}
-    return {"B": b, "ctx": ctx, "bucket": list(key), "capture_step_s": first_s, "phases_ms": med,
-            "replay_kernels_ms": sum(per.values()),
-            "kernels_launched": sum(count.values()),
-            "top_kernels_ms": dict(sorted(per.items(), key=lambda kv: -kv[1])[:12]),
-            "kernels": {n: {"ms": ms, "count": count[n]} for n, ms in sorted(per.items(), key=lambda kv: -kv[1])}}
+    return {
+        "B": b,
+        "ctx": ctx,
+        "bucket": list(key),
+        "capture_step_s": first_s,
+        "phases_ms": med,
+        "replay_kernels_ms": sum(per.values()),
+        "kernels_launched": sum(count.values()),
+        "top_kernels_ms": dict(sorted(per.items(), key=lambda kv: -kv[1])[:12]),
+        "kernels": {n: {"ms": ms, "count": count[n]} for n, ms in sorted(per.items(), key=lambda kv: -kv[1])},
+    }
 
 
 def main() -> None:
     import model_h200 as M
+
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="benchmarks/results/model-h200-graphs")
-    p.add_argument("--cases", default=",".join(f"{b}:{c}" for b, c in CASES),
-                   help="B:context,... (default: %(default)s)")
+    p.add_argument(
+        "--cases", default=",".join(f"{b}:{c}" for b, c in CASES), help="B:context,... (default: %(default)s)"
+    )
     a = p.parse_args()
     cases = [tuple(int(v) for v in c.split(":")) for c in a.cases.split(",")]
-    core, info = M.build_core("proxy-h200-release", (max(b for b, _ in cases), max(c for _, c in cases) + 8192 + 1),
-                              release=True, smoke=False,
-                              engram_tables="host-fp8")
+    core, info = M.build_core(
+        "proxy-h200-release",
+        (max(b for b, _ in cases), max(c for _, c in cases) + 8192 + 1),
+        release=True,
+        smoke=False,
+        engram_tables="host-fp8",
+    )
     gen = torch.Generator().manual_seed(0)
     rows = [profile_case(core, b, ctx, gen) for b, ctx in cases]
     print(f"{'case':22s} {'key':>6s} {'fill':>6s} {'launch':>7s} {'wait':>7s} {'commit':>7s} {'kernels':>8s}")
     for r in rows:
         ph = r["phases_ms"]
-        print(f"{'B=%d ctx=%d' % (r['B'], r['ctx']):22s} {ph['key']:6.2f} {ph['fill']:6.2f} {ph['launch']:7.2f} "
-              f"{ph['wait']:7.2f} {ph['commit']:7.2f} {r['replay_kernels_ms']:8.2f}")
-    res = {"meta": {"command": " ".join(["python", "benchmarks/graph_step_profile.py"] + sys.argv[1:]),
-                    "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, "model": info, "cases": rows}
+        print(
+            f"{'B=%d ctx=%d' % (r['B'], r['ctx']):22s} {ph['key']:6.2f} {ph['fill']:6.2f} {ph['launch']:7.2f} "
+            f"{ph['wait']:7.2f} {ph['commit']:7.2f} {r['replay_kernels_ms']:8.2f}"
+        )
+    res = {
+        "meta": {
+            "command": " ".join(["python", "benchmarks/graph_step_profile.py"] + sys.argv[1:]),
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        },
+        "model": info,
+        "cases": rows,
+    }
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "graph_step_profile.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
-    print(json.dumps([{"B": r["B"], "ctx": r["ctx"], "replay_kernels_ms": r["replay_kernels_ms"], **r["phases_ms"]}
-                      for r in rows]))
+    print(
+        json.dumps(
+            [
+                {"B": r["B"], "ctx": r["ctx"], "replay_kernels_ms": r["replay_kernels_ms"], **r["phases_ms"]}
+                for r in rows
+            ]
+        )
+    )
 
 
 if __name__ == "__main__":

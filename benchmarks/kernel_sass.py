@@ -10,6 +10,7 @@ per weight an SM spends, which bounds bandwidth when the SMs are issue-bound.
 
 Prints a table, then one JSON line; writes kernel_sass.json under --out.
 """
+
 import argparse
 import json
 import os
@@ -31,11 +32,35 @@ POINTERS = ("x_ptr", "tiles_ptr", "order_ptr", "rw_ptr", "w1_ptr", "s1_ptr", "w3
 
 def compile_up(decode: str, bm: int, bn: int, bk: int, warps: int, stages: int):
     w = "*i32" if decode == "asm" else "*u8"
-    sig = {"x_ptr": "*bf16", "sxm": "i32", "tiles_ptr": "*i32", "order_ptr": "*i64", "rw_ptr": "*fp32",
-           "w1_ptr": w, "s1_ptr": "*u8", "w3_ptr": w, "s3_ptr": "*u8", "h_ptr": "*bf16", "n_tiles": "i32",
-           "n_experts": "i32", "limit": "fp32"}
-    const = {"KSLOT": 6, "D": D, "I": INTER, "FMT": 2, "BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8, "DOT_F32": False,
-             "SCALED": decode == "scaled", "TMA": False, "ASM": decode == "asm"}
+    sig = {
+        "x_ptr": "*bf16",
+        "sxm": "i32",
+        "tiles_ptr": "*i32",
+        "order_ptr": "*i64",
+        "rw_ptr": "*fp32",
+        "w1_ptr": w,
+        "s1_ptr": "*u8",
+        "w3_ptr": w,
+        "s3_ptr": "*u8",
+        "h_ptr": "*bf16",
+        "n_tiles": "i32",
+        "n_experts": "i32",
+        "limit": "fp32",
+    }
+    const = {
+        "KSLOT": 6,
+        "D": D,
+        "I": INTER,
+        "FMT": 2,
+        "BM": bm,
+        "BN": bn,
+        "BK": bk,
+        "GROUP_M": 8,
+        "DOT_F32": False,
+        "SCALED": decode == "scaled",
+        "TMA": False,
+        "ASM": decode == "asm",
+    }
     sig.update({k: "constexpr" for k in const})
     names = list(sig)
     # what the launcher specialises at run time: 16-byte aligned pointers, the row stride a multiple of 16
@@ -55,11 +80,14 @@ def sass_lines(kernel) -> list[str]:
 def k_loop(lines: list[str]) -> dict:
     """Opcode counts of the longest loop (a label reached by a later branch)."""
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
-    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
-             if (m := re.search(r"BRA\s+`?\(?(\.L_x_\d+)", line)) and labels.get(m.group(1), i) < i]
+    loops = [
+        (labels[m.group(1)], i)
+        for i, line in enumerate(lines)
+        if (m := re.search(r"BRA\s+`?\(?(\.L_x_\d+)", line)) and labels.get(m.group(1), i) < i
+    ]
     a, b = max(loops, key=lambda ab: ab[1] - ab[0])
     ops = {}
-    for line in lines[a:b + 1]:
+    for line in lines[a : b + 1]:
         if re.match(r"\s+/\*[0-9a-f]+\*/\s", line):
             words = line.split("*/", 1)[1].strip().split()
             op = (words[1] if words[0].startswith("@") else words[0]).split(".")[0]
@@ -73,17 +101,26 @@ def main():
     a = p.parse_args()
     rows = {}
     # the decode tiles each decode runs with by default (grouped_moe._config): BM 16, 4 warps
-    for decode, bn, bk, stages in (("scaled", 64, 128, 1), ("scaled", 64, 128, 2), ("asm", 64, 256, 2),
-                                   ("asm", 128, 256, 2), ("own", 64, 128, 2)):
+    for decode, bn, bk, stages in (
+        ("scaled", 64, 128, 1),
+        ("scaled", 64, 128, 2),
+        ("asm", 64, 256, 2),
+        ("asm", 128, 256, 2),
+        ("own", 64, 128, 2),
+    ):
         ops = k_loop(sass_lines(compile_up(decode, 16, bn, bk, 4, stages)))
         n = sum(ops.values())
         per = n / (2 * bn * bk / 128)
         top = dict(sorted(ops.items(), key=lambda kv: -kv[1])[:8])
         rows[f"{decode} BN={bn} BK={bk} stages={stages}"] = {"loop_instructions": n, "per_weight": per, "top": top}
-        print(f"{decode:6s} BN={bn:3d} BK={bk} stages={stages}: {n:5d} instructions a K step, {per:.2f} a weight, "
-              f"{top}", flush=True)
-    res = {"meta": {"command": " ".join(sys.argv), "triton": triton.__version__, "target": "sm_90 (offline)"},
-           "rows": rows}
+        print(
+            f"{decode:6s} BN={bn:3d} BK={bk} stages={stages}: {n:5d} instructions a K step, {per:.2f} a weight, {top}",
+            flush=True,
+        )
+    res = {
+        "meta": {"command": " ".join(sys.argv), "triton": triton.__version__, "target": "sm_90 (offline)"},
+        "rows": rows,
+    }
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "kernel_sass.json"), "w") as f:

@@ -23,6 +23,7 @@ Sections (each skippable with --skip a,b; the JSON is rewritten after each, so a
   widths, routed experts cut to fit twice in memory): decode tokens/s at B 1 and 16, prefill tokens/s at 8K.
 Timings are medians of few repeats (the whole run must fit 10 minutes). Prints a table, then one JSON line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,12 +65,13 @@ def _wall_ms(fn, sets: int = 1, calls: int = 2) -> float:
 def ceilings() -> dict:
     if DEV == "cuda":
         from attention_h200 import ceilings as gpu_ceilings
+
         return gpu_ceilings()
     n, m = 1 << 24, 256
     a, b = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
     x, y = torch.randn(m, m), torch.randn(m, m)
     copy = 2 * n / _wall_ms(lambda _: b.copy_(a), calls=5) / 1e6
-    mm = 2 * m ** 3 / _wall_ms(lambda _: x @ y, calls=5) / 1e9
+    mm = 2 * m**3 / _wall_ms(lambda _: x @ y, calls=5) / 1e9
     return {"copy_GBps": copy, "bf16_TFLOPs": mm, "fp8_TFLOPs": mm}
 
 
@@ -98,9 +100,14 @@ def build_core(cfg_or_name, kv_tokens: tuple[int, int], release: bool, smoke: bo
 
     cfg = resolve_config(cfg_or_name) if isinstance(cfg_or_name, str) else cfg_or_name
     dtype = "float32" if DEV == "cpu" else "bfloat16"
-    info = {"model": cfg.name, "layers": cfg.num_hidden_layers, "routed_experts": cfg.n_routed_experts,
-            "expert_format": "mxfp4" if release else dtype, "dense_format": "fp8" if release else dtype,
-            "estimated_bytes": model_bytes(cfg, release)}
+    info = {
+        "model": cfg.name,
+        "layers": cfg.num_hidden_layers,
+        "routed_experts": cfg.n_routed_experts,
+        "expert_format": "mxfp4" if release else dtype,
+        "dense_format": "fp8" if release else dtype,
+        "estimated_bytes": model_bytes(cfg, release),
+    }
     if DEV == "cuda":
         free = torch.cuda.mem_get_info()[0]
         info["free_bytes"] = free
@@ -108,8 +115,11 @@ def build_core(cfg_or_name, kv_tokens: tuple[int, int], release: bool, smoke: bo
             n = int(cfg.num_hidden_layers * 0.8 * free / info["estimated_bytes"])
             cfg = replace(cfg, num_hidden_layers=n)  # ConfigError here: the schedule cannot be cut, say so
             info.update(layers=n, reduced_layers_to_fit=True)
-    tok_name = cfg.name if cfg.name in ("tiny", "tiny-v4", "v41-flash", "v4-flash", "proxy-h200") else (
-        "v4-flash" if not cfg.is_v41 else "proxy-h200")
+    tok_name = (
+        cfg.name
+        if cfg.name in ("tiny", "tiny-v4", "v41-flash", "v4-flash", "proxy-h200")
+        else ("v4-flash" if not cfg.is_v41 else "proxy-h200")
+    )
     tokenizer = Tokenizer.for_preset(tok_name)
     # release: each layer's experts filled and packed in turn on the device (the dense copies dropped)
     net = build_dummy_model(cfg, 0, "mxfp4" if release else None, DEV, keep_dense=False)
@@ -120,12 +130,18 @@ def build_core(cfg_or_name, kv_tokens: tuple[int, int], release: bool, smoke: bo
     lay = KVLayout.build(cfg, None, "auto")
     seqs, tokens = kv_tokens
     blocks = seqs * (math.ceil(tokens / lay.block_size) + 1)
-    args = EngineArgs(model="tiny", dtype=dtype, seed=0, quantization="fp8" if release else None,
-                      expert_format="mxfp4" if release else None,
-                      engram_tables=engram_tables if release else "device",
-                      max_num_seqs=seqs, enable_prefix_caching=False,
-                      reference_ops="" if DEV == "cuda" else "all",  # the CPU smoke: no interpreted kernels
-                      kv_cache_memory=blocks * lay.bytes_per_block + seqs * lay.bytes_per_slot + (1 << 20))
+    args = EngineArgs(
+        model="tiny",
+        dtype=dtype,
+        seed=0,
+        quantization="fp8" if release else None,
+        expert_format="mxfp4" if release else None,
+        engram_tables=engram_tables if release else "device",
+        max_num_seqs=seqs,
+        enable_prefix_caching=False,
+        reference_ops="" if DEV == "cuda" else "all",  # the CPU smoke: no interpreted kernels
+        kv_cache_memory=blocks * lay.bytes_per_block + seqs * lay.bytes_per_slot + (1 << 20),
+    )
     core = EngineCore(args, loaded=LoadedModel(net, cfg, tokenizer, "dummy"))
     if DEV == "cuda":
         info["allocated_bytes"] = torch.cuda.memory_allocated()
@@ -146,8 +162,13 @@ def weight_bytes(core) -> tuple[float, float]:
     skip = ("engram.embed", "dspark", "mtp")
     dense, seen = 0, set()
     for name, t in list(core.model.named_parameters()) + list(core.model.named_buffers()):
-        if is_routed_expert(name) or any(s in name for s in skip) or name == "embed.weight" \
-                or name.endswith("tid2eid") or name.endswith("engram_token_map"):
+        if (
+            is_routed_expert(name)
+            or any(s in name for s in skip)
+            or name == "embed.weight"
+            or name.endswith("tid2eid")
+            or name.endswith("engram_token_map")
+        ):
             continue
         storage = t.untyped_storage()
         if storage.data_ptr() in seen:  # views of one weight (the shared expert's fused w13 and its w1, w3)
@@ -169,8 +190,11 @@ def kv_rows_read(cfg, model, context: int) -> dict:
     cand = (cfg.candidate_topk_blocks or 0) * (cfg.candidate_block_size or 0) or context
     scored = min(context, cand)  # entries an indexer scores (ratio-1 keys bound the count)
     att = n_layers * (min(context, cfg.index_topk) * MAIN_FP4.row_bytes + cfg.sliding_window * SWA_FP8.row_bytes)
-    return {"kv_bytes": att + n_idx * scored * INDEX_FP4.row_bytes, "indexer_layers": n_idx,
-            "indexer_flops": n_idx * scored * cfg.index_n_heads * cfg.index_head_dim * 2}
+    return {
+        "kv_bytes": att + n_idx * scored * INDEX_FP4.row_bytes,
+        "indexer_layers": n_idx,
+        "indexer_flops": n_idx * scored * cfg.index_n_heads * cfg.index_head_dim * 2,
+    }
 
 
 def expected_experts(n_exp: int, k: int, b: int) -> float:
@@ -188,8 +212,14 @@ def decode_floor(core, b: int, context: int, ceil: dict) -> dict:
     engram = len(cfg.engram_layer_ids) * cfg.engram_columns * cfg.engram_head_dim * elem
     rows = b * (kv["kv_bytes"] + engram + cfg.hidden_size * elem)
     total = dense + layers * touched * per_expert + rows
-    return {"floor_bytes": total, "floor_ms": total / ceil["copy_GBps"] / 1e6, "experts_touched": touched,
-            "dense_weight_bytes": dense, "expert_bytes": layers * touched * per_expert, "row_bytes": rows}
+    return {
+        "floor_bytes": total,
+        "floor_ms": total / ceil["copy_GBps"] / 1e6,
+        "experts_touched": touched,
+        "dense_weight_bytes": dense,
+        "expert_bytes": layers * touched * per_expert,
+        "row_bytes": rows,
+    }
 
 
 def prefill_flops(core, context: int, new: int) -> float:
@@ -199,7 +229,7 @@ def prefill_flops(core, context: int, new: int) -> float:
     att = idx = 0.0
     for p in range(context, context + new):
         for block in model.layers:  # keys each row must read: its window and its selected entries; and scoring:
-            role = block.role       # a source's indexer scores every visible entry, a consumer the candidate pool
+            role = block.role  # a source's indexer scores every visible entry, a consumer the candidate pool
             vis = (p + 1) // role.ratio if role.ratio else 0
             att += min(p + 1, cfg.sliding_window) + min(vis, cfg.index_topk)
             if block.attn.indexer is not None:
@@ -218,6 +248,7 @@ def device_busy(core, b: int, context: int) -> dict:
     from dsserve.engine.request import Request
     from dsserve.engine.sampling_params import SamplingParams
     from dsserve.engine.scheduler import ScheduledChunk, StepPlan
+
     gen, reqs = torch.Generator().manual_seed(1), []
     vocab = core.cfg.vocab_size
     for i in range(b):  # random ids as bench_forward draws them: one id in every row would route every row alike
@@ -247,8 +278,9 @@ def device_busy(core, b: int, context: int) -> dict:
 
 # ------------------------------------------------------------------ sections
 def decode(plan: dict, ceil: dict, res: dict) -> list[dict]:
-    core, info = build_core(plan["model"], plan["kv_tokens"], release=True, smoke=SMOKE,
-                            engram_tables=plan["engram_tables"])
+    core, info = build_core(
+        plan["model"], plan["kv_tokens"], release=True, smoke=SMOKE, engram_tables=plan["engram_tables"]
+    )
     info["engram_tables"] = plan["engram_tables"]
     res["decode_model"] = info
     rows = res["decode"] = []  # filled row by row and saved after each: a run cut by its time limit keeps them
@@ -266,16 +298,31 @@ def decode(plan: dict, ceil: dict, res: dict) -> list[dict]:
                     core.runner.decode_graphs = graphs
                 f = decode_floor(core, b, ctx, ceil)
                 ms = r.seconds * 1e3
-                rows.append({"B": b, "ctx": ctx, "ms": ms, "graphs": graphs is not None, "eager_ms": e.seconds * 1e3,
-                             "eager_over_graph": e.seconds / r.seconds, "tokens_per_s": r.tokens_per_s,
-                             "floor_ms": f["floor_ms"], "over_floor": ms / f["floor_ms"],
-                             "device_busy_ms": busy["busy_ms"], "busy_over_floor": busy["busy_ms"] / f["floor_ms"],
-                             "launches": busy["launches"], "top_kernels_ms": busy["top"],
-                             "goal_met": (ms / f["floor_ms"] <= 1.25) if b <= 32 else None,
-                             **{k: v for k, v in f.items() if k != "floor_ms"},
-                             "eager_stages_ms": {k: v * 1e3 for k, v in e.stages.items()}})
-                print(f"decode B={b} ctx={ctx}: {ms:.2f} ms graphs, {e.seconds * 1e3:.2f} eager "
-                      f"(floor {f['floor_ms']:.2f})", flush=True)
+                rows.append(
+                    {
+                        "B": b,
+                        "ctx": ctx,
+                        "ms": ms,
+                        "graphs": graphs is not None,
+                        "eager_ms": e.seconds * 1e3,
+                        "eager_over_graph": e.seconds / r.seconds,
+                        "tokens_per_s": r.tokens_per_s,
+                        "floor_ms": f["floor_ms"],
+                        "over_floor": ms / f["floor_ms"],
+                        "device_busy_ms": busy["busy_ms"],
+                        "busy_over_floor": busy["busy_ms"] / f["floor_ms"],
+                        "launches": busy["launches"],
+                        "top_kernels_ms": busy["top"],
+                        "goal_met": (ms / f["floor_ms"] <= 1.25) if b <= 32 else None,
+                        **{k: v for k, v in f.items() if k != "floor_ms"},
+                        "eager_stages_ms": {k: v * 1e3 for k, v in e.stages.items()},
+                    }
+                )
+                print(
+                    f"decode B={b} ctx={ctx}: {ms:.2f} ms graphs, {e.seconds * 1e3:.2f} eager "
+                    f"(floor {f['floor_ms']:.2f})",
+                    flush=True,
+                )
                 save(res)
         if graphs is not None:
             res["decode_graphs"] = graphs.report()
@@ -287,9 +334,20 @@ def decode(plan: dict, ceil: dict, res: dict) -> list[dict]:
                 flops += prefill_flops(core, c, new)
             n = new * len(ctxs)
             floor_ms = flops / ceil["bf16_TFLOPs"] / 1e9
-            rows.append({"op": "prefill", "new_tokens": n, "cached": ctxs[0], "chunk": new, "ms": secs * 1e3,
-                         "tokens_per_s": n / secs, "flops": flops, "floor_ms": floor_ms,
-                         "matmul_fraction": floor_ms / (secs * 1e3), "goal_met": floor_ms / (secs * 1e3) >= 0.5})
+            rows.append(
+                {
+                    "op": "prefill",
+                    "new_tokens": n,
+                    "cached": ctxs[0],
+                    "chunk": new,
+                    "ms": secs * 1e3,
+                    "tokens_per_s": n / secs,
+                    "flops": flops,
+                    "floor_ms": floor_ms,
+                    "matmul_fraction": floor_ms / (secs * 1e3),
+                    "goal_met": floor_ms / (secs * 1e3) >= 0.5,
+                }
+            )
             print(f"prefill {n} new on {ctxs[0]}: {secs * 1e3:.1f} ms (floor {floor_ms:.1f})", flush=True)
             save(res)
     finally:
@@ -301,6 +359,7 @@ def kernels(plan: dict, ceil: dict, res: dict) -> dict:
     import importlib
 
     import dsserve.bench.device_timing as dt
+
     if DEV == "cpu":  # the kernel benches time through CUDA graphs: wall time stands in for the smoke test
         dt.graph_ms = dt.eager_ms = _wall_ms
     out = {}
@@ -354,6 +413,7 @@ def hf_from_core(core):
     from transformers import DeepseekV4ForCausalLM
 
     from dsserve.models.checkpoint import model_name_for, release_layout
+
     sd, rel = core.model.state_dict(), {}
     for name, spec in release_layout(core.cfg).items():
         if spec.quant != "scale":
@@ -418,27 +478,57 @@ def hf_tokens_per_s(hf, ctx: int, prefill: int, steps: int) -> dict:
 # ------------------------------------------------------------------ run
 def plans(smoke: bool) -> dict:
     from dsserve.models.presets import preset
+
     if smoke:
-        k = [("router", "dsserve.kernels.router", dict(d=64, e=16, k=2, copies=2)),
-             ("mhc", "dsserve.kernels.mhc", dict(n=4, d=64, copies=2)),
-             ("grouped_moe", "dsserve.kernels.grouped_moe", dict(d=64, inter=64, n_experts=8, k=2, sets=1,
-                                                                   tokens=(1, 8))),
-             ("engram", "dsserve.layers.engram_table", dict(table_gb=0.001, tokens=(1, 2)))]
-        return {"model": "tiny", "contexts": (64, 128), "batches": (1, 2), "kv_tokens": (2, 256),
-                "prefill": [(32, [0]), (32, [0, 32]), (32, [128])], "repeats": 1, "prefill_repeats": 1,
-                "kernels": k, "peer_model": preset("tiny-v4").with_options(qat=False), "peer_kv_tokens": (16, 128),
-                "peer_ctx": 32, "peer_prefill": 64, "peer_steps": 2}
-    k = [("router", "dsserve.kernels.router", {}), ("mhc", "dsserve.kernels.mhc", {}),
-         ("grouped_moe", "dsserve.kernels.grouped_moe", dict(tokens=(1, 8, 32, 128))),
-         ("engram", "dsserve.layers.engram_table", dict(table_gb=2.0))]
+        k = [
+            ("router", "dsserve.kernels.router", dict(d=64, e=16, k=2, copies=2)),
+            ("mhc", "dsserve.kernels.mhc", dict(n=4, d=64, copies=2)),
+            (
+                "grouped_moe",
+                "dsserve.kernels.grouped_moe",
+                dict(d=64, inter=64, n_experts=8, k=2, sets=1, tokens=(1, 8)),
+            ),
+            ("engram", "dsserve.layers.engram_table", dict(table_gb=0.001, tokens=(1, 2))),
+        ]
+        return {
+            "model": "tiny",
+            "contexts": (64, 128),
+            "batches": (1, 2),
+            "kv_tokens": (2, 256),
+            "prefill": [(32, [0]), (32, [0, 32]), (32, [128])],
+            "repeats": 1,
+            "prefill_repeats": 1,
+            "kernels": k,
+            "peer_model": preset("tiny-v4").with_options(qat=False),
+            "peer_kv_tokens": (16, 128),
+            "peer_ctx": 32,
+            "peer_prefill": 64,
+            "peer_steps": 2,
+        }
+    k = [
+        ("router", "dsserve.kernels.router", {}),
+        ("mhc", "dsserve.kernels.mhc", {}),
+        ("grouped_moe", "dsserve.kernels.grouped_moe", dict(tokens=(1, 8, 32, 128))),
+        ("engram", "dsserve.layers.engram_table", dict(table_gb=2.0)),
+    ]
     # The peer: V4-Flash widths with 16 routed experts (top-6): about 24 B params, 49 GB in bf16, so the
     # dsserve copy and transformers' copy fit together while the weights are handed over.
     peer_cfg = replace(preset("v4-flash").with_options(qat=False), name="v4-flash-peer16", n_routed_experts=16)
-    return {"model": "proxy-h200-release", "contexts": (8192, 131072), "batches": (1, 8, 32, 128),
-            "kv_tokens": (128, 131072 + 8192 + 1), "prefill": [(8192, [0]), (8192, [0, 8192, 16384, 24576]),
-                                                                 (8192, [131072])],
-            "repeats": 2, "prefill_repeats": 1, "kernels": k, "peer_model": peer_cfg, "peer_kv_tokens": (16, 8192 + 2),
-            "peer_ctx": 1024, "peer_prefill": 8192, "peer_steps": 8}
+    return {
+        "model": "proxy-h200-release",
+        "contexts": (8192, 131072),
+        "batches": (1, 8, 32, 128),
+        "kv_tokens": (128, 131072 + 8192 + 1),
+        "prefill": [(8192, [0]), (8192, [0, 8192, 16384, 24576]), (8192, [131072])],
+        "repeats": 2,
+        "prefill_repeats": 1,
+        "kernels": k,
+        "peer_model": peer_cfg,
+        "peer_kv_tokens": (16, 8192 + 2),
+        "peer_ctx": 1024,
+        "peer_prefill": 8192,
+        "peer_steps": 8,
+    }
 
 
 OUT_JSON = []  # the path main() writes to
@@ -460,21 +550,36 @@ def _finite(x) -> bool:
 
 def plot(res: dict, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
     dec = [r for r in res.get("decode", []) if "B" in r]
     for ctx in sorted({r["ctx"] for r in dec}):
-        pts = sorted((r["B"], r["ms"], r["floor_ms"], r.get("device_busy_ms", float("nan"))) for r in dec
-                     if r["ctx"] == ctx)
-        line, = ax[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"ctx {ctx}: step (graphs)")
-        ax[0].plot([p[0] for p in pts], [r["eager_ms"] for r in sorted(dec, key=lambda r: r["B"]) if r["ctx"] == ctx],
-                   "^-.", color=line.get_color(), alpha=0.5, label=f"ctx {ctx}: eager step")
-        ax[0].plot([p[0] for p in pts], [p[3] for p in pts], "s--", color=line.get_color(),
-                   label=f"ctx {ctx}: device busy")
+        pts = sorted(
+            (r["B"], r["ms"], r["floor_ms"], r.get("device_busy_ms", float("nan"))) for r in dec if r["ctx"] == ctx
+        )
+        (line,) = ax[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"ctx {ctx}: step (graphs)")
+        ax[0].plot(
+            [p[0] for p in pts],
+            [r["eager_ms"] for r in sorted(dec, key=lambda r: r["B"]) if r["ctx"] == ctx],
+            "^-.",
+            color=line.get_color(),
+            alpha=0.5,
+            label=f"ctx {ctx}: eager step",
+        )
+        ax[0].plot(
+            [p[0] for p in pts], [p[3] for p in pts], "s--", color=line.get_color(), label=f"ctx {ctx}: device busy"
+        )
         ax[0].plot([p[0] for p in pts], [p[2] for p in pts], ":", color=line.get_color())
-    ax[0].set(xscale="log", yscale="log", xlabel="batch", ylabel="ms per decode step",
-              title="whole-model decode (dotted: bytes floor)")
+    ax[0].set(
+        xscale="log",
+        yscale="log",
+        xlabel="batch",
+        ylabel="ms per decode step",
+        title="whole-model decode (dotted: bytes floor)",
+    )
     if dec:
         ax[0].legend()
     pre = [r for r in res.get("decode", []) if r.get("op") == "prefill"]
@@ -490,7 +595,9 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/model-h200")
     p.add_argument("--skip", default="", help="comma list of sections to skip: decode,prefill,kernels,peer")
     p.add_argument("--smoke", action="store_true", help="every section on tiny shapes (CPU ok), < 60 s")
-    p.add_argument("--batches", default="", help="decode batch sizes, comma list (default 1,8,32,128; none: prefill only)")
+    p.add_argument(
+        "--batches", default="", help="decode batch sizes, comma list (default 1,8,32,128; none: prefill only)"
+    )
     p.add_argument("--contexts", default="", help="decode contexts, comma list (default 8192,131072)")
     p.add_argument("--engram-tables", default="host-fp8", help="where the proxy's Engram tables live (EngineArgs)")
     a = p.parse_args()
@@ -503,10 +610,17 @@ def main() -> None:
             plan[key] = () if val == "none" else tuple(int(v) for v in val.split(","))
     if "prefill" in skip:
         plan["prefill"] = []
-    res = {"meta": {"command": " ".join(["python", "benchmarks/model_h200.py"] + sys.argv[1:]),
-                    "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "torch": torch.__version__,
-                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "smoke": a.smoke},
-           "ceilings": ceilings(), "seconds": {}}
+    res = {
+        "meta": {
+            "command": " ".join(["python", "benchmarks/model_h200.py"] + sys.argv[1:]),
+            "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "smoke": a.smoke,
+        },
+        "ceilings": ceilings(),
+        "seconds": {},
+    }
     os.makedirs(a.out, exist_ok=True)
     OUT_JSON.append(os.path.join(a.out, "model.json"))
     for name, fn in (("decode", decode), ("kernels", kernels), ("peer", peer)):
@@ -522,16 +636,22 @@ def main() -> None:
         save(res)
     c = res["ceilings"]
     print(f"ceilings: copy {c['copy_GBps']:.0f} GB/s, bf16 {c['bf16_TFLOPs']:.1f} TFLOP/s, fp8 {c['fp8_TFLOPs']:.1f}")
-    print(f"{'case':34s} {'ms':>10s} {'floor ms':>10s} {'ratio':>7s} {'tok/s':>10s} {'busy ms':>9s} {'ratio':>7s} "
-          f"{'eager ms':>9s}")
+    print(
+        f"{'case':34s} {'ms':>10s} {'floor ms':>10s} {'ratio':>7s} {'tok/s':>10s} {'busy ms':>9s} {'ratio':>7s} "
+        f"{'eager ms':>9s}"
+    )
     for r in res.get("decode", []):
         if "B" in r:
-            print(f"{'decode B=%d ctx=%d' % (r['B'], r['ctx']):34s} {r['ms']:10.2f} {r['floor_ms']:10.2f} "
-                  f"{r['over_floor']:6.2f}x {r['tokens_per_s']:10.0f} {r['device_busy_ms']:9.2f} "
-                  f"{r['busy_over_floor']:6.2f}x {r['eager_ms']:9.2f}")
+            print(
+                f"{'decode B=%d ctx=%d' % (r['B'], r['ctx']):34s} {r['ms']:10.2f} {r['floor_ms']:10.2f} "
+                f"{r['over_floor']:6.2f}x {r['tokens_per_s']:10.0f} {r['device_busy_ms']:9.2f} "
+                f"{r['busy_over_floor']:6.2f}x {r['eager_ms']:9.2f}"
+            )
         else:
-            print(f"{'prefill %d new on %d' % (r['new_tokens'], r['cached']):34s} {r['ms']:10.1f} "
-                  f"{r['floor_ms']:10.1f} {r['matmul_fraction']:6.0%}  {r['tokens_per_s']:10.0f}")
+            print(
+                f"{'prefill %d new on %d' % (r['new_tokens'], r['cached']):34s} {r['ms']:10.1f} "
+                f"{r['floor_ms']:10.1f} {r['matmul_fraction']:6.0%}  {r['tokens_per_s']:10.0f}"
+            )
     for name, r in res.get("kernels", {}).items():
         print(f"kernel {name}: " + (r["error"] if "error" in r else json.dumps(r["result"], default=str)[:300]))
     peer_res = res.get("peer", {})
@@ -540,9 +660,12 @@ def main() -> None:
     if "decode" in res:
         plot(res, os.path.join(a.out, "model.png"))
     save(res)
-    summary = {"ceilings": c, "errors": res.get("errors", {}),
-               "finite": _finite({k: res.get(k) for k in ("decode", "peer")}),
-               "sections": [k for k in ("decode", "kernels", "peer") if k in res]}
+    summary = {
+        "ceilings": c,
+        "errors": res.get("errors", {}),
+        "finite": _finite({k: res.get(k) for k in ("decode", "peer")}),
+        "sections": [k for k in ("decode", "kernels", "peer") if k in res],
+    }
     print(json.dumps(summary, default=str))
 
 

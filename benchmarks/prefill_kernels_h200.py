@@ -15,6 +15,7 @@ Each case checks its output against the path it replaces, then times it (triton.
 is printed with its TFLOP/s and the share of the bf16 matmul rate measured in this run (copy bandwidth too).
 Prints a table, then one JSON line; writes prefill_kernels.json and .png under --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,10 +57,10 @@ def ceilings() -> dict:
     n = 1 << 30
     a = torch.empty(n, dtype=torch.uint8, device=DEV)
     b = torch.empty_like(a)
-    copy = 2 * n / triton.testing.do_bench(lambda: b.copy_(a), rep=200, return_mode="median") / 1e6
+    copy = 2 * n / triton.testing.do_bench(lambda: b.copy_(a), rep=200, return_mode="median") / 1e6  # noqa: F821
     del a, b
     x = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
-    bf16 = 2 * 8192 ** 3 / triton.testing.do_bench(lambda: x @ x, rep=200, return_mode="median") / 1e9
+    bf16 = 2 * 8192**3 / triton.testing.do_bench(lambda: x @ x, rep=200, return_mode="median") / 1e9
     return {"copy_GBps": copy, "bf16_TFLOPs": bf16}
 
 
@@ -80,16 +81,23 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def row(section: str, case: str, ms: float, flops: float, err: float, ceil: dict) -> dict:
     tf = flops / ms / 1e9
-    return {"section": section, "case": case, "ms": ms, "TFLOPs": tf, "of_bf16_rate": tf / ceil["bf16_TFLOPs"],
-            "rel_err": err}
+    return {
+        "section": section,
+        "case": case,
+        "ms": ms,
+        "TFLOPs": tf,
+        "of_bf16_rate": tf / ceil["bf16_TFLOPs"],
+        "rel_err": err,
+    }
 
 
 def attention(ceil: dict, g) -> list[dict]:
     """One chunk after CTX tokens: no old window rows past the chunk's first W rows, K valid picks a row."""
     t = torch.arange(T, device=DEV)
     n_main = CTX // 4
-    old = torch.where(torch.arange(W, device=DEV)[None, :] > t[:, None], torch.arange(W, device=DEV)[None, :],
-                      -1).to(torch.int32)
+    old = torch.where(torch.arange(W, device=DEV)[None, :] > t[:, None], torch.arange(W, device=DEV)[None, :], -1).to(
+        torch.int32
+    )
     sel = torch.stack([torch.randperm(n_main, generator=g)[:K] for _ in range(T)]).to(DEV, torch.int32)
     q = torch.randn(T, H, D, generator=g).to(DEV, torch.bfloat16)
     ang = torch.rand(T, R // 2, generator=g).to(DEV)
@@ -100,7 +108,7 @@ def attention(ceil: dict, g) -> list[dict]:
     mpool = MAIN_FP4.with_channels(D).pack(torch.randn(n_main, D, generator=g)).to(DEV)
     keys = float(((old >= 0).sum(1) + (t + 1).clamp(max=W) + K).sum())
     flops = 4 * H * D * keys
-    packed = (wpool, "fp8", old, fresh, first, mpool, "fp4", sel, sink, D ** -0.5)
+    packed = (wpool, "fp8", old, fresh, first, mpool, "fp4", sel, sink, D**-0.5)
 
     def general():
         sap.PREFILL_MIN_ROWS = 1 << 62
@@ -114,12 +122,16 @@ def attention(ceil: dict, g) -> list[dict]:
         sap.PREFILL_MIN_ROWS = 1
         wt = unpack_rows(wpool, "fp8", torch.arange(W, dtype=torch.int32, device=DEV)).view(torch.uint8)
         mt = unpack_rows(mpool, "fp4", torch.arange(n_main, dtype=torch.int32, device=DEV)).view(torch.uint8)
-        return sa.sparse_attention(q, ang.cos(), ang.sin(), wt, "bf16", old, fresh, first, mt, "bf16", sel, sink,
-                                   D ** -0.5)
+        return sa.sparse_attention(
+            q, ang.cos(), ang.sin(), wt, "bf16", old, fresh, first, mt, "bf16", sel, sink, D**-0.5
+        )
+
     base = general().float()
     out = [row("attention", "general kernel, FP8 / FP4 pools", ms_of(general), flops, 0.0, ceil)]
-    for name, fn in (("many-row kernel, FP8 / FP4 pools", prefill_packed),
-                     ("many-row kernel, bf16 tables (unpack included)", prefill_tables)):
+    for name, fn in (
+        ("many-row kernel, FP8 / FP4 pools", prefill_packed),
+        ("many-row kernel, bf16 tables (unpack included)", prefill_tables),
+    ):
         err = rel(fn().float(), base)
         out.append(row("attention", name, ms_of(fn), flops, err, ceil))
     sap.PREFILL_MIN_ROWS = 128
@@ -145,16 +157,27 @@ def index(ceil: dict, g) -> list[dict]:
     def tabled():
         tab = unpack_rows(pool, "index_fp4", rows).view(torch.uint8)
         return ix.index_scores(q, w, tab, "bf16", one, seq, n_max, nv, n_max)
+
     ixp.PREFILL_ROWS = 1 << 62
     base = general()
-    out = [row("index", "sources: general kernel, FP4", ms_of(general), flops, 0.0, ceil),
-           row("index", "sources: general kernel, bf16 table", ms_of(tabled), flops, rel(tabled(), base), ceil)]
+    out = [
+        row("index", "sources: general kernel, FP4", ms_of(general), flops, 0.0, ceil),
+        row("index", "sources: general kernel, bf16 table", ms_of(tabled), flops, rel(tabled(), base), ceil),
+    ]
     tiles = ((ixp.ROWS, ixp.BLOCK_N, ixp.SUPER),) if SMOKE else ((8, 32, 128), (4, 64, 64), (8, 64, 64), (16, 32, 128))
     ixp.PREFILL_ROWS = 1
     for rows_, bn, sup in tiles:
         ixp.ROWS, ixp.BLOCK_N, ixp.SUPER = rows_, bn, sup
-        out.append(row("index", f"sources: long-chunk kernel {rows_} rows x {bn} x {sup}, bf16 table", ms_of(tabled),
-                       flops, rel(tabled(), base), ceil))
+        out.append(
+            row(
+                "index",
+                f"sources: long-chunk kernel {rows_} rows x {bn} x {sup}, bf16 table",
+                ms_of(tabled),
+                flops,
+                rel(tabled(), base),
+                ceil,
+            )
+        )
     ixp.PREFILL_ROWS = 1 << 62
     cand = candidate_blocks(base, nv, CBS, NB)
     cflops = float(T) * NB * CBS * HI * DI * 2
@@ -163,11 +186,18 @@ def index(ceil: dict, g) -> list[dict]:
     def cand_tabled():
         tab = unpack_rows(pool, "index_fp4", rows).view(torch.uint8)
         return ix.index_scores_candidates(q, w, tab, "bf16", one, seq, n_max, cand, CBS, nv)
-    out += [row("index", "consumers: candidates, FP4",
-                ms_of(lambda: ix.index_scores_candidates(q, w, pool, "fp4", bt, seq, epb, cand, CBS, nv)), cflops,
-                0.0, ceil),
-            row("index", "consumers: candidates, bf16 table", ms_of(cand_tabled), cflops, rel(cand_tabled(), cbase),
-                ceil)]
+
+    out += [
+        row(
+            "index",
+            "consumers: candidates, FP4",
+            ms_of(lambda: ix.index_scores_candidates(q, w, pool, "fp4", bt, seq, epb, cand, CBS, nv)),
+            cflops,
+            0.0,
+            ceil,
+        ),
+        row("index", "consumers: candidates, bf16 table", ms_of(cand_tabled), cflops, rel(cand_tabled(), cbase), ceil),
+    ]
     return out
 
 
@@ -175,18 +205,20 @@ def top_k(ceil: dict, g) -> list[dict]:
     out = []
     for n in ((CTX + T) // 2, CTX + T):
         s = torch.randn(T, n, generator=g).to(DEV)
-        s = s.masked_fill(torch.arange(n, device=DEV)[None, :] > (n - T + torch.arange(T, device=DEV))[:, None],
-                          float("-inf"))
+        s = s.masked_fill(
+            torch.arange(n, device=DEV)[None, :] > (n - T + torch.arange(T, device=DEV))[:, None], float("-inf")
+        )
         k = K
         want = topk_int64_keys(s, k)
         chunk = (lambda: chunk_topk(s, k, TOPK_CHUNK)) if TOPK_CHUNK else (lambda: chunk_topk(s, k))
         got = chunk()
         same = torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-        for name, fn, err in ((f"N = {n}: torch.topk on int64 keys", lambda: topk_int64_keys(s, k), 0.0),
-                              (f"N = {n}: chunk_topk", chunk, 0.0 if same else float("inf"))):
+        for name, fn, err in (
+            (f"N = {n}: torch.topk on int64 keys", lambda: topk_int64_keys(s, k), 0.0),
+            (f"N = {n}: chunk_topk", chunk, 0.0 if same else float("inf")),
+        ):
             ms = ms_of(fn)
-            out.append({"section": "topk", "case": name, "ms": ms, "GBps": s.numel() * 4 / ms / 1e6,
-                        "rel_err": err})
+            out.append({"section": "topk", "case": name, "ms": ms, "GBps": s.numel() * 4 / ms / 1e6, "rel_err": err})
     return out
 
 
@@ -199,16 +231,25 @@ def mhc_site(ceil: dict, g) -> list[dict]:
         got = mhc.mhc_site(*args)
         err = max(rel(a.float(), b.float()) for a, b in zip(got[1:], ref[1:]))
         ms = ms_of(lambda: mhc.mhc_site(*args))
-        out.append({"section": "mhc", "case": f"site, {name} partials", "ms": ms,
-                    "GBps": T * HC * HD * 2 / ms / 1e6, "rel_err": err})
+        out.append(
+            {
+                "section": "mhc",
+                "case": f"site, {name} partials",
+                "ms": ms,
+                "GBps": T * HC * HD * 2 / ms / 1e6,
+                "rel_err": err,
+            }
+        )
     mhc.BF16X3_MIN_ROWS = 1 << 62
     return out
 
 
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(12, 0.35 * len(rows) + 1))
     labels = [f"{r['section']}: {r['case']}" for r in rows]
     ax.barh(range(len(rows)), [r["ms"] for r in rows])
@@ -229,10 +270,17 @@ def main() -> None:
     os.makedirs(a.out, exist_ok=True)
     g = torch.Generator().manual_seed(0)
     ceil = ceilings()
-    res = {"meta": {"command": " ".join(["python", "benchmarks/prefill_kernels_h200.py"] + sys.argv[1:]),
-                    "device": "cpu" if SMOKE else torch.cuda.get_device_name(), "torch": torch.__version__,
-                    "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
-           "ceilings": ceil, "rows": []}
+    res = {
+        "meta": {
+            "command": " ".join(["python", "benchmarks/prefill_kernels_h200.py"] + sys.argv[1:]),
+            "device": "cpu" if SMOKE else torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        },
+        "ceilings": ceil,
+        "rows": [],
+    }
     for section in (attention, index, top_k, mhc_site):
         res["rows"] += section(ceil, g)
         json.dump(res, open(os.path.join(a.out, "prefill_kernels.json"), "w"), indent=1)
@@ -240,8 +288,10 @@ def main() -> None:
     print(f"ceilings: {ceil}")
     print(f"{'section':10s} {'case':62s} {'ms':>10s} {'TFLOP/s':>9s} {'rel err':>9s}")
     for r in res["rows"]:
-        print(f"{r['section']:10s} {r['case']:62s} {r['ms']:10.3f} {r.get('TFLOPs', float('nan')):9.1f} "
-              f"{r['rel_err']:9.2e}")
+        print(
+            f"{r['section']:10s} {r['case']:62s} {r['ms']:10.3f} {r.get('TFLOPs', float('nan')):9.1f} "
+            f"{r['rel_err']:9.2e}"
+        )
     print(json.dumps({"ceilings": ceil, "rows": [{k: r[k] for k in ("section", "case", "ms")} for r in res["rows"]]}))
 
 

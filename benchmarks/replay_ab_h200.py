@@ -9,6 +9,7 @@ largest gap between steps while decoding, decode steps run as graphs, and the st
 (EngineStats). The first engine of the process pays Triton's compilation, so replay off runs first and again last.
 Prints one line per engine, then one JSON line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,9 +39,16 @@ def phase(core: EngineCore, rid: str, ids: list[int], n: int) -> dict:
         ts.append(time.perf_counter())
     s1 = core.stats.as_dict()
     gaps = sorted(b - a for a, b in zip(ts[:-1], ts[1:]))
-    return {"steps": len(ts), "ttft_ms": (ts[0] - t0) * 1e3, "itl_p50_ms": gaps[len(gaps) // 2] * 1e3,
-            "itl_max_ms": gaps[-1] * 1e3, **{k: s1[k] - s0[k] for k in (
-                "graph_steps", "replay_graph_steps", "graph_captures", "step_host_seconds", "step_wait_seconds")}}
+    return {
+        "steps": len(ts),
+        "ttft_ms": (ts[0] - t0) * 1e3,
+        "itl_p50_ms": gaps[len(gaps) // 2] * 1e3,
+        "itl_max_ms": gaps[-1] * 1e3,
+        **{
+            k: s1[k] - s0[k]
+            for k in ("graph_steps", "replay_graph_steps", "graph_captures", "step_host_seconds", "step_wait_seconds")
+        },
+    }
 
 
 def main() -> None:
@@ -55,23 +63,47 @@ def main() -> None:
     prompt = fresh(6000)
     runs = []
     for replay in (False, True, False):
-        core = EngineCore(EngineArgs(model="tiny", dtype="bfloat16", quantization="fp8", max_num_seqs=32,
-                                     max_num_batched_tokens=8192, max_model_len=40000, enable_prefix_caching=True,
-                                     kv_cache_memory=8 << 30, swa_bounded_replay=replay), loaded=loaded)
-        res = {"replay": replay, "warm": phase(core, "warm", prompt, 40),
-               "hit": phase(core, "hit", prompt + fresh(1500), 64), "hit2": phase(core, "hit2", prompt + fresh(1500), 64),
-               "decode_graphs": core.runner.decode_graphs.report(),
-               "replay_graphs": None if core.runner.replay_graphs is None else core.runner.replay_graphs.report()}
-        print(f"replay {replay}: " + "  ".join(f"{k} ttft {res[k]['ttft_ms']:.0f} ms itl p50 {res[k]['itl_p50_ms']:.1f} ms"
-                                               for k in ("warm", "hit", "hit2")), flush=True)
+        core = EngineCore(
+            EngineArgs(
+                model="tiny",
+                dtype="bfloat16",
+                quantization="fp8",
+                max_num_seqs=32,
+                max_num_batched_tokens=8192,
+                max_model_len=40000,
+                enable_prefix_caching=True,
+                kv_cache_memory=8 << 30,
+                swa_bounded_replay=replay,
+            ),
+            loaded=loaded,
+        )
+        res = {
+            "replay": replay,
+            "warm": phase(core, "warm", prompt, 40),
+            "hit": phase(core, "hit", prompt + fresh(1500), 64),
+            "hit2": phase(core, "hit2", prompt + fresh(1500), 64),
+            "decode_graphs": core.runner.decode_graphs.report(),
+            "replay_graphs": None if core.runner.replay_graphs is None else core.runner.replay_graphs.report(),
+        }
+        print(
+            f"replay {replay}: "
+            + "  ".join(
+                f"{k} ttft {res[k]['ttft_ms']:.0f} ms itl p50 {res[k]['itl_p50_ms']:.1f} ms"
+                for k in ("warm", "hit", "hit2")
+            ),
+            flush=True,
+        )
         runs.append(res)
         core.kv = core.runner = None
         del core
         torch.cuda.empty_cache()
     os.makedirs(a.out, exist_ok=True)
-    meta = {"command": " ".join(["python", "benchmarks/replay_ab_h200.py"] + sys.argv[1:]),
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    meta = {
+        "command": " ".join(["python", "benchmarks/replay_ab_h200.py"] + sys.argv[1:]),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     with open(os.path.join(a.out, "ab.json"), "w") as f:
         json.dump({"meta": meta, "runs": runs}, f, indent=1, default=str)
     print(json.dumps({"runs": [{k: r[k] for k in ("replay", "hit2")} for r in runs]}, default=str))

@@ -19,6 +19,7 @@ the device included). With ``--profile-hit``, one more hit per L runs under torc
 the device time of its kernels grouped by name (on the CPU smoke run: the ops' self time) and the host time not
 covered by them, to say what a hit's step spends at each length. Prints a table, then one JSON line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,19 +44,29 @@ from dsserve.engine.core import EngineCore  # noqa: E402
 from dsserve.engine.sampling_params import SamplingParams  # noqa: E402
 from dsserve.models.loader import LoadedModel  # noqa: E402
 
-MODES = {"a_replay_off": dict(swa_bounded_replay=False),
-         "b_replay_eager": dict(swa_bounded_replay=True, enforce_eager=True),
-         "c_replay_graphs": dict(swa_bounded_replay=True, encoder_graphs=True),
-         "d_decoder_graphs_only": dict(swa_bounded_replay=True, encoder_graphs=False)}
+MODES = {
+    "a_replay_off": dict(swa_bounded_replay=False),
+    "b_replay_eager": dict(swa_bounded_replay=True, enforce_eager=True),
+    "c_replay_graphs": dict(swa_bounded_replay=True, encoder_graphs=True),
+    "d_decoder_graphs_only": dict(swa_bounded_replay=True, encoder_graphs=False),
+}
 
 
 def engine(loaded: LoadedModel, mode: dict, kv_bytes: int, max_len: int, smoke: bool) -> EngineCore:
-    args = EngineArgs(model="tiny", dtype="bfloat16" if DEV == "cuda" else "float32",
-                      # "device": leave the tables where build_core put them (host, FP8) for every engine
-                      quantization="fp8" if not smoke else None, engram_tables="device",
-                      max_num_seqs=4, max_num_batched_tokens=256 if smoke else 8192, max_model_len=max_len,
-                      enable_prefix_caching=True, kv_cache_memory=kv_bytes,
-                      reference_ops="all" if smoke and DEV == "cpu" else "", **mode)
+    args = EngineArgs(
+        model="tiny",
+        dtype="bfloat16" if DEV == "cuda" else "float32",
+        # "device": leave the tables where build_core put them (host, FP8) for every engine
+        quantization="fp8" if not smoke else None,
+        engram_tables="device",
+        max_num_seqs=4,
+        max_num_batched_tokens=256 if smoke else 8192,
+        max_model_len=max_len,
+        enable_prefix_caching=True,
+        kv_cache_memory=kv_bytes,
+        reference_ops="all" if smoke and DEV == "cpu" else "",
+        **mode,
+    )
     return EngineCore(args, loaded=loaded)
 
 
@@ -89,13 +100,32 @@ def study(core: EngineCore, lengths: list[int], repeats: int, hit_new: int, gen:
                 cached.append(c)
             after = core.stats.as_dict()
             timed = sorted(times[1:])
-            rows.append({"L": L, "kind": kind, "first_ms": times[0], "ms": timed[len(timed) // 2], "all_ms": times,
-                         "cached_tokens": cached, **{k: after[k] - before[k] for k in (
-                             "decoder_rows_skipped", "replayed_rows", "replay_graph_steps", "encoder_graph_steps",
-                             "prefill_rows")}})
+            rows.append(
+                {
+                    "L": L,
+                    "kind": kind,
+                    "first_ms": times[0],
+                    "ms": timed[len(timed) // 2],
+                    "all_ms": times,
+                    "cached_tokens": cached,
+                    **{
+                        k: after[k] - before[k]
+                        for k in (
+                            "decoder_rows_skipped",
+                            "replayed_rows",
+                            "replay_graph_steps",
+                            "encoder_graph_steps",
+                            "prefill_rows",
+                        )
+                    },
+                }
+            )
             r = rows[-1]
-            print(f"  L={L:>6d} {kind:4s} ttft {r['ms']:9.1f} ms (first {r['first_ms']:9.1f}) cached {cached[-1]:>6d} "
-                  f"decoder rows skipped {r['decoder_rows_skipped']}", flush=True)
+            print(
+                f"  L={L:>6d} {kind:4s} ttft {r['ms']:9.1f} ms (first {r['first_ms']:9.1f}) cached {cached[-1]:>6d} "
+                f"decoder rows skipped {r['decoder_rows_skipped']}",
+                flush=True,
+            )
     return rows
 
 
@@ -103,6 +133,7 @@ def profile_hit(core: EngineCore, L: int, hit_new: int, gen: torch.Generator, to
     """A cold prompt of L tokens, then a hit on it (+hit_new fresh tokens) under torch.profiler: the hit's TTFT,
     its kernels' total device ms and count, and the `top` kernel names by device ms (CPU: ops by self time)."""
     from torch.profiler import ProfilerActivity, profile
+
     vocab = core.cfg.vocab_size
     prompt = torch.randint(3, vocab - 2, (L,), generator=gen).tolist()
     ttft_ms(core, f"prof-{L}-cold", prompt)
@@ -122,24 +153,36 @@ def profile_hit(core: EngineCore, L: int, hit_new: int, gen: torch.Generator, to
             per[e.key[:80]] = [e.self_cpu_time_total / 1e3, e.count]
     busy = sum(v[0] for v in per.values())
     ranked = sorted(per.items(), key=lambda kv: -kv[1][0])
-    return {"L": L, "ttft_ms": ms, "cached_tokens": cached, "kernels_ms": busy,
-            "kernels": sum(v[1] for v in per.values()), "not_kernels_ms": ms - busy,
-            "top": [{"name": n, "ms": round(v[0], 3), "count": v[1]} for n, v in ranked[:top]]}
+    return {
+        "L": L,
+        "ttft_ms": ms,
+        "cached_tokens": cached,
+        "kernels_ms": busy,
+        "kernels": sum(v[1] for v in per.values()),
+        "not_kernels_ms": ms - busy,
+        "top": [{"name": n, "ms": round(v[0], 3), "count": v[1]} for n, v in ranked[:top]],
+    }
 
 
 def plot(res: dict, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(1, 3, figsize=(16, 4.5))
     color = {m: f"C{i}" for i, m in enumerate(MODES)}
     for i, kind in enumerate(("cold", "hit")):
         for mode, rows in res["modes"].items():
             pts = [(r["L"], r["ms"]) for r in rows if r["kind"] == kind]
             ax[i].plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color[mode], label=mode)
-        ax[i].set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="TTFT ms",
-                  title=f"{kind} prompt" + (f" (+{res['meta']['hit_new']} new on a cached prefix)" if kind == "hit"
-                                            else ""))
+        ax[i].set(
+            xscale="log",
+            yscale="log",
+            xlabel="prompt tokens",
+            ylabel="TTFT ms",
+            title=f"{kind} prompt" + (f" (+{res['meta']['hit_new']} new on a cached prefix)" if kind == "hit" else ""),
+        )
         ax[i].legend()
     for kind, mark in (("cold", "o-"), ("hit", "s--")):
         for mode in [m for m in MODES if m != "a_replay_off" and m in res["modes"]]:
@@ -163,23 +206,36 @@ def main() -> None:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--profile-hit", action="store_true", help="then profile one more hit per length and mode")
     a = p.parse_args()
-    lengths = [int(x) for x in a.lengths.split(",")] if a.lengths else (
-        [40, 100, 200] if a.smoke else [1024, 8192, 32768, 100000])
+    lengths = (
+        [int(x) for x in a.lengths.split(",")]
+        if a.lengths
+        else ([40, 100, 200] if a.smoke else [1024, 8192, 32768, 100000])
+    )
     t0 = time.perf_counter()
     if a.smoke:
         from dsserve.models.loader import load_model
+
         torch.set_flush_denormal(True)  # the tiny random model's fp32 activations go subnormal: 50x slower CPU ops
         loaded = load_model("tiny", dtype="float32")
     else:
-        core, info = build_core("proxy-h200-release", (1, 1024), release=True, smoke=False,
-                                engram_tables="host-fp8")
+        core, info = build_core("proxy-h200-release", (1, 1024), release=True, smoke=False, engram_tables="host-fp8")
         loaded = LoadedModel(core.model, core.cfg, core.tokenizer, "dummy")
         del core
-    res = {"meta": {"command": " ".join(["python", "benchmarks/replay_ttft_h200.py"] + sys.argv[1:]),
-                    "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "torch": torch.__version__,
-                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": loaded.cfg.name,
-                    "hit_new": a.hit_new, "lengths": lengths, "build_s": time.perf_counter() - t0},
-           "modes": {}, "graphs": {}, "profiles": {}}
+    res = {
+        "meta": {
+            "command": " ".join(["python", "benchmarks/replay_ttft_h200.py"] + sys.argv[1:]),
+            "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "model": loaded.cfg.name,
+            "hit_new": a.hit_new,
+            "lengths": lengths,
+            "build_s": time.perf_counter() - t0,
+        },
+        "modes": {},
+        "graphs": {},
+        "profiles": {},
+    }
     os.makedirs(a.out, exist_ok=True)
     max_len = max(lengths) + a.hit_new + 64
     kv_bytes = (1 << 26) if a.smoke else 24 << 30
@@ -188,17 +244,19 @@ def main() -> None:
         core = engine(loaded, MODES[name], kv_bytes, max_len, a.smoke)
         res["modes"][name] = study(core, lengths, a.repeats, a.hit_new, torch.Generator().manual_seed(0))
         if a.profile_hit:
-            res["profiles"][name] = [profile_hit(core, L, a.hit_new, torch.Generator().manual_seed(1))
-                                     for L in lengths]
+            res["profiles"][name] = [profile_hit(core, L, a.hit_new, torch.Generator().manual_seed(1)) for L in lengths]
             for r in res["profiles"][name]:
-                print(f"  profiled hit L={r['L']:>6d}: ttft {r['ttft_ms']:.1f} ms, kernels {r['kernels_ms']:.1f} ms "
-                      f"({r['kernels']}), top: " + ", ".join(f"{t['name'][:32]} {t['ms']:.1f}" for t in r["top"][:4]),
-                      flush=True)
+                print(
+                    f"  profiled hit L={r['L']:>6d}: ttft {r['ttft_ms']:.1f} ms, kernels {r['kernels_ms']:.1f} ms "
+                    f"({r['kernels']}), top: " + ", ".join(f"{t['name'][:32]} {t['ms']:.1f}" for t in r["top"][:4]),
+                    flush=True,
+                )
         rg, eg = core.runner.replay_graphs, core.runner.encoder_graphs
-        res["graphs"][name] = {"replay": None if rg is None else rg.report(),
-                               "encoder": None if eg is None else eg.report(),
-                               "decode": None if core.runner.decode_graphs is None else
-                               core.runner.decode_graphs.report()}
+        res["graphs"][name] = {
+            "replay": None if rg is None else rg.report(),
+            "encoder": None if eg is None else eg.report(),
+            "decode": None if core.runner.decode_graphs is None else core.runner.decode_graphs.report(),
+        }
         core.kv = core.runner = core.model = None
         del core
         gc.collect()
@@ -207,24 +265,47 @@ def main() -> None:
         with open(os.path.join(a.out, "ttft.json"), "w") as f:
             json.dump(res, f, indent=1, default=str)
     base = {(r["L"], r["kind"]): r["ms"] for r in res["modes"].get("a_replay_off", [])}
-    res["ratios"] = [{"mode": m, "L": r["L"], "kind": r["kind"], "vs_a": r["ms"] / base[(r["L"], r["kind"])],
-                      "faster_than_a": 1 - r["ms"] / base[(r["L"], r["kind"])]}
-                     for m, rows in res["modes"].items() if m != "a_replay_off" for r in rows
-                     if (r["L"], r["kind"]) in base]
+    res["ratios"] = [
+        {
+            "mode": m,
+            "L": r["L"],
+            "kind": r["kind"],
+            "vs_a": r["ms"] / base[(r["L"], r["kind"])],
+            "faster_than_a": 1 - r["ms"] / base[(r["L"], r["kind"])],
+        }
+        for m, rows in res["modes"].items()
+        if m != "a_replay_off"
+        for r in rows
+        if (r["L"], r["kind"]) in base
+    ]
     print(f"{'L':>7s} {'kind':5s} " + " ".join(f"{m:>16s}" for m in res["modes"]) + "   c faster than a")
     for L in lengths:
         for kind in ("cold", "hit"):
-            ms = {m: next(r["ms"] for r in rows if r["L"] == L and r["kind"] == kind)
-                  for m, rows in res["modes"].items()}
-            c = next((r["faster_than_a"] for r in res["ratios"] if r["mode"] == "c_replay_graphs" and r["L"] == L
-                      and r["kind"] == kind), float("nan"))
+            ms = {
+                m: next(r["ms"] for r in rows if r["L"] == L and r["kind"] == kind) for m, rows in res["modes"].items()
+            }
+            c = next(
+                (
+                    r["faster_than_a"]
+                    for r in res["ratios"]
+                    if r["mode"] == "c_replay_graphs" and r["L"] == L and r["kind"] == kind
+                ),
+                float("nan"),
+            )
             print(f"{L:7d} {kind:5s} " + " ".join(f"{v:14.1f}ms" for v in ms.values()) + f"   {c:6.0%}")
     with open(os.path.join(a.out, "ttft.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
     if res["ratios"]:
         plot(res, os.path.join(a.out, "ttft.png"))
-    print(json.dumps({"ratios": [(r["mode"][0], r["L"], r["kind"], round(r["faster_than_a"], 3))
-                                 for r in res["ratios"]], "graphs": res["graphs"]}, default=str))
+    print(
+        json.dumps(
+            {
+                "ratios": [(r["mode"][0], r["L"], r["kind"], round(r["faster_than_a"], 3)) for r in res["ratios"]],
+                "graphs": res["graphs"],
+            },
+            default=str,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ others arrive, so they come as prefix hits together (bigger mixed steps). With D
 graph's free pool memory is filled with NaN bytes before each replay (dsserve/engine/graph_scratch.py);
 DSSERVE_GRAPH_POOL=shared puts the graphs in one pool.
 """
+
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ import sys
 import time
 
 import torch
+
 from dsserve.engine.args import EngineArgs
 from dsserve.engine.core import EngineCore
 from dsserve.engine.sampling_params import SamplingParams
@@ -34,11 +36,34 @@ variant, budget = sys.argv[1], float(sys.argv[2])  # variant: a label for the ou
 
 t_start = time.time()
 TINY = os.environ.get("DIAG_TINY")
-core = EngineCore(EngineArgs(model="tiny", device="cpu", attention_backend="paged", async_scheduling=True,
-                             max_num_seqs=32, max_num_batched_tokens=512, kv_cache_memory=64 << 20)) if TINY else \
-    EngineCore(EngineArgs(model="proxy-h200-release", load_format="dummy", dtype="bfloat16", quantization="fp8",
-                             expert_format="mxfp4", engram_tables="host-fp8", max_num_seqs=32, max_model_len=40000,
-                             max_num_batched_tokens=8192, kv_cache_memory=8 << 30))
+core = (
+    EngineCore(
+        EngineArgs(
+            model="tiny",
+            device="cpu",
+            attention_backend="paged",
+            async_scheduling=True,
+            max_num_seqs=32,
+            max_num_batched_tokens=512,
+            kv_cache_memory=64 << 20,
+        )
+    )
+    if TINY
+    else EngineCore(
+        EngineArgs(
+            model="proxy-h200-release",
+            load_format="dummy",
+            dtype="bfloat16",
+            quantization="fp8",
+            expert_format="mxfp4",
+            engram_tables="host-fp8",
+            max_num_seqs=32,
+            max_model_len=40000,
+            max_num_batched_tokens=8192,
+            kv_cache_memory=8 << 30,
+        )
+    )
+)
 print(f"[{variant}] engine up in {time.time() - t_start:.1f}s", flush=True)
 rng = random.Random(0)
 tok = lambda n: [rng.randrange(100, 8000 if TINY else 100000) for _ in range(n)]  # noqa: E731
@@ -46,12 +71,14 @@ base = tok(300 if TINY else 24300)
 sessions = {}  # id -> prompt so far
 nreq = 0
 
+
 def submit(sid, prompt):
     global nreq
     nreq += 1
     sessions[sid] = prompt
     n_out = rng.randint(3, 30) if TINY else rng.randint(30, 300)
     core.add_request(f"{sid}:{nreq}", prompt, SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True))
+
 
 submit(0, base + tok(rng.randint(10, 150) if TINY else rng.randint(100, 1500)))
 if os.environ.get("DIAG_BURST") == "1":  # the prefix cached first: the others arrive together as hits
@@ -67,10 +94,12 @@ for m in net.modules():
     if pk is not None:
         tensors += [t for t in (pk.w1, pk.w3, pk.w2, pk.s1, pk.s3, pk.s2) if t is not None and t.is_cuda]
 
+
 def fingerprint():
     if TINY or os.environ.get("DIAG_FINGERPRINT") == "0":
         return None
     return torch.stack([t.detach().reshape(-1).view(torch.uint8).sum(dtype=torch.int64) for t in tensors]).cpu()
+
 
 fp0 = fingerprint()
 print("fingerprinted", len(tensors), "weight tensors", flush=True)
@@ -87,8 +116,14 @@ while time.time() - t0 < budget:
     steps += 1
     nz = {str(k[2]): int((v != 0).sum()) for k, v in split_k._COUNTERS.items()}
     cap = core.graph_capture.captured if core.graph_capture else 0
-    entry = {"step": steps, "t": round(time.time() - t0, 2), "decode": dg and dg.last_key,
-             "replay": rg and rg.last_key, "captured": cap, "nonzero_counters": {k: v for k, v in nz.items() if v}}
+    entry = {
+        "step": steps,
+        "t": round(time.time() - t0, 2),
+        "decode": dg and dg.last_key,
+        "replay": rg and rg.last_key,
+        "captured": cap,
+        "nonzero_counters": {k: v for k, v in nz.items() if v},
+    }
     if cap != prev_captured:
         entry["new_captures"] = cap - prev_captured
         prev_captured = cap
@@ -111,13 +146,24 @@ while time.time() - t0 < budget:
                 submit(sid, nxt)
     if not core.has_unfinished_requests():
         break
-res = {"variant": variant, "steps": steps, "seconds": round(time.time() - t0, 1), "failure": bad,
-       "requests": nreq, "captures": prev_captured, "decode_graphs": dg.report() if dg else None,
-       "counters": {str(k): (tuple(v.shape), int((v != 0).sum())) for k, v in split_k._COUNTERS.items()},
-       "stats": {k: v for k, v in vars(core.stats).items() if isinstance(v, (int, float))},
-       "last": log[-40:], "capture_steps": [e for e in log if "new_captures" in e]}
+res = {
+    "variant": variant,
+    "steps": steps,
+    "seconds": round(time.time() - t0, 1),
+    "failure": bad,
+    "requests": nreq,
+    "captures": prev_captured,
+    "decode_graphs": dg.report() if dg else None,
+    "counters": {str(k): (tuple(v.shape), int((v != 0).sum())) for k, v in split_k._COUNTERS.items()},
+    "stats": {k: v for k, v in vars(core.stats).items() if isinstance(v, (int, float))},
+    "last": log[-40:],
+    "capture_steps": [e for e in log if "new_captures" in e],
+}
 out = os.environ.get("OUT", "/tmp")
 json.dump(res, open(f"{out}/diag-{variant}.json", "w"), indent=1, default=str)
-print(json.dumps({k: res[k] for k in ("variant", "steps", "seconds", "failure", "requests", "captures", "counters")},
-                 default=str))
+print(
+    json.dumps(
+        {k: res[k] for k in ("variant", "steps", "seconds", "failure", "requests", "captures", "counters")}, default=str
+    )
+)
 print("last steps:", *[json.dumps(e, default=str) for e in log[-12:]], sep="\n")

@@ -14,6 +14,7 @@ stop), EVERY (log every so many steps, default 20), DEVICE, SEED. Each layer: pr
 hard for any transformer of this size from what is hard for ours. Prints the loss on the asked values (and on those
 whose pair lies W or more rows back: "far"), then one JSON line.
 """
+
 import json
 import os
 import random
@@ -150,6 +151,23 @@ while st < steps and time.time() - t0 < TIME:
         far_curve.append([st, far_ce, filler_bound(st)])
         print(MODE, st, curve[-1][1], far_curve[-1][1], round(time.time() - t0), flush=True)
     st += 1
-print(json.dumps({"mode": MODE, "fill": FILL, "fmin": FMIN, "framp": RAMP, "W": W, "S": S, "layers": layers,
-                  "batch": B, "lr": lr, "seed": SEED, "steps": st, "seconds": time.time() - t0, "curve": curve,
-                  "far_curve": far_curve}))
+print(
+    json.dumps(
+        {
+            "mode": MODE,
+            "fill": FILL,
+            "fmin": FMIN,
+            "framp": RAMP,
+            "W": W,
+            "S": S,
+            "layers": layers,
+            "batch": B,
+            "lr": lr,
+            "seed": SEED,
+            "steps": st,
+            "seconds": time.time() - t0,
+            "curve": curve,
+            "far_curve": far_curve,
+        }
+    )
+)

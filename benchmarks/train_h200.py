@@ -9,6 +9,7 @@ CUDA graph after two eager ones (train.step); if the run fails early (a kernel t
 run again without the fused Sinkhorn and graphs for the time left. The training command is printed and stored
 (``train.json`` holds every setting). Prints the run's last log lines, then one JSON line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,9 @@ def _run(cmd: list[str], log: str, timeout: float) -> int:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [".", os.environ.get("PYTHONPATH")])))
     with open(log, "w") as f:
         try:
-            return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout,
-                                  check=False).returncode
+            return subprocess.run(
+                cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout, check=False
+            ).returncode
         except subprocess.TimeoutExpired:
             return -9
 
@@ -38,8 +40,9 @@ def main() -> int:
     p.add_argument("--layout", default="2x2048x16", help="RANKSxPACKxBATCH (default %(default)s)")
     p.add_argument("--dense-share", type=float, default=0.5, help="share of the time with dense entries (warm-up)")
     p.add_argument("--mix", default="arithmetic=0.4,retrieval=0.4,chat=0.2")
-    p.add_argument("--train-args", default="--drills 8 --prompt-weight 0.5",
-                   help="more options for dsserve.train.train")
+    p.add_argument(
+        "--train-args", default="--drills 8 --prompt-weight 0.5", help="more options for dsserve.train.train"
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", required=True)
     a = p.parse_args()
@@ -49,10 +52,35 @@ def main() -> int:
     extra, runs = [], []
     while True:
         left = a.budget - (time.time() - t_start)
-        cmd = ["torchrun", "--nproc-per-node", str(ranks), "-m", "dsserve.train.train", "--device", a.device,
-               "--steps", "1000000", "--time-limit", str(int(left - SAVE_S)), "--batch", str(batch), "--pack",
-               str(pack), "--mix", a.mix, "--dense-share", str(a.dense_share), "--warmup", "20", "--log-every", "20",
-               *shlex.split(a.train_args), *extra, "--out", os.path.join(a.out, "run")]
+        cmd = [
+            "torchrun",
+            "--nproc-per-node",
+            str(ranks),
+            "-m",
+            "dsserve.train.train",
+            "--device",
+            a.device,
+            "--steps",
+            "1000000",
+            "--time-limit",
+            str(int(left - SAVE_S)),
+            "--batch",
+            str(batch),
+            "--pack",
+            str(pack),
+            "--mix",
+            a.mix,
+            "--dense-share",
+            str(a.dense_share),
+            "--warmup",
+            "20",
+            "--log-every",
+            "20",
+            *shlex.split(a.train_args),
+            *extra,
+            "--out",
+            os.path.join(a.out, "run"),
+        ]
         log = os.path.join(a.out, f"train_log{len(runs)}.txt")
         t0 = time.time()
         rc = _run(cmd, log, left)

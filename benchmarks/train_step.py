@@ -6,6 +6,7 @@ For each number of sequences and each mode (dense entries: the warm-up; sparse: 
 steps, then the capture and replays, synchronising around each; reports the eager and the replayed step time, the
 optimizer's, and the peak memory. Prints a table, then one JSON line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,9 @@ def main() -> int:
     a = p.parse_args()
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     seqs = [int(s) for s in a.seqs.split(",")]
-    cfg = TrainConfig(batch=max(seqs), pack=a.length, mix=(("arithmetic", .4), ("retrieval", .4), ("chat", .2)),
-                      drills=8)
+    cfg = TrainConfig(
+        batch=max(seqs), pack=a.length, mix=(("arithmetic", 0.4), ("retrieval", 0.4), ("chat", 0.2)), drills=8
+    )
     mcfg, tok = resolve_config("tiny"), Tokenizer.for_preset("tiny")
     model = DeepseekForCausalLM(mcfg)
     dummy_weights(model, mcfg, seed=0)
@@ -64,18 +66,28 @@ def main() -> int:
             step.load(batch[:n], w, sum(map(sum, w)))
             times = [timed(step.run) for _ in range(3 + a.replays)]  # 2 eager, the capture + a replay, replays
             opt_s = timed(lambda: (torch.nn.utils.clip_grad_norm_(params, 1.0), opt.step()))
-            rows.append({"dense": dense, "seqs": n, "tokens": n * a.length, "eager_s": min(times[:2]),
-                         "replay_s": min(times[3:]), "optimizer_s": opt_s,
-                         "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if a.device == "cuda" else None,
-                         "captured": step.graph is not None})
+            rows.append(
+                {
+                    "dense": dense,
+                    "seqs": n,
+                    "tokens": n * a.length,
+                    "eager_s": min(times[:2]),
+                    "replay_s": min(times[3:]),
+                    "optimizer_s": opt_s,
+                    "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if a.device == "cuda" else None,
+                    "captured": step.graph is not None,
+                }
+            )
             step.release()
             del step
             if a.device == "cuda":
                 torch.cuda.empty_cache()
     print(f"{'mode':>6} {'seqs':>5} {'eager s':>8} {'replay s':>9} {'ratio':>6} {'tok/s replay':>13} {'opt s':>6}")
     for r in rows:
-        print(f"{'dense' if r['dense'] else 'sparse':>6} {r['seqs']:5d} {r['eager_s']:8.3f} {r['replay_s']:9.3f} "
-              f"{r['eager_s'] / r['replay_s']:6.2f} {r['tokens'] / r['replay_s']:13.0f} {r['optimizer_s']:6.3f}")
+        print(
+            f"{'dense' if r['dense'] else 'sparse':>6} {r['seqs']:5d} {r['eager_s']:8.3f} {r['replay_s']:9.3f} "
+            f"{r['eager_s'] / r['replay_s']:6.2f} {r['tokens'] / r['replay_s']:13.0f} {r['optimizer_s']:6.3f}"
+        )
     out = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "length": a.length, "rows": rows}
     if a.out:
         with open(a.out, "w") as f:

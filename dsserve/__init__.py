@@ -1,4 +1,5 @@
 """dsserve: a serving engine for the DeepSeek-V4.1-Flash model family."""
+
 from .engine.llm import LLM
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.sampling_params import SamplingParams

@@ -1,4 +1,5 @@
 """``python -m dsserve``."""
+
 from .cli import main
 
 raise SystemExit(main())

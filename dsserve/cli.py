@@ -3,6 +3,7 @@
 Subcommands are registered in ``_build_parser`` (one ``_add_<name>`` function each) and dispatched through the
 ``func`` default that each sets; add ``generate``/``serve``/... the same way.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,6 +16,7 @@ EXIT_USAGE = 2
 def load_model_config(model: str):
     """MODEL is a preset name, a built-in checkpoint or a checkpoint directory."""
     from .models.loader import resolve_config
+
     return resolve_config(model)
 
 
@@ -36,10 +38,15 @@ def _fmt_bytes(n: float) -> str:
 
 # ------------------------------------------------------------------ info
 
-_PART_LABELS = {"routed_experts": "routed experts", "shared_experts": "shared experts", "attention": "attention",
-                "embed_head": "embed + head + final norm", "mhc": "mHC",
-                "router_compressor_indexer_norms": "routers, compressors, indexers, norms",
-                "engram_projections": "Engram projections"}
+_PART_LABELS = {
+    "routed_experts": "routed experts",
+    "shared_experts": "shared experts",
+    "attention": "attention",
+    "embed_head": "embed + head + final norm",
+    "mhc": "mHC",
+    "router_compressor_indexer_norms": "routers, compressors, indexers, norms",
+    "engram_projections": "Engram projections",
+}
 
 
 def cmd_info(args) -> int:
@@ -56,33 +63,61 @@ def cmd_info(args) -> int:
     t.add_column("key", style="bold")
     t.add_column("value")
     rows = [
-        ("layers", f"{cfg.num_hidden_layers}" + (f" (encoder 0–{cfg.encoder_layers - 1}, decoder "
-                                                   f"{cfg.encoder_layers}–{cfg.num_hidden_layers - 1})"
-                                                   if cfg.is_v41 else "")),
+        (
+            "layers",
+            f"{cfg.num_hidden_layers}"
+            + (
+                f" (encoder 0–{cfg.encoder_layers - 1}, decoder {cfg.encoder_layers}–{cfg.num_hidden_layers - 1})"
+                if cfg.is_v41
+                else ""
+            ),
+        ),
         ("hidden / vocab", f"{cfg.hidden_size} / {cfg.vocab_size}"),
-        ("attention", f"{cfg.num_attention_heads} heads × {cfg.head_dim} (rope {cfg.qk_rope_head_dim}), "
-                      f"q_lora {cfg.q_lora_rank}, o {cfg.o_groups}×{cfg.o_lora_rank}, window {cfg.sliding_window}"),
+        (
+            "attention",
+            f"{cfg.num_attention_heads} heads × {cfg.head_dim} (rope {cfg.qk_rope_head_dim}), "
+            f"q_lora {cfg.q_lora_rank}, o {cfg.o_groups}×{cfg.o_lora_rank}, window {cfg.sliding_window}",
+        ),
         ("indexer", f"{cfg.index_n_heads} × {cfg.index_head_dim}, top-{cfg.index_topk}"),
-        ("MoE", f"{cfg.n_routed_experts} routed (top-{cfg.num_experts_per_tok}) + {cfg.n_shared_experts} shared, "
-                f"width {cfg.moe_intermediate_size}" + (f", {cfg.num_hash_layers} hash layers"
-                                                         if cfg.num_hash_layers else "")),
+        (
+            "MoE",
+            f"{cfg.n_routed_experts} routed (top-{cfg.num_experts_per_tok}) + {cfg.n_shared_experts} shared, "
+            f"width {cfg.moe_intermediate_size}"
+            + (f", {cfg.num_hash_layers} hash layers" if cfg.num_hash_layers else ""),
+        ),
         ("mHC", f"{cfg.hc_mult} copies, {cfg.hc_sinkhorn_iters} Sinkhorn iters"),
         ("rms_norm_eps", f"{cfg.rms_norm_eps:g}"),
     ]
     if cfg.engram_layer_ids:
         from .layers.engram_hash import engram_rows_per_layer
+
         er = engram_rows_per_layer(cfg)
-        rows.append(("Engram", f"layers {list(cfg.engram_layer_ids)}, orders {list(cfg.engram_orders)} × "
-                               f"{cfg.engram_n_heads} heads × {cfg.engram_head_dim}; rows "
-                               + ", ".join(f"L{k}: {v:,}" for k, v in er.items())))
+        rows.append(
+            (
+                "Engram",
+                f"layers {list(cfg.engram_layer_ids)}, orders {list(cfg.engram_orders)} × "
+                f"{cfg.engram_n_heads} heads × {cfg.engram_head_dim}; rows "
+                + ", ".join(f"L{k}: {v:,}" for k, v in er.items()),
+            )
+        )
     if cfg.is_v41:
-        rows.append(("DSpark", f"{cfg.num_nextn_predict_layers} stages, block {cfg.dspark_block_size}, "
-                               f"{cfg.dspark_n_routed_experts} experts top-{cfg.dspark_num_experts_per_tok}, "
-                               f"taps {list(cfg.dspark_target_layer_ids)}"))
+        rows.append(
+            (
+                "DSpark",
+                f"{cfg.num_nextn_predict_layers} stages, block {cfg.dspark_block_size}, "
+                f"{cfg.dspark_n_routed_experts} experts top-{cfg.dspark_num_experts_per_tok}, "
+                f"taps {list(cfg.dspark_target_layer_ids)}",
+            )
+        )
     elif cfg.num_nextn_predict_layers:
         rows.append(("MTP", f"{cfg.num_nextn_predict_layers} layer(s)"))
-    rows.append(("quantisation", f"dense FP8 {cfg.weight_block_size}×{cfg.weight_block_size}, experts "
-                                 f"{cfg.expert_dtype}, QAT {'on' if cfg.qat else 'off'}"))
+    rows.append(
+        (
+            "quantisation",
+            f"dense FP8 {cfg.weight_block_size}×{cfg.weight_block_size}, experts "
+            f"{cfg.expert_dtype}, QAT {'on' if cfg.qat else 'off'}",
+        )
+    )
     for k, v in rows:
         t.add_row(k, v)
     con.print(t)
@@ -92,8 +127,7 @@ def cmd_info(args) -> int:
         rt.add_column(col, justify="right" if col in ("layer", "ratio") else "left")
     dash = lambda x: "–" if x is None else str(x)  # noqa: E731
     for r in cfg.roles:
-        rt.add_row(str(r.index), r.side, r.mode, str(r.ratio), dash(r.kv_source), dash(r.index_source),
-                   r.extras)
+        rt.add_row(str(r.index), r.side, r.mode, str(r.ratio), dash(r.kv_source), dash(r.index_source), r.extras)
     con.print(rt)
 
     pt = Table(title="parameters")
@@ -117,8 +151,10 @@ def cmd_info(args) -> int:
     kt.add_row(f"global index K / token ({kv.index_entry} B/entry)", _fmt_bytes(kv.index_per_token))
     kt.add_row("[bold]global / token[/bold]", f"[bold]{_fmt_bytes(kv.global_per_token)}[/bold]")
     kt.add_row("global / token, BF16 debug layout", _fmt_bytes(kv.bf16_global_per_token))
-    kt.add_row(f"SWA ring / sequence ({kv.swa_row} B/row × {cfg.sliding_window} × {cfg.num_hidden_layers})",
-               _fmt_bytes(kv.swa_per_sequence))
+    kt.add_row(
+        f"SWA ring / sequence ({kv.swa_row} B/row × {cfg.sliding_window} × {cfg.num_hidden_layers})",
+        _fmt_bytes(kv.swa_per_sequence),
+    )
     kt.add_row("draft SWA rings / sequence", _fmt_bytes(kv.draft_swa_per_sequence))
     kt.add_row("compressor state / sequence", _fmt_bytes(kv.compressor_state_per_sequence))
     con.print(kt)
@@ -127,8 +163,9 @@ def cmd_info(args) -> int:
 
 def _add_info(sub):
     p = sub.add_parser("info", help="print a model's config, layer roles, parameter counts and KV bytes")
-    p.add_argument("model", metavar="MODEL",
-                   help="a preset name, a built-in checkpoint (tiny-trained) or a checkpoint directory")
+    p.add_argument(
+        "model", metavar="MODEL", help="a preset name, a built-in checkpoint (tiny-trained) or a checkpoint directory"
+    )
     p.set_defaults(func=cmd_info)
 
 
@@ -143,8 +180,13 @@ def cmd_generate(args) -> int:
     from .engine.sampling_params import SamplingParams
     from .models.presets import model_dir
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.sampling_seed)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sampling_seed,
+    )
     prompts = list(args.prompt or [])
     if args.prompts_file:
         with open(args.prompts_file) as f:
@@ -153,8 +195,9 @@ def cmd_generate(args) -> int:
         prompts = ["The quick brown fox"]
     llm = LLM(**vars(EngineArgs.from_cli(args)))
     if llm.engine.args.load_format == "auto" and not os.path.isdir(model_dir(args.model)):
-        print(f"[{args.model}: seeded random weights (--load-format dummy); the text is not meaningful]",
-              file=sys.stderr)
+        print(
+            f"[{args.model}: seeded random weights (--load-format dummy); the text is not meaningful]", file=sys.stderr
+        )
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     dt = time.perf_counter() - t0
@@ -162,8 +205,11 @@ def cmd_generate(args) -> int:
         print(f"{o.prompt}{o.outputs[0].text}")
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(o.prompt_token_ids) for o in outs)
-    print(f"[{len(outs)} requests: {n_in} prompt + {n_out} generated tokens in {dt:.2f} s, "
-          f"{n_out / dt:.1f} output tokens/s]", file=sys.stderr)
+    print(
+        f"[{len(outs)} requests: {n_in} prompt + {n_out} generated tokens in {dt:.2f} s, "
+        f"{n_out / dt:.1f} output tokens/s]",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -205,8 +251,13 @@ def _add_bench(sub):
     add_bench_forward_args(f)
     f.set_defaults(func=run_bench_forward)
     from .bench.agentx import add_bench_agentx_args, run_bench_agentx
-    from .bench.offline import (add_bench_latency_args, add_bench_throughput_args, run_bench_latency,
-                                run_bench_throughput)
+    from .bench.offline import (
+        add_bench_latency_args,
+        add_bench_throughput_args,
+        run_bench_latency,
+        run_bench_throughput,
+    )
+
     x = kinds.add_parser("agentx", help="closed-loop AgentX-like trace replay against an OpenAI-compatible server")
     add_bench_agentx_args(x)
     x.set_defaults(func=run_bench_agentx)
@@ -224,8 +275,11 @@ def _add_bench(sub):
 def _add_eval(sub):
     from .bench.eval import add_eval_args, run_eval
 
-    p = sub.add_parser("eval", help="accuracy on held-out synthetic problems (arithmetic, retrieval, chat), "
-                                    "bounded replay off / on, cold / after a prefix hit")
+    p = sub.add_parser(
+        "eval",
+        help="accuracy on held-out synthetic problems (arithmetic, retrieval, chat), "
+        "bounded replay off / on, cold / after a prefix hit",
+    )
     add_eval_args(p)
     p.set_defaults(func=run_eval)
 
@@ -250,9 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         ap.print_help(sys.stderr)
         return EXIT_USAGE
-    from .models.config import ConfigError
     from .models.checkpoint import CheckpointError
+    from .models.config import ConfigError
     from .models.model import ModelInputError
+
     try:
         return args.func(args)
     except (ConfigError, CheckpointError, ModelInputError, ValueError, OSError) as e:  # user input: no traceback

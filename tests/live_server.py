@@ -1,4 +1,5 @@
 """A live `dsserve serve` on a free loopback port, for tests that talk HTTP to a real server process."""
+
 import os
 import signal
 import socket
@@ -10,8 +11,18 @@ from contextlib import contextmanager
 import httpx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SERVER_ARGS = ["--dtype", "float64", "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
-               "--block-size", "16", "--seed", "0"]
+SERVER_ARGS = [
+    "--dtype",
+    "float64",
+    "--max-num-seqs",
+    "16",
+    "--max-num-batched-tokens",
+    "256",
+    "--block-size",
+    "16",
+    "--seed",
+    "0",
+]
 
 
 def free_port() -> int:
@@ -25,9 +36,13 @@ def live_server(model: str = "tiny", args=SERVER_ARGS, log: list | None = None):
     """Yields the base URL; on exit sends SIGTERM, which must drain and exit 0. ``log``: the server's output is
     appended to it once the process has exited."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dsserve", "serve", model, "--port", str(port), *args,
-                             "--shutdown-timeout", "5"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsserve", "serve", model, "--port", str(port), *args, "--shutdown-timeout", "5"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):

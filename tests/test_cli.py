@@ -17,8 +17,9 @@ def test_info_tiny(capsys):
 
 
 def test_info_v41_flash_subprocess():
-    r = subprocess.run([sys.executable, "-m", "dsserve", "info", "v41-flash"], capture_output=True, text=True,
-                       cwd=ROOT, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "dsserve", "info", "v41-flash"], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     assert "layer roles" in r.stdout and "890 B" in r.stdout and "551.88 B" in r.stdout
     assert "384,006,168" in r.stdout
@@ -32,8 +33,13 @@ def test_info_checkpoint_dir(tmp_path, capsys):
 
 
 def test_unknown_model_exit_2():
-    r = subprocess.run([sys.executable, "-m", "dsserve", "info", "no-such-model"], capture_output=True, text=True,
-                       cwd=ROOT, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "dsserve", "info", "no-such-model"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert r.returncode == 2
     assert "unknown model" in r.stderr and "Traceback" not in r.stderr
 
@@ -43,8 +49,13 @@ def test_no_command_exit_2(capsys):
 
 
 def test_generate_on_the_default_model_subprocess():
-    r = subprocess.run([sys.executable, "-m", "dsserve", "generate", "--prompt", "Hello", "--max-tokens", "6"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "dsserve", "generate", "--prompt", "Hello", "--max-tokens", "6"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("Hello") and len(r.stdout.strip()) > len("Hello")
     assert "6 generated tokens" in r.stderr
@@ -57,8 +68,27 @@ def test_generate_bad_input_is_a_clear_error(capsys):
 
 
 def test_bench_forward_prints_a_table_and_a_json_line():
-    r = subprocess.run([sys.executable, "-m", "dsserve", "bench", "forward", "--batch", "2", "--context", "40",
-                        "--new-tokens", "3", "--repeats", "1"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsserve",
+            "bench",
+            "forward",
+            "--batch",
+            "2",
+            "--context",
+            "40",
+            "--new-tokens",
+            "3",
+            "--repeats",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "bench forward" in r.stdout and "attention" in r.stdout
     last = json.loads(r.stdout.strip().splitlines()[-1])
@@ -72,6 +102,7 @@ def test_serve_with_no_model_serves_the_built_in_checkpoint():
 
     from dsserve.engine.args import EngineArgs
     from dsserve.server.serve import add_serve_args
+
     p = argparse.ArgumentParser()
     add_serve_args(p)
     ns = p.parse_args([])

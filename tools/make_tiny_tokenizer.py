@@ -23,6 +23,7 @@ the artifact, this script documents and reproduces it.
 
     python tools/make_tiny_tokenizer.py [--out dsserve/data/tiny]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,10 @@ BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", 
 IMAGE, NOISE = "<｜image｜>", "<｜noise｜>"
 TRAILING = [IMAGE, NOISE]  # ids VOCAB_SIZE-2, VOCAB_SIZE-1
 SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo", "__pycache__"}
-WORD_SPLIT = (r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
-              r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+WORD_SPLIT = (
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def stdlib_files(root: str) -> list[str]:
@@ -71,17 +74,23 @@ def corpus(root: str):
 
 def build(root: str) -> Tokenizer:
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"\p{N}{1,3}"), behavior="isolated"),
-        pre_tokenizers.Split(Regex("[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"), behavior="isolated"),
-        pre_tokenizers.Split(Regex(WORD_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"\p{N}{1,3}"), behavior="isolated"),
+            pre_tokenizers.Split(Regex("[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"), behavior="isolated"),
+            pre_tokenizers.Split(Regex(WORD_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE - len(TRAILING), min_frequency=2, show_progress=False,
-        special_tokens=[BOS, EOS, PAD], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        vocab_size=VOCAB_SIZE - len(TRAILING),
+        min_frequency=2,
+        show_progress=False,
+        special_tokens=[BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(corpus(root), trainer=trainer)
     if tok.get_vocab_size() != VOCAB_SIZE - len(TRAILING):
         sys.exit(f"trainer produced {tok.get_vocab_size()} ids, wanted {VOCAB_SIZE - len(TRAILING)}")
@@ -102,14 +111,25 @@ def main() -> int:
     tok = build(a.stdlib)
     os.makedirs(a.out, exist_ok=True)
     tok.save(os.path.join(a.out, "tokenizer.json"), pretty=False)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
-              "pad_token": PAD, "image_token": IMAGE, "noise_token": NOISE, "add_bos_token": True,
-              "add_eos_token": False, "clean_up_tokenization_spaces": False, "model_max_length": 4096}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "image_token": IMAGE,
+        "noise_token": NOISE,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 4096,
+    }
     with open(os.path.join(a.out, "tokenizer_config.json"), "w", encoding="utf-8", newline="\n") as f:
         json.dump(config, f, indent=2, ensure_ascii=False)
         f.write("\n")
-    print(f"wrote {a.out}: {tok.get_vocab_size(with_added_tokens=True)} ids, "
-          f"{os.path.getsize(os.path.join(a.out, 'tokenizer.json'))} bytes")
+    print(
+        f"wrote {a.out}: {tok.get_vocab_size(with_added_tokens=True)} ids, "
+        f"{os.path.getsize(os.path.join(a.out, 'tokenizer.json'))} bytes"
+    )
     return 0
 
 

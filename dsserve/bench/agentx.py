@@ -11,6 +11,7 @@ round(64*scale) tokens per 64-token block (prefix sharing kept) and scales outpu
 Before each point the server's prefix cache is emptied (``--[no-]reset-cache``: POST /reset_prefix_cache, vLLM's
 route too), the spec's fresh server or cache flush per point; ``cache_reset`` in the point's JSON says if it was.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,9 @@ class Replayer:
         self.k = max(1, min(BLOCK, round(BLOCK * a.scale)))
         self.records, self.timers, self.plays, self.in_flight, self.sent, self.skipped = [], {}, 0, 0, 0, 0
         self.series, self.t_profile, self.deadline = [], math.inf, math.inf
-        self.sampler = (i for ep in range(1 << 30) for i in stream(a.seed, "sampler", ep).permutation(
-            len(trace.sessions)).tolist())
+        self.sampler = (
+            i for ep in range(1 << 30) for i in stream(a.seed, "sampler", ep).permutation(len(trace.sessions)).tolist()
+        )
 
     async def sleep(self, delay: float) -> None:
         self.timers[key := object()] = time.monotonic() + delay
@@ -61,8 +63,11 @@ class Replayer:
     async def guard(self) -> None:
         while True:
             await asyncio.sleep(0.05)
-            if not self.in_flight and self.timers and (
-                    gap := min(self.timers.values()) - time.monotonic() - self.p.idle_cap_s) > 0:
+            if (
+                not self.in_flight
+                and self.timers
+                and (gap := min(self.timers.values()) - time.monotonic() - self.p.idle_cap_s) > 0
+            ):
                 self.timers.update({k: v - gap for k, v in self.timers.items()})
 
     def new_play(self) -> str:
@@ -95,35 +100,54 @@ class Replayer:
                 await self.send(r, sess, conv, play, lane)
             finally:
                 done[r.idx].set()
+
         await asyncio.gather(*(one(r) for r in sess.requests if r.idx in keep))
 
     def ids(self, r, salt: str) -> list[int]:  # the request's (block-scaled) trace ids
         ids = request_token_ids(self.trace, r, self.a.vocab_size, self.reserved, salt)
-        return [t for j in range(0, len(ids), BLOCK) for t in ids[j:j + self.k]] if self.k < BLOCK else ids
+        return [t for j in range(0, len(ids), BLOCK) for t in ids[j : j + self.k]] if self.k < BLOCK else ids
 
     async def prompt(self, r, sess, salt: str, rec: dict):
         if self.a.api == "completions":
             return (ids := self.ids(r, salt)), {"prompt": ids}
         msgs, rec["isl_target"], rec["chat_isl"] = await asyncio.to_thread(
-            self.a.chat.build, self.trace, sess, r, lambda q: self.ids(q, salt), self.k, salt)
+            self.a.chat.build, self.trace, sess, r, lambda q: self.ids(q, salt), self.k, salt
+        )
         return range(rec["chat_isl"]), {"messages": msgs}
 
     async def send(self, r, sess, conv: str, play: str, lane: int, phase="profile", max_tokens=None) -> dict:
         self.in_flight, self.sent = self.in_flight + 1, self.sent + 1
         osl = max_tokens or (r.osl if self.a.scale >= 1 else max(2, round(r.osl * self.a.scale)))
-        rec = dict(phase=phase, lane=lane, trace_id=sess.id,
-                   conversation_id=conv, root_id=play, depth=int(r.kind == "subagent"), turn_idx=r.turn,
-                   kind=r.kind, request_idx=r.idx, isl=None, osl=0, cached=None, hit_blocks=r.hit_blocks,
-                   total_blocks=r.blocks, max_tokens=osl, conc=self.conc, error=None)
+        rec = dict(
+            phase=phase,
+            lane=lane,
+            trace_id=sess.id,
+            conversation_id=conv,
+            root_id=play,
+            depth=int(r.kind == "subagent"),
+            turn_idx=r.turn,
+            kind=r.kind,
+            request_idx=r.idx,
+            isl=None,
+            osl=0,
+            cached=None,
+            hit_blocks=r.hit_blocks,
+            total_blocks=r.blocks,
+            max_tokens=osl,
+            conc=self.conc,
+            error=None,
+        )
         try:
             ids, body = await self.prompt(r, sess, play, rec)
             rec["isl"] = len(ids)
-            body.update(model=self.a.model, max_tokens=osl, ignore_eos=True, stream=True,
-                        stream_options={"include_usage": True})
+            body.update(
+                model=self.a.model, max_tokens=osl, ignore_eos=True, stream=True, stream_options={"include_usage": True}
+            )
             rec["start_ns"] = t0 = time.time_ns()
             ttft, chunks, url = None, 0, "/v1/completions" if self.a.api == "completions" else "/v1/chat/completions"
-            async with self.client.stream("POST", url, json=body, headers={"X-Session-ID": conv,
-                                                                          "X-Correlation-ID": conv}) as resp:
+            async with self.client.stream(
+                "POST", url, json=body, headers={"X-Session-ID": conv, "X-Correlation-ID": conv}
+            ) as resp:
                 if resp.status_code != 200:
                     rec["error"] = f"HTTP {resp.status_code}: {(await resp.aread())[:300].decode(errors='replace')}"
                 async for line in resp.aiter_lines():
@@ -137,8 +161,11 @@ class Replayer:
                             chunks += 1
                             ttft = ttft if ttft is not None else (time.time_ns() - t0) / 1e9
                     if u := d.get("usage"):
-                        rec.update(isl=u["prompt_tokens"], osl=u["completion_tokens"],
-                                   cached=(u.get("prompt_tokens_details") or {}).get("cached_tokens"))
+                        rec.update(
+                            isl=u["prompt_tokens"],
+                            osl=u["completion_tokens"],
+                            cached=(u.get("prompt_tokens_details") or {}).get("cached_tokens"),
+                        )
             rec["end_ns"] = time.time_ns()
             rec.update(e2el=(rec["end_ns"] - t0) / 1e9, ttft=(rec["end_ns"] - t0) / 1e9 if ttft is None else ttft)
             if not rec["osl"] and not rec["error"]:
@@ -153,12 +180,25 @@ class Replayer:
         return rec
 
     def panel(self, left: float) -> Table:
-        t = _table(f"agentx {self.a.preset} conc {self.conc}",
-                   ("phase", "left s", "plays", "sent", "done", "errors", "in flight", "timers"))
-        t.add_row("warmup" if time.monotonic() < self.t_profile else "profile",
-                  "-" if math.isinf(left) else f"{max(left, 0):.0f}", *map(str, (
-                      self.plays, self.sent, len(self.records), sum(bool(r["error"]) for r in self.records),
-                      self.in_flight, len(self.timers))))
+        t = _table(
+            f"agentx {self.a.preset} conc {self.conc}",
+            ("phase", "left s", "plays", "sent", "done", "errors", "in flight", "timers"),
+        )
+        t.add_row(
+            "warmup" if time.monotonic() < self.t_profile else "profile",
+            "-" if math.isinf(left) else f"{max(left, 0):.0f}",
+            *map(
+                str,
+                (
+                    self.plays,
+                    self.sent,
+                    len(self.records),
+                    sum(bool(r["error"]) for r in self.records),
+                    self.in_flight,
+                    len(self.timers),
+                ),
+            ),
+        )
         return t
 
     async def run(self, con: Console):
@@ -167,11 +207,13 @@ class Replayer:
         guard, lanes = None, []
         try:
             with Live(self.panel(math.inf), console=con, refresh_per_second=4, transient=False) as live:
+
                 async def watch(tasks):
                     while not all(t.done() for t in tasks):
                         await asyncio.wait(tasks, timeout=0.25)
                         live.update(self.panel(self.deadline - time.monotonic()))
                     return [t.result() for t in tasks]
+
                 (firsts,) = await watch([asyncio.create_task(warm_up(self))])
                 before, now = await scrape(self.client), time.time_ns()
                 self.t_profile = time.monotonic()
@@ -214,9 +256,12 @@ async def _main(a) -> int:
     con, err, trace = Console(width=140), Console(stderr=True), generate(a.preset, a.seed, a.num_sessions)
     out, tag, aggs, records, points, series, rc = Path(a.output_dir), uuid.uuid4().hex[:12], [], [], [], [], 0
     out.mkdir(parents=True, exist_ok=True)
-    async with httpx.AsyncClient(base_url=a.base_url.rstrip("/"), timeout=httpx.Timeout(None),
-                                 headers={"Authorization": f"Bearer {a.api_key}"} if a.api_key else {},
-                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)) as client:
+    async with httpx.AsyncClient(
+        base_url=a.base_url.rstrip("/"),
+        timeout=httpx.Timeout(None),
+        headers={"Authorization": f"Bearer {a.api_key}"} if a.api_key else {},
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+    ) as client:
         if a.model is None:
             a.model = (await client.get("/v1/models")).json()["data"][0]["id"]
         if a.api == "chat":
@@ -224,8 +269,15 @@ async def _main(a) -> int:
                 a.chat = ChatBuilder(a.tokenizer or a.model)
             except (ValueError, OSError) as e:
                 return print(f"dsserve: error: --api chat needs a tokenizer (--tokenizer): {e}") or 2
-        ds = {"source_type": "synthetic", "generator": VERSION, "preset": a.preset, "seed": a.seed,
-              "sha256": trace.sha256(), "entries": len(trace.sessions), "scale": a.scale}
+        ds = {
+            "source_type": "synthetic",
+            "generator": VERSION,
+            "preset": a.preset,
+            "seed": a.seed,
+            "sha256": trace.sha256(),
+            "entries": len(trace.sessions),
+            "scale": a.scale,
+        }
         for c in a.concurrency:
             cache_reset = await reset_cache(client, err) if a.reset_cache else None
             rp = Replayer(a, trace, client, c, tag)
@@ -237,30 +289,53 @@ async def _main(a) -> int:
                 break
             finally:
                 records.extend(rp.records), series.extend(rp.series)
-            meta = {"config": a.config or f"{a.model}_{a.preset}", "conc": c, "model": a.model, "hw": a.hw,
-                    "framework": a.framework, "tp": a.num_gpus}
-            agg = M.aggregate(rp.records, window, a.num_gpus, meta=meta, server={"before": before, "after": after},
-                              dataset=ds, price_per_gpu_hr=a.price_per_gpu_hr)
+            meta = {
+                "config": a.config or f"{a.model}_{a.preset}",
+                "conc": c,
+                "model": a.model,
+                "hw": a.hw,
+                "framework": a.framework,
+                "tp": a.num_gpus,
+            }
+            agg = M.aggregate(
+                rp.records,
+                window,
+                a.num_gpus,
+                meta=meta,
+                server={"before": before, "after": after},
+                dataset=ds,
+                price_per_gpu_hr=a.price_per_gpu_hr,
+            )
             M.write_agg(out, agg), aggs.append(agg)
-            points.append({"conc": c, "cache_reset": cache_reset,
-                           "requests": agg["num_requests_successful"], "all_requests": len(rp.records),
-                           "errors": sum(bool(r["error"]) for r in rp.records), "skipped": rp.skipped,
-                           **{k: agg[k] for k in ("p90_ttft", "p90_intvty", "tput_per_gpu")},
-                           "theoretical_hit": agg["request_metrics"]["cache"]["theoretical_cache_hit_rate"],
-                           "server_hit": agg["server_metrics"]["cache"]["gpu_hit_rate"],
-                           "warmup_requests": sum(r["phase"] == "warmup" for r in rp.records),
-                           "usage_cached_tokens": sum(r.get("cached") or 0 for r in rp.records  # profiling phase
-                                                      if r["phase"] == "profile"),
-                           "server_hits_delta": _delta(before, after, "prefix_cache_hits_total"),
-                           # first-use CUDA graph captures stall their steps; NaN logits would be a fault
-                           "graph_captures_delta": _delta(before, after, "graph_captures_total"),
-                           "graph_capture_seconds_delta": _delta(before, after, "graph_capture_seconds_total"),
-                           "triton_compiles_delta": _delta(before, after, "triton_compiles_total"),
-                           "triton_compile_seconds_delta": _delta(before, after, "triton_compile_seconds_total"),
-                           "triton_cache_loads_delta": _delta(before, after, "triton_cache_loads_total"),
-                           "nonfinite_logit_rows_delta": _delta(before, after, "nonfinite_logit_rows_total"),
-                           "preemptions_delta": _delta(before, after, "num_preemptions_total"),
-                           "chat_token_mismatch": mismatches(rp.records) if a.api == "chat" else None})
+            points.append(
+                {
+                    "conc": c,
+                    "cache_reset": cache_reset,
+                    "requests": agg["num_requests_successful"],
+                    "all_requests": len(rp.records),
+                    "errors": sum(bool(r["error"]) for r in rp.records),
+                    "skipped": rp.skipped,
+                    **{k: agg[k] for k in ("p90_ttft", "p90_intvty", "tput_per_gpu")},
+                    "theoretical_hit": agg["request_metrics"]["cache"]["theoretical_cache_hit_rate"],
+                    "server_hit": agg["server_metrics"]["cache"]["gpu_hit_rate"],
+                    "warmup_requests": sum(r["phase"] == "warmup" for r in rp.records),
+                    "usage_cached_tokens": sum(
+                        r.get("cached") or 0
+                        for r in rp.records  # profiling phase
+                        if r["phase"] == "profile"
+                    ),
+                    "server_hits_delta": _delta(before, after, "prefix_cache_hits_total"),
+                    # first-use CUDA graph captures stall their steps; NaN logits would be a fault
+                    "graph_captures_delta": _delta(before, after, "graph_captures_total"),
+                    "graph_capture_seconds_delta": _delta(before, after, "graph_capture_seconds_total"),
+                    "triton_compiles_delta": _delta(before, after, "triton_compiles_total"),
+                    "triton_compile_seconds_delta": _delta(before, after, "triton_compile_seconds_total"),
+                    "triton_cache_loads_delta": _delta(before, after, "triton_cache_loads_total"),
+                    "nonfinite_logit_rows_delta": _delta(before, after, "nonfinite_logit_rows_total"),
+                    "preemptions_delta": _delta(before, after, "num_preemptions_total"),
+                    "chat_token_mismatch": mismatches(rp.records) if a.api == "chat" else None,
+                }
+            )
     M.write_requests_jsonl(out / "requests.jsonl", records)
     write_series(out / "metrics_timeseries.csv", series)
     if not aggs:
@@ -268,20 +343,59 @@ async def _main(a) -> int:
     M.write_points_csv(out / "points.csv", aggs)
     [M.plot_points(out / f"tput_vs_{x[4:]}.png", aggs, x, tier=a.tier_tok_s) for x in ("p90_intvty", "p90_ttft")]
     f = lambda v, s="{:.3f}": "-" if v is None else s.format(v)  # noqa: E731
-    t = _table(f"bench agentx: {a.model}, preset {a.preset}, seed {a.seed}, {a.api}", ("conc", "requests", "errors",
-               "TTFT p50 s", "TTFT p90 s", "ITL p90 ms", "P90 intvty", "tok/s/GPU", "theo hit", "server hit"))
+    t = _table(
+        f"bench agentx: {a.model}, preset {a.preset}, seed {a.seed}, {a.api}",
+        (
+            "conc",
+            "requests",
+            "errors",
+            "TTFT p50 s",
+            "TTFT p90 s",
+            "ITL p90 ms",
+            "P90 intvty",
+            "tok/s/GPU",
+            "theo hit",
+            "server hit",
+        ),
+    )
     for g, p in zip(aggs, points):
         lat = g["request_metrics"]["latency"]
-        t.add_row(str(g["conc"]), str(p["requests"]), str(p["errors"]), f(lat["ttft"]["p50"]), f(lat["ttft"]["p90"]),
-                  f(lat["itl"]["p90"] and lat["itl"]["p90"] * 1e3, "{:.1f}"), f(g["p90_intvty"], "{:.1f}"),
-                  f(g["tput_per_gpu"], "{:,.1f}"), f(p["theoretical_hit"]), f(p["server_hit"]))
+        t.add_row(
+            str(g["conc"]),
+            str(p["requests"]),
+            str(p["errors"]),
+            f(lat["ttft"]["p50"]),
+            f(lat["ttft"]["p90"]),
+            f(lat["itl"]["p90"] and lat["itl"]["p90"] * 1e3, "{:.1f}"),
+            f(g["p90_intvty"], "{:.1f}"),
+            f(g["tput_per_gpu"], "{:,.1f}"),
+            f(p["theoretical_hit"]),
+            f(p["server_hit"]),
+        )
     con.print(t)
     tier = M.tier_summary(aggs, a.tier_tok_s)
-    con.print(f"tier {a.tier_tok_s:g} tok/s/user (P90 interactivity): " + (
-        f"best {tier['best_tput_per_gpu']:,.1f} tok/s/GPU at conc {tier['best_conc']}" if tier["best_conc"] is not None
-        else "no point reaches it") + f"; front read {tier['front_tput_per_gpu']:,.1f} ({tier['front_status']})")
-    summary = json.dumps({"bench": "agentx", "preset": a.preset, "seed": a.seed, "model": a.model, "api": a.api,
-                          "output_dir": str(out), "points": points, "tier": tier}, default=str)
+    con.print(
+        f"tier {a.tier_tok_s:g} tok/s/user (P90 interactivity): "
+        + (
+            f"best {tier['best_tput_per_gpu']:,.1f} tok/s/GPU at conc {tier['best_conc']}"
+            if tier["best_conc"] is not None
+            else "no point reaches it"
+        )
+        + f"; front read {tier['front_tput_per_gpu']:,.1f} ({tier['front_status']})"
+    )
+    summary = json.dumps(
+        {
+            "bench": "agentx",
+            "preset": a.preset,
+            "seed": a.seed,
+            "model": a.model,
+            "api": a.api,
+            "output_dir": str(out),
+            "points": points,
+            "tier": tier,
+        },
+        default=str,
+    )
     (out / "summary.json").write_text(summary + "\n")
     print(summary)
     return rc
@@ -300,22 +414,36 @@ def add_bench_agentx_args(p) -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=None, help="points (default: the preset's)")
     p.add_argument("--fast", action="store_true", help="1 warm-up request per lane (default duration <= 1200 s)")
     p.add_argument("--reserved-ids", type=int, nargs="*", default=[], help="token ids never used (plus 0 1 2)")
-    p.add_argument("--reset-cache", action=argparse.BooleanOptionalAction, default=True,
-                   help="empty the server's prefix cache before each point (POST /reset_prefix_cache, vLLM's and "
-                        "dsserve's): the spec's fresh server or cache flush per point")
+    p.add_argument(
+        "--reset-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="empty the server's prefix cache before each point (POST /reset_prefix_cache, vLLM's and "
+        "dsserve's): the spec's fresh server or cache flush per point",
+    )
     for flag, kind, default, doc in (
-            ("--base-url", str, "http://127.0.0.1:8000", ""), ("--seed", int, 42, "trace and sampler seed"),
-            ("--duration", float, None, "profiling seconds per point (default: the preset's)"),
-            ("--warmup-turns", int, 10, "root turns each lane sends after its t* turn (max_tokens 1, no think)"),
-            ("--num-sessions", int, None, "trace sessions (default: the preset's)"),
-            ("--model", str, None, "served model name (default: the first of /v1/models)"),
-            ("--tokenizer", str, None, "--api chat: preset name or tokenizer dir (default: --model)"),
-            ("--scale", float, 1.0, "< 1: shrink prompts block-wise and outputs (small test models)"),
-            ("--config", str, None, "config label in agg file names (default: <model>_<preset>)"),
-            ("--vocab-size", int, 8192, "token ids are drawn from [0, V) minus reserved ids"),
-            ("--num-gpus", int, 1, "GPUs serving (throughput per GPU)"), ("--output-dir", str, "agentx_out", ""),
-            ("--api-key", str, None, ""), ("--hw", str, None, ""), ("--framework", str, "dsserve", ""),
-            ("--price-per-gpu-hr", float, None, ""),
-            ("--tier-tok-s", float, 150.0, "per-user speed (tok/s at P90 interactivity) whose tier is read: the "
-                                           "best tok/s/GPU among points at or above it, and the front's value")):
+        ("--base-url", str, "http://127.0.0.1:8000", ""),
+        ("--seed", int, 42, "trace and sampler seed"),
+        ("--duration", float, None, "profiling seconds per point (default: the preset's)"),
+        ("--warmup-turns", int, 10, "root turns each lane sends after its t* turn (max_tokens 1, no think)"),
+        ("--num-sessions", int, None, "trace sessions (default: the preset's)"),
+        ("--model", str, None, "served model name (default: the first of /v1/models)"),
+        ("--tokenizer", str, None, "--api chat: preset name or tokenizer dir (default: --model)"),
+        ("--scale", float, 1.0, "< 1: shrink prompts block-wise and outputs (small test models)"),
+        ("--config", str, None, "config label in agg file names (default: <model>_<preset>)"),
+        ("--vocab-size", int, 8192, "token ids are drawn from [0, V) minus reserved ids"),
+        ("--num-gpus", int, 1, "GPUs serving (throughput per GPU)"),
+        ("--output-dir", str, "agentx_out", ""),
+        ("--api-key", str, None, ""),
+        ("--hw", str, None, ""),
+        ("--framework", str, "dsserve", ""),
+        ("--price-per-gpu-hr", float, None, ""),
+        (
+            "--tier-tok-s",
+            float,
+            150.0,
+            "per-user speed (tok/s at P90 interactivity) whose tier is read: the "
+            "best tok/s/GPU among points at or above it, and the front's value",
+        ),
+    ):
         p.add_argument(flag, type=kind, default=default, help=doc or None)

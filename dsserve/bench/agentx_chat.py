@@ -10,6 +10,7 @@ padded / trimmed word by word until ``len(chat_prompt_ids(tokenizer, messages))`
 headers, ``<tool_result>`` tags) becomes a user turn, else extends the last message (earlier ones stay verbatim);
 when the target still cannot be reached the closest is kept (``chat_token_mismatch``).
 """
+
 from __future__ import annotations
 
 from dsserve.models.tokenizer import Tokenizer
@@ -72,7 +73,7 @@ class ChatBuilder:
             drop = n - target
             for j, w in reversed(list(enumerate(words))):  # the last keeps a word (empty tags tokenise apart)
                 cut = min(drop, len(w) - (keep if j == len(words) - 1 else 0))
-                del w[len(w) - cut:]
+                del w[len(w) - cut :]
                 drop -= cut
             if drop == n - target:  # nothing left to trim
                 break
@@ -96,11 +97,12 @@ class ChatBuilder:
             pt = min(len(ids), scaled_len(par.isl, k, block))
             n_out = min(max(1, round(par.osl * k / block)) if k < block else par.osl, len(ids) - pt)
             role = "tool" if r.input_type == "tool_result" else "user"
-            new = [("assistant", self.text(ids[pt:pt + n_out])), (role, self.text(ids[pt + n_out:]))]
+            new = [("assistant", self.text(ids[pt : pt + n_out])), (role, self.text(ids[pt + n_out :]))]
             out = self.fit(list(head), new, target)
             if out[1] != target and role == "tool":  # an append too short for <tool_result> tags: a user turn
-                out = min(out, self.fit(list(head), [new[0], ("user", new[1][1])], target),
-                          key=lambda o: abs(o[1] - target))
+                out = min(
+                    out, self.fit(list(head), [new[0], ("user", new[1][1])], target), key=lambda o: abs(o[1] - target)
+                )
             if out[1] > target and head:  # an append shorter than a chat turn: extend the last message instead
                 last = [" " + w for w in head[-1]["content"].split()]
                 ext = self.fit(head[:-1], [(head[-1]["role"], last + new[0][1] + new[1][1])], target, len(last))

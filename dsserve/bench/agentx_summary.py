@@ -6,6 +6,7 @@ cut short still counts its finished points).
 
 writes DIR/agentx-summary.json and DIR/agentx-frontier.png, and prints one line per config and the JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,16 @@ from pathlib import Path
 
 from . import metrics as M
 
-POINT_KEYS = ("conc", "num_requests_successful", "error_rate", "p90_intvty", "median_intvty", "p90_ttft",
-              "tput_per_gpu", "output_tput_per_gpu")
+POINT_KEYS = (
+    "conc",
+    "num_requests_successful",
+    "error_rate",
+    "p90_intvty",
+    "median_intvty",
+    "p90_ttft",
+    "tput_per_gpu",
+    "output_tput_per_gpu",
+)
 
 
 def load_aggs(dirs) -> list[dict]:
@@ -53,10 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     f = lambda v, s="{:,.1f}": "-" if v is None else s.format(v)  # noqa: E731
     for c, r in res["configs"].items():
         t = r["tier"]
-        print(f"{c}: " + ", ".join(f"C={q['conc']} {f(q['tput_per_gpu'])} tok/s/GPU @ P90 {f(q['p90_intvty'])} "
-                                    f"tok/s/user" for q in r["points"])
-              + f" | tier {a.tier_tok_s:g}: best {f(t['best_tput_per_gpu'])} (C={t['best_conc']}), front "
-                f"{f(t['front_tput_per_gpu'])} ({t['front_status']})")
+        print(
+            f"{c}: "
+            + ", ".join(
+                f"C={q['conc']} {f(q['tput_per_gpu'])} tok/s/GPU @ P90 {f(q['p90_intvty'])} tok/s/user"
+                for q in r["points"]
+            )
+            + f" | tier {a.tier_tok_s:g}: best {f(t['best_tput_per_gpu'])} (C={t['best_conc']}), front "
+            f"{f(t['front_tput_per_gpu'])} ({t['front_status']})"
+        )
     print(json.dumps(res, default=str))
     return 0
 

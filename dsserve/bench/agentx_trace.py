@@ -19,8 +19,18 @@ from functools import lru_cache
 
 import numpy as np
 
-from .agentx_presets import (ACCEPTANCE, PRESETS, Preset, check_acceptance, common_run_prefix,  # noqa: F401
-                             draw_int, draw_ln, seed_for, stream, trace_stats)
+from .agentx_presets import (  # noqa: F401  (re-exported: the trace's callers import them from here)
+    ACCEPTANCE,
+    PRESETS,
+    Preset,
+    check_acceptance,
+    common_run_prefix,
+    draw_int,
+    draw_ln,
+    seed_for,
+    stream,
+    trace_stats,
+)
 
 VERSION = "dsserve-agentx-gen/1"
 BLOCK = 64
@@ -93,8 +103,18 @@ def _conversation(rng, p: Preset, shape, prefix: int, s0: int) -> list[dict]:
                 tool = 0 if human else int(deltas[k - 1]) - min(turns[-1]["osl"], int(deltas[k - 1]))
         gap = round(draw_ln(rng, p.human_gap if human else p.tool_gap), 3) if k else 0.0
         out = int(min(round(draw_ln(rng, shape.out)), p.max_ctx - ctx))
-        turns.append(dict(isl=ctx, osl=out, epoch=epoch, compacted=compacted, think=gap, append_tool=int(tool),
-                          input_type="tool_result" if k and not human else "text", human=human))
+        turns.append(
+            dict(
+                isl=ctx,
+                osl=out,
+                epoch=epoch,
+                compacted=compacted,
+                think=gap,
+                append_tool=int(tool),
+                input_type="tool_result" if k and not human else "text",
+                human=human,
+            )
+        )
     for k, tr in enumerate(turns):
         tr["stop"] = "end_turn" if k == T - 1 or turns[k + 1]["human"] else "tool_use"
     return turns
@@ -124,29 +144,56 @@ def _session(p: Preset, seed: int, i: int) -> Session:
     prefix = sys_t + tool_t
     resumed = bool(rng.random() < p.p_resumed)
     s0 = max(draw_ln(rng, p.s0_resumed), prefix + BLOCK) if resumed else prefix + draw_ln(rng, p.s0_fresh)
-    convs = [dict(kind="helper", agent_id=f"helper{h}", model="small", prefix=0, turns=[dict(
-        isl=draw_int(rng, p.helper_in), osl=draw_int(rng, p.helper_out), epoch=0, compacted=False, think=0.0,
-        append_tool=0, input_type="text", stop="end_turn", t=float(h))]) for h in range(p.n_helpers)]
-    root = dict(kind="root", agent_id="main", model="main", prefix=prefix,
-                turns=_conversation(rng, p, p.root, prefix, s0))
+    convs = [
+        dict(
+            kind="helper",
+            agent_id=f"helper{h}",
+            model="small",
+            prefix=0,
+            turns=[
+                dict(
+                    isl=draw_int(rng, p.helper_in),
+                    osl=draw_int(rng, p.helper_out),
+                    epoch=0,
+                    compacted=False,
+                    think=0.0,
+                    append_tool=0,
+                    input_type="text",
+                    stop="end_turn",
+                    t=float(h),
+                )
+            ],
+        )
+        for h in range(p.n_helpers)
+    ]
+    root = dict(
+        kind="root", agent_id="main", model="main", prefix=prefix, turns=_conversation(rng, p, p.root, prefix, s0)
+    )
     convs.append(root)
     spawns = {}  # root turn -> children
     for k in range(len(root["turns"]) - 1):
         if rng.random() < p.p_spawn:
             for _ in range(min(int(rng.geometric(0.5)), p.max_fanout)):
                 sp = int(draw_ln(rng, p.sub_prefix))
-                sub = dict(kind="subagent", agent_id=f"sa{len(convs) - p.n_helpers}", model="main", prefix=sp,
-                           turns=_conversation(rng, p, p.sub, sp, sp + draw_ln(rng, p.sub_task)),
-                           gating=bool(rng.random() < p.p_gating), spawned_at=k,
-                           subagent_type=["Explore", "general-purpose"][int(rng.integers(2))])
+                sub = dict(
+                    kind="subagent",
+                    agent_id=f"sa{len(convs) - p.n_helpers}",
+                    model="main",
+                    prefix=sp,
+                    turns=_conversation(rng, p, p.sub, sp, sp + draw_ln(rng, p.sub_task)),
+                    gating=bool(rng.random() < p.p_gating),
+                    spawned_at=k,
+                    subagent_type=["Explore", "general-purpose"][int(rng.integers(2))],
+                )
                 spawns.setdefault(k, []).append(sub)
                 convs.append(sub)
     nxt = 0
     for c in convs:
         nxt = _alloc(c["turns"], c["prefix"], nxt)
         for j, tr in enumerate(c["turns"]):
-            tr.update(c=c, turn=j, api=round(tr["osl"] / p.out_tok_s + p.api_base, 3),
-                      after=[c["turns"][j - 1]] if j else [])
+            tr.update(
+                c=c, turn=j, api=round(tr["osl"] / p.out_tok_s + p.api_base, 3), after=[c["turns"][j - 1]] if j else []
+            )
 
     for k, tr in enumerate(root["turns"]):
         if k == 0:
@@ -164,17 +211,49 @@ def _session(p: Preset, seed: int, i: int) -> Session:
     reqs = []
     for tr in order:
         par = tr["after"][0] if tr["turn"] else None
-        reqs.append(Request(
-            session=i, idx=tr["idx"], kind=tr["c"]["kind"], agent_id=tr["c"]["agent_id"], turn=tr["turn"],
-            t=tr["t"], isl=tr["isl"], osl=tr["osl"], hash_id_runs=tr["runs"], parent=par and par["idx"],
-            hit_blocks=common_run_prefix(par["runs"], tr["runs"]) if par else 0, sys_blocks=tr["sys_blocks"],
-            after=[a["idx"] for a in tr["after"]], think_time=tr["think"], api_time=tr["api"],
-            input_type=tr["input_type"], append_tool=tr["append_tool"], stop=tr["stop"],
-            compacted=tr["compacted"], model=tr["c"]["model"]))
-    subs = [dict(agent_id=c["agent_id"], subagent_type=c["subagent_type"], gating=c["gating"],
-                 spawned_by=root["turns"][c["spawned_at"]]["idx"]) for c in convs if c["kind"] == "subagent"]
-    return Session(index=i, id=f"agentx-{p.name}-s{seed}-{i:04d}", sys_tokens=sys_t, tool_tokens=tool_t,
-                   resumed=resumed, subagents=subs, requests=reqs)
+        reqs.append(
+            Request(
+                session=i,
+                idx=tr["idx"],
+                kind=tr["c"]["kind"],
+                agent_id=tr["c"]["agent_id"],
+                turn=tr["turn"],
+                t=tr["t"],
+                isl=tr["isl"],
+                osl=tr["osl"],
+                hash_id_runs=tr["runs"],
+                parent=par and par["idx"],
+                hit_blocks=common_run_prefix(par["runs"], tr["runs"]) if par else 0,
+                sys_blocks=tr["sys_blocks"],
+                after=[a["idx"] for a in tr["after"]],
+                think_time=tr["think"],
+                api_time=tr["api"],
+                input_type=tr["input_type"],
+                append_tool=tr["append_tool"],
+                stop=tr["stop"],
+                compacted=tr["compacted"],
+                model=tr["c"]["model"],
+            )
+        )
+    subs = [
+        dict(
+            agent_id=c["agent_id"],
+            subagent_type=c["subagent_type"],
+            gating=c["gating"],
+            spawned_by=root["turns"][c["spawned_at"]]["idx"],
+        )
+        for c in convs
+        if c["kind"] == "subagent"
+    ]
+    return Session(
+        index=i,
+        id=f"agentx-{p.name}-s{seed}-{i:04d}",
+        sys_tokens=sys_t,
+        tool_tokens=tool_t,
+        resumed=resumed,
+        subagents=subs,
+        requests=reqs,
+    )
 
 
 @dataclass
@@ -221,8 +300,9 @@ def generate(preset: str, seed: int = 42, num_sessions: int | None = None) -> Tr
     """Generate ``num_sessions`` (default: the preset's trace count) sessions of ``PRESETS[preset]``."""
     p = PRESETS[preset]
     n = p.traces if num_sessions is None else num_sessions
-    return Trace(preset=preset, seed=seed, version=VERSION, block_size=BLOCK,
-                 sessions=[_session(p, seed, i) for i in range(n)])
+    return Trace(
+        preset=preset, seed=seed, version=VERSION, block_size=BLOCK, sessions=[_session(p, seed, i) for i in range(n)]
+    )
 
 
 @lru_cache(maxsize=8)
@@ -237,14 +317,22 @@ def _block_fill(master: int, tag: str, block: int, n: int) -> np.ndarray:
     return stream(master, tag, block).integers(0, n, BLOCK)
 
 
-def request_token_ids(trace: Trace, request: Request, vocab_size: int, reserved_ids=(), salt: str | None = None
-                      ) -> list[int]:
+def request_token_ids(
+    trace: Trace, request: Request, vocab_size: int, reserved_ids=(), salt: str | None = None
+) -> list[int]:
     """Exactly ``request.isl`` prompt token ids: block id b of session s is filled with 64 ids drawn from
     stream ``tokens/<s>/<b>`` (§3.1) over ``range(vocab_size)`` minus ``reserved_ids`` (a partial last block
     takes the first isl % 64), so equal hash ids give equal tokens and the theoretical hit is realisable.
     ``salt`` (per-play cache bust, §1.3) changes every block after the system+tools prefix."""
     allowed = _allowed(vocab_size, frozenset(reserved_ids))
     s = request.session
-    parts = [_block_fill(trace.seed, f"tokens/{s}" if salt is None or pos < request.sys_blocks
-                         else f"tokens/{s}/{salt}", b, len(allowed)) for pos, b in enumerate(request.hash_ids)]
+    parts = [
+        _block_fill(
+            trace.seed,
+            f"tokens/{s}" if salt is None or pos < request.sys_blocks else f"tokens/{s}/{salt}",
+            b,
+            len(allowed),
+        )
+        for pos, b in enumerate(request.hash_ids)
+    ]
     return allowed[np.concatenate(parts)[: request.isl]].tolist()

@@ -8,6 +8,7 @@ Profiling resumes each initial lane's tree from the root turn after those (sent 
 from then on included); recycled traces start at turn 0. ``fast``: only the turn before t*. Any failed
 root warm-up request raises ``WarmupError`` (the point is aborted).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,13 +22,20 @@ from .agentx_presets import stream
 _PROM = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)\s*$", re.M)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 # column -> metric base name (vllm:/dsserve: prefix and _total suffix dropped), summed over label sets
-SERIES = {"prefix_cache_hits": "prefix_cache_hits", "prefix_cache_queries": "prefix_cache_queries",
-          "running": "num_requests_running", "waiting": "num_requests_waiting",
-          "prompt_tokens": "prompt_tokens", "generation_tokens": "generation_tokens",
-          # dsserve's: when first-use CUDA graph captures and Triton compiles stalled steps, and for how long
-          "graph_captures": "graph_captures", "graph_capture_seconds": "graph_capture_seconds",
-          "triton_compiles": "triton_compiles", "triton_compile_seconds": "triton_compile_seconds",
-          "triton_cache_loads": "triton_cache_loads"}
+SERIES = {
+    "prefix_cache_hits": "prefix_cache_hits",
+    "prefix_cache_queries": "prefix_cache_queries",
+    "running": "num_requests_running",
+    "waiting": "num_requests_waiting",
+    "prompt_tokens": "prompt_tokens",
+    "generation_tokens": "generation_tokens",
+    # dsserve's: when first-use CUDA graph captures and Triton compiles stalled steps, and for how long
+    "graph_captures": "graph_captures",
+    "graph_capture_seconds": "graph_capture_seconds",
+    "triton_compiles": "triton_compiles",
+    "triton_compile_seconds": "triton_compile_seconds",
+    "triton_cache_loads": "triton_cache_loads",
+}
 KV_USAGE = ("kv_cache_usage_perc", "gpu_cache_usage_perc")  # vLLM v1 / v0 names
 COLS = ("time_unix", "t_s", "conc", "phase", *SERIES, "hit_rate", "input_tps", "output_tps")
 
@@ -71,9 +79,13 @@ async def sample_metrics(rp, rows: list, period: float = 1.0) -> None:
     """Append a row every ``period`` s (first one at once) until cancelled; rates are over the last interval."""
     t0, prev, i = time.monotonic(), None, 0
     while True:
-        row = {"time_unix": round(time.time(), 3), "t_s": round(time.monotonic() - t0, 3), "conc": rp.conc,
-               "phase": "warmup" if time.monotonic() < rp.t_profile else "profile",
-               **series_row(await scrape(rp.client, raw=True))}
+        row = {
+            "time_unix": round(time.time(), 3),
+            "t_s": round(time.monotonic() - t0, 3),
+            "conc": rp.conc,
+            "phase": "warmup" if time.monotonic() < rp.t_profile else "profile",
+            **series_row(await scrape(rp.client, raw=True)),
+        }
         if prev is not None and (dt := row["time_unix"] - prev["time_unix"]) > 0:
             d = {c: row[c] - prev[c] if c in row and c in prev else None for c in SERIES}
             if d["prefix_cache_queries"]:
@@ -125,14 +137,21 @@ async def warm_up(rp) -> list[tuple]:
         bad = [r for r in recs if r["error"] and r["kind"] == "root"]
         if bad:
             r = bad[0]
-            raise WarmupError(f"root warm-up request failed (conc {rp.conc}, lane {r['lane']}, trace {r['trace_id']}, "
-                              f"turn {r['turn_idx']}): {r['error']}")
+            raise WarmupError(
+                f"root warm-up request failed (conc {rp.conc}, lane {r['lane']}, trace {r['trace_id']}, "
+                f"turn {r['turn_idx']}): {r['error']}"
+            )
 
     async def advance(j, s, sess, play, roots, k):
-        return [await rp.send(r, sess, play, play, j, phase="warmup", max_tokens=1) for r in roots[k:k + n]]
+        return [await rp.send(r, sess, play, play, j, phase="warmup", max_tokens=1) for r in roots[k : k + n]]
 
-    check(await asyncio.gather(*(rp.send(roots[k - 1], sess, play, play, j, phase="warmup", max_tokens=1)
-                                 for j, s, sess, play, roots, k in plans)))  # aligned t*
+    check(
+        await asyncio.gather(
+            *(
+                rp.send(roots[k - 1], sess, play, play, j, phase="warmup", max_tokens=1)
+                for j, s, sess, play, roots, k in plans
+            )
+        )
+    )  # aligned t*
     check([r for recs in await asyncio.gather(*(advance(*p) for p in plans)) for r in recs])
-    return [(s, play, roots[k + n].turn if k + n < len(roots) else None)
-            for j, s, sess, play, roots, k in plans]
+    return [(s, play, roots[k + n].turn if k + n < len(roots) else None) for j, s, sess, play, roots, k in plans]

@@ -5,6 +5,7 @@ captured as a graph pays only the device time, measured here as a graph of `call
 (triton.testing.do_bench_cudagraph faulted at capture on the H200 with cudaErrorInvalidAddressSpace for the
 sparse-attention calls, 2026-11-29; a plain torch.cuda.graph capture after one warm-up call works.)
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -15,6 +16,7 @@ import torch
 def eager_ms(fn: Callable[[int], object], sets: int = 1) -> float:
     """Median ms of one call fn(i), i cycling over `sets` input sets."""
     from triton.testing import do_bench
+
     it = iter(range(1 << 62))
     return do_bench(lambda: fn(next(it) % sets), warmup=25, rep=200, return_mode="median")
 
@@ -22,6 +24,7 @@ def eager_ms(fn: Callable[[int], object], sets: int = 1) -> float:
 def graph_ms(fn: Callable[[int], object], sets: int = 1, calls: int = 20) -> float:
     """Median device ms per call: one CUDA graph holds `calls` calls fn(i % sets), timed by its replays."""
     from triton.testing import do_bench
+
     fn(0)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()

@@ -8,6 +8,7 @@ table, then one JSON line; ``--out`` writes eval.json, rewritten after every bat
 end), so a run stopped early keeps what it scored. A long evaluation can run as several processes (one per mode and
 task: ``--replay``, ``--cache``, ``--tasks``), whose eval.json files ``--merge`` joins into one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,6 +43,7 @@ def server_completer(url: str, concurrency: int):
     def complete(requests: list[tuple[list[int], int]]) -> list[str]:
         with ThreadPoolExecutor(concurrency) as pool:
             return list(pool.map(lambda r: _server_complete(url, *r), requests))
+
     return complete
 
 
@@ -50,26 +52,46 @@ def engine_completer(llm):
     from ..engine.sampling_params import SamplingParams
 
     def complete(requests: list[tuple[list[int], int]]) -> list[str]:
-        outs = llm.generate([ids for ids, _ in requests],
-                            [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for _, k in requests],
-                            use_tqdm=False)
+        outs = llm.generate(
+            [ids for ids, _ in requests],
+            [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for _, k in requests],
+            use_tqdm=False,
+        )
         return [o.outputs[0].text for o in outs]
+
     return complete
 
 
 def score(correct: int, n: int, skipped: int = 0, first: int = 0) -> dict:
     """Held-out problems ``first`` to ``end`` (``n`` scored, ``skipped`` not), so that split runs can be joined."""
-    return {"n": n, "correct": correct, "accuracy": correct / n if n else float("nan"),
-            "se": standard_error(correct, n), "skipped": skipped, "first": first, "end": first + n + skipped}
+    return {
+        "n": n,
+        "correct": correct,
+        "accuracy": correct / n if n else float("nan"),
+        "se": standard_error(correct, n),
+        "skipped": skipped,
+        "first": first,
+        "end": first + n + skipped,
+    }
 
 
-def run_mode(complete, tokenizer, tasks: list[str], n: int, hit: bool, min_back: int, batch: int = 64,
-             out: dict | None = None, on_batch=None, first: int = 0) -> dict:
+def run_mode(
+    complete,
+    tokenizer,
+    tasks: list[str],
+    n: int,
+    hit: bool,
+    min_back: int,
+    batch: int = 64,
+    out: dict | None = None,
+    on_batch=None,
+    first: int = 0,
+) -> dict:
     """Per task: {"n", "correct", "accuracy", "se", "skipped", "first", "end"} over held-out problems ``first`` to
     ``first + n``; ``complete([(ids, max_tokens), ...]) -> texts``, called with ``batch`` problems at a time (after a
     hit: their contexts first, all cached, then their prompts). ``out`` is filled as batches finish (the scores so
     far), and ``on_batch()`` called after each."""
-    count = (lambda s: len(tokenizer.encode(s, add_bos=False)))
+    count = lambda s: len(tokenizer.encode(s, add_bos=False))
     out = {} if out is None else out
     for task in tasks:
         correct, scored, skipped = 0, 0, 0
@@ -97,8 +119,9 @@ def run_eval(ns) -> int:
     from ..models.tokenizer import Tokenizer
 
     if ns.n < 1 or ns.batch < 1 or ns.first < 0:
-        raise SystemExit(f"dsserve eval: -n and --batch must be >= 1 and --first >= 0, got {ns.n}, {ns.batch} and "
-                         f"{ns.first}")
+        raise SystemExit(
+            f"dsserve eval: -n and --batch must be >= 1 and --first >= 0, got {ns.n}, {ns.batch} and {ns.first}"
+        )
     tasks = [t for t in ns.tasks.split(",") if t]
     bad = sorted(set(tasks) - set(TASKS))
     if bad or not tasks:
@@ -116,26 +139,56 @@ def run_eval(ns) -> int:
     tokenizer = Tokenizer.load(args.model)
     min_back = ns.min_back or retrieval_distance(cfg)  # past any window-only path's reach
     results, t0 = [], time.perf_counter()
-    summary = {"model": args.model, "n": ns.n, "first": ns.first, "min_back": min_back, "results": results,
-               "complete": False}
+    summary = {
+        "model": args.model,
+        "n": ns.n,
+        "first": ns.first,
+        "min_back": min_back,
+        "results": results,
+        "complete": False,
+    }
 
     def save():
         summary.update(replay_difference_se=_differences(results, tasks), seconds=time.perf_counter() - t0)
         if ns.out:
             _write(ns.out, summary)
+
     if ns.url:
         for cache in caches:
             results.append({"replay": "server", "cache": cache, "tasks": {}})
-            run_mode(server_completer(ns.url, ns.batch), tokenizer, tasks, ns.n, cache == "hit", min_back, ns.batch,
-                     results[-1]["tasks"], save, ns.first)
+            run_mode(
+                server_completer(ns.url, ns.batch),
+                tokenizer,
+                tasks,
+                ns.n,
+                cache == "hit",
+                min_back,
+                ns.batch,
+                results[-1]["tasks"],
+                save,
+                ns.first,
+            )
     else:
         from ..engine.llm import LLM
+
         for replay in replays:
             for cache in caches:
-                llm = LLM(**asdict(replace(args, swa_bounded_replay=replay == "on", enable_prefix_caching=cache == "hit")))
+                llm = LLM(
+                    **asdict(replace(args, swa_bounded_replay=replay == "on", enable_prefix_caching=cache == "hit"))
+                )
                 results.append({"replay": replay, "cache": cache, "tasks": {}})
-                res = run_mode(engine_completer(llm), tokenizer, tasks, ns.n, cache == "hit", min_back, ns.batch,
-                               results[-1]["tasks"], save, ns.first)
+                res = run_mode(
+                    engine_completer(llm),
+                    tokenizer,
+                    tasks,
+                    ns.n,
+                    cache == "hit",
+                    min_back,
+                    ns.batch,
+                    results[-1]["tasks"],
+                    save,
+                    ns.first,
+                )
                 if cache == "hit":
                     res["prefix_hit_tokens"] = llm.engine.stats.as_dict()["prefix_hit_tokens"]
     summary["complete"] = True
@@ -185,8 +238,10 @@ def _join(a: dict, b: dict, where: str) -> dict:
     """One task's scores over two runs' disjoint ranges of held-out problems."""
     (lo, hi) = sorted([a, b], key=lambda t: t.get("first", 0))
     if hi.get("first", 0) < lo.get("end", lo["n"] + lo["skipped"]):
-        raise SystemExit(f"dsserve eval --merge: {where}: two runs scored the same held-out problems "
-                         f"({lo.get('first', 0)}-{lo.get('end')} and {hi.get('first', 0)}-{hi.get('end')})")
+        raise SystemExit(
+            f"dsserve eval --merge: {where}: two runs scored the same held-out problems "
+            f"({lo.get('first', 0)}-{lo.get('end')} and {hi.get('first', 0)}-{hi.get('end')})"
+        )
     out = score(a["correct"] + b["correct"], a["n"] + b["n"], a["skipped"] + b["skipped"], lo.get("first", 0))
     out["end"] = hi.get("end", out["end"])
     return out
@@ -214,12 +269,16 @@ def merge(summaries: list[dict]) -> dict:
                     into[task] = t
     results = [{"replay": rp, "cache": c, "tasks": t} for (rp, c), t in sorted(modes.items())]
     tasks = [t for t in TASKS if any(t in r["tasks"] for r in results)]
-    return {"model": summaries[0]["model"], "n": max(t["n"] for r in results for k, t in r["tasks"].items()
-                                                     if k in TASKS),
-            "min_back": summaries[0]["min_back"], "results": results,
-            "complete": all(s.get("complete", True) for s in summaries),
-            "replay_difference_se": _differences(results, tasks), "seconds": max(s["seconds"] for s in summaries),
-            "merged": len(summaries)}
+    return {
+        "model": summaries[0]["model"],
+        "n": max(t["n"] for r in results for k, t in r["tasks"].items() if k in TASKS),
+        "min_back": summaries[0]["min_back"],
+        "results": results,
+        "complete": all(s.get("complete", True) for s in summaries),
+        "replay_difference_se": _differences(results, tasks),
+        "seconds": max(s["seconds"] for s in summaries),
+        "merged": len(summaries),
+    }
 
 
 def _differences(results: list[dict], tasks: list[str]) -> dict:
@@ -239,18 +298,36 @@ def _differences(results: list[dict], tasks: list[str]) -> dict:
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
     from ..engine.args import EngineArgs
+
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of {list(TASKS)}")
     p.add_argument("-n", type=int, default=100, help="held-out problems per task (default 100)")
-    p.add_argument("--first", type=int, default=0,
-                   help="the first held-out problem's index (runs over disjoint ranges can be --merge'd)")
+    p.add_argument(
+        "--first",
+        type=int,
+        default=0,
+        help="the first held-out problem's index (runs over disjoint ranges can be --merge'd)",
+    )
     p.add_argument("--replay", default="off,on", help="bounded replay modes, comma list of off/on (engine only)")
     p.add_argument("--cache", default="cold,hit", help="cold and/or hit: the question after its earlier turns cached")
-    p.add_argument("--min-back", type=int, default=0,
-                   help="retrieval: tokens between the asked fact and the question (default (layers + 1) x window)")
-    p.add_argument("--batch", type=int, default=64,
-                   help="problems in flight together (engine: one generate call; server: concurrent requests)")
+    p.add_argument(
+        "--min-back",
+        type=int,
+        default=0,
+        help="retrieval: tokens between the asked fact and the question (default (layers + 1) x window)",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=64,
+        help="problems in flight together (engine: one generate call; server: concurrent requests)",
+    )
     p.add_argument("--url", default=None, help="evaluate a live server at this base URL instead of an engine")
     p.add_argument("--out", default=None, help="write eval.json here (rewritten after every batch)")
-    p.add_argument("--merge", nargs="+", default=None, metavar="EVAL_JSON",
-                   help="join the eval.json files (or directories) of runs split by mode and task; runs nothing")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="EVAL_JSON",
+        help="join the eval.json files (or directories) of runs split by mode and task; runs nothing",
+    )
     EngineArgs.add_cli_args(p)

@@ -7,6 +7,7 @@ synchronised end; the breakdown comes from hooks on the modules of each stage (h
 shows where launches are issued, not where the device spends its time). FLOP/s counts 2 x active
 parameters per row; bandwidth counts the active weights read once per step plus the KV rows the step reads.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,6 +53,7 @@ class _Timer:
 
         def post(_m, _a, _o):
             self.total[stage] = self.total.get(stage, 0.0) + time.perf_counter() - self._start.pop(id(_m))
+
         return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
 
     @contextmanager
@@ -74,15 +76,18 @@ def _fill(core: EngineCore, req: Request, context: int, new_tokens: int, gen: to
     if _NOISE.get("key") != key:
         seed = int(torch.randint(0, 1 << 30, (1,), generator=gen))
         g = torch.Generator(device=core.device).manual_seed(seed)
-        _NOISE.update(key=key, main=torch.randn(context, cfg.head_dim, generator=g, device=core.device),
-                      idx=torch.randn(context, cfg.index_head_dim, generator=g, device=core.device))
+        _NOISE.update(
+            key=key,
+            main=torch.randn(context, cfg.head_dim, generator=g, device=core.device),
+            idx=torch.randn(context, cfg.index_head_dim, generator=g, device=core.device),
+        )
     for src, (ratio, _) in core.kv.layout.sources.items():
         n = context // ratio
         kv.push_global(src, _NOISE["main"][:n], _NOISE["idx"][:n] if core.kv.index else None)
     w = min(cfg.sliding_window, context)
     pos = torch.arange(context - w, context, device=core.device)
     for layer in core.kv.layout.window_layers:
-        kv.push_window(layer, _NOISE["main"][context - w:context], pos)
+        kv.push_window(layer, _NOISE["main"][context - w : context], pos)
     kv.num_tokens = req.num_computed_tokens = context
     kv.host_table()  # a running request's host copy of its table is built as it grows, not in its next step
 
@@ -103,8 +108,11 @@ def bench_forward(core: EngineCore, batch: int, context: int, new_tokens: int, r
     timer = _Timer()
     hooks = []
     for block in model.layers:
-        side = "encoder" if block.role.side == "encoder" else (
-            "boundary" if block.role.index == cfg.encoder_layers and cfg.is_v41 else "decoder")
+        side = (
+            "encoder"
+            if block.role.side == "encoder"
+            else ("boundary" if block.role.index == cfg.encoder_layers and cfg.is_v41 else "decoder")
+        )
         hooks += timer.hook(block, side)
         hooks += timer.hook(block.attn, "attention")
         hooks += timer.hook(block.ffn, "moe")
@@ -115,7 +123,9 @@ def bench_forward(core: EngineCore, batch: int, context: int, new_tokens: int, r
         def run(*a, **k):
             with timer.around("indexer"):
                 return fn(*a, **k)
+
         return run
+
     attention_paged._select, CSA2Attention._select = (timed(f) for f in selects)
     runs, reqs = [], []
     decode = new_tokens == 1  # a running batch: the same requests decode one more token each repeat
@@ -156,11 +166,18 @@ def bench_forward(core: EngineCore, batch: int, context: int, new_tokens: int, r
     active = param_counts(cfg).active_decode  # no replay here: every row runs every layer
     flops = 2.0 * active * rows
     elem = torch.finfo(next(model.parameters()).dtype).bits / 8
-    kv_bytes = batch * (context * core.kv.layout.global_bytes_per_token()
-                        + core.kv.layout.bytes_per_window_slot)
+    kv_bytes = batch * (context * core.kv.layout.global_bytes_per_token() + core.kv.layout.bytes_per_window_slot)
     weight_bytes = active * elem
-    return ForwardResult(batch, context, new_tokens, seconds, stages, rows / seconds, flops / seconds / 1e12,
-                         (weight_bytes + kv_bytes) / seconds / 1e9)
+    return ForwardResult(
+        batch,
+        context,
+        new_tokens,
+        seconds,
+        stages,
+        rows / seconds,
+        flops / seconds / 1e12,
+        (weight_bytes + kv_bytes) / seconds / 1e9,
+    )
 
 
 def run_bench_forward(ns) -> int:
@@ -175,23 +192,54 @@ def run_bench_forward(ns) -> int:
     blocks = ns.batch * (math.ceil((max(ns.context) + ns.new_tokens) / lay.block_size) + 1)
     seqs = max(args.max_num_seqs, ns.batch)
     memory = blocks * lay.bytes_per_block + seqs * lay.bytes_per_slot + (1 << 20)
-    args = EngineArgs(**{**asdict(args), "max_num_seqs": seqs, "enable_prefix_caching": False,
-                         "kv_cache_memory": args.kv_cache_memory or memory})
+    args = EngineArgs(
+        **{
+            **asdict(args),
+            "max_num_seqs": seqs,
+            "enable_prefix_caching": False,
+            "kv_cache_memory": args.kv_cache_memory or memory,
+        }
+    )
     core = EngineCore(args)
     results = [bench_forward(core, ns.batch, c, ns.new_tokens, ns.repeats) for c in ns.context]
-    t = Table(title=f"bench forward: {core.cfg.name}, batch {ns.batch}, new tokens {ns.new_tokens}, "
-                    f"{args.dtype}, {'CPU' if not torch.cuda.is_available() else 'CUDA'}")
+    t = Table(
+        title=f"bench forward: {core.cfg.name}, batch {ns.batch}, new tokens {ns.new_tokens}, "
+        f"{args.dtype}, {'CPU' if not torch.cuda.is_available() else 'CUDA'}"
+    )
     # stage columns are ms per step; the side columns (encoder, boundary layer, decoder) and the op columns
     # (attention, indexer, moe) are two cuts of the same time
     boundary = f"layer {core.cfg.encoder_layers}"
-    for col in ("context", "ms/step", "tok/s", "TFLOP/s", "GB/s", "encoder", boundary, "decoder",
-                "attention", "indexer", "moe", "sampler"):
+    for col in (
+        "context",
+        "ms/step",
+        "tok/s",
+        "TFLOP/s",
+        "GB/s",
+        "encoder",
+        boundary,
+        "decoder",
+        "attention",
+        "indexer",
+        "moe",
+        "sampler",
+    ):
         t.add_column(col, justify="right")
     for r in results:
         ms = lambda k: f"{r.stages.get(k, 0.0) * 1e3:.1f}"  # noqa: E731
-        t.add_row(str(r.context), f"{r.seconds * 1e3:.1f}", f"{r.tokens_per_s:,.0f}", f"{r.tflops:.4f}",
-                  f"{r.gbytes_per_s:.2f}", ms("encoder"), ms("boundary"), ms("decoder"), ms("attention"),
-                  ms("indexer"), ms("moe"), ms("sampler"))
+        t.add_row(
+            str(r.context),
+            f"{r.seconds * 1e3:.1f}",
+            f"{r.tokens_per_s:,.0f}",
+            f"{r.tflops:.4f}",
+            f"{r.gbytes_per_s:.2f}",
+            ms("encoder"),
+            ms("boundary"),
+            ms("decoder"),
+            ms("attention"),
+            ms("indexer"),
+            ms("moe"),
+            ms("sampler"),
+        )
     Console(width=max(Console().width, 150)).print(t)
     print(json.dumps({"bench": "forward", "model": core.cfg.name, "results": [asdict(r) for r in results]}))
     return 0

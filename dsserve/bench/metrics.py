@@ -4,6 +4,7 @@ Record = one dict per request (= a ``requests.jsonl`` row): ``phase`` (only "pro
 isl includes cached), optional ``cached``, ``hit_blocks``/``total_blocks`` (theoretical), ``max_tokens``,
 bookkeeping (lane, trace_id, ...). Percentiles: numpy method="linear" (k = (n-1)p/100, as AIPerf/InferenceX).
 """
+
 from __future__ import annotations
 
 import csv
@@ -15,12 +16,53 @@ import numpy as np
 
 PCT_METHOD = "linear"
 TIERS = (30, 50, 75, 100, 150, 200)
-REQUEST_FIELDS = ("phase", "lane", "trace_id", "conversation_id", "root_id", "depth", "turn_idx", "isl", "osl",
-                  "cached", "hit_blocks", "total_blocks", "start_ns", "end_ns", "ttft", "e2el", "itl", "error")
-META_KEYS = ("config", "hw", "conc", "model", "framework", "precision", "spec_decoding", "disagg", "tp", "ep",
-             "dp_attention", "kv_offloading")
-POINT_COLS = ("config", "conc", "tput_per_gpu", "input_tput_per_gpu", "output_tput_per_gpu", "p90_intvty",
-              "median_intvty", "p90_ttft", "p90_e2el", "cost_per_mtok", "on_frontier")
+REQUEST_FIELDS = (
+    "phase",
+    "lane",
+    "trace_id",
+    "conversation_id",
+    "root_id",
+    "depth",
+    "turn_idx",
+    "isl",
+    "osl",
+    "cached",
+    "hit_blocks",
+    "total_blocks",
+    "start_ns",
+    "end_ns",
+    "ttft",
+    "e2el",
+    "itl",
+    "error",
+)
+META_KEYS = (
+    "config",
+    "hw",
+    "conc",
+    "model",
+    "framework",
+    "precision",
+    "spec_decoding",
+    "disagg",
+    "tp",
+    "ep",
+    "dp_attention",
+    "kv_offloading",
+)
+POINT_COLS = (
+    "config",
+    "conc",
+    "tput_per_gpu",
+    "input_tput_per_gpu",
+    "output_tput_per_gpu",
+    "p90_intvty",
+    "median_intvty",
+    "p90_ttft",
+    "p90_e2el",
+    "cost_per_mtok",
+    "on_frontier",
+)
 
 
 def pct(values, p: float) -> float | None:
@@ -37,8 +79,11 @@ def request_itl(ttft: float, e2el: float, osl: int) -> float | None:
 def stats(values) -> dict:
     """mean, p50, p75, p90, p95, p99, std (population, numpy default); all None when empty."""
     a = np.asarray([v for v in values if v is not None], dtype=float)
-    return {"mean": float(a.mean()) if a.size else None, **{f"p{p}": pct(a, p) for p in (50, 75, 90, 95, 99)},
-            "std": float(a.std()) if a.size else None}
+    return {
+        "mean": float(a.mean()) if a.size else None,
+        **{f"p{p}": pct(a, p) for p in (50, 75, 90, 95, 99)},
+        "std": float(a.std()) if a.size else None,
+    }
 
 
 def interactivity(itls) -> dict:
@@ -52,12 +97,24 @@ def throughput(records, num_gpus: int, server_hit: float | None = None) -> dict:
     d = (max(r["end_ns"] for r in records) - min(r["start_ns"] for r in records)) / 1e9 if records else 0.0
     rate = (lambda n: n / d) if d > 0 else (lambda n: 0.0)
     isl, osl = sum(r["isl"] for r in records), sum(r["osl"] for r in records)
-    cached = (rate(sum(r.get("cached") or 0 for r in records)) if any(r.get("cached") is not None for r in records)
-              else None if server_hit is None else rate(isl) * server_hit)
-    return {"input": rate(isl), "output": rate(osl), "total": rate(isl + osl), "duration_seconds": d,
-            "cached_input": cached, "uncached_input": None if cached is None else rate(isl) - cached,
-            "per_gpu": rate(isl + osl) / num_gpus, "input_per_gpu": rate(isl) / num_gpus,
-            "output_per_gpu": rate(osl) / num_gpus}
+    cached = (
+        rate(sum(r.get("cached") or 0 for r in records))
+        if any(r.get("cached") is not None for r in records)
+        else None
+        if server_hit is None
+        else rate(isl) * server_hit
+    )
+    return {
+        "input": rate(isl),
+        "output": rate(osl),
+        "total": rate(isl + osl),
+        "duration_seconds": d,
+        "cached_input": cached,
+        "uncached_input": None if cached is None else rate(isl) - cached,
+        "per_gpu": rate(isl + osl) / num_gpus,
+        "input_per_gpu": rate(isl) / num_gpus,
+        "output_per_gpu": rate(osl) / num_gpus,
+    }
 
 
 def theoretical_hit_rate(records) -> float | None:
@@ -69,10 +126,14 @@ def theoretical_hit_rate(records) -> float | None:
 def server_hit_rate(before: dict, after: dict, kind: str = "", per: str | None = None) -> float | None:
     """delta <kind>prefix_cache_hits / delta <per or kind>prefix_cache_queries between two counter snapshots
     (kind "" = GPU, "external_", "cpu_"); keys may carry a vllm:/dsserve: prefix and a _total suffix."""
+
     def delta(name):
-        v = [next((x for k, x in (d or {}).items() if k.split(":")[-1].removesuffix("_total") == name), None)
-             for d in (before, after)]
+        v = [
+            next((x for k, x in (d or {}).items() if k.split(":")[-1].removesuffix("_total") == name), None)
+            for d in (before, after)
+        ]
         return None if None in v else v[1] - v[0]
+
     h, q = delta(f"{kind}prefix_cache_hits"), delta(f"{kind if per is None else per}prefix_cache_queries")
     return h / q if h is not None and q else None
 
@@ -134,8 +195,13 @@ def monotone_cubic(xs, ys, method: str = "steffen"):
         i = np.clip(np.searchsorted(x, t, side="right") - 1, 0, len(x) - 2)
         h = x[i + 1] - x[i]
         u = (t - x[i]) / h
-        return ((2 * u**3 - 3 * u**2 + 1) * y[i] + (u**3 - 2 * u**2 + u) * h * m[i]
-                + (3 * u**2 - 2 * u**3) * y[i + 1] + (u**3 - u**2) * h * m[i + 1])
+        return (
+            (2 * u**3 - 3 * u**2 + 1) * y[i]
+            + (u**3 - 2 * u**2 + u) * h * m[i]
+            + (3 * u**2 - 2 * u**3) * y[i + 1]
+            + (u**3 - u**2) * h * m[i + 1]
+        )
+
     return f
 
 
@@ -170,14 +236,27 @@ def tier_summary(points: list[dict], tier: float, x="p90_intvty", y="tput_per_gp
     (tier_reads: exact / estimated / clamped / unreachable)."""
     best = tier_best(points, tier, x, y)
     (read,) = tier_reads(pareto_frontier(points, x, y), (tier,), x, y)
-    return {"tier_tok_s_per_user": tier, "best_" + y: None if best is None else best[y],
-            "best_conc": None if best is None else best.get("conc"),
-            "best_" + x: None if best is None else best[x], "front_" + y: read[y], "front_status": read["status"]}
+    return {
+        "tier_tok_s_per_user": tier,
+        "best_" + y: None if best is None else best[y],
+        "best_conc": None if best is None else best.get("conc"),
+        "best_" + x: None if best is None else best[x],
+        "front_" + y: read[y],
+        "front_status": read["status"],
+    }
 
 
-def aggregate(records: list[dict], window=None, num_gpus: int = 1, *, meta: dict | None = None,
-              server: dict | None = None, dataset: dict | None = None, price_per_gpu_hr: float | None = None,
-              min_duration_s: float = 900.0) -> dict:
+def aggregate(
+    records: list[dict],
+    window=None,
+    num_gpus: int = 1,
+    *,
+    meta: dict | None = None,
+    server: dict | None = None,
+    dataset: dict | None = None,
+    price_per_gpu_hr: float | None = None,
+    min_duration_s: float = 900.0,
+) -> dict:
     """InferenceX-like agg dict (§3.7) over successful phase=="profile" records; D = max(end) - min(start) over
     them. ``window`` = optional (start_ns, end_ns) profiling window, only for qps buckets and 98% coverage.
     ``server`` = {"before": counters, "after": counters, "gpu_usage_pct": .., "gpu_total_tokens": ..}."""
@@ -190,29 +269,62 @@ def aggregate(records: list[dict], window=None, num_gpus: int = 1, *, meta: dict
     overall = gpu if gpu is None else gpu + (server_hit_rate(b, a, "external_", "") or 0)  # (local+ext hits)/local q
     tp = throughput(ok, num_gpus, gpu)
     lat = {"ttft": stats([r["ttft"] for r in ok]), "e2el": stats([r["e2el"] for r in ok]), "itl": stats(itls)}
-    lat.update(tpot=lat["itl"], intvty=interactivity(itls),
-               e2e_norm_intvty=interactivity([r["e2el"] / r["osl"] for r in ok if r["osl"] >= 1]))
+    lat.update(
+        tpot=lat["itl"],
+        intvty=interactivity(itls),
+        e2e_norm_intvty=interactivity([r["e2el"] / r["osl"] for r in ok if r["osl"] >= 1]),
+    )
     cov = (max(r["end_ns"] for r in ok) - t0) / (t1 - t0) if window and ok and t1 > t0 else None
     err, dur_ok = (len(prof) - len(ok)) / len(prof) if prof else None, tp["duration_seconds"] >= min_duration_s
     cost = price_per_gpu_hr * 1e6 / (3600 * tp["per_gpu"]) if price_per_gpu_hr and tp["per_gpu"] else None
-    return {**{k: meta.get(k) for k in META_KEYS}, "num_gpus": num_gpus,
-            "num_requests_total": len(prof), "num_requests_successful": len(ok), "error_rate": err,
-            "request_metrics": {
-                "qps": qps(ok, t0, t1), "latency": lat, "throughput": tp,
-                "tokens": {k: sum(r.get(f) or 0 for r in ok) for k, f in (("input", "isl"), ("output_actual", "osl"),
-                           ("output_expected", "max_tokens"), ("cached_input", "cached"))},
-                "cache": {"theoretical_cache_hit_rate": theoretical_hit_rate(ok)}},
-            "server_metrics": {
-                "cache": {"gpu_hit_rate": gpu, "cpu_hit_rate": server_hit_rate(b, a, "cpu_"),
-                          "external_hit_rate": ext, "overall_hit_rate": overall},
-                "kv_cache": {k: server.get(k) for k in ("gpu_usage_pct", "gpu_total_tokens")}},
-            "tput_per_gpu": tp["per_gpu"], "output_tput_per_gpu": tp["output_per_gpu"],
-            "input_tput_per_gpu": tp["input_per_gpu"], "p90_intvty": lat["intvty"]["p90"],
-            "median_intvty": lat["intvty"]["p50"], "mean_intvty": lat["intvty"]["mean"],
-            "p90_e2e_norm_intvty": lat["e2e_norm_intvty"]["p90"], "p90_ttft": lat["ttft"]["p90"],
-            "p90_e2el": lat["e2el"]["p90"], "cost_per_mtok": cost, "dataset": dataset or {},
-            "validity": {"coverage": cov, "duration_ok": dur_ok, "error_rate_ok": (err or 0) <= 0.10,
-                         "valid": dur_ok and (err or 0) <= 0.10 and (cov is None or cov >= 0.98)}}
+    return {
+        **{k: meta.get(k) for k in META_KEYS},
+        "num_gpus": num_gpus,
+        "num_requests_total": len(prof),
+        "num_requests_successful": len(ok),
+        "error_rate": err,
+        "request_metrics": {
+            "qps": qps(ok, t0, t1),
+            "latency": lat,
+            "throughput": tp,
+            "tokens": {
+                k: sum(r.get(f) or 0 for r in ok)
+                for k, f in (
+                    ("input", "isl"),
+                    ("output_actual", "osl"),
+                    ("output_expected", "max_tokens"),
+                    ("cached_input", "cached"),
+                )
+            },
+            "cache": {"theoretical_cache_hit_rate": theoretical_hit_rate(ok)},
+        },
+        "server_metrics": {
+            "cache": {
+                "gpu_hit_rate": gpu,
+                "cpu_hit_rate": server_hit_rate(b, a, "cpu_"),
+                "external_hit_rate": ext,
+                "overall_hit_rate": overall,
+            },
+            "kv_cache": {k: server.get(k) for k in ("gpu_usage_pct", "gpu_total_tokens")},
+        },
+        "tput_per_gpu": tp["per_gpu"],
+        "output_tput_per_gpu": tp["output_per_gpu"],
+        "input_tput_per_gpu": tp["input_per_gpu"],
+        "p90_intvty": lat["intvty"]["p90"],
+        "median_intvty": lat["intvty"]["p50"],
+        "mean_intvty": lat["intvty"]["mean"],
+        "p90_e2e_norm_intvty": lat["e2e_norm_intvty"]["p90"],
+        "p90_ttft": lat["ttft"]["p90"],
+        "p90_e2el": lat["e2el"]["p90"],
+        "cost_per_mtok": cost,
+        "dataset": dataset or {},
+        "validity": {
+            "coverage": cov,
+            "duration_ok": dur_ok,
+            "error_rate_ok": (err or 0) <= 0.10,
+            "valid": dur_ok and (err or 0) <= 0.10 and (cov is None or cov >= 0.98),
+        },
+    }
 
 
 def write_agg(out_dir, agg: dict) -> Path:
@@ -235,8 +347,11 @@ def write_requests_jsonl(path, records) -> Path:
 
 def write_points_csv(path, aggs: list[dict]) -> Path:
     """One row per agg (POINT_COLS); on_frontier = on its config's throughput-vs-P90-interactivity front."""
-    front = {id(p) for c in {a.get("config") for a in aggs} for p in pareto_frontier(
-        [a for a in aggs if a.get("config") == c])}
+    front = {
+        id(p)
+        for c in {a.get("config") for a in aggs}
+        for p in pareto_frontier([a for a in aggs if a.get("config") == c])
+    }
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=POINT_COLS, extrasaction="ignore")
         w.writeheader()
@@ -249,23 +364,33 @@ def plot_points(path, aggs: list[dict], x: str = "p90_intvty", tier: float | Non
     concurrency (C=..), a line per config and, for interactivity, the config's Pareto front and the tier
     (tok/s/user) as a dashed line."""
     from matplotlib.figure import Figure  # OO API: Agg canvas, no pyplot state
+
     fig = Figure(figsize=(8, 5.5))
     ax = fig.subplots()
     for c in dict.fromkeys(a.get("config") for a in aggs):
         g = sorted((a for a in aggs if a.get("config") == c and a.get(x) is not None), key=lambda a: a["conc"])
-        line, = ax.plot([a[x] for a in g], [a["tput_per_gpu"] for a in g], "o-", alpha=0.6, label=str(c))
+        (line,) = ax.plot([a[x] for a in g], [a["tput_per_gpu"] for a in g], "o-", alpha=0.6, label=str(c))
         for a in g:
             ax.annotate(f"C={a['conc']}", (a[x], a["tput_per_gpu"]), xytext=(4, 4), textcoords="offset points")
         fr = pareto_frontier(g, x) if x == "p90_intvty" else []
         if len(fr) > 1:  # the front, drawn as the monotone cubic the tier reads use
             xs = np.linspace(fr[0][x], fr[-1][x], 200)
-            ax.plot(xs, monotone_cubic([p[x] for p in fr], [p["tput_per_gpu"] for p in fr])(xs), "-", lw=2.5,
-                    color=line.get_color(), label=f"{c} Pareto front")
+            ax.plot(
+                xs,
+                monotone_cubic([p[x] for p in fr], [p["tput_per_gpu"] for p in fr])(xs),
+                "-",
+                lw=2.5,
+                color=line.get_color(),
+                label=f"{c} Pareto front",
+            )
             ax.plot([p[x] for p in fr], [p["tput_per_gpu"] for p in fr], "*", ms=11, color=line.get_color())
     if tier is not None and x == "p90_intvty":
         ax.axvline(tier, ls="--", color="grey", lw=1, label=f"tier {tier:g} tok/s/user")
-    ax.set(xlabel=(lbl := {"p90_intvty": "P90 interactivity (tok/s/user)", "p90_ttft": "P90 TTFT (s)"}.get(x, x)),
-           ylabel="Throughput per GPU (tok/s/GPU, cached + uncached input + output)", title=f"Throughput vs {lbl}")
+    ax.set(
+        xlabel=(lbl := {"p90_intvty": "P90 interactivity (tok/s/user)", "p90_ttft": "P90 TTFT (s)"}.get(x, x)),
+        ylabel="Throughput per GPU (tok/s/GPU, cached + uncached input + output)",
+        title=f"Throughput vs {lbl}",
+    )
     ax.grid(alpha=0.3), ax.legend(fontsize=8)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     return Path(path)

@@ -5,6 +5,7 @@ latency: one batch of ``--batch-size`` random-token prompts of ``--input-len`` t
 reports mean/median/p90 seconds per batch. throughput: ``--num-prompts`` such prompts submitted at once;
 reports requests/s, total and output tokens/s. Both print a table, then one JSON line last.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,13 +47,24 @@ def run_bench_latency(ns) -> int:
         outs = llm.generate(prompts, sp, use_tqdm=False)
         times.append(time.perf_counter() - t0)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    res = {"bench": "latency", "model": ns.model, "batch_size": ns.batch_size, "input_len": ns.input_len,
-           "output_len": ns.output_len, "num_iters": ns.num_iters, "avg_latency_s": float(np.mean(times)),
-           "p50_latency_s": float(np.percentile(times, 50)), "p90_latency_s": float(np.percentile(times, 90)),
-           "output_tokens": n_out, "output_tokens_per_s": n_out / float(np.mean(times)),
-           "total_tokens_per_s": (n_out + ns.batch_size * ns.input_len) / float(np.mean(times))}
-    _table(f"bench latency: {ns.model}, batch {ns.batch_size}, in {ns.input_len}, out {ns.output_len}",
-           {k: v for k, v in res.items() if k != "bench"})
+    res = {
+        "bench": "latency",
+        "model": ns.model,
+        "batch_size": ns.batch_size,
+        "input_len": ns.input_len,
+        "output_len": ns.output_len,
+        "num_iters": ns.num_iters,
+        "avg_latency_s": float(np.mean(times)),
+        "p50_latency_s": float(np.percentile(times, 50)),
+        "p90_latency_s": float(np.percentile(times, 90)),
+        "output_tokens": n_out,
+        "output_tokens_per_s": n_out / float(np.mean(times)),
+        "total_tokens_per_s": (n_out + ns.batch_size * ns.input_len) / float(np.mean(times)),
+    }
+    _table(
+        f"bench latency: {ns.model}, batch {ns.batch_size}, in {ns.input_len}, out {ns.output_len}",
+        {k: v for k, v in res.items() if k != "bench"},
+    )
     print(json.dumps(res))
     return 0
 
@@ -64,12 +76,23 @@ def run_bench_throughput(ns) -> int:
     dt = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(o.prompt_token_ids) for o in outs)
-    res = {"bench": "throughput", "model": ns.model, "num_prompts": ns.num_prompts, "input_len": ns.input_len,
-           "output_len": ns.output_len, "elapsed_s": dt, "requests_per_s": len(outs) / dt,
-           "input_tokens": n_in, "output_tokens": n_out, "tokens_per_s": (n_in + n_out) / dt,
-           "output_tokens_per_s": n_out / dt}
-    _table(f"bench throughput: {ns.model}, {ns.num_prompts} prompts, in {ns.input_len}, out {ns.output_len}",
-           {k: v for k, v in res.items() if k != "bench"})
+    res = {
+        "bench": "throughput",
+        "model": ns.model,
+        "num_prompts": ns.num_prompts,
+        "input_len": ns.input_len,
+        "output_len": ns.output_len,
+        "elapsed_s": dt,
+        "requests_per_s": len(outs) / dt,
+        "input_tokens": n_in,
+        "output_tokens": n_out,
+        "tokens_per_s": (n_in + n_out) / dt,
+        "output_tokens_per_s": n_out / dt,
+    }
+    _table(
+        f"bench throughput: {ns.model}, {ns.num_prompts} prompts, in {ns.input_len}, out {ns.output_len}",
+        {k: v for k, v in res.items() if k != "bench"},
+    )
     print(json.dumps(res))
     return 0
 

@@ -1,4 +1,5 @@
 """Engine options: one frozen dataclass, named like vLLM's CLI flags, shared by ``LLM(...)`` and the CLI."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,10 @@ class EngineArgsError(ValueError):
 
 @dataclass(frozen=True)
 class EngineArgs:
-    model: str = field(default=DEFAULT_MODEL, metadata=_h(
-        "a preset name, a built-in checkpoint (tiny-trained) or a checkpoint directory"))
+    model: str = field(
+        default=DEFAULT_MODEL,
+        metadata=_h("a preset name, a built-in checkpoint (tiny-trained) or a checkpoint directory"),
+    )
     load_format: str = field(default="auto", metadata=_h("auto | safetensors | dummy"))
     dtype: str = field(default="float32", metadata=_h("float32 | bfloat16 | float64"))
     seed: int = field(default=0, metadata=_h("seed of the dummy weights"))
@@ -28,7 +31,8 @@ class EngineArgs:
     max_model_len: int | None = field(default=None, metadata=_h("None: the model's max_position_embeddings"))
     kv_cache_memory: int | None = field(default=None, metadata=_h("bytes for the KV cache"))
     kv_cache_memory_fraction: float | None = field(
-        default=None, metadata=_h("or this fraction of the memory free now (neither: 256 MiB)"))
+        default=None, metadata=_h("or this fraction of the memory free now (neither: 256 MiB)")
+    )
     block_size: int | None = field(default=None, metadata=_h("tokens per KV block (None: 64; V4: 128)"))
     kv_cache_dtype: str = field(default="auto", metadata=_h("auto (the release's packed FP4/FP8 records) | bf16"))
     scheduling_policy: str = field(default="fcfs", metadata=_h("fcfs | priority"))
@@ -36,50 +40,90 @@ class EngineArgs:
     long_prefill_token_threshold: int = field(default=0, metadata=_h("cap on one prompt's chunk per step (0: none)"))
     swa_bounded_replay: bool = field(default=True, metadata=_h("V4.1 bounded replay; off = exact mode"))
     replay_window: int | None = field(default=None, metadata=_h("replayed rows (None: the sliding window)"))
-    replay_form: str = field(default="report", metadata=_h(
-        "report: narrow at layer 20 (TRT-LLM) | vllm: layer 20 on all rows, later layers narrowed"))
+    replay_form: str = field(
+        default="report",
+        metadata=_h("report: narrow at layer 20 (TRT-LLM) | vllm: layer 20 on all rows, later layers narrowed"),
+    )
     enable_prefix_caching: bool = field(default=True, metadata=_h("cache the global KV of full blocks"))
-    session_retention: float = field(default=0.0, metadata=_h(
-        "seconds a finished session request's blocks stay ahead of LRU (0: off)"))
-    quantization: str | None = field(default=None, metadata=_h(
-        "fp8: the dense projections the release stores in FP8 (attention, indexer wq_b, shared experts, Engram "
-        "wkv) in its e4m3 weights with 32x32 (V4: 128x128) ue8m0 block scales, through the Triton FP8 kernel on "
-        "GPU | None: the weights as loaded"))
-    expert_format: str | None = field(default=None, metadata=_h(
-        "the routed experts' storage: mxfp4 (the release's) | fp8 (32x32 ue8m0 blocks) | None: as loaded. With "
-        "dummy weights they are built on the device and packed layer by layer (the release proxy fits one "
-        "H200); the dense copies are kept, rounded, only on the CPU"))
-    engram_tables: str = field(default="device", metadata=_h(
-        "where the Engram n-gram tables live: device | host (pinned host memory, the model's values; each step's "
-        "rows are copied on a side stream while earlier layers run) | host-fp8 (host, in the release's FP8 "
-        "layout, half the bytes of bf16)"))
+    session_retention: float = field(
+        default=0.0, metadata=_h("seconds a finished session request's blocks stay ahead of LRU (0: off)")
+    )
+    quantization: str | None = field(
+        default=None,
+        metadata=_h(
+            "fp8: the dense projections the release stores in FP8 (attention, indexer wq_b, shared experts, Engram "
+            "wkv) in its e4m3 weights with 32x32 (V4: 128x128) ue8m0 block scales, through the Triton FP8 kernel on "
+            "GPU | None: the weights as loaded"
+        ),
+    )
+    expert_format: str | None = field(
+        default=None,
+        metadata=_h(
+            "the routed experts' storage: mxfp4 (the release's) | fp8 (32x32 ue8m0 blocks) | None: as loaded. With "
+            "dummy weights they are built on the device and packed layer by layer (the release proxy fits one "
+            "H200); the dense copies are kept, rounded, only on the CPU"
+        ),
+    )
+    engram_tables: str = field(
+        default="device",
+        metadata=_h(
+            "where the Engram n-gram tables live: device | host (pinned host memory, the model's values; each step's "
+            "rows are copied on a side stream while earlier layers run) | host-fp8 (host, in the release's FP8 "
+            "layout, half the bytes of bf16)"
+        ),
+    )
     device: str = field(default="auto", metadata=_h("auto (cuda when a GPU is visible) | cpu | cuda | cuda:N"))
-    attention_backend: str = field(default="auto", metadata=_h(
-        "paged: attention batched over the paged pools through the kernels | reference: the per-sequence "
-        "reference path | auto: paged on cuda, reference on cpu"))
-    enforce_eager: bool = field(default=False, metadata=_h(
-        "run every step eagerly; otherwise on a GPU (paged backend) decode steps, and (V4.1) the decoder rows of other "
-        "steps after bounded replay's narrowing (and their encoder rows, unless --no-encoder-graphs), run as CUDA "
-        "graphs captured per row and context bucket on first use (or in the warm-up: --warmup)"))
-    encoder_graphs: bool = field(default=True, metadata=_h(
-        "with bounded replay and CUDA graphs: a step that narrows and fits a row bucket (up to 1024 rows: a prefix "
-        "hit's replayed and new rows, a short prompt) runs its encoder layers as a CUDA graph too (a hit's TTFT "
-        "0.66-0.86x on the release proxy); --no-encoder-graphs runs them eagerly, the decoder rows still as graphs"))
-    async_scheduling: bool | None = field(default=None, metadata=_h(
-        "launch the next decode step before the host has read the current one's tokens (it takes them from the "
-        "device), so scheduling, refills and output processing overlap the device's work; a step's tokens reach "
-        "the outputs after the next step is launched. Steps with prefill chunks, arrivals, penalties or unmet "
-        "min_tokens run the synchronous way. None: on wherever decode steps run in fixed shapes (a GPU's CUDA "
-        "graphs); True also runs the CPU's paged decode steps in fixed shapes"))
-    warmup: bool | None = field(default=None, metadata=_h(
-        "before the first request, run synthetic requests up every decode context bucket, through every "
-        "decode batch bucket (fresh and as prefix hits) and through a ladder of prefill row counts, so that "
-        "Triton compiles and the CUDA graphs of those shapes capture before anyone waits (engine/warmup.py). "
-        "None: on for `dsserve serve` on a GPU, off otherwise"))
-    reference_ops: str = field(default="", metadata=_h(
-        "ops that run their torch reference instead of Triton (on the paged backend), for bisecting: a comma "
-        "list of attention, indexer, topk, kv_write, linear, router, moe, mhc, rowwise, entry_rows, engram_rows, "
-        "engram_mix, swiglu, window_rows, or all, or '' for none"))
+    attention_backend: str = field(
+        default="auto",
+        metadata=_h(
+            "paged: attention batched over the paged pools through the kernels | reference: the per-sequence "
+            "reference path | auto: paged on cuda, reference on cpu"
+        ),
+    )
+    enforce_eager: bool = field(
+        default=False,
+        metadata=_h(
+            "run every step eagerly; otherwise on a GPU (paged backend) decode steps, and (V4.1) "
+            "the decoder rows of other "
+            "steps after bounded replay's narrowing (and their encoder rows, unless --no-encoder-graphs), run as CUDA "
+            "graphs captured per row and context bucket on first use (or in the warm-up: --warmup)"
+        ),
+    )
+    encoder_graphs: bool = field(
+        default=True,
+        metadata=_h(
+            "with bounded replay and CUDA graphs: a step that narrows and fits a row bucket (up to 1024 rows: a prefix "
+            "hit's replayed and new rows, a short prompt) runs its encoder layers as a CUDA graph too (a hit's TTFT "
+            "0.66-0.86x on the release proxy); --no-encoder-graphs runs them eagerly, the decoder rows still as graphs"
+        ),
+    )
+    async_scheduling: bool | None = field(
+        default=None,
+        metadata=_h(
+            "launch the next decode step before the host has read the current one's tokens (it takes them from the "
+            "device), so scheduling, refills and output processing overlap the device's work; a step's tokens reach "
+            "the outputs after the next step is launched. Steps with prefill chunks, arrivals, penalties or unmet "
+            "min_tokens run the synchronous way. None: on wherever decode steps run in fixed shapes (a GPU's CUDA "
+            "graphs); True also runs the CPU's paged decode steps in fixed shapes"
+        ),
+    )
+    warmup: bool | None = field(
+        default=None,
+        metadata=_h(
+            "before the first request, run synthetic requests up every decode context bucket, through every "
+            "decode batch bucket (fresh and as prefix hits) and through a ladder of prefill row counts, so that "
+            "Triton compiles and the CUDA graphs of those shapes capture before anyone waits (engine/warmup.py). "
+            "None: on for `dsserve serve` on a GPU, off otherwise"
+        ),
+    )
+    reference_ops: str = field(
+        default="",
+        metadata=_h(
+            "ops that run their torch reference instead of Triton (on the paged backend), for bisecting: a comma "
+            "list of attention, indexer, topk, kv_write, linear, router, moe, mhc, rowwise, entry_rows, engram_rows, "
+            "engram_mix, swiglu, window_rows, or all, or '' for none"
+        ),
+    )
 
     def __post_init__(self):
         if self.quantization not in (None, "fp8"):
@@ -91,6 +135,7 @@ class EngineArgs:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise EngineArgsError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         from ..kernels.ops import parse_reference_ops
+
         try:
             parse_reference_ops(self.reference_ops)
         except ValueError as e:

@@ -4,6 +4,7 @@ One loop for both fronts (the offline ``LLM`` and, later, the server): ``add_req
 request enters, ``step`` schedules, runs the model, samples, detokenises, checks stops and frees finished
 requests' KV.
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,14 +18,14 @@ from ..kernels.ops import KernelOps
 from ..kv.paged import KVLayout, PagedKVCache
 from ..models.loader import DTYPES, LoadedModel, load_model
 from ..models.quantize import quantize_dense_fp8, quantize_experts, use_fp8_kernels
+from . import graph_scratch, jit_compiles
 from .args import EngineArgs, EngineArgsError
 from .decode_graphs import DecodeGraphs
-from . import graph_scratch, jit_compiles
-from .graph_capture import GraphCapture
-from .encoder_graphs import EncoderGraphs
-from .replay_graphs import ReplayGraphs
 from .detokenizer import StopChecker
+from .encoder_graphs import EncoderGraphs
+from .graph_capture import GraphCapture
 from .outputs import CompletionOutput, RequestOutput, make_logprob_dict
+from .replay_graphs import ReplayGraphs
 from .request import Request, RequestStatus
 from .runner import ModelRunner
 from .sampler import Sampler, row_logprobs
@@ -88,6 +89,7 @@ class _Tracked:
 @dataclass
 class _Launched:
     """A step that sampled: its tokens on the device, and their copy to the host under way."""
+
     requests: list[Request]  # the rows that sample, in order
     sampled: torch.Tensor  # [B] int64 on the device
     host: torch.Tensor  # [B] the copy (pinned on a GPU)
@@ -111,8 +113,15 @@ class EngineCore:
         jit_compiles.watch()  # process-wide; this engine counts the compiles from here on (its model's build too)
         self._jit_base = jit_compiles.COMPILES.snapshot()
         self.device = resolve_device(args.device)  # first: a dummy model with packed experts is built there
-        lm = loaded or load_model(args.model, args.load_format, args.dtype, args.seed, qat=args.qat,
-                                  expert_format=args.expert_format, device=self.device)
+        lm = loaded or load_model(
+            args.model,
+            args.load_format,
+            args.dtype,
+            args.seed,
+            qat=args.qat,
+            expert_format=args.expert_format,
+            device=self.device,
+        )
         if loaded is not None and args.expert_format:  # layers already packed in that format are left alone
             quantize_experts(lm.model, args.expert_format, keep_dense=self.device.type == "cpu")
         if args.engram_tables != "device":  # before .to(device): the real tables are hundreds of GB
@@ -136,19 +145,39 @@ class EngineCore:
         dtype = DTYPES[args.dtype]
         replay = args.swa_bounded_replay and self.cfg.is_v41
         # Exact mode keeps window rows with the cached blocks, so a hit restores the window exactly.
-        layout = KVLayout.build(self.cfg, args.block_size, args.kv_cache_dtype, dtype,
-                                window_in_blocks=args.enable_prefix_caching and not replay)
+        layout = KVLayout.build(
+            self.cfg,
+            args.block_size,
+            args.kv_cache_dtype,
+            dtype,
+            window_in_blocks=args.enable_prefix_caching and not replay,
+        )
         self.max_model_len = args.max_model_len or self.cfg.max_position_embeddings
         blocks, slots = layout.plan(kv_cache_budget(args, self.device), args.max_num_seqs)
-        self.kv = PagedKVCache(layout, blocks, slots, dtype, prefix_caching=args.enable_prefix_caching,
-                               engram_token_map=self.model.engram_token_map, device=self.device)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-            max_model_len=self.max_model_len, policy=args.scheduling_policy,
-            enable_chunked_prefill=args.enable_chunked_prefill,
-            long_prefill_token_threshold=args.long_prefill_token_threshold, swa_bounded_replay=replay,
-            replay_window=args.replay_window or self.cfg.sliding_window,
-            enable_prefix_caching=args.enable_prefix_caching, session_retention_s=args.session_retention), self.kv)
+        self.kv = PagedKVCache(
+            layout,
+            blocks,
+            slots,
+            dtype,
+            prefix_caching=args.enable_prefix_caching,
+            engram_token_map=self.model.engram_token_map,
+            device=self.device,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs,
+                max_model_len=self.max_model_len,
+                policy=args.scheduling_policy,
+                enable_chunked_prefill=args.enable_chunked_prefill,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+                swa_bounded_replay=replay,
+                replay_window=args.replay_window or self.cfg.sliding_window,
+                enable_prefix_caching=args.enable_prefix_caching,
+                session_retention_s=args.session_retention,
+            ),
+            self.kv,
+        )
         self.stats = EngineStats(layout, self.cfg)
         graphs = replay_graphs = encoder_graphs = self.graph_capture = None
         min_context = -(-1024 // (2 * layout.block_size)) * 2 * layout.block_size
@@ -156,18 +185,34 @@ class EngineCore:
             capture = self.graph_capture = GraphCapture(shared_pool=graph_scratch.shared_pool())
             graphs = DecodeGraphs(self.model, self.kv, args.max_num_seqs, capture, min_context=min_context)
             if replay:
-                replay_graphs = ReplayGraphs(self.model, self.kv, min(1024, args.max_num_batched_tokens),
-                                             args.max_num_seqs, capture, min_context=min_context)
+                replay_graphs = ReplayGraphs(
+                    self.model,
+                    self.kv,
+                    min(1024, args.max_num_batched_tokens),
+                    args.max_num_seqs,
+                    capture,
+                    min_context=min_context,
+                )
                 if args.encoder_graphs:
-                    encoder_graphs = EncoderGraphs(self.model, self.kv, min(1024, args.max_num_batched_tokens),
-                                                   args.max_num_seqs, capture, min_context=min_context)
+                    encoder_graphs = EncoderGraphs(
+                        self.model,
+                        self.kv,
+                        min(1024, args.max_num_batched_tokens),
+                        args.max_num_seqs,
+                        capture,
+                        min_context=min_context,
+                    )
         elif backend == "paged" and args.async_scheduling:  # fixed shapes, eager (the CPU)
             graphs = DecodeGraphs(self.model, self.kv, args.max_num_seqs, None, min_context=min_context)
         # Asynchronous scheduling runs only fixed-shape decode steps ahead: they take their tokens from the device.
         self.async_scheduling = graphs is not None and args.async_scheduling is not False
         if args.async_scheduling and not self.async_scheduling:
-            _say("async scheduling is off: it needs fixed-shape decode steps (the paged attention backend; this engine "
-                 "runs %s on %s)", backend, self.cfg.name)
+            _say(
+                "async scheduling is off: it needs fixed-shape decode steps (the paged attention backend; this engine "
+                "runs %s on %s)",
+                backend,
+                self.cfg.name,
+            )
         self._in_flight: _Launched | None = None  # a step whose tokens the host has not read yet
         self.runner = ModelRunner(self.model, args.replay_form, graphs, replay_graphs, encoder_graphs)
         self.step_check = StepCheck.from_env(self.device)  # a diagnostic: waits for the device after every step
@@ -176,9 +221,16 @@ class EngineCore:
         self.sampler = Sampler(eos_token_id=self.tokenizer.eos_id)
         self._tracked: dict[str, _Tracked] = {}
         r = self.kv.report()
-        _say("KV cache: %d global blocks x %d tokens = %.1f MiB (%.0f B/token), %d window slots = %.1f MiB "
-                 "(%d B/row)", r["global_blocks"], r["block_size"], r["global_bytes"] / 2**20,
-                 r["global_bytes_per_token"], r["window_slots"], r["window_bytes"] / 2**20, r["window_row_bytes"])
+        _say(
+            "KV cache: %d global blocks x %d tokens = %.1f MiB (%.0f B/token), %d window slots = %.1f MiB (%d B/row)",
+            r["global_blocks"],
+            r["block_size"],
+            r["global_bytes"] / 2**20,
+            r["global_bytes_per_token"],
+            r["window_slots"],
+            r["window_bytes"] / 2**20,
+            r["window_row_bytes"],
+        )
 
     # ------------------------------------------------------------------------- requests
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
@@ -193,26 +245,40 @@ class EngineCore:
         if bad:
             raise RequestError(f"prompt token ids must be ints in [0, {self.cfg.vocab_size}); got {bad[:5]}")
         if len(ids) >= self.max_model_len:
-            raise RequestError(f"the prompt has {len(ids)} tokens; this model allows at most "
-                               f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})")
-        need = -(-min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
-                 // self.kv.layout.block_size)
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens; this model allows at most "
+                f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})"
+            )
+        need = -(
+            -min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len) // self.kv.layout.block_size
+        )
         if need > self.kv.blocks.num_blocks:
-            raise RequestError(f"the request needs up to {need} KV blocks but the cache has "
-                               f"{self.kv.blocks.num_blocks}; raise kv_cache_memory or lower max_tokens")
+            raise RequestError(
+                f"the request needs up to {need} KV blocks but the cache has "
+                f"{self.kv.blocks.num_blocks}; raise kv_cache_memory or lower max_tokens"
+            )
         return ids
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, cache_salt: str | None = None, session_id: str | None = None) -> Request:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        session_id: str | None = None,
+    ) -> Request:
         params = params if params is not None else SamplingParams()
         if request_id in self._tracked:
             raise RequestError(f"request id {request_id!r} is already in the engine")
         ids = self.validate(prompt, params)
         text = prompt if isinstance(prompt, str) else None
-        req = Request(request_id, ids, params, prompt=text, priority=priority, cache_salt=cache_salt,
-                      session_id=session_id)
-        stops = StopChecker(self.tokenizer, ids, params, eos_token_id=self.tokenizer.eos_id,
-                            max_model_len=self.max_model_len)
+        req = Request(
+            request_id, ids, params, prompt=text, priority=priority, cache_salt=cache_salt, session_id=session_id
+        )
+        stops = StopChecker(
+            self.tokenizer, ids, params, eos_token_id=self.tokenizer.eos_id, max_model_len=self.max_model_len
+        )
         want_lp = params.logprobs is not None
         self._tracked[request_id] = _Tracked(req, stops, [] if want_lp else None, 0.0 if want_lp else None)
         self.scheduler.add(req)
@@ -327,8 +393,7 @@ class EngineCore:
         for r in sched.running:
             if id(r) not in row_of or not self._may_run_ahead(r):
                 return None
-        if sum(self.kv.blocks_needed(r.kv, r.num_computed_tokens + 1) for r in sched.running) > \
-                self.kv.blocks.num_free:
+        if sum(self.kv.blocks_needed(r.kv, r.num_computed_tokens + 1) for r in sched.running) > self.kv.blocks.num_free:
             return None
         order = sched._by_priority(sched.running)  # the order schedule() would give
         plan = StepPlan([ScheduledChunk(r, 1) for r in order], [])
@@ -388,8 +453,12 @@ class EngineCore:
         bad = int(launched.nonfinite)
         if bad:
             self.stats.nonfinite_logit_rows += bad
-            log.warning("non-finite logits in %d of a step's %d sampled rows (%d rows so far)", bad, len(tokens),
-                        self.stats.nonfinite_logit_rows)
+            log.warning(
+                "non-finite logits in %d of a step's %d sampled rows (%d rows so far)",
+                bad,
+                len(tokens),
+                self.stats.nonfinite_logit_rows,
+            )
         logprobs = row_logprobs(launched.logprobs, launched.want)
         if ahead is not None:
             tok_of = {id(r): tok for r, tok in zip(launched.requests, tokens)}
@@ -405,13 +474,17 @@ class EngineCore:
             req.metrics.record_token(now)
             if t.logprobs is not None and logprobs[i] is not None:
                 lp = logprobs[i]
-                t.logprobs.append(make_logprob_dict(tok, lp.sampled_logprob, lp.sampled_rank, lp.top_token_ids,
-                                                    lp.top_logprobs, self.tokenizer))
+                t.logprobs.append(
+                    make_logprob_dict(
+                        tok, lp.sampled_logprob, lp.sampled_rank, lp.top_token_ids, lp.top_logprobs, self.tokenizer
+                    )
+                )
                 t.cumulative_logprob += lp.sampled_logprob
             t.stops.append(tok)
             if t.stops.finished:
-                status = (RequestStatus.FINISHED_STOPPED if t.stops.finish_reason == "stop"
-                          else RequestStatus.FINISHED_LENGTH)
+                status = (
+                    RequestStatus.FINISHED_STOPPED if t.stops.finish_reason == "stop" else RequestStatus.FINISHED_LENGTH
+                )
                 self.scheduler.finish(req, status)
                 req.metrics.finished_time = now
                 self._tracked.pop(req.request_id)
@@ -425,8 +498,21 @@ class EngineCore:
         # Unfinished outputs carry only what may be streamed: the tail that could still match a stop string
         # is held back until it cannot.
         text = t.stops.text if finish_reason is not None else t.stops.streamed_text()
-        comp = CompletionOutput(0, text, list(req.output_token_ids), t.cumulative_logprob,
-                                None if t.logprobs is None else list(t.logprobs), finish_reason, t.stops.stop_reason)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp],
-                             finished=finish_reason is not None, metrics=req.metrics,
-                             num_cached_tokens=req.num_cached_tokens)
+        comp = CompletionOutput(
+            0,
+            text,
+            list(req.output_token_ids),
+            t.cumulative_logprob,
+            None if t.logprobs is None else list(t.logprobs),
+            finish_reason,
+            t.stops.stop_reason,
+        )
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            [comp],
+            finished=finish_reason is not None,
+            metrics=req.metrics,
+            num_cached_tokens=req.num_cached_tokens,
+        )

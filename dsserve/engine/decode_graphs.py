@@ -15,6 +15,7 @@ Steps that are not plain decodes (prefill chunks, bounded-replay narrowing, a ba
 sequences whose compressor state a fixed-shape step cannot continue fall back to the eager ``forward_batch``;
 ``fallbacks`` counts why.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -22,8 +23,8 @@ from collections import Counter
 import torch
 
 from ..kv.decode_batch import DecodeBatch
-from ..kv.paged_batch import PagedBatch
 from ..kv.paged import PagedKVCache
+from ..kv.paged_batch import PagedBatch
 from ..models.model import DeepseekForCausalLM
 from .graph_capture import GraphCapture, SharedOutputs
 from .scheduler import StepPlan
@@ -55,20 +56,32 @@ def context_bucket(n: int, min_context: int) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, model: DeepseekForCausalLM, kv: PagedKVCache, max_batch: int, capture: GraphCapture | None,
-                 min_context: int = 1024, batch_buckets: tuple[int, ...] = BATCH_BUCKETS):
+    def __init__(
+        self,
+        model: DeepseekForCausalLM,
+        kv: PagedKVCache,
+        max_batch: int,
+        capture: GraphCapture | None,
+        min_context: int = 1024,
+        batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
+    ):
         """``capture``: how graphs are captured (shared with the engine's other graphs); None runs the fixed-shape
         steps eagerly (the CPU, the tests)."""
         if min_context % (2 * kv.layout.block_size):
-            raise ValueError(f"min_context {min_context} must be a multiple of twice the block size "
-                             f"{kv.layout.block_size} (so that every context bucket is a whole number of blocks)")
+            raise ValueError(
+                f"min_context {min_context} must be a multiple of twice the block size "
+                f"{kv.layout.block_size} (so that every context bucket is a whole number of blocks)"
+            )
         self.model, self.kv, self.max_batch, self.capture = model, kv, max_batch, capture
         self.min_context, self.batch_buckets = min_context, batch_buckets
         # A decode step gathers its Engram rows inside the step: a GPU reads host tables in place only when pinned
         # (registration can fail, e.g. past the locked-memory limit); otherwise every step takes the eager path.
         self._unpinned_tables = kv.device.type == "cuda" and any(
-            b.engram is not None and b.engram.table is not None
-            and not (b.engram.table.memory is not None and b.engram.table.memory.pinned) for b in model.layers)
+            b.engram is not None
+            and b.engram.table is not None
+            and not (b.engram.table.memory is not None and b.engram.table.memory.pinned)
+            for b in model.layers
+        )
         self._steps: dict[tuple[int, int], tuple[DecodeBatch, torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self._logits = SharedOutputs(max_batch)  # every graph's logits, in its first rows
         self.reset_counts()
@@ -86,8 +99,10 @@ class DecodeGraphs:
             self.fallbacks[why] += 1
             return None
         seqs = [c.request.kv for c in plan.chunks]
-        return (batch_bucket(len(seqs), self.max_batch, self.batch_buckets),
-                context_bucket(max(kv.num_tokens for kv in seqs) + 1, self.min_context))
+        return (
+            batch_bucket(len(seqs), self.max_batch, self.batch_buckets),
+            context_bucket(max(kv.num_tokens for kv in seqs) + 1, self.min_context),
+        )
 
     def _unfit(self, plan: StepPlan, ahead: bool = False) -> str | None:
         if self.model.kernel_ops is None or not PagedBatch.layout_supported(self.kv.layout, self.model.kernel_ops):
@@ -133,7 +148,7 @@ class DecodeGraphs:
             graph.replay()
             self.replays += 1
         self.model.commit_decode(seqs, host)
-        return logits[:len(seqs)].clone()
+        return logits[: len(seqs)].clone()
 
     def _build(self, key, seqs, tokens):
         cfg = self.model.cfg
@@ -144,12 +159,19 @@ class DecodeGraphs:
         # carry is read then overwritten); the step refills the buffers before the first replay.
         self.model.fill_decode(batch, seqs, tokens)
         batch.mask_writes()
-        graph, logits = self.capture(lambda: self.model.forward_decode(batch),
-                                     f"decode step: batch {key[0]}, context {key[1]}", batch.forget_derived,
-                                     self._logits)
+        graph, logits = self.capture(
+            lambda: self.model.forward_decode(batch),
+            f"decode step: batch {key[0]}, context {key[1]}",
+            batch.forget_derived,
+            self._logits,
+        )
         return batch, graph, logits
 
     def report(self) -> dict:
-        return {"graphs": sorted(k for k, v in self._steps.items() if v[1] is not None),
-                "fixed_shape_steps": sorted(self._steps), "replays": self.replays, "padded_rows": self.padded_rows,
-                "fallbacks": dict(self.fallbacks)}
+        return {
+            "graphs": sorted(k for k, v in self._steps.items() if v[1] is not None),
+            "fixed_shape_steps": sorted(self._steps),
+            "replays": self.replays,
+            "padded_rows": self.padded_rows,
+            "fallbacks": dict(self.fallbacks),
+        }

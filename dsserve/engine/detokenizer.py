@@ -19,6 +19,7 @@ and returns the text that is safe to stream. The rules, as in vLLM v1:
 - Streaming holds back ``max(len(stop)) - 1`` characters until the end (when the stop string is to be
   excluded), so no prefix of a stop string is ever sent and later retracted.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -26,8 +27,8 @@ from typing import Sequence
 from .sampling_params import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"
-PROMPT_CONTEXT = 5          # prompt tokens the first decode window starts with (vLLM's initial offset)
-MAX_PROMPT_CONTEXT = 24     # widened up to this while the context itself decodes to U+FFFD
+PROMPT_CONTEXT = 5  # prompt tokens the first decode window starts with (vLLM's initial offset)
+MAX_PROMPT_CONTEXT = 24  # widened up to this while the context itself decodes to U+FFFD
 
 
 class IncrementalDetokenizer:
@@ -40,9 +41,10 @@ class IncrementalDetokenizer:
         n = min(PROMPT_CONTEXT, len(prompt_ids))
         # Start the window on a character boundary: widen it while its text starts with a broken character.
         while n < min(MAX_PROMPT_CONTEXT, len(prompt_ids)) and self._decode(prompt_ids[-n:]).startswith(
-                REPLACEMENT_CHAR):
+            REPLACEMENT_CHAR
+        ):
             n += 1
-        self._ids: list[int] = prompt_ids[len(prompt_ids) - n:]
+        self._ids: list[int] = prompt_ids[len(prompt_ids) - n :]
         self.prefix_offset, self.read_offset = 0, len(self._ids)
         self._n_context = len(self._ids)
         self.text = ""
@@ -52,23 +54,24 @@ class IncrementalDetokenizer:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self._ids[self._n_context:]
+        return self._ids[self._n_context :]
 
     def add_token(self, token_id: int) -> str:
         """Append one token; return the newly completed text (often "" while a character is incomplete)."""
         self._ids.append(int(token_id))
-        prefix_text = self._decode(self._ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self._ids[self.prefix_offset:])
+        prefix_text = self._decode(self._ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self._ids[self.prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
-            return ""          # nothing new yet, or the last character still misses bytes
-        delta = new_text[len(prefix_text):]
+            return ""  # nothing new yet, or the last character still misses bytes
+        delta = new_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self._ids)
         self.text += delta
         return delta
 
 
-def check_stop_strings(output_text: str, new_char_count: int, stop: Sequence[str],
-                       include_in_output: bool) -> tuple[str, int] | None:
+def check_stop_strings(
+    output_text: str, new_char_count: int, stop: Sequence[str], include_in_output: bool
+) -> tuple[str, int] | None:
     """(matched stop string, index to cut the text at, or -1 for no cut) or None.
 
     Only the last ``new_char_count`` characters can complete a stop string, so the search starts
@@ -89,9 +92,13 @@ def check_stop_strings(output_text: str, new_char_count: int, stop: Sequence[str
     return None
 
 
-def check_token_stop(params: SamplingParams, output_token_ids: Sequence[int], eos_token_id: int | None,
-                     num_prompt_tokens: int = 0, max_model_len: int | None = None
-                     ) -> tuple[str, int | None] | None:
+def check_token_stop(
+    params: SamplingParams,
+    output_token_ids: Sequence[int],
+    eos_token_id: int | None,
+    num_prompt_tokens: int = 0,
+    max_model_len: int | None = None,
+) -> tuple[str, int | None] | None:
     """(finish_reason, stop_reason) after the last output token, or None to continue."""
     n = len(output_token_ids)
     if n == 0 or n < params.min_tokens:
@@ -102,7 +109,8 @@ def check_token_stop(params: SamplingParams, output_token_ids: Sequence[int], eo
     if last in params.stop_token_ids:
         return "stop", last
     if (params.max_tokens is not None and n >= params.max_tokens) or (
-            max_model_len is not None and num_prompt_tokens + n >= max_model_len):
+        max_model_len is not None and num_prompt_tokens + n >= max_model_len
+    ):
         return "length", None
     return None
 
@@ -110,8 +118,14 @@ def check_token_stop(params: SamplingParams, output_token_ids: Sequence[int], eo
 class StopChecker:
     """Per-sequence detokenization and stopping. ``append(token_id)`` returns the text to stream now."""
 
-    def __init__(self, tokenizer, prompt_ids: Sequence[int], params: SamplingParams,
-                 eos_token_id: int | None = None, max_model_len: int | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        eos_token_id: int | None = None,
+        max_model_len: int | None = None,
+    ):
         self.params = params
         self.eos_token_id = tokenizer.eos_id if eos_token_id is None else eos_token_id
         self.num_prompt_tokens = len(prompt_ids)
@@ -122,7 +136,7 @@ class StopChecker:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self._buffer = params.stop_buffer_length
-        self._sent = 0          # characters of ``text`` already streamed
+        self._sent = 0  # characters of ``text`` already streamed
 
     @property
     def finished(self) -> bool:
@@ -134,16 +148,14 @@ class StopChecker:
         p = self.params
         token_id = int(token_id)
         self.token_ids.append(token_id)
-        verdict = check_token_stop(p, self.token_ids, self.eos_token_id, self.num_prompt_tokens,
-                                   self.max_model_len)
+        verdict = check_token_stop(p, self.token_ids, self.eos_token_id, self.num_prompt_tokens, self.max_model_len)
         stopped_by_token = verdict is not None and verdict[0] == "stop"
         before = len(self.text)
         if not stopped_by_token or p.include_stop_str_in_output:
             self.text += self.detok.add_token(token_id)
         # Stop strings count from the (min_tokens + 1)-th token on; a token stop takes precedence.
         if p.stop and not stopped_by_token and len(self.token_ids) > p.min_tokens:
-            hit = check_stop_strings(self.text, len(self.text) - before, p.stop,
-                                     p.include_stop_str_in_output)
+            hit = check_stop_strings(self.text, len(self.text) - before, p.stop, p.include_stop_str_in_output)
             if hit is not None:
                 stop_str, cut = hit
                 if cut != -1:
@@ -157,9 +169,9 @@ class StopChecker:
         end = len(self.text) if self.finished else len(self.text) - self._buffer
         if end <= self._sent:
             return ""
-        delta, self._sent = self.text[self._sent:end], end
+        delta, self._sent = self.text[self._sent : end], end
         return delta
 
     def streamed_text(self) -> str:
         """Everything streamed so far (``text`` minus the held-back tail while unfinished)."""
-        return self.text[:self._sent]
+        return self.text[: self._sent]

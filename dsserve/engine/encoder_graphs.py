@@ -19,6 +19,7 @@ padded. Not the smaller ones: cut short, a hit's rows could lie inside its cache
 fixed shapes do not take (``EncoderBatch.fits``); live traffic on the release proxy met encoder buckets of 256 rows
 and up only (benchmarks/results/agentx-grid-300s-h200).
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -36,19 +37,28 @@ from .replay_graphs import ROW_BUCKETS, decoder_context_bucket
 
 
 class EncoderGraphs:
-    def __init__(self, model: DeepseekForCausalLM, kv: PagedKVCache, max_rows: int, max_seqs: int,
-                 capture: GraphCapture | None, min_context: int = 1024, row_buckets: tuple[int, ...] = ROW_BUCKETS):
+    def __init__(
+        self,
+        model: DeepseekForCausalLM,
+        kv: PagedKVCache,
+        max_rows: int,
+        max_seqs: int,
+        capture: GraphCapture | None,
+        min_context: int = 1024,
+        row_buckets: tuple[int, ...] = ROW_BUCKETS,
+    ):
         """``max_rows``: the largest row bucket (longer steps run eagerly); ``capture``: None runs the fixed-shape
         forward eagerly (the CPU, the tests)."""
         if min_context % (2 * kv.layout.block_size):
-            raise ValueError(f"min_context {min_context} must be a multiple of twice the block size "
-                             f"{kv.layout.block_size}")
+            raise ValueError(
+                f"min_context {min_context} must be a multiple of twice the block size {kv.layout.block_size}"
+            )
         cfg = model.cfg
         self.model, self.kv, self.max_rows, self.max_seqs = model, kv, max_rows, max_seqs
         self.capture, self.min_context, self.row_buckets = capture, min_context, row_buckets
         self.split = cfg.encoder_layers
         self.sources = {i: r for i, (r, _) in kv.layout.sources.items() if i < self.split}  # encoder KV sources
-        self.engram = [b.engram for b in model.layers[:self.split] if b.engram is not None]
+        self.engram = [b.engram for b in model.layers[: self.split] if b.engram is not None]
         self._steps: dict[tuple[int, int], tuple] = {}
         self._streams = SharedOutputs(max_rows)  # every graph's streams and collapse weights, in its first rows
         self.reset_counts()
@@ -75,8 +85,10 @@ class EncoderGraphs:
 
     def key(self, ctx: ForwardContext) -> tuple[int, int]:
         last = max(s.first + s.rows.stop - s.rows.start for s in ctx.seqs if s.rows.stop > s.rows.start)
-        return (batch_bucket(ctx.tokens.shape[0], self.max_rows, self.row_buckets),
-                decoder_context_bucket(last, self.min_context))
+        return (
+            batch_bucket(ctx.tokens.shape[0], self.max_rows, self.row_buckets),
+            decoder_context_bucket(last, self.min_context),
+        )
 
     @torch.no_grad()
     def run(self, ctx: ForwardContext, host_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -129,20 +141,29 @@ class EncoderGraphs:
     def _build(self, key, ctx: ForwardContext, host_ids):
         rows, bound = key
         batch = EncoderBatch(self.kv, rows, min(rows, self.max_seqs), bound)
-        engram = {layer: t.new_empty((rows,) + tuple(t.shape[1:]))
-                  for layer, t in self._engram_rows(ctx, host_ids).items()}
+        engram = {
+            layer: t.new_empty((rows,) + tuple(t.shape[1:])) for layer, t in self._engram_rows(ctx, host_ids).items()
+        }
         if self.capture is None:
             return batch, engram, None, None
         # Warm up on this step's inputs with every write masked (window, entries, carry); the step refills the
         # buffers before the replay.
         self._fill(batch, engram, ctx, host_ids)
         batch.mask_writes()
-        graph, out = self.capture(lambda: self.model.forward_encoder_rows(batch, engram),
-                                  f"encoder rows: {rows} rows, context {bound}", batch.forget_derived,
-                                  self._streams)
+        graph, out = self.capture(
+            lambda: self.model.forward_encoder_rows(batch, engram),
+            f"encoder rows: {rows} rows, context {bound}",
+            batch.forget_derived,
+            self._streams,
+        )
         return batch, engram, graph, out
 
     def report(self) -> dict:
-        return {"graphs": sorted(k for k, v in self._steps.items() if v[2] is not None),
-                "fixed_shape_steps": sorted(self._steps), "runs": self.runs, "replays": self.replays,
-                "padded_rows": self.padded_rows, "fallbacks": dict(self.fallbacks)}
+        return {
+            "graphs": sorted(k for k, v in self._steps.items() if v[2] is not None),
+            "fixed_shape_steps": sorted(self._steps),
+            "runs": self.runs,
+            "replays": self.replays,
+            "padded_rows": self.padded_rows,
+            "fallbacks": dict(self.fallbacks),
+        }

@@ -18,6 +18,7 @@ logits. Graphs of one kind replay one at a time and their callers copy the rows 
 so with ``outputs`` (a ``SharedOutputs`` per kind) each graph ends by copying its result into the first rows of
 one buffer sized for the kind's largest bucket, made outside the pool; the result itself is then scratch.
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,11 +49,14 @@ class SharedOutputs:
         if self.buffers is None:
             self.buffers = tuple(t.new_empty((self.capacity,) + tuple(t.shape[1:])) for t in parts)
         if len(parts) != len(self.buffers) or any(
-                t.shape[0] > self.capacity or t.shape[1:] != b.shape[1:] or t.dtype != b.dtype
-                for t, b in zip(parts, self.buffers)):
-            raise ValueError(f"graph outputs {[(tuple(t.shape), t.dtype) for t in parts]} do not fit the shared "
-                             f"buffers {[(tuple(b.shape), b.dtype) for b in self.buffers]}")
-        views = tuple(b[:t.shape[0]] for t, b in zip(parts, self.buffers))
+            t.shape[0] > self.capacity or t.shape[1:] != b.shape[1:] or t.dtype != b.dtype
+            for t, b in zip(parts, self.buffers)
+        ):
+            raise ValueError(
+                f"graph outputs {[(tuple(t.shape), t.dtype) for t in parts]} do not fit the shared "
+                f"buffers {[(tuple(b.shape), b.dtype) for b in self.buffers]}"
+            )
+        views = tuple(b[: t.shape[0]] for t, b in zip(parts, self.buffers))
         return views[0] if torch.is_tensor(result) else views
 
 
@@ -72,8 +76,13 @@ class GraphCapture:
         self.pool_bytes = 0  # device memory the graphs' pools reserved, all captures together
         self.seconds = 0.0  # wall time of the captures, their warm-ups included: the steps that needed them waited
 
-    def __call__(self, run: Callable[[], Outputs], what: str = "", release: Callable[[], None] | None = None,
-                 outputs: SharedOutputs | None = None) -> tuple[torch.cuda.CUDAGraph, Outputs]:
+    def __call__(
+        self,
+        run: Callable[[], Outputs],
+        what: str = "",
+        release: Callable[[], None] | None = None,
+        outputs: SharedOutputs | None = None,
+    ) -> tuple[torch.cuda.CUDAGraph, Outputs]:
         """(graph, its output buffers). ``run`` must mask its writes during this call (warm-ups run it for real:
         Triton compiles and lazily built buffers exist before the capture); the capture itself runs nothing.
         ``what``: the graph's kind and shape, for the log; ``release``: drops the references the run left to what
@@ -98,8 +107,9 @@ class GraphCapture:
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool if self.shared_pool else None, stream=self.stream,
-                              capture_error_mode="thread_local"):
+        with torch.cuda.graph(
+            graph, pool=self.pool if self.shared_pool else None, stream=self.stream, capture_error_mode="thread_local"
+        ):
             out = run() if dst is None else copy_outputs(dst, run())
         if release is not None:
             release()
@@ -113,9 +123,16 @@ class GraphCapture:
         held = ""
         if self.shared_pool and log.isEnabledFor(logging.INFO):
             live, size = graph_scratch.pool_usage(self.pool)
-            held = f" ({live / 2 ** 30:.2f} of the shared pool's {size / 2 ** 30:.2f} GiB held by live tensors)"
-        log.info("captured CUDA graph %d (%s) in %.2f s: pools grew %.1f MiB, all graphs' %.2f GiB%s", self.captured,
-                 what or "?", took, grown / 2 ** 20, self.pool_bytes / 2 ** 30, held)
+            held = f" ({live / 2**30:.2f} of the shared pool's {size / 2**30:.2f} GiB held by live tensors)"
+        log.info(
+            "captured CUDA graph %d (%s) in %.2f s: pools grew %.1f MiB, all graphs' %.2f GiB%s",
+            self.captured,
+            what or "?",
+            took,
+            grown / 2**20,
+            self.pool_bytes / 2**30,
+            held,
+        )
         if graph_scratch.enabled():
             graph = graph_scratch.PoisonedGraph(graph)
         return graph, out

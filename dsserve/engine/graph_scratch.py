@@ -10,6 +10,7 @@ FP8 e4m3; -1 as an index) right before every replay, so a read of stale memory g
 allocator snapshot and a memset per block per replay. ``DSSERVE_GRAPH_POOL=own`` gives every graph a pool of its own
 (the default is one shared pool).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -53,8 +54,13 @@ def _cudart() -> ctypes.CDLL:
 def scratch_blocks(graph: torch.cuda.CUDAGraph) -> list[tuple[int, int]]:
     """(address, bytes) of the free blocks of the graph's pool now."""
     pool = tuple(graph.pool())
-    return [(b["address"], b["size"]) for seg in torch.cuda.memory_snapshot()
-            if tuple(seg["segment_pool_id"]) == pool for b in seg["blocks"] if b["state"] == "inactive"]
+    return [
+        (b["address"], b["size"])
+        for seg in torch.cuda.memory_snapshot()
+        if tuple(seg["segment_pool_id"]) == pool
+        for b in seg["blocks"]
+        if b["state"] == "inactive"
+    ]
 
 
 def pool_usage(pool) -> tuple[int, int]:
@@ -71,8 +77,12 @@ class PoisonedGraph:
         self.graph, self._rt = graph, _cudart()
         self.blocks = scratch_blocks(graph)  # at capture; replays take them anew (a shared pool's change)
         self.poisoned_bytes = 0
-        log.info("%s: %d free blocks, %.1f MiB, poisoned before each replay", ENV, len(self.blocks),
-                 sum(n for _, n in self.blocks) / 2 ** 20)
+        log.info(
+            "%s: %d free blocks, %.1f MiB, poisoned before each replay",
+            ENV,
+            len(self.blocks),
+            sum(n for _, n in self.blocks) / 2**20,
+        )
 
     def replay(self) -> None:
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)

@@ -1,5 +1,6 @@
 """Greedy decoding of one sequence over the per-sequence cache: the simplest generator, and the oracle's
 driver for decode tests. The batched engine (scheduler, paged caches, sampler) replaces it for serving."""
+
 from __future__ import annotations
 
 import torch
@@ -8,8 +9,13 @@ from ..models.model import DeepseekForCausalLM
 
 
 @torch.no_grad()
-def greedy_generate(model: DeepseekForCausalLM, prompt: list[int], max_new_tokens: int, eos_id: int | None = None,
-                    bounded_replay: bool = True) -> list[int]:
+def greedy_generate(
+    model: DeepseekForCausalLM,
+    prompt: list[int],
+    max_new_tokens: int,
+    eos_id: int | None = None,
+    bounded_replay: bool = True,
+) -> list[int]:
     """Returns the generated ids. With bounded replay the prefill runs the decoder only on the last window."""
     cfg = model.cfg
     cache = model.new_cache()

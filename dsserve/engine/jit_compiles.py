@@ -16,6 +16,7 @@ returns what a hook installed before it returns) and ``jit_post_compile_hook`` (
 compiles). Each chains what was installed before it. Tritons without those knobs, and the interpreter (it compiles
 nothing), leave the counters at zero.
 """
+
 from __future__ import annotations
 
 import logging
@@ -79,8 +80,11 @@ def _what(kwargs: dict) -> str:
     comp = kwargs.get("compile") or {}
     names = [p.name for p in getattr(getattr(kwargs.get("fn"), "jit_function", None), "params", [])]
     consts = comp.get("constants") or {}
-    shown = ", ".join(f"{names[k[0]] if isinstance(k, tuple) and k and k[0] < len(names) else k}={v}"
-                      for k, v in consts.items() if not callable(v))
+    shown = ", ".join(
+        f"{names[k[0]] if isinstance(k, tuple) and k and k[0] < len(names) else k}={v}"
+        for k, v in consts.items()
+        if not callable(v)
+    )
     return f"constexprs {{{shown}}}; {kwargs.get('repr', '')}"
 
 
@@ -105,6 +109,7 @@ def watch() -> bool:
         return True
     try:
         from triton import knobs
+
         rt = knobs.runtime
         before_cache, before_post = rt.jit_cache_hook, rt.jit_post_compile_hook
     except (ImportError, AttributeError):

@@ -11,6 +11,7 @@ the next start, before the model is built, worker processes compile everything t
 Workers are spawned (each makes its own CUDA context: they finish before the KV cache is sized); an entry that no
 longer matches its kernel (the code changed) fails in its worker and is only counted.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -48,8 +49,10 @@ def load(path: str | os.PathLike) -> list[tuple[str, str]]:
                 e = json.loads(line)
                 out.append((e["kernel"], e["data"]))
             except (ValueError, KeyError, TypeError) as err:
-                raise ValueError(f"{p}:{n}: not a kernel manifest line ({err!r}): expected "
-                                 '{"kernel": "module:name", "data": "<specialization_data>"}') from None
+                raise ValueError(
+                    f"{p}:{n}: not a kernel manifest line ({err!r}): expected "
+                    '{"kernel": "module:name", "data": "<specialization_data>"}'
+                ) from None
     return out
 
 
@@ -90,9 +93,15 @@ def precompile(path: str | os.PathLike, workers: int) -> PrecompileReport:
             errors = list(pool.map(preload_one, entries, chunksize=max(1, len(entries) // (4 * workers))))
     failed = [e for e in errors if e]
     report = PrecompileReport(len(entries), len(failed), time.perf_counter() - t0, workers)
-    log.info("kernel manifest %s: %d kernels precompiled in %.1f s by %d workers, %d failed%s", path,
-             report.entries - report.failed, report.seconds, workers, report.failed,
-             f" (first: {failed[0]})" if failed else "")
+    log.info(
+        "kernel manifest %s: %d kernels precompiled in %.1f s by %d workers, %d failed%s",
+        path,
+        report.entries - report.failed,
+        report.seconds,
+        workers,
+        report.failed,
+        f" (first: {failed[0]})" if failed else "",
+    )
     return report
 
 

@@ -1,4 +1,5 @@
 """``LLM``: the offline API, shaped like vLLM's, over the same ``EngineCore`` the server uses."""
+
 from __future__ import annotations
 
 import itertools
@@ -28,9 +29,13 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -46,8 +51,10 @@ class LLM:
                 raise RequestError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
             extra = {k: prompt.get(k) for k in ("cache_salt", "session_id")} if isinstance(prompt, dict) else {}
             base = str(next(self._ids))
-            subs = [(f"{base}-{k}" if sp.n > 1 else base,
-                     replace(sp, n=1, seed=None if sp.seed is None else sp.seed + k)) for k in range(sp.n)]
+            subs = [
+                (f"{base}-{k}" if sp.n > 1 else base, replace(sp, n=1, seed=None if sp.seed is None else sp.seed + k))
+                for k in range(sp.n)
+            ]
             groups.append((base, self._as_list([prompt])[0], subs, 0 if priority is None else priority[i], extra))
         added = []
         try:
@@ -95,8 +102,15 @@ class LLM:
             c.index = k
             comps.append(c)
         first = outs[0]
-        return RequestOutput(base, first.prompt, first.prompt_token_ids, comps, True, first.metrics,
-                             num_cached_tokens=first.num_cached_tokens)
+        return RequestOutput(
+            base,
+            first.prompt,
+            first.prompt_token_ids,
+            comps,
+            True,
+            first.metrics,
+            num_cached_tokens=first.num_cached_tokens,
+        )
 
 
 class _progress:
@@ -110,8 +124,14 @@ class _progress:
         if not self.enabled:
             return lambda: None
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-        self.bar = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), transient=True)
+
+        self.bar = Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            transient=True,
+        )
         self.bar.start()
         task = self.bar.add_task("generating", total=self.total)
         return lambda: self.bar.advance(task)

@@ -4,6 +4,7 @@
 sampled token and the top-n tokens; ``cumulative_logprob`` sums the sampled tokens' logprobs. Both are None
 when the request did not ask for logprobs, as in vLLM v1. Logprobs are the raw model distribution's.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from typing import Optional, Sequence
 @dataclass
 class Logprob:
     """One token's logprob, its rank in the vocabulary (1 = most likely) and its text (``decode([id])``)."""
+
     logprob: float
     rank: Optional[int] = None
     decoded_token: Optional[str] = None
@@ -21,9 +23,14 @@ class Logprob:
 SampleLogprobs = list[dict[int, Logprob]]
 
 
-def make_logprob_dict(sampled_token_id: int, sampled_logprob: float, sampled_rank: int,
-                      top_token_ids: Sequence[int], top_logprobs: Sequence[float],
-                      tokenizer=None) -> dict[int, Logprob]:
+def make_logprob_dict(
+    sampled_token_id: int,
+    sampled_logprob: float,
+    sampled_rank: int,
+    top_token_ids: Sequence[int],
+    top_logprobs: Sequence[float],
+    tokenizer=None,
+) -> dict[int, Logprob]:
     """The per-position dict: the sampled token first, then the top-n with ranks 1..n. When the sampled
     token is among the top-n its entry takes the top-n rank, as in vLLM's output processor."""
     ids = [int(sampled_token_id), *map(int, top_token_ids)]
@@ -43,21 +50,24 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: Optional[float] = None
     logprobs: Optional[SampleLogprobs] = None
-    finish_reason: Optional[str] = None       # "stop", "length", "abort" or None while running
-    stop_reason: int | str | None = None      # the stop string or stop token id that ended it; None for EOS
+    finish_reason: Optional[str] = None  # "stop", "length", "abort" or None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it; None for EOS
 
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def __repr__(self) -> str:
-        return (f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids}, "
-                f"cumulative_logprob={self.cumulative_logprob}, logprobs={self.logprobs}, "
-                f"finish_reason={self.finish_reason}, stop_reason={self.stop_reason})")
+        return (
+            f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids}, "
+            f"cumulative_logprob={self.cumulative_logprob}, logprobs={self.logprobs}, "
+            f"finish_reason={self.finish_reason}, stop_reason={self.stop_reason})"
+        )
 
 
 @dataclass
 class RequestMetrics:
     """Timestamps (seconds, one clock: the engine uses ``time.monotonic``) of a request's life."""
+
     arrival_time: float
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
@@ -103,10 +113,12 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: Optional[RequestMetrics] = None
-    prompt_logprobs: Optional[list] = None    # not computed by dsserve; kept for vLLM-shaped user code
+    prompt_logprobs: Optional[list] = None  # not computed by dsserve; kept for vLLM-shaped user code
     num_cached_tokens: int = 0
 
     def __repr__(self) -> str:
-        return (f"RequestOutput(request_id={self.request_id}, prompt={self.prompt!r}, "
-                f"prompt_token_ids={self.prompt_token_ids}, outputs={self.outputs}, "
-                f"finished={self.finished}, metrics={self.metrics})")
+        return (
+            f"RequestOutput(request_id={self.request_id}, prompt={self.prompt!r}, "
+            f"prompt_token_ids={self.prompt_token_ids}, outputs={self.outputs}, "
+            f"finished={self.finished}, metrics={self.metrics})"
+        )

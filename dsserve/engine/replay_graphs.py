@@ -14,6 +14,7 @@ forward runs eagerly: the tests check it against the eager path.
 engine's warm-up: engine.warmup) a step also builds every other row bucket at its context bucket: the larger ones
 from its rows padded, the smaller ones from its first rows (the masked capture runs need valid rows, not these).
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -43,17 +44,26 @@ def decoder_context_bucket(n: int, min_context: int) -> int:
 
 
 class ReplayGraphs:
-    def __init__(self, model: DeepseekForCausalLM, kv: PagedKVCache, max_rows: int, max_seqs: int,
-                 capture: GraphCapture | None, min_context: int = 1024, row_buckets: tuple[int, ...] = ROW_BUCKETS):
+    def __init__(
+        self,
+        model: DeepseekForCausalLM,
+        kv: PagedKVCache,
+        max_rows: int,
+        max_seqs: int,
+        capture: GraphCapture | None,
+        min_context: int = 1024,
+        row_buckets: tuple[int, ...] = ROW_BUCKETS,
+    ):
         """``max_rows``: the largest row bucket (a step's kept rows past it run eagerly); ``capture``: None runs
         the fixed-shape forward eagerly (the CPU, the tests)."""
         if min_context % (2 * kv.layout.block_size):
-            raise ValueError(f"min_context {min_context} must be a multiple of twice the block size "
-                             f"{kv.layout.block_size}")
+            raise ValueError(
+                f"min_context {min_context} must be a multiple of twice the block size {kv.layout.block_size}"
+            )
         self.model, self.kv, self.max_rows, self.max_seqs = model, kv, max_rows, max_seqs
         self.capture, self.min_context, self.row_buckets = capture, min_context, row_buckets
         self.split = model.cfg.encoder_layers  # the report form's narrowing: layer 20's attention on
-        self.decoder_engram = any(b.engram is not None for b in model.layers[self.split:])
+        self.decoder_engram = any(b.engram is not None for b in model.layers[self.split :])
         self._steps: dict[tuple[int, int], tuple[ReplayBatch, list[torch.Tensor], object, torch.Tensor]] = {}
         self._hidden = SharedOutputs(max_rows)  # every graph's hidden states, in its first rows
         self.reset_counts()
@@ -125,15 +135,23 @@ class ReplayGraphs:
         # Warm up on this step's inputs with every write masked; the step refills the buffers before the replay.
         self._fill(batch, inputs, parts, ctx)
         batch.mask_writes()
-        graph, hidden = self.capture(lambda: self.model.forward_decoder_rows(batch, self.split, *inputs),
-                                     f"decoder rows: {rows} rows, context {bound}", batch.forget_derived,
-                                     self._hidden)
+        graph, hidden = self.capture(
+            lambda: self.model.forward_decoder_rows(batch, self.split, *inputs),
+            f"decoder rows: {rows} rows, context {bound}",
+            batch.forget_derived,
+            self._hidden,
+        )
         return batch, inputs, graph, hidden
 
     def report(self) -> dict:
-        return {"graphs": sorted(k for k, v in self._steps.items() if v[2] is not None),
-                "fixed_shape_steps": sorted(self._steps), "runs": self.runs, "replays": self.replays,
-                "padded_rows": self.padded_rows, "fallbacks": dict(self.fallbacks)}
+        return {
+            "graphs": sorted(k for k, v in self._steps.items() if v[2] is not None),
+            "fixed_shape_steps": sorted(self._steps),
+            "runs": self.runs,
+            "replays": self.replays,
+            "padded_rows": self.padded_rows,
+            "fallbacks": dict(self.fallbacks),
+        }
 
 
 def first_rows(n: int, parts: tuple, ctx: ForwardContext) -> tuple[tuple, ForwardContext]:

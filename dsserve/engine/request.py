@@ -1,4 +1,5 @@
 """A request's life in the engine: its tokens, how many have their KV computed, and where its KV lives."""
+
 from __future__ import annotations
 
 import enum
@@ -69,7 +70,7 @@ class Request:
         p, n = self.prompt_token_ids, len(self.prompt_token_ids)
         if stop <= n:
             return p[start:stop]
-        out = self.output_token_ids[max(0, start - n):stop - n]
+        out = self.output_token_ids[max(0, start - n) : stop - n]
         return p[start:] + out if start < n else out
 
     @property

@@ -1,4 +1,5 @@
 """The model runner: one batched forward over a step's mixed prefill chunks and decodes, on the paged cache."""
+
 from __future__ import annotations
 
 import torch
@@ -10,8 +11,14 @@ from .scheduler import StepPlan
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekForCausalLM, replay_form: str = "report", decode_graphs=None,
-                 replay_graphs=None, encoder_graphs=None):
+    def __init__(
+        self,
+        model: DeepseekForCausalLM,
+        replay_form: str = "report",
+        decode_graphs=None,
+        replay_graphs=None,
+        encoder_graphs=None,
+    ):
         """``decode_graphs`` (engine.decode_graphs.DecodeGraphs): plain decode steps run through it, in fixed
         shapes (CUDA graphs on a GPU); None: every step runs ``forward_batch``. ``replay_graphs``
         (engine.replay_graphs.ReplayGraphs): other steps' decoder rows after bounded replay's narrowing run
@@ -45,8 +52,13 @@ class ModelRunner:
             seqs.append(SeqRows(slice(row, row + c.num_tokens), r.kv, r.decoder_start))
             row += c.num_tokens
         tokens = torch.tensor(ids, dtype=torch.long)  # on the host: forward_batch checks, then moves them
-        out = self.model.forward_batch(tokens, seqs, replay_form=self.replay_form, decoder_rows=self.replay_graphs,
-                                       encoder_rows=self.encoder_graphs)
+        out = self.model.forward_batch(
+            tokens,
+            seqs,
+            replay_form=self.replay_form,
+            decoder_rows=self.replay_graphs,
+            encoder_rows=self.encoder_graphs,
+        )
         self.decoder_rows_skipped += len(ids) - out.hidden.shape[0]
         last_rows = [s.rows.stop - 1 for c, s in zip(plan.chunks, out.seqs) if c.samples]
         sampling = [c.request for c in plan.chunks if c.samples]

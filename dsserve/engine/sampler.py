@@ -18,6 +18,7 @@ Drawing is the exponential race argmax(p / q), q ~ Exp(1). A seeded row draws it
 and nothing else touches that generator, so its tokens do not depend on the rest of the batch. Unseeded rows
 share the sampler's generator (or torch's default one).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ NEG_INF = float("-inf")
 class SamplingRow:
     """One row of the batch: its params, the token history penalties need, and its generator (seeded rows).
     Any object with these four attributes works (the engine's ``Request`` has them)."""
+
     params: SamplingParams
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
@@ -43,6 +45,7 @@ class SamplingRow:
 @dataclass
 class RowLogprobs:
     """Raw logprobs for one row: the sampled token's logprob and rank, and the row's top-n (rank 1..n)."""
+
     sampled_logprob: float
     sampled_rank: int
     top_token_ids: list[int]
@@ -51,12 +54,12 @@ class RowLogprobs:
 
 @dataclass
 class SamplerOutput:
-    sampled_token_ids: torch.Tensor            # [B] int64
+    sampled_token_ids: torch.Tensor  # [B] int64
     # (sampled logprob [B], its rank [B], top-n ids [B, n] | None, top-n logprobs [B, n] | None) on the logits'
     # device, or None when no row asked; read on the host only by ``logprobs`` (the engine copies them back with
     # the tokens, so asking for logprobs adds no wait for the device)
     logprob_tensors: tuple | None = None
-    want: tuple = ()                           # per row: the top-n it asked for, or None
+    want: tuple = ()  # per row: the top-n it asked for, or None
 
     @property
     def logprobs(self) -> list[RowLogprobs | None]:
@@ -75,8 +78,9 @@ def row_logprobs(tensors: tuple | None, want) -> list[RowLogprobs | None]:
         if n is None:
             continue
         n = min(n, 0 if top_ids is None else top_ids.shape[1])
-        out[i] = RowLogprobs(chosen[i], ranks[i], top_ids[i, :n].tolist() if n else [],
-                             top_lp[i, :n].tolist() if n else [])
+        out[i] = RowLogprobs(
+            chosen[i], ranks[i], top_ids[i, :n].tolist() if n else [], top_lp[i, :n].tolist() if n else []
+        )
     return out
 
 
@@ -95,7 +99,7 @@ def _history_tensor(rows: list[Sequence[int]], vocab: int, device) -> torch.Tens
     out = torch.full((len(rows), max(width, 1)), vocab, dtype=torch.long)
     for i, r in enumerate(rows):
         if len(r):
-            out[i, :len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+            out[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
     return out.to(device)
 
 
@@ -106,8 +110,14 @@ def _bin_counts(ids: torch.Tensor, vocab: int) -> torch.Tensor:
     return counts[:, :vocab]
 
 
-def apply_penalties(logits: torch.Tensor, prompt_ids: list[Sequence[int]], output_ids: list[Sequence[int]],
-                    repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_ids: list[Sequence[int]],
+    output_ids: list[Sequence[int]],
+    repetition: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+) -> torch.Tensor:
     """Penalty vectors are [B]. Repetition applies to tokens in prompt or output; frequency/presence to output."""
     vocab = logits.shape[1]
     out_counts = _bin_counts(_history_tensor(output_ids, vocab, logits.device), vocab)
@@ -150,15 +160,16 @@ def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     # token in play).
     width = logits.shape[1] if logits.is_cuda else int(torch.isfinite(logits).sum(dim=-1).max())
     sorted_p = probs.topk(width, dim=-1).values
-    mass_before = sorted_p.cumsum(dim=-1) - sorted_p           # mass strictly ahead in sorted order
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly ahead in sorted order
     last_kept = (mass_before < p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_min(1) - 1
-    threshold = sorted_p.gather(1, last_kept)                   # smallest kept probability
+    threshold = sorted_p.gather(1, last_kept)  # smallest kept probability
     threshold = torch.where(p.unsqueeze(1) >= 1.0, 0.0, threshold)  # p = 1: no rounding losses in the tail
     return logits.masked_fill_(probs < threshold, NEG_INF)
 
 
-def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None],
-                  shared: torch.Generator | None = None) -> torch.Tensor:
+def random_sample(
+    probs: torch.Tensor, generators: list[torch.Generator | None], shared: torch.Generator | None = None
+) -> torch.Tensor:
     """argmax(probs / q) with q ~ Exp(1): row i draws q from generators[i], or from ``shared`` when None."""
     q = torch.empty_like(probs)
     unseeded = [i for i, g in enumerate(generators) if g is None]
@@ -166,7 +177,8 @@ def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None],
         q.exponential_(generator=shared)
     elif unseeded:
         q[_index(unseeded, q.device)] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
-            generator=shared)
+            generator=shared
+        )
     for i, g in enumerate(generators):
         if g is None:
             continue
@@ -221,12 +233,16 @@ class Sampler:
                     logits[i, ids] = NEG_INF
 
         if any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params):
-            apply_penalties(logits, [r.prompt_token_ids for r in rows], [r.output_token_ids for r in rows],
-                            vec([p.repetition_penalty for p in params]),
-                            vec([p.frequency_penalty for p in params]),
-                            vec([p.presence_penalty for p in params]))
+            apply_penalties(
+                logits,
+                [r.prompt_token_ids for r in rows],
+                [r.output_token_ids for r in rows],
+                vec([p.repetition_penalty for p in params]),
+                vec([p.frequency_penalty for p in params]),
+                vec([p.presence_penalty for p in params]),
+            )
 
-        sampled = logits.argmax(dim=-1)                          # greedy rows keep this
+        sampled = logits.argmax(dim=-1)  # greedy rows keep this
         rnd = [i for i, p in enumerate(params) if p.temperature >= SAMPLING_EPS]
         every = len(rnd) == len(params)
         if rnd:
@@ -250,6 +266,6 @@ class Sampler:
             n_max = min(max(n for n in want if n is not None), logits.shape[1])
             top_lp, top_ids = raw_logprobs.topk(n_max, dim=-1) if n_max else (None, None)
             chosen = raw_logprobs.gather(1, sampled.unsqueeze(1))
-            ranks = (raw_logprobs >= chosen).sum(dim=-1)      # vLLM: count of logprobs >= the chosen one
+            ranks = (raw_logprobs >= chosen).sum(dim=-1)  # vLLM: count of logprobs >= the chosen one
             tensors = (chosen.squeeze(1), ranks, top_ids, top_lp)
         return SamplerOutput(sampled, tensors, tuple(want))

@@ -9,6 +9,7 @@ Mirrors ``vllm.SamplingParams`` for the fields dsserve supports, so user code ca
 - ``stop`` may be a string or a list; ``stop_token_ids`` is de-duplicated keeping order; ``seed == -1`` means
   no seed; ``logprobs=True`` means 1; ``max_tokens=None`` means "until the context is full".
 """
+
 from __future__ import annotations
 
 import copy
@@ -80,8 +81,9 @@ class SamplingParams:
         if ids is None:
             ids = []
         if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
-            raise SamplingParamsError("stop_token_ids", self.stop_token_ids,
-                                      "must be a list of non-negative integer token ids")
+            raise SamplingParamsError(
+                "stop_token_ids", self.stop_token_ids, "must be a list of non-negative integer token ids"
+            )
         self.stop_token_ids = list(dict.fromkeys(ids))
         if self.seed == -1:
             self.seed = None
@@ -91,8 +93,12 @@ class SamplingParams:
             self.top_k = 0
         self._validate()
         if 0 < self.temperature < MIN_TEMPERATURE:
-            logger.warning("temperature %s is below %s and may give inf/nan logits; using %s",
-                           self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            logger.warning(
+                "temperature %s is below %s and may give inf/nan logits; using %s",
+                self.temperature,
+                MIN_TEMPERATURE,
+                MIN_TEMPERATURE,
+            )
             self.temperature = MIN_TEMPERATURE
         if self.temperature < SAMPLING_EPS:  # greedy
             if self.n > 1:
@@ -105,25 +111,40 @@ class SamplingParams:
                 raise SamplingParamsError(name, getattr(self, name), allowed)
 
         need(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
-        need(_is_num(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
-             "temperature", "must be a finite number >= 0 (0 means greedy)")
+        need(
+            _is_num(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
+            "temperature",
+            "must be a finite number >= 0 (0 means greedy)",
+        )
         need(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         need(_is_int(self.top_k) and self.top_k >= -1, "top_k", "must be an integer >= 1, or 0 or -1 to disable")
         need(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        need(_is_num(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
-             and self.repetition_penalty > 0, "repetition_penalty", "must be a finite number > 0")
+        need(
+            _is_num(self.repetition_penalty) and math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            "must be a finite number > 0",
+        )
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             need(_is_num(v) and -2 <= v <= 2, name, "must be in [-2, 2]")
         need(self.seed is None or _is_int(self.seed), "seed", "must be an integer or None")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        need(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-             "max_tokens", "must be an integer >= 1 (or None for no limit)")
+        need(
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+            "max_tokens",
+            "must be an integer >= 1 (or None for no limit)",
+        )
         need(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0")
-        need(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-             f"must be <= max_tokens={self.max_tokens}")
-        need(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
-             "must be None or an integer >= 0 (the number of top tokens to return)")
+        need(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be <= max_tokens={self.max_tokens}",
+        )
+        need(
+            self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+            "logprobs",
+            "must be None or an integer >= 0 (the number of top tokens to return)",
+        )
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             need(isinstance(getattr(self, name), bool), name, "must be a bool")
 

@@ -5,6 +5,7 @@ then admits waiting ones, chunking a long prompt so decode tokens and prefill ch
 When the global KV pool runs out, the lowest-priority running request is preempted by recompute: its
 cache is freed and it goes back to the front of the queue with its tokens so far, so nothing is lost.
 """
+
 from __future__ import annotations
 
 import time
@@ -123,8 +124,9 @@ class Scheduler:
         for req in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs or self.kv.slots.num_free == 0:
                 break
-            hit, hashes = self.kv.match(req.all_token_ids, req.cache_salt) if self.config.enable_prefix_caching \
-                else ([], [])
+            hit, hashes = (
+                self.kv.match(req.all_token_ids, req.cache_salt) if self.config.enable_prefix_caching else ([], [])
+            )
             hit_len = len(hit) * self.kv.layout.block_size
             start = hit_len
             if hit and self.config.swa_bounded_replay:
@@ -142,7 +144,8 @@ class Scheduler:
             req.block_hashes = hashes
             if hit:
                 req.num_computed_tokens = self.kv.attach_prefix(
-                    req.kv, hit, req.all_token_ids, start if self.config.swa_bounded_replay else None)
+                    req.kv, hit, req.all_token_ids, start if self.config.swa_bounded_replay else None
+                )
                 req.num_cached_tokens = hit_len
             req.status = RequestStatus.RUNNING
             if self.config.swa_bounded_replay:
@@ -189,6 +192,7 @@ class Scheduler:
         if not self.config.enable_prefix_caching:
             return
         from ..kv.prefix_cache import block_hashes
+
         for r in reqs:
             if r.kv is None:
                 continue

@@ -1,4 +1,5 @@
 """What the engine counts: prefix-cache queries and hits, replayed rows, and what bounded replay saves."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,25 +55,38 @@ class EngineStats:
     @property
     def decoder_flops_saved(self) -> float:
         """2 x active decoder parameters per skipped row (attention over the window is small next to it)."""
-        per_row = sum(v for r in self.cfg.roles if r.side == "decoder"
-                      for k, v in layer_parts(self.cfg, r).items() if k != "routed_experts")
+        per_row = sum(
+            v
+            for r in self.cfg.roles
+            if r.side == "decoder"
+            for k, v in layer_parts(self.cfg, r).items()
+            if k != "routed_experts"
+        )
         return 2.0 * per_row * self.decoder_rows_skipped
 
     def as_dict(self) -> dict:
         lay = self.layout
         return {
-            "prefix_query_tokens": self.prefix_query_tokens, "prefix_hit_tokens": self.prefix_hit_tokens,
+            "prefix_query_tokens": self.prefix_query_tokens,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
             "prefix_hit_rate": self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0,
-            "replayed_rows": self.replayed_rows, "prefill_rows": self.prefill_rows,
-            "decoder_rows_skipped": self.decoder_rows_skipped, "decoder_flops_saved": self.decoder_flops_saved,
-            "graph_steps": self.graph_steps, "replay_graph_steps": self.replay_graph_steps,
+            "replayed_rows": self.replayed_rows,
+            "prefill_rows": self.prefill_rows,
+            "decoder_rows_skipped": self.decoder_rows_skipped,
+            "decoder_flops_saved": self.decoder_flops_saved,
+            "graph_steps": self.graph_steps,
+            "replay_graph_steps": self.replay_graph_steps,
             "encoder_graph_steps": self.encoder_graph_steps,
-            "graph_captures": self.graph_captures, "graph_capture_seconds": self.graph_capture_seconds,
+            "graph_captures": self.graph_captures,
+            "graph_capture_seconds": self.graph_capture_seconds,
             "graph_pool_bytes": self.graph_pool_bytes,
-            "triton_compiles": self.triton_compiles, "triton_compile_seconds": self.triton_compile_seconds,
+            "triton_compiles": self.triton_compiles,
+            "triton_compile_seconds": self.triton_compile_seconds,
             "triton_cache_loads": self.triton_cache_loads,
-            "ahead_steps": self.ahead_steps, "nonfinite_logit_rows": self.nonfinite_logit_rows,
-            "steps": self.steps, "step_host_seconds": self.step_host_seconds,
+            "ahead_steps": self.ahead_steps,
+            "nonfinite_logit_rows": self.nonfinite_logit_rows,
+            "steps": self.steps,
+            "step_host_seconds": self.step_host_seconds,
             "step_wait_seconds": self.step_wait_seconds,
             **persistent_bytes(lay),
         }
@@ -87,6 +101,11 @@ def persistent_bytes(lay: KVLayout) -> dict:
             per_kind["index"] += lay.index_fmt.row_bytes / ratio
     without = lay.persistent_bytes_per_token(with_window=False)
     with_w = lay.persistent_bytes_per_token(with_window=True)
-    return {"cached_bytes_per_token_main": per_kind["main"], "cached_bytes_per_token_index": per_kind["index"],
-            "window_bytes_per_token": lay.window_bytes_per_token, "persistent_bytes_per_token": without,
-            "persistent_bytes_per_token_with_window": with_w, "window_cost_ratio": with_w / without}
+    return {
+        "cached_bytes_per_token_main": per_kind["main"],
+        "cached_bytes_per_token_index": per_kind["index"],
+        "window_bytes_per_token": lay.window_bytes_per_token,
+        "persistent_bytes_per_token": without,
+        "persistent_bytes_per_token_with_window": with_w,
+        "window_cost_ratio": with_w / without,
+    }

@@ -9,6 +9,7 @@ shapes: per sequence its first position and row count, and which fixed-shape run
 rows) took the step. On a failure it writes them, newest last, as JSON to the file and raises. Costs a host wait per
 step: a diagnostic, not a serving mode.
 """
+
 from __future__ import annotations
 
 import json
@@ -92,8 +93,13 @@ class StepCheck:
             self.steps[-1]["bad_index_scores"] = scores
             self.steps_with_bad_scores += 1
             if self.steps_with_bad_scores <= 20:
-                log.warning("step check: non-finite index scores in a %s step (%d so far): %s; the step: %s", label,
-                            self.steps_with_bad_scores, scores, self.steps[-1])
+                log.warning(
+                    "step check: non-finite index scores in a %s step (%d so far): %s; the step: %s",
+                    label,
+                    self.steps_with_bad_scores,
+                    scores,
+                    self.steps[-1],
+                )
         if bad:
             self._write(label, f"non-finite logits in rows {bad}")
             raise StepCheckError(f"step check: non-finite logits in rows {bad} of a {label} step (see {self.path})")
@@ -101,5 +107,9 @@ class StepCheck:
 
     def _write(self, label: str, error: str) -> None:
         with open(self.path, "w") as f:
-            json.dump({"failed": label, "error": error, "steps_checked": self.checked, "last_steps": list(self.steps)},
-                      f, default=str, indent=1)
+            json.dump(
+                {"failed": label, "error": error, "steps_checked": self.checked, "last_steps": list(self.steps)},
+                f,
+                default=str,
+                indent=1,
+            )

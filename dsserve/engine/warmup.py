@@ -38,6 +38,7 @@ Its requests carry a cache salt of their own, so no user prompt hits their block
 evicted first). Afterwards the engine's counters start from zero again; the graphs stay captured, and
 ``dsserve:graph_captures_total`` counts them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -50,8 +51,8 @@ import torch
 from ..kernels import router
 from ..kernels.grouped_moe import expert_run_rows
 from ..kernels.sparse_attention import split_rows
-from .decode_graphs import bucket_sizes, context_bucket
 from . import jit_compiles
+from .decode_graphs import bucket_sizes, context_bucket
 from .replay_graphs import ROW_BUCKETS
 from .sampling_params import SamplingParams
 
@@ -108,8 +109,15 @@ def attention_split_rows(cfg) -> tuple[int, ...]:
     """A row count per split-K variant of the attention kernel, for layers with selected entries and window-only ones
     (kernels.sparse_attention.split_rows). The 2^k - 1 rows miss two of them on the release proxy (38-52 and 66-87
     rows), which a bare machine's traffic then compiled, 2.4 s each (benchmarks/results/agentx-compile-fixes-h200)."""
-    return tuple(sorted({r for k in (cfg.index_topk, 0)
-                         for r in split_rows(cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window, k)}))
+    return tuple(
+        sorted(
+            {
+                r
+                for k in (cfg.index_topk, 0)
+                for r in split_rows(cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window, k)
+            }
+        )
+    )
 
 
 def router_split_rows(cfg, sms: int, max_rows: int) -> tuple[int, ...]:
@@ -126,8 +134,9 @@ def moe_run_rows(cfg) -> tuple[int, ...]:
     other rows of the ladder miss two on the release proxy: 2 tokens (the decode graphs of batch 2 build it) and
     129-170 (BM 32, TMAX 32: most likely the TMAX=32 run a bare machine's replay-off traffic compiled,
     benchmarks/results/agentx-compile-fixes-h200)."""
-    return tuple(expert_run_rows(cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size,
-                                 cfg.moe_intermediate_size))
+    return tuple(
+        expert_run_rows(cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size)
+    )
 
 
 def ahead(decode_graphs, row_graphs: list, on: bool) -> None:
@@ -201,8 +210,9 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
     run([base])
     n += 1
     max_rows = min(sched.max_num_batched_tokens, room)
-    variant_rows = (attention_split_rows(cfg) + router_split_rows(cfg, router.sm_count(core.device), max_rows)
-                    + moe_run_rows(cfg))
+    variant_rows = (
+        attention_split_rows(cfg) + router_split_rows(cfg, router.sm_count(core.device), max_rows) + moe_run_rows(cfg)
+    )
     for rows in prefill_rows(max_rows, max([g.max_rows for g in row_graphs] + [0]), variant_rows):
         new = rows - window
         if new < 1 and rows <= room:
@@ -215,14 +225,33 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
     hits, bad = core.stats.prefix_hit_tokens, core.stats.nonfinite_logit_rows
     core.reset_counts()
     t3 = time.perf_counter()
-    report = WarmupReport(n, steps, t3 - t0, hits, core.stats.graph_captures - captured, bad,
-                          (t1 - t0, t2 - t1, t3 - t2), core.stats.graph_capture_seconds - capture_s,
-                          jit_compiles.COMPILES.count - compiled, jit_compiles.COMPILES.seconds - compile_s,
-                          jit_compiles.COMPILES.loads - loaded)
-    log.info("warm-up: %d requests in %d steps, %.1f s (context ladder %.1f, batch buckets %.1f, row ladder %.1f), "
-             "%d CUDA graphs captured in %.1f s of it, %d Triton compiles in %.1f s, %d kernels loaded from Triton's "
-             "cache", report.requests, report.steps, report.seconds, *report.round_seconds, report.graph_captures,
-             report.capture_seconds, report.triton_compiles, report.triton_compile_seconds, report.triton_cache_loads)
+    report = WarmupReport(
+        n,
+        steps,
+        t3 - t0,
+        hits,
+        core.stats.graph_captures - captured,
+        bad,
+        (t1 - t0, t2 - t1, t3 - t2),
+        core.stats.graph_capture_seconds - capture_s,
+        jit_compiles.COMPILES.count - compiled,
+        jit_compiles.COMPILES.seconds - compile_s,
+        jit_compiles.COMPILES.loads - loaded,
+    )
+    log.info(
+        "warm-up: %d requests in %d steps, %.1f s (context ladder %.1f, batch buckets %.1f, row ladder %.1f), "
+        "%d CUDA graphs captured in %.1f s of it, %d Triton compiles in %.1f s, %d kernels loaded from Triton's "
+        "cache",
+        report.requests,
+        report.steps,
+        report.seconds,
+        *report.round_seconds,
+        report.graph_captures,
+        report.capture_seconds,
+        report.triton_compiles,
+        report.triton_compile_seconds,
+        report.triton_cache_loads,
+    )
     if bad:  # zeroed with the other counts, so said here
         log.warning("warm-up: non-finite logits in %d sampled rows", bad)
     return report

@@ -12,6 +12,7 @@ back from ~1K rows on. Both decodes are exact: an e4m3 or e2m1 value times a pow
   in the high), scale e8m0 bytes [R, K/32] -> [R, K] dtype (quant.dequant_mxfp4). Leading dims are flattened
   into R (an expert stack [E, out, in/2] dequantises as one [E*out, in/2] table).
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,8 +55,9 @@ def _e2m1(c):  # nibble (int32) -> fp32: bit 3 sign, bits 1-2 exponent (bias 1, 
 
 
 @triton.jit
-def weight_tile(w_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr,
-                BK: tl.constexpr):
+def weight_tile(
+    w_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr
+):
     """fp32 [BN, BK] tile W_e[rn, k0:k0 + BK] (0 outside) of an expert stack [E, N, K] (FMT 0: float, 1: e4m3 +
     32x32 e8m0 blocks, 2: MXFP4 packed [E, N, K/2] + e8m0 [E, N, K/32]), exactly the reference's dequantised weight."""
     kk = k0 + tl.arange(0, BK)
@@ -94,8 +96,7 @@ MXFP4_FAST_MAX_SCALE = 128
 
 
 @triton.jit
-def mxfp4_tile_bf16(w32_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr):
+def mxfp4_tile_bf16(w32_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """bf16 [BN, BK] tile W_e[rn, k0:k0 + BK] (0 outside) of an MXFP4 expert stack read as int32 words [E, N, K/8]
     (the packed bytes' view) + e8m0 [E, N, K/32] by inline PTX (the comment above): exact for scale bytes <=
     MXFP4_FAST_MAX_SCALE (the caller checks), CUDA only (the interpreter runs no PTX)."""
@@ -135,15 +136,22 @@ def mxfp4_tile_bf16(w32_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr,
         mov.b32 {$2, $6}, o2;
         mov.b32 {$3, $7}, o3;
         }
-        """, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, f], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        """,
+        "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+        [w, f],
+        dtype=(tl.bfloat16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
     # [BN, BK/8, 2, 2, 2]: element 4a + 2b + c of each word at [a, b, c]
     v = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
     return tl.reshape(v, (BN, BK))
 
 
 @triton.jit
-def _fp8_kernel(w_ptr, s_ptr, o_ptr, N, K, KS, BLOCK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                DT: tl.constexpr):
+def _fp8_kernel(
+    w_ptr, s_ptr, o_ptr, N, K, KS, BLOCK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr
+):
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     m = (r[:, None] < N) & (c[None, :] < K)
@@ -162,46 +170,84 @@ def _mxfp4_kernel(p_ptr, s_ptr, o_ptr, R, KH, BR: tl.constexpr, BC: tl.constexpr
     b = tl.load(p_ptr + r.to(tl.int64)[:, None] * KH + j[None, :], mask=m, other=0).to(tl.int32)
     # one scale byte per 16 packed bytes, loaded once and broadcast (a per-byte gather ran at 1.7 TB/s)
     g = tl.program_id(1) * (BC // 16) + tl.arange(0, BC // 16)
-    s = _e8m0(tl.load(s_ptr + r.to(tl.int64)[:, None] * (KH // 16) + g[None, :],
-                      mask=(r[:, None] < R) & (g[None, :] < KH // 16), other=127))
+    s = _e8m0(
+        tl.load(
+            s_ptr + r.to(tl.int64)[:, None] * (KH // 16) + g[None, :],
+            mask=(r[:, None] < R) & (g[None, :] < KH // 16),
+            other=127,
+        )
+    )
     s = tl.reshape(tl.broadcast_to(s[:, :, None], [BR, BC // 16, 16]), [BR, BC])
     v = tl.interleave(_e2m1(b & 15) * s, _e2m1(b >> 4) * s)  # channel 2j, 2j+1: one contiguous store
     # (two stride-2 stores of the halves wrote 134 GB/s on the H200)
     c = tl.program_id(1) * 2 * BC + tl.arange(0, 2 * BC)
-    tl.store(o_ptr + r.to(tl.int64)[:, None] * (2 * KH) + c[None, :], _round_to(v, DT).to(DT),
-             mask=(r[:, None] < R) & (c[None, :] < 2 * KH))
+    tl.store(
+        o_ptr + r.to(tl.int64)[:, None] * (2 * KH) + c[None, :],
+        _round_to(v, DT).to(DT),
+        mask=(r[:, None] < R) & (c[None, :] < 2 * KH),
+    )
 
 
 def dequant_fp8(w_q: torch.Tensor, w_s: torch.Tensor, block: int, dtype=torch.bfloat16) -> torch.Tensor:
     _check_dtype(dtype)
     if w_q.dim() != 2 or w_q.element_size() != 1:
-        raise ValueError(f"w_q: expected a 1-byte [N, K] tensor (float8_e4m3fn or uint8), got {w_q.dtype} "
-                         f"{tuple(w_q.shape)}")
+        raise ValueError(
+            f"w_q: expected a 1-byte [N, K] tensor (float8_e4m3fn or uint8), got {w_q.dtype} {tuple(w_q.shape)}"
+        )
     n, k = w_q.shape
     if tuple(w_s.shape) != (-(-n // block), -(-k // block)) or w_s.element_size() != 1:
-        raise ValueError(f"w_s: expected e8m0 bytes [{-(-n // block)}, {-(-k // block)}], got {w_s.dtype} "
-                         f"{tuple(w_s.shape)}")
+        raise ValueError(
+            f"w_s: expected e8m0 bytes [{-(-n // block)}, {-(-k // block)}], got {w_s.dtype} {tuple(w_s.shape)}"
+        )
     out = torch.empty(n, k, dtype=dtype, device=w_q.device)
     if out.numel():
-        launch(_fp8_kernel, (triton.cdiv(n, BR), triton.cdiv(k, BC)), w_q.device, w_q.contiguous().view(torch.uint8),
-               w_s.contiguous().view(torch.uint8), out, n, k, w_s.shape[1], BLOCK=block, BR=BR, BC=BC,
-               DT=_TORCH_TO_TL[dtype], num_warps=4)
+        launch(
+            _fp8_kernel,
+            (triton.cdiv(n, BR), triton.cdiv(k, BC)),
+            w_q.device,
+            w_q.contiguous().view(torch.uint8),
+            w_s.contiguous().view(torch.uint8),
+            out,
+            n,
+            k,
+            w_s.shape[1],
+            BLOCK=block,
+            BR=BR,
+            BC=BC,
+            DT=_TORCH_TO_TL[dtype],
+            num_warps=4,
+        )
     return out
 
 
 def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
     _check_dtype(dtype)
     if packed.element_size() != 1 or packed.dim() < 1 or packed.shape[-1] % (MX_BLOCK // 2):
-        raise ValueError(f"packed: expected 1-byte [..., K/2] with K a multiple of {MX_BLOCK}, got {packed.dtype} "
-                         f"{tuple(packed.shape)}")
+        raise ValueError(
+            f"packed: expected 1-byte [..., K/2] with K a multiple of {MX_BLOCK}, got {packed.dtype} "
+            f"{tuple(packed.shape)}"
+        )
     kh = packed.shape[-1]
     if tuple(scale.shape) != (*packed.shape[:-1], kh * 2 // MX_BLOCK) or scale.element_size() != 1:
-        raise ValueError(f"scale: expected e8m0 bytes {(*packed.shape[:-1], kh * 2 // MX_BLOCK)}, got "
-                         f"{scale.dtype} {tuple(scale.shape)}")
+        raise ValueError(
+            f"scale: expected e8m0 bytes {(*packed.shape[:-1], kh * 2 // MX_BLOCK)}, got "
+            f"{scale.dtype} {tuple(scale.shape)}"
+        )
     out = torch.empty(*packed.shape[:-1], 2 * kh, dtype=dtype, device=packed.device)
     r = packed.numel() // kh if kh else 0
     if out.numel():
-        launch(_mxfp4_kernel, (triton.cdiv(r, BR), triton.cdiv(kh, BC)), packed.device,
-               packed.contiguous().view(torch.uint8),
-               scale.contiguous().view(torch.uint8), out, r, kh, BR=BR, BC=BC, DT=_TORCH_TO_TL[dtype], num_warps=4)
+        launch(
+            _mxfp4_kernel,
+            (triton.cdiv(r, BR), triton.cdiv(kh, BC)),
+            packed.device,
+            packed.contiguous().view(torch.uint8),
+            scale.contiguous().view(torch.uint8),
+            out,
+            r,
+            kh,
+            BR=BR,
+            BC=BC,
+            DT=_TORCH_TO_TL[dtype],
+            num_warps=4,
+        )
     return out

@@ -18,6 +18,7 @@ The call allocates only its output, never synchronises with the host and checks 
 the hasher and always lie in [0, rows); an id out of range reads outside the table (garbage or a fault). So it can
 be captured in a CUDA graph whose replays refill the ids buffer.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,12 @@ from ..layers.quant import MX_BLOCK, dequant_engram
 from .launch import launch
 
 FORMATS = ("float", "bf16", "fp8")
-OUT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
-              torch.float64: tl.float64}
+OUT_DTYPES = {
+    torch.float32: tl.float32,
+    torch.bfloat16: tl.bfloat16,
+    torch.float16: tl.float16,
+    torch.float64: tl.float64,
+}
 _FLOAT_DATA = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _ELEMS = 1024  # values a program decodes: 4 warps x 8 (8 bytes of e4m3 per thread: one vector load)
 _MAX_BLOCK_D = 256  # the release D: one column block, so a program reads whole rows (and their scale bytes)
@@ -42,11 +47,16 @@ def _check(data: torch.Tensor, ids: torch.Tensor, fmt: str, dim: int, dtype: tor
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     if not isinstance(dim, int) or dim < 1 or (fmt == "fp8" and dim % MX_BLOCK):
         raise ValueError(f"dim must be a positive int (a multiple of {MX_BLOCK} for fp8), got {dim!r}")
-    width, allowed = ((dim + dim // MX_BLOCK, (torch.uint8,)) if fmt == "fp8" else
-                      (dim, (torch.bfloat16,) if fmt == "bf16" else _FLOAT_DATA))
+    width, allowed = (
+        (dim + dim // MX_BLOCK, (torch.uint8,))
+        if fmt == "fp8"
+        else (dim, (torch.bfloat16,) if fmt == "bf16" else _FLOAT_DATA)
+    )
     if data.dim() != 2 or data.shape[1] != width or data.dtype not in allowed or data.shape[0] == 0:
-        raise ValueError(f"data for fmt {fmt!r}, dim {dim}: expected {allowed} [rows >= 1, {width}], "
-                         f"got {data.dtype} {tuple(data.shape)}")
+        raise ValueError(
+            f"data for fmt {fmt!r}, dim {dim}: expected {allowed} [rows >= 1, {width}], "
+            f"got {data.dtype} {tuple(data.shape)}"
+        )
     if data.stride(1) != 1:
         raise ValueError(f"data rows must be contiguous (stride 1 along dim), got strides {data.stride()}")
     if ids.dtype not in (torch.int64, torch.int32):
@@ -73,8 +83,18 @@ def _to_bf16(x):
 
 
 @triton.jit(do_not_specialize=["n"])  # the row count: only a row mask
-def _engram_gather_kernel(data_ptr, ids_ptr, out_ptr, n, DIM: tl.constexpr, ROW_STRIDE: tl.constexpr,
-                          FP8: tl.constexpr, DT: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+def _engram_gather_kernel(
+    data_ptr,
+    ids_ptr,
+    out_ptr,
+    n,
+    DIM: tl.constexpr,
+    ROW_STRIDE: tl.constexpr,
+    FP8: tl.constexpr,
+    DT: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     live = r < n
@@ -115,14 +135,27 @@ def engram_gather(data: torch.Tensor, ids: torch.Tensor, fmt: str, dim: int, dty
     rows, block_d = _tiles(dim)
     grid = (triton.cdiv(n, rows), triton.cdiv(dim, block_d))
     args = (data, flat, out, n)
-    meta = dict(DIM=dim, ROW_STRIDE=data.stride(0), FP8=fmt == "fp8", DT=OUT_DTYPES[dtype], ROWS=rows,
-                BLOCK_D=block_d, num_warps=4)
+    meta = dict(
+        DIM=dim,
+        ROW_STRIDE=data.stride(0),
+        FP8=fmt == "fp8",
+        DT=OUT_DTYPES[dtype],
+        ROWS=rows,
+        BLOCK_D=block_d,
+        num_warps=4,
+    )
     launch(_engram_gather_kernel, grid, ids.device, *args, **meta)
     return out
 
 
-def bench(device: str = "cuda", table_gb: float = 1.0, columns: int = 24, dim: int = 256,
-          tokens=(1, 8, 32, 128), calls: int = 20) -> dict:
+def bench(
+    device: str = "cuda",
+    table_gb: float = 1.0,
+    columns: int = 24,
+    dim: int = 256,
+    tokens=(1, 8, 32, 128),
+    calls: int = 20,
+) -> dict:
     """Per B tokens (B x columns rows, bf16 out) from an fp8 table of ``table_gb`` GB: device ms of the kernel
     reading registered host memory (CUDA graph of ``calls`` gathers with distinct ids, L2 flushed per replay) and
     eager; the same kernel on a device-resident copy; and the existing host path (EngramTable.gather: host
@@ -131,7 +164,7 @@ def bench(device: str = "cuda", table_gb: float = 1.0, columns: int = 24, dim: i
     from ..layers.engram_table import EngramTable, allocate_host
 
     width = dim + dim // MX_BLOCK
-    n_rows = int(table_gb * 2 ** 30) // width
+    n_rows = int(table_gb * 2**30) // width
     g = torch.Generator().manual_seed(0)
     mem = allocate_host(n_rows * width)
     table = EngramTable(mem.tensor.view(n_rows, width), "fp8", dim, mem)
@@ -145,12 +178,15 @@ def bench(device: str = "cuda", table_gb: float = 1.0, columns: int = 24, dim: i
         k = engram_gather(table.data, ids[0], "fp8", dim, torch.bfloat16)
         out[b] = {
             "equal": bool(torch.equal(k, table.gather(host_ids[0], device, torch.bfloat16))),
-            "kernel_host_graph_ms": graph_ms(lambda i: engram_gather(table.data, ids[i], "fp8", dim,
-                                                                     torch.bfloat16), calls, calls),
-            "kernel_host_eager_ms": eager_ms(lambda i: engram_gather(table.data, ids[i], "fp8", dim,
-                                                                     torch.bfloat16), calls),
-            "kernel_device_graph_ms": graph_ms(lambda i: engram_gather(on_device, ids[i], "fp8", dim,
-                                                                       torch.bfloat16), calls, calls),
+            "kernel_host_graph_ms": graph_ms(
+                lambda i: engram_gather(table.data, ids[i], "fp8", dim, torch.bfloat16), calls, calls
+            ),
+            "kernel_host_eager_ms": eager_ms(
+                lambda i: engram_gather(table.data, ids[i], "fp8", dim, torch.bfloat16), calls
+            ),
+            "kernel_device_graph_ms": graph_ms(
+                lambda i: engram_gather(on_device, ids[i], "fp8", dim, torch.bfloat16), calls, calls
+            ),
             "host_gather_ms": eager_ms(lambda i: table.gather(host_ids[i], device, torch.bfloat16), calls),
         }
     return out

@@ -13,6 +13,7 @@ One program per (t, copy): pass 1 reduces the three sums over d in constexpr chu
 interpreter's own cast truncates). A dead row's gate is exactly 0, so its output is exactly x (finite values).
 The call allocates only its output and never synchronises with the host: it can be captured in a CUDA graph.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,9 @@ def _check(x, kv, q_weight, k_weight, ids) -> tuple[int, int, int]:
         raise ValueError(f"x must be [T, n, d], got {tuple(x.shape)}")
     t, n, d = x.shape
     if kv.shape != (t, (n + 1) * d) or kv.dtype != x.dtype:
-        raise ValueError(f"kv must be {x.dtype} [T, (n + 1) * d] = [{t}, {(n + 1) * d}], got {kv.dtype} "
-                         f"{tuple(kv.shape)}")
+        raise ValueError(
+            f"kv must be {x.dtype} [T, (n + 1) * d] = [{t}, {(n + 1) * d}], got {kv.dtype} {tuple(kv.shape)}"
+        )
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         if w.shape != (n, d) or not w.is_floating_point():
             raise ValueError(f"{name} must be a float [n, d] = [{n}, {d}], got {w.dtype} {tuple(w.shape)}")
@@ -46,23 +48,40 @@ def _check(x, kv, q_weight, k_weight, ids) -> tuple[int, int, int]:
     return t, n, d
 
 
-def engram_mix_ref(x: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                   ids: torch.Tensor, eps: float) -> torch.Tensor:
+def engram_mix_ref(
+    x: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, ids: torch.Tensor, eps: float
+) -> torch.Tensor:
     """The torch lines of Engram.forward (any device, fp64 kept fp64): the fallback and the kernel's oracle."""
     t, n, d = _check(x, kv, q_weight, k_weight, ids)
-    key, value = acc(kv[:, : n * d].view(t, n, d)), acc(kv[:, n * d:])
+    key, value = acc(kv[:, : n * d].view(t, n, d)), acc(kv[:, n * d :])
     xf = acc(x)
     dot = (xf * q_weight.to(xf.dtype) * k_weight.to(xf.dtype) * key).sum(-1)
-    dot = dot * torch.rsqrt(xf.pow(2).mean(-1) + eps) * torch.rsqrt(key.pow(2).mean(-1) + eps) / d ** 0.5
+    dot = dot * torch.rsqrt(xf.pow(2).mean(-1) + eps) * torch.rsqrt(key.pow(2).mean(-1) + eps) / d**0.5
     gate = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(1e-6)))
     gate = gate.masked_fill(EngramHasher.is_dead(ids)[:, None], 0.0)
     return (xf + gate[:, :, None] * value[:, None, :]).to(x.dtype)
 
 
 @triton.jit
-def _engram_mix_kernel(x_ptr, kv_ptr, qw_ptr, kw_ptr, ids_ptr, out_ptr, sx_t, sx_n, skv_t, eps, sqrt_d,
-                       N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNKS: tl.constexpr,
-                       DEAD_ID: tl.constexpr, DT: tl.constexpr):
+def _engram_mix_kernel(
+    x_ptr,
+    kv_ptr,
+    qw_ptr,
+    kw_ptr,
+    ids_ptr,
+    out_ptr,
+    sx_t,
+    sx_n,
+    skv_t,
+    eps,
+    sqrt_d,
+    N: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    DEAD_ID: tl.constexpr,
+    DT: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1)
     c = tl.arange(0, BLOCK_D)
@@ -100,8 +119,9 @@ def _engram_mix_kernel(x_ptr, kv_ptr, qw_ptr, kw_ptr, ids_ptr, out_ptr, sx_t, sx
         tl.store(o_row + cc, _round_to(xv + gate * vv, DT).to(DT), mask=m)
 
 
-def engram_mix(x: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-               ids: torch.Tensor, eps: float) -> torch.Tensor:
+def engram_mix(
+    x: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, ids: torch.Tensor, eps: float
+) -> torch.Tensor:
     """engram_mix_ref in one launch (see the module docstring); fp64 x runs the reference."""
     t, n, d = _check(x, kv, q_weight, k_weight, ids)
     if x.dtype == torch.float64:
@@ -121,8 +141,16 @@ def engram_mix(x: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_weig
     if out.numel() == 0:
         return out
     block_d = min(triton.next_power_of_2(d), _MAX_BLOCK_D)
-    args = (x, kv, q_weight, k_weight, ids, out, x.stride(0), x.stride(1), kv.stride(0), float(eps), d ** 0.5)
-    meta = dict(N=n, D=d, BLOCK_D=block_d, CHUNKS=triton.cdiv(d, block_d), DEAD_ID=DEAD, DT=_TL[x.dtype],
-                num_warps=4, enable_fp_fusion=False)  # x + gate * value rounded as torch does
+    args = (x, kv, q_weight, k_weight, ids, out, x.stride(0), x.stride(1), kv.stride(0), float(eps), d**0.5)
+    meta = dict(
+        N=n,
+        D=d,
+        BLOCK_D=block_d,
+        CHUNKS=triton.cdiv(d, block_d),
+        DEAD_ID=DEAD,
+        DT=_TL[x.dtype],
+        num_warps=4,
+        enable_fp_fusion=False,
+    )  # x + gate * value rounded as torch does
     launch(_engram_mix_kernel, (t, n), x.device, *args, **meta)
     return out

@@ -16,6 +16,7 @@ from multipliers near 2^63 / ids (the release's are ~2^46 x ids < 2^17), but the
 The call allocates only its output, never synchronises with the host and checks no value on the device, so it can
 be captured in a CUDA graph whose replays refill src.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,17 +38,20 @@ def _check(src, mult, primes, offs, pad_id) -> tuple[int, int]:
         raise ValueError(f"mult must be [max_ngram >= 2], got {tuple(mult.shape)}")
     k = mult.numel()
     if primes.dim() != 2 or primes.shape[0] != k - 1 or primes.shape[1] < 1 or offs.shape != primes.shape:
-        raise ValueError(f"primes, offs must both be [max_ngram - 1 = {k - 1}, heads >= 1], "
-                         f"got {tuple(primes.shape)}, {tuple(offs.shape)}")
+        raise ValueError(
+            f"primes, offs must both be [max_ngram - 1 = {k - 1}, heads >= 1], "
+            f"got {tuple(primes.shape)}, {tuple(offs.shape)}"
+        )
     if src.dim() != 2 or src.shape[1] != k:
         raise ValueError(f"src must be [T, max_ngram = {k}], got {tuple(src.shape)}")
-    if not isinstance(pad_id, int) or not -2 ** 63 <= pad_id < 2 ** 63:
+    if not isinstance(pad_id, int) or not -(2**63) <= pad_id < 2**63:
         raise ValueError(f"pad_id must be an int64 value, got {pad_id!r}")
     return k, primes.shape[1]
 
 
-def engram_rows_ref(src: torch.Tensor, mult: torch.Tensor, primes: torch.Tensor, offs: torch.Tensor,
-                    pad_id: int) -> torch.Tensor:
+def engram_rows_ref(
+    src: torch.Tensor, mult: torch.Tensor, primes: torch.Tensor, offs: torch.Tensor, pad_id: int
+) -> torch.Tensor:
     """The body of EngramHasher.rows_of_lookbacks (torch, any device): the fallback and the kernel's oracle."""
     max_ngram, heads = _check(src, mult, primes, offs, pad_id)
     T = src.shape[0]
@@ -59,13 +63,26 @@ def engram_rows_ref(src: torch.Tensor, mult: torch.Tensor, primes: torch.Tensor,
     for s in range(1, max_ngram):
         r = r ^ prod[:, s]
         # torch's % is a floor mod: non-negative for positive primes, even for a wrapped (negative) hash
-        out[:, (s - 1) * heads: s * heads] = r[:, None] % primes[s - 1] + offs[s - 1]
+        out[:, (s - 1) * heads : s * heads] = r[:, None] % primes[s - 1] + offs[s - 1]
     return out
 
 
 @triton.jit(do_not_specialize=["n_rows"])  # the row count: only a row mask
-def _engram_rows_kernel(src_ptr, mult_ptr, primes_ptr, offs_ptr, out_ptr, n_rows, s_row, s_col, pad_id,
-                        MAX_NGRAM: tl.constexpr, HEADS: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
+def _engram_rows_kernel(
+    src_ptr,
+    mult_ptr,
+    primes_ptr,
+    offs_ptr,
+    out_ptr,
+    n_rows,
+    s_row,
+    s_col,
+    pad_id,
+    MAX_NGRAM: tl.constexpr,
+    HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     h = tl.arange(0, BLOCK_H)
     live = r < n_rows
@@ -87,8 +104,9 @@ def _engram_rows_kernel(src_ptr, mult_ptr, primes_ptr, offs_ptr, out_ptr, n_rows
             tl.store(out_ptr + at, m + o[None, :], mask=live[:, None] & hm[None, :])
 
 
-def engram_rows(src: torch.Tensor, mult: torch.Tensor, primes: torch.Tensor, offs: torch.Tensor,
-                pad_id: int) -> torch.Tensor:
+def engram_rows(
+    src: torch.Tensor, mult: torch.Tensor, primes: torch.Tensor, offs: torch.Tensor, pad_id: int
+) -> torch.Tensor:
     """engram_rows_ref in one launch (see the module docstring; no value checks, no sync, allocates the output)."""
     max_ngram, heads = _check(src, mult, primes, offs, pad_id)
     if src.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -6,6 +6,7 @@
 -> rows [T, K] int32: seq_tables[row_seq[t], min(e // epb, MB - 1)] * epb + e % epb with e = max(entry, 0),
    -1 where not valid or the block is absent (-1). Ids are not range-checked (that would need a sync).
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,8 +43,9 @@ def entry_rows_ref(entries, valid, seq_tables, row_seq, epb: int) -> torch.Tenso
 # agentx-replay-off-compiles-h200). Only the power-of-two tile BLOCK_K remains; t and MB, bounds only, are not
 # specialised on their value's alignment either.
 @triton.jit(do_not_specialize=["t", "MB"])
-def _entry_rows_kernel(e_ptr, v_ptr, tab_ptr, seq_ptr, out_ptr, t, K, MB, EPB: tl.constexpr, BLOCK_K: tl.constexpr,
-                       ROWS: tl.constexpr):
+def _entry_rows_kernel(
+    e_ptr, v_ptr, tab_ptr, seq_ptr, out_ptr, t, K, MB, EPB: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr
+):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     j = tl.arange(0, BLOCK_K)
     m = (r[:, None] < t) & (j[None, :] < K)
@@ -61,6 +63,16 @@ def entry_rows(entries, valid, seq_tables, row_seq, epb: int) -> torch.Tensor:
     out = torch.empty(t, k, dtype=torch.int32, device=entries.device)
     if t and k:
         _entry_rows_kernel[(triton.cdiv(t, _ROWS),)](
-            entries.contiguous(), valid.contiguous(), seq_tables.contiguous(), row_seq.contiguous(), out, t, k,
-            seq_tables.shape[1], EPB=epb, BLOCK_K=triton.next_power_of_2(k), ROWS=_ROWS)
+            entries.contiguous(),
+            valid.contiguous(),
+            seq_tables.contiguous(),
+            row_seq.contiguous(),
+            out,
+            t,
+            k,
+            seq_tables.shape[1],
+            EPB=epb,
+            BLOCK_K=triton.next_power_of_2(k),
+            ROWS=_ROWS,
+        )
     return out

@@ -24,6 +24,7 @@ rule out W8A16 numerics. Even for V4's 128x128 blocks, PyTorch 2.11 on the H200 
 (CUBLAS_STATUS_NOT_SUPPORTED at M=1, "Invalid scaling configuration" for the padded scale layouts), 2026-11-29.
 So every block size runs through Triton.
 """
+
 from __future__ import annotations
 
 import os
@@ -53,9 +54,29 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit(do_not_specialize=["M"])
-def _w8a16_kernel(x_ptr, w_ptr, s_ptr, o_ptr, part_ptr, cnt_ptr, M, N, sxm, som, sos, K: tl.constexpr,
-                  BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, K_TILES: tl.constexpr,
-                  SPLIT: tl.constexpr, DOT_F32: tl.constexpr, GROUP_N: tl.constexpr = 0, TMA: tl.constexpr = False):
+def _w8a16_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    o_ptr,
+    part_ptr,
+    cnt_ptr,
+    M,
+    N,
+    sxm,
+    som,
+    sos,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    K_TILES: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    GROUP_N: tl.constexpr = 0,
+    TMA: tl.constexpr = False,
+):
     KS: tl.constexpr = (K + BLOCK - 1) // BLOCK
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -73,8 +94,11 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, o_ptr, part_ptr, cnt_ptr, M, N, sxm, som,
             wq = tl.load(w_ptr + rn[None, :] * K + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0)
         if BK > BLOCK:  # BK // BLOCK scale rows per tile, each repeated over its BLOCK k's
             kb = k0 // BLOCK + tl.arange(0, BK // BLOCK)
-            e = tl.load(s_ptr + (rn[None, :] // BLOCK) * KS + kb[:, None], mask=(rn[None, :] < N) & (kb[:, None] < KS),
-                        other=127)
+            e = tl.load(
+                s_ptr + (rn[None, :] // BLOCK) * KS + kb[:, None],
+                mask=(rn[None, :] < N) & (kb[:, None] < KS),
+                other=127,
+            )
             sc = tl.reshape(tl.broadcast_to(_e8m0(e)[:, None, :], (BK // BLOCK, BLOCK, BN)), (BK, BN))
         else:  # the tile lies inside one scale block (BK divides BLOCK)
             e = tl.load(s_ptr + (rn // BLOCK) * KS + k0 // BLOCK, mask=(rn < N) & (rn * 0 + k0 < K), other=127)
@@ -85,8 +109,11 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, o_ptr, part_ptr, cnt_ptr, M, N, sxm, som,
         else:
             acc += tl.dot(x, w.to(x.dtype))
     if SPLIT == 1:  # the output, or (sos > 0) this program's split of partials that torch sums afterwards
-        tl.store(o_ptr + tl.program_id(2) * sos + rm[:, None] * som + rn[None, :], acc.to(o_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+        tl.store(
+            o_ptr + tl.program_id(2) * sos + rm[:, None] * som + rn[None, :],
+            acc.to(o_ptr.dtype.element_ty),
+            mask=(rm[:, None] < M) & (rn[None, :] < N),
+        )
     else:  # partial [SPLIT, M, N] fp32, contiguous
         tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         store_split(acc, rm, rn, M, N, part_ptr, N, M * N, o_ptr, som, cnt_ptr, tile, tl.program_id(2), SPLIT)
@@ -113,8 +140,25 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, sxm, sqm, ssm, ssg, G: tl.constexp
 
 
 @triton.jit
-def _w8a8_kernel(q_ptr, qs_ptr, w_ptr, s_ptr, o_ptr, M, N, sqm, ssm, ssg, som, K: tl.constexpr, BLOCK: tl.constexpr,
-                 G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_N: tl.constexpr = 0):
+def _w8a8_kernel(
+    q_ptr,
+    qs_ptr,
+    w_ptr,
+    s_ptr,
+    o_ptr,
+    M,
+    N,
+    sqm,
+    ssm,
+    ssg,
+    som,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    G: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    GROUP_N: tl.constexpr = 0,
+):
     KS: tl.constexpr = (K + BLOCK - 1) // BLOCK
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -131,8 +175,11 @@ def _w8a8_kernel(q_ptr, qs_ptr, w_ptr, s_ptr, o_ptr, M, N, sqm, ssm, ssg, som, K
         sa = tl.load(qs_ptr + rm * ssm + (t * 32 // G) * ssg, mask=rm < M, other=0.0)
         sb = _e8m0(tl.load(s_ptr + (rn // BLOCK) * KS + t * 32 // BLOCK, mask=rn < N, other=127))
         acc += p * sa[:, None] * sb[None, :]
-    tl.store(o_ptr + rm[:, None] * som + rn[None, :], acc.to(o_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(
+        o_ptr + rm[:, None] * som + rn[None, :],
+        acc.to(o_ptr.dtype.element_ty),
+        mask=(rm[:, None] < M) & (rn[None, :] < N),
+    )
 
 
 def _check(x, w_q, w_s, block, act_quant, act_group, kernel, groups=1):
@@ -147,8 +194,10 @@ def _check(x, w_q, w_s, block, act_quant, act_group, kernel, groups=1):
     if not isinstance(groups, int) or groups < 1 or n % groups:
         raise ValueError(f"groups must be a positive int dividing N={n}, got {groups!r}")
     if groups > 1 and (n // groups) % block:
-        raise ValueError(f"groups={groups}: the rows per group O={n // groups} must be a multiple of block={block} "
-                         "(no scale block may straddle two groups)")
+        raise ValueError(
+            f"groups={groups}: the rows per group O={n // groups} must be a multiple of block={block} "
+            "(no scale block may straddle two groups)"
+        )
     if x.dim() != 2 or x.shape[1] != groups * k or not x.is_floating_point():
         raise ValueError(f"x must be a float [M, {groups * k}] tensor (groups x K), got {x.dtype} {tuple(x.shape)}")
     if kernel and x.dtype not in KERNEL_DTYPES:
@@ -158,8 +207,9 @@ def _check(x, w_q, w_s, block, act_quant, act_group, kernel, groups=1):
     return x, w_q.view(torch.float8_e4m3fn), w_s.view(torch.uint8)
 
 
-def fp8_linear_ref(x, w_q, w_s, block: int, *, act_quant: bool = False, act_group: int = 32,
-                   groups: int = 1) -> torch.Tensor:
+def fp8_linear_ref(
+    x, w_q, w_s, block: int, *, act_quant: bool = False, act_group: int = 32, groups: int = 1
+) -> torch.Tensor:
     """x @ W^T: W dequantised (fp32, dequant_fp8_block), cast to x's dtype, plain matmul; groups > 1: the
     block-diagonal product (module docstring), one batched matmul over the groups. act_quant: see w8a8_ref."""
     x, w_q, w_s = _check(x, w_q, w_s, block, act_quant, act_group, kernel=False, groups=groups)
@@ -173,8 +223,11 @@ def _product(x, w, groups):
     if groups == 1:
         return x @ w.t()
     (m, _), (n, k) = x.shape, w.shape
-    return torch.bmm(x.view(m, groups, k).transpose(0, 1), w.view(groups, n // groups, k).transpose(1, 2)
-                     ).transpose(0, 1).reshape(m, n)
+    return (
+        torch.bmm(x.view(m, groups, k).transpose(0, 1), w.view(groups, n // groups, k).transpose(1, 2))
+        .transpose(0, 1)
+        .reshape(m, n)
+    )
 
 
 def fp8_linear_w8a8_ref(x, w_q, w_s, block: int, *, act_group: int = 32, groups: int = 1) -> torch.Tensor:
@@ -192,8 +245,17 @@ def _bn(cfg, default, group_n):
     return bn
 
 
-def fp8_linear(x, w_q, w_s, block: int, *, act_quant: bool = False, act_group: int = 32, groups: int = 1,
-               config: dict | None = None) -> torch.Tensor:
+def fp8_linear(
+    x,
+    w_q,
+    w_s,
+    block: int,
+    *,
+    act_quant: bool = False,
+    act_group: int = 32,
+    groups: int = 1,
+    config: dict | None = None,
+) -> torch.Tensor:
     """Triton x @ W^T, same semantics as fp8_linear_ref. config overrides the tiles (BM, BN, BK, SPLIT_K,
     num_warps, num_stages), tma (W8A16 weight tiles by TMA, when K % 16 == 0) and dequant (True / False: force or
     forbid the dequantise-then-cuBLAS path, default from DEQUANT_MIN_ROWS rows on); tests and benchmarks only."""
@@ -208,9 +270,26 @@ def fp8_linear(x, w_q, w_s, block: int, *, act_quant: bool = False, act_group: i
         bm, bn = cfg.get("BM", min(128, max(16, triton.next_power_of_2(m)))), _bn(cfg, 128, group_n)
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         _w8a8_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-            q, qs, w_q.view(torch.uint8), w_s, out, m, n, q.stride(0), qs.stride(0), qs.stride(1), out.stride(0),
-            K=k, BLOCK=block, G=act_group, BM=bm, BN=bn, GROUP_N=group_n,
-            num_warps=cfg.get("num_warps", 8 if bm >= 128 else 4), num_stages=cfg.get("num_stages", 4))
+            q,
+            qs,
+            w_q.view(torch.uint8),
+            w_s,
+            out,
+            m,
+            n,
+            q.stride(0),
+            qs.stride(0),
+            qs.stride(1),
+            out.stride(0),
+            K=k,
+            BLOCK=block,
+            G=act_group,
+            BM=bm,
+            BN=bn,
+            GROUP_N=group_n,
+            num_warps=cfg.get("num_warps", 8 if bm >= 128 else 4),
+            num_stages=cfg.get("num_stages", 4),
+        )
         return out
     if cfg.get("dequant", m >= DEQUANT_MIN_ROWS):  # compute-bound: bf16 weights once, then cuBLAS
         return _product(x, dequant_fp8(w_q, w_s, block, x.dtype), groups)
@@ -229,13 +308,35 @@ def fp8_linear(x, w_q, w_s, block: int, *, act_quant: bool = False, act_group: i
     w = w_q.view(torch.uint8)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
+
         w = TensorDescriptor(w, [n, k], [k, 1], [bn, bk])
 
     def launch(o, part, cnt, sos, in_kernel_split):
         _w8a16_kernel[grid](
-            x, w, w_s, o, part, cnt, m, n, x.stride(0), n, sos, K=k, BLOCK=block, BM=bm, BN=bn, BK=bk, K_TILES=per,
-            SPLIT=in_kernel_split, DOT_F32=_INTERPRET or x.dtype == torch.float32, GROUP_N=group_n, TMA=tma,
-            num_warps=cfg.get("num_warps", 4 if small else 8), num_stages=cfg.get("num_stages", 4 if small else 3))
+            x,
+            w,
+            w_s,
+            o,
+            part,
+            cnt,
+            m,
+            n,
+            x.stride(0),
+            n,
+            sos,
+            K=k,
+            BLOCK=block,
+            BM=bm,
+            BN=bn,
+            BK=bk,
+            K_TILES=per,
+            SPLIT=in_kernel_split,
+            DOT_F32=_INTERPRET or x.dtype == torch.float32,
+            GROUP_N=group_n,
+            TMA=tma,
+            num_warps=cfg.get("num_warps", 4 if small else 8),
+            num_stages=cfg.get("num_stages", 4 if small else 3),
+        )
 
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else None
     if split > 1 and m > (IN_KERNEL_SPLIT_ROWS_WIDE if n >= WIDE_N else IN_KERNEL_SPLIT_ROWS):
@@ -256,8 +357,9 @@ def _act_quant(x, group, m_major):
     (m, k), dev = x.shape, x.device
     q = torch.empty(m, k, dtype=torch.uint8, device=dev)
     qs = torch.empty(k // group, m, device=dev).t() if m_major else torch.empty(m, k // group, device=dev)
-    _act_quant_kernel[(triton.cdiv(m, 16), k // group)](x, q, qs, m, x.stride(0), q.stride(0), qs.stride(0),
-                                                       qs.stride(1), G=group, BM=16)
+    _act_quant_kernel[(triton.cdiv(m, 16), k // group)](
+        x, q, qs, m, x.stride(0), q.stride(0), qs.stride(0), qs.stride(1), G=group, BM=16
+    )
     return q, qs
 
 
@@ -269,16 +371,25 @@ class Fp8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, block: int, groups: int = 1):
         super().__init__()
-        _check(weight.new_empty(0, groups * weight.shape[1], dtype=torch.float32), weight, weight_scale, block, False,
-               32, False, groups)
+        _check(
+            weight.new_empty(0, groups * weight.shape[1], dtype=torch.float32),
+            weight,
+            weight_scale,
+            block,
+            False,
+            32,
+            False,
+            groups,
+        )
         self.register_buffer("weight", weight.view(torch.float8_e4m3fn))
         self.register_buffer("weight_scale", weight_scale.view(torch.uint8))  # uint8: every PyTorch has it
         self.block, self.groups, self.out_features, self.in_features = block, groups, *weight.shape
         self.use_kernel, self.act_quant_min_m = False, None
 
     @classmethod
-    def from_quantized(cls, weight: torch.Tensor, weight_scale: torch.Tensor, block: int,
-                       groups: int = 1) -> "Fp8Linear":
+    def from_quantized(
+        cls, weight: torch.Tensor, weight_scale: torch.Tensor, block: int, groups: int = 1
+    ) -> "Fp8Linear":
         return cls(weight, weight_scale, block, groups)
 
     @classmethod
@@ -320,15 +431,18 @@ def bench(device="cuda", block: int = 32, copies: int = 4) -> dict:
     shapes, rotating over `copies` weight copies so that decode reads weights from HBM, not L2; with the weight
     bandwidth achieved (GB/s: fp8 bytes for ours, bf16 bytes for matmul) and TFLOP/s. Keys "name M=m"."""
     from ..bench.device_timing import graph_ms
+
     res = {}
     for name, (n, k) in BENCH_SHAPES.items():
         ws = [quant_fp8_block(torch.randn(n, k, device=device) * 0.02, block) for _ in range(copies)]
         wb = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
         for m in (1, 16, 64, 4096):
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            runs = {"w8a16": (lambda i: fp8_linear(x, *ws[i % copies], block), n * k),
-                    "w8a8": (lambda i: fp8_linear(x, *ws[i % copies], block, act_quant=True), n * k),
-                    "bf16": (lambda i: x @ wb[i % copies].t(), 2 * n * k)}
+            runs = {
+                "w8a16": (lambda i: fp8_linear(x, *ws[i % copies], block), n * k),
+                "w8a8": (lambda i: fp8_linear(x, *ws[i % copies], block, act_quant=True), n * k),
+                "bf16": (lambda i: x @ wb[i % copies].t(), 2 * n * k),
+            }
             row = res[f"{name} M={m}"] = {}
             for kind, (fn, wbytes) in runs.items():
                 ms = graph_ms(fn, copies)

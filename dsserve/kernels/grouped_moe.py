@@ -21,6 +21,7 @@ applies the clamped SwiGLU and the routing weight, and writes h [T*k, inter] (x 
 multiplies h by W2_e^T and stores each row at its pair index t*k + j; y is their fp32 sum over j: deterministic,
 no atomics. Tiles past the real count, and so empty experts, exit at once.
 """
+
 from __future__ import annotations
 
 import os
@@ -48,6 +49,7 @@ _empty = torch.empty  # scratch and output allocation; tests swap in a NaN fill 
 @dataclass(frozen=True)
 class ExpertWeights:
     """One layer's routed experts in one storage format (see the module docstring for the layouts)."""
+
     fmt: str
     w1: torch.Tensor
     w3: torch.Tensor
@@ -74,11 +76,12 @@ class ExpertWeights:
                 continue
             if w.element_size() != 1 or s is None or s.element_size() != 1:
                 raise ValueError(f"fmt {self.fmt} takes 1-byte {name} and its 1-byte scale")
-            blocks = ((-(-out // FP8_BLOCK), -(-inn // FP8_BLOCK)) if self.fmt == "fp8" else
-                      (out, inn // MX_BLOCK))
+            blocks = (-(-out // FP8_BLOCK), -(-inn // FP8_BLOCK)) if self.fmt == "fp8" else (out, inn // MX_BLOCK)
             if tuple(s.shape) != (e, *blocks) or (self.fmt == "mxfp4" and inn % MX_BLOCK):
-                raise ValueError(f"s{name[1]} must be [{e}, {blocks[0]}, {blocks[1]}] for {name} [{e}, {out}, "
-                                 f"{inn}] ({self.fmt}), got {tuple(s.shape)}")
+                raise ValueError(
+                    f"s{name[1]} must be [{e}, {blocks[0]}, {blocks[1]}] for {name} [{e}, {out}, "
+                    f"{inn}] ({self.fmt}), got {tuple(s.shape)}"
+                )
             object.__setattr__(self, name, w.contiguous().view(torch.uint8))
             object.__setattr__(self, "s" + name[1], s.contiguous().view(torch.uint8))
         # the largest e8m0 byte (one host sync, here rather than per call): the PTX decode takes <= 128
@@ -130,8 +133,9 @@ class ExpertWeights:
 
 
 @triton.jit
-def _dot_scaled(acc, a, w_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                TMA: tl.constexpr = False):
+def _dot_scaled(
+    acc, a, w_ptr, s_ptr, e, rn, k0, N: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr = False
+):
     """MXFP4 with bf16 rows: acc + a @ W_e[rn, k0:k0 + BK]^T by tl.dot_scaled, which upcasts the packed nibbles
     and their e8m0 scales to bf16 itself (Hopper has no FP4 MMA): the reference's bf16 weight, exactly. TMA:
     w_ptr is a tensor descriptor of the packed weights as [E * N, K / 2] rows (tiles past the array read 0; rows
@@ -175,10 +179,33 @@ def _tile(tiles_ptr, n_tiles, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexp
 
 
 @triton.jit(do_not_specialize=["n_tiles"])
-def _up_kernel(x_ptr, sxm, tiles_ptr, order_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, n_tiles, n_experts,
-               limit, KSLOT: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr,
-               BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
-               SCALED: tl.constexpr, TMA: tl.constexpr = False, ASM: tl.constexpr = False):
+def _up_kernel(
+    x_ptr,
+    sxm,
+    tiles_ptr,
+    order_ptr,
+    rw_ptr,
+    w1_ptr,
+    s1_ptr,
+    w3_ptr,
+    s3_ptr,
+    h_ptr,
+    n_tiles,
+    n_experts,
+    limit,
+    KSLOT: tl.constexpr,
+    D: tl.constexpr,
+    I: tl.constexpr,
+    FMT: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    SCALED: tl.constexpr,
+    TMA: tl.constexpr = False,
+    ASM: tl.constexpr = False,
+):
     e, p, pm, rn = _tile(tiles_ptr, n_tiles, I, BM, BN, GROUP_M)
     if e >= n_experts:  # past the last real tile
         return
@@ -208,10 +235,27 @@ def _up_kernel(x_ptr, sxm, tiles_ptr, order_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr,
 
 
 @triton.jit(do_not_specialize=["n_tiles"])
-def _down_kernel(h_ptr, tiles_ptr, order_ptr, w2_ptr, s2_ptr, y_ptr, n_tiles, n_experts, D: tl.constexpr,
-                 I: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 GROUP_M: tl.constexpr, DOT_F32: tl.constexpr, SCALED: tl.constexpr, TMA: tl.constexpr = False,
-                 ASM: tl.constexpr = False):
+def _down_kernel(
+    h_ptr,
+    tiles_ptr,
+    order_ptr,
+    w2_ptr,
+    s2_ptr,
+    y_ptr,
+    n_tiles,
+    n_experts,
+    D: tl.constexpr,
+    I: tl.constexpr,
+    FMT: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    SCALED: tl.constexpr,
+    TMA: tl.constexpr = False,
+    ASM: tl.constexpr = False,
+):
     e, p, pm, rn = _tile(tiles_ptr, n_tiles, D, BM, BN, GROUP_M)
     if e >= n_experts:
         return
@@ -227,8 +271,9 @@ def _down_kernel(h_ptr, tiles_ptr, order_ptr, w2_ptr, s2_ptr, y_ptr, n_tiles, n_
         else:
             acc = _dot(acc, a, weight_tile(w2_ptr, s2_ptr, e, rn, t * BK, D, I, FMT, BN, BK), DOT_F32)
     pair = tl.load(order_ptr + p, mask=pm, other=0)
-    tl.store(y_ptr + pair[:, None] * D + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=pm[:, None] & (rn[None, :] < D))
+    tl.store(
+        y_ptr + pair[:, None] * D + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=pm[:, None] & (rn[None, :] < D)
+    )
 
 
 def _check(x, ids, weights, experts, kernel):
@@ -242,14 +287,24 @@ def _check(x, ids, weights, experts, kernel):
     if tuple(weights.shape) != tuple(ids.shape) or not weights.is_floating_point():
         raise ValueError(f"weights must be float {tuple(ids.shape)}, got {weights.dtype} {tuple(weights.shape)}")
     if kernel and (x.dtype not in KERNEL_DTYPES or experts.w1.dtype not in KERNEL_DTYPES + (torch.uint8,)):
-        raise ValueError(f"x {x.dtype} / weights {experts.w1.dtype} not supported by the kernel "
-                         f"(allowed: {KERNEL_DTYPES}, quantised weights)")
+        raise ValueError(
+            f"x {x.dtype} / weights {experts.w1.dtype} not supported by the kernel "
+            f"(allowed: {KERNEL_DTYPES}, quantised weights)"
+        )
     if not kernel and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n_exp):
         raise ValueError(f"ids must lie in [0, {n_exp}), got [{int(ids.min())}, {int(ids.max())}]")
 
 
-def routed_experts_ref(x, ids, weights, experts: ExpertWeights, limit: float, *,
-                       accumulate_into: torch.Tensor | None = None, accumulate_after=None) -> torch.Tensor:
+def routed_experts_ref(
+    x,
+    ids,
+    weights,
+    experts: ExpertWeights,
+    limit: float,
+    *,
+    accumulate_into: torch.Tensor | None = None,
+    accumulate_after=None,
+) -> torch.Tensor:
     """MoE.forward's per-expert loop on the dequantised weights (cast to x's dtype), without the shared expert.
     ``accumulate_into`` ([T, d], x's dtype; the shared expert's output): the routed sum is added to it in place, in
     fp32 with one rounding (as the oracle adds the two), and it is returned. ``accumulate_after``: a CUDA event
@@ -277,8 +332,10 @@ def _wait(event, x) -> None:
 
 def _check_into(x, into):
     if into is not None and (into.shape != x.shape or into.dtype != x.dtype or into.device != x.device):
-        raise ValueError(f"accumulate_into must be a {x.dtype} {tuple(x.shape)} tensor on {x.device}, got "
-                         f"{into.dtype} {tuple(into.shape)} on {into.device}")
+        raise ValueError(
+            f"accumulate_into must be a {x.dtype} {tuple(x.shape)} tensor on {x.device}, got "
+            f"{into.dtype} {tuple(into.shape)} on {into.device}"
+        )
 
 
 SMEM_BUDGET = 160 * 1024  # of the H200's 227 KiB per block: headroom for Triton's own buffers
@@ -299,8 +356,14 @@ def _config(n, n_exp, d, inter, cfg, elem: int = 2, scaled: bool = False, asm: b
     rows = -(-n // min(n, n_exp))  # rows per used expert under even routing
     bm = cfg.get("BM", min(128 if packed else 64, max(16, triton.next_power_of_2(rows))))
     big = bm >= 64  # prefill: compute-bound tiles; else decode, weight-bandwidth bound
-    c = {"BM": bm, "BN": 128 if big else 64, "BK": (128 if packed else 64) if big else 128, "GROUP_M": 8,
-         "num_warps": 8 if big else 4, "num_stages": 3 if big else 4}
+    c = {
+        "BM": bm,
+        "BN": 128 if big else 64,
+        "BK": (128 if packed else 64) if big else 128,
+        "GROUP_M": 8,
+        "num_warps": 8 if big else 4,
+        "num_stages": 3 if big else 4,
+    }
     if asm and not big:  # the H200 sweep (benchmarks/results/decode-gemms-h200): 80 / 293 / 447 us at T = 1 / 8 / 32
         c.update(BK=256, num_stages=2)
     c.update(cfg)
@@ -314,8 +377,10 @@ def _config(n, n_exp, d, inter, cfg, elem: int = 2, scaled: bool = False, asm: b
     # each pipeline stage holds a row tile and the up kernel's two weight tiles (w1, w3): fp32 prefill tiles need
     # 80 KiB a stage, so three stages would not fit
     w_elem = 0.5 if packed else elem
-    stage = max(elem * c["BM"] * c["BK_UP"] + w_elem * 2 * c["BN_UP"] * c["BK_UP"],
-                elem * c["BM"] * c["BK_DOWN"] + w_elem * c["BN_DOWN"] * c["BK_DOWN"])
+    stage = max(
+        elem * c["BM"] * c["BK_UP"] + w_elem * 2 * c["BN_UP"] * c["BK_UP"],
+        elem * c["BM"] * c["BK_DOWN"] + w_elem * c["BN_DOWN"] * c["BK_DOWN"],
+    )
     if "num_stages" not in cfg:
         c["num_stages"] = max(1, min(c["num_stages"], int(SMEM_BUDGET // stage)))
     c["up_stages"] = c["num_stages"]
@@ -331,6 +396,7 @@ def _weight_desc(w: torch.Tensor, bn: int, bk: int):
     """A host TMA descriptor of packed MXFP4 weights [E, N, K/2] as [E * N, K/2] rows, [bn, bk/2] byte tiles (the
     rows are 16-byte multiples for every K the kernels take: K % 32 == 0)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
+
     e, n, kh = w.shape
     return TensorDescriptor(w.view(e * n, kh), [e * n, kh], [kh, 1], [bn, bk // 2])
 
@@ -347,8 +413,17 @@ def expert_run_rows(n_exp: int, k: int, d: int, inter: int) -> list[int]:
     return sorted(set(first.values()))
 
 
-def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *,
-                   accumulate_into: torch.Tensor | None = None, accumulate_after=None, config: dict | None = None):
+def routed_experts(
+    x,
+    ids,
+    weights,
+    experts: ExpertWeights,
+    limit: float,
+    *,
+    accumulate_into: torch.Tensor | None = None,
+    accumulate_after=None,
+    config: dict | None = None,
+):
     """Triton grouped GEMMs, same semantics as routed_experts_ref. Ids must lie in [0, E) (not checked: that would
     need a host sync); a pick outside leaves its row undefined. config overrides BM, BN, BK, GROUP_M, num_warps,
     num_stages, decode and tma (tests and benchmarks only). decode (MXFP4 with bf16 rows; _mxfp4_decode): "asm"
@@ -368,15 +443,27 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *,
     cfg = dict(config or {})
     dense = cfg.pop("dequant", None)
     if dense is None:
-        dense = (experts.fmt != "bf16" and x.dtype == torch.bfloat16 and t * k >= DEQUANT_MIN_ROWS_PER_EXPERT * n_exp
-                 and 2 * experts.w1.shape[0] * inter * d * 2 <= DEQUANT_MAX_BYTES)
+        dense = (
+            experts.fmt != "bf16"
+            and x.dtype == torch.bfloat16
+            and t * k >= DEQUANT_MIN_ROWS_PER_EXPERT * n_exp
+            and 2 * experts.w1.shape[0] * inter * d * 2 <= DEQUANT_MAX_BYTES
+        )
     decode = _mxfp4_decode(x, experts, dense, cfg, t * k)
     scaled, asm = decode == "scaled", decode == "asm"
     if dense:
         cfg = {**DEQUANT_TILES, **cfg}
     tma = scaled and cfg.pop("tma", False)
-    c = _config(t * k, n_exp, d, inter, cfg, x.element_size() if dense else
-                max(x.element_size(), experts.w1.element_size()), scaled, asm)
+    c = _config(
+        t * k,
+        n_exp,
+        d,
+        inter,
+        cfg,
+        x.element_size() if dense else max(x.element_size(), experts.w1.element_size()),
+        scaled,
+        asm,
+    )
     order, tiles = expert_tiles(ids, n_exp, c["BM"])
     nt, fmt = tiles.shape[1], FMTS.index("bf16" if dense else experts.fmt)
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -384,8 +471,15 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *,
     h = _empty((t * k, inter), dtype=x.dtype, device=x.device)
     yk = _empty((t * k, d), dtype=x.dtype, device=x.device)
     s1, s3, s2 = (s if s is not None else w for w, s in experts._pairs())  # bf16: unused, any pointer does
-    common = dict(FMT=fmt, BM=c["BM"], GROUP_M=c["GROUP_M"], DOT_F32=_INTERPRET or x.dtype == torch.float32,
-                  SCALED=scaled, ASM=asm, num_warps=c["num_warps"])
+    common = dict(
+        FMT=fmt,
+        BM=c["BM"],
+        GROUP_M=c["GROUP_M"],
+        DOT_F32=_INTERPRET or x.dtype == torch.float32,
+        SCALED=scaled,
+        ASM=asm,
+        num_warps=c["num_warps"],
+    )
     up_stages = c.get("up_stages_many_tiles", c["up_stages"]) if nt >= 16 else c["up_stages"]
     w1, w3, w2 = experts.w1, experts.w3, experts.w2
     if dense:  # w2 is dequantised after the up kernel, into the memory w1 and w3 free (stream order)
@@ -396,14 +490,48 @@ def routed_experts(x, ids, weights, experts: ExpertWeights, limit: float, *,
         w1, w3 = (_weight_desc(w, c["BN_UP"], c["BK_UP"]) for w in (w1, w3))
         w2 = _weight_desc(w2, c["BN_DOWN"], c["BK_DOWN"])
     _up_kernel[(nt * triton.cdiv(inter, c["BN_UP"]),)](
-        x, x.stride(0), tiles, order, rw, w1, s1, w3, s3, h, nt, n_exp, float(limit), KSLOT=k, D=d,
-        I=inter, BN=c["BN_UP"], BK=c["BK_UP"], num_stages=up_stages, TMA=tma, **common)
+        x,
+        x.stride(0),
+        tiles,
+        order,
+        rw,
+        w1,
+        s1,
+        w3,
+        s3,
+        h,
+        nt,
+        n_exp,
+        float(limit),
+        KSLOT=k,
+        D=d,
+        I=inter,
+        BN=c["BN_UP"],
+        BK=c["BK_UP"],
+        num_stages=up_stages,
+        TMA=tma,
+        **common,
+    )
     if dense:
         del w1, w3
         w2 = experts.dequantized("w2", x.dtype)
     _down_kernel[(nt * triton.cdiv(d, c["BN_DOWN"]),)](
-        h, tiles, order, w2, s2, yk, nt, n_exp, D=d, I=inter, BN=c["BN_DOWN"], BK=c["BK_DOWN"],
-        num_stages=c["num_stages"], TMA=tma, **common)
+        h,
+        tiles,
+        order,
+        w2,
+        s2,
+        yk,
+        nt,
+        n_exp,
+        D=d,
+        I=inter,
+        BN=c["BN_DOWN"],
+        BK=c["BK_DOWN"],
+        num_stages=c["num_stages"],
+        TMA=tma,
+        **common,
+    )
     routed = yk.view(t, k, d).sum(1, dtype=torch.float32)  # fp32 sum, no fp32 copy of yk
     if accumulate_into is not None:
         _wait(accumulate_after, x)
@@ -430,22 +558,37 @@ def _mxfp4_decode(x, experts: ExpertWeights, dense: bool, cfg: dict, n_pairs: in
         return "own"
     asm_runs = x.is_cuda and not _INTERPRET and experts.max_scale <= MXFP4_FAST_MAX_SCALE
     if decode == "asm" and not asm_runs:
-        raise ValueError(f"config decode 'asm' needs CUDA (not the interpreter) and scale bytes <= "
-                         f"{MXFP4_FAST_MAX_SCALE}, got device {x.device}, largest scale byte {experts.max_scale}")
+        raise ValueError(
+            f"config decode 'asm' needs CUDA (not the interpreter) and scale bytes <= "
+            f"{MXFP4_FAST_MAX_SCALE}, got device {x.device}, largest scale byte {experts.max_scale}"
+        )
     small = n_pairs <= DECODE_ROWS_PER_EXPERT * experts.shape[0]
     return decode or ("asm" if asm_runs and small else "scaled")
 
 
-def bench(device="cuda", d: int = 5120, inter: int = 2304, n_experts: int = 48, k: int = 6, sets: int = 4,
-          tokens=(1, 8, 32, 128, 4096)) -> dict:
+def bench(
+    device="cuda",
+    d: int = 5120,
+    inter: int = 2304,
+    n_experts: int = 48,
+    k: int = 6,
+    sets: int = 4,
+    tokens=(1, 8, 32, 128, 4096),
+) -> dict:
     """Median device ms of routed_experts (CUDA graphs: the default decode; also tl.dot_scaled's upcast, the
     kernel's own nibble decode, and tl.dot_scaled with TMA weight tiles) and routed_experts_ref (eager: its
     torch.unique syncs) on one EP rank's MXFP4 experts, over `sets` random routings; weight_GBps = bytes of the
     experts touched / time, TFLOPs = the three GEMMs' FLOPs / time."""
     from ..bench.device_timing import eager_ms, graph_ms
+
     g = torch.Generator(device=device).manual_seed(0)
-    ex = ExpertWeights.from_dense(*(torch.randn(n_experts, o, i, device=device, generator=g) * i ** -0.5
-                                    for o, i in ((inter, d), (inter, d), (d, inter))), "mxfp4")
+    ex = ExpertWeights.from_dense(
+        *(
+            torch.randn(n_experts, o, i, device=device, generator=g) * i**-0.5
+            for o, i in ((inter, d), (inter, d), (d, inter))
+        ),
+        "mxfp4",
+    )
     per_expert = sum(w[0].numel() + s[0].numel() for w, s in ex._pairs())
     res = {}
     for t in tokens:
@@ -454,8 +597,9 @@ def bench(device="cuda", d: int = 5120, inter: int = 2304, n_experts: int = 48, 
         ws = [torch.rand(t, k, device=device, generator=g) for _ in range(sets)]
         used = sum(i.unique().numel() for i in ids) / sets
         ms = graph_ms(lambda i: routed_experts(xs[i], ids[i], ws[i], ex, 10.0), sets)
-        scaled_ms = graph_ms(lambda i: routed_experts(xs[i], ids[i], ws[i], ex, 10.0, config={"decode": "scaled"}),
-                             sets)
+        scaled_ms = graph_ms(
+            lambda i: routed_experts(xs[i], ids[i], ws[i], ex, 10.0, config={"decode": "scaled"}), sets
+        )
         own_ms = graph_ms(lambda i: routed_experts(xs[i], ids[i], ws[i], ex, 10.0, config={"decode": "own"}), sets)
         tma = {"decode": "scaled", "tma": True}
         try:  # TMA descriptors from the host are newer than some Tritons: keep the other numbers if they fail
@@ -463,10 +607,17 @@ def bench(device="cuda", d: int = 5120, inter: int = 2304, n_experts: int = 48, 
         except Exception as e:  # noqa: BLE001 - recorded, not hidden
             tma_ms, res.setdefault("errors", {})[f"tma T={t}"] = float("nan"), repr(e)[:300]
         ref_ms = eager_ms(lambda i: routed_experts_ref(xs[i], ids[i], ws[i], ex, 10.0), sets)
-        res[f"T={t}"] = {"ms": ms, "scaled_ms": scaled_ms, "own_decode_ms": own_ms, "tma_ms": tma_ms,
-                         "ref_ms": ref_ms, "experts_touched": used, "weight_GBps": used * per_expert / ms / 1e6,
-                         "scaled_weight_GBps": used * per_expert / scaled_ms / 1e6,
-                         "own_decode_weight_GBps": used * per_expert / own_ms / 1e6,
-                         "tma_weight_GBps": used * per_expert / tma_ms / 1e6,
-                         "TFLOPs": 6 * t * k * d * inter / ms / 1e9}
+        res[f"T={t}"] = {
+            "ms": ms,
+            "scaled_ms": scaled_ms,
+            "own_decode_ms": own_ms,
+            "tma_ms": tma_ms,
+            "ref_ms": ref_ms,
+            "experts_touched": used,
+            "weight_GBps": used * per_expert / ms / 1e6,
+            "scaled_weight_GBps": used * per_expert / scaled_ms / 1e6,
+            "own_decode_weight_GBps": used * per_expert / own_ms / 1e6,
+            "tma_weight_GBps": used * per_expert / tma_ms / 1e6,
+            "TFLOPs": 6 * t * k * d * inter / ms / 1e9,
+        }
     return res

@@ -26,6 +26,7 @@ Kernels: index_scores tiles BLOCK_M consecutive rows x BLOCK_N entries. When the
 one. Candidates differ per row, so index_scores_candidates scores one row per program. Key rows are read as int32
 words when 4-byte aligned (68 B at Di = 128), else as bytes, and decoded to natural channel order: one dot over Di.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,13 +37,20 @@ import triton.language as tl
 
 from dsserve.kernels import indexer_prefill
 from dsserve.kernels.indexer_ref import (  # noqa: F401  (the refs are looked up here by KernelOps)
-    _check, _check_cands, _out, _row_format, candidate_entries, index_scores_candidates_ref, index_scores_ref)
+    _check,
+    _check_cands,
+    _out,
+    _row_format,
+    candidate_entries,
+    index_scores_candidates_ref,
+    index_scores_ref,
+)
 
 # Tuning (module constants so the H200 sweep can monkeypatch them; read at every call).
 PREFILL_M = 128  # dot rows of a shared-key tile: BLOCK_M query rows x BLOCK_H heads (Hi = 32 -> 4 rows)
-BLOCK_N = 64     # entries per index_scores tile
-N_TILES = 4      # entry tiles per program (q loaded once), used when the grid still has _FILL programs:
-_FILL = 8192     # ~60 per SM; smaller grids (decode batches, short chunks) keep one tile per program for latency
+BLOCK_N = 64  # entries per index_scores tile
+N_TILES = 4  # entry tiles per program (q loaded once), used when the grid still has _FILL programs:
+_FILL = 8192  # ~60 per SM; smaller grids (decode batches, short chunks) keep one tile per program for latency
 NUM_WARPS = 4
 CAND_BLOCK_N = 128  # candidate columns per program (H200 sweep: B=1 10 us vs 52 at 64; B=64 108 vs 168)
 CAND_WARPS = 4
@@ -52,12 +60,21 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels 
 # ------------------------------------------------------------------ Triton: key decoding and scoring
 _SIGN = tl.constexpr(-(1 << 31))
 _MAG = tl.constexpr(7 << 22)
-_TWO126 = tl.constexpr(2.0 ** 126)
+_TWO126 = tl.constexpr(2.0**126)
 
 
 @triton.jit
-def _key_tile(pool_ptr, phys, vis, row_stride, DI: tl.constexpr, BLOCK_N: tl.constexpr, FP4: tl.constexpr,
-              WORDS: tl.constexpr, BF16_DOT: tl.constexpr):
+def _key_tile(
+    pool_ptr,
+    phys,
+    vis,
+    row_stride,
+    DI: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP4: tl.constexpr,
+    WORDS: tl.constexpr,
+    BF16_DOT: tl.constexpr,
+):
     """Keys of pool rows phys (int64 [BLOCK_N]) as the dot operand [DI, BLOCK_N]; rows not vis are 0."""
     m = vis[:, None]
     wrow = pool_ptr.to(tl.pointer_type(tl.int32)) + phys[:, None] * (row_stride // 4)
@@ -82,12 +99,16 @@ def _key_tile(pool_ptr, phys, vis, row_stride, DI: tl.constexpr, BLOCK_N: tl.con
         k = tl.reshape(tl.reshape(k, [BLOCK_N, DI // 32, 32]) * s[:, :, None], [BLOCK_N, DI])
     elif WORDS and BF16_DOT:  # bf16 rows into a bf16 dot: loaded as they are (a bf16 row is DI values: the
         # constexpr stride gives 16-byte loads, which the unspecialised row_stride would not)
-        k = tl.load(pool_ptr.to(tl.pointer_type(tl.bfloat16)) + phys[:, None] * DI + tl.arange(0, DI)[None, :],
-                    mask=m, other=0.0)
+        k = tl.load(
+            pool_ptr.to(tl.pointer_type(tl.bfloat16)) + phys[:, None] * DI + tl.arange(0, DI)[None, :],
+            mask=m,
+            other=0.0,
+        )
     elif WORDS:  # bf16 pairs as one little-endian int32: channel 2i in the low half
         x = tl.load(wrow + tl.arange(0, DI // 2)[None, :], mask=m, other=0)
-        k = tl.reshape(tl.join((x << 16).to(tl.float32, bitcast=True), (x & -65536).to(tl.float32, bitcast=True)),
-                       [BLOCK_N, DI])
+        k = tl.reshape(
+            tl.join((x << 16).to(tl.float32, bitcast=True), (x & -65536).to(tl.float32, bitcast=True)), [BLOCK_N, DI]
+        )
     else:
         j = 2 * tl.arange(0, DI)[None, :]
         lo = tl.load(brow + j, mask=m, other=0).to(tl.int32)
@@ -99,8 +120,7 @@ def _key_tile(pool_ptr, phys, vis, row_stride, DI: tl.constexpr, BLOCK_N: tl.con
 
 
 @triton.jit
-def _q_tile(q_ptr, w_ptr, row0, T, H, RM: tl.constexpr, RH: tl.constexpr, DI: tl.constexpr,
-            BF16_DOT: tl.constexpr):
+def _q_tile(q_ptr, w_ptr, row0, T, H, RM: tl.constexpr, RH: tl.constexpr, DI: tl.constexpr, BF16_DOT: tl.constexpr):
     """q of rows row0 + i // RH, heads i % RH as the dot operand [RM*RH, DI], and w [RM*RH]; padding is 0."""
     i = tl.arange(0, RM * RH)
     h = i % RH
@@ -142,10 +162,31 @@ _ROW_ARGS = ["T", "row_stride", "epb", "bt_stride", "reach"]
 # a second kernel in traffic (benchmarks/results/agentx-shared-outputs-h200); the scoring dots, not the stores, set
 # this kernel's time
 @triton.jit(do_not_specialize=_ROW_ARGS + ["n_max"])
-def _index_scores_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, seq_ptr, nvis_ptr, out_ptr, T, n_max, H, row_stride,
-                         bt_stride, epb, reach, DI: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_H1: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_TILES: tl.constexpr, FP4: tl.constexpr,
-                         WORDS: tl.constexpr, BF16_DOT: tl.constexpr):
+def _index_scores_kernel(
+    q_ptr,
+    w_ptr,
+    pool_ptr,
+    bt_ptr,
+    seq_ptr,
+    nvis_ptr,
+    out_ptr,
+    T,
+    n_max,
+    H,
+    row_stride,
+    bt_stride,
+    epb,
+    reach,
+    DI: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_H1: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    N_TILES: tl.constexpr,
+    FP4: tl.constexpr,
+    WORDS: tl.constexpr,
+    BF16_DOT: tl.constexpr,
+):
     row0 = tl.program_id(0) * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
     rm = rows < T
@@ -165,8 +206,9 @@ def _index_scores_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, seq_ptr, nvis_ptr, out_
             if (tile0 + i) * BLOCK_N < top:
                 vis = n < top
                 blk = tl.load(bt_ptr + s_lo.to(tl.int64) * bt_stride + n // epb, mask=vis, other=0)
-                kT = _key_tile(pool_ptr, blk.to(tl.int64) * epb + n % epb, vis, row_stride, DI, BLOCK_N, FP4, WORDS,
-                               BF16_DOT)
+                kT = _key_tile(
+                    pool_ptr, blk.to(tl.int64) * epb + n % epb, vis, row_stride, DI, BLOCK_N, FP4, WORDS, BF16_DOT
+                )
                 s = _score(q, w, kT, BLOCK_M, BLOCK_H, BLOCK_N, BF16_DOT)
                 tl.store(dst, tl.where(n[None, :] < lim[:, None], s, float("-inf")), mask=om)
             else:  # the whole tile is past every row's n_visible: no key traffic
@@ -184,8 +226,17 @@ def _index_scores_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, seq_ptr, nvis_ptr, out_
                     if (tile0 + i) * BLOCK_N < lim1:
                         vis = n < lim1
                         blk = tl.load(bt_row + n // epb, mask=vis, other=0)
-                        kT = _key_tile(pool_ptr, blk.to(tl.int64) * epb + n % epb, vis, row_stride, DI, BLOCK_N,
-                                       FP4, WORDS, BF16_DOT)
+                        kT = _key_tile(
+                            pool_ptr,
+                            blk.to(tl.int64) * epb + n % epb,
+                            vis,
+                            row_stride,
+                            DI,
+                            BLOCK_N,
+                            FP4,
+                            WORDS,
+                            BF16_DOT,
+                        )
                         s = _score(q1, w1, kT, 1, BLOCK_H1, BLOCK_N, BF16_DOT)
                         tl.store(dst, tl.where(vis, s, float("-inf")), mask=n < n_max)
                     else:
@@ -193,10 +244,31 @@ def _index_scores_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, seq_ptr, nvis_ptr, out_
 
 
 @triton.jit(do_not_specialize=_ROW_ARGS + ["cbs", "cand_stride"])
-def _index_scores_cand_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, seq_ptr, nvis_ptr, cand_ptr, out_ptr, T, ncols,
-                              cand_stride, cbs, H, row_stride, bt_stride, epb, reach, DI: tl.constexpr,
-                              BLOCK_H1: tl.constexpr, BLOCK_N: tl.constexpr, FP4: tl.constexpr, WORDS: tl.constexpr,
-                              BF16_DOT: tl.constexpr):
+def _index_scores_cand_kernel(
+    q_ptr,
+    w_ptr,
+    pool_ptr,
+    bt_ptr,
+    seq_ptr,
+    nvis_ptr,
+    cand_ptr,
+    out_ptr,
+    T,
+    ncols,
+    cand_stride,
+    cbs,
+    H,
+    row_stride,
+    bt_stride,
+    epb,
+    reach,
+    DI: tl.constexpr,
+    BLOCK_H1: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP4: tl.constexpr,
+    WORDS: tl.constexpr,
+    BF16_DOT: tl.constexpr,
+):
     t = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cm = c < ncols
@@ -207,8 +279,7 @@ def _index_scores_cand_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, seq_ptr, nvis_ptr,
     if tl.max(vis.to(tl.int32), axis=0) > 0:
         bt_row = bt_ptr + tl.load(seq_ptr + t).to(tl.int64) * bt_stride
         pb = tl.load(bt_row + e // epb, mask=vis, other=0)
-        kT = _key_tile(pool_ptr, pb.to(tl.int64) * epb + e % epb, vis, row_stride, DI, BLOCK_N, FP4, WORDS,
-                       BF16_DOT)
+        kT = _key_tile(pool_ptr, pb.to(tl.int64) * epb + e % epb, vis, row_stride, DI, BLOCK_N, FP4, WORDS, BF16_DOT)
         q, w = _q_tile(q_ptr, w_ptr, t, T, H, 1, BLOCK_H1, DI, BF16_DOT)
         s = _score(q, w, kT, 1, BLOCK_H1, BLOCK_N, BF16_DOT)
         tl.store(dst, tl.where(vis, s, float("-inf")), mask=cm)
@@ -230,45 +301,100 @@ def _prepare(q, w, pool, fmt, block_table, row_seq, epb, n_visible):
         raise ValueError(f"Di must be a power of two >= 32 for the Triton kernel, got {di}")
     pool = pool.contiguous()
     words = pool.stride(0) % 4 == 0 and pool.data_ptr() % 4 == 0
-    args = (q.contiguous(), w.float().contiguous(), pool, block_table.to(torch.int32).contiguous(),
-            row_seq.to(torch.int32).contiguous(), n_visible.to(torch.int32).contiguous())
+    args = (
+        q.contiguous(),
+        w.float().contiguous(),
+        pool,
+        block_table.to(torch.int32).contiguous(),
+        row_seq.to(torch.int32).contiguous(),
+        n_visible.to(torch.int32).contiguous(),
+    )
     meta = dict(DI=di, FP4=fmt == "fp4", WORDS=words, BF16_DOT=q.dtype == torch.bfloat16 and not _INTERPRET)
     return args, meta, triton.next_power_of_2(h), pool.stride(0), block_table.shape[1] * epb
 
 
 def index_scores(q, w, pool, fmt, block_table, row_seq, epb, n_visible, n_max, out=None):
     """Scores of every entry < n_max -> [T, n_max] fp32; tiles past every row's n_visible only write -inf."""
-    (q, w, pool, bt, seq, nv), meta, bh, row_stride, reach = _prepare(q, w, pool, fmt, block_table, row_seq, epb,
-                                                                     n_visible)
+    (q, w, pool, bt, seq, nv), meta, bh, row_stride, reach = _prepare(
+        q, w, pool, fmt, block_table, row_seq, epb, n_visible
+    )
     t = q.shape[0]
     out = _out(out, t, n_max, torch.float32, q.device)
-    if out.numel() and fmt == "bf16" and q.dtype == torch.bfloat16 and t >= indexer_prefill.PREFILL_ROWS \
-            and meta["WORDS"]:
-        return indexer_prefill.prefill_scores(q, w, pool, bt, seq, nv, out, t, n_max, row_stride, epb, reach,
-                                              meta["DI"], bh)
+    if (
+        out.numel()
+        and fmt == "bf16"
+        and q.dtype == torch.bfloat16
+        and t >= indexer_prefill.PREFILL_ROWS
+        and meta["WORDS"]
+    ):
+        return indexer_prefill.prefill_scores(
+            q, w, pool, bt, seq, nv, out, t, n_max, row_stride, epb, reach, meta["DI"], bh
+        )
     if out.numel():
         # about PREFILL_M dot rows; no more rows than the batch has (decode), but >= 16 dot rows (tl.dot's minimum)
         bm = max(min(max(1, PREFILL_M // bh), triton.next_power_of_2(t)), triton.cdiv(16, bh))
         tiles = N_TILES if triton.cdiv(t, bm) * triton.cdiv(n_max, BLOCK_N * N_TILES) >= _FILL else 1
         grid = (triton.cdiv(t, bm), triton.cdiv(n_max, BLOCK_N * tiles))
-        _index_scores_kernel[grid](q, w, pool, bt, seq, nv, out, t, n_max, q.shape[1], row_stride, bt.stride(0), epb,
-                                   reach, BLOCK_H=bh, BLOCK_H1=max(16, bh), BLOCK_M=bm, BLOCK_N=BLOCK_N,
-                                   N_TILES=tiles, num_warps=NUM_WARPS, **meta)
+        _index_scores_kernel[grid](
+            q,
+            w,
+            pool,
+            bt,
+            seq,
+            nv,
+            out,
+            t,
+            n_max,
+            q.shape[1],
+            row_stride,
+            bt.stride(0),
+            epb,
+            reach,
+            BLOCK_H=bh,
+            BLOCK_H1=max(16, bh),
+            BLOCK_M=bm,
+            BLOCK_N=BLOCK_N,
+            N_TILES=tiles,
+            num_warps=NUM_WARPS,
+            **meta,
+        )
     return out
 
 
-def index_scores_candidates(q, w, pool, fmt, block_table, row_seq, epb, cand_blocks, cand_block_size, n_visible,
-                            out=None):
+def index_scores_candidates(
+    q, w, pool, fmt, block_table, row_seq, epb, cand_blocks, cand_block_size, n_visible, out=None
+):
     """Scores of the candidate blocks' entries only -> [T, NB * cand_block_size] fp32 (see module doc)."""
-    (q, w, pool, bt, seq, nv), meta, bh, row_stride, reach = _prepare(q, w, pool, fmt, block_table, row_seq, epb,
-                                                                     n_visible)
+    (q, w, pool, bt, seq, nv), meta, bh, row_stride, reach = _prepare(
+        q, w, pool, fmt, block_table, row_seq, epb, n_visible
+    )
     _check_cands(cand_blocks, cand_block_size, q.shape[0])
     cand = cand_blocks.to(torch.int32).contiguous()
     ncols = cand.shape[1] * cand_block_size
     out = _out(out, q.shape[0], ncols, torch.float32, q.device)
     if out.numel():
         grid = (q.shape[0], triton.cdiv(ncols, CAND_BLOCK_N))
-        _index_scores_cand_kernel[grid](q, w, pool, bt, seq, nv, cand, out, q.shape[0], ncols, cand.stride(0),
-                                        cand_block_size, q.shape[1], row_stride, bt.stride(0), epb, reach,
-                                        BLOCK_H1=max(16, bh), BLOCK_N=CAND_BLOCK_N, num_warps=CAND_WARPS, **meta)
+        _index_scores_cand_kernel[grid](
+            q,
+            w,
+            pool,
+            bt,
+            seq,
+            nv,
+            cand,
+            out,
+            q.shape[0],
+            ncols,
+            cand.stride(0),
+            cand_block_size,
+            q.shape[1],
+            row_stride,
+            bt.stride(0),
+            epb,
+            reach,
+            BLOCK_H1=max(16, bh),
+            BLOCK_N=CAND_BLOCK_N,
+            num_warps=CAND_WARPS,
+            **meta,
+        )
     return out

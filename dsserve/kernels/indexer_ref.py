@@ -1,5 +1,6 @@
 """Torch references of the indexer scoring ops (dsserve/kernels/indexer.py has the layouts), and the argument
 checks the kernels share. Each ref runs on any device, in acc(q) precision (fp64 stays fp64)."""
+
 from __future__ import annotations
 
 import torch
@@ -18,6 +19,7 @@ def _row_format(fmt: str, di: int) -> RowFormat:
         return BF16_ROWS.with_channels(di)
     if fmt in ("raw-float32", "raw-float64"):  # V4's fp32 / fp64 rows: the refs read them, the kernels refuse
         from dsserve.kv.layout import RawRows  # here: kv.layout imports the model config
+
         return RawRows(di, torch.float32 if fmt == "raw-float32" else torch.float64)
     raise ValueError(f"unknown index pool format {fmt!r}; expected 'fp4', 'bf16', 'raw-float32' or 'raw-float64'")
 
@@ -30,8 +32,9 @@ def _check(q, w, pool, fmt, block_table, row_seq, epb, n_visible) -> RowFormat:
         raise ValueError(f"w must be [T, Hi] = {(t, h)}, got {tuple(w.shape)}")
     rf = _row_format(fmt, di)
     if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != rf.row_bytes:
-        raise ValueError(f"pool must be uint8 [Nrows, {rf.row_bytes}] for {fmt} with Di={di}, "
-                         f"got {pool.dtype} {tuple(pool.shape)}")
+        raise ValueError(
+            f"pool must be uint8 [Nrows, {rf.row_bytes}] for {fmt} with Di={di}, got {pool.dtype} {tuple(pool.shape)}"
+        )
     if block_table.dim() != 2 or block_table.is_floating_point():
         raise ValueError(f"block_table must be integer [S, MB], got {block_table.dtype} {tuple(block_table.shape)}")
     if tuple(row_seq.shape) != (t,) or row_seq.is_floating_point():
@@ -69,9 +72,9 @@ def _entry_scores(q, w, pool, rf, block_table, row_seq, epb, n_visible, entries)
     out = torch.empty(entries.shape, dtype=dt, device=q.device)
     step = max(1, _REF_CHUNK // max(1, entries.shape[1]))
     for a in range(0, q.shape[0], step):  # chunks bound the gathered [rows, N, Di] keys
-        keys = rf.unpack(pool[phys[a:a + step]], dt)
-        logits = torch.relu(torch.einsum("thd,tnd->thn", acc(q[a:a + step]), keys))
-        out[a:a + step] = torch.einsum("thn,th->tn", logits, acc(w[a:a + step]).to(dt))
+        keys = rf.unpack(pool[phys[a : a + step]], dt)
+        logits = torch.relu(torch.einsum("thd,tnd->thn", acc(q[a : a + step]), keys))
+        out[a : a + step] = torch.einsum("thn,th->tn", logits, acc(w[a : a + step]).to(dt))
     return out.masked_fill(~vis, float("-inf"))
 
 
@@ -82,15 +85,17 @@ def index_scores_ref(q, w, pool, fmt, block_table, row_seq, epb, n_visible, n_ma
     return s if out is None else _out(out, *s.shape, s.dtype, s.device).copy_(s)
 
 
-def index_scores_candidates_ref(q, w, pool, fmt, block_table, row_seq, epb, cand_blocks, cand_block_size, n_visible,
-                                out=None):
+def index_scores_candidates_ref(
+    q, w, pool, fmt, block_table, row_seq, epb, cand_blocks, cand_block_size, n_visible, out=None
+):
     """Dense then mask: every entry the block table reaches, then the candidate columns gathered."""
     _check(q, w, pool, fmt, block_table, row_seq, epb, n_visible)
     _check_cands(cand_blocks, cand_block_size, q.shape[0])
     reach = block_table.shape[1] * epb
     dense = index_scores_ref(q, w, pool, fmt, block_table, row_seq, epb, n_visible, reach)
-    ent = candidate_entries(cand_blocks, cand_block_size,
-                            torch.arange(cand_blocks.shape[1] * cand_block_size, device=q.device))
+    ent = candidate_entries(
+        cand_blocks, cand_block_size, torch.arange(cand_blocks.shape[1] * cand_block_size, device=q.device)
+    )
     ok = (ent >= 0) & (ent < reach)
     s = dense.gather(1, torch.where(ok, ent, 0)).masked_fill(~ok, float("-inf"))
     return s if out is None else _out(out, *s.shape, s.dtype, s.device).copy_(s)

@@ -8,6 +8,7 @@
 
 ``decode_rows`` is the in-register decoder the attention kernels share.
 """
+
 from __future__ import annotations
 
 import torch
@@ -69,10 +70,16 @@ def decode_rows(pool, stride, rows, valid, FMT: tl.constexpr, D: tl.constexpr, B
         s = tl.where(e == 0, 1 << 22, e << 23).to(tl.float32, bitcast=True)
         v = tl.reshape(tl.reshape(v.to(tl.float32), [BLOCK_N, D // 32, 32]) * s[:, :, None], [BLOCK_N, D])
     else:  # bf16 pairs read as one little-endian int32: channel 2j in the low half
-        x = tl.load(pool.to(tl.pointer_type(tl.int32)) + rows.to(tl.int64)[:, None] * (stride // 4)
-                    + tl.arange(0, D // 2)[None, :], mask=m, other=0)
-        v = tl.reshape(tl.join((x << 16).to(tl.float32, bitcast=True), (x & -65536).to(tl.float32, bitcast=True)),
-                       [BLOCK_N, D])
+        x = tl.load(
+            pool.to(tl.pointer_type(tl.int32))
+            + rows.to(tl.int64)[:, None] * (stride // 4)
+            + tl.arange(0, D // 2)[None, :],
+            mask=m,
+            other=0,
+        )
+        v = tl.reshape(
+            tl.join((x << 16).to(tl.float32, bitcast=True), (x & -65536).to(tl.float32, bitcast=True)), [BLOCK_N, D]
+        )
     return v
 
 
@@ -92,8 +99,20 @@ def unpack_rows(pool, fmt, rows):
     if m and pool.shape[0]:
         if d & (d - 1) or (fmt == "bf16" and (pool.stride(0) | pool.data_ptr()) % 4) or pool.stride(1) != 1:
             raise ValueError(f"pool: D={d} must be a power of two, rows contiguous (bf16: 4-byte aligned)")
-        launch(_unpack_kernel, (triton.cdiv(m, _ROWS),), pool.device, pool, pool.stride(0), rows.contiguous(), out,
-               m, FMT=FMT_CODE[fmt], D=d, ROWS=_ROWS, num_warps=4)
+        launch(
+            _unpack_kernel,
+            (triton.cdiv(m, _ROWS),),
+            pool.device,
+            pool,
+            pool.stride(0),
+            rows.contiguous(),
+            out,
+            m,
+            FMT=FMT_CODE[fmt],
+            D=d,
+            ROWS=_ROWS,
+            num_warps=4,
+        )
     elif m:
         out.zero_()
     return out

@@ -15,6 +15,7 @@ The quantiser is bit-exact with quant.* / formats.*: rounding is done on the bit
 Triton interpreter mis-rounds), signs are set on the bits (-0.0 kept), divisions by non-powers of two use div_rn,
 and FMA contraction is off.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,20 @@ import triton.language as tl
 from dsserve.kv.formats import RowFormat
 
 # The references and the checks live beside: kernel and reference take the same arguments through one check.
-from .kv_write_ref import (_BASE, _GROUP, _KIND, _OPS, NONE, _check, _check_main, _resolve,  # noqa: F401
-                           quantize_rows_ref, store_index_ref, store_main_ref, store_window_ref)
+from .kv_write_ref import (  # noqa: F401  (re-exported: the references are looked up here by KernelOps)
+    _BASE,
+    _GROUP,
+    _KIND,
+    _OPS,
+    NONE,
+    _check,
+    _check_main,
+    _resolve,
+    quantize_rows_ref,
+    store_index_ref,
+    store_main_ref,
+    store_window_ref,
+)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels are decorated, as Triton does
 
@@ -78,8 +91,15 @@ def _round_to(x, DT: tl.constexpr):
 def _e2m1(x):
     """quant.round_to_e2m1 as midpoint compares (exact: no rounding arithmetic); -> (value, nibble code)."""
     a = tl.abs(x)
-    m = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
-         + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
+    m = (
+        (a > 0.25).to(tl.int32)
+        + (a >= 0.75).to(tl.int32)
+        + (a > 1.25).to(tl.int32)
+        + (a >= 1.75).to(tl.int32)
+        + (a > 2.5).to(tl.int32)
+        + (a >= 3.5).to(tl.int32)
+        + (a > 5.0).to(tl.int32)
+    )
     mf = m.to(tl.float32)
     mag = tl.where(m < 4, mf * 0.5, tl.where(m < 6, mf - 2.0, (mf - 4.0) * 2.0))
     neg = x.to(tl.int32, bitcast=True) < 0
@@ -94,14 +114,14 @@ def _quantize(e, o, KIND: tl.constexpr, G: tl.constexpr):
     if G == 32:
         amax = tl.max(amax, axis=2, keep_dims=True)
     if KIND == 2:  # e4m3 scale per group; a real division, so IEEE div_rn to match torch
-        s, sbyte = _e4m3(tl.minimum(tl.math.div_rn(tl.maximum(amax, 6.0 * 2.0 ** -9), 6.0), 448.0))
+        s, sbyte = _e4m3(tl.minimum(tl.math.div_rn(tl.maximum(amax, 6.0 * 2.0**-9), 6.0), 448.0))
         ve, ce = _e2m1(tl.math.div_rn(e, s))
         vo, co = _e2m1(tl.math.div_rn(o, s))
     else:  # power-of-two scale: x * 2^-k is exactly x / 2^k (k = 127 needs the subnormal 2^-127)
         if KIND == 1:
             ex = _pow2_ceil_exp(tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0))
         else:
-            ex = _pow2_ceil_exp(tl.math.div_rn(tl.maximum(amax, 6.0 * 2.0 ** -126), 6.0))
+            ex = _pow2_ceil_exp(tl.math.div_rn(tl.maximum(amax, 6.0 * 2.0**-126), 6.0))
         s = (ex << 23).to(tl.float32, bitcast=True)
         inv = tl.where(ex == 254, 1 << 22, (254 - ex) << 23).to(tl.float32, bitcast=True)
         if KIND == 1:
@@ -128,26 +148,51 @@ def _load_pair(ptr, at, m, GATE: tl.constexpr, z_ptr, D: tl.constexpr):
         z0 = tl.load(z_ptr + r0, mask=m, other=0.0).to(tl.float32)
         z1 = tl.load(z_ptr + r0 + D, mask=m, other=0.0).to(tl.float32)
         e0, e1 = tl.exp(z0 - tl.maximum(z0, z1)), tl.exp(z1 - tl.maximum(z0, z1))
-        x = (tl.math.div_rn(e0, e0 + e1) * tl.load(ptr + r0, mask=m, other=0.0).to(tl.float32)
-             + tl.math.div_rn(e1, e0 + e1) * tl.load(ptr + r0 + D, mask=m, other=0.0).to(tl.float32))
+        x = tl.math.div_rn(e0, e0 + e1) * tl.load(ptr + r0, mask=m, other=0.0).to(tl.float32) + tl.math.div_rn(
+            e1, e0 + e1
+        ) * tl.load(ptr + r0 + D, mask=m, other=0.0).to(tl.float32)
     else:
         x = tl.load(ptr + at, mask=m, other=0.0).to(tl.float32)
     return x
 
 
 @triton.jit(do_not_specialize=["n"])
-def _kv_write_kernel(x_ptr, z_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr, pool_ptr, out_ptr, lat_ptr, n, eps, pool_stride,
-                     ROWS: tl.constexpr, D: tl.constexpr, R_HALF: tl.constexpr, GATE: tl.constexpr,
-                     NORM_ROPE: tl.constexpr, HAS_LAT: tl.constexpr, FQ: tl.constexpr, FQ_G: tl.constexpr,
-                     ST: tl.constexpr, ST_G: tl.constexpr, ST_FROM_RET: tl.constexpr):
+def _kv_write_kernel(
+    x_ptr,
+    z_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    rows_ptr,
+    pool_ptr,
+    out_ptr,
+    lat_ptr,
+    n,
+    eps,
+    pool_stride,
+    ROWS: tl.constexpr,
+    D: tl.constexpr,
+    R_HALF: tl.constexpr,
+    GATE: tl.constexpr,
+    NORM_ROPE: tl.constexpr,
+    HAS_LAT: tl.constexpr,
+    FQ: tl.constexpr,
+    FQ_G: tl.constexpr,
+    ST: tl.constexpr,
+    ST_G: tl.constexpr,
+    ST_FROM_RET: tl.constexpr,
+):
     # The tile is [ROWS, D/32, 2, 8] channel pairs, even channels in one tensor and odd in another: RoPE pairs,
     # quantisation groups (16 or 32 channels) and fp4 nibble pairs are then plain axes and elementwise ops, with no
     # reshape/split/join of int tensors and no layout-changing reshapes in the GPU code path.
     NG: tl.constexpr = D // 32
     t = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS))[:, None, None, None]
     live = t < n  # the last program's rows past T: computed on zeros, never loaded from or stored
-    p = (tl.arange(0, NG)[None, :, None, None] * 16 + tl.arange(0, 2)[None, None, :, None] * 8
-         + tl.arange(0, 8)[None, None, None, :])  # pair index: channels 2p, 2p + 1
+    p = (
+        tl.arange(0, NG)[None, :, None, None] * 16
+        + tl.arange(0, 2)[None, None, :, None] * 8
+        + tl.arange(0, 8)[None, None, None, :]
+    )  # pair index: channels 2p, 2p + 1
     at = t * D + 2 * p
     m = live & (p < D // 2)
     DT = out_ptr.dtype.element_ty
@@ -219,8 +264,10 @@ def _launch(op, f: RowFormat, x, z, w, eps, cos, sin, pool, rows, qat, out_dtype
         kind, own = _KIND[f.name], f.name
     ok = (torch.float32, torch.bfloat16, torch.float16)
     if d & (d - 1) or d < 32 or out_dtype not in ok or x.dtype not in ok:
-        raise ValueError(f"{op}: the kernel needs a power-of-two width >= 32 and fp32/bf16/fp16 data, got "
-                         f"{d} channels, {x.dtype} -> {out_dtype} (the _ref handles any)")
+        raise ValueError(
+            f"{op}: the kernel needs a power-of-two width >= 32 and fp32/bf16/fp16 data, got "
+            f"{d} channels, {x.dtype} -> {out_dtype} (the _ref handles any)"
+        )
     if pool.stride(1) != 1 or any(t is not None and t.device != x.device for t in (z, w, cos, sin, rows, pool)):
         raise ValueError(f"{op}: pool rows must be contiguous and every tensor on {x.device}")
     out = _empty(n, d, out_dtype, x.device)
@@ -229,12 +276,32 @@ def _launch(op, f: RowFormat, x, z, w, eps, cos, sin, pool, rows, qat, out_dtype
         cs = [t.to(torch.float32).contiguous() if t is not None else out for t in (cos, sin)]
         rows_per = _rows_per_program(d)
         _kv_write_kernel[(triton.cdiv(n, rows_per),)](
-            x.contiguous(), x if z is None else z.contiguous(), out if w is None else w.contiguous(), cs[0], cs[1],
-            rows.to(torch.int64).contiguous(), pool, out, lat, n, float(eps), pool.stride(0), ROWS=rows_per,
-            D=d, R_HALF=1 if cos is None else cos.shape[1], GATE=z is not None, NORM_ROPE=w is not None,
-            HAS_LAT=latent, FQ=kind if qat else NONE, FQ_G=_GROUP[own] or 1, ST=_KIND[f.name], ST_G=f.group or 1,
-            ST_FROM_RET=f.name != own, num_warps=max(1, min(8, rows_per * d // 512)),
-            enable_fp_fusion=False)  # no FMA contraction: the torch reference rounds every product
+            x.contiguous(),
+            x if z is None else z.contiguous(),
+            out if w is None else w.contiguous(),
+            cs[0],
+            cs[1],
+            rows.to(torch.int64).contiguous(),
+            pool,
+            out,
+            lat,
+            n,
+            float(eps),
+            pool.stride(0),
+            ROWS=rows_per,
+            D=d,
+            R_HALF=1 if cos is None else cos.shape[1],
+            GATE=z is not None,
+            NORM_ROPE=w is not None,
+            HAS_LAT=latent,
+            FQ=kind if qat else NONE,
+            FQ_G=_GROUP[own] or 1,
+            ST=_KIND[f.name],
+            ST_G=f.group or 1,
+            ST_FROM_RET=f.name != own,
+            num_warps=max(1, min(8, rows_per * d // 512)),
+            enable_fp_fusion=False,
+        )  # no FMA contraction: the torch reference rounds every product
     return (lat, out) if latent else out
 
 

@@ -3,6 +3,7 @@
 Triton launches on the current CUDA device, so a kernel whose tensors live on another GPU of the process must be
 launched under that device; on the CPU (the interpreter) there is none to select.
 """
+
 from __future__ import annotations
 
 import torch

@@ -12,6 +12,7 @@ While recording, ``torch.empty`` allocates zeros: the skipped kernels leave thei
 that reads one on the host (an index for a gather) must see valid values. The wrappers get copies of the op's
 tensors, so nothing they write in place reaches the model.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,7 +34,7 @@ def _kind(value, name: str, constexpr: bool, unspecialized: set) -> object:
     if isinstance(value, bool) or value is None:
         return value
     if isinstance(value, int):
-        width = "i64" if not -2 ** 31 <= value < 2 ** 31 else "i32"
+        width = "i64" if not -(2**31) <= value < 2**31 else "i32"
         if name in unspecialized:
             return width
         return width + ("=1" if value == 1 else "%16" if value % 16 == 0 else "")
@@ -53,8 +54,10 @@ class LaunchCensus:
         bound = dict(zip(fn.arg_names, args), **{k: v for k, v in kwargs.items() if k in params})
         spec = fn.kwargs.get("do_not_specialize") or ()
         unspecialized = {fn.arg_names[s] if isinstance(s, int) else s for s in spec}
-        key = tuple((name, _kind(v, name, "constexpr" in str(params[name].annotation), unspecialized))
-                    for name, v in bound.items())
+        key = tuple(
+            (name, _kind(v, name, "constexpr" in str(params[name].annotation), unspecialized))
+            for name, v in bound.items()
+        )
         options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in params))
         self.keys.setdefault(fn.fn.__name__, set()).add(key + options)
         self.launches += 1
@@ -70,6 +73,7 @@ class LaunchCensus:
     @contextlib.contextmanager
     def recording(self):
         from triton.runtime.interpreter import InterpretedFunction
+
         real_run, real_empty = InterpretedFunction.run, torch.empty
 
         def run(fn, *args, grid, warmup, **kwargs):
@@ -78,6 +82,7 @@ class LaunchCensus:
 
         def zeros(*args, **kwargs):
             return torch.zeros(*args, **kwargs)
+
         InterpretedFunction.run, torch.empty = run, zeros
         try:
             yield self
@@ -96,6 +101,7 @@ def _copied(value):
 @dataclass(frozen=True)
 class CensusOps(KernelOps):
     """Every op on its Triton path for the census (launches recorded, not run), its result from the reference."""
+
     census: LaunchCensus = field(default_factory=LaunchCensus)
 
     def uses_triton(self, op: str) -> bool:

@@ -19,8 +19,10 @@ programs on 132 SMs; the price is re-reading and rewriting h (4d bytes on top of
 is not fused into the next site (that would save a read of x). Dots use "tf32x3" (~fp32 accuracy on tensor cores;
 the interpreter computes fp32); from BF16X3_MIN_ROWS bf16 rows, bf16 x against fn's three bf16 parts instead
 (compiled for sm_90: 96 registers and 976 instructions vs 143 and 1680, a third of the shared-memory traffic;
-0.50 vs 0.90 ms for 8192 rows on the H200). bf16 results are rounded on their bits (RNE): the interpreter's bf16 cast truncates.
+0.50 vs 0.90 ms for 8192 rows on the H200).
+bf16 results are rounded on their bits (RNE): the interpreter's bf16 cast truncates.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,6 +35,7 @@ import triton.language as tl
 from dsserve.layers.mhc import collapse, expand, hc_mix
 from dsserve.layers.norm import rms_norm
 from dsserve.layers.numerics import fp32_param
+
 from .kv_write import _round_to  # fp32 -> nearest DT value, in fp32 (bf16 by its bits, NaN kept)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels are decorated, as Triton does
@@ -41,9 +44,25 @@ _alloc = torch.empty  # a seam: tests poison every output and scratch buffer thr
 
 
 @triton.jit(do_not_specialize=["T"])
-def _site_partial(x_ptr, fn_ptr, pre_ptr, h_ptr, pm_ptr, ps_ptr, T, D, MIX, N: tl.constexpr, MIXP: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, D_ITERS: tl.constexpr, PREC: tl.constexpr,
-                  DT: tl.constexpr, UPCAST: tl.constexpr = False):
+def _site_partial(
+    x_ptr,
+    fn_ptr,
+    pre_ptr,
+    h_ptr,
+    pm_ptr,
+    ps_ptr,
+    T,
+    D,
+    MIX,
+    N: tl.constexpr,
+    MIXP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D_ITERS: tl.constexpr,
+    PREC: tl.constexpr,
+    DT: tl.constexpr,
+    UPCAST: tl.constexpr = False,
+):
     # PREC "bf16x3": x is bf16 and fn_ptr holds fn's three bf16 parts [3, MIX, N * D] (_fn_parts); each x tile
     # enters three bf16 dots as it was loaded. Otherwise fn is fp32 and the dot runs at PREC on fp32 x.
     rows, mcol = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T), tl.arange(0, MIXP)
@@ -79,9 +98,30 @@ def _site_partial(x_ptr, fn_ptr, pre_ptr, h_ptr, pm_ptr, ps_ptr, T, D, MIX, N: t
 
 
 @triton.jit(do_not_specialize=["T"])
-def _site_finish(h_ptr, w_ptr, pm_ptr, ps_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, D, SPLIT,
-                 norm_eps, rms_eps, hc_eps, N: tl.constexpr, MIXP: tl.constexpr, SPLIT_P: tl.constexpr,
-                 ITERS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, DT: tl.constexpr):
+def _site_finish(
+    h_ptr,
+    w_ptr,
+    pm_ptr,
+    ps_ptr,
+    base_ptr,
+    scale_ptr,
+    pre_ptr,
+    post_ptr,
+    comb_ptr,
+    T,
+    D,
+    SPLIT,
+    norm_eps,
+    rms_eps,
+    hc_eps,
+    N: tl.constexpr,
+    MIXP: tl.constexpr,
+    SPLIT_P: tl.constexpr,
+    ITERS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    DT: tl.constexpr,
+):
     rows, sp = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R), tl.arange(0, SPLIT_P)
     rmask, r64 = rows < T, rows.to(tl.int64)
     part = sp[None, :] * T + r64[:, None]  # [BLOCK_R, SPLIT_P]: one load and a tl.sum per statistic, no loop
@@ -99,13 +139,21 @@ def _site_finish(h_ptr, w_ptr, pm_ptr, ps_ptr, base_ptr, scale_ptr, pre_ptr, pos
         ssq = tl.sum(tl.load(ps_ptr + part * 2, mask=pmask, other=0.0), axis=1)
         m_pre = tl.sum(tl.load(p[:, :, None] + kk[None, None, :], mask=pmask[:, :, None], other=0.0), axis=1)
         m_post = tl.sum(tl.load(p[:, :, None] + N + kk[None, None, :], mask=pmask[:, :, None], other=0.0), axis=1)
-        m_comb = tl.sum(tl.load(p[:, :, None, None] + 2 * N + kk[None, None, :, None] * N + kk[None, None, None, :],
-                                mask=pmask[:, :, None, None], other=0.0), axis=1)
+        m_comb = tl.sum(
+            tl.load(
+                p[:, :, None, None] + 2 * N + kk[None, None, :, None] * N + kk[None, None, None, :],
+                mask=pmask[:, :, None, None],
+                other=0.0,
+            ),
+            axis=1,
+        )
         r = 1.0 / tl.sqrt(ssq / (N * D) + rms_eps)
         pre = tl.sigmoid(m_pre * r[:, None] * tl.load(scale_ptr) + tl.load(base_ptr + kk)[None, :]) + hc_eps
         post = 2.0 * tl.sigmoid(m_post * r[:, None] * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + kk)[None, :])
-        logit = m_comb * r[:, None, None] * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + kk[:, None] * N
-                                                                               + kk[None, :])[None, :, :]
+        logit = (
+            m_comb * r[:, None, None] * tl.load(scale_ptr + 2)
+            + tl.load(base_ptr + 2 * N + kk[:, None] * N + kk[None, :])[None, :, :]
+        )
         e = tl.exp(logit - tl.max(logit, axis=2, keep_dims=True))
         c = e / tl.sum(e, axis=2, keep_dims=True) + hc_eps
         c = c / (tl.sum(c, axis=1, keep_dims=True) + hc_eps)  # columns first (sum over the input copy j)
@@ -114,13 +162,27 @@ def _site_finish(h_ptr, w_ptr, pm_ptr, ps_ptr, base_ptr, scale_ptr, pre_ptr, pos
             c = c / (tl.sum(c, axis=1, keep_dims=True) + hc_eps)
         tl.store(pre_ptr + r64[:, None] * N + kk[None, :], pre, mask=rmask[:, None])
         tl.store(post_ptr + r64[:, None] * N + kk[None, :], post, mask=rmask[:, None])
-        tl.store(comb_ptr + r64[:, None, None] * (N * N) + kk[None, :, None] * N + kk[None, None, :], c,
-                 mask=rmask[:, None, None])
+        tl.store(
+            comb_ptr + r64[:, None, None] * (N * N) + kk[None, :, None] * N + kk[None, None, :],
+            c,
+            mask=rmask[:, None, None],
+        )
 
 
 @triton.jit(do_not_specialize=["T"])
-def _expand_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, o_ptr, T, D, N: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_D: tl.constexpr, DT: tl.constexpr):
+def _expand_kernel(
+    y_ptr,
+    x_ptr,
+    post_ptr,
+    comb_ptr,
+    o_ptr,
+    T,
+    D,
+    N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DT: tl.constexpr,
+):
     rows, cols = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T), tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     rmask, r64, kk = rows < T, rows.to(tl.int64), tl.arange(0, N)
     m2 = rmask[:, None] & (cols < D)[None, :]
@@ -132,8 +194,11 @@ def _expand_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, o_ptr, T, D, N: tl.constexp
     y = tl.load(y_ptr + r64[:, None] * D + cols[None, :], mask=m2, other=0.0).to(tl.float32)
     post = tl.load(post_ptr + r64[:, None] * N + kk[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
     out = post[:, :, None] * y[:, None, :] + mix
-    tl.store(o_ptr + r64[:, None, None] * (N * D) + kk[None, :, None] * D + cols[None, None, :],
-             _round_to(out, DT).to(o_ptr.dtype.element_ty), mask=m2[:, None, :])
+    tl.store(
+        o_ptr + r64[:, None, None] * (N * D) + kk[None, :, None] * D + cols[None, None, :],
+        _round_to(out, DT).to(o_ptr.dtype.element_ty),
+        mask=m2[:, None, :],
+    )
 
 
 # ------------------------------------------------------------------ checks, references, launchers
@@ -142,17 +207,29 @@ def _check(op: str, x, kernel: bool, iters: int = 1, **named):
     if x.dim() != 3 or not x.is_floating_point():
         raise ValueError(f"{op}: x must be a float [T, n, d] tensor, got {x.dtype} {tuple(x.shape)}")
     t, n, d = x.shape
-    shapes = dict(fn=((2 + n) * n, n * d), base=((2 + n) * n,), scale=(3,), pre_in=(t, n), norm_w=(d,), y=(t, d),
-                  post=(t, n), comb=(t, n, n))
+    shapes = dict(
+        fn=((2 + n) * n, n * d),
+        base=((2 + n) * n,),
+        scale=(3,),
+        pre_in=(t, n),
+        norm_w=(d,),
+        y=(t, d),
+        post=(t, n),
+        comb=(t, n, n),
+    )
     for name, ten in named.items():
         if tuple(ten.shape) != shapes[name] or not ten.is_floating_point() or ten.device != x.device:
-            raise ValueError(f"{op}: {name} must be a float {list(shapes[name])} tensor on {x.device}, got "
-                             f"{ten.dtype} {tuple(ten.shape)} on {ten.device}")
+            raise ValueError(
+                f"{op}: {name} must be a float {list(shapes[name])} tensor on {x.device}, got "
+                f"{ten.dtype} {tuple(ten.shape)} on {ten.device}"
+            )
     if not isinstance(iters, int) or iters < 1:
         raise ValueError(f"{op}: sinkhorn_iters must be an int >= 1, got {iters!r}")
     if kernel and (x.dtype not in _TL or n & (n - 1)):
-        raise ValueError(f"{op}: the kernel needs fp32/bf16/fp16 x and a power-of-two hc_mult, got {x.dtype}, "
-                         f"n = {n} ({op}_ref takes any)")
+        raise ValueError(
+            f"{op}: the kernel needs fp32/bf16/fp16 x and a power-of-two hc_mult, got {x.dtype}, "
+            f"n = {n} ({op}_ref takes any)"
+        )
 
 
 def mhc_site_ref(x, fn, base, scale, pre_in, norm_w, norm_eps, rms_eps, hc_eps, sinkhorn_iters):
@@ -218,16 +295,54 @@ def mhc_site(x, fn, base, scale, pre_in, norm_w, norm_eps, rms_eps, hc_eps, sink
     x = x.contiguous()
     parts = x.dtype == torch.bfloat16 and t >= BF16X3_MIN_ROWS
     _site_partial[(triton.cdiv(t, block_t), split)](
-        x, _fn_parts(fn) if parts else fp32_param(fn).contiguous(), pre_in.to(f32).contiguous(), h, pm, ps, t, d,
-        (2 + n) * n, N=n, MIXP=mixp, BLOCK_T=block_t, BLOCK_D=32, D_ITERS=d_iters,
-        PREC="bf16x3" if parts else "tf32x3", DT=_TL[x.dtype], UPCAST=_INTERPRET, num_warps=8, num_stages=3)
+        x,
+        _fn_parts(fn) if parts else fp32_param(fn).contiguous(),
+        pre_in.to(f32).contiguous(),
+        h,
+        pm,
+        ps,
+        t,
+        d,
+        (2 + n) * n,
+        N=n,
+        MIXP=mixp,
+        BLOCK_T=block_t,
+        BLOCK_D=32,
+        D_ITERS=d_iters,
+        PREC="bf16x3" if parts else "tf32x3",
+        DT=_TL[x.dtype],
+        UPCAST=_INTERPRET,
+        num_warps=8,
+        num_stages=3,
+    )
     split_p = triton.next_power_of_2(split)
     block_r = max(1, min(16, (8 if _INTERPRET else 256) // split_p))  # [BLOCK_R, SPLIT_P, n, n] comb partials
     block_h = 64 if _INTERPRET else 256
     _site_finish[(triton.cdiv(t, block_r), triton.cdiv(d, block_h))](
-        h, norm_w.contiguous(), pm, ps, fp32_param(base).contiguous(), fp32_param(scale).contiguous(), pre, post,
-        comb, t, d, split, float(norm_eps), float(rms_eps), float(hc_eps), N=n, MIXP=mixp, SPLIT_P=split_p,
-        ITERS=sinkhorn_iters, BLOCK_R=block_r, BLOCK_H=block_h, DT=_TL[x.dtype], num_warps=4)
+        h,
+        norm_w.contiguous(),
+        pm,
+        ps,
+        fp32_param(base).contiguous(),
+        fp32_param(scale).contiguous(),
+        pre,
+        post,
+        comb,
+        t,
+        d,
+        split,
+        float(norm_eps),
+        float(rms_eps),
+        float(hc_eps),
+        N=n,
+        MIXP=mixp,
+        SPLIT_P=split_p,
+        ITERS=sinkhorn_iters,
+        BLOCK_R=block_r,
+        BLOCK_H=block_h,
+        DT=_TL[x.dtype],
+        num_warps=4,
+    )
     return h, pre, post, comb
 
 
@@ -239,8 +354,19 @@ def mhc_expand(y, x, post, comb):
     if t:
         block_t, block_d = (4, 32) if _INTERPRET else (4, 256)  # [4, n, 256] fp32 = 32 registers a thread
         _expand_kernel[(triton.cdiv(t, block_t), triton.cdiv(d, block_d))](
-            y.contiguous(), x.contiguous(), post.to(torch.float32).contiguous(), comb.to(torch.float32).contiguous(),
-            out, t, d, N=n, BLOCK_T=block_t, BLOCK_D=block_d, DT=_TL[x.dtype], num_warps=4)
+            y.contiguous(),
+            x.contiguous(),
+            post.to(torch.float32).contiguous(),
+            comb.to(torch.float32).contiguous(),
+            out,
+            t,
+            d,
+            N=n,
+            BLOCK_T=block_t,
+            BLOCK_D=block_d,
+            DT=_TL[x.dtype],
+            num_warps=4,
+        )
     return out
 
 
@@ -260,14 +386,19 @@ def bench(device="cuda", n: int = 4, d: int = 5120, copies: int = 32) -> dict:
     {1, 16, 64, 4096}, bf16 x; fn rotates over `copies` (32 x 2 MB > the 50 MB L2) as 80 sites would. GB/s: the
     ideal traffic, site = x read + h written, expand = x, y read + x_new written; *_ratio = ref ms / fused ms."""
     from ..bench.device_timing import graph_ms
+
     res = {}
     for t in (1, 16, 64, 4096):
         a = example_inputs(t, n, d, torch.bfloat16, device, seed=t)
         fns = [a[1]] + [torch.randn_like(a[1]) / (n * d) ** 0.5 for _ in range(copies - 1)]
         x, y, post, comb = a[0], a[0][:, 0].clone(), a[4], a[4][:, :, None] * a[4][:, None, :]
         row = res[f"T={t}"] = {}
-        for name, op in (("site", mhc_site), ("site_ref", mhc_site_ref), ("expand", mhc_expand),
-                         ("expand_ref", mhc_expand_ref)):
+        for name, op in (
+            ("site", mhc_site),
+            ("site_ref", mhc_site_ref),
+            ("expand", mhc_expand),
+            ("expand_ref", mhc_expand_ref),
+        ):
             if name.startswith("site"):
                 row[name], nbytes = graph_ms(lambda i: op(x, fns[i % copies], *a[2:]), copies), x.nbytes + y.nbytes
             else:

@@ -10,6 +10,7 @@ expand after the sublayer. For a few rows (decode) the block computes h here on 
 on a side stream (``layers.side_stream``), so the mixes overlap the attention or the MoE instead of preceding it.
 One program per row holds the whole row (d <= MAX_D).
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,11 +32,15 @@ def _check(x, pre_in, norm_w, kernel: bool):
     t, n, d = x.shape
     for name, ten, shape in (("pre_in", pre_in, (t, n)), ("norm_w", norm_w, (d,))):
         if tuple(ten.shape) != shape or not ten.is_floating_point() or ten.device != x.device:
-            raise ValueError(f"mhc_collapse_norm: {name} must be a float {list(shape)} tensor on {x.device}, got "
-                             f"{ten.dtype} {tuple(ten.shape)} on {ten.device}")
+            raise ValueError(
+                f"mhc_collapse_norm: {name} must be a float {list(shape)} tensor on {x.device}, got "
+                f"{ten.dtype} {tuple(ten.shape)} on {ten.device}"
+            )
     if kernel and (x.dtype not in _TL or d > MAX_D):
-        raise ValueError(f"mhc_collapse_norm: the kernel needs fp32/bf16/fp16 x and d <= {MAX_D}, got {x.dtype}, "
-                         f"d = {d} (mhc_collapse_norm_ref takes any)")
+        raise ValueError(
+            f"mhc_collapse_norm: the kernel needs fp32/bf16/fp16 x and d <= {MAX_D}, got {x.dtype}, "
+            f"d = {d} (mhc_collapse_norm_ref takes any)"
+        )
 
 
 def mhc_collapse_norm_ref(x, pre_in, norm_w, norm_eps):
@@ -44,8 +49,9 @@ def mhc_collapse_norm_ref(x, pre_in, norm_w, norm_eps):
 
 
 @triton.jit
-def _collapse_norm_kernel(x_ptr, pre_ptr, w_ptr, h_ptr, D, eps, N: tl.constexpr, BLOCK_D: tl.constexpr,
-                          DT: tl.constexpr):
+def _collapse_norm_kernel(
+    x_ptr, pre_ptr, w_ptr, h_ptr, D, eps, N: tl.constexpr, BLOCK_D: tl.constexpr, DT: tl.constexpr
+):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     m = cols < D
@@ -65,7 +71,19 @@ def mhc_collapse_norm(x, pre_in, norm_w, norm_eps):
     h = torch.empty(t, d, dtype=x.dtype, device=x.device)
     if t:
         block = triton.next_power_of_2(d)
-        launch(_collapse_norm_kernel, (t,), x.device, x.contiguous(), pre_in.float().contiguous(),
-               norm_w.contiguous(), h, d, float(norm_eps), N=n, BLOCK_D=block, DT=_TL[x.dtype],
-               num_warps=max(1, min(8, block // 512)))
+        launch(
+            _collapse_norm_kernel,
+            (t,),
+            x.device,
+            x.contiguous(),
+            pre_in.float().contiguous(),
+            norm_w.contiguous(),
+            h,
+            d,
+            float(norm_eps),
+            N=n,
+            BLOCK_D=block,
+            DT=_TL[x.dtype],
+            num_warps=max(1, min(8, block // 512)),
+        )
     return h

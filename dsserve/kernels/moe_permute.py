@@ -17,6 +17,7 @@ tile. On the H200 (2026-12-02, benchmarks/results/decode-gemms-h200/expert_tiles
 pairs, 4.6 us at 192 and 7.8 us at 1020, where the single program it replaced (pairwise ranking over [128, 128]
 blocks) took 8.2 and 24 us and torch's ~12 launches 57-68 us from 384 pairs on. Larger calls keep the torch version.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,19 @@ def tile_count(n_pairs: int, n_experts: int, block_m: int) -> int:
 
 
 @triton.jit(do_not_specialize=["n", "n_tiles"])
-def _expert_run_kernel(ids_ptr, n, order_ptr, tiles_ptr, n_tiles, E: tl.constexpr, EP: tl.constexpr,
-                       BM: tl.constexpr, PMAX: tl.constexpr, TMAX: tl.constexpr, TAIL: tl.constexpr):
+def _expert_run_kernel(
+    ids_ptr,
+    n,
+    order_ptr,
+    tiles_ptr,
+    n_tiles,
+    E: tl.constexpr,
+    EP: tl.constexpr,
+    BM: tl.constexpr,
+    PMAX: tl.constexpr,
+    TMAX: tl.constexpr,
+    TAIL: tl.constexpr,
+):
     """Program e < E: expert e's run (its pairs' sorted positions) and its tiles; program E: the pairs with ids
     outside [0, E) (after every run) and the table's slots past the last real tile. Each program reads all ids."""
     e = tl.program_id(0)
@@ -84,9 +96,14 @@ def run_constexprs(n: int, n_experts: int, block_m: int) -> dict:
     pairs round up to a power of two and a changing T reuses one of few compiled variants."""
     cap = triton.next_power_of_2(n)
     pmax = max(16, cap)
-    return dict(E=n_experts, EP=triton.next_power_of_2(n_experts), BM=block_m, PMAX=pmax,
-                TMAX=max(2, triton.next_power_of_2(triton.cdiv(pmax, block_m))),
-                TAIL=max(2, triton.next_power_of_2(tile_count(cap, n_experts, block_m))))
+    return dict(
+        E=n_experts,
+        EP=triton.next_power_of_2(n_experts),
+        BM=block_m,
+        PMAX=pmax,
+        TMAX=max(2, triton.next_power_of_2(triton.cdiv(pmax, block_m))),
+        TAIL=max(2, triton.next_power_of_2(tile_count(cap, n_experts, block_m))),
+    )
 
 
 def expert_tiles_kernel(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,8 +115,9 @@ def expert_tiles_kernel(ids: torch.Tensor, n_experts: int, block_m: int) -> tupl
     tiles = torch.empty((3, n_tiles), dtype=torch.int32, device=ids.device)
     if n == 0:
         return order, tiles
-    _expert_run_kernel[(n_experts + 1,)](flat, n, order, tiles, n_tiles, **run_constexprs(n, n_experts, block_m),
-                                         num_warps=4)
+    _expert_run_kernel[(n_experts + 1,)](
+        flat, n, order, tiles, n_tiles, **run_constexprs(n, n_experts, block_m), num_warps=4
+    )
     return order, tiles
 
 

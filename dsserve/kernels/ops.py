@@ -4,6 +4,7 @@ The engine builds one ``KernelOps`` from ``--reference-ops``; the paged attentio
 and fake-quant included), the MoE (router and routed experts) and the mHC sites call ops through it.
 Every op's reference has the kernel's signature, so switching one op never changes anything else.
 """
+
 from __future__ import annotations
 
 import importlib

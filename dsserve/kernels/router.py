@@ -19,6 +19,7 @@ The one-launch variant (BT = 64 rows x all E, 384 padded to 512, per program; 8 
 in ~108 KB) is kept behind config={"fused": True}: on the H200 at T = 4096 it took 0.236 ms against the split
 path's 0.077 ms (benchmarks/results/model-h200), its 64 programs being too few to fill 132 SMs.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,8 +45,26 @@ def _log1p(z):  # log(1 + z) accurate for tiny z (Goldberg); libdevice.log1p is 
 
 
 @triton.jit
-def _pick(logits, rows, cols, T, E, b_ptr, ba_ptr, u_ptr, ids_ptr, wo_ptr, temp, scale, BT: tl.constexpr,
-          EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALT: tl.constexpr):
+def _pick(
+    logits,
+    rows,
+    cols,
+    T,
+    E,
+    b_ptr,
+    ba_ptr,
+    u_ptr,
+    ids_ptr,
+    wo_ptr,
+    temp,
+    scale,
+    BT: tl.constexpr,
+    EP: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_ALT: tl.constexpr,
+):
     g = tl.math.div_rn(logits, temp)
     sp = tl.where(g > 20.0, g, _log1p(tl.exp(tl.minimum(g, 20.0))))  # torch softplus: threshold 20
     # padded experts score -inf, so every biased score of theirs is -inf and never picked (k <= E)
@@ -80,10 +99,32 @@ def _pick(logits, rows, cols, T, E, b_ptr, ba_ptr, u_ptr, ids_ptr, wo_ptr, temp,
 
 
 @triton.jit(do_not_specialize=["T"])
-def _route_kernel(x_ptr, w_ptr, b_ptr, ba_ptr, u_ptr, ids_ptr, wo_ptr, p_ptr, T, E, sx, temp, scale,
-                  D: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, K_TILES: tl.constexpr,
-                  K: tl.constexpr, KP: tl.constexpr, FUSED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  HAS_ALT: tl.constexpr, DOT_F32: tl.constexpr):
+def _route_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    ba_ptr,
+    u_ptr,
+    ids_ptr,
+    wo_ptr,
+    p_ptr,
+    T,
+    E,
+    sx,
+    temp,
+    scale,
+    D: tl.constexpr,
+    BT: tl.constexpr,
+    BE: tl.constexpr,
+    BK: tl.constexpr,
+    K_TILES: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    FUSED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_ALT: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BE + tl.arange(0, BE)
     acc = tl.zeros((BT, BE), tl.float32)
@@ -97,25 +138,43 @@ def _route_kernel(x_ptr, w_ptr, b_ptr, ba_ptr, u_ptr, ids_ptr, wo_ptr, p_ptr, T,
         else:
             acc += tl.dot(xt, wt)
     if FUSED:
-        _pick(acc, rows, cols, T, E, b_ptr, ba_ptr, u_ptr, ids_ptr, wo_ptr, temp, scale, BT, BE, K, KP, HAS_BIAS,
-              HAS_ALT)
+        _pick(
+            acc, rows, cols, T, E, b_ptr, ba_ptr, u_ptr, ids_ptr, wo_ptr, temp, scale, BT, BE, K, KP, HAS_BIAS, HAS_ALT
+        )
     else:
         p = p_ptr + tl.program_id(2) * T * E + rows[:, None] * E + cols[None, :]
         tl.store(p, acc, mask=(rows[:, None] < T) & (cols[None, :] < E))
 
 
 @triton.jit(do_not_specialize=["T"])
-def _select_kernel(p_ptr, b_ptr, ba_ptr, u_ptr, ids_ptr, wo_ptr, T, E, temp, scale, SPLIT: tl.constexpr,
-                   BT: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   HAS_ALT: tl.constexpr):
+def _select_kernel(
+    p_ptr,
+    b_ptr,
+    ba_ptr,
+    u_ptr,
+    ids_ptr,
+    wo_ptr,
+    T,
+    E,
+    temp,
+    scale,
+    SPLIT: tl.constexpr,
+    BT: tl.constexpr,
+    EP: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_ALT: tl.constexpr,
+):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.arange(0, EP)
     m = (rows[:, None] < T) & (cols[None, :] < E)
     logits = tl.zeros((BT, EP), tl.float32)
     for i in range(SPLIT):
         logits += tl.load(p_ptr + i * T * E + rows[:, None] * E + cols[None, :], mask=m, other=0.0)
-    _pick(logits, rows, cols, T, E, b_ptr, ba_ptr, u_ptr, ids_ptr, wo_ptr, temp, scale, BT, EP, K, KP, HAS_BIAS,
-          HAS_ALT)
+    _pick(
+        logits, rows, cols, T, E, b_ptr, ba_ptr, u_ptr, ids_ptr, wo_ptr, temp, scale, BT, EP, K, KP, HAS_BIAS, HAS_ALT
+    )
 
 
 def _check(x, weight, bias, k, temp, bias_alt, use_alt, kernel: bool):
@@ -150,8 +209,9 @@ def route_ref(x, weight, bias, k: int, temp: float, scale: float, bias_alt=None,
     _check(x, weight, bias, k, temp, bias_alt, use_alt, kernel=False)
     if bias is None:
         bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
-    gate = SimpleNamespace(topk=k, temp=temp, scale=scale, hash_routed=False, weight=weight, bias=bias,
-                           bias_vl=bias_alt)
+    gate = SimpleNamespace(
+        topk=k, temp=temp, scale=scale, hash_routed=False, weight=weight, bias=bias, bias_vl=bias_alt
+    )
     return Gate.forward(gate, x, None, use_alt)
 
 
@@ -197,8 +257,19 @@ def split_rows(e: int, d: int, sms: int, max_rows: int) -> list[int]:
     return sorted(first.values())
 
 
-def route(x, weight, bias, k: int, temp: float, scale: float, bias_alt=None, use_alt=None, *,
-          out=None, config: dict | None = None):
+def route(
+    x,
+    weight,
+    bias,
+    k: int,
+    temp: float,
+    scale: float,
+    bias_alt=None,
+    use_alt=None,
+    *,
+    out=None,
+    config: dict | None = None,
+):
     """Triton route_ref. out: optional (ids int64 [T, k], weights fp32 [T, k]) to write into; config overrides
     the tiles (tests and benchmarks only, see _plan)."""
     _check(x, weight, bias, k, temp, bias_alt, use_alt, kernel=True)
@@ -206,8 +277,13 @@ def route(x, weight, bias, k: int, temp: float, scale: float, bias_alt=None, use
     if out is None:
         out = (torch.empty(t, k, dtype=torch.int64, device=dev), torch.empty(t, k, dtype=torch.float32, device=dev))
     ids, wo = out
-    if tuple(ids.shape) != (t, k) or ids.dtype != torch.int64 or tuple(wo.shape) != (t, k) \
-            or wo.dtype != torch.float32 or not (ids.is_contiguous() and wo.is_contiguous()):
+    if (
+        tuple(ids.shape) != (t, k)
+        or ids.dtype != torch.int64
+        or tuple(wo.shape) != (t, k)
+        or wo.dtype != torch.float32
+        or not (ids.is_contiguous() and wo.is_contiguous())
+    ):
         raise ValueError(f"route: out must be contiguous (int64 [{t}, {k}], float32 [{t}, {k}])")
     if t == 0:  # an empty grid is not launchable
         return ids, wo
@@ -222,15 +298,56 @@ def route(x, weight, bias, k: int, temp: float, scale: float, bias_alt=None, use
     part = wo if p["FUSED"] else torch.empty(p["SPLIT"], t, e, dtype=torch.float32, device=dev)
     dot_f32 = _INTERPRET or x.dtype == torch.float32 or x.dtype != weight.dtype
     grid = (triton.cdiv(t, p["BT"]), triton.cdiv(e, p["BE"]), p["SPLIT"])
-    _route_kernel[grid](x, weight, b, ba, u, ids, wo, part, t, e, x.stride(0), float(temp), float(scale), D=d,
-                        BT=p["BT"], BE=p["BE"], BK=p["BK"], K_TILES=p["K_TILES"], K=k, KP=kp, FUSED=p["FUSED"],
-                        HAS_BIAS=bias is not None, HAS_ALT=has_alt, DOT_F32=dot_f32, num_warps=p["num_warps"],
-                        num_stages=p["num_stages"])
+    _route_kernel[grid](
+        x,
+        weight,
+        b,
+        ba,
+        u,
+        ids,
+        wo,
+        part,
+        t,
+        e,
+        x.stride(0),
+        float(temp),
+        float(scale),
+        D=d,
+        BT=p["BT"],
+        BE=p["BE"],
+        BK=p["BK"],
+        K_TILES=p["K_TILES"],
+        K=k,
+        KP=kp,
+        FUSED=p["FUSED"],
+        HAS_BIAS=bias is not None,
+        HAS_ALT=has_alt,
+        DOT_F32=dot_f32,
+        num_warps=p["num_warps"],
+        num_stages=p["num_stages"],
+    )
     if not p["FUSED"]:
         bts = p["BT_SELECT"]
-        _select_kernel[(triton.cdiv(t, bts),)](part, b, ba, u, ids, wo, t, e, float(temp), float(scale),
-                                               SPLIT=p["SPLIT"], BT=bts, EP=ep, K=k, KP=kp,
-                                               HAS_BIAS=bias is not None, HAS_ALT=has_alt, num_warps=4)
+        _select_kernel[(triton.cdiv(t, bts),)](
+            part,
+            b,
+            ba,
+            u,
+            ids,
+            wo,
+            t,
+            e,
+            float(temp),
+            float(scale),
+            SPLIT=p["SPLIT"],
+            BT=bts,
+            EP=ep,
+            K=k,
+            KP=kp,
+            HAS_BIAS=bias is not None,
+            HAS_ALT=has_alt,
+            num_warps=4,
+        )
     return ids, wo
 
 
@@ -239,13 +356,16 @@ def bench(device="cuda", d: int = 5120, e: int = 384, k: int = 6, copies: int = 
     path) at T in {1, 16, 64, 4096}; the gate weights rotate over `copies` bf16 copies (16 x 3.9 MB > the
     50 MB L2), so that decode reads them from HBM as 40+ layers would. Keys "T=t"."""
     from ..bench.device_timing import graph_ms
+
     ws = [torch.randn(e, d, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     bias = torch.randn(e, device=device) * 0.1
     res = {}
     for t in (1, 16, 64, 4096):
         x = torch.randn(t, d, device=device, dtype=torch.bfloat16)
-        runs = {"route": lambda i, c=None: route(x, ws[i % copies], bias, k, 1.0, 1.5, config=c),
-                "ref": lambda i: route_ref(x, ws[i % copies], bias, k, 1.0, 1.5)}
+        runs = {
+            "route": lambda i, c=None: route(x, ws[i % copies], bias, k, 1.0, 1.5, config=c),
+            "ref": lambda i: route_ref(x, ws[i % copies], bias, k, 1.0, 1.5),
+        }
         row = res[f"T={t}"] = {name: graph_ms(fn, copies) for name, fn in runs.items()}
         for name, c in (("fused", {"fused": True}), ("split", {"fused": False})):
             row[name] = graph_ms(lambda i, c=c: runs["route"](i, c), copies)

@@ -24,6 +24,7 @@ Algorithm (one program holds its whole row in registers, padded to a power of tw
    #gt-so-far + min(#eq-so-far, r) - 1, so the k indices are written compacted and ascending, each exactly once.
 Counts are int32 and all lanes of a pass are summed at once, so the result does not depend on num_warps.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,8 +41,18 @@ _KEY_NEG_INF = tl.constexpr(-2139095041)  # key of -inf: bits 0xFF800000 ^ 0x7FF
 
 # entry and pick counts, and the scores' row stride (an entry count too): new ones each step; masks, small outputs
 @triton.jit(do_not_specialize=["stride_t", "n", "k"])
-def _row_topk_kernel(s_ptr, stride_t, stride_n, idx_ptr, valid_ptr, n, k, BLOCK: tl.constexpr,
-                     CHUNKS: tl.constexpr = 1, KP: tl.constexpr = 16):
+def _row_topk_kernel(
+    s_ptr,
+    stride_t,
+    stride_n,
+    idx_ptr,
+    valid_ptr,
+    n,
+    k,
+    BLOCK: tl.constexpr,
+    CHUNKS: tl.constexpr = 1,
+    KP: tl.constexpr = 16,
+):
     # CHUNKS > 1 (chunk_topk): program p takes chunk p % CHUNKS of row p // CHUNKS (BLOCK scores from
     # (p % CHUNKS) * BLOCK); its k output slots hold that chunk's top min(k, chunk length), global indices, then -1.
     out_row = tl.program_id(0).to(tl.int64)
@@ -107,13 +118,16 @@ def default_num_warps(block: int) -> int:
     return 16 if block >= 8192 else 8 if block >= 2048 else 4
 
 
-def row_topk(scores: torch.Tensor, k: int, *, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-             num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def row_topk(
+    scores: torch.Tensor, k: int, *, out: tuple[torch.Tensor, torch.Tensor] | None = None, num_warps: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """topk(scores, k) for N <= MAX_N in one launch (see module doc). `out` = (idx, valid) buffers to fill in
     full (int64 / bool, contiguous [T, min(k, N)]); `num_warps` overrides the default (benchmarks)."""
     if scores.dim() != 2 or scores.dtype not in _DTYPES:
-        raise ValueError(f"row_topk: scores must be a [T, N] float32/bfloat16/float16 tensor, got "
-                         f"{scores.dtype} {tuple(scores.shape)} (use topk for float64)")
+        raise ValueError(
+            f"row_topk: scores must be a [T, N] float32/bfloat16/float16 tensor, got "
+            f"{scores.dtype} {tuple(scores.shape)} (use topk for float64)"
+        )
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
         raise ValueError(f"row_topk: k must be a non-negative int, got {k!r}")
     t, n = scores.shape
@@ -126,16 +140,18 @@ def row_topk(scores: torch.Tensor, k: int, *, out: tuple[torch.Tensor, torch.Ten
     else:
         idx, valid = out
         for buf, dt in ((idx, torch.int64), (valid, torch.bool)):
-            if tuple(buf.shape) != (t, k) or buf.dtype != dt or not buf.is_contiguous() \
-                    or buf.device != scores.device:
-                raise ValueError(f"row_topk: out buffers must be contiguous {dt} [{t}, {k}] on {scores.device}, "
-                                 f"got {buf.dtype} {tuple(buf.shape)} on {buf.device}")
+            if tuple(buf.shape) != (t, k) or buf.dtype != dt or not buf.is_contiguous() or buf.device != scores.device:
+                raise ValueError(
+                    f"row_topk: out buffers must be contiguous {dt} [{t}, {k}] on {scores.device}, "
+                    f"got {buf.dtype} {tuple(buf.shape)} on {buf.device}"
+                )
     if t == 0 or k == 0:
         return idx, valid
     block = max(16, triton.next_power_of_2(n))
     nw = default_num_warps(block) if num_warps is None else num_warps
-    _row_topk_kernel[(t,)](scores, scores.stride(0), scores.stride(1), idx, valid.view(torch.int8), n, k,
-                           BLOCK=block, num_warps=nw)
+    _row_topk_kernel[(t,)](
+        scores, scores.stride(0), scores.stride(1), idx, valid.view(torch.int8), n, k, BLOCK=block, num_warps=nw
+    )
     return idx, valid
 
 
@@ -149,14 +165,26 @@ def chunk_topk(scores: torch.Tensor, k: int, chunk: int = MAX_N) -> tuple[torch.
     k = min(k, n)
     nc = triton.cdiv(n, chunk)
     if chunk & (chunk - 1) or not k <= chunk <= MAX_N or nc * k > MAX_N:
-        raise ValueError(f"chunk_topk: chunk {chunk} must be a power of two in [k = {k}, {MAX_N}] and "
-                         f"ceil(N / chunk) * k = {nc * k} at most {MAX_N}")
+        raise ValueError(
+            f"chunk_topk: chunk {chunk} must be a power of two in [k = {k}, {MAX_N}] and "
+            f"ceil(N / chunk) * k = {nc * k} at most {MAX_N}"
+        )
     idx1 = torch.empty(t * nc, k, dtype=torch.int64, device=scores.device)
     valid1 = torch.empty(t * nc, k, dtype=torch.bool, device=scores.device)
     if t and k:
-        _row_topk_kernel[(t * nc,)](scores, scores.stride(0), scores.stride(1), idx1, valid1.view(torch.int8), n, k,
-                                    BLOCK=chunk, CHUNKS=nc, KP=triton.next_power_of_2(k),
-                                    num_warps=default_num_warps(chunk))
+        _row_topk_kernel[(t * nc,)](
+            scores,
+            scores.stride(0),
+            scores.stride(1),
+            idx1,
+            valid1.view(torch.int8),
+            n,
+            k,
+            BLOCK=chunk,
+            CHUNKS=nc,
+            KP=triton.next_power_of_2(k),
+            num_warps=default_num_warps(chunk),
+        )
     cand = idx1.view(t, nc * k)  # ascending: chunks in order, each chunk's picks ascending, -1 slots last
     cs = torch.where(cand >= 0, scores.gather(1, cand.clamp(min=0)).float(), float("-inf"))
     # -1 slots (k <= chunk: only the last chunk, when shorter than k) score -inf like a real -inf candidate but sit

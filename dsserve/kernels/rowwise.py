@@ -12,6 +12,7 @@ roundings: IEEE division and square root (div_rn / sqrt_rn), no FMA contraction,
 (the Triton interpreter truncates its own), the e2m1 grid by midpoint compares (kv_write's helpers). Only the
 summation order of the mean of squares differs from torch's.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,8 +39,18 @@ def _runs_kernel(x: torch.Tensor) -> bool:
 
 # ------------------------------------------------------------------ RMSNorm
 @triton.jit(do_not_specialize=["n_rows"])
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n_rows, eps, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
-                     HAS_W: tl.constexpr, DT: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    n_rows,
+    eps,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    DT: tl.constexpr,
+):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.arange(0, BLOCK_D)
     m = (r[:, None] < n_rows) & (c[None, :] < D)
@@ -64,9 +75,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     rows = x.numel() // d if d else 0
     if rows:
         _rms_norm_kernel[(triton.cdiv(rows, _ROWS),)](
-            x, x if weight is None else weight.contiguous(), y, rows, float(eps), D=d,
-            BLOCK_D=triton.next_power_of_2(d), ROWS=_ROWS, HAS_W=weight is not None, DT=_TL[x.dtype],
-            enable_fp_fusion=False)
+            x,
+            x if weight is None else weight.contiguous(),
+            y,
+            rows,
+            float(eps),
+            D=d,
+            BLOCK_D=triton.next_power_of_2(d),
+            ROWS=_ROWS,
+            HAS_W=weight is not None,
+            DT=_TL[x.dtype],
+            enable_fp_fusion=False,
+        )
     return y
 
 
@@ -76,8 +96,18 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> to
 
 # ------------------------------------------------------------------ RoPE
 @triton.jit(do_not_specialize=["n_rows"])
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, n_rows, per_t, D: tl.constexpr, R2: tl.constexpr, BLOCK_R: tl.constexpr,
-                 ROWS: tl.constexpr, DT: tl.constexpr):
+def _rope_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    n_rows,
+    per_t,
+    D: tl.constexpr,
+    R2: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    ROWS: tl.constexpr,
+    DT: tl.constexpr,
+):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     i = tl.arange(0, BLOCK_R)
     m = (r[:, None] < n_rows) & (i[None, :] < R2)
@@ -103,8 +133,18 @@ def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     rows = x.numel() // d if d else 0
     if rows and r2:
         _rope_kernel[(triton.cdiv(rows, _ROWS),)](
-            x, cos.float().contiguous(), sin.float().contiguous(), rows, rows // t, D=d, R2=r2,
-            BLOCK_R=triton.next_power_of_2(r2), ROWS=_ROWS, DT=_TL[x.dtype], enable_fp_fusion=False)
+            x,
+            cos.float().contiguous(),
+            sin.float().contiguous(),
+            rows,
+            rows // t,
+            D=d,
+            R2=r2,
+            BLOCK_R=triton.next_power_of_2(r2),
+            ROWS=_ROWS,
+            DT=_TL[x.dtype],
+            enable_fp_fusion=False,
+        )
     return x
 
 
@@ -114,8 +154,7 @@ def rope_inplace_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 # ------------------------------------------------------------------ FP4 / FP8 fake-quant (power-of-two scales)
 @triton.jit
-def _fq_pow2_kernel(x_ptr, y_ptr, n_groups, G: tl.constexpr, ROWS: tl.constexpr, DT: tl.constexpr,
-                    FP8: tl.constexpr):
+def _fq_pow2_kernel(x_ptr, y_ptr, n_groups, G: tl.constexpr, ROWS: tl.constexpr, DT: tl.constexpr, FP8: tl.constexpr):
     g = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     j = tl.arange(0, G)
     m = (g[:, None] < n_groups) & (j[None, :] < G)
@@ -125,7 +164,7 @@ def _fq_pow2_kernel(x_ptr, y_ptr, n_groups, G: tl.constexpr, ROWS: tl.constexpr,
     if FP8:  # s = 2^ceil(log2(max(amax, 1e-4) / 448)), e4m3 of the clamped x / s
         ex = _pow2_ceil_exp(tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0))
     else:  # s = 2^ceil(log2(max(amax, 6 * 2^-126) / 6)), e2m1 of x / s
-        ex = _pow2_ceil_exp(tl.math.div_rn(tl.maximum(amax, 6.0 * 2.0 ** -126), 6.0))
+        ex = _pow2_ceil_exp(tl.math.div_rn(tl.maximum(amax, 6.0 * 2.0**-126), 6.0))
     s = (ex << 23).to(tl.float32, bitcast=True)
     inv = tl.where(ex == 254, 1 << 22, (254 - ex) << 23).to(tl.float32, bitcast=True)  # 1 / s exactly
     if FP8:
@@ -144,8 +183,9 @@ def _fake_quant_pow2(x: torch.Tensor, group: int, fp8: bool) -> torch.Tensor:
     y = torch.empty_like(x)
     n = x.numel() // group
     if n:
-        _fq_pow2_kernel[(triton.cdiv(n, _ROWS),)](x, y, n, G=group, ROWS=_ROWS, DT=_TL[x.dtype], FP8=fp8,
-                                                   enable_fp_fusion=False)
+        _fq_pow2_kernel[(triton.cdiv(n, _ROWS),)](
+            x, y, n, G=group, ROWS=_ROWS, DT=_TL[x.dtype], FP8=fp8, enable_fp_fusion=False
+        )
     return y
 
 

@@ -10,6 +10,7 @@ of n a row); the backward walks them in reverse: for y = x / d with d = sum(x) +
 dx = (dy - sum(dy * y)) / d, and x = y * d recovers the step's input (up to one rounding a step) without storing it.
 The reference is layers.mhc.sinkhorn under torch autograd (the tests compare both directions).
 """
+
 from __future__ import annotations
 
 import torch

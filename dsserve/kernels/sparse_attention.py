@@ -22,6 +22,7 @@ Decode (few rows) runs split-K: NUM_SPLITS programs per (row, head block) each t
 key blocks and leave fp32 partials that sparse_attention_combine merges; see num_splits for the rule. From
 sparse_attention_prefill.PREFILL_MIN_ROWS rows of bf16 q, that module's kernel runs instead (same contract).
 """
+
 from __future__ import annotations
 
 import math
@@ -32,7 +33,8 @@ import triton
 import triton.language as tl
 
 from dsserve.kernels import sparse_attention_prefill as prefill
-from dsserve.kernels.kv_unpack import FMT_CODE as _FMT_CODE, decode_rows
+from dsserve.kernels.kv_unpack import FMT_CODE as _FMT_CODE
+from dsserve.kernels.kv_unpack import decode_rows
 from dsserve.kernels.sparse_attention_combine import _derotate_store, combine_splits, split_workspace
 from dsserve.kv import formats
 from dsserve.layers.numerics import acc
@@ -48,32 +50,38 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read at import, as Tri
 def _row_format(name, pool, fmts, fmt, d):
     if fmt in RAW_KINDS:  # V4's fp32 / fp64 rows: the reference reads them (the kernel refuses them below)
         from dsserve.kv.layout import RawRows  # here: kv.layout imports the model config
+
         rf = RawRows(d, RAW_KINDS[fmt])
     elif fmt not in fmts:
         raise ValueError(f"{name} format {fmt!r}: expected one of {sorted(fmts) + sorted(RAW_KINDS)}")
     else:
         rf = fmts[fmt].with_channels(d)
     if pool.dim() != 2 or pool.dtype != torch.uint8 or pool.shape[1] != rf.row_bytes:
-        raise ValueError(f"{name}: expected uint8 [N, {rf.row_bytes}] ({fmt}, D={d}), got {pool.dtype} "
-                         f"{tuple(pool.shape)}")
+        raise ValueError(
+            f"{name}: expected uint8 [N, {rf.row_bytes}] ({fmt}, D={d}), got {pool.dtype} {tuple(pool.shape)}"
+        )
     return rf
 
 
-def _check(q, cos, sin, window_pool, window_fmt, old_rows, fresh_kv, row_first, main_pool, main_fmt, sel_rows, sink,
-           out):
+def _check(
+    q, cos, sin, window_pool, window_fmt, old_rows, fresh_kv, row_first, main_pool, main_fmt, sel_rows, sink, out
+):
     """Validates shapes/formats; returns (T, H, D, R2, W, K, window RowFormat, main RowFormat or None)."""
     if q.dim() != 3 or not q.is_floating_point():
         raise ValueError(f"q: expected a float [T, H, D] tensor, got {q.dtype} {tuple(q.shape)}")
     t, h, d = q.shape
     if cos.dim() != 2 or cos.shape[0] != t or sin.shape != cos.shape or not 0 < 2 * cos.shape[1] <= d:
-        raise ValueError(f"cos/sin: expected equal [T={t}, R/2] with 0 < R <= D={d}, got {tuple(cos.shape)} "
-                         f"and {tuple(sin.shape)}")
+        raise ValueError(
+            f"cos/sin: expected equal [T={t}, R/2] with 0 < R <= D={d}, got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
     wf = _row_format("window_pool", window_pool, _WINDOW_FMTS, window_fmt, d)
     if old_rows.dim() != 2 or old_rows.shape[0] != t or old_rows.shape[1] < 1:
         raise ValueError(f"old_rows: expected [T={t}, W>=1], got {tuple(old_rows.shape)}")
     if tuple(fresh_kv.shape) != (t, d) or tuple(row_first.shape) != (t,) or tuple(sink.shape) != (h,):
-        raise ValueError(f"expected fresh_kv [{t}, {d}], row_first [{t}], sink [{h}]; got {tuple(fresh_kv.shape)}, "
-                         f"{tuple(row_first.shape)}, {tuple(sink.shape)}")
+        raise ValueError(
+            f"expected fresh_kv [{t}, {d}], row_first [{t}], sink [{h}]; got {tuple(fresh_kv.shape)}, "
+            f"{tuple(row_first.shape)}, {tuple(sink.shape)}"
+        )
     if (main_pool is None) != (sel_rows is None):
         raise ValueError("main_pool and sel_rows: pass both (a layer with global reads) or neither (SWA-only)")
     mf, k = None, 0
@@ -97,12 +105,30 @@ def _gather(pool, fmt, ids, dtype):
     return rows.masked_fill(~valid[..., None], 0), valid
 
 
-def sparse_attention_ref(q, cos, sin, window_pool, window_fmt, old_rows, fresh_kv, row_first, main_pool, main_fmt,
-                         sel_rows, sink, scale, out_dtype=torch.bfloat16, out=None, splits=None):
+def sparse_attention_ref(
+    q,
+    cos,
+    sin,
+    window_pool,
+    window_fmt,
+    old_rows,
+    fresh_kv,
+    row_first,
+    main_pool,
+    main_fmt,
+    sel_rows,
+    sink,
+    scale,
+    out_dtype=torch.bfloat16,
+    out=None,
+    splits=None,
+):
     del splits  # the kernel's split-K factor; kept so both functions take the same arguments
     from dsserve.layers.attention import sparse_attention_with_sink  # import here: attention imports kernels
-    t, h, d, r2, w, k, wf, mf = _check(q, cos, sin, window_pool, window_fmt, old_rows, fresh_kv, row_first,
-                                       main_pool, main_fmt, sel_rows, sink, out)
+
+    t, h, d, r2, w, k, wf, mf = _check(
+        q, cos, sin, window_pool, window_fmt, old_rows, fresh_kv, row_first, main_pool, main_fmt, sel_rows, sink, out
+    )
     dt = acc(q).dtype
     o = torch.empty(t, h, d, dtype=dt, device=q.device)
     steps = torch.arange(t, device=q.device)
@@ -120,9 +146,9 @@ def sparse_attention_ref(q, cos, sin, window_pool, window_fmt, old_rows, fresh_k
         o[a:b] = sparse_attention_with_sink(q[a:b], fresh_kv[lo:b].to(dt), win_mask, sel_k, sel_mask, sink, scale)
     # Inverse RoPE on the tail pairs (2i, 2i+1): (a, b) -> (a cos + b sin, -a sin + b cos).
     c, s = cos.to(dt)[:, None, :], sin.to(dt)[:, None, :]
-    tail = o[..., d - 2 * r2:].unflatten(-1, (r2, 2))
+    tail = o[..., d - 2 * r2 :].unflatten(-1, (r2, 2))
     ea, eb = tail[..., 0], tail[..., 1]
-    o[..., d - 2 * r2:] = torch.stack((ea * c + eb * s, eb * c - ea * s), dim=-1).flatten(-2)
+    o[..., d - 2 * r2 :] = torch.stack((ea * c + eb * s, eb * c - ea * s), dim=-1).flatten(-2)
     return o.to(out_dtype) if out is None else out.copy_(o)
 
 
@@ -156,12 +182,45 @@ def _online(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, qk_scale, DT: tl.
 
 
 @triton.jit
-def _sparse_attention_kernel(q, sq_t, sq_h, sq_d, cos, sin, wpool, w_stride, old_rows, fresh, sf_t, sf_d, row_first,
-                             mpool, m_stride, sel_rows, sink, o, m_ws, l_ws, acc_ws, H, qk_scale,
-                             D: tl.constexpr, R2: tl.constexpr, W: tl.constexpr, K: tl.constexpr,
-                             WFMT: tl.constexpr, MFMT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                             NUM_SPLITS: tl.constexpr, BPS: tl.constexpr, IT_W: tl.constexpr, IT_K: tl.constexpr,
-                             UPCAST: tl.constexpr, SKIP_EMPTY: tl.constexpr):
+def _sparse_attention_kernel(
+    q,
+    sq_t,
+    sq_h,
+    sq_d,
+    cos,
+    sin,
+    wpool,
+    w_stride,
+    old_rows,
+    fresh,
+    sf_t,
+    sf_d,
+    row_first,
+    mpool,
+    m_stride,
+    sel_rows,
+    sink,
+    o,
+    m_ws,
+    l_ws,
+    acc_ws,
+    H,
+    qk_scale,
+    D: tl.constexpr,
+    R2: tl.constexpr,
+    W: tl.constexpr,
+    K: tl.constexpr,
+    WFMT: tl.constexpr,
+    MFMT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BPS: tl.constexpr,
+    IT_W: tl.constexpr,
+    IT_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    SKIP_EMPTY: tl.constexpr,
+):
     D2: tl.constexpr = D // 2
     NB_W: tl.constexpr = (W + BLOCK_N - 1) // BLOCK_N
     DT: tl.constexpr = q.dtype.element_ty
@@ -195,8 +254,9 @@ def _sparse_attention_kernel(q, sq_t, sq_h, sq_d, cos, sin, wpool, w_stride, old
             valid = rows >= 0
             if (not SKIP_EMPTY) or tl.max(valid.to(tl.int32), 0) > 0:
                 k_e, k_o = _decode_rows(wpool, w_stride, rows, valid, WFMT, D, BLOCK_N)
-                m_i, l_i, acc_e, acc_o = _online(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, qk_scale,
-                                                 DT, UPCAST)
+                m_i, l_i, acc_e, acc_o = _online(
+                    q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, qk_scale, DT, UPCAST
+                )
     if (lo < 2 * NB_W) & (hi > NB_W):
         start = tl.maximum(tl.load(row_first + t).to(tl.int64), t - W + 1)
         f0 = tl.maximum(lo - NB_W, 0)
@@ -207,8 +267,9 @@ def _sparse_attention_kernel(q, sq_t, sq_h, sq_d, cos, sin, wpool, w_stride, old
                 valid = j <= t
                 kf = tl.load(fresh + j[:, None] * sf_t + ch[None, :] * sf_d, mask=valid[:, None], other=0.0)
                 k_e, k_o = tl.split(tl.reshape(kf.to(tl.float32), [BLOCK_N, D2, 2]))
-                m_i, l_i, acc_e, acc_o = _online(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, qk_scale,
-                                                 DT, UPCAST)
+                m_i, l_i, acc_e, acc_o = _online(
+                    q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, qk_scale, DT, UPCAST
+                )
     if hi > 2 * NB_W:
         g0 = tl.maximum(lo - 2 * NB_W, 0)
         k_end = tl.minimum((hi - 2 * NB_W) * BLOCK_N, K)  # the split's selected entries end before k_end
@@ -218,8 +279,9 @@ def _sparse_attention_kernel(q, sq_t, sq_h, sq_d, cos, sin, wpool, w_stride, old
             valid = rows >= 0
             if (not SKIP_EMPTY) or tl.max(valid.to(tl.int32), 0) > 0:
                 k_e, k_o = _decode_rows(mpool, m_stride, rows, valid, MFMT, D, BLOCK_N)
-                m_i, l_i, acc_e, acc_o = _online(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, qk_scale,
-                                                 DT, UPCAST)
+                m_i, l_i, acc_e, acc_o = _online(
+                    q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, qk_scale, DT, UPCAST
+                )
     if NUM_SPLITS == 1:
         _derotate_store(o, cos, sin, t, offs_h, hm, acc_e / l_i[:, None], acc_o / l_i[:, None], H, D, R2, BLOCK_H)
     else:  # partials for the combine (sparse_attention_combine.py has the workspace layouts)
@@ -242,8 +304,9 @@ def split_plan(t, h, w, k, cfg, splits=None):
     _tiles' cfg; `splits` forces the factor (rounded so that no split is empty)."""
     nb_w, nb_k = triton.cdiv(w, cfg["block_n"]), triton.cdiv(k, cfg["block_n"])
     blocks = 2 * nb_w + nb_k
-    bps = triton.cdiv(blocks, num_splits(t * triton.cdiv(h, cfg["block_h"]), blocks, cfg["fill"])
-                      if splits is None else splits)  # key blocks per split; then no split is empty
+    bps = triton.cdiv(
+        blocks, num_splits(t * triton.cdiv(h, cfg["block_h"]), blocks, cfg["fill"]) if splits is None else splits
+    )  # key blocks per split; then no split is empty
     return triton.cdiv(blocks, bps), bps, min(bps, nb_w), min(bps, nb_k)
 
 
@@ -269,23 +332,61 @@ def _tiles(t, h, d):
     2-3x slower). num_stages = 2 (pipelined loads, so no skipping of empty blocks) was no faster at this tile."""
     block_h = min(64, max(16, triton.next_power_of_2(h)))  # dot dims >= 16
     # The interpreter runs one program at a time: split-K there only costs (tests force `splits` to cover it).
-    cfg = dict(block_h=block_h, block_n=32 if d >= 256 else 16, num_warps=8 if block_h * d >= 64 * 256 else 4,
-               num_stages=1, skip_empty=True, fill=1 if _INTERPRET else _FILL)
+    cfg = dict(
+        block_h=block_h,
+        block_n=32 if d >= 256 else 16,
+        num_warps=8 if block_h * d >= 64 * 256 else 4,
+        num_stages=1,
+        skip_empty=True,
+        fill=1 if _INTERPRET else _FILL,
+    )
     cfg.update(TILE_OVERRIDE or {})
     return cfg
 
 
-def sparse_attention(q, cos, sin, window_pool, window_fmt, old_rows, fresh_kv, row_first, main_pool, main_fmt,
-                     sel_rows, sink, scale, out_dtype=torch.bfloat16, out=None, splits=None):
+def sparse_attention(
+    q,
+    cos,
+    sin,
+    window_pool,
+    window_fmt,
+    old_rows,
+    fresh_kv,
+    row_first,
+    main_pool,
+    main_fmt,
+    sel_rows,
+    sink,
+    scale,
+    out_dtype=torch.bfloat16,
+    out=None,
+    splits=None,
+):
     """`splits` (tests/tuning only) forces the split-K factor; it is rounded to cdiv(blocks, cdiv(blocks, splits))
     so that no split is empty. None picks num_splits(...)."""
-    t, h, d, r2, w, k, wf, mf = _check(q, cos, sin, window_pool, window_fmt, old_rows, fresh_kv, row_first,
-                                       main_pool, main_fmt, sel_rows, sink, out)
+    t, h, d, r2, w, k, wf, mf = _check(
+        q, cos, sin, window_pool, window_fmt, old_rows, fresh_kv, row_first, main_pool, main_fmt, sel_rows, sink, out
+    )
     if splits is not None and (not isinstance(splits, int) or splits < 1):
         raise ValueError(f"splits: expected None or an int >= 1, got {splits!r}")
     if q.dtype == torch.float64:  # fp64 model tests (interpreter): the kernel's softmax and dots are fp32
-        return sparse_attention_ref(q, cos, sin, window_pool, window_fmt, old_rows, fresh_kv, row_first, main_pool,
-                                    main_fmt, sel_rows, sink, scale, out_dtype, out)
+        return sparse_attention_ref(
+            q,
+            cos,
+            sin,
+            window_pool,
+            window_fmt,
+            old_rows,
+            fresh_kv,
+            row_first,
+            main_pool,
+            main_fmt,
+            sel_rows,
+            sink,
+            scale,
+            out_dtype,
+            out,
+        )
     if window_fmt in RAW_KINDS or main_fmt in RAW_KINDS:
         raise ValueError(f"the kernel reads fp8 / fp4 / bf16 rows, not {window_fmt} / {main_fmt} (the reference does)")
     if q.dtype not in (torch.float32, torch.bfloat16):  # fp16 dot operands could not hold e4m3 * 2^-22 keys
@@ -303,9 +404,22 @@ def sparse_attention(q, cos, sin, window_pool, window_fmt, old_rows, fresh_kv, r
     mpool = window_pool if main_pool is None else main_pool
     cos, sin, sink = cos.float().contiguous(), sin.float().contiguous(), sink.float().contiguous()
     if q.dtype == torch.bfloat16 and splits is None and t >= prefill.PREFILL_MIN_ROWS:
-        return prefill.sparse_attention_prefill(q, cos, sin, window_pool, _FMT_CODE[window_fmt], old_rows, fresh_kv,
-                                                row_first, main_pool, _FMT_CODE[main_fmt] if mf is not None else 0,
-                                                None if sel_rows is None else sel, sink, scale, out)
+        return prefill.sparse_attention_prefill(
+            q,
+            cos,
+            sin,
+            window_pool,
+            _FMT_CODE[window_fmt],
+            old_rows,
+            fresh_kv,
+            row_first,
+            main_pool,
+            _FMT_CODE[main_fmt] if mf is not None else 0,
+            None if sel_rows is None else sel,
+            sink,
+            scale,
+            out,
+        )
     cfg = _tiles(t, h, d)
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     # Split-K (decode): few programs each walking ~20 key blocks serially is latency-bound, so spread each row's
@@ -314,13 +428,46 @@ def sparse_attention(q, cos, sin, window_pool, window_fmt, old_rows, fresh_kv, r
     # The single pass writes o directly; its workspace pointers are unused.
     m_ws, l_ws, acc_ws = split_workspace(t, h, n_split, d, q.device) if n_split > 1 else (sink, sink, sink)
     _sparse_attention_kernel[(t, triton.cdiv(h, block_h), n_split)](
-        q, q.stride(0), q.stride(1), q.stride(2), cos, sin,
-        window_pool, window_pool.stride(0), old_rows, fresh_kv, fresh_kv.stride(0), fresh_kv.stride(1), row_first,
-        mpool, mpool.stride(0), sel, sink, out, m_ws, l_ws, acc_ws, h, float(scale) * math.log2(math.e),
-        D=d, R2=r2, W=w, K=k, WFMT=_FMT_CODE[window_fmt], MFMT=_FMT_CODE[main_fmt] if mf is not None else 0,
-        BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=n_split, BPS=bps, IT_W=it_w, IT_K=it_k,
-        UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16, SKIP_EMPTY=cfg["skip_empty"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        q,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        cos,
+        sin,
+        window_pool,
+        window_pool.stride(0),
+        old_rows,
+        fresh_kv,
+        fresh_kv.stride(0),
+        fresh_kv.stride(1),
+        row_first,
+        mpool,
+        mpool.stride(0),
+        sel,
+        sink,
+        out,
+        m_ws,
+        l_ws,
+        acc_ws,
+        h,
+        float(scale) * math.log2(math.e),
+        D=d,
+        R2=r2,
+        W=w,
+        K=k,
+        WFMT=_FMT_CODE[window_fmt],
+        MFMT=_FMT_CODE[main_fmt] if mf is not None else 0,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        NUM_SPLITS=n_split,
+        BPS=bps,
+        IT_W=it_w,
+        IT_K=it_k,
+        UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16,
+        SKIP_EMPTY=cfg["skip_empty"],
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
     if n_split > 1:
         combine_splits(m_ws, l_ws, acc_ws, sink, cos, sin, out, r2)
     return out

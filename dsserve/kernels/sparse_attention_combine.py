@@ -10,6 +10,7 @@ The combine takes M = max_s m_s, L = 2^(sink log2e - M) + sum_s l_s 2^(m_s - M),
 de-rotates o's last R channels at the query position (inverse RoPE) and writes o [T, H, D] in out's dtype.
 Cost: one extra launch reading S * D * 4 bytes per (row, head), e.g. 24 splits * 2 KiB at D = 512.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _derotate_store(o, cos, sin, t, offs_h, hm, o_e, o_o, H, D: tl.constexpr, R2: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
+def _derotate_store(o, cos, sin, t, offs_h, hm, o_e, o_o, H, D: tl.constexpr, R2: tl.constexpr, BLOCK_H: tl.constexpr):
     """Writes o[t, offs_h] = (o_e, o_o) interleaved [BLOCK_H, D] with the inverse RoPE on the last R2 pairs."""
     D2: tl.constexpr = D // 2
     # Pairs j < D2 - R2 load cos = 1, sin = 0, which leaves them as they are.
@@ -33,8 +33,20 @@ def _derotate_store(o, cos, sin, t, offs_h, hm, o_e, o_o, H, D: tl.constexpr, R2
 
 
 @triton.jit
-def _combine_kernel(m_ws, l_ws, acc_ws, sink, cos, sin, o, H, D: tl.constexpr, R2: tl.constexpr,
-                    NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr):
+def _combine_kernel(
+    m_ws,
+    l_ws,
+    acc_ws,
+    sink,
+    cos,
+    sin,
+    o,
+    H,
+    D: tl.constexpr,
+    R2: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    S_PAD: tl.constexpr,
+):
     # One program per (row, head) reads all its splits as one [S_PAD, D/2] tile per half: the loads are
     # independent (a loop over the splits chained them, which dominated decode at B = 1 on the H200).
     D2: tl.constexpr = D // 2
@@ -53,8 +65,7 @@ def _combine_kernel(m_ws, l_ws, acc_ws, sink, cos, sin, o, H, D: tl.constexpr, R
     base = acc_ws + ms[:, None] * D + jj[None, :]
     acc_e = tl.sum(w[:, None] * tl.load(base, mask=sm[:, None], other=0.0), 0)
     acc_o = tl.sum(w[:, None] * tl.load(base + D2, mask=sm[:, None], other=0.0), 0)
-    _derotate_store(o, cos, sin, t, offs_h, offs_h < H, (acc_e / l_sum)[None, :], (acc_o / l_sum)[None, :], H, D,
-                    R2, 1)
+    _derotate_store(o, cos, sin, t, offs_h, offs_h < H, (acc_e / l_sum)[None, :], (acc_o / l_sum)[None, :], H, D, R2, 1)
 
 
 def split_workspace(t, h, s, d, device):
@@ -68,6 +79,19 @@ def combine_splits(m_ws, l_ws, acc_ws, sink, cos, sin, out, r2):
     with sink [H] fp32, de-rotates with cos/sin [T, R2] fp32 and writes out [T, H, D] (contiguous, any float dtype)."""
     t, h, s, d = acc_ws.shape
     s_pad = triton.next_power_of_2(s)
-    _combine_kernel[(t, h)](m_ws, l_ws, acc_ws, sink, cos, sin, out, h, D=d, R2=r2, NUM_SPLITS=s, S_PAD=s_pad,
-                            num_warps=8 if s_pad * d >= 8192 else 4)
+    _combine_kernel[(t, h)](
+        m_ws,
+        l_ws,
+        acc_ws,
+        sink,
+        cos,
+        sin,
+        out,
+        h,
+        D=d,
+        R2=r2,
+        NUM_SPLITS=s,
+        S_PAD=s_pad,
+        num_warps=8 if s_pad * d >= 8192 else 4,
+    )
     return out

@@ -13,6 +13,7 @@ x 512 channels: 2.7 ms (227 TFLOP/s) on bf16 tables, 4.5 ms (138) on FP8 / FP4 r
 kernel (benchmarks/results/attention-prefill-h200). Not yet: the compiled score wgmma runs in both warpgroups
 (each needs the whole P for its half of the output), so a third of the tensor work is repeated.
 """
+
 from __future__ import annotations
 
 import triton
@@ -27,12 +28,16 @@ STAGES = 2
 
 
 @triton.jit
-def _keys(pool, stride, rows, valid, FMT: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-          UPCAST: tl.constexpr):
+def _keys(pool, stride, rows, valid, FMT: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
     """[BLOCK_N, D] keys of pool rows: bf16 rows (FMT 2) loaded as they are (cp.async-able), others decoded."""
     if FMT == 2:
-        k = tl.load(pool.to(tl.pointer_type(tl.bfloat16)) + rows.to(tl.int64)[:, None] * (stride // 2)
-                    + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0)
+        k = tl.load(
+            pool.to(tl.pointer_type(tl.bfloat16))
+            + rows.to(tl.int64)[:, None] * (stride // 2)
+            + tl.arange(0, D)[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
     else:
         k = decode_rows(pool, stride, rows, valid, FMT, D, BLOCK_N).to(tl.bfloat16)
     if UPCAST:  # CPU interpreter: its bf16 dot multiplies raw bit patterns, so use the same values in fp32
@@ -53,10 +58,36 @@ def _online(qf, k, valid, m_i, l_i, acc, qk_scale):
 
 
 @triton.jit
-def _prefill_kernel(q, sq_t, sq_h, cos, sin, wpool, w_stride, old_rows, fresh, sf_t, row_first, mpool, m_stride,
-                    sel_rows, sink, o, H, qk_scale, D: tl.constexpr, R2: tl.constexpr, W: tl.constexpr,
-                    K: tl.constexpr, WFMT: tl.constexpr, MFMT: tl.constexpr, BLOCK_H: tl.constexpr,
-                    BLOCK_N: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr):
+def _prefill_kernel(
+    q,
+    sq_t,
+    sq_h,
+    cos,
+    sin,
+    wpool,
+    w_stride,
+    old_rows,
+    fresh,
+    sf_t,
+    row_first,
+    mpool,
+    m_stride,
+    sel_rows,
+    sink,
+    o,
+    H,
+    qk_scale,
+    D: tl.constexpr,
+    R2: tl.constexpr,
+    W: tl.constexpr,
+    K: tl.constexpr,
+    WFMT: tl.constexpr,
+    MFMT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = offs_h < H
@@ -95,8 +126,24 @@ def _prefill_kernel(q, sq_t, sq_h, cos, sin, wpool, w_stride, old_rows, fresh, s
     _derotate_store(o, cos, sin, t, offs_h, hm, o_e, o_o, H, D, R2, BLOCK_H)
 
 
-def sparse_attention_prefill(q, cos, sin, window_pool, wfmt, old_rows, fresh_kv, row_first, main_pool, mfmt,
-                             sel_rows, sink, scale, out, block_n=BLOCK_N, stages=STAGES):
+def sparse_attention_prefill(
+    q,
+    cos,
+    sin,
+    window_pool,
+    wfmt,
+    old_rows,
+    fresh_kv,
+    row_first,
+    main_pool,
+    mfmt,
+    sel_rows,
+    sink,
+    scale,
+    out,
+    block_n=BLOCK_N,
+    stages=STAGES,
+):
     """``sparse_attention`` for bf16 q, called by it with arguments checked and normalised (uint8 pools with
     contiguous rows, format codes, int32 contiguous row ids, fp32 cos / sin / sink, out [T, H, D])."""
     t, h, d = q.shape
@@ -107,8 +154,35 @@ def sparse_attention_prefill(q, cos, sin, window_pool, wfmt, old_rows, fresh_kv,
     fresh_kv = fresh_kv if fresh_kv.stride(1) == 1 else fresh_kv.contiguous()
     q = q if q.stride(2) == 1 else q.contiguous()
     _prefill_kernel[(t, triton.cdiv(h, block_h))](
-        q, q.stride(0), q.stride(1), cos, sin, window_pool, window_pool.stride(0), old_rows, fresh_kv,
-        fresh_kv.stride(0), row_first, mpool, mpool.stride(0), sel, sink, out, h, float(scale) * 1.4426950408889634,
-        D=d, R2=cos.shape[1], W=w, K=k, WFMT=wfmt, MFMT=mfmt, BLOCK_H=block_h, BLOCK_N=block_n, STAGES=stages,
-        UPCAST=q.device.type == "cpu", num_warps=8, num_stages=stages)
+        q,
+        q.stride(0),
+        q.stride(1),
+        cos,
+        sin,
+        window_pool,
+        window_pool.stride(0),
+        old_rows,
+        fresh_kv,
+        fresh_kv.stride(0),
+        row_first,
+        mpool,
+        mpool.stride(0),
+        sel,
+        sink,
+        out,
+        h,
+        float(scale) * 1.4426950408889634,
+        D=d,
+        R2=cos.shape[1],
+        W=w,
+        K=k,
+        WFMT=wfmt,
+        MFMT=mfmt,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        STAGES=stages,
+        UPCAST=q.device.type == "cpu",
+        num_warps=8,
+        num_stages=stages,
+    )
     return out

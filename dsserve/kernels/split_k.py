@@ -12,6 +12,7 @@ call stays CUDA-graph capturable.
 * counters int32, one per output tile, zero between calls: `tile_counters(device, n)` keeps one zeroed buffer
   per (device, stream), since two calls in flight on different streams must not share counters.
 """
+
 from __future__ import annotations
 
 import torch
@@ -50,7 +51,8 @@ def store_split(acc, rm, rn, M, N, part_ptr, spm, sps, o_ptr, som, cnt_ptr, tile
         total = tl.zeros(acc.shape, tl.float32)
         for s in range(SPLIT):
             # .cg: read at L2, where the other programs' stores landed (this SM's L1 is not coherent with them)
-            total += tl.load(part_ptr + s * sps + rm[:, None] * spm + rn[None, :], mask=mask, other=0.0,
-                             cache_modifier=".cg")
+            total += tl.load(
+                part_ptr + s * sps + rm[:, None] * spm + rn[None, :], mask=mask, other=0.0, cache_modifier=".cg"
+            )
         tl.store(o_ptr + rm[:, None] * som + rn[None, :], total.to(o_ptr.dtype.element_ty), mask=mask)
         tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next call or graph replay

@@ -11,6 +11,7 @@ On the GPU exp is libdevice's expf and the division IEEE (div_rn): the ops torch
 result should equal torch's bitwise. The CPU interpreter uses numpy's exp, which differs from torch's CPU silu in
 the last fp32 bit for a few percent of inputs (bf16 / fp16 results then differ by one ulp very rarely).
 """
+
 from __future__ import annotations
 
 import os
@@ -48,8 +49,18 @@ def swiglu_ref(h: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 @triton.jit(do_not_specialize=["t"])  # the row count: only a row mask
-def _swiglu_kernel(h_ptr, out_ptr, t, stride, limit, I: tl.constexpr, DT: tl.constexpr, ROWS: tl.constexpr,
-                   BLOCK: tl.constexpr, CUDA: tl.constexpr):
+def _swiglu_kernel(
+    h_ptr,
+    out_ptr,
+    t,
+    stride,
+    limit,
+    I: tl.constexpr,
+    DT: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CUDA: tl.constexpr,
+):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = (r[:, None] < t) & (c[None, :] < I)

@@ -21,6 +21,7 @@ Both ops are GPU-friendly: no Python loops over rows, no .item() syncs, fixed ou
   entries candidate_pool keeps (block score = max over its entries, the block holding entry n_visible-1 pinned
   with +inf, best top_blocks by the rule above), valid ids ascending first, then -1 padding.
 """
+
 from __future__ import annotations
 
 import torch
@@ -86,7 +87,7 @@ def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, block: int, 
     idx, valid = topk(bscore.masked_fill(pin, float("inf")), top_blocks)
     ids = torch.sort(torch.where(valid, idx, nb), dim=-1).values  # invalid picks sort behind the valid ones
     out = torch.full((t, top_blocks), -1, dtype=torch.int32, device=scores.device)
-    out[:, :ids.shape[1]] = torch.where(ids == nb, -1, ids).to(torch.int32)
+    out[:, : ids.shape[1]] = torch.where(ids == nb, -1, ids).to(torch.int32)
     return out
 
 
@@ -99,5 +100,5 @@ def candidate_blocks_ref(scores: torch.Tensor, n_visible: torch.Tensor, block: i
     kb = torch.nn.functional.pad(keep, (0, nb * block - n)).view(t, nb, block).any(-1)
     ids = torch.where(kb, torch.arange(nb), nb).sort(-1).values[:, :top_blocks]
     out = torch.full((t, top_blocks), -1, dtype=torch.int32)
-    out[:, :ids.shape[1]] = torch.where(ids == nb, -1, ids).to(torch.int32)
+    out[:, : ids.shape[1]] = torch.where(ids == nb, -1, ids).to(torch.int32)
     return out.to(scores.device)

@@ -9,6 +9,7 @@
    a ring row keeps its physical row only while its tag says it still holds position q.
 W is the sliding window (128 in the release, 32 in tiny), a compile-time constant.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,9 @@ _ELEMS = 512  # values a program covers: 4 rows of the release window, so T = 12
 
 def _check(tags: torch.Tensor, tag_at: torch.Tensor, q: torch.Tensor, rows: torch.Tensor) -> None:
     if tags.dim() != 1 or tags.dtype != torch.int64 or tags.numel() == 0 or tags.stride(0) != 1:
-        raise ValueError(f"tags: expected a contiguous int64 [N >= 1], got {tags.dtype} {tuple(tags.shape)} "
-                         f"strides {tags.stride()}")
+        raise ValueError(
+            f"tags: expected a contiguous int64 [N >= 1], got {tags.dtype} {tuple(tags.shape)} strides {tags.stride()}"
+        )
     if tag_at.dim() != 2 or tag_at.dtype != torch.int64 or tag_at.shape[1] == 0:
         raise ValueError(f"tag_at: expected int64 [T, W >= 1], got {tag_at.dtype} {tuple(tag_at.shape)}")
     shape = tuple(tag_at.shape)
@@ -34,8 +36,9 @@ def _check(tags: torch.Tensor, tag_at: torch.Tensor, q: torch.Tensor, rows: torc
     if tuple(rows.shape) != shape or rows.dtype != torch.int32:
         raise ValueError(f"rows: expected int32 {shape}, got {rows.dtype} {tuple(rows.shape)}")
     if any(x.device != tags.device for x in (tag_at, q, rows)):
-        raise ValueError(f"tags, tag_at, q, rows must share a device, got {tags.device}, {tag_at.device}, "
-                         f"{q.device}, {rows.device}")
+        raise ValueError(
+            f"tags, tag_at, q, rows must share a device, got {tags.device}, {tag_at.device}, {q.device}, {rows.device}"
+        )
 
 
 def window_rows_ref(tags: torch.Tensor, tag_at: torch.Tensor, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -45,8 +48,9 @@ def window_rows_ref(tags: torch.Tensor, tag_at: torch.Tensor, q: torch.Tensor, r
 
 
 @triton.jit(do_not_specialize=["t"])  # the row count: only a row mask
-def _window_rows_kernel(tags_ptr, at_ptr, q_ptr, rows_ptr, out_ptr, t, W: tl.constexpr, BLOCK_W: tl.constexpr,
-                        ROWS: tl.constexpr):
+def _window_rows_kernel(
+    tags_ptr, at_ptr, q_ptr, rows_ptr, out_ptr, t, W: tl.constexpr, BLOCK_W: tl.constexpr, ROWS: tl.constexpr
+):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     j = tl.arange(0, BLOCK_W)
     m = (r[:, None] < t) & (j[None, :] < W)

@@ -8,6 +8,7 @@ second queue that is evicted only after the plain LRU queue is empty.
 ``check`` verifies the invariants the engine relies on after every step: each block is free (queued) or
 referenced, never both, and the owners the engine knows about account for every reference.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

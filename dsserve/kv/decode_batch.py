@@ -11,6 +11,7 @@ carry slots | real | Engram lookbacks (capacity x lookbacks: the compressed ids 
 block tables (capacity x bound / block_size). A step's tokens may instead come from a device tensor (the previous
 step's samples, not yet on the host: asynchronous scheduling), copied over their segment after the upload.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,8 +30,15 @@ class DecodeBatch(FixedBatch):
         width = bound // cache.layout.block_size
         self._at = {}
         at = 0
-        for name, n in (("tokens", capacity), ("positions", capacity), ("slots", capacity), ("carry", capacity),
-                        ("real", capacity), ("back", capacity * lookbacks), ("tables", capacity * width)):
+        for name, n in (
+            ("tokens", capacity),
+            ("positions", capacity),
+            ("slots", capacity),
+            ("carry", capacity),
+            ("real", capacity),
+            ("back", capacity * lookbacks),
+            ("tables", capacity * width),
+        ):
             self._at[name] = slice(at, at + n)
             at += n
         self.inputs = torch.zeros(at, dtype=torch.long, device=cache.device)
@@ -85,8 +93,9 @@ class DecodeBatch(FixedBatch):
                     return f"source {src}'s entries or carried rows are not those of position {p}"
         return None
 
-    def fill(self, seqs: list[SequenceKV], tokens: list[int] | torch.Tensor,
-             engram_back: torch.Tensor | None = None) -> None:
+    def fill(
+        self, seqs: list[SequenceKV], tokens: list[int] | torch.Tensor, engram_back: torch.Tensor | None = None
+    ) -> None:
         """This step's rows (sequence i decodes token i at its next position) into the inputs; padding repeats
         row 0. ``tokens``: host ids, or a LongTensor [len(seqs)] on the device (not read by the host).
         ``engram_back``: host LongTensor [len(seqs), lookbacks] (see the module docstring). No host wait."""

@@ -10,6 +10,7 @@ compressor carry slot (``carry_slots``: the spare slot for padding). A row compl
 the carried rows of the previous step (``layers.compress_paged.compress_rows``). The host's entry and carried-row
 counts follow in ``commit``.
 """
+
 from __future__ import annotations
 
 import torch

@@ -10,6 +10,7 @@ row (``row_first``); ``seq_capacity`` block tables of ``bound / block_size`` blo
 Subclasses: ``DecodeBatch`` (one row per sequence, the whole model) and ``ReplayBatch`` (bounded replay's decoder
 rows of a prefill step, several rows per sequence).
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,9 @@ from .paged_batch import PagedBatch
 class FixedBatch(PagedBatch):
     def __init__(self, cache: PagedKVCache, capacity: int, seq_capacity: int, bound: int):
         if bound % cache.layout.block_size:
-            raise ValueError(f"the context bound {bound} must be a multiple of the block size "
-                             f"{cache.layout.block_size}")
+            raise ValueError(
+                f"the context bound {bound} must be a multiple of the block size {cache.layout.block_size}"
+            )
         dev, i32, i64 = cache.device, torch.int32, torch.long
         self.cache, self.capacity, self.seq_capacity, self.bound = cache, capacity, seq_capacity, bound
         self.tokens = torch.zeros(capacity, dtype=i64, device=dev)
@@ -59,8 +61,9 @@ class FixedBatch(PagedBatch):
         first for padding."""
         width = self.seq_tables.shape[1]
         rows = [kv.host_table()[:width] for kv in seqs]
-        out = torch.nn.utils.rnn.pad_sequence(rows + rows[:1] * (pad_to - len(seqs)), batch_first=True,
-                                              padding_value=-1)
+        out = torch.nn.utils.rnn.pad_sequence(
+            rows + rows[:1] * (pad_to - len(seqs)), batch_first=True, padding_value=-1
+        )
         return torch.nn.functional.pad(out, (0, width - out.shape[1]), value=-1)
 
     def check_bound(self, last_position: int) -> None:

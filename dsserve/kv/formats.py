@@ -25,6 +25,7 @@ the cast. Edge cases (the fake-quant is the truth):
   fake-quantised main KV, so pass prequantized=True there: pack then picks a scale that represents the row exactly
   (one always exists for a fake-quant output).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -32,12 +33,21 @@ from dataclasses import dataclass, replace
 import torch
 
 from dsserve.layers import quant
-from dsserve.layers.quant import (FP4_MAX, FP8_MAX, _e2m1_codes, _exp2_biased, _fp4_pow2_groups, _fp8_groups, _groups,
-                                  e2m1_decode, round_to_e2m1)
+from dsserve.layers.quant import (
+    FP4_MAX,
+    FP8_MAX,
+    _e2m1_codes,
+    _exp2_biased,
+    _fp4_pow2_groups,
+    _fp8_groups,
+    _groups,
+    e2m1_decode,
+    round_to_e2m1,
+)
 
 SWA_GROUP, MAIN_GROUP, INDEX_GROUP = 32, 16, 32
-SWA_AMAX_FLOOR = 1e-4                    # fake_quant_fp8_pow2
-MAIN_AMAX_FLOOR = FP4_MAX * 2.0 ** -9    # fake_quant_fp4_e4m3scale
+SWA_AMAX_FLOOR = 1e-4  # fake_quant_fp8_pow2
+MAIN_AMAX_FLOOR = FP4_MAX * 2.0**-9  # fake_quant_fp4_e4m3scale
 
 
 # ------------------------------------------------------------------ helpers
@@ -68,7 +78,8 @@ def _scaled(vals: torch.Tensor, s: torch.Tensor, group: int, dtype: torch.dtype)
 
 # ------------------------------------------------------------------ SWA: e4m3 + ue8m0 per 32
 def pack_swa_fp8(x: torch.Tensor, group: int = SWA_GROUP, prequantized: bool = False) -> torch.Tensor:
-    """[..., C] -> uint8 [..., C + C/group]; decodes to fake_quant_fp8_pow2(x, group). prequantized: no-op (idempotent)."""
+    """[..., C] -> uint8 [..., C + C/group]; decodes to fake_quant_fp8_pow2(x, group).
+    prequantized: no-op (idempotent)."""
     q, s = _fp8_groups(x, group, SWA_AMAX_FLOOR)
     return torch.cat((q.flatten(-2).view(torch.uint8), _pow2_byte(s).squeeze(-1)), dim=-1)
 
@@ -90,10 +101,10 @@ def _lossless_main_scale(g: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     exactly; the fake-quant scale where none does. For a fake-quant output one always does: a normal scale s gives
     a group max of exactly 6s (so its own fake-quant scale is s again), a subnormal one is in the list."""
     sub = torch.arange(1, 8, dtype=torch.uint8, device=g.device).expand(*s.shape[:-1], 7)
-    cand = torch.cat((s, sub), dim=-1)                                    # [..., G, 8] e4m3 bytes
-    sf = cand.view(torch.float8_e4m3fn).float().unsqueeze(-1)             # [..., G, 8, 1]
+    cand = torch.cat((s, sub), dim=-1)  # [..., G, 8] e4m3 bytes
+    sf = cand.view(torch.float8_e4m3fn).float().unsqueeze(-1)  # [..., G, 8, 1]
     ok = (round_to_e2m1(g.unsqueeze(-2) / sf) * sf == g.unsqueeze(-2)).all(-1)
-    pick = torch.where(ok.any(-1), ok.int().argmax(-1), 0)                # argmax: the first True
+    pick = torch.where(ok.any(-1), ok.int().argmax(-1), 0)  # argmax: the first True
     return cand.gather(-1, pick.unsqueeze(-1))
 
 
@@ -110,8 +121,8 @@ def pack_main_fp4(x: torch.Tensor, group: int = MAIN_GROUP, prequantized: bool =
 
 def unpack_main_fp4(b: torch.Tensor, dtype: torch.dtype = torch.float32, group: int = MAIN_GROUP) -> torch.Tensor:
     c = _channels(b, group + 2, 2 * group, "main_fp4")
-    s = b[..., c // 2:].view(torch.float8_e4m3fn).float()
-    return _scaled(_unpack_nibbles(b[..., :c // 2]), s, group, dtype)
+    s = b[..., c // 2 :].view(torch.float8_e4m3fn).float()
+    return _scaled(_unpack_nibbles(b[..., : c // 2]), s, group, dtype)
 
 
 # ------------------------------------------------------------------ index K: e2m1 + ue8m0 per 32
@@ -123,7 +134,7 @@ def pack_index_fp4(x: torch.Tensor, group: int = INDEX_GROUP, prequantized: bool
 
 def unpack_index_fp4(b: torch.Tensor, dtype: torch.dtype = torch.float32, group: int = INDEX_GROUP) -> torch.Tensor:
     c = _channels(b, group + 2, 2 * group, "index_fp4")
-    return _scaled(_unpack_nibbles(b[..., :c // 2]), _exp2_biased(b[..., c // 2:]), group, dtype)
+    return _scaled(_unpack_nibbles(b[..., : c // 2]), _exp2_biased(b[..., c // 2 :]), group, dtype)
 
 
 # ------------------------------------------------------------------ BF16 debug rows
@@ -138,23 +149,35 @@ def unpack_bf16(b: torch.Tensor, dtype: torch.dtype = torch.float32, group: int 
 
 
 # ------------------------------------------------------------------ format descriptors
-_CODECS = {"swa_fp8": (pack_swa_fp8, unpack_swa_fp8), "main_fp4": (pack_main_fp4, unpack_main_fp4),
-           "index_fp4": (pack_index_fp4, unpack_index_fp4), "bf16": (pack_bf16, unpack_bf16)}
-_REFERENCE = {"swa_fp8": quant.fake_quant_fp8_pow2, "main_fp4": quant.fake_quant_fp4_e4m3scale,
-              "index_fp4": quant.fake_quant_fp4_pow2}
+_CODECS = {
+    "swa_fp8": (pack_swa_fp8, unpack_swa_fp8),
+    "main_fp4": (pack_main_fp4, unpack_main_fp4),
+    "index_fp4": (pack_index_fp4, unpack_index_fp4),
+    "bf16": (pack_bf16, unpack_bf16),
+}
+_REFERENCE = {
+    "swa_fp8": quant.fake_quant_fp8_pow2,
+    "main_fp4": quant.fake_quant_fp4_e4m3scale,
+    "index_fp4": quant.fake_quant_fp4_pow2,
+}
 
 
 @dataclass(frozen=True)
 class RowFormat:
     """One cache row format: `channels` values of `elem_bits` each, plus one scale byte per `group` (0: none)."""
+
     name: str
     channels: int
     group: int
     elem_bits: int
 
     def __post_init__(self):
-        if self.name not in _CODECS or self.channels <= 0 or (self.channels * self.elem_bits) % 8 \
-                or (self.group and self.channels % self.group):
+        if (
+            self.name not in _CODECS
+            or self.channels <= 0
+            or (self.channels * self.elem_bits) % 8
+            or (self.group and self.channels % self.group)
+        ):
             raise ValueError(f"invalid row format {self}")
 
     data_bytes = property(lambda self: self.channels * self.elem_bits // 8)
@@ -182,10 +205,10 @@ class RowFormat:
         return fq(x, self.group) if fq else x.to(torch.bfloat16).to(x.dtype)
 
 
-SWA_FP8 = RowFormat("swa_fp8", 512, SWA_GROUP, 8)        # 528 B
-MAIN_FP4 = RowFormat("main_fp4", 512, MAIN_GROUP, 4)     # 288 B
+SWA_FP8 = RowFormat("swa_fp8", 512, SWA_GROUP, 8)  # 528 B
+MAIN_FP4 = RowFormat("main_fp4", 512, MAIN_GROUP, 4)  # 288 B
 INDEX_FP4 = RowFormat("index_fp4", 128, INDEX_GROUP, 4)  # 68 B
-BF16_ROWS = RowFormat("bf16", 512, 0, 16)                # 1024 B
+BF16_ROWS = RowFormat("bf16", 512, 0, 16)  # 1024 B
 _PACKED = {"swa": SWA_FP8, "main": MAIN_FP4, "index": INDEX_FP4}
 
 

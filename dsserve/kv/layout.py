@@ -1,4 +1,5 @@
 """The paged cache's shape before allocation: which pools, which row formats, how many bytes."""
+
 from __future__ import annotations
 
 import math
@@ -33,6 +34,7 @@ class RawRows:
 @dataclass(frozen=True)
 class KVLayout:
     """Pools, row formats and bytes, derived from the model and the cache options, before any allocation."""
+
     block_size: int
     window: int
     window_layers: tuple[int, ...]
@@ -49,8 +51,14 @@ class KVLayout:
     pending_ring_bytes: int = 0
 
     @classmethod
-    def build(cls, cfg: ModelConfig, block_size: int | None = None, kv_cache_dtype: str = "auto",
-              dtype: torch.dtype = torch.float32, window_in_blocks: bool = False) -> "KVLayout":
+    def build(
+        cls,
+        cfg: ModelConfig,
+        block_size: int | None = None,
+        kv_cache_dtype: str = "auto",
+        dtype: torch.dtype = torch.float32,
+        window_in_blocks: bool = False,
+    ) -> "KVLayout":
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
         sources = sorted({r.kv_source for r in cfg.roles if r.owns_compressor})
@@ -58,20 +66,27 @@ class KVLayout:
         lcm = math.lcm(*ratios) if ratios else 1
         block_size = block_size or math.lcm(lcm, 64)
         if block_size % lcm:
-            raise ValueError(f"block_size {block_size} must be a multiple of every compress ratio {sorted(set(ratios))}")
+            raise ValueError(
+                f"block_size {block_size} must be a multiple of every compress ratio {sorted(set(ratios))}"
+            )
         index_dim = cfg.index_head_dim if any(r.owns_indexer for r in cfg.roles) else None
 
         def fmt(kind, channels):
             return format_for(kind, kv_cache_dtype, channels) if cfg.is_v41 else RawRows(channels, dtype)
 
-        return cls(block_size=block_size, window=cfg.sliding_window,
-                   window_layers=tuple(range(cfg.num_hidden_layers)),
-                   sources={s: (r, block_size // r) for s, r in zip(sources, ratios)},
-                   window_fmt=fmt("swa", cfg.head_dim), main_fmt=fmt("main", cfg.head_dim),
-                   index_fmt=fmt("index", index_dim) if index_dim else None,
-                   engram_lookback=cfg.engram_max_ngram_size - 1, window_in_blocks=window_in_blocks,
-                   resume_rows=0 if cfg.is_v41 else max((r for r in ratios if r == 4), default=0),
-                   pending_ring_bytes=0 if cfg.is_v41 else _pending_ring_bytes(cfg, dtype))
+        return cls(
+            block_size=block_size,
+            window=cfg.sliding_window,
+            window_layers=tuple(range(cfg.num_hidden_layers)),
+            sources={s: (r, block_size // r) for s, r in zip(sources, ratios)},
+            window_fmt=fmt("swa", cfg.head_dim),
+            main_fmt=fmt("main", cfg.head_dim),
+            index_fmt=fmt("index", index_dim) if index_dim else None,
+            engram_lookback=cfg.engram_max_ngram_size - 1,
+            window_in_blocks=window_in_blocks,
+            resume_rows=0 if cfg.is_v41 else max((r for r in ratios if r == 4), default=0),
+            pending_ring_bytes=0 if cfg.is_v41 else _pending_ring_bytes(cfg, dtype),
+        )
 
     @property
     def global_bytes_per_block(self) -> int:
@@ -110,8 +125,10 @@ class KVLayout:
         blocks = rest // self.bytes_per_block if self.bytes_per_block else 0
         if blocks < 1:
             need = slots * self.bytes_per_slot + self.bytes_per_block
-            raise ValueError(f"kv cache memory {memory_bytes:,} B is too small: {max_num_seqs} window slots and one "
-                             f"block need {need:,} B")
+            raise ValueError(
+                f"kv cache memory {memory_bytes:,} B is too small: {max_num_seqs} window slots and one "
+                f"block need {need:,} B"
+            )
         return int(blocks), slots
 
 

@@ -14,6 +14,7 @@ mode (no bounded replay) the window rows live in the blocks too, so a hit restor
 A ``SequenceKV`` is one request's view; it has the methods of ``SequenceCache`` so the model runs on it
 unchanged.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,31 +23,52 @@ from .block_pool import BlockPool, InvariantError
 from .layout import KV_CACHE_DTYPES, KVLayout, RawRows  # noqa: F401 - re-exported: the pools' shape
 from .prefix_cache import PrefixCache, block_hashes
 
+
 class PagedKVCache:
-    def __init__(self, layout: KVLayout, num_blocks: int, num_window_slots: int, dtype: torch.dtype = torch.float32,
-                 prefix_caching: bool = False, engram_token_map: torch.Tensor | None = None,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_blocks: int,
+        num_window_slots: int,
+        dtype: torch.dtype = torch.float32,
+        prefix_caching: bool = False,
+        engram_token_map: torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
+    ):
         self.layout, self.dtype, self.device = layout, dtype, torch.device(device)
         self.prefix = PrefixCache() if prefix_caching else None
         # Engram histories live on the host (a few ids a sequence): the host-table prefetch hashes them there,
         # and the device path uploads them without a wait
         self.engram_token_map = None if engram_token_map is None else engram_token_map.cpu()
-        self.blocks = BlockPool(num_blocks, "global KV block", on_evict=self.prefix.evict if self.prefix is not None else None)
+        self.blocks = BlockPool(
+            num_blocks, "global KV block", on_evict=self.prefix.evict if self.prefix is not None else None
+        )
         self.slots = BlockPool(num_window_slots, "window slot")
         u8, dev = torch.uint8, self.device
-        self.main = {s: torch.zeros(num_blocks, epb, layout.main_fmt.row_bytes, dtype=u8, device=dev)
-                     for s, (_, epb) in layout.sources.items()}
-        self.index = ({s: torch.zeros(num_blocks, epb, layout.index_fmt.row_bytes, dtype=u8, device=dev)
-                       for s, (_, epb) in layout.sources.items()} if layout.index_fmt else {})
+        self.main = {
+            s: torch.zeros(num_blocks, epb, layout.main_fmt.row_bytes, dtype=u8, device=dev)
+            for s, (_, epb) in layout.sources.items()
+        }
+        self.index = (
+            {
+                s: torch.zeros(num_blocks, epb, layout.index_fmt.row_bytes, dtype=u8, device=dev)
+                for s, (_, epb) in layout.sources.items()
+            }
+            if layout.index_fmt
+            else {}
+        )
         # The window: a ring per running request (slots), or, in exact-mode prefix caching, rows in the blocks.
         rows, n = (layout.block_size, num_blocks) if layout.window_in_blocks else (layout.window, num_window_slots)
-        self.window = {i: torch.zeros(n, rows, layout.window_fmt.row_bytes, dtype=u8, device=dev)
-                       for i in layout.window_layers}
+        self.window = {
+            i: torch.zeros(n, rows, layout.window_fmt.row_bytes, dtype=u8, device=dev) for i in layout.window_layers
+        }
         # The ring's position tags [slots, W] per layer, over a flat buffer with one spare element at the end: a
         # step's rows that store nothing scatter their tags there (no mask, so no count read back from the device)
-        self.window_tags = ({} if layout.window_in_blocks else
-                            {i: torch.full((n * rows + 1,), -1, dtype=torch.long, device=dev)
-                             for i in layout.window_layers})
+        self.window_tags = (
+            {}
+            if layout.window_in_blocks
+            else {i: torch.full((n * rows + 1,), -1, dtype=torch.long, device=dev) for i in layout.window_layers}
+        )
         self.window_pos = {i: t[:-1].view(n, rows) for i, t in self.window_tags.items()}
         self._carry: dict = {}  # see carry()
         self._rings: dict = {}  # see pending_ring()
@@ -73,8 +95,10 @@ class PagedKVCache:
             self._rings[key] = tuple(torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(2))
         ring = self._rings[key]
         if ring[0].shape[1:] != (rows, width) or ring[0].dtype != dtype:
-            raise InvariantError(f"compressor ring {key} is {tuple(ring[0].shape[1:])} {ring[0].dtype}, "
-                                 f"asked for {(rows, width)} {dtype}")
+            raise InvariantError(
+                f"compressor ring {key} is {tuple(ring[0].shape[1:])} {ring[0].dtype}, "
+                f"asked for {(rows, width)} {dtype}"
+            )
         return ring
 
     # -------------------------------------------------------------------------- per request
@@ -112,7 +136,7 @@ class PagedKVCache:
         seq.num_tokens = start
         if self.engram_token_map is not None and start:
             lb = self.layout.engram_lookback
-            seq.engram_history = self.engram_token_map[torch.tensor(tokens[max(0, start - lb):start])]
+            seq.engram_history = self.engram_token_map[torch.tensor(tokens[max(0, start - lb) : start])]
         return start
 
     def reset_prefix_cache(self) -> bool:
@@ -156,19 +180,23 @@ class PagedKVCache:
 
     def report(self) -> dict[str, int]:
         lay = self.layout
-        return {"global_blocks": self.blocks.num_blocks, "block_size": lay.block_size,
-                "global_bytes": self.blocks.num_blocks * lay.bytes_per_block,
-                "window_in_blocks": lay.window_in_blocks,
-                "global_bytes_per_token": lay.global_bytes_per_token(),
-                "window_slots": self.slots.num_blocks,
-                "window_bytes": self.slots.num_blocks * lay.bytes_per_window_slot,
-                "window_row_bytes": lay.window_fmt.row_bytes}
+        return {
+            "global_blocks": self.blocks.num_blocks,
+            "block_size": lay.block_size,
+            "global_bytes": self.blocks.num_blocks * lay.bytes_per_block,
+            "window_in_blocks": lay.window_in_blocks,
+            "global_bytes_per_token": lay.global_bytes_per_token(),
+            "window_slots": self.slots.num_blocks,
+            "window_bytes": self.slots.num_blocks * lay.bytes_per_window_slot,
+            "window_row_bytes": lay.window_fmt.row_bytes,
+        }
 
 
 class RingPending:
     """A sequence's pending compressor rows held in ``PagedKVCache.pending_ring`` since position ``first``: those the
     eager pooling would still keep at its token count (from the last complete group when ``overlap``, else from the
     first incomplete one; groups of ``ratio``), which need no host update per step. ``ring``: (rows, width, dtype)."""
+
     __slots__ = ("first", "ring", "ratio", "overlap")
 
     def __init__(self, first: int, ring: tuple[int, int, torch.dtype], ratio: int, overlap: bool):
@@ -256,8 +284,9 @@ class SequenceKV:
         _, epb = c.layout.sources[source]
         table = self.table()[: -(-n // epb)]
         main = c.layout.main_fmt.unpack(c.main[source][table].flatten(0, 1)[:n], c.dtype)
-        index = (c.layout.index_fmt.unpack(c.index[source][table].flatten(0, 1)[:n], c.dtype)
-                 if source in c.index else None)
+        index = (
+            c.layout.index_fmt.unpack(c.index[source][table].flatten(0, 1)[:n], c.dtype) if source in c.index else None
+        )
         self._unpacked = (source, n, main, index)
         return main, index
 

@@ -10,6 +10,7 @@ hands the kernels flat pools ([rows, bytes]) plus, per query row t of the step:
 - ``window_store_rows`` [T] int64: where this step's window rows go (-1: overwritten within the step).
 It also carries what index sources publish to later layers of the same forward (top-k, candidate blocks).
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,15 @@ from .paged import PagedKVCache
 
 # layout row format -> the kernels' format name. V4's raw rows: bf16 ones are formats.BF16_ROWS byte for byte;
 # fp32 / fp64 ones only the torch references read (their kinds name the dtype).
-FORMAT_KIND = {"swa_fp8": "fp8", "main_fp4": "fp4", "index_fp4": "fp4", "bf16": "bf16", "raw-bfloat16": "bf16",
-               "raw-float32": "raw-float32", "raw-float64": "raw-float64"}
+FORMAT_KIND = {
+    "swa_fp8": "fp8",
+    "main_fp4": "fp4",
+    "index_fp4": "fp4",
+    "bf16": "bf16",
+    "raw-bfloat16": "bf16",
+    "raw-float32": "raw-float32",
+    "raw-float64": "raw-float64",
+}
 _REFERENCE_ONLY = ("attention", "indexer")  # the ops that read pool rows in a raw fp32 / fp64 format
 
 
@@ -47,7 +55,7 @@ class PagedBatch:
         mb = max(1, max(len(s.cache.block_table) for s in seqs))
         tables = torch.full((len(seqs), mb), -1, dtype=torch.int32)
         for i, s in enumerate(seqs):
-            tables[i, :len(s.cache.block_table)] = torch.tensor(s.cache.block_table, dtype=torch.int32)
+            tables[i, : len(s.cache.block_table)] = torch.tensor(s.cache.block_table, dtype=torch.int32)
         self.seq_tables = _upload(tables, dev)
         self.block_rows = self.seq_tables[self.row_seq]
         self.slots = _upload(torch.tensor([s.cache.slot for s in seqs], dtype=torch.long)[row_seq.long()], dev)
@@ -76,8 +84,11 @@ class PagedBatch:
     @staticmethod
     def layout_supported(layout, ops) -> bool:
         """Whether the ops read this layout's row formats (see ``supports``)."""
-        kinds = [FORMAT_KIND.get(getattr(f, "name", None))
-                 for f in (layout.window_fmt, layout.main_fmt, layout.index_fmt) if f is not None]
+        kinds = [
+            FORMAT_KIND.get(getattr(f, "name", None))
+            for f in (layout.window_fmt, layout.main_fmt, layout.index_fmt)
+            if f is not None
+        ]
         if None in kinds:
             return False
         return all(not k.startswith("raw-") for k in kinds) or all(op in ops.reference for op in _REFERENCE_ONLY)
@@ -165,17 +176,23 @@ class PagedBatch:
                 n = s.rows.stop - s.rows.start
                 first = s.first if s.first is not None else s.cache.num_tokens
                 # exact mode: not the rows run again before a prefix hit (already in the shared cached blocks)
-                keep = (range(max(0, s.cache.published_until - first), n) if lay.window_in_blocks
-                        else range(max(0, n - w), n))
+                keep = (
+                    range(max(0, s.cache.published_until - first), n)
+                    if lay.window_in_blocks
+                    else range(max(0, n - w), n)
+                )
                 for i in keep:
                     p = first + i
                     src.append(row + i)
-                    dst.append(s.cache.block_table[p // bs] * bs + p % bs if lay.window_in_blocks
-                               else s.cache.slot * w + p % w)
+                    dst.append(
+                        s.cache.block_table[p // bs] * bs + p % bs if lay.window_in_blocks else s.cache.slot * w + p % w
+                    )
                 row += n
             dev = self.positions.device
-            self._store_pairs = (_upload(torch.tensor(src, dtype=torch.long), dev),
-                                 _upload(torch.tensor(dst, dtype=torch.long), dev))
+            self._store_pairs = (
+                _upload(torch.tensor(src, dtype=torch.long), dev),
+                _upload(torch.tensor(dst, dtype=torch.long), dev),
+            )
         return self._store_pairs
 
     def record_window(self, layer: int, rows: torch.Tensor) -> None:

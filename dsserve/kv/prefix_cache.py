@@ -4,19 +4,21 @@ Only the persistent state is cached: the global main KV and index keys, which de
 (through the encoder). The sliding window is rebuilt on a hit by bounded replay; in exact mode (replay
 off) the window rows are stored with the blocks too. A block becomes shareable as soon as it is full.
 """
+
 from __future__ import annotations
 
 import hashlib
 import struct
 
 
-def block_hashes(tokens: list[int], block_size: int, salt: str | None = None, start: int = 0,
-                 parent: bytes | None = None) -> list[bytes]:
+def block_hashes(
+    tokens: list[int], block_size: int, salt: str | None = None, start: int = 0, parent: bytes | None = None
+) -> list[bytes]:
     """Chained digests of the full blocks from block ``start`` on; each covers every token before it."""
     out = []
     h = parent if parent is not None else hashlib.blake2b((salt or "").encode(), digest_size=16).digest()
     for b in range(start, len(tokens) // block_size):
-        chunk = tokens[b * block_size:(b + 1) * block_size]
+        chunk = tokens[b * block_size : (b + 1) * block_size]
         h = hashlib.blake2b(h + struct.pack(f"<{len(chunk)}q", *chunk), digest_size=16).digest()
         out.append(h)
     return out

@@ -7,6 +7,7 @@ sequence, consecutive positions, sequences in order) with up to ``seq_capacity``
 the last real row (same sequence, same position), so they read what it reads and, masked by ``real``, write
 nothing. The decoder layers own no compressor and no Engram, so nothing here counts entries.
 """
+
 from __future__ import annotations
 
 import torch

@@ -4,10 +4,10 @@ Kinds (spec 3.1): a sliding window of post-RoPE K=V rows per layer, the global c
 keys per KV source layer, the compressor's not-yet-pooled rows per source, and the Engram token lookback.
 The paged engine implements the same methods over its block pools.
 """
+
 from __future__ import annotations
 
 import torch
-
 
 # made once: a cache made inside a captured training step (train.step) must not make host tensors
 _NO_HISTORY = torch.empty(0, dtype=torch.long)
@@ -34,7 +34,7 @@ class SequenceCache:
         old_k, old_p = self._swa.get(layer, (None, None))
         if old_k is not None:
             keys, positions = torch.cat((old_k, keys)), torch.cat((old_p, positions))
-        self._swa[layer] = (keys[-self.window:].clone(), positions[-self.window:].clone())
+        self._swa[layer] = (keys[-self.window :].clone(), positions[-self.window :].clone())
 
     # global compressed KV ------------------------------------------------------------
     def global_kv(self, source: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -64,7 +64,7 @@ class SequenceCache:
     def push_engram_history(self, compressed_ids: torch.Tensor) -> None:
         hist = self.engram_history
         joined = torch.cat((hist.to(compressed_ids.device), compressed_ids)) if hist.numel() else compressed_ids
-        self.engram_history = joined[-self.engram_lookback:]
+        self.engram_history = joined[-self.engram_lookback :]
 
     def num_entries(self, source: int) -> int:
         m = self._main.get(source)

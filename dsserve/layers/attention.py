@@ -5,6 +5,7 @@ computes for the long range: a Full layer compresses its input into the global K
 a Reindex layer runs only its indexer query against the source's keys; a Reuse layer takes the latest
 top-k as published. V4 layers own their compressor; its ratio-128 (HCA) layers read every visible entry.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,14 +19,22 @@ from .compressor import Compressor
 from .context import ForwardContext
 from .indexer import NEG_INF, Indexer, candidate_pool, stable_topk, visible_entries
 from .norm import RMSNorm, rms_norm
-from .rope import Rope, RopeSpec
 from .numerics import acc
+from .rope import Rope, RopeSpec
 
 
 def rope_for(cfg: ModelConfig, role: LayerRole) -> Rope:
     if role.yarn:
-        return Rope(RopeSpec(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.yarn_factor,
-                             cfg.yarn_original_max_position, cfg.yarn_beta_fast, cfg.yarn_beta_slow))
+        return Rope(
+            RopeSpec(
+                cfg.qk_rope_head_dim,
+                cfg.compress_rope_theta,
+                cfg.yarn_factor,
+                cfg.yarn_original_max_position,
+                cfg.yarn_beta_fast,
+                cfg.yarn_beta_slow,
+            )
+        )
     return Rope(RopeSpec(cfg.qk_rope_head_dim, cfg.rope_theta))
 
 
@@ -87,12 +96,15 @@ def banded_attention_with_sink(q, keys, window, entries, entry_mask, sink, scale
         parts.append(le * scale)
     parts.append(sink.to(q.dtype)[:, None].expand(s, n, h, 1))
     p = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
-    pw = torch.cat((p[..., :2 * window], p.new_zeros(s, padded - n, h, 2 * window)), 1)
+    pw = torch.cat((p[..., : 2 * window], p.new_zeros(s, padded - n, h, 2 * window)), 1)
     o = torch.einsum("scwhk,sckd->scwhd", pw.view(s, blocks, window, h, 2 * window), kb).reshape(s, padded, h, d)[:, :n]
     if entries is not None:
-        pe = p[..., 2 * window:-1]
-        o = o + (torch.einsum("slhn,snd->slhd", pe, entries) if entries.dim() == 3
-                 else torch.einsum("slhk,slkd->slhd", pe, entries))
+        pe = p[..., 2 * window : -1]
+        o = o + (
+            torch.einsum("slhn,snd->slhd", pe, entries)
+            if entries.dim() == 3
+            else torch.einsum("slhk,slkd->slhd", pe, entries)
+        )
     return o
 
 
@@ -111,17 +123,29 @@ class CSA2Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.zeros(h))
         self.rope = rope_for(cfg, role)
         v4 = not cfg.is_v41
-        self.compressor = (Compressor(d, hd, role.ratio, cfg.rms_norm_eps, overlap=v4 and role.ratio == 4, ape=v4)
-                           if role.owns_compressor else None)
+        self.compressor = (
+            Compressor(d, hd, role.ratio, cfg.rms_norm_eps, overlap=v4 and role.ratio == 4, ape=v4)
+            if role.owns_compressor
+            else None
+        )
         self.indexer = None
         if role.owns_indexer:
-            self.indexer = Indexer(d, cfg.q_lora_rank, hd, cfg.index_n_heads, cfg.index_head_dim,
-                                   cfg.qk_rope_head_dim, cfg.rms_norm_eps,
-                                   owns_keys=role.owns_compressor and cfg.is_v41, owns_query=True,
-                                   rotate=not cfg.is_v41)
+            self.indexer = Indexer(
+                d,
+                cfg.q_lora_rank,
+                hd,
+                cfg.index_n_heads,
+                cfg.index_head_dim,
+                cfg.qk_rope_head_dim,
+                cfg.rms_norm_eps,
+                owns_keys=role.owns_compressor and cfg.is_v41,
+                owns_query=True,
+                rotate=not cfg.is_v41,
+            )
             if v4:  # V4's indexer compresses its own keys from the hidden states
-                self.indexer.compressor = Compressor(d, cfg.index_head_dim, role.ratio, cfg.rms_norm_eps,
-                                                     overlap=True, ape=True)
+                self.indexer.compressor = Compressor(
+                    d, cfg.index_head_dim, role.ratio, cfg.rms_norm_eps, overlap=True, ape=True
+                )
 
     # ------------------------------------------------------------------ global KV (KV sources)
     def compress(self, x: torch.Tensor, ctx: ForwardContext) -> None:
@@ -129,9 +153,11 @@ class CSA2Attention(nn.Module):
         ctx.log(self.role.index, "compressor")
         if ctx.paged is not None and self.cfg.is_v41:  # V4's compressors (overlap, APE) pool per sequence
             from .compress_paged import compress_paged
+
             return compress_paged(self, x, ctx)
         if getattr(ctx.paged, "is_decode", False):  # V4 in a fixed-shape decode step
             from .compress_v4_decode import compress_decode_v4
+
             return compress_decode_v4(self, x, ctx)
         r = self.role.ratio
         work = []  # (cache, first row in x, end row, position of the first row) of each sequence with rows to pool
@@ -160,13 +186,20 @@ class CSA2Attention(nn.Module):
         latents, iks, positions, counts = [], [], [], []
         for cache, a, b, start in work:
             emitted = cache.num_entries(layer)
-            latent, pend = self.compressor(x[a:b], start, cache.pending(layer), emitted,
-                                           None if uz is None else (uz[0][a:b], uz[1][a:b]), norm=False)
+            latent, pend = self.compressor(
+                x[a:b],
+                start,
+                cache.pending(layer),
+                emitted,
+                None if uz is None else (uz[0][a:b], uz[1][a:b]),
+                norm=False,
+            )
             if r > 1:
                 cache.set_pending(layer, pend)
             if icomp is not None:  # V4: the indexer's own compressor, with a pending slot of its own
-                ik, ipend = icomp(x[a:b], start, cache.pending(-1 - layer), emitted, (iuz[0][a:b], iuz[1][a:b]),
-                                  norm=False)
+                ik, ipend = icomp(
+                    x[a:b], start, cache.pending(-1 - layer), emitted, (iuz[0][a:b], iuz[1][a:b]), norm=False
+                )
                 cache.set_pending(-1 - layer, ipend)
                 iks.append(ik)
             latents.append(latent)
@@ -249,6 +282,7 @@ class CSA2Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if ctx.paged is not None:
             from .attention_paged import forward_paged  # the batched kernel path over the paged pools
+
             return forward_paged(self, x, ctx)
         cfg, role, pos = self.cfg, self.role, ctx.positions
         # with kernel ops (a cache the paged path cannot read, e.g. V4's fp32 rows on a GPU): the query's norms and
@@ -273,8 +307,9 @@ class CSA2Attention(nn.Module):
         if ctx.static and self._one_shape(ctx.seqs):
             return self.output(self._attend_one_shape(q, kv, index_q, select, ctx), pos, x.dtype, ops, cos_sin)
         if ctx.segment_first is not None:
-            raise ValueError("packed problems (segment_first) are isolated only in a static step of fresh sequences "
-                             "of one length")
+            raise ValueError(
+                "packed problems (segment_first) are isolated only in a static step of fresh sequences of one length"
+            )
         for i, seq in enumerate(ctx.seqs):
             r = seq.rows
             if r.stop == r.start:
@@ -284,15 +319,23 @@ class CSA2Attention(nn.Module):
             if role.ratio:
                 index_k = None if self.indexer is None else cache.global_kv(role.kv_source)[1]
                 iq = None if index_q is None else (index_q[0][r], index_q[1][r])
-                sel = (self._select(i, iq, p, index_k, cache, ctx) if select
-                       else None if ctx.dense_entries else ctx.topk[i])
+                sel = (
+                    self._select(i, iq, p, index_k, cache, ctx)
+                    if select
+                    else None
+                    if ctx.dense_entries
+                    else ctx.topk[i]
+                )
                 if ctx.index_kl is not None and iq is not None and index_k.shape[0]:  # training the indexer
                     ctx.index_kl.append(self._index_kl(q[r], iq, p, index_k, cache.global_kv(role.kv_source)[0]))
             old_k, old_p = cache.window_rows(role.index)
             win_k = kv[r] if old_k is None else torch.cat((old_k.to(kv.dtype), kv[r]))
             win_p = p if old_p is None else torch.cat((old_p, p))
-            win_mask = ((win_p[None, :] <= p[:, None]) & (win_p[None, :] > p[:, None] - cfg.sliding_window)
-                        & (win_p[None, :] >= 0))  # a paged ring's empty rows carry position -1
+            win_mask = (
+                (win_p[None, :] <= p[:, None])
+                & (win_p[None, :] > p[:, None] - cfg.sliding_window)
+                & (win_p[None, :] >= 0)
+            )  # a paged ring's empty rows carry position -1
             cache.push_window(role.index, kv[r], p)
             if role.ratio and ctx.dense_entries:  # every visible entry, as keys beside the window's
                 entries = cache.global_kv(role.kv_source)[0]
@@ -301,16 +344,18 @@ class CSA2Attention(nn.Module):
             sel_k = sel_mask = None
             if sel is not None and sel[0].shape[1]:
                 sel_k, sel_mask = cache.global_kv(role.kv_source)[0].to(kv.dtype)[sel[0]], sel[1]
-            o[r] = sparse_attention_with_sink(q[r], win_k, win_mask, sel_k, sel_mask, self.attn_sink,
-                                              cfg.head_dim ** -0.5)
+            o[r] = sparse_attention_with_sink(
+                q[r], win_k, win_mask, sel_k, sel_mask, self.attn_sink, cfg.head_dim**-0.5
+            )
         return self.output(o, pos, x.dtype, ops, cos_sin)
 
     @staticmethod
     def _one_shape(seqs) -> bool:
         """The sequences are fresh (from position 0) and of one length, laid out one after another."""
         n = seqs[0].rows.stop - seqs[0].rows.start
-        return n > 0 and all(s.first == 0 and s.rows.start == i * n and s.rows.stop == (i + 1) * n
-                             for i, s in enumerate(seqs))
+        return n > 0 and all(
+            s.first == 0 and s.rows.start == i * n and s.rows.stop == (i + 1) * n for i, s in enumerate(seqs)
+        )
 
     def _attend_one_shape(self, q, kv, index_q, select: bool, ctx: ForwardContext) -> torch.Tensor:
         """The training step's sequences (``_one_shape``) attend as one [S, L, ...] batch, and each row reads its window
@@ -343,13 +388,17 @@ class CSA2Attention(nn.Module):
             elif select and self.indexer is None:  # V4 HCA: every visible entry is its top-k
                 entries, entry_mask = (main, every) if main.shape[1] else (None, None)
             else:
-                idx, valid = self._select_rows(iq, p, index_k, n_vis, ctx, own) if select else (
-                    torch.stack([t[0] for t in ctx.topk]), torch.stack([t[1] for t in ctx.topk]))
+                idx, valid = (
+                    self._select_rows(iq, p, index_k, n_vis, ctx, own)
+                    if select
+                    else (torch.stack([t[0] for t in ctx.topk]), torch.stack([t[1] for t in ctx.topk]))
+                )
                 if idx.shape[-1]:
                     entries = main[torch.arange(s, device=p.device)[:, None, None], idx]  # [S, L, K, D]
                     entry_mask = valid
-        o = banded_attention_with_sink(q, kv.view(s, n, -1), cfg.sliding_window, entries, entry_mask,
-                                       self.attn_sink, cfg.head_dim ** -0.5, first)
+        o = banded_attention_with_sink(
+            q, kv.view(s, n, -1), cfg.sliding_window, entries, entry_mask, self.attn_sink, cfg.head_dim**-0.5, first
+        )
         return o.flatten(0, 1)
 
     def _select_rows(self, index_q, pos, index_k, n_vis, ctx: ForwardContext, own=None):
@@ -382,7 +431,7 @@ class CSA2Attention(nn.Module):
         # masked, not indexed: no read-back, so a training step can run as a CUDA graph (rows that see no entry get
         # finite stand-ins, then weight 0)
         with torch.no_grad():
-            scale = self.cfg.head_dim ** -0.5
+            scale = self.cfg.head_dim**-0.5
             logits = torch.einsum("...thd,...nd->...thn", acc(q), acc(main_k).to(acc(q).dtype)) * scale
             logits = logits.masked_fill(~finite[..., None, :], float("-inf")).masked_fill(~seen[..., None, None], 0.0)
             p = torch.softmax(logits, -1).mean(-2)

@@ -9,6 +9,7 @@ reference (``ctx.ops``). A long bf16 chunk reads its keys from bf16 tables unpac
 stream bf16 rows through shared memory). V4 takes the same path over its raw rows: its window entries carry
 V4's own QAT and are stored raw, its HCA layers read every visible entry, its compressors pool per sequence.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,7 +19,6 @@ from ..kv.paged_batch import FORMAT_KIND
 from .compress_v4_decode import store_raw_rows
 from .context import ForwardContext
 from .numerics import fp32_param
-
 
 # A key table costs ~0.65 ns a row to unpack and saves ~0.2 us a query row of attention (H200, 64 heads x 512
 # channels; scratch sweep of 128-4096 rows over 32K entries): built for at most TABLE_ROWS_PER_QUERY_ROW rows a query
@@ -33,8 +33,10 @@ def _pad_topk(idx: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Ten
     if n == k:
         return idx, valid
     pad = k - n
-    return (torch.cat((idx, idx.new_zeros(idx.shape[0], pad)), 1),
-            torch.cat((valid, valid.new_zeros(valid.shape[0], pad)), 1))
+    return (
+        torch.cat((idx, idx.new_zeros(idx.shape[0], pad)), 1),
+        torch.cat((valid, valid.new_zeros(valid.shape[0], pad)), 1),
+    )
 
 
 def _select(attn, x, q_lat, ctx: ForwardContext, cos, sin):
@@ -70,6 +72,7 @@ def _select(attn, x, q_lat, ctx: ForwardContext, cos, sin):
             ctx.probe.add(role.index, s)
         idx, valid = ops.topk(s, k)
         from ..kernels.indexer import candidate_entries
+
         idx = candidate_entries(step.cand_blocks, cbs, idx)
     else:
         s = ops.index_scores(q, w, pool, fmt, tables, step.row_seq, entries, n_vis, step.num_entries(src))
@@ -86,15 +89,17 @@ def _key_tables(ops, q: torch.Tensor) -> bool:
     """A prefill chunk in bf16 on the attention kernel: its keys are read from bf16 tables (the prefill kernel
     then streams them into shared memory by cp.async: 2.7 vs 4.5 ms an 8K chunk with FP8 / FP4 decoded in
     registers on the H200, 8.1 ms on the general kernel; kernels/sparse_attention_prefill.py)."""
-    return (q.dtype == torch.bfloat16 and ops.uses_triton("attention")
-            and q.shape[0] >= sparse_attention_prefill.PREFILL_MIN_ROWS)
+    return (
+        q.dtype == torch.bfloat16
+        and ops.uses_triton("attention")
+        and q.shape[0] >= sparse_attention_prefill.PREFILL_MIN_ROWS
+    )
 
 
 def _index_tables(ops, q: torch.Tensor) -> bool:
     """A long chunk in bf16 on the indexer kernel: its source layers score bf16 index keys (the many-row kernel
     streams them into shared memory; kernels/indexer_prefill.py)."""
-    return (q.dtype == torch.bfloat16 and ops.uses_triton("indexer")
-            and q.shape[0] >= indexer_prefill.PREFILL_ROWS)
+    return q.dtype == torch.bfloat16 and ops.uses_triton("indexer") and q.shape[0] >= indexer_prefill.PREFILL_ROWS
 
 
 def _worth_it(table_rows: int, query_rows: int, channels: int) -> bool:
@@ -126,11 +131,21 @@ def _entry_table(ops, pool: torch.Tensor, fmt: str, step, epb: int, query_rows: 
     return made
 
 
-def _main_table(ops, pool: torch.Tensor, fmt: str, sel_rows: torch.Tensor, idx: torch.Tensor, step, epb: int,
-                channels: int, src: int):
+def _main_table(
+    ops,
+    pool: torch.Tensor,
+    fmt: str,
+    sel_rows: torch.Tensor,
+    idx: torch.Tensor,
+    step,
+    epb: int,
+    channels: int,
+    src: int,
+):
     """The main entries as an entry table; the selected rows renumbered into it (absent ones stay -1)."""
-    made = None if fmt == "bf16" else _entry_table(ops, pool, fmt, step, epb, sel_rows.shape[0], channels,
-                                                    ("main", src))
+    made = (
+        None if fmt == "bf16" else _entry_table(ops, pool, fmt, step, epb, sel_rows.shape[0], channels, ("main", src))
+    )
     if made is None:
         return pool, fmt, sel_rows
     table, e = made
@@ -154,8 +169,17 @@ def forward_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
     decode = getattr(step, "is_decode", False)
     if cfg.is_v41:
         kv_proj = attn.wkv(x)
-        kv = ops.store_window(kv_proj, norm.weight, norm.eps, cos, sin, win_pool,
-                              step.window_store_rows() if decode else step.no_rows(), win_fmt, qat=ctx.qat)
+        kv = ops.store_window(
+            kv_proj,
+            norm.weight,
+            norm.eps,
+            cos,
+            sin,
+            win_pool,
+            step.window_store_rows() if decode else step.no_rows(),
+            win_fmt,
+            qat=ctx.qat,
+        )
     else:
         kv = attn.window_entry(x, ctx.positions, ctx.qat, ops, (cos, sin))
 
@@ -173,11 +197,25 @@ def forward_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         epb = lay.sources[src][1]
         sel_rows = ops.entry_rows(idx, valid, step.seq_tables, step.row_seq, epb)
         if tables:
-            main_pool, main_fmt, sel_rows = _main_table(ops, main_pool, main_fmt, sel_rows, idx, step, epb,
-                                                        cfg.head_dim, src)
-    o = ops.sparse_attention(q, cos, sin, win_keys, win_keys_fmt, step.old_window_rows(role.index, ops), kv,
-                             step.row_first, main_pool, main_fmt, sel_rows, fp32_param(attn.attn_sink),
-                             cfg.head_dim ** -0.5, out_dtype=x.dtype)
+            main_pool, main_fmt, sel_rows = _main_table(
+                ops, main_pool, main_fmt, sel_rows, idx, step, epb, cfg.head_dim, src
+            )
+    o = ops.sparse_attention(
+        q,
+        cos,
+        sin,
+        win_keys,
+        win_keys_fmt,
+        step.old_window_rows(role.index, ops),
+        kv,
+        step.row_first,
+        main_pool,
+        main_fmt,
+        sel_rows,
+        fp32_param(attn.attn_sink),
+        cfg.head_dim**-0.5,
+        out_dtype=x.dtype,
+    )
 
     rows = step.window_store_rows()
     if cfg.is_v41:
@@ -190,4 +228,3 @@ def forward_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         win_pool.view(lay.window_fmt.dtype).index_copy_(0, dst_rows, kv[src_rows].to(lay.window_fmt.dtype))
     step.record_window(role.index, rows)
     return attn.project(o)
-

@@ -14,6 +14,7 @@ window slot; how many it has is host state (``SequenceKV.carried``). Two forms:
   carry; the rows of each sequence's last incomplete group become the carry. The host's counts follow in
   ``EncoderBatch.commit``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,11 +39,32 @@ def _store(attn, ctx: ForwardContext, u, z, r: int, cos_sin, rows: torch.Tensor,
     layer, comp, ops = attn.role.index, attn.compressor, ctx.ops
     cache, lay = ctx.paged.cache, ctx.paged.cache.layout
     cos, sin = cos_sin
-    latent, _ = ops.store_main(u, z, r, comp.norm.weight, comp.norm.eps, cos, sin, cache.main[layer].flatten(0, 1),
-                               rows, FORMAT_KIND[lay.main_fmt.name], qat=ctx.qat, out_dtype=dtype)
+    latent, _ = ops.store_main(
+        u,
+        z,
+        r,
+        comp.norm.weight,
+        comp.norm.eps,
+        cos,
+        sin,
+        cache.main[layer].flatten(0, 1),
+        rows,
+        FORMAT_KIND[lay.main_fmt.name],
+        qat=ctx.qat,
+        out_dtype=dtype,
+    )
     ix = attn.indexer
-    ops.store_index(ix.wk(latent), ix.k_norm.weight, ix.eps, cos, sin, cache.index[layer].flatten(0, 1), rows,
-                    FORMAT_KIND[lay.index_fmt.name], qat=ctx.qat)
+    ops.store_index(
+        ix.wk(latent),
+        ix.k_norm.weight,
+        ix.eps,
+        cos,
+        sin,
+        cache.index[layer].flatten(0, 1),
+        rows,
+        FORMAT_KIND[lay.index_fmt.name],
+        qat=ctx.qat,
+    )
 
 
 def compress_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> None:
@@ -85,17 +107,18 @@ def compress_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> None:
         n = done - emitted if r > 1 else m
         if n > 0:
             s = emitted * r - first_pos if r > 1 else 0
-            pick.extend(flat[at + s: at + s + n * r])
+            pick.extend(flat[at + s : at + s + n * r])
             bt = seq_kv.block_table
             if (emitted + n - 1) // epb >= len(bt):
-                raise InvariantError(f"entry {emitted + n - 1} of source {layer} has no block: the scheduler "
-                                     "under-allocated")
+                raise InvariantError(
+                    f"entry {emitted + n - 1} of source {layer} has no block: the scheduler under-allocated"
+                )
             entries.extend(range(emitted, emitted + n))
             rows.extend(bt[e // epb] * epb + e % epb for e in range(emitted, emitted + n))
             seq_kv._entries[layer] = emitted + n
         if r > 1:  # what the next step prepends: rows from the first incomplete group on
             keep_from = max(done * r, first_pos)
-            kept = flat[at + keep_from - first_pos: at + width]
+            kept = flat[at + keep_from - first_pos : at + width]
             carry_src.extend(kept)
             carry_dst.extend(seq_kv.slot * (r - 1) + j for j in range(len(kept)))
             seq_kv.carried[layer] = len(kept)
@@ -113,8 +136,16 @@ def compress_paged(attn, x: torch.Tensor, ctx: ForwardContext) -> None:
     if pick != list(range(u.shape[0])):  # all rows in order (a one-shot prefill) needs no gather
         idx = _upload(torch.tensor(pick), dev)
         u, z = u[idx], None if z is None else z[idx]
-    _store(attn, ctx, u, z, r, attn.rope.kernel_tables(_upload(torch.tensor(entries) * r, dev), x.dtype),
-           _upload(torch.tensor(rows, dtype=torch.long), dev), x.dtype)
+    _store(
+        attn,
+        ctx,
+        u,
+        z,
+        r,
+        attn.rope.kernel_tables(_upload(torch.tensor(entries) * r, dev), x.dtype),
+        _upload(torch.tensor(rows, dtype=torch.long), dev),
+        x.dtype,
+    )
 
 
 def compress_decode(attn, x: torch.Tensor, ctx: ForwardContext) -> None:

@@ -9,6 +9,7 @@ entry only where the row completes its group (``DecodeBatch.entry_stores``: -1 e
 positions the ring holds) follows from the token count (``RingPending``); the eager path reads the ring back through
 ``SequenceKV.pending``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,8 +55,7 @@ def _ring_rows(step, r: int, rows: int):
         base = step.carry_slots * rows
         first = (torch.div(p, r, rounding_mode="floor") - (rows // r - 1)) * r
         q = first[:, None] + torch.arange(rows, device=p.device)  # [T, rows] the positions pooled
-        step.derived[key] = (base + p % rows, base[:, None] + q.remainder(rows), q.remainder(r),
-                                   (q >= 0)[:, :, None])
+        step.derived[key] = (base + p % rows, base[:, None] + q.remainder(rows), q.remainder(r), (q >= 0)[:, :, None])
     return step.derived[key]
 
 
@@ -71,7 +71,9 @@ def _pooled(comp, key: int, x: torch.Tensor, step) -> torch.Tensor:
     uw, zw = ring_u.flatten(0, 1)[at], ring_z.flatten(0, 1)[at]
     if comp.ape is not None:
         zw = zw + acc_param(comp.ape)[slot]
-    if comp.overlap:  # the empty group's weights are 0 (its stale u then counts for nothing, as the zeros it stands for)
+    if (
+        comp.overlap
+    ):  # the empty group's weights are 0 (its stale u then counts for nothing, as the zeros it stands for)
         zw = torch.where(live, zw, float("-inf"))
         uw = torch.cat((uw[:, :r, :c], uw[:, r:, c:]), dim=1)
         zw = torch.cat((zw[:, :r, :c], zw[:, r:, c:]), dim=1)
@@ -84,6 +86,7 @@ def store_raw_rows(pool: torch.Tensor, fmt, rows: torch.Tensor, values: torch.Te
     flat = pool.view(-1, pool.shape[-1])
     if fmt.dtype == torch.bfloat16 and ops.uses_triton("kv_write"):
         from ..kernels.kv_write import quantize_rows
+
         quantize_rows(values.to(torch.bfloat16), flat, rows, "bf16")
         return
     keep = rows >= 0
@@ -103,8 +106,9 @@ def compress_decode_v4(attn, x: torch.Tensor, ctx: ForwardContext) -> None:
     store_raw_rows(cache.main[layer], lay.main_fmt, rows, main, ops)
     icomp = None if attn.indexer is None else getattr(attn.indexer, "compressor", None)
     if icomp is not None and layer in cache.index:
-        ik = ops.rope_inplace(ops.rms_norm(_pooled(icomp, -1 - layer, x, step), icomp.norm.weight, icomp.norm.eps),
-                              *tables)
+        ik = ops.rope_inplace(
+            ops.rms_norm(_pooled(icomp, -1 - layer, x, step), icomp.norm.weight, icomp.norm.eps), *tables
+        )
         if ctx.qat:
             ik = ops.fake_quant_fp4_pow2(quant.hadamard_rotate(ik), 32)
         store_raw_rows(cache.index[layer], lay.index_fmt, rows, ik, ops)

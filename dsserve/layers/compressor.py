@@ -8,6 +8,7 @@ Rows that cannot be pooled yet (a dangling half-group; with overlap, also the la
 in the cache as raw (u, z) and prepended on the next call, so chunked prefill and decode emit exactly the
 entries a one-shot prefill would.
 """
+
 from __future__ import annotations
 
 import torch
@@ -66,11 +67,11 @@ class Compressor(nn.Module):
     def _pool(self, u, z, first_pos, g0, g1):
         r, c = self.ratio, self.head_dim
         if self.ape is not None:
-            slot = (torch.arange(first_pos, first_pos + u.shape[0], device=u.device) % r)
+            slot = torch.arange(first_pos, first_pos + u.shape[0], device=u.device) % r
             z = z + self.ape.to(z.dtype)[slot]
         if not self.overlap:
             s, n = g0 * r - first_pos, g1 - g0
-            uw, zw = u[s:s + n * r].view(n, r, c), z[s:s + n * r].view(n, r, c)
+            uw, zw = u[s : s + n * r].view(n, r, c), z[s : s + n * r].view(n, r, c)
         else:
             # Entry w mixes window w-1's first half (Ca) and window w's second half (Cb); window -1 is empty.
             if g0 == 0:
@@ -78,7 +79,7 @@ class Compressor(nn.Module):
                 z = torch.cat((z.new_full((r, 2 * c), float("-inf")), z))
                 first_pos -= r
             s, n = (g0 - 1) * r - first_pos, g1 - g0 + 1
-            wu, wz = u[s:s + n * r].view(n, r, 2 * c), z[s:s + n * r].view(n, r, 2 * c)
+            wu, wz = u[s : s + n * r].view(n, r, 2 * c), z[s : s + n * r].view(n, r, 2 * c)
             uw = torch.cat((wu[:-1, :, :c], wu[1:, :, c:]), dim=1)
             zw = torch.cat((wz[:-1, :, :c], wz[1:, :, c:]), dim=1)
         return (torch.softmax(zw, dim=1) * uw).sum(1)

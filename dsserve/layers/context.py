@@ -5,6 +5,7 @@ A forward runs a flat batch of rows from several sequences (prefill chunks and d
 work (projections, mHC, MoE) runs on all rows at once; sequence-wise work (window and global KV reads,
 the compressor, the indexer, Engram hashing) runs per ``SeqRows``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ class SeqRows:
 class KeptRows:
     """Bounded replay's narrowing, decided on the host: per sequence the number of its last rows that continue
     (a suffix), and their indices in the flat batch (uploaded without a wait)."""
+
     counts: tuple[int, ...]
     index: torch.Tensor  # [sum(counts)] int64 on the rows' device
 
@@ -77,8 +79,11 @@ class ForwardContext:
         seqs, hist, topk, cands, start, idx = [], [], [], [], 0, keep.index
         for i, (s, n) in enumerate(zip(self.seqs, keep.counts)):
             dropped = s.rows.stop - s.rows.start - n
-            seqs.append(SeqRows(slice(start, start + n), s.cache, s.decoder_start,
-                                None if s.first is None else s.first + dropped))
+            seqs.append(
+                SeqRows(
+                    slice(start, start + n), s.cache, s.decoder_start, None if s.first is None else s.first + dropped
+                )
+            )
             start += n
             # a selection already published (narrowing after the index source) follows its rows
             t = self.topk[i] if i < len(self.topk) else None
@@ -89,9 +94,19 @@ class ForwardContext:
                 gone = self.engram_ids[s.rows][:dropped]
                 # a fresh sequence's history is an empty CPU tensor
                 hist.append(torch.cat((self.engram_history[i].to(gone.device, non_blocking=True), gone)))
-        return ForwardContext(tokens=self.tokens[idx], positions=self.positions[idx], seqs=seqs, qat=self.qat,
-                              is_image=None if self.is_image is None else self.is_image[idx], trace=self.trace,
-                              engram_ids=None if self.engram_ids is None else self.engram_ids[idx],
-                              engram_history=hist, engram_rows=self.engram_rows, topk=topk, candidates=cands,
-                              paged=None if self.paged is None else self.paged.narrow(idx, seqs), ops=self.ops,
-                              probe=self.probe)
+        return ForwardContext(
+            tokens=self.tokens[idx],
+            positions=self.positions[idx],
+            seqs=seqs,
+            qat=self.qat,
+            is_image=None if self.is_image is None else self.is_image[idx],
+            trace=self.trace,
+            engram_ids=None if self.engram_ids is None else self.engram_ids[idx],
+            engram_history=hist,
+            engram_rows=self.engram_rows,
+            topk=topk,
+            candidates=cands,
+            paged=None if self.paged is None else self.paged.narrow(idx, seqs),
+            ops=self.ops,
+            probe=self.probe,
+        )

@@ -9,6 +9,7 @@ Host tables: ``move_table_to_host`` moves the table [rows, head_dim] into an ``E
 table. Load the checkpoint (or dummy weights) into ``embed.weight`` BEFORE the move: the loader fills that name.
 The model then hashes and prefetches each step's rows before layer 0 (``prefetch``); ``forward`` consumes them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,14 +44,26 @@ class Engram(nn.Module):
         self.embed = nn.Embedding(0, w.shape[1], device=w.device, dtype=w.dtype)
         return self.table
 
-    def row_ids(self, compressed_ids: torch.Tensor, seq_rows: list[slice], histories: list[torch.Tensor],
-                check: bool = True, reach: torch.Tensor | None = None):
+    def row_ids(
+        self,
+        compressed_ids: torch.Tensor,
+        seq_rows: list[slice],
+        histories: list[torch.Tensor],
+        check: bool = True,
+        reach: torch.Tensor | None = None,
+    ):
         """LongTensor [T, columns] of table rows, hashed per sequence on the ids' device (``check``: host ids are
         checked to be in range; ``reach``: see ``EngramHasher.rows_of_seqs``)."""
         return self.hasher.rows_of_seqs(compressed_ids, seq_rows, histories, check, reach)
 
-    def prefetch(self, compressed_ids: torch.Tensor, seq_rows: list[slice], histories: list[torch.Tensor],
-                 device, dtype: torch.dtype) -> EngramRows:
+    def prefetch(
+        self,
+        compressed_ids: torch.Tensor,
+        seq_rows: list[slice],
+        histories: list[torch.Tensor],
+        device,
+        dtype: torch.dtype,
+    ) -> EngramRows:
         """Hash on the host and start copying this step's rows (host tables only); pass the handle to
         ``forward`` as ``rows``."""
         if self.table is None:
@@ -58,9 +71,17 @@ class Engram(nn.Module):
         ids = self.row_ids(compressed_ids.cpu(), seq_rows, [h.cpu() for h in histories])
         return self.table.prefetch(ids, device, dtype, [r.stop - r.start for r in seq_rows])
 
-    def forward(self, x: torch.Tensor, compressed_ids: torch.Tensor, seq_rows: list[slice],
-                histories: list[torch.Tensor], rows: torch.Tensor | EngramRows | None = None,
-                ops=None, check: bool = True, reach: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        compressed_ids: torch.Tensor,
+        seq_rows: list[slice],
+        histories: list[torch.Tensor],
+        rows: torch.Tensor | EngramRows | None = None,
+        ops=None,
+        check: bool = True,
+        reach: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """x: the mHC stream [T, n, d]; compressed_ids [T] (-1 = dead); per sequence its rows and the ids
         before them (hashing looks back across chunk boundaries, never across sequences). ``rows``: this
         step's gathered table rows [T, columns, head_dim] (or their prefetch handle, narrowed to ``seq_rows``), or
@@ -82,10 +103,10 @@ class Engram(nn.Module):
         kv = self.wkv(e)
         if ops is not None:
             return ops.engram_mix(x, kv, self.q_weight, self.k_weight, compressed_ids, eps)
-        key, value = acc(kv[:, : n * d].view(t, n, d)), acc(kv[:, n * d:])
+        key, value = acc(kv[:, : n * d].view(t, n, d)), acc(kv[:, n * d :])
         xf = acc(x)
         dot = (xf * self.q_weight.to(xf.dtype) * self.k_weight.to(xf.dtype) * key).sum(-1)
-        dot = dot * torch.rsqrt(xf.pow(2).mean(-1) + eps) * torch.rsqrt(key.pow(2).mean(-1) + eps) / d ** 0.5
+        dot = dot * torch.rsqrt(xf.pow(2).mean(-1) + eps) * torch.rsqrt(key.pow(2).mean(-1) + eps) / d**0.5
         gate = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(1e-6)))
         gate = gate.masked_fill(EngramHasher.is_dead(compressed_ids)[:, None], 0.0)
         return (xf + gate[:, :, None] * value[:, None, :]).to(x.dtype)

@@ -11,6 +11,7 @@ smaller prime is already in ``seen``, this is "the smallest unused primes > engr
 Multiplier rule (same sources): ``numpy.random.default_rng(10007 * layer_id).integers(0, B, size=max_ngram,
 dtype=int64) * 2 + 1`` with ``B = max(1, (2**63 - 1) // compressed_vocab_size // 2)``.
 """
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -67,8 +68,7 @@ def _prime_layout(layer_ids: tuple[int, ...], n_orders: int, n_heads: int, vocab
 
 def engram_primes(cfg) -> dict[int, list[int]]:
     """Per Engram layer: its column primes in column order c = (n-2)*heads + h."""
-    lay = _prime_layout(tuple(cfg.engram_layer_ids), len(cfg.engram_orders), cfg.engram_n_heads,
-                        cfg.engram_vocab_size)
+    lay = _prime_layout(tuple(cfg.engram_layer_ids), len(cfg.engram_orders), cfg.engram_n_heads, cfg.engram_vocab_size)
     return {layer: list(p) for layer, p in lay.items()}
 
 
@@ -142,7 +142,7 @@ class EngramHasher:
     def next_history(self, history: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
         """The history to pass with the chunk that follows ``ids``."""
         h = ids if history is None else torch.cat([history.to(ids), ids])
-        return h[-(self.max_ngram - 1):] if self.max_ngram > 1 else h[:0]
+        return h[-(self.max_ngram - 1) :] if self.max_ngram > 1 else h[:0]
 
     def rows(self, ids: torch.Tensor, history: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
         """LongTensor[T, columns] of global rows into this layer's table, column c = (n-2)*heads + h."""
@@ -150,8 +150,14 @@ class EngramHasher:
             raise ValueError(f"ids must be 1-D (one sequence), got shape {tuple(ids.shape)}")
         return self.rows_of_seqs(ids, [slice(0, ids.numel())], [history], check)
 
-    def rows_of_seqs(self, ids: torch.Tensor, seq_rows: list[slice], histories: list, check: bool = True,
-                     reach: torch.Tensor | None = None):
+    def rows_of_seqs(
+        self,
+        ids: torch.Tensor,
+        seq_rows: list[slice],
+        histories: list,
+        check: bool = True,
+        reach: torch.Tensor | None = None,
+    ):
         """``rows`` of every sequence (its slice of ``ids``, with its history; None = it starts there) in one pass:
         the same ops whatever the number of sequences, where a loop over them costs ~50 launches each. ``reach`` [T]
         (training's packed problems): row t looks back at most reach[t] tokens, as if its problem started there."""
@@ -161,8 +167,7 @@ class EngramHasher:
         # ext: per sequence, k lookback slots (history right-aligned, the rest marked before-start), then its ids
         pieces, where, base = [], [], 0
         for r, h in zip(seq_rows, histories):
-            hist = ids[:0] if h is None or k == 0 else h.reshape(-1)[-k:].to(ids.device, torch.int64,
-                                                                              non_blocking=True)
+            hist = ids[:0] if h is None or k == 0 else h.reshape(-1)[-k:].to(ids.device, torch.int64, non_blocking=True)
             pieces += [lead[: k - hist.numel()], hist, ids[r]]
             where.append((base + k, r.stop - r.start))
             base += k + r.stop - r.start
@@ -172,8 +177,11 @@ class EngramHasher:
             if real.numel() and (int(real.min()) < DEAD or int(real.max()) >= self.compressed_vocab_size):
                 raise ValueError(f"compressed ids must lie in [-1, {self.compressed_vocab_size})")
         # made on the ids' device: no upload, so a training step can run as a CUDA graph
-        at = (torch.cat([torch.arange(b, b + n, device=ids.device) for b, n in where]) if where
-              else torch.zeros(0, dtype=torch.int64, device=ids.device))
+        at = (
+            torch.cat([torch.arange(b, b + n, device=ids.device) for b, n in where])
+            if where
+            else torch.zeros(0, dtype=torch.int64, device=ids.device)
+        )
         # src[t, s] = token at lookback s from row t (within its sequence's ext segment)
         back = torch.arange(self.max_ngram, device=ids.device)
         src = ext[at[:, None] - back[None, :]]
@@ -203,5 +211,5 @@ class EngramHasher:
         for s in range(1, self.max_ngram):
             r = r ^ prod[:, s]
             # torch's % is a floor mod: non-negative for positive primes, even for a wrapped (negative) hash
-            out[:, (s - 1) * self.n_heads: s * self.n_heads] = r[:, None] % primes[s - 1] + offs[s - 1]
+            out[:, (s - 1) * self.n_heads : s * self.n_heads] = r[:, None] % primes[s - 1] + offs[s - 1]
         return out

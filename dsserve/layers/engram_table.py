@@ -14,6 +14,7 @@ Host layouts (row-major, one row per table row, D = engram_head_dim = 256 in the
 ``gather(rows)`` and ``prefetch(rows).wait()`` return [*rows.shape, D] in the requested dtype on the requested
 device; without CUDA everything is synchronous on the CPU with the same API.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -122,9 +123,9 @@ class EngramTable:
             data = mem.tensor.view(rows, d + d // MX_BLOCK)
             step = max(1, _CHUNK_ELEMS // d)
             for r in range(0, rows, step):
-                q, s = quant_engram(weight[r:r + step].detach())
-                data[r:r + step, :d].copy_(q.view(torch.uint8))
-                data[r:r + step, d:].copy_(s.view(torch.uint8))
+                q, s = quant_engram(weight[r : r + step].detach())
+                data[r : r + step, :d].copy_(q.view(torch.uint8))
+                data[r : r + step, d:].copy_(s.view(torch.uint8))
             return cls(data, fmt, d, mem)
         dt = torch.bfloat16 if fmt == "bf16" else weight.dtype
         mem = allocate_host(rows * d * dt.itemsize, huge_pages)
@@ -137,8 +138,10 @@ class EngramTable:
         """From the release tensors: e4m3 [rows, D] and e8m0 [rows, D/32] (any 1-byte dtype)."""
         rows, d = weight.shape
         if weight.element_size() != 1 or scale.element_size() != 1 or tuple(scale.shape) != (rows, d // MX_BLOCK):
-            raise ValueError(f"expected 1-byte weight [rows, D] and scale [rows, D/{MX_BLOCK}], got "
-                             f"{weight.dtype} {tuple(weight.shape)} and {scale.dtype} {tuple(scale.shape)}")
+            raise ValueError(
+                f"expected 1-byte weight [rows, D] and scale [rows, D/{MX_BLOCK}], got "
+                f"{weight.dtype} {tuple(weight.shape)} and {scale.dtype} {tuple(scale.shape)}"
+            )
         mem = allocate_host(rows * (d + d // MX_BLOCK), huge_pages)
         data = mem.tensor.view(rows, d + d // MX_BLOCK)
         data[:, :d].copy_(weight.view(torch.uint8))
@@ -160,15 +163,16 @@ class EngramTable:
             self._last_copy = None
         if self._staging is None or self._staging.shape[0] < n:
             cap = max(n, 2 * (0 if self._staging is None else self._staging.shape[0]), 16)
-            self._staging = torch.empty(cap, self.data.shape[1], dtype=self.data.dtype,
-                                        pin_memory=torch.cuda.is_available())
+            self._staging = torch.empty(
+                cap, self.data.shape[1], dtype=self.data.dtype, pin_memory=torch.cuda.is_available()
+            )
         out = self._staging[:n]
         torch.index_select(self.data, 0, idx, out=out)
         return out
 
     def _decode(self, staged: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.fmt == "fp8":
-            return dequant_engram(staged[:, :self.dim], staged[:, self.dim:]).to(dtype)
+            return dequant_engram(staged[:, : self.dim], staged[:, self.dim :]).to(dtype)
         return staged.to(dtype)
 
     def _index(self, rows: torch.Tensor) -> torch.Tensor:
@@ -179,8 +183,9 @@ class EngramTable:
             raise ValueError(f"rows must lie in [0, {self.num_rows}); got [{int(idx.min())}, {int(idx.max())}]")
         return idx
 
-    def prefetch(self, rows: torch.Tensor, device=None, dtype: torch.dtype = torch.float32,
-                 seq_lens: list[int] | None = None) -> EngramRows:
+    def prefetch(
+        self, rows: torch.Tensor, device=None, dtype: torch.dtype = torch.float32, seq_lens: list[int] | None = None
+    ) -> EngramRows:
         """Start gathering ``rows`` (any shape, any device) to ``device``; the handle's ``wait()`` gives
         [*rows.shape, D]. CUDA: host gather now, copy + decode on this table's side stream."""
         device = torch.device(device if device is not None else rows.device)
@@ -210,16 +215,24 @@ class EngramTable:
         CUDA graph can capture it; rows are not range-checked there: the hasher's are always in range)."""
         if rows.device.type == "cuda" and self.memory is not None and self.memory.pinned:
             from ..kernels.engram_gather import engram_gather
+
             return engram_gather(self.data, rows, self.fmt, self.dim, dtype)
         return self.gather(rows, rows.device, dtype)
 
 
-def bench(device: str = "cuda", table_gb: float = 4.0, columns: int = 24, dim: int = 256,
-          tokens=(1, 32, 128), work_ms: float = 2.0) -> dict:
+def bench(
+    device: str = "cuda",
+    table_gb: float = 4.0,
+    columns: int = 24,
+    dim: int = 256,
+    tokens=(1, 32, 128),
+    work_ms: float = 2.0,
+) -> dict:
     """Per step and B tokens: ms of a synchronous gather+copy, and ms the consumer waits when the prefetch
     was started before a ~``work_ms`` GPU workload (fp8 table of ``table_gb`` GB in host memory)."""
     from triton.testing import do_bench
-    rows = int(table_gb * 2 ** 30) // (dim + dim // MX_BLOCK)
+
+    rows = int(table_gb * 2**30) // (dim + dim // MX_BLOCK)
     g = torch.Generator().manual_seed(0)
     mem = allocate_host(rows * (dim + dim // MX_BLOCK), huge_pages=True)
     table = EngramTable(mem.tensor.view(rows, -1), "fp8", dim, mem)
@@ -245,6 +258,9 @@ def bench(device: str = "cuda", table_gb: float = 4.0, columns: int = 24, dim: i
             end.record()  # the gap the consumer stream stalls on the copy, beyond the workload
             torch.cuda.synchronize()
             waits.append(start.elapsed_time(end))
-        out[b] = {"sync_ms": sync_ms, "prefetched_wait_ms": sorted(waits)[len(waits) // 2],
-                  "prefetch_host_ms": sorted(host)[len(host) // 2]}
+        out[b] = {
+            "sync_ms": sync_ms,
+            "prefetched_wait_ms": sorted(waits)[len(waits) // 2],
+            "prefetch_host_ms": sorted(host)[len(host) // 2],
+        }
     return out

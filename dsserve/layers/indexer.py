@@ -5,6 +5,7 @@ adds a hierarchical pool: the candidate source keeps the best ``candidate_topk_b
 ``candidate_block_size`` entries (the block holding the newest entry is always kept), and later index
 sources score only inside that pool.
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,8 +13,8 @@ from torch import nn
 
 from . import quant
 from .norm import RMSNorm
-from .rope import Rope
 from .numerics import acc
+from .rope import Rope
 
 NEG_INF = float("-inf")
 
@@ -50,8 +51,19 @@ def candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, block: int, to
 
 
 class Indexer(nn.Module):
-    def __init__(self, dim: int, q_lora_rank: int, head_dim: int, n_heads: int, index_dim: int, rope_dim: int,
-                 eps: float, owns_keys: bool, owns_query: bool, rotate: bool = False):
+    def __init__(
+        self,
+        dim: int,
+        q_lora_rank: int,
+        head_dim: int,
+        n_heads: int,
+        index_dim: int,
+        rope_dim: int,
+        eps: float,
+        owns_keys: bool,
+        owns_query: bool,
+        rotate: bool = False,
+    ):
         super().__init__()
         self.n_heads, self.index_dim, self.eps = n_heads, index_dim, eps
         if owns_query:
@@ -68,8 +80,16 @@ class Indexer(nn.Module):
         k = rope(self.k_norm(self.wk(latent)), entry_pos, inplace=True)
         return quant.fake_quant_fp4_pow2(k, 32) if qat else k
 
-    def query(self, x: torch.Tensor, q_lat: torch.Tensor, positions: torch.Tensor, rope: Rope, qat: bool,
-              ops=None, cos_sin=None):
+    def query(
+        self,
+        x: torch.Tensor,
+        q_lat: torch.Tensor,
+        positions: torch.Tensor,
+        rope: Rope,
+        qat: bool,
+        ops=None,
+        cos_sin=None,
+    ):
         """(q [T, heads, dim] rotated and fake-quantised, per-head weights [T, heads] with both scales folded in).
         ops (kernels.ops.KernelOps) with cos_sin (fp32 tables at positions): the RoPE and fake-quant kernels."""
         t = x.shape[0]
@@ -78,15 +98,24 @@ class Indexer(nn.Module):
         if qat:
             q = quant.hadamard_rotate(q) if self.rotate else q
             q = quant.fake_quant_fp4_pow2(q, 32) if ops is None else ops.fake_quant_fp4_pow2(q, 32)
-        return q, acc(self.weights_proj(x)) * (self.index_dim ** -0.5 * self.n_heads ** -0.5)
+        return q, acc(self.weights_proj(x)) * (self.index_dim**-0.5 * self.n_heads**-0.5)
 
-    def scores(self, x: torch.Tensor, q_lat: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
-               ratio: int, rope: Rope, qat: bool) -> torch.Tensor:
+    def scores(
+        self,
+        x: torch.Tensor,
+        q_lat: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+        ratio: int,
+        rope: Rope,
+        qat: bool,
+    ) -> torch.Tensor:
         return self.scores_of(*self.query(x, q_lat, positions, rope, qat), positions, keys, ratio)
 
     @staticmethod
-    def scores_of(q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
-                  ratio: int) -> torch.Tensor:
+    def scores_of(
+        q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, ratio: int
+    ) -> torch.Tensor:
         """[..., T, entries]: ``query``'s (q, w) against one sequence's keys, -inf past each row's visible entries.
         Leading dims (q [..., T, H, D], keys [..., N, D]) batch sequences whose rows sit at the same ``positions``."""
         logits = torch.relu(torch.einsum("...thd,...nd->...thn", acc(q), acc(keys)))

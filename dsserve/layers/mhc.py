@@ -4,9 +4,11 @@ A mixing site owns ``fn`` [(2+n)n, n*d], ``base`` [(2+n)n] and ``scale`` [3]. Fr
 ``pre`` (collapse weights), ``post`` (expand weights) and ``comb`` (an n x n matrix made nearly doubly
 stochastic by Sinkhorn). Everything is computed in fp32.
 """
+
 from __future__ import annotations
 
 import torch
+
 from .numerics import acc
 
 
@@ -19,8 +21,16 @@ def sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return c
 
 
-def hc_mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-           rms_eps: float, hc_eps: float, sinkhorn_iters: int, sinkhorn_fn=None):
+def hc_mix(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    rms_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    sinkhorn_fn=None,
+):
     """x: [T, n, d] -> pre [T, n], post [T, n], comb [T, n, n]. ``sinkhorn_fn``: another implementation of
     ``sinkhorn`` (training's fused kernel)."""
     n = x.shape[1]
@@ -28,14 +38,15 @@ def hc_mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     m = (flat @ fn.to(flat.dtype).t()) * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + rms_eps)
     base, scale = base.to(flat.dtype), scale.to(flat.dtype)
     pre = torch.sigmoid(m[:, :n] * scale[0] + base[:n]) + hc_eps
-    post = 2 * torch.sigmoid(m[:, n:2 * n] * scale[1] + base[n:2 * n])
-    logits = (m[:, 2 * n:] * scale[2] + base[2 * n:]).view(-1, n, n)
+    post = 2 * torch.sigmoid(m[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+    logits = (m[:, 2 * n :] * scale[2] + base[2 * n :]).view(-1, n, n)
     comb = torch.softmax(logits, dim=-1) + hc_eps
     return pre, post, (sinkhorn_fn or sinkhorn)(comb, sinkhorn_iters, hc_eps)
 
 
-def hc_head_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                rms_eps: float, hc_eps: float) -> torch.Tensor:
+def hc_head_pre(
+    x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, rms_eps: float, hc_eps: float
+) -> torch.Tensor:
     """V4's final collapse weights: sigmoid(mix * s + b) + eps from its own ``hc_head`` parameters."""
     flat = acc(x.flatten(1))
     m = (flat @ fn.to(flat.dtype).t()) * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + rms_eps)

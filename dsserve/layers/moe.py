@@ -1,5 +1,6 @@
 """MoE (spec 2.5): sqrtsoftplus router whose bias only selects, renormalised top-k weights x1.5, clamped
 SwiGLU experts and one shared expert. V4's first layers route by a frozen token -> experts table."""
+
 from __future__ import annotations
 
 import contextlib
@@ -42,8 +43,17 @@ class Expert(nn.Module):
 
 
 class Gate(nn.Module):
-    def __init__(self, dim: int, n_experts: int, topk: int, hash_routed: bool, vision_bias: bool, vocab: int,
-                 temp: float, scale: float):
+    def __init__(
+        self,
+        dim: int,
+        n_experts: int,
+        topk: int,
+        hash_routed: bool,
+        vision_bias: bool,
+        vocab: int,
+        temp: float,
+        scale: float,
+    ):
         super().__init__()
         self.topk, self.temp, self.scale, self.hash_routed = topk, temp, scale, hash_routed
         self.weight = nn.Parameter(torch.zeros(n_experts, dim))
@@ -63,7 +73,7 @@ class Gate(nn.Module):
             biased = scores + self.bias.to(scores.dtype)
             if is_image is not None and self.bias_vl is not None:
                 biased = torch.where(is_image[:, None], scores + self.bias_vl.to(scores.dtype), biased)
-            ids = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :self.topk]
+            ids = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : self.topk]
         w = torch.gather(scores, 1, ids)
         return ids, w / (w.sum(-1, keepdim=True) + 1e-20) * self.scale
 
@@ -97,15 +107,18 @@ class MoE(nn.Module):
         super().__init__()
         d, inter = cfg.hidden_size, cfg.moe_intermediate_size
         self.limit = cfg.swiglu_limit
-        self.gate = Gate(d, n_experts, topk, hash_routed, cfg.is_v41, cfg.vocab_size, cfg.gate_temp,
-                         cfg.routed_scaling_factor)
+        self.gate = Gate(
+            d, n_experts, topk, hash_routed, cfg.is_v41, cfg.vocab_size, cfg.gate_temp, cfg.routed_scaling_factor
+        )
         # Routed experts stacked per layer ([E, out, in]); the checkpoint stores them one by one.
         where = {"device": "meta"} if _DEFER_EXPERTS.get() else {}
-        self.experts = nn.ParameterDict({
-            "w1": nn.Parameter(torch.zeros(n_experts, inter, d, **where)),
-            "w2": nn.Parameter(torch.zeros(n_experts, d, inter, **where)),
-            "w3": nn.Parameter(torch.zeros(n_experts, inter, d, **where)),
-        })
+        self.experts = nn.ParameterDict(
+            {
+                "w1": nn.Parameter(torch.zeros(n_experts, inter, d, **where)),
+                "w2": nn.Parameter(torch.zeros(n_experts, d, inter, **where)),
+                "w3": nn.Parameter(torch.zeros(n_experts, inter, d, **where)),
+            }
+        )
         self.shared_experts = Expert(d, inter * cfg.n_shared_experts, cfg.swiglu_limit)
         # Routed experts in a release storage format (kernels.grouped_moe.ExpertWeights), set by
         # models.quantize.quantize_experts; None: the dense parameters above, as plain float weights.
@@ -123,6 +136,7 @@ class MoE(nn.Module):
         ex, view = self.experts, self._plain
         if view is None or view.w1 is not ex["w1"] or view.w3 is not ex["w3"] or view.w2 is not ex["w2"]:
             from ..kernels.grouped_moe import ExpertWeights  # import here: the kernels import this module
+
             # built once (per parameter set), not per step: the checks in ExpertWeights cost host time per layer
             view = self._plain = ExpertWeights("bf16", ex["w1"], ex["w3"], ex["w2"])
         return view
@@ -144,8 +158,9 @@ class MoE(nn.Module):
             return self.shared_experts(x, ops), None
         return fork(side, self.shared_experts, x, ops)
 
-    def forward(self, x: torch.Tensor, tokens: torch.Tensor, is_image: torch.Tensor | None = None,
-                ops=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, tokens: torch.Tensor, is_image: torch.Tensor | None = None, ops=None
+    ) -> torch.Tensor:
         """``ops`` (kernels.ops.KernelOps): the fused router and the grouped routed experts, Triton or their
         references; None: the loop below, the oracle (which the references reproduce)."""
         if ops is not None:
@@ -156,13 +171,16 @@ class MoE(nn.Module):
             else:
                 ids, w = ops.route(x, g.weight, g.bias, g.topk, g.temp, g.scale, g.bias_vl, is_image)
             # the routed sum lands on the shared expert's output in place: fp32, rounded once, as below
-            return ops.routed_experts(x, ids, w, self.expert_weights(), self.limit, accumulate_into=shared,
-                                      accumulate_after=ready)
+            return ops.routed_experts(
+                x, ids, w, self.expert_weights(), self.limit, accumulate_into=shared, accumulate_after=ready
+            )
         ids, w = self.gate(x, tokens, is_image)
         if self.packed is not None and "w1" not in self.experts:  # packed only: dequantise expert by expert
             from ..kernels.grouped_moe import routed_experts_ref
-            return (acc(routed_experts_ref(x, ids, w, self.packed, self.limit))
-                    + acc(self.shared_experts(x))).to(x.dtype)
+
+            return (acc(routed_experts_ref(x, ids, w, self.packed, self.limit)) + acc(self.shared_experts(x))).to(
+                x.dtype
+            )
         w1, w2, w3 = self.experts["w1"], self.experts["w2"], self.experts["w3"]
         if self.every_expert:
             h = clamped_swiglu(torch.einsum("td,eid->eti", x, w1), torch.einsum("td,eid->eti", x, w3), self.limit)

@@ -1,8 +1,10 @@
 """RMSNorm, computed in fp32 (the release's eps is 1e-20, so half precision would underflow)."""
+
 from __future__ import annotations
 
 import torch
 from torch import nn
+
 from .numerics import acc
 
 

@@ -3,6 +3,7 @@
 Running the reference in fp64 makes chunked and one-shot prefill agree to ~1e-12, so the QAT fake-quant
 rounding (which turns 1e-7 reduction-order noise into whole quantisation steps) is tested exactly too.
 """
+
 import torch
 
 
@@ -28,8 +29,13 @@ def fp32_param(p: torch.Tensor) -> torch.Tensor:
     except RuntimeError:  # an inference tensor keeps no version: convert every time
         return p.float()
     hit = getattr(p, "_fp32_copy", None)
-    if (hit is None or hit[1] != version or hit[0].data_ptr() != p.data_ptr() or hit[0].device != p.device
-            or hit[0].dtype != p.dtype):
+    if (
+        hit is None
+        or hit[1] != version
+        or hit[0].data_ptr() != p.data_ptr()
+        or hit[0].device != p.device
+        or hit[0].dtype != p.dtype
+    ):
         src = p.detach()
         hit = (src, version, src.float())
         p._fp32_copy = hit

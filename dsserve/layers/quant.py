@@ -6,6 +6,7 @@ Pure torch functions; every computation runs in float32. Formats:
 * FP8 e4m3 (torch.float8_e4m3fn): finite range +-448, RNE rounding, saturated by clamping first.
 * e2m1 (FP4) nibble: bit 3 = sign, bits 0-2 index the magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}.
 """
+
 from __future__ import annotations
 
 import functools
@@ -14,8 +15,7 @@ import torch
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                            -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 MX_BLOCK = 32  # MXFP4 and Engram: one e8m0 scale per 32 values along the last dim
 
 
@@ -51,7 +51,7 @@ def float_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
 
 def pow2_ceil(y: torch.Tensor) -> torch.Tensor:
     """2^ceil(log2(y)) computed exactly (via frexp), with the exponent clamped to [-127, 127]."""
-    m, e = torch.frexp(y.float().clamp(2.0 ** -127, 2.0 ** 127))
+    m, e = torch.frexp(y.float().clamp(2.0**-127, 2.0**127))
     return _exp2_biased(torch.where(m == 0.5, e - 1, e).clamp(-127, 127) + 127)
 
 
@@ -112,7 +112,7 @@ def _e2m1_codes(q: torch.Tensor) -> torch.Tensor:
 def _fp4_pow2_groups(x: torch.Tensor, group: int):
     """s = 2^ceil(log2(max(amax, 6*2^-126)/6)), q = e2m1(x/s) (RNE); returns (q on the grid, s)."""
     g = _groups(x, group)
-    s = pow2_ceil(g.abs().amax(-1, keepdim=True).clamp_min(FP4_MAX * 2.0 ** -126) / FP4_MAX)
+    s = pow2_ceil(g.abs().amax(-1, keepdim=True).clamp_min(FP4_MAX * 2.0**-126) / FP4_MAX)
     return round_to_e2m1(g / s), s
 
 
@@ -166,7 +166,7 @@ def fake_quant_fp4_e4m3scale(x: torch.Tensor, group: int = 16) -> torch.Tensor:
     """Per `group` values: s = e4m3(max(amax, 6*2^-9)/6) (RNE, saturated at 448),
     y = e2m1(x/s) * s with RNE on the grid and clamp +-6. Same dtype as x (main-KV QAT)."""
     g = _groups(x, group)
-    s = (g.abs().amax(-1, keepdim=True).clamp_min(FP4_MAX * 2.0 ** -9) / FP4_MAX).clamp(max=FP8_MAX)
+    s = (g.abs().amax(-1, keepdim=True).clamp_min(FP4_MAX * 2.0**-9) / FP4_MAX).clamp(max=FP8_MAX)
     s = s.to(torch.float8_e4m3fn).float()
     return _straight_through(x, (round_to_e2m1(g / s) * s).flatten(-2).to(x.dtype))
 
@@ -184,7 +184,7 @@ def _hadamard(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return (h / n ** 0.5).to(dtype).to(device)
+    return (h / n**0.5).to(dtype).to(device)
 
 
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:

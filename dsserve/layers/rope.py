@@ -3,12 +3,14 @@
 Pairs are adjacent channels (2i, 2i+1), not split halves. No YaRN attention scale is applied: the
 release multiplies cos/sin by nothing and uses a softmax scale of exactly 1/sqrt(head_dim).
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
 import torch
+
 from .numerics import acc, acc_dtype
 
 
@@ -89,8 +91,9 @@ class Rope:
             memo[2][key] = (cos.to(dtype), (-sin if inverse else sin).to(dtype))
         return memo[2][key]
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False,
-                 inplace: bool = False) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False, inplace: bool = False
+    ) -> torch.Tensor:
         """x: [T, ..., D]; positions: [T]. Returns x with its last rope_dim channels rotated (see rotate)."""
         return rotate(x, *self.tables(positions, acc_dtype(x.dtype), inverse), inplace=inplace)
 

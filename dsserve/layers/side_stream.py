@@ -5,6 +5,7 @@ At a few rows every kernel is short and the device sits between dependent launch
 kernels fill those gaps, inside CUDA graphs too (a captured fork / join by events). Work forked here must be
 joined with ``join`` before anything on the main stream reads its outputs.
 """
+
 from __future__ import annotations
 
 import torch

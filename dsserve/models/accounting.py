@@ -4,6 +4,7 @@ Shapes follow the checkpoint tables of spec 4 (and 2.4 / 4.5 for V4-Flash), rest
 "Active" counts the weights a token multiplies (top-k routed experts only); table lookups (the embedding row,
 Engram table rows) are not counted.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,12 +17,16 @@ from .config import LayerRole, ModelConfig
 
 def _attention(c: ModelConfig) -> int:
     hd = c.num_attention_heads * c.head_dim
-    return (c.q_lora_rank * c.hidden_size + c.q_lora_rank  # wq_a, q_norm
-            + hd * c.q_lora_rank  # wq_b
-            + c.head_dim * c.hidden_size + c.head_dim  # wkv, kv_norm
-            + c.o_groups * c.o_lora_rank * (hd // c.o_groups)  # wo_a (block-diagonal, stored [G*o_lora, hd/G])
-            + c.hidden_size * c.o_groups * c.o_lora_rank  # wo_b
-            + c.num_attention_heads)  # attn_sink
+    return (
+        c.q_lora_rank * c.hidden_size
+        + c.q_lora_rank  # wq_a, q_norm
+        + hd * c.q_lora_rank  # wq_b
+        + c.head_dim * c.hidden_size
+        + c.head_dim  # wkv, kv_norm
+        + c.o_groups * c.o_lora_rank * (hd // c.o_groups)  # wo_a (block-diagonal, stored [G*o_lora, hd/G])
+        + c.hidden_size * c.o_groups * c.o_lora_rank  # wo_b
+        + c.num_attention_heads
+    )  # attn_sink
 
 
 def _mhc(c: ModelConfig) -> int:
@@ -69,8 +74,7 @@ def _compressor_indexer(c: ModelConfig, role: LayerRole) -> int:
 
 def _engram_proj(c: ModelConfig) -> int:
     """wkv [(n+1)*d, columns*head_dim] + q_weight, k_weight [n, d]."""
-    return ((c.hc_mult + 1) * c.hidden_size * c.engram_columns * c.engram_head_dim
-            + 2 * c.hc_mult * c.hidden_size)
+    return (c.hc_mult + 1) * c.hidden_size * c.engram_columns * c.engram_head_dim + 2 * c.hc_mult * c.hidden_size
 
 
 def layer_parts(c: ModelConfig, role: LayerRole) -> dict[str, int]:
@@ -94,12 +98,30 @@ def _draft(c: ModelConfig) -> int:
     total = 0
     for s in range(c.num_nextn_predict_layers):
         ratio = c.compress_ratios[c.num_hidden_layers + s] if c.num_draft_layers > s else 0
-        role = LayerRole(index=c.num_hidden_layers + s, side="draft", ratio=ratio, mode="swa", kv_source=None,
-                         index_source=None, owns_compressor=False, owns_indexer=False, candidate=None,
-                         engram=False, dspark_tap=False, hash_routed=False, yarn=False)
+        role = LayerRole(
+            index=c.num_hidden_layers + s,
+            side="draft",
+            ratio=ratio,
+            mode="swa",
+            kv_source=None,
+            index_source=None,
+            owns_compressor=False,
+            owns_indexer=False,
+            candidate=None,
+            engram=False,
+            dspark_tap=False,
+            hash_routed=False,
+            yarn=False,
+        )
         n_exp = c.dspark_n_routed_experts if c.is_v41 else c.n_routed_experts
-        total += (_attention(c) + _mhc(c) + 2 * d + _router(c, n_exp) + _compressor_indexer(c, role)
-                  + (c.n_shared_experts + n_exp) * _expert(c))
+        total += (
+            _attention(c)
+            + _mhc(c)
+            + 2 * d
+            + _router(c, n_exp)
+            + _compressor_indexer(c, role)
+            + (c.n_shared_experts + n_exp) * _expert(c)
+        )
         if not c.is_v41:  # V3-style MTP: e_proj, h_proj [d, d]; enorm, hnorm, norm; own hc head
             total += 2 * d * d + 3 * d + _hc_head(c)
     if c.is_v41 and c.num_nextn_predict_layers:
@@ -135,13 +157,21 @@ def engram_table_params(c: ModelConfig) -> int:
     if not c.engram_layer_ids:
         return 0
     from ..layers.engram_hash import engram_rows_per_layer
+
     return sum(engram_rows_per_layer(c).values()) * c.engram_head_dim
 
 
 def param_counts(c: ModelConfig) -> ParamCounts:
     d = c.hidden_size
-    parts = dict(routed_experts=0, shared_experts=0, attention=0, embed_head=2 * c.vocab_size * d + d, mhc=0,
-                 router_compressor_indexer_norms=0, engram_projections=0)
+    parts = dict(
+        routed_experts=0,
+        shared_experts=0,
+        attention=0,
+        embed_head=2 * c.vocab_size * d + d,
+        mhc=0,
+        router_compressor_indexer_norms=0,
+        engram_projections=0,
+    )
     if not c.is_v41:
         parts["mhc"] += _hc_head(c)
     decode = prefill = 0
@@ -160,8 +190,13 @@ def param_counts(c: ModelConfig) -> ParamCounts:
             pooled = c.head_dim * d * (2 if role.ratio > 1 else 1)
             prefill += d + pooled + c.head_dim + c.index_head_dim * c.head_dim + c.index_head_dim
     head = c.vocab_size * d + d + (0 if c.is_v41 else _hc_head(c))  # head, final norm (+ V4 hc head)
-    return ParamCounts(parts=parts, engram_tables=engram_table_params(c), draft=_draft(c),
-                       active_prefill=prefill, active_decode=decode + head)
+    return ParamCounts(
+        parts=parts,
+        engram_tables=engram_table_params(c),
+        draft=_draft(c),
+        active_prefill=prefill,
+        active_decode=decode + head,
+    )
 
 
 # ------------------------------------------------------------------ KV bytes
@@ -218,8 +253,15 @@ def kv_bytes(c: ModelConfig) -> KVBytes:
                 index += index_entry / role.ratio
                 bf_index += 2 * idim / role.ratio
                 state += 2 * 2 * role.ratio * 2 * idim * 4
-    return KVBytes(main_per_token=main, index_per_token=index, swa_row=swa_row,
-                   swa_per_sequence=c.num_hidden_layers * W * swa_row,
-                   draft_swa_per_sequence=c.num_nextn_predict_layers * W * swa_row,
-                   compressor_state_per_sequence=state, bf16_main_per_token=bf_main, bf16_index_per_token=bf_index,
-                   main_entry=main_entry, index_entry=index_entry)
+    return KVBytes(
+        main_per_token=main,
+        index_per_token=index,
+        swa_row=swa_row,
+        swa_per_sequence=c.num_hidden_layers * W * swa_row,
+        draft_swa_per_sequence=c.num_nextn_predict_layers * W * swa_row,
+        compressor_state_per_sequence=state,
+        bf16_main_per_token=bf_main,
+        bf16_index_per_token=bf_index,
+        main_entry=main_entry,
+        index_entry=index_entry,
+    )

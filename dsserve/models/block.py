@@ -4,6 +4,7 @@ V4.1 runs the single-pass schedule: each site's projection yields the ``pre`` th
 collapses with, so one read of the stream serves both (spec 2.2). V4 computes and uses ``pre`` at the same
 site (two passes).
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,14 @@ MHC_SIDE_STREAM_MAX_ROWS = 16
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, role: LayerRole, n_experts: int | None = None, topk: int | None = None,
-                 attn_cls=CSA2Attention):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        role: LayerRole,
+        n_experts: int | None = None,
+        topk: int | None = None,
+        attn_cls=CSA2Attention,
+    ):
         super().__init__()
         self.cfg, self.role = cfg, role
         # the mixes' Sinkhorn; training on a GPU swaps in kernels.sinkhorn.sinkhorn_trainable (the same function,
@@ -51,9 +58,16 @@ class Block(nn.Module):
 
     def mix(self, site: str, x: torch.Tensor):
         c = self.cfg
-        pre, post, comb = hc_mix(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
-                                 getattr(self, f"hc_{site}_scale"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters,
-                                 self.sinkhorn)
+        pre, post, comb = hc_mix(
+            x,
+            getattr(self, f"hc_{site}_fn"),
+            getattr(self, f"hc_{site}_base"),
+            getattr(self, f"hc_{site}_scale"),
+            c.rms_norm_eps,
+            c.hc_eps,
+            c.hc_sinkhorn_iters,
+            self.sinkhorn,
+        )
         if self.warm_in is None:
             return pre, post, comb
         r, n = self.warm_in, pre.shape[1]  # convex blends: comb stays doubly stochastic
@@ -68,8 +82,18 @@ class Block(nn.Module):
             p, post, comb = self.mix(name, x)
             return norm(collapse(x, pre)), p, post, comb, None
         c = self.cfg
-        args = (x, getattr(self, f"hc_{name}_fn"), getattr(self, f"hc_{name}_base"), getattr(self, f"hc_{name}_scale"),
-                pre, norm.weight, norm.eps, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+        args = (
+            x,
+            getattr(self, f"hc_{name}_fn"),
+            getattr(self, f"hc_{name}_base"),
+            getattr(self, f"hc_{name}_scale"),
+            pre,
+            norm.weight,
+            norm.eps,
+            c.rms_norm_eps,
+            c.hc_eps,
+            c.hc_sinkhorn_iters,
+        )
         side = side_stream(x, MHC_SIDE_STREAM_MAX_ROWS)
         if side is None:
             return (*ops.mhc_site(*args), None)
@@ -85,17 +109,25 @@ class Block(nn.Module):
             pre, post, comb = self.mix(name, x)
             return norm(collapse(x, pre)), post, comb
         c = self.cfg
-        _, pre, post, comb = ops.mhc_site(x, getattr(self, f"hc_{name}_fn"), getattr(self, f"hc_{name}_base"),
-                                          getattr(self, f"hc_{name}_scale"), x.new_zeros(x.shape[0], c.hc_mult),
-                                          norm.weight, norm.eps, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+        _, pre, post, comb = ops.mhc_site(
+            x,
+            getattr(self, f"hc_{name}_fn"),
+            getattr(self, f"hc_{name}_base"),
+            getattr(self, f"hc_{name}_scale"),
+            x.new_zeros(x.shape[0], c.hc_mult),
+            norm.weight,
+            norm.eps,
+            c.rms_norm_eps,
+            c.hc_eps,
+            c.hc_sinkhorn_iters,
+        )
         return ops.mhc_collapse_norm(x, pre, norm.weight, norm.eps), post, comb
 
     @staticmethod
     def expand(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, ops) -> torch.Tensor:
         return expand(y, x, post, comb) if ops is None else ops.mhc_expand(y, x, post, comb)
 
-    def forward(self, x: torch.Tensor, pre: torch.Tensor | None, ctx: ForwardContext,
-                keep: KeptRows | None = None):
+    def forward(self, x: torch.Tensor, pre: torch.Tensor | None, ctx: ForwardContext, keep: KeptRows | None = None):
         """x: stream [T, n, d]; pre: the collapse weights handed over by the previous layer (V4.1).
 
         ``keep`` (bounded replay): after this layer has published its global KV from every row, continue
@@ -118,8 +150,16 @@ class Block(nn.Module):
         if self.engram is not None:
             ctx.log(self.role.index, "engram")
             reach = None if ctx.segment_first is None else ctx.positions - ctx.segment_first
-            x = self.engram(x, ctx.engram_ids, [s.rows for s in ctx.seqs], ctx.engram_history,
-                            rows=ctx.engram_rows.get(self.role.index), ops=ctx.ops, check=not ctx.static, reach=reach)
+            x = self.engram(
+                x,
+                ctx.engram_ids,
+                [s.rows for s in ctx.seqs],
+                ctx.engram_history,
+                rows=ctx.engram_rows.get(self.role.index),
+                ops=ctx.ops,
+                check=not ctx.static,
+                reach=reach,
+            )
         ops, ready = ctx.ops, None  # ops: kernels.ops.KernelOps, or None: the torch forward (the oracle)
         if self.cfg.is_v41:
             h, a_pre, a_post, a_comb, ready = self.site("attn", x, pre, self.attn_norm, ops)
@@ -134,8 +174,16 @@ class Block(nn.Module):
             a_pre = None if a_pre is None else a_pre[idx]
         return x, h, a_pre, a_post, a_comb, ctx, ready
 
-    def tail(self, x: torch.Tensor, h: torch.Tensor, a_pre, a_post: torch.Tensor, a_comb: torch.Tensor,
-             ctx: ForwardContext, ready=None):
+    def tail(
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        a_pre,
+        a_post: torch.Tensor,
+        a_comb: torch.Tensor,
+        ctx: ForwardContext,
+        ready=None,
+    ):
         """The attention and the MoE with their expansions (see ``head``; ``ready``: see ``site``). Returns
         (stream, pre_out, ctx)."""
         ops = ctx.ops

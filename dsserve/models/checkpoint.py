@@ -4,6 +4,7 @@
 tensors lazily (``safe_open``; Engram tables in row chunks) and dequantises them straight into the model's
 state_dict entries. ``save_checkpoint`` writes the release names and formats (FP8 blocks, MXFP4, Engram FP8).
 """
+
 from __future__ import annotations
 
 import json
@@ -17,14 +18,29 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..layers.quant import (dequant_engram, dequant_fp8_block, dequant_mxfp4, pack_mxfp4, quant_engram,
-                            quant_fp8_block)
-from .checkpoint_layout import (IGNORED_PREFIXES, ST_DTYPES, TensorSpec, model_name_for, model_shapes,
-                                release_layout, scale_name)
+from ..layers.quant import dequant_engram, dequant_fp8_block, dequant_mxfp4, pack_mxfp4, quant_engram, quant_fp8_block
+from .checkpoint_layout import (
+    IGNORED_PREFIXES,
+    ST_DTYPES,
+    TensorSpec,
+    model_name_for,
+    model_shapes,
+    release_layout,
+    scale_name,
+)
 from .config import ModelConfig
 
-__all__ = ["CheckpointError", "TensorSpec", "release_layout", "model_name_for", "model_shapes",
-           "load_checkpoint", "save_checkpoint", "dummy_weights", "dummy_tensor"]
+__all__ = [
+    "CheckpointError",
+    "TensorSpec",
+    "release_layout",
+    "model_name_for",
+    "model_shapes",
+    "load_checkpoint",
+    "save_checkpoint",
+    "dummy_weights",
+    "dummy_tensor",
+]
 
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -39,8 +55,7 @@ class CheckpointError(ValueError):
 def _fail(what: str, problems: list[str]):
     if problems:
         more = f"\n  ... and {len(problems) - MAX_REPORTED} more" if len(problems) > MAX_REPORTED else ""
-        raise CheckpointError(f"{what}: {len(problems)} problem(s):\n  " + "\n  ".join(problems[:MAX_REPORTED])
-                              + more)
+        raise CheckpointError(f"{what}: {len(problems)} problem(s):\n  " + "\n  ".join(problems[:MAX_REPORTED]) + more)
 
 
 def _fmt(shape, dtype) -> str:
@@ -84,8 +99,11 @@ def load_checkpoint(model: torch.nn.Module, cfg: ModelConfig, path: str) -> list
     layout = release_layout(cfg)
     where = _weight_map(path)
     ignored = IGNORED_PREFIXES.get(cfg.family, ())
-    missing = [f"missing tensor {n!r}: expected {_fmt(s.shape, s.dtype)}, found none"
-               for n, s in layout.items() if n not in where]
+    missing = [
+        f"missing tensor {n!r}: expected {_fmt(s.shape, s.dtype)}, found none"
+        for n, s in layout.items()
+        if n not in where
+    ]
     wrong, extra = [], []
     with ExitStack() as stack:
         handles, present = {}, {}
@@ -103,12 +121,17 @@ def load_checkpoint(model: torch.nn.Module, cfg: ModelConfig, path: str) -> list
             spec = layout.get(name)
             if spec is None:
                 if not name.startswith(ignored):
-                    extra.append(f"unexpected tensor {name!r}: expected none (not in the {cfg.name} layout), "
-                                 f"found {_fmt(shape, dtype)}")
+                    extra.append(
+                        f"unexpected tensor {name!r}: expected none (not in the {cfg.name} layout), "
+                        f"found {_fmt(shape, dtype)}"
+                    )
             elif (shape, dtype) != (spec.shape, spec.dtype):
                 wrong.append(f"tensor {name!r}: expected {_fmt(spec.shape, spec.dtype)}, found {_fmt(shape, dtype)}")
-        _fail(f"checkpoint {path} does not match config {cfg.name!r} ({len(wrong)} mis-shaped/mis-typed, "
-              f"{len(extra)} unexpected, {len(missing)} missing)", wrong + extra + missing)
+        _fail(
+            f"checkpoint {path} does not match config {cfg.name!r} ({len(wrong)} mis-shaped/mis-typed, "
+            f"{len(extra)} unexpected, {len(missing)} missing)",
+            wrong + extra + missing,
+        )
         sd = model.state_dict()
         _fail(f"model does not match config {cfg.name!r}", _check_model(sd, cfg))
 
@@ -132,7 +155,7 @@ def load_checkpoint(model: torch.nn.Module, cfg: ModelConfig, path: str) -> list
                     s = handles[where[scale_name(name)]].get_slice(scale_name(name))
                     step = max(1, ROW_CHUNK_ELEMS // spec.shape[1])
                     for r in range(0, spec.shape[0], step):
-                        dst[r:r + step].copy_(dequant_engram(w[r:r + step], s[r:r + step]))
+                        dst[r : r + step].copy_(dequant_engram(w[r : r + step], s[r : r + step]))
                 else:
                     dst.copy_(read(name))
     return sorted(set(sd) - filled)
@@ -155,14 +178,20 @@ def _release_tensors(name: str, spec: TensorSpec, sd: dict, cfg: ModelConfig) ->
         s = torch.empty(rows, dim // 32, dtype=torch.float8_e8m0fnu)
         step = max(1, ROW_CHUNK_ELEMS // dim)
         for r in range(0, rows, step):
-            qc, sc = quant_engram(src[r:r + step])
-            q[r:r + step], s[r:r + step] = qc.cpu(), sc.cpu()
+            qc, sc = quant_engram(src[r : r + step])
+            q[r : r + step], s[r : r + step] = qc.cpu(), sc.cpu()
         return {name: q, scale_name(name): s}
     return {name: src.to("cpu", ST_DTYPES[spec.dtype], copy=True).contiguous()}
 
 
-def save_checkpoint(model: torch.nn.Module, cfg: ModelConfig, out_dir: str, tokenizer_dir: str | None = None,
-                    quantize: bool = True, max_shard_bytes: int | None = None) -> None:
+def save_checkpoint(
+    model: torch.nn.Module,
+    cfg: ModelConfig,
+    out_dir: str,
+    tokenizer_dir: str | None = None,
+    quantize: bool = True,
+    max_shard_bytes: int | None = None,
+) -> None:
     """Write config.json, the weights in release names and formats (model.safetensors, or
     model-0000i-of-0000N.safetensors + model.safetensors.index.json when max_shard_bytes is given), and copy
     tokenizer.json / tokenizer_config.json from tokenizer_dir when present."""
@@ -173,8 +202,9 @@ def save_checkpoint(model: torch.nn.Module, cfg: ModelConfig, out_dir: str, toke
     _fail(f"model does not match config {cfg.name!r}", _check_model(sd, cfg))
     os.makedirs(out_dir, exist_ok=True)
     # A unit is a weight with its scale; units are packed greedily into shards in layout order.
-    units = [[n] + ([scale_name(n)] if scale_name(n) in layout else []) for n, s in layout.items()
-             if s.quant != "scale"]
+    units = [
+        [n] + ([scale_name(n)] if scale_name(n) in layout else []) for n, s in layout.items() if s.quant != "scale"
+    ]
     shards, size = [[]], 0
     for unit in units:
         nbytes = sum(layout[n].nbytes for n in unit)
@@ -238,7 +268,7 @@ def dummy_tensor(name: str, t: torch.Tensor, cfg: ModelConfig, seed: int = 0) ->
         elif name.endswith("tid2eid"):
             n_exp = cfg.n_routed_experts
             r = torch.rand(t.shape[0], n_exp, generator=g, device=t.device)
-            t.copy_(r.argsort(dim=-1)[:, :t.shape[1]])
+            t.copy_(r.argsort(dim=-1)[:, : t.shape[1]])
         else:
             if _UNIT_NORMAL.search(name):
                 std = 1.0
@@ -253,5 +283,5 @@ def dummy_tensor(name: str, t: torch.Tensor, cfg: ModelConfig, seed: int = 0) ->
             rows = t.view(-1, t.shape[-1])
             step = max(1, ROW_CHUNK_ELEMS // t.shape[-1])
             for r in range(0, rows.shape[0], step):
-                chunk = rows[r:r + step]
+                chunk = rows[r : r + step]
                 chunk.copy_(torch.randn(chunk.shape, generator=g, device=t.device) * std)

@@ -4,6 +4,7 @@ Names are the release's own (``layers.{L}.attn.wq_b.weight``, ``mtp.{s}.…``). 
 names, dequantised to a float dtype, except that routed experts are stacked per layer as
 ``layers.{L}.ffn.experts.w1|w2|w3`` [E, n, k] and FP8/MXFP4/Engram scales are folded into their weights.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,10 +17,23 @@ import torch
 from .config import V4, V41, ModelConfig
 
 # safetensors dtype names -> torch dtypes
-ST_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn,
-             "F8_E8M0": torch.float8_e8m0fnu, "I8": torch.int8, "I32": torch.int32}
-QUANT_DTYPE = {"bf16": "BF16", "fp32": "F32", "fp8": "F8_E4M3", "mxfp4": "I8", "engram_fp8": "F8_E4M3",
-               "int32": "I32", "scale": "F8_E8M0"}
+ST_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E8M0": torch.float8_e8m0fnu,
+    "I8": torch.int8,
+    "I32": torch.int32,
+}
+QUANT_DTYPE = {
+    "bf16": "BF16",
+    "fp32": "F32",
+    "fp8": "F8_E4M3",
+    "mxfp4": "I8",
+    "engram_fp8": "F8_E4M3",
+    "int32": "I32",
+    "scale": "F8_E8M0",
+}
 MX_BLOCK = 32  # MXFP4 experts and Engram tables: one e8m0 scale per 32 values
 
 # Release tensors that exist but are not part of this engine's model; tolerated (and skipped) by the loader.

@@ -4,6 +4,7 @@ A frozen dataclass read from a HF-style ``config.json`` (V4.1: nested ``text_con
 ``quantization_config``; V4: flat). Layer roles are derived once here, from the raw ``compress_ratios``
 list, and every other part reads the role instead of comparing ratios to magic numbers.
 """
+
 from __future__ import annotations
 
 import json
@@ -155,14 +156,27 @@ class ModelConfig:
 
     def _role(self, i: int) -> LayerRole:
         r = self.compress_ratios[i]
-        common = dict(index=i, ratio=r, engram=i in self.engram_layer_ids,
-                      dspark_tap=self.is_v41 and i in self.dspark_target_layer_ids,
-                      hash_routed=i < self.num_hash_layers, yarn=r != 0)
+        common = dict(
+            index=i,
+            ratio=r,
+            engram=i in self.engram_layer_ids,
+            dspark_tap=self.is_v41 and i in self.dspark_target_layer_ids,
+            hash_routed=i < self.num_hash_layers,
+            yarn=r != 0,
+        )
         if self.is_v41:
             side = "encoder" if i < self.encoder_layers else "decoder"
             if r == 0:
-                return LayerRole(side=side, mode="swa", kv_source=None, index_source=None,
-                                 owns_compressor=False, owns_indexer=False, candidate=None, **common)
+                return LayerRole(
+                    side=side,
+                    mode="swa",
+                    kv_source=None,
+                    index_source=None,
+                    owns_compressor=False,
+                    owns_indexer=False,
+                    candidate=None,
+                    **common,
+                )
             kv = max(s for s in self.kv_source_layer_ids if s <= i)
             ix = max(s for s in self.index_source_layer_ids if s <= i)
             full, reindex = i in self.kv_source_layer_ids, i in self.index_source_layer_ids
@@ -173,15 +187,39 @@ class ModelConfig:
                     cand = "source"
                 elif i > self.candidate_source_layer_id:
                     cand = "consumer"
-            return LayerRole(side=side, mode=mode, kv_source=kv, index_source=ix,
-                             owns_compressor=full, owns_indexer=reindex, candidate=cand, **common)
+            return LayerRole(
+                side=side,
+                mode=mode,
+                kv_source=kv,
+                index_source=ix,
+                owns_compressor=full,
+                owns_indexer=reindex,
+                candidate=cand,
+                **common,
+            )
         # V4: every compressed layer owns its cache; CSA (ratio 4) has an indexer, HCA attends densely.
         if r == 0:
-            return LayerRole(side="decoder", mode="swa", kv_source=None, index_source=None,
-                             owns_compressor=False, owns_indexer=False, candidate=None, **common)
+            return LayerRole(
+                side="decoder",
+                mode="swa",
+                kv_source=None,
+                index_source=None,
+                owns_compressor=False,
+                owns_indexer=False,
+                candidate=None,
+                **common,
+            )
         csa = r == 4
-        return LayerRole(side="decoder", mode="full", kv_source=i, index_source=i if csa else None,
-                         owns_compressor=True, owns_indexer=csa, candidate=None, **common)
+        return LayerRole(
+            side="decoder",
+            mode="full",
+            kv_source=i,
+            index_source=i if csa else None,
+            owns_compressor=True,
+            owns_indexer=csa,
+            candidate=None,
+            **common,
+        )
 
     # ---------------------------------------------------------------- validation
     def _validate(self):
@@ -191,8 +229,10 @@ class ModelConfig:
         if self.family not in (V41, V4):
             bad(f"family must be {V41!r} or {V4!r}, got {self.family!r}")
         if len(self.compress_ratios) < self.num_hidden_layers:
-            bad(f"compress_ratios has {len(self.compress_ratios)} entries, need at least "
-                f"num_hidden_layers={self.num_hidden_layers}")
+            bad(
+                f"compress_ratios has {len(self.compress_ratios)} entries, need at least "
+                f"num_hidden_layers={self.num_hidden_layers}"
+            )
         if self.head_dim <= self.qk_rope_head_dim or self.qk_rope_head_dim % 2:
             bad(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even and < head_dim={self.head_dim}")
         if self.num_attention_heads % self.o_groups:
@@ -249,10 +289,12 @@ class ModelConfig:
         if family == V4 and "num_hash_layers" not in kw and "n_hash_layers" not in text:
             kw["num_hash_layers"] = 3
         if rs:
-            kw.update(yarn_factor=float(rs.get("factor", 16.0)),
-                      yarn_original_max_position=int(rs.get("original_max_position_embeddings", 65536)),
-                      yarn_beta_fast=float(rs.get("beta_fast", 32.0)),
-                      yarn_beta_slow=float(rs.get("beta_slow", 1.0)))
+            kw.update(
+                yarn_factor=float(rs.get("factor", 16.0)),
+                yarn_original_max_position=int(rs.get("original_max_position_embeddings", 65536)),
+                yarn_beta_fast=float(rs.get("beta_fast", 32.0)),
+                yarn_beta_slow=float(rs.get("beta_slow", 1.0)),
+            )
         if "engram_pad_token_id" not in text and family == V41:
             kw.setdefault("engram_pad_token_id", 2)
         if family == V4:
@@ -272,10 +314,13 @@ class ModelConfig:
         declared = text.get("engram_num_embeddings")
         if declared:  # the release states its table sizes; a different prime rule would rehash every row
             from ..layers.engram_hash import engram_rows_per_layer
+
             derived = list(engram_rows_per_layer(cfg).values())
             if list(declared) != derived:
-                raise ConfigError(f"config {name!r}: engram_num_embeddings {list(declared)} disagrees with the "
-                                  f"rows derived from engram_vocab_size={cfg.engram_vocab_size}: {derived}")
+                raise ConfigError(
+                    f"config {name!r}: engram_num_embeddings {list(declared)} disagrees with the "
+                    f"rows derived from engram_vocab_size={cfg.engram_vocab_size}: {derived}"
+                )
         return cfg
 
     @classmethod
@@ -295,27 +340,49 @@ class ModelConfig:
         """The release's config.json shape: V4.1 nests text_config; V4 is flat."""
         text = {}
         for f in fields(self):
-            if f.name in ("family", "name", "yarn_factor", "yarn_original_max_position", "yarn_beta_fast",
-                          "yarn_beta_slow", "weight_block_size", "expert_dtype", "qat"):
+            if f.name in (
+                "family",
+                "name",
+                "yarn_factor",
+                "yarn_original_max_position",
+                "yarn_beta_fast",
+                "yarn_beta_slow",
+                "weight_block_size",
+                "expert_dtype",
+                "qat",
+            ):
                 continue
             v = getattr(self, f.name)
             text[f.name] = list(v) if isinstance(v, tuple) else v
         text["num_key_value_heads"] = 1
         if self.engram_layer_ids:
             from ..layers.engram_hash import engram_rows_per_layer
+
             text["engram_num_embeddings"] = list(engram_rows_per_layer(self).values())
-        text["rope_scaling"] = {"type": "yarn", "factor": self.yarn_factor,
-                                "original_max_position_embeddings": self.yarn_original_max_position,
-                                "beta_fast": self.yarn_beta_fast, "beta_slow": self.yarn_beta_slow}
-        quant = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
-                 "weight_block_size": [self.weight_block_size] * 2, "expert_dtype": self.expert_dtype}
+        text["rope_scaling"] = {
+            "type": "yarn",
+            "factor": self.yarn_factor,
+            "original_max_position_embeddings": self.yarn_original_max_position,
+            "beta_fast": self.yarn_beta_fast,
+            "beta_slow": self.yarn_beta_slow,
+        }
+        quant = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "scale_fmt": "ue8m0",
+            "weight_block_size": [self.weight_block_size] * 2,
+            "expert_dtype": self.expert_dtype,
+        }
         if self.is_v41:
             text["model_type"] = "deepseek_v41_text"
-            return {"architectures": ["DeepseekV41ForCausalLM"], "model_type": V41, "text_config": text,
-                    "quantization_config": quant}
+            return {
+                "architectures": ["DeepseekV41ForCausalLM"],
+                "model_type": V41,
+                "text_config": text,
+                "quantization_config": quant,
+            }
         text["n_hash_layers"] = text.pop("num_hash_layers")
-        return {"architectures": ["DeepseekV4ForCausalLM"], "model_type": V4, **text,
-                "quantization_config": quant}
+        return {"architectures": ["DeepseekV4ForCausalLM"], "model_type": V4, **text, "quantization_config": quant}
 
     def with_options(self, **kw) -> "ModelConfig":
         return replace(self, **kw)

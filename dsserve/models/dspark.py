@@ -9,6 +9,7 @@ Two entry points, both per sequence:
   window plus the block's own rows, non-causal inside the block), then the shared head plus the sequential
   Markov head and the confidence head.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,9 +24,21 @@ from .config import LayerRole, ModelConfig
 
 
 def draft_role(cfg: ModelConfig, stage: int) -> LayerRole:
-    return LayerRole(index=cfg.num_hidden_layers + stage, side="draft", ratio=0, mode="swa", kv_source=None,
-                     index_source=None, owns_compressor=False, owns_indexer=False, candidate=None, engram=False,
-                     dspark_tap=False, hash_routed=False, yarn=False)
+    return LayerRole(
+        index=cfg.num_hidden_layers + stage,
+        side="draft",
+        ratio=0,
+        mode="swa",
+        kv_source=None,
+        index_source=None,
+        owns_compressor=False,
+        owns_indexer=False,
+        candidate=None,
+        engram=False,
+        dspark_tap=False,
+        hash_routed=False,
+        yarn=False,
+    )
 
 
 class DSparkCache:
@@ -47,7 +60,7 @@ class DSparkCache:
         # New tensors every time (no in-place writes), so a snapshot taken by a caller stays valid.
         if self.keys[stage] is not None:
             keys, positions = torch.cat((self.keys[stage], keys)), torch.cat((self.positions[stage], positions))
-        self.keys[stage], self.positions[stage] = keys[-self.window:].clone(), positions[-self.window:].clone()
+        self.keys[stage], self.positions[stage] = keys[-self.window :].clone(), positions[-self.window :].clone()
 
 
 class DraftAttention(CSA2Attention):
@@ -72,7 +85,7 @@ class DraftAttention(CSA2Attention):
         ring_ok = (ring_p >= max(0, p - cfg.sliding_window + 1)) & (ring_p <= p)
         keys = torch.cat((ring_k, own))
         mask = torch.cat((ring_ok, torch.ones(t, dtype=torch.bool)))[None, :].expand(t, -1)
-        o = sparse_attention_with_sink(q, keys, mask, None, None, self.attn_sink, cfg.head_dim ** -0.5)
+        o = sparse_attention_with_sink(q, keys, mask, None, None, self.attn_sink, cfg.head_dim**-0.5)
         return self.output(o, pos, x.dtype)
 
 
@@ -80,8 +93,13 @@ class DSparkStage(Block):
     def __init__(self, cfg: ModelConfig, stage: int):
         # Same parameter names (mtp.{s}.attn.*) as a plain SWA layer; only the key set differs, so
         # ``Block.forward`` (mHC mixes, collapse, expand, MoE) is reused unchanged.
-        super().__init__(cfg, draft_role(cfg, stage), cfg.dspark_n_routed_experts, cfg.dspark_num_experts_per_tok,
-                         attn_cls=DraftAttention)
+        super().__init__(
+            cfg,
+            draft_role(cfg, stage),
+            cfg.dspark_n_routed_experts,
+            cfg.dspark_num_experts_per_tok,
+            attn_cls=DraftAttention,
+        )
         d, r, last = cfg.hidden_size, cfg.dspark_markov_rank, cfg.num_draft_layers - 1
         if stage == 0:
             self.main_proj = nn.Linear(len(cfg.dspark_target_layer_ids) * d, d, bias=False)
@@ -103,8 +121,9 @@ class DSpark(nn.ModuleList):
     def new_state(self) -> DSparkCache:
         return DSparkCache(self.cfg.sliding_window, len(self))
 
-    def ingest(self, taps: dict[int, torch.Tensor], positions: torch.Tensor, state: DSparkCache,
-               qat: bool | None = None) -> None:
+    def ingest(
+        self, taps: dict[int, torch.Tensor], positions: torch.Tensor, state: DSparkCache, qat: bool | None = None
+    ) -> None:
         """Push the ring entries of committed rows. taps: layer -> [T, d] (``ForwardOutput.taps``, the mean
         over copies of the stream entering each target layer); positions [T], increasing, after the ring's."""
         cfg = self.cfg
@@ -113,8 +132,10 @@ class DSpark(nn.ModuleList):
         if positions.numel() == 0:
             return
         if bool((positions[1:] <= positions[:-1]).any()) or int(positions[0]) <= state.last_position:
-            raise ValueError(f"DSpark ingestion needs increasing positions after {state.last_position}, "
-                             f"got {positions.tolist()[:8]}...")
+            raise ValueError(
+                f"DSpark ingestion needs increasing positions after {state.last_position}, "
+                f"got {positions.tolist()[:8]}..."
+            )
         # Only the last W rows can ever be attended (spec 6.17), so skip the rest of a long prefill.
         keep = slice(-cfg.sliding_window, None)
         if any(taps[layer].shape[0] != positions.shape[0] for layer in cfg.dspark_target_layer_ids):
@@ -124,8 +145,16 @@ class DSpark(nn.ModuleList):
         for stage in self:
             state.push(stage.attn.stage, stage.attn.window_entry(m, positions[keep], qat), positions[keep])
 
-    def propose(self, last_token_y: int, p: int, state: DSparkCache, embed: nn.Module, head: nn.Module,
-                qat: bool | None = None, greedy: bool = True):
+    def propose(
+        self,
+        last_token_y: int,
+        p: int,
+        state: DSparkCache,
+        embed: nn.Module,
+        head: nn.Module,
+        qat: bool | None = None,
+        greedy: bool = True,
+    ):
         """Draft a block after committed position ``p``; y is the target's token for position p+1.
 
         Returns (draft ids [B], confidence logits [B], logits [B, V]); draft i proposes the token at
@@ -155,7 +184,7 @@ class DSpark(nn.ModuleList):
         for i in range(b):
             e = last.markov_head.embed(prev)  # [1, r]: E_m[prev_i]
             rows.append(logits[i] + last.markov_head.head(e)[0].float())
-            conf.append(last.confidence_head.proj(torch.cat((h[i:i + 1], e.to(h.dtype)), dim=-1))[0, 0].float())
+            conf.append(last.confidence_head.proj(torch.cat((h[i : i + 1], e.to(h.dtype)), dim=-1))[0, 0].float())
             prev = rows[-1].argmax().view(1)  # greedy; torch.argmax returns the lowest index on ties
             drafts.append(prev)
         return torch.cat(drafts), torch.stack(conf), torch.stack(rows)

@@ -7,6 +7,7 @@ gets its experts filled (checkpoint.dummy_tensor: the values dummy_weights would
 layer's dense experts exist at a time. The result equals a plain build + dummy_weights + quantize_experts
 with the same keep_dense.
 """
+
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -21,8 +22,13 @@ from .model import DeepseekForCausalLM
 from .quantize import EXPERT_FORMATS, pack_experts
 
 
-def build_dummy_model(cfg: ModelConfig, seed: int = 0, expert_format: str | None = None,
-                      device: str | torch.device = "cpu", keep_dense: bool = False) -> DeepseekForCausalLM:
+def build_dummy_model(
+    cfg: ModelConfig,
+    seed: int = 0,
+    expert_format: str | None = None,
+    device: str | torch.device = "cpu",
+    keep_dense: bool = False,
+) -> DeepseekForCausalLM:
     """An eval-mode model on `device` (float32) with dummy_weights(seed). expert_format (fp8 | mxfp4): the
     backbone's routed experts packed in it as they are filled, their dense copies kept (rounded to the packed
     values) only with keep_dense; the draft's experts stay dense, as quantize_experts leaves them. None: a plain
@@ -30,7 +36,7 @@ def build_dummy_model(cfg: ModelConfig, seed: int = 0, expert_format: str | None
     if expert_format is not None and expert_format not in EXPERT_FORMATS:
         raise ValueError(f"expert format {expert_format!r}: expected one of {EXPERT_FORMATS} or None")
     device = torch.device(device)
-    with torch.device(device), (deferred_experts() if expert_format else nullcontext()):
+    with torch.device(device), deferred_experts() if expert_format else nullcontext():
         net = DeepseekForCausalLM(cfg).eval()
     dummy_weights(net, cfg, seed)  # skips the deferred (meta) experts
     backbone = {id(layer.ffn) for layer in net.layers}

@@ -1,5 +1,6 @@
 """Build a ready model from a preset name, a built-in checkpoint or a checkpoint directory: config, weights,
 tokenizer, Engram map."""
+
 from __future__ import annotations
 
 import os
@@ -33,13 +34,21 @@ def resolve_config(model: str) -> ModelConfig:
         return preset(model)
     if os.path.isdir(model):
         return ModelConfig.from_json(model)
-    raise ConfigError(f"unknown model {model!r}: not a preset ({', '.join(sorted(PRESETS))}), not a built-in "
-                      f"checkpoint ({', '.join(sorted(CHECKPOINTS))}) and not a checkpoint directory")
+    raise ConfigError(
+        f"unknown model {model!r}: not a preset ({', '.join(sorted(PRESETS))}), not a built-in "
+        f"checkpoint ({', '.join(sorted(CHECKPOINTS))}) and not a checkpoint directory"
+    )
 
 
-def load_model(model: str, load_format: str = "auto", dtype: str = "float32", seed: int = 0,
-               qat: bool | None = None, expert_format: str | None = None,
-               device: str | torch.device | None = None) -> LoadedModel:
+def load_model(
+    model: str,
+    load_format: str = "auto",
+    dtype: str = "float32",
+    seed: int = 0,
+    qat: bool | None = None,
+    expert_format: str | None = None,
+    device: str | torch.device | None = None,
+) -> LoadedModel:
     """``auto`` reads safetensors from a checkpoint directory; a preset has no weights, so it gets ``dummy``
     (seeded random weights), as vLLM's ``--load-format dummy``.
 

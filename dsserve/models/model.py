@@ -5,6 +5,7 @@ once it is the reference forward (full recompute, no cache): the oracle every fa
 Bounded replay (``decoder_start``) runs the encoder and layer 20's global projection on every row, and the
 decoder only on rows at or after ``decoder_start`` (spec 2.9).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -58,32 +59,51 @@ class DeepseekForCausalLM(nn.Module):
         self.mtp = None
         if cfg.is_v41 and cfg.num_draft_layers:
             from .dspark import DSpark
+
             self.mtp = DSpark(cfg)
         identity = cfg.engram_layer_ids and cfg.engram_compressed_vocab_size == cfg.vocab_size
         # token id -> Engram compressed id; the real tokenizer's map is set by the loader.
-        self.register_buffer("engram_token_map", torch.arange(cfg.vocab_size) if identity else None,
-                             persistent=False)
+        self.register_buffer("engram_token_map", torch.arange(cfg.vocab_size) if identity else None, persistent=False)
 
     def new_cache(self) -> SequenceCache:
         return SequenceCache(self.cfg.sliding_window, self.cfg.engram_max_ngram_size - 1)
 
     # ----------------------------------------------------------------------------------------
-    def forward(self, tokens: torch.Tensor, cache: SequenceCache | None = None, decoder_start: int | None = None,
-                qat: bool | None = None, is_image: torch.Tensor | None = None, trace: list | None = None,
-                index_kl: list | None = None, dense_entries: bool = False) -> ForwardOutput:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: SequenceCache | None = None,
+        decoder_start: int | None = None,
+        qat: bool | None = None,
+        is_image: torch.Tensor | None = None,
+        trace: list | None = None,
+        index_kl: list | None = None,
+        dense_entries: bool = False,
+    ) -> ForwardOutput:
         """One sequence's new rows (a whole prompt, a chunk, or a decoded token) against its cache. ``index_kl``
         (training): a list the indexers append their distillation losses to (``CSA2Attention._index_kl``)."""
         tokens = torch.as_tensor(tokens)
         cache = cache if cache is not None else self.new_cache()
         seq = SeqRows(slice(0, tokens.shape[0] if tokens.dim() else 0), cache, decoder_start)
-        return self.forward_batch(tokens, [seq], qat=qat, is_image=is_image, trace=trace, index_kl=index_kl,
-                                  dense_entries=dense_entries)
+        return self.forward_batch(
+            tokens, [seq], qat=qat, is_image=is_image, trace=trace, index_kl=index_kl, dense_entries=dense_entries
+        )
 
-    def forward_batch(self, tokens: torch.Tensor, seqs: list[SeqRows], qat: bool | None = None,
-                      is_image: torch.Tensor | None = None, trace: list | None = None,
-                      replay_form: str = "report", decoder_rows=None, index_kl: list | None = None,
-                      dense_entries: bool = False, static: bool = False,
-                      segment_first: torch.Tensor | None = None, encoder_rows=None) -> ForwardOutput:
+    def forward_batch(
+        self,
+        tokens: torch.Tensor,
+        seqs: list[SeqRows],
+        qat: bool | None = None,
+        is_image: torch.Tensor | None = None,
+        trace: list | None = None,
+        replay_form: str = "report",
+        decoder_rows=None,
+        index_kl: list | None = None,
+        dense_entries: bool = False,
+        static: bool = False,
+        segment_first: torch.Tensor | None = None,
+        encoder_rows=None,
+    ) -> ForwardOutput:
         """A flat batch of rows from several sequences: ``seqs`` says which rows are whose, in order.
 
         Each sequence's rows continue its cache at ``cache.num_tokens``. Returns the hidden states of the
@@ -117,9 +137,12 @@ class DeepseekForCausalLM(nn.Module):
         if last >= cfg.max_position_embeddings:
             raise ModelInputError(f"position {last} exceeds max_position_embeddings={cfg.max_position_embeddings}")
         seqs = [replace(s, first=s.cache.num_tokens) for s in seqs]  # host positions, for the compressor
-        positions = torch.cat([torch.arange(s.first, s.first + s.rows.stop - s.rows.start,
-                                            device=tokens.device if static else "cpu")
-                               for s in seqs]).to(tokens.device, non_blocking=True)
+        positions = torch.cat(
+            [
+                torch.arange(s.first, s.first + s.rows.stop - s.rows.start, device=tokens.device if static else "cpu")
+                for s in seqs
+            ]
+        ).to(tokens.device, non_blocking=True)
         replay = any(s.decoder_start is not None for s in seqs)
         if replay_form not in ("report", "vllm"):
             raise ModelInputError(f"replay_form must be 'report' or 'vllm', got {replay_form!r}")
@@ -128,11 +151,22 @@ class DeepseekForCausalLM(nn.Module):
             raise ModelInputError("bounded replay (decoder_start) needs the V4.1 encoder/decoder split")
         if segment_first is not None and not (static and cfg.is_v41 and not replay):
             # V4's overlapping compression mixes the rows either side of a problem's start into one entry
-            raise ModelInputError("segment_first isolates a static step's packed problems, on V4.1 (non-overlapping "
-                                  "compression), without bounded replay")
-        ctx = ForwardContext(tokens=tokens, positions=positions, seqs=list(seqs),
-                             qat=cfg.qat if qat is None else qat, is_image=is_image, trace=trace, index_kl=index_kl,
-                             dense_entries=dense_entries, static=static, segment_first=segment_first)
+            raise ModelInputError(
+                "segment_first isolates a static step's packed problems, on V4.1 (non-overlapping "
+                "compression), without bounded replay"
+            )
+        ctx = ForwardContext(
+            tokens=tokens,
+            positions=positions,
+            seqs=list(seqs),
+            qat=cfg.qat if qat is None else qat,
+            is_image=is_image,
+            trace=trace,
+            index_kl=index_kl,
+            dense_entries=dense_entries,
+            static=static,
+            segment_first=segment_first,
+        )
         ctx.ops, ctx.probe = self.kernel_ops, self.score_probe  # row-wise ops (MoE, mHC) run on either path
         if self.kernel_ops is not None and PagedBatch.supports(seqs, self.kernel_ops):
             if dense_entries:
@@ -140,8 +174,10 @@ class DeepseekForCausalLM(nn.Module):
             ctx.paged = PagedBatch(seqs[0].cache.cache, seqs, positions)
         if cfg.engram_layer_ids:
             if self.engram_token_map is None:
-                raise ModelInputError("this model's Engram needs the tokenizer's compressed-token map; "
-                                      "load it with the checkpoint's tokenizer")
+                raise ModelInputError(
+                    "this model's Engram needs the tokenizer's compressed-token map; "
+                    "load it with the checkpoint's tokenizer"
+                )
             if static:
                 host_ids = ctx.engram_ids = self.engram_token_map[tokens]  # on the device (no host tables here)
             else:  # hashed from the host's copy of the ids: the host-table prefetch needs them there before layer 0
@@ -200,11 +236,12 @@ class DeepseekForCausalLM(nn.Module):
         back = None
         if self.cfg.engram_layer_ids:
             if self.engram_token_map is None:  # the step maps its tokens on the device
-                raise ModelInputError("this model's Engram needs the tokenizer's compressed-token map; "
-                                      "load it with the checkpoint's tokenizer")
+                raise ModelInputError(
+                    "this model's Engram needs the tokenizer's compressed-token map; "
+                    "load it with the checkpoint's tokenizer"
+                )
             hasher = next(b.engram.hasher for b in self.layers if b.engram is not None)
-            back = hasher.lookbacks(torch.zeros(len(seqs), dtype=torch.long),
-                                    [kv.engram_history for kv in seqs])[:, 1:]
+            back = hasher.lookbacks(torch.zeros(len(seqs), dtype=torch.long), [kv.engram_history for kv in seqs])[:, 1:]
         batch.fill(seqs, tokens, back)
 
     def forward_decode(self, batch: DecodeBatch) -> torch.Tensor:
@@ -212,14 +249,22 @@ class DeepseekForCausalLM(nn.Module):
         graph can capture it. The host's bookkeeping follows in ``commit_decode``."""
         cfg = self.cfg
         batch.begin()
-        ctx = ForwardContext(tokens=batch.tokens, positions=batch.positions, seqs=batch.seqs, qat=cfg.qat,
-                             paged=batch, ops=self.kernel_ops, probe=self.score_probe)
+        ctx = ForwardContext(
+            tokens=batch.tokens,
+            positions=batch.positions,
+            seqs=batch.seqs,
+            qat=cfg.qat,
+            paged=batch,
+            ops=self.kernel_ops,
+            probe=self.score_probe,
+        )
         if cfg.engram_layer_ids:  # hashed here, on the device: the step needs no token on the host
             ctx.engram_ids = self.engram_token_map[batch.tokens]
             src = torch.cat([ctx.engram_ids[:, None], batch.engram_back], 1)
             hashers = [b.engram.hasher for b in self.layers if b.engram is not None]
-            ctx.engram_rows = {h.layer_id: self.kernel_ops.engram_rows(src, *h.constants(src.device), h.pad_id)
-                               for h in hashers}
+            ctx.engram_rows = {
+                h.layer_id: self.kernel_ops.engram_rows(src, *h.constants(src.device), h.pad_id) for h in hashers
+            }
         x, pre = self._embed(batch.tokens)
         for block in self.layers:
             x, pre, ctx = block(x, pre, ctx)
@@ -234,26 +279,48 @@ class DeepseekForCausalLM(nn.Module):
         prefetched) or table row ids [capacity, columns] (tables on the device), in buffers. Fixed shapes, no host
         reads or writes: a CUDA graph can capture it. The host's counts follow in ``EncoderBatch.commit``."""
         batch.begin()
-        ctx = ForwardContext(tokens=batch.tokens, positions=batch.positions, seqs=batch.seqs, qat=self.cfg.qat,
-                             paged=batch, ops=self.kernel_ops, probe=self.score_probe)
+        ctx = ForwardContext(
+            tokens=batch.tokens,
+            positions=batch.positions,
+            seqs=batch.seqs,
+            qat=self.cfg.qat,
+            paged=batch,
+            ops=self.kernel_ops,
+            probe=self.score_probe,
+        )
         if self.cfg.engram_layer_ids:
             ctx.engram_ids, ctx.engram_rows = self.engram_token_map[batch.tokens], engram_rows
         x, pre = self._embed(batch.tokens)
-        for block in self.layers[:self.cfg.encoder_layers]:
+        for block in self.layers[: self.cfg.encoder_layers]:
             x, pre, ctx = block(x, pre, ctx)
         return x, pre
 
-    def forward_decoder_rows(self, batch: ReplayBatch, start: int, x: torch.Tensor, h: torch.Tensor,
-                             a_pre: torch.Tensor, a_post: torch.Tensor, a_comb: torch.Tensor) -> torch.Tensor:
+    def forward_decoder_rows(
+        self,
+        batch: ReplayBatch,
+        start: int,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        a_pre: torch.Tensor,
+        a_post: torch.Tensor,
+        a_comb: torch.Tensor,
+    ) -> torch.Tensor:
         """Final hidden states [capacity, d] of bounded replay's decoder rows in ``batch``: layer ``start``'s
         attention and MoE (``Block.tail``, on its ``head``'s outputs x, h, a_pre, a_post, a_comb, padded to the
         batch's rows), then every later layer. Fixed shapes, no host reads or writes: a CUDA graph can capture
         it."""
         batch.begin()
-        ctx = ForwardContext(tokens=batch.tokens, positions=batch.positions, seqs=batch.seqs, qat=self.cfg.qat,
-                             paged=batch, ops=self.kernel_ops, probe=self.score_probe)
+        ctx = ForwardContext(
+            tokens=batch.tokens,
+            positions=batch.positions,
+            seqs=batch.seqs,
+            qat=self.cfg.qat,
+            paged=batch,
+            ops=self.kernel_ops,
+            probe=self.score_probe,
+        )
         x, pre, ctx = self.layers[start].tail(x, h, a_pre, a_post, a_comb, ctx)
-        for block in self.layers[start + 1:]:
+        for block in self.layers[start + 1 :]:
             x, pre, ctx = block(x, pre, ctx)
         return collapse(x, pre)
 
@@ -283,7 +350,7 @@ class DeepseekForCausalLM(nn.Module):
             return
         ids = self._engram_ids(torch.tensor(tokens), None)
         for i, kv in enumerate(seqs):
-            kv.push_engram_history(ids[i:i + 1])
+            kv.push_engram_history(ids[i : i + 1])
 
     def _embed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The mHC streams [T, n, d] (n copies of the embedding) and the first collapse weights."""
@@ -297,17 +364,23 @@ class DeepseekForCausalLM(nn.Module):
     def _replay_rows(seqs: list[SeqRows], device) -> KeptRows | None:
         """The rows at or past each sequence's decoder_start (from host positions), or None when every row is
         (a decode step: nothing to narrow)."""
-        counts = [n - min(n, max(0, (s.decoder_start or 0) - s.first))
-                  for s, n in ((s, s.rows.stop - s.rows.start) for s in seqs)]
+        counts = [
+            n - min(n, max(0, (s.decoder_start or 0) - s.first))
+            for s, n in ((s, s.rows.stop - s.rows.start) for s in seqs)
+        ]
         if all(c == s.rows.stop - s.rows.start for s, c in zip(seqs, counts)):
             return None
         return KeptRows.suffixes(seqs, counts, device)
 
     def _prefetch_engram(self, ctx: ForwardContext, host_ids: torch.Tensor) -> dict:
         """Host-table Engram layers: hash this step's rows and start their copies before layer 0 runs."""
-        return {b.role.index: b.engram.prefetch(host_ids, [s.rows for s in ctx.seqs], ctx.engram_history,
-                                                ctx.tokens.device, self.embed.weight.dtype)
-                for b in self.layers if b.engram is not None and b.engram.table is not None}
+        return {
+            b.role.index: b.engram.prefetch(
+                host_ids, [s.rows for s in ctx.seqs], ctx.engram_history, ctx.tokens.device, self.embed.weight.dtype
+            )
+            for b in self.layers
+            if b.engram is not None and b.engram.table is not None
+        }
 
     def _engram_ids(self, tokens: torch.Tensor, is_image: torch.Tensor | None) -> torch.Tensor:
         """Compressed ids of the tokens, on the host (the map's host copy is made once; tokens handed on the
@@ -328,8 +401,9 @@ class DeepseekForCausalLM(nn.Module):
     def _check_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         tokens = torch.as_tensor(tokens)
         if tokens.dim() != 1 or tokens.dtype not in (torch.int64, torch.int32) or tokens.numel() == 0:
-            raise ModelInputError(f"tokens must be a non-empty 1-D integer tensor, got shape "
-                                  f"{tuple(tokens.shape)} dtype {tokens.dtype}")
+            raise ModelInputError(
+                f"tokens must be a non-empty 1-D integer tensor, got shape {tuple(tokens.shape)} dtype {tokens.dtype}"
+            )
         lo, hi = int(tokens.min()), int(tokens.max())
         if lo < 0 or hi >= self.cfg.vocab_size:
             raise ModelInputError(f"token ids must lie in [0, {self.cfg.vocab_size}); got min {lo}, max {hi}")

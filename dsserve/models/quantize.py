@@ -9,6 +9,7 @@ the bytes equal the checkpoint's; random dummy weights are rounded once, and the
 same rounded weights (the oracle uses the same modules). Not converted here: the DSpark stages (model.mtp) and
 mtp.0.main_proj, which the release also stores in FP8.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,8 +35,12 @@ def quantize_dense_fp8(model: nn.Module, block: int) -> int:
     n = 0
     for layer in model.layers:
         attn = layer.attn
-        owners = ((attn, ATTENTION_PROJECTIONS), (attn.indexer, INDEXER_PROJECTIONS),
-                  (layer.ffn.shared_experts, SHARED_EXPERT_PROJECTIONS), (layer.engram, ENGRAM_PROJECTIONS))
+        owners = (
+            (attn, ATTENTION_PROJECTIONS),
+            (attn.indexer, INDEXER_PROJECTIONS),
+            (layer.ffn.shared_experts, SHARED_EXPERT_PROJECTIONS),
+            (layer.engram, ENGRAM_PROJECTIONS),
+        )
         for owner, names in owners:
             for name in names if owner is not None else ():
                 lin = getattr(owner, name, None)
@@ -58,11 +63,14 @@ def fuse_gate_up(expert: nn.Module) -> bool:
     b, i = w1.block, w1.out_features
     if w3.block != b or w1.groups != 1 or w3.groups != 1 or i % b or w3.out_features != i:
         return False
-    w13 = Fp8Linear(torch.cat([w1.weight.view(torch.uint8), w3.weight.view(torch.uint8)]),
-                    torch.cat([w1.weight_scale, w3.weight_scale]), b)
+    w13 = Fp8Linear(
+        torch.cat([w1.weight.view(torch.uint8), w3.weight.view(torch.uint8)]),
+        torch.cat([w1.weight_scale, w3.weight_scale]),
+        b,
+    )
     w13.use_kernel, w13.act_quant_min_m = w1.use_kernel, w1.act_quant_min_m
-    expert.w1 = Fp8Linear(w13.weight[:i], w13.weight_scale[:i // b], b)
-    expert.w3 = Fp8Linear(w13.weight[i:], w13.weight_scale[i // b:], b)
+    expert.w1 = Fp8Linear(w13.weight[:i], w13.weight_scale[: i // b], b)
+    expert.w3 = Fp8Linear(w13.weight[i:], w13.weight_scale[i // b :], b)
     expert.w13 = w13
     return True
 

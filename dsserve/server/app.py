@@ -4,6 +4,7 @@ Every request is validated in full (body schema, sampling parameters, prompt len
 before anything enters the engine, so a bad request is a 4xx that costs the others nothing. A streaming
 client that goes away aborts its requests at once, which frees their cache.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,8 +33,13 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param = status, message, type_, param
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              max_body_bytes: int = 8 << 20, default_max_tokens: int = 256) -> FastAPI:
+def build_app(
+    engine: AsyncEngine,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_body_bytes: int = 8 << 20,
+    default_max_tokens: int = 256,
+) -> FastAPI:
     app = FastAPI(title="dsserve", docs_url=None, redoc_url=None)
     core = engine.core
 
@@ -51,13 +57,15 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             if scope["type"] == "http":
                 headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
                 bad = None
-                if api_key and scope["path"] not in OPEN_PATHS and \
-                        headers.get("authorization") != f"Bearer {api_key}":
+                if api_key and scope["path"] not in OPEN_PATHS and headers.get("authorization") != f"Bearer {api_key}":
                     bad = err(401, "missing or wrong API key", "authentication_error")
                 size = headers.get("content-length", "")
                 if bad is None and size.isdigit() and int(size) > max_body_bytes:
-                    bad = err(413, f"request body of {size} bytes exceeds the limit of {max_body_bytes}",
-                              "invalid_request_error")
+                    bad = err(
+                        413,
+                        f"request body of {size} bytes exceeds the limit of {max_body_bytes}",
+                        "invalid_request_error",
+                    )
                 if bad is not None:
                     return await bad(scope, receive, send)
             await self.inner(scope, receive, send)
@@ -67,17 +75,22 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     @app.exception_handler(ApiError)
     async def _api(_, e: ApiError):
         if engine.metrics is not None:
-            engine.metrics.observe_error("bad_request" if e.status < 500 else "unavailable" if e.status == 503
-                                         else "internal")
+            engine.metrics.observe_error(
+                "bad_request" if e.status < 500 else "unavailable" if e.status == 503 else "internal"
+            )
         return err(e.status, e.message, e.type, e.param, headers={"Retry-After": "1"} if e.status == 503 else None)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        return err(400, f"invalid request: {where}: {first.get('msg', 'malformed body')}"
-                   + (f" ({len(e.errors())} problems)" if len(e.errors()) > 1 else ""),
-                   "invalid_request_error", where or None)
+        return err(
+            400,
+            f"invalid request: {where}: {first.get('msg', 'malformed body')}"
+            + (f" ({len(e.errors())} problems)" if len(e.errors()) > 1 else ""),
+            "invalid_request_error",
+            where or None,
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, e: StarletteHTTPException):
@@ -107,14 +120,28 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     async def reset_prefix_cache():
         """vLLM's: every cached prefix forgotten (a benchmark point starts cold). Only an idle engine does it."""
         if not await engine.reset_prefix_cache():
-            return err(409, f"the prefix cache can be reset only while no request runs ({engine.num_in_flight()} "
-                       "in flight); retry once they finish", "conflict_error")
+            return err(
+                409,
+                f"the prefix cache can be reset only while no request runs ({engine.num_in_flight()} "
+                "in flight); retry once they finish",
+                "conflict_error",
+            )
         return {"status": "ok"}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "dsserve", "max_model_len": core.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": served_model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "dsserve",
+                    "max_model_len": core.max_model_len,
+                }
+            ],
+        }
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -136,8 +163,12 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     # ------------------------------------------------------------------ generation routes
     def check_model(name: str | None) -> None:
         if name is not None and name != served_model_name:
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves {served_model_name!r}",
-                           "not_found_error", "model")
+            raise ApiError(
+                404,
+                f"the model {name!r} does not exist; this server serves {served_model_name!r}",
+                "not_found_error",
+                "model",
+            )
 
     def plan(prompts: list, body, logprobs: int | None, max_tokens: int | None):
         """Validate everything up front: [(prompt ids, params)] per choice, prompt-major."""
@@ -156,8 +187,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             for i, (ids, params) in enumerate(choices):
                 if params.seed is not None and body.n > 1:  # n samples, not n copies of one
                     params = dataclasses.replace(params, seed=params.seed + i % body.n)
-                sinks.append((f"{rid}-{i}", engine.submit(f"{rid}-{i}", ids, params, body.priority,
-                                                          body.cache_salt, session_id)))
+                sinks.append(
+                    (f"{rid}-{i}", engine.submit(f"{rid}-{i}", ids, params, body.priority, body.cache_salt, session_id))
+                )
         except EngineOverloaded as e:
             for sid, _ in sinks:
                 engine.abort(sid)
@@ -174,6 +206,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                 await queue.put((i, item))
                 if item is None or isinstance(item, Exception):
                     return
+
         tasks = [asyncio.create_task(pump(i, s)) for i, (_, s) in enumerate(sinks)]
         live = len(sinks)
         try:
@@ -188,6 +221,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     async def collect(sinks, request: Request) -> list:
         """Final outputs of every choice; a client that hangs up first gets its requests aborted."""
+
         async def gather():
             last: dict[int, object] = {}
             async for i, item in merged(sinks):
@@ -196,6 +230,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                 if item is not None:
                     last[i] = item
             return [last[i] for i in range(len(sinks))]
+
         task = asyncio.create_task(gather())
         while not task.done():
             await asyncio.wait({task}, timeout=0.25)
@@ -225,26 +260,37 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                     if out is None:
                         continue
                     c = out.outputs[0]
-                    delta = c.text[sent_text[i]:]
+                    delta = c.text[sent_text[i] :]
                     lp = None
                     if top_n is not None and c.logprobs is not None:
-                        lp = (fmt.chat_logprobs(c, sent_tokens[i], top_n) if chat
-                              else fmt.completion_logprobs(c, sent_tokens[i], sent_text[i], top_n))
+                        lp = (
+                            fmt.chat_logprobs(c, sent_tokens[i], top_n)
+                            if chat
+                            else fmt.completion_logprobs(c, sent_tokens[i], sent_text[i], top_n)
+                        )
                     sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
                     if delta or c.finish_reason or lp:
                         yield _sse(fmt.stream_chunk(rid, model, chat, i, delta, c.finish_reason, lp))
                     if out.finished:
                         finals[i] = out
                 if include_usage and len(finals) == len(sinks):
-                    yield _sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                                "created": int(time.time()), "model": model, "choices": [],
-                                "usage": fmt.usage([finals[i] for i in range(len(sinks))], n)})
+                    yield _sse(
+                        {
+                            "id": rid,
+                            "object": "chat.completion.chunk" if chat else "text_completion",
+                            "created": int(time.time()),
+                            "model": model,
+                            "choices": [],
+                            "usage": fmt.usage([finals[i] for i in range(len(sinks))], n),
+                        }
+                    )
                 yield "data: [DONE]\n\n"
                 done = True
             finally:
                 if not done:  # the client went away: free its cache now
                     for sid, _ in sinks:
                         engine.abort(sid)
+
         return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.post("/v1/completions")
@@ -267,9 +313,12 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         check_model(body.model)
         kwargs = dict(body.chat_template_kwargs or {})
         try:
-            ids = chat_prompt_ids(core.tokenizer, [m.model_dump(exclude_none=True) for m in body.messages],
-                                  thinking=bool(kwargs.get("thinking", kwargs.get("enable_thinking", False))),
-                                  tools=body.tools)
+            ids = chat_prompt_ids(
+                core.tokenizer,
+                [m.model_dump(exclude_none=True) for m in body.messages],
+                thinking=bool(kwargs.get("thinking", kwargs.get("enable_thinking", False))),
+                tools=body.tools,
+            )
         except (ChatFormatError, ValueError) as e:
             raise ApiError(400, str(e), param="messages") from None
         top_n = (body.top_logprobs or 0) if body.logprobs else None

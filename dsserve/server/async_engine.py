@@ -4,6 +4,7 @@ Requests and aborts cross into the loop through a queue; each request's outputs 
 loop through its own ``asyncio.Queue``. A fault in one step aborts that step's requests with an error
 and the loop keeps serving the rest.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -50,18 +51,28 @@ class AsyncEngine:
         self._thread.start()
 
     # ---------------------------------------------------------------- event-loop side
-    def submit(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0,
-               cache_salt: str | None = None, session_id: str | None = None) -> asyncio.Queue:
+    def submit(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        session_id: str | None = None,
+    ) -> asyncio.Queue:
         """Queue a request; its outputs (then None at the end, or an exception) arrive on the returned queue.
         The request is validated synchronously by the caller through ``validate`` first."""
         if not self._intake_open:
             raise EngineOverloaded("the server is shutting down")
         if self.num_in_flight() >= self.max_waiting + self.core.args.max_num_seqs:
-            raise EngineOverloaded(f"{self.num_in_flight()} requests in flight; the waiting queue is full "
-                                   f"({self.max_waiting}); retry later")
+            raise EngineOverloaded(
+                f"{self.num_in_flight()} requests in flight; the waiting queue is full "
+                f"({self.max_waiting}); retry later"
+            )
         sink: asyncio.Queue = asyncio.Queue()
-        self._inbox.put(_Submit(request_id, prompt, params, priority, cache_salt, session_id, sink,
-                                asyncio.get_running_loop()))
+        self._inbox.put(
+            _Submit(request_id, prompt, params, priority, cache_salt, session_id, sink, asyncio.get_running_loop())
+        )
         return sink
 
     def abort(self, request_id: str) -> None:
@@ -129,8 +140,9 @@ class AsyncEngine:
     def _handle(self, item) -> None:
         if isinstance(item, _Submit):
             try:
-                self.core.add_request(item.request_id, item.prompt, item.params, item.priority, item.cache_salt,
-                                      item.session_id)
+                self.core.add_request(
+                    item.request_id, item.prompt, item.params, item.priority, item.cache_salt, item.session_id
+                )
                 self._sinks[item.request_id] = item
             except Exception as e:  # validated before, so this is a race or a fault: report, keep serving
                 self._deliver(item, e)

@@ -18,6 +18,7 @@ assistant/system message (vLLM V4.1; the references add none). List content join
 (V4.1). V4.1 keeps V4's developer role (sglang/vLLM). No images, ``response_format``, ``latest_reminder``,
 tasks. Content is not escaped: a special-token string in it becomes that token (as in the references).
 """
+
 import functools
 import json
 
@@ -34,7 +35,8 @@ EFFORT_MAX_V4 = (  # the V4 reference's REASONING_EFFORT_MAX
     "and comprehensively decompose the problem to resolve the root cause, rigorously stress-testing your logic "
     "against all potential paths, edge cases, and adversarial scenarios.\nExplicitly write out your entire "
     "deliberation process, documenting every intermediate step, considered alternative, and rejected hypothesis "
-    "to ensure absolutely no assumption is left unchecked.\n\n")
+    "to ensure absolutely no assumption is left unchecked.\n\n"
+)
 TOOLS_TEMPLATE = """## Tools
 
 You have access to a set of tools to help answer the user's question. You can invoke tools by writing a "<{d}{b}>" block like the following:
@@ -75,8 +77,10 @@ def _text(content, where: str) -> str:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
         if kind != "text" or not isinstance(part.get("text"), str):
-            raise ChatFormatError(f"{where}[{j}]: unsupported content part (type {kind!r}); only "
-                                  f"{{'type': 'text', 'text': <string>}} parts are accepted")
+            raise ChatFormatError(
+                f"{where}[{j}]: unsupported content part (type {kind!r}); only "
+                f"{{'type': 'text', 'text': <string>}} parts are accepted"
+            )
     return "\n\n".join(part["text"] for part in content)
 
 
@@ -127,20 +131,31 @@ def _normalize(messages) -> list[dict]:
     return out
 
 
-def encode_chat(messages: list[dict], *, thinking: bool = False, add_generation_prompt: bool = True,
-                tools: list | None = None, reasoning_effort: str | int | None = None, version: str = "v4") -> str:
+def encode_chat(
+    messages: list[dict],
+    *,
+    thinking: bool = False,
+    add_generation_prompt: bool = True,
+    tools: list | None = None,
+    reasoning_effort: str | int | None = None,
+    version: str = "v4",
+) -> str:
     """The prompt text for OpenAI-style ``messages`` (starts with BOS). ``version``: ``"v4"`` or ``"v41"``;
     ``reasoning_effort``: V4 None/low/medium/high/max, V4.1 None/low/high/max or an int in [1, 100]."""
     if version not in TAGS:
         raise ChatFormatError(f"version must be one of {list(TAGS)}, not {version!r}")
     v41, eff = version == "v41", reasoning_effort
-    if not ((type(eff) is int and 1 <= eff <= 100 or eff is None or isinstance(eff, str) and eff in EFFORT_V41)
-            if v41 else eff is None or isinstance(eff, str) and eff in EFFORT_V4):
+    if not (
+        (type(eff) is int and 1 <= eff <= 100 or eff is None or isinstance(eff, str) and eff in EFFORT_V41)
+        if v41
+        else eff is None or isinstance(eff, str) and eff in EFFORT_V4
+    ):
         raise ChatFormatError(f"reasoning_effort {eff!r} is not valid for {version}")
     msgs = _normalize(messages)
     if tools:
-        if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
-                                                  for t in tools):
+        if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools
+        ):
             raise ChatFormatError("tools must be a list of {'type': 'function', 'function': {...}} objects")
         if msgs[0]["role"] not in ("system", "developer"):
             msgs.insert(0, {"role": "system", "content": "", "calls": []})
@@ -148,39 +163,57 @@ def encode_chat(messages: list[dict], *, thinking: bool = False, add_generation_
     drop, (blk, inv, par) = not tools, TAGS[version]
 
     def last_user(ms):
-        return max((k for k, m in enumerate(ms) if m["role"] in ("user", "developer")
-                    or (v41 and m["role"] == "system" and k > 0)), default=-1)
+        return max(
+            (
+                k
+                for k, m in enumerate(ms)
+                if m["role"] in ("user", "developer") or (v41 and m["role"] == "system" and k > 0)
+            ),
+            default=-1,
+        )
 
     if thinking and drop:  # reference _drop_thinking_messages
         lu = last_user(msgs)
-        msgs = [dict(m, reasoning="") if m["role"] == "assistant" and k < lu else m
-                for k, m in enumerate(msgs) if m["role"] != "developer" or k >= lu]
+        msgs = [
+            dict(m, reasoning="") if m["role"] == "assistant" and k < lu else m
+            for k, m in enumerate(msgs)
+            if m["role"] != "developer" or k >= lu
+        ]
     lu, effort = last_user(msgs), ""
     if thinking and v41:
-        effort = (f"Reasoning Effort: {EFFORT_V41.get(eff or 'high', eff)} "
-                  "(range 1-100, the higher the value, the more thorough the reasoning)\n\n")
+        effort = (
+            f"Reasoning Effort: {EFFORT_V41.get(eff or 'high', eff)} "
+            "(range 1-100, the higher the value, the more thorough the reasoning)\n\n"
+        )
     elif thinking and eff == "max":
         effort = EFFORT_MAX_V4
     prompt = BOS + (SYSTEM if v41 and (effort or msgs[0]["role"] == "system") else "") + effort
     for k, m in enumerate(msgs):
         role, last = m["role"], k == len(msgs) - 1
         if role in ("system", "developer"):
-            prompt += (SYSTEM if v41 and role == "system" and k > 0 else USER if role == "developer" else "")
+            prompt += SYSTEM if v41 and role == "system" and k > 0 else USER if role == "developer" else ""
             prompt += m["content"]
             if m.get("tools"):
-                prompt += "\n\n" + TOOLS_TEMPLATE.format(d=DSML, b=blk, i=inv, p=par, ts=THINK, te=END_THINK,
-                                                         schemas="\n".join(_json(t) for t in m["tools"]))
+                prompt += "\n\n" + TOOLS_TEMPLATE.format(
+                    d=DSML, b=blk, i=inv, p=par, ts=THINK, te=END_THINK, schemas="\n".join(_json(t) for t in m["tools"])
+                )
         elif role == "user":
-            prompt += USER + "\n\n".join(t if kind == "text" else f"<tool_result>{t}</tool_result>"
-                                         for kind, t, _ in m["blocks"])
+            prompt += USER + "\n\n".join(
+                t if kind == "text" else f"<tool_result>{t}</tool_result>" for kind, t, _ in m["blocks"]
+            )
         else:
             prompt += (m["reasoning"] + END_THINK if thinking and (not drop or k > lu) else "") + m["content"]
             if m["calls"]:
                 invokes = "\n".join(
-                    f'<{DSML}{inv} name="{name}">\n' + "\n".join(
+                    f'<{DSML}{inv} name="{name}">\n'
+                    + "\n".join(
                         f'<{DSML}{par} name="{key}" string="{str(isinstance(v, str)).lower()}">'
-                        f'{v if isinstance(v, str) else _json(v)}</{DSML}{par}>' for key, v in args.items())
-                    + f"\n</{DSML}{inv}>" for _, name, args in m["calls"])
+                        f"{v if isinstance(v, str) else _json(v)}</{DSML}{par}>"
+                        for key, v in args.items()
+                    )
+                    + f"\n</{DSML}{inv}>"
+                    for _, name, args in m["calls"]
+                )
                 prompt += f"\n\n<{DSML}{blk}>\n{invokes}\n</{DSML}{blk}>"
             prompt += EOS
         if last and not add_generation_prompt or not last and msgs[k + 1]["role"] != "assistant":
@@ -195,6 +228,8 @@ def chat_prompt_ids(tokenizer, messages: list[dict], **kw) -> list[int]:
     (one that knows ``<｜User｜>``) every special string the format uses must be a single token."""
     needed = [BOS, EOS, USER, ASSISTANT, THINK, END_THINK, DSML] + ([SYSTEM] if kw.get("version") == "v41" else [])
     if tokenizer.token_to_id(USER) is not None and (missing := [t for t in needed if tokenizer.token_to_id(t) is None]):
-        raise ChatFormatError(f"tokenizer {getattr(tokenizer, 'name', '')!r} has no single token for {missing}; "
-                              f"use the checkpoint's own tokenizer for this chat format")
+        raise ChatFormatError(
+            f"tokenizer {getattr(tokenizer, 'name', '')!r} has no single token for {missing}; "
+            f"use the checkpoint's own tokenizer for this chat format"
+        )
     return tokenizer.encode(encode_chat(messages, **kw), add_bos=False)

@@ -7,6 +7,7 @@ scheduler and KV pools; counters from the deltas of ``engine.stats`` since the p
 histograms). The HTTP thread calls ``render``. prometheus_client objects are thread-safe; our own
 bookkeeping is guarded by a lock. Times come from ``RequestMetrics`` (the engine's ``time.monotonic`` clock).
 """
+
 from __future__ import annotations
 
 import threading
@@ -18,12 +19,74 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 FINISH_REASONS = ("stop", "length", "abort")
 ERROR_KINDS = ("bad_request", "unavailable", "internal")  # exported at 0 from the start
 # Buckets as in vLLM's v1 PrometheusStatLogger.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 # engine.stats field -> counter name (all monotone within one EngineStats)
 STAT_COUNTERS = {
     "prefix_query_tokens": ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
@@ -32,27 +95,54 @@ STAT_COUNTERS = {
     "prefill_rows": ("prefill_rows", "Prefill rows run through the model."),
     "decoder_rows_skipped": ("decoder_rows_skipped", "Prefill rows that did not run the decoder (bounded replay)."),
     "graph_steps": ("decode_graph_steps", "Decode steps run in fixed shapes (replayed CUDA graphs on a GPU)."),
-    "replay_graph_steps": ("replay_graph_steps", "Steps whose decoder rows ran in fixed shapes after bounded "
-                           "replay's narrowing (replayed CUDA graphs on a GPU)."),
-    "encoder_graph_steps": ("encoder_graph_steps", "Replayed steps whose encoder rows ran in fixed shapes (CUDA "
-                            "graphs on a GPU)."),
-    "graph_captures": ("graph_captures", "CUDA graphs captured (each capture stalls the step that needs it once; "
-                       "the warm-up's included)."),
-    "graph_capture_seconds": ("graph_capture_seconds", "Wall time of those captures, their warm-up runs included "
-                              "(Triton's first compiles of their shapes too): the time their steps waited."),
-    "graph_pool_bytes": ("graph_pool_bytes", "Device memory reserved by the captured CUDA graphs' memory pool "
-                         "(one shared pool; DSSERVE_GRAPH_POOL=own: a pool per graph)."),
-    "triton_compiles": ("triton_compiles", "Triton kernels compiled while serving, the warm-up's not counted: "
-                        "each stalls the step that first launches its shape (where Triton has no compilation "
-                        "listener, loads from its disk cache count here too)."),
-    "triton_compile_seconds": ("triton_compile_seconds", "Wall time of those compiles: the time their steps "
-                               "waited (those inside graph captures are in graph_capture_seconds too)."),
-    "triton_cache_loads": ("triton_cache_loads", "Triton kernels loaded from Triton's disk cache while serving "
-                           "(compiled by an earlier process or a --kernel-manifest precompile): a few ms each."),
-    "ahead_steps": ("async_ahead_steps", "Decode steps launched from the previous step's tokens on the device, "
-                    "before the host read them (asynchronous scheduling)."),
-    "nonfinite_logit_rows": ("nonfinite_logit_rows", "Sampled rows whose logits had a NaN or inf (a fault: 0 in a "
-                             "sound run; DSSERVE_CHECK_STEPS names the step)."),
+    "replay_graph_steps": (
+        "replay_graph_steps",
+        "Steps whose decoder rows ran in fixed shapes after bounded "
+        "replay's narrowing (replayed CUDA graphs on a GPU).",
+    ),
+    "encoder_graph_steps": (
+        "encoder_graph_steps",
+        "Replayed steps whose encoder rows ran in fixed shapes (CUDA graphs on a GPU).",
+    ),
+    "graph_captures": (
+        "graph_captures",
+        "CUDA graphs captured (each capture stalls the step that needs it once; the warm-up's included).",
+    ),
+    "graph_capture_seconds": (
+        "graph_capture_seconds",
+        "Wall time of those captures, their warm-up runs included "
+        "(Triton's first compiles of their shapes too): the time their steps waited.",
+    ),
+    "graph_pool_bytes": (
+        "graph_pool_bytes",
+        "Device memory reserved by the captured CUDA graphs' memory pool "
+        "(one shared pool; DSSERVE_GRAPH_POOL=own: a pool per graph).",
+    ),
+    "triton_compiles": (
+        "triton_compiles",
+        "Triton kernels compiled while serving, the warm-up's not counted: "
+        "each stalls the step that first launches its shape (where Triton has no compilation "
+        "listener, loads from its disk cache count here too).",
+    ),
+    "triton_compile_seconds": (
+        "triton_compile_seconds",
+        "Wall time of those compiles: the time their steps "
+        "waited (those inside graph captures are in graph_capture_seconds too).",
+    ),
+    "triton_cache_loads": (
+        "triton_cache_loads",
+        "Triton kernels loaded from Triton's disk cache while serving "
+        "(compiled by an earlier process or a --kernel-manifest precompile): a few ms each.",
+    ),
+    "ahead_steps": (
+        "async_ahead_steps",
+        "Decode steps launched from the previous step's tokens on the device, "
+        "before the host read them (asynchronous scheduling).",
+    ),
+    "nonfinite_logit_rows": (
+        "nonfinite_logit_rows",
+        "Sampled rows whose logits had a NaN or inf (a fault: 0 in a sound run; DSSERVE_CHECK_STEPS names the step).",
+    ),
 }
 
 
@@ -61,7 +151,7 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
     out, exp = [], 0
     while True:
         for m in (1, 2, 5):
-            v = m * 10 ** exp
+            v = m * 10**exp
             if v > max_value:
                 return out
             out.append(v)
@@ -76,8 +166,9 @@ class _Seen:
 
 
 class EngineMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "tiny",
-                 max_model_len: int = 131072):
+    def __init__(
+        self, registry: CollectorRegistry | None = None, model_name: str = "tiny", max_model_len: int = 131072
+    ):
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
         self._lock = threading.Lock()
@@ -96,51 +187,77 @@ class EngineMetrics:
         def hist(name, doc, buckets):
             return Histogram(f"dsserve:{name}", doc, lbl, buckets=buckets, registry=reg).labels(model_name)
 
-        self.request_success = counter("request_success", "Count of successfully processed requests.",
-                                       ["finished_reason"])
+        self.request_success = counter(
+            "request_success", "Count of successfully processed requests.", ["finished_reason"]
+        )
         self.request_errors = counter("request_errors", "Requests that failed, by kind.", ["kind"])
         for r in FINISH_REASONS:
             self.request_success.labels(model_name, r)
         for k in ERROR_KINDS:
             self.request_errors.labels(model_name, k)
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.").labels(model_name)
-        self.generation_tokens = counter("generation_tokens",
-                                         "Number of generation tokens processed.").labels(model_name)
-        self.num_preemptions = counter("num_preemptions",
-                                       "Cumulative number of preemption from the engine.").labels(model_name)
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.").labels(
+            model_name
+        )
+        self.num_preemptions = counter("num_preemptions", "Cumulative number of preemption from the engine.").labels(
+            model_name
+        )
         self.stat_counters = {f: counter(n, d).labels(model_name) for f, (n, d) in STAT_COUNTERS.items()}
 
-        self.num_running = gauge("num_requests_running", "Number of requests in model execution batches."
-                                 ).labels(model_name)
-        self.num_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed."
-                                 ).labels(model_name)
-        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage by kind (global blocks, window slots). "
-                              "1 means 100 percent usage.", ["kind"])
-        self.kv_blocks = gauge("kv_cache_blocks", "KV-cache blocks (global) or slots (window), by state.",
-                               ["kind", "state"])
+        self.num_running = gauge("num_requests_running", "Number of requests in model execution batches.").labels(
+            model_name
+        )
+        self.num_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.").labels(
+            model_name
+        )
+        self.kv_usage = gauge(
+            "kv_cache_usage_perc",
+            "KV-cache usage by kind (global blocks, window slots). 1 means 100 percent usage.",
+            ["kind"],
+        )
+        self.kv_blocks = gauge(
+            "kv_cache_blocks", "KV-cache blocks (global) or slots (window), by state.", ["kind", "state"]
+        )
 
         tok = build_1_2_5_buckets(max_model_len)
-        self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                         TTFT_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                        ITL_BUCKETS)
-        self.tpot = hist("time_per_output_token_seconds", "Histogram of time per output token in seconds "
-                         "(per token, as vLLM's; same samples as inter_token_latency).", ITL_BUCKETS)
-        self.request_tpot = hist("request_time_per_output_token_seconds",
-                                 "Histogram of each request's mean time per output token in seconds.", ITL_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                        REQUEST_LATENCY_BUCKETS)
-        self.queue = hist("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
-                          REQUEST_LATENCY_BUCKETS)
-        self.inference = hist("request_inference_time_seconds",
-                              "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
-        self.prefill = hist("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
-                            REQUEST_LATENCY_BUCKETS)
-        self.decode = hist("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
-                           REQUEST_LATENCY_BUCKETS)
+        self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.tpot = hist(
+            "time_per_output_token_seconds",
+            "Histogram of time per output token in seconds "
+            "(per token, as vLLM's; same samples as inter_token_latency).",
+            ITL_BUCKETS,
+        )
+        self.request_tpot = hist(
+            "request_time_per_output_token_seconds",
+            "Histogram of each request's mean time per output token in seconds.",
+            ITL_BUCKETS,
+        )
+        self.e2e = hist(
+            "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS
+        )
+        self.queue = hist(
+            "request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.inference = hist(
+            "request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.prefill = hist(
+            "request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.decode = hist(
+            "request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
         self.req_prompt_tokens = hist("request_prompt_tokens", "Number of prefill tokens processed.", tok)
-        self.req_generation_tokens = hist("request_generation_tokens", "Number of generation tokens processed.",
-                                          tok)
+        self.req_generation_tokens = hist("request_generation_tokens", "Number of generation tokens processed.", tok)
 
     # ------------------------------------------------------------------------- engine loop thread
     def observe_step(self, engine) -> None:

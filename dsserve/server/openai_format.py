@@ -1,4 +1,5 @@
 """OpenAI response shapes: completion and chat bodies, stream chunks, logprobs, usage, errors."""
+
 from __future__ import annotations
 
 import time
@@ -20,9 +21,12 @@ def usage(outs: list[RequestOutput], n: int) -> dict:
     firsts = outs[::n]
     prompt_tokens = sum(len(o.prompt_token_ids) for o in firsts)
     completion = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in firsts)}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in firsts)},
+    }
 
 
 def completion_logprobs(c: CompletionOutput, start: int, text_offset: int, top_n: int) -> dict | None:
@@ -47,10 +51,17 @@ def chat_logprobs(c: CompletionOutput, start: int, top_n: int) -> dict | None:
     for tid, entry in zip(c.token_ids[start:], c.logprobs[start:]):
         chosen = entry[tid]
         top = sorted((e for e in entry.values()), key=lambda e: e.rank or 10**9)[:top_n]
-        content.append({"token": chosen.decoded_token, "logprob": chosen.logprob,
-                        "bytes": list((chosen.decoded_token or "").encode()),
-                        "top_logprobs": [{"token": e.decoded_token, "logprob": e.logprob,
-                                          "bytes": list((e.decoded_token or "").encode())} for e in top]})
+        content.append(
+            {
+                "token": chosen.decoded_token,
+                "logprob": chosen.logprob,
+                "bytes": list((chosen.decoded_token or "").encode()),
+                "top_logprobs": [
+                    {"token": e.decoded_token, "logprob": e.logprob, "bytes": list((e.decoded_token or "").encode())}
+                    for e in top
+                ],
+            }
+        )
     return {"content": content}
 
 
@@ -58,25 +69,58 @@ def completion_body(rid: str, model: str, outs: list[RequestOutput], logprobs: i
     choices = []
     for i, o in enumerate(outs):
         c = o.outputs[0]
-        choices.append({"index": i, "text": c.text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                        "logprobs": completion_logprobs(c, 0, 0, logprobs) if logprobs is not None else None})
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(outs, n)}
+        choices.append(
+            {
+                "index": i,
+                "text": c.text,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+                "logprobs": completion_logprobs(c, 0, 0, logprobs) if logprobs is not None else None,
+            }
+        )
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(outs, n),
+    }
 
 
 def chat_body(rid: str, model: str, outs: list[RequestOutput], top_logprobs: int | None, n: int) -> dict:
     choices = []
     for i, o in enumerate(outs):
         c = o.outputs[0]
-        choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                        "logprobs": chat_logprobs(c, 0, top_logprobs or 0) if top_logprobs is not None else None})
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(outs, n)}
+        choices.append(
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+                "logprobs": chat_logprobs(c, 0, top_logprobs or 0) if top_logprobs is not None else None,
+            }
+        )
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(outs, n),
+    }
 
 
-def stream_chunk(rid: str, model: str, chat: bool, index: int, delta_text: str | None, finish: str | None,
-                 logprobs: dict | None = None, role: bool = False) -> dict:
+def stream_chunk(
+    rid: str,
+    model: str,
+    chat: bool,
+    index: int,
+    delta_text: str | None,
+    finish: str | None,
+    logprobs: dict | None = None,
+    role: bool = False,
+) -> dict:
     if chat:
         delta = {"role": "assistant", "content": ""} if role else {"content": delta_text} if delta_text else {}
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}

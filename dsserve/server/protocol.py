@@ -1,4 +1,5 @@
 """OpenAI request bodies (plus vLLM's extra sampling fields), validated by pydantic before anything runs."""
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -44,12 +45,19 @@ class _Sampling(_Body):
 
     def sampling_params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
         kw: dict[str, Any] = dict(
-            n=1, max_tokens=self.max_tokens or default_max_tokens, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, seed=self.seed, ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
+            n=1,
+            max_tokens=self.max_tokens or default_max_tokens,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
-            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs,
+        )
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)

@@ -1,4 +1,5 @@
 """``dsserve serve``: the engine behind uvicorn, with a graceful SIGTERM."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,8 +12,13 @@ log = logging.getLogger("dsserve.server")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("served_model", nargs="?", default=None, metavar="MODEL",
-                   help="a preset name, a built-in checkpoint or a checkpoint directory (default: --model)")
+    p.add_argument(
+        "served_model",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="a preset name, a built-in checkpoint or a checkpoint directory (default: --model)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
@@ -20,15 +26,27 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=1024, help="queued requests before 503 (default: 1024)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger bodies get 413 (default: 8 MiB)")
     p.add_argument("--default-max-tokens", type=int, default=256)
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish after SIGTERM (default: 30)")
-    p.add_argument("--kernel-manifest", default=None, metavar="FILE",
-                   help="a list of the Triton kernels this server compiles: at start, those it lists compile in "
-                        "parallel worker processes before the model is built; after the warm-up and at shutdown "
-                        "it is rewritten with every kernel compiled (engine/kernel_manifest.py). Default: none")
-    p.add_argument("--precompile-workers", type=int, default=None, metavar="N",
-                   help="worker processes for --kernel-manifest (default: the CPU count, at most 16; 0: in this "
-                        "process)")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM (default: 30)",
+    )
+    p.add_argument(
+        "--kernel-manifest",
+        default=None,
+        metavar="FILE",
+        help="a list of the Triton kernels this server compiles: at start, those it lists compile in "
+        "parallel worker processes before the model is built; after the warm-up and at shutdown "
+        "it is rewritten with every kernel compiled (engine/kernel_manifest.py). Default: none",
+    )
+    p.add_argument(
+        "--precompile-workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="worker processes for --kernel-manifest (default: the CPU count, at most 16; 0: in this process)",
+    )
     EngineArgs.add_cli_args(p)
 
 
@@ -49,8 +67,10 @@ def run_server(ns: argparse.Namespace) -> int:
     log_to_stderr()
     if ns.kernel_manifest:  # before the model: the workers' CUDA contexts are gone when the KV cache is sized
         try:
-            kernel_manifest.precompile(ns.kernel_manifest, kernel_manifest.default_workers()
-                                       if ns.precompile_workers is None else ns.precompile_workers)
+            kernel_manifest.precompile(
+                ns.kernel_manifest,
+                kernel_manifest.default_workers() if ns.precompile_workers is None else ns.precompile_workers,
+            )
         except (ValueError, OSError) as e:
             raise SystemExit(f"--kernel-manifest {ns.kernel_manifest}: {e}") from None
     core = EngineCore(args)
@@ -70,14 +90,16 @@ def run_server(ns: argparse.Namespace) -> int:
             kernel_manifest.save(ns.kernel_manifest)
 
     app.router.lifespan_context = lifespan
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level="warning",
-                            timeout_graceful_shutdown=ns.shutdown_timeout)
+    config = uvicorn.Config(
+        app, host=ns.host, port=ns.port, log_level="warning", timeout_graceful_shutdown=ns.shutdown_timeout
+    )
     _GracefulServer(config).run()
     return 0
 
 
 def _graceful_server_class():
     import signal
+
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
@@ -92,6 +114,7 @@ def _graceful_server_class():
             finally:
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
+
     return GracefulServer
 
 

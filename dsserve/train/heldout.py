@@ -4,6 +4,7 @@ accuracy does (a retrieval code at chance costs 2 ln 90 = 9.0 nats whether or no
 ``near`` retrieval asks about the last fact instead of the first: inside the sliding window, so it separates "no keyed
 lookup has formed" from "the lookup does not reach through the global KV".
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,9 @@ VARIANTS = ("arithmetic", "retrieval", "retrieval-near", "chat")
 def near(p: Problem) -> Problem:
     """``p`` (retrieval) asking about its last fact, the one closest to the question."""
     key, value = p.context.splitlines()[-1].removeprefix("The code for ").removesuffix(".").split(" is ")
-    return Problem("retrieval", p.context + f"Question: What is the code for {key}?\n", f"Answer: {value}\n", value,
-                   p.context)
+    return Problem(
+        "retrieval", p.context + f"Question: What is the code for {key}?\n", f"Answer: {value}\n", value, p.context
+    )
 
 
 @torch.no_grad()
@@ -41,7 +43,7 @@ def completion_nats(model, tokenizer, problems: list[Problem], dense: bool = Fal
 
 def heldout_nats(model, tokenizer, n: int, min_back: int, dense: bool = False) -> dict[str, float]:
     """``completion_nats`` of the first ``n`` held-out problems of each variant (``dense``: see there)."""
-    count = (lambda s: len(tokenizer.encode(s, add_bos=False)))
+    count = lambda s: len(tokenizer.encode(s, add_bos=False))
     out = {}
     for name in VARIANTS:
         task = name.removesuffix("-near")

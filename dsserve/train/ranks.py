@@ -1,4 +1,5 @@
 """Data-parallel ranks for training: which share of a step is this process's, and the sums across processes."""
+
 from __future__ import annotations
 
 import os
@@ -15,6 +16,7 @@ class Ranks:
 
     def __init__(self, device: str = "cpu", backend: str = "auto"):
         import torch.distributed as dist
+
         if backend not in BACKENDS:
             raise ValueError(f"dist backend {backend!r}: one of {list(BACKENDS)}")
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -48,13 +50,16 @@ class Ranks:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         # one more slot a parameter: whether any rank gave it a gradient (an expert no rank routed to keeps None,
         # as in one process, so AdamW skips it)
-        flat = self._where(torch.cat([g.reshape(-1) for g in grads]
-                                     + [torch.tensor([float(p.grad is not None) for p in params],
-                                                     device=grads[0].device)]))
+        flat = self._where(
+            torch.cat(
+                [g.reshape(-1) for g in grads]
+                + [torch.tensor([float(p.grad is not None) for p in params], device=grads[0].device)]
+            )
+        )
         self.dist.all_reduce(flat)
-        at, seen = 0, flat[-len(params):].tolist()
+        at, seen = 0, flat[-len(params) :].tolist()
         for p, g, s in zip(params, grads, seen):
-            total = flat[at:at + g.numel()].view_as(g)
+            total = flat[at : at + g.numel()].view_as(g)
             if p.grad is not None:  # in place: a captured step's gradients are its graph's outputs (train.step)
                 p.grad.copy_(total)
             elif s > 0:

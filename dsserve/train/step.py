@@ -15,6 +15,7 @@ and 44.8 K dense, 33.3 K and 51.5 K sparse, for 2 and 8), nor its bytes with L x
 ``.grad`` are the graph's outputs: each replay overwrites them (they are never set to None again), and whatever reads
 them (the ranks' sum, clipping, the optimizer) runs outside the graph.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,7 +32,7 @@ def problem_align(cfg) -> int:
     ratio-r source pools r rows) and no candidate block (``candidate_block_size`` entries of the candidate source)
     holds rows of two problems: each problem then has the entries and blocks it would have alone."""
     align = 1
-    for layer, r in enumerate(cfg.compress_ratios[:cfg.num_hidden_layers]):
+    for layer, r in enumerate(cfg.compress_ratios[: cfg.num_hidden_layers]):
         if r:
             align = math.lcm(align, r * (cfg.candidate_block_size if layer == cfg.candidate_source_layer_id else 1))
     return align
@@ -44,8 +45,18 @@ class TrainStep:
     BOS on; the problems must start at multiples of ``problem_align``), as if each were a sequence of its own. None:
     a sequence's problems see each other."""
 
-    def __init__(self, model, seqs: int, length: int, total_seqs: int, kl_weight: float, dense: bool,
-                 graph: bool, pad_id: int, isolate_bos: int | None = None):
+    def __init__(
+        self,
+        model,
+        seqs: int,
+        length: int,
+        total_seqs: int,
+        kl_weight: float,
+        dense: bool,
+        graph: bool,
+        pad_id: int,
+        isolate_bos: int | None = None,
+    ):
         self.model, self.seqs, self.length, self.total_seqs = model, seqs, length, total_seqs
         self.kl_weight, self.dense, self.pad_id, self.bos_id = kl_weight, dense, pad_id, isolate_bos
         dev = model.embed.weight.device
@@ -65,26 +76,30 @@ class TrainStep:
         """This rank's sequences (token ids, which are completion) and their row weights (``train.token_weights``)
         into the buffers, each padded to ``length``."""
         if len(batch) != self.seqs or any(len(ids) > self.length for ids, _ in batch):
-            raise ValueError(f"a step of this shape takes {self.seqs} sequences of at most {self.length} tokens, got "
-                             f"{len(batch)} of up to {max((len(ids) for ids, _ in batch), default=0)}")
+            raise ValueError(
+                f"a step of this shape takes {self.seqs} sequences of at most {self.length} tokens, got "
+                f"{len(batch)} of up to {max((len(ids) for ids, _ in batch), default=0)}"
+            )
         n, L = self.seqs * self.length, self.length
         tokens, targets = [self.pad_id] * n, [0] * n
         w, done, first = [0.0] * n, [False] * n, [0] * n
         for i, ((ids, completion), wi) in enumerate(zip(batch, weights)):
             at = i * L
-            tokens[at:at + len(ids)] = ids
-            targets[at:at + len(ids) - 1] = ids[1:]
-            w[at:at + len(ids) - 1] = wi
-            done[at:at + len(ids) - 1] = [bool(c) for c in completion[1:]]  # None: alignment padding
+            tokens[at : at + len(ids)] = ids
+            targets[at : at + len(ids) - 1] = ids[1:]
+            w[at : at + len(ids) - 1] = wi
+            done[at : at + len(ids) - 1] = [bool(c) for c in completion[1:]]  # None: alignment padding
             if self.bos_id is not None:
                 start = 0
                 for t in (t for t, tok in enumerate(ids) if tok == self.bos_id):
                     if t % self.align:
-                        raise ValueError(f"sequence {i}: a problem starts at {t}; isolated problems start at "
-                                         f"multiples of {self.align} (train.batch_of pads them there)")
-                    first[at + start:at + t] = [start] * (t - start)
+                        raise ValueError(
+                            f"sequence {i}: a problem starts at {t}; isolated problems start at "
+                            f"multiples of {self.align} (train.batch_of pads them there)"
+                        )
+                    first[at + start : at + t] = [start] * (t - start)
                     start = t
-                first[at + start:at + L] = [start] * (L - start)
+                first[at + start : at + L] = [start] * (L - start)
         self.tokens.copy_(torch.tensor(tokens))
         self.targets.copy_(torch.tensor(targets))
         self.weights.copy_(torch.tensor(w))
@@ -97,8 +112,9 @@ class TrainStep:
         m, L = self.model, self.length
         seqs = [SeqRows(slice(i * L, (i + 1) * L), m.new_cache()) for i in range(self.seqs)]
         kl = []
-        hidden = m.forward_batch(self.tokens, seqs, index_kl=kl, dense_entries=self.dense, static=True,
-                                 segment_first=self.first).hidden
+        hidden = m.forward_batch(
+            self.tokens, seqs, index_kl=kl, dense_entries=self.dense, static=True, segment_first=self.first
+        ).hidden
         ce = torch.nn.functional.cross_entropy(m.logits(hidden).float(), self.targets, reduction="none")
         kl_sum = torch.stack(kl).sum() if kl else ce.new_zeros(())
         # every sequence has the same shape, so the same number of KL terms: the whole step's count is known here
@@ -132,8 +148,11 @@ class TrainStep:
                 with torch.cuda.graph(self.graph):
                     self.out = self._body()
             except RuntimeError as e:  # something in the step cannot be captured: say so, go on eagerly
-                print(f"dsserve.train: the step could not be captured as a CUDA graph ({str(e).splitlines()[0]}); "
-                      f"running it eagerly", flush=True)
+                print(
+                    f"dsserve.train: the step could not be captured as a CUDA graph ({str(e).splitlines()[0]}); "
+                    f"running it eagerly",
+                    flush=True,
+                )
                 self.use_graph, self.graph = False, None
                 return self.run()
         self.graph.replay()

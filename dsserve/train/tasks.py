@@ -14,6 +14,7 @@ hash of its prompt (one in ``EVAL_SHARE`` is eval), so no seed of one split can 
 held-out problems are never seen in training. ``context`` is the part of the prompt a later turn would find in the
 prefix cache (the facts; the chat's earlier turns): ``prompt`` starts with it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,10 +39,10 @@ _PLACES = ("north", "south", "east", "west", "harbor", "valley", "river", "hill"
 @dataclass(frozen=True)
 class Problem:
     task: str
-    prompt: str      # what the model is given
+    prompt: str  # what the model is given
     completion: str  # the target continuation, ending in "Answer: X"
     answer: str
-    context: str     # the prompt's prefix a later turn would find cached
+    context: str  # the prompt's prefix a later turn would find cached
 
 
 def final_answer(text: str) -> str | None:
@@ -55,6 +56,7 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
     """Token ids of a problem's text as training and evaluation both feed it: BOS first (once: a chat prompt's text
     already starts with the BOS string, which a DeepSeek vocabulary holds as one token)."""
     from ..server.chat import BOS
+
     return tokenizer.encode(text, add_bos=not (text.startswith(BOS) and tokenizer.token_to_id(BOS) is not None))
 
 
@@ -69,8 +71,14 @@ def split_of(prompt: str) -> str:
     return "eval" if int(hashlib.sha256(prompt.encode()).hexdigest(), 16) % EVAL_SHARE == 0 else "train"
 
 
-def problem(task: str, split: str, index: int, count_tokens: Callable[[str], int] | None = None,
-            min_back: int = 512, drills: int = 0) -> Problem:
+def problem(
+    task: str,
+    split: str,
+    index: int,
+    count_tokens: Callable[[str], int] | None = None,
+    min_back: int = 512,
+    drills: int = 0,
+) -> Problem:
     """Problem ``index`` of ``split`` for ``task`` (deterministic). ``count_tokens`` and ``min_back``: retrieval's
     distance from the asked fact to the question, in the model's tokens (default: a character count / 4).
     ``drills`` (retrieval, training): up to that many questions about other facts (at most half of them), answered,
@@ -176,7 +184,8 @@ def _facts_by_line_counts(rng, keys, count_tokens, reach):
         behind += _line_tokens(count_tokens, *fact) if len(lines) > 1 else 0
         if len(facts) > 1 and behind >= reach:
             exact = count_tokens("".join(lines[1:])) >= reach and (
-                len(lines) == 2 or count_tokens("".join(lines[1:-1])) < reach)
+                len(lines) == 2 or count_tokens("".join(lines[1:-1])) < reach
+            )
             return (facts, lines) if exact else (None, None)
     return None, None  # out of keys: the joined count raises with the numbers
 
@@ -185,8 +194,10 @@ def _facts_by_joined_counts(rng, keys, count_tokens, reach):
     facts, lines = [], []
     while True:
         if len(facts) == len(keys):
-            raise ValueError(f"retrieval distance {reach} tokens is too far: {len(keys)} facts span "
-                             f"{count_tokens(''.join(lines))} tokens")
+            raise ValueError(
+                f"retrieval distance {reach} tokens is too far: {len(keys)} facts span "
+                f"{count_tokens(''.join(lines))} tokens"
+            )
         fact, line = _fact(rng, keys[len(facts)])
         facts.append(fact)
         lines.append(line)
@@ -203,25 +214,40 @@ def _far_facts(lines: list[str], line_tokens: list[int], count_tokens, min_back:
     after.reverse()
     m = sum(a >= min_back for a in after)  # the sums shrink with i: facts 0..m-1
     if (m == 0 or count_tokens("".join(lines[m:])) >= min_back) and (
-            m == len(lines) or count_tokens("".join(lines[m + 1:])) < min_back):
+        m == len(lines) or count_tokens("".join(lines[m + 1 :])) < min_back
+    ):
         return list(range(m))
-    return [i for i in range(len(lines)) if count_tokens("".join(lines[i + 1:])) >= min_back]
+    return [i for i in range(len(lines)) if count_tokens("".join(lines[i + 1 :])) >= min_back]
 
 
 def _chat(rng: random.Random, count_tokens, min_back) -> Problem:
     from ..server.chat import encode_chat
-    tool = {"type": "function", "function": {
-        "name": "stock", "description": "How many of an item a warehouse holds",
-        "parameters": {"type": "object", "properties": {"item": {"type": "string"}, "warehouse": {"type": "string"}},
-                       "required": ["item", "warehouse"]}}}
+
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "stock",
+            "description": "How many of an item a warehouse holds",
+            "parameters": {
+                "type": "object",
+                "properties": {"item": {"type": "string"}, "warehouse": {"type": "string"}},
+                "required": ["item", "warehouse"],
+            },
+        },
+    }
     msgs, context, turns = [], "", rng.randint(2, 3)
     for turn in range(turns):
         item, place, n = rng.choice(_ITEMS), rng.choice(_PLACES), rng.randint(0, 500)
-        call = {"id": f"call_{turn}", "type": "function",
-                "function": {"name": "stock", "arguments": f'{{"item": "{item}", "warehouse": "{place}"}}'}}
-        msgs += [{"role": "user", "content": f"How many {item} are in the {place} warehouse?"},
-                 {"role": "assistant", "content": "", "tool_calls": [call]},
-                 {"role": "tool", "tool_call_id": call["id"], "content": f'{{"count": {n}}}'}]
+        call = {
+            "id": f"call_{turn}",
+            "type": "function",
+            "function": {"name": "stock", "arguments": f'{{"item": "{item}", "warehouse": "{place}"}}'},
+        }
+        msgs += [
+            {"role": "user", "content": f"How many {item} are in the {place} warehouse?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": f'{{"count": {n}}}'},
+        ]
         reply = f"The {place} warehouse has {n} {item}.\nAnswer: {n}"
         if turn < turns - 1:  # an earlier exchange, answered: what a later turn finds cached
             msgs.append({"role": "assistant", "content": reply})

@@ -25,7 +25,8 @@ Not isolated, a pack's dozens of facts hold nearly every key, with other codes, 
 not pay: the step on which multi-query recall's lookup formed (a few pairs a sequence), while packed retrieval stayed
 at chance for 3400 steps (``benchmarks/results/train-tiny-packing``). On a GPU an eager step is bound by launching
 its ops, so there mHC's Sinkhorn runs as one kernel each way (``--fused-sinkhorn``), the MoE computes every expert on
-every row (``--every-expert``: 2.1x fewer ops, the same sums), and with packing the step is captured once as a CUDA graph
+every row (``--every-expert``: 2.1x fewer ops, the same sums), and with
+packing the step is captured once as a CUDA graph
 and replayed (``--cuda-graph``; H200: 2 x 2048 tokens 0.09 s a replay against 0.25-0.33 s eager). Batches are
 made ahead by ``--data-workers`` processes. ``--time-limit`` runs the schedule (and ``--dense-share``) on the clock and
 stops there. At the end (and every ``--heldout-every`` steps) it reports the held-out completion nats of each task
@@ -39,6 +40,7 @@ losses are normalised by the whole batch's counts and the gradients summed (NCCL
 gloo, staged through host memory: ranks may share one GPU, which NCCL refuses), so a step equals the single-process
 step on the whole batch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,38 +66,39 @@ from .warm_in import WarmIn
 class TrainConfig:
     model: str = "tiny"
     steps: int = 3000
-    batch: int = 16          # sequences a step (problems, unless packed)
+    batch: int = 16  # sequences a step (problems, unless packed)
     lr: float = 2e-3
     warmup: int = 100
     kl_weight: float = 0.1
     prompt_weight: float = 0.25
     seed: int = 0
     mix: tuple = (("arithmetic", 0.4), ("retrieval", 0.3), ("chat", 0.3))
-    min_back: int = 0        # retrieval distance in tokens (0: tasks.retrieval_distance)
-    min_back_low: int = 0    # > 0: each training retrieval problem's distance drawn from [min_back_low, min_back]
+    min_back: int = 0  # retrieval distance in tokens (0: tasks.retrieval_distance)
+    min_back_low: int = 0  # > 0: each training retrieval problem's distance drawn from [min_back_low, min_back]
     device: str = "cpu"
     log_every: int = 10
-    pack: int = 0            # tokens a training sequence packs problems up to (0: one problem a sequence)
-    isolate: bool = True     # packed problems each read only themselves (train.step: isolate_bos), as when served
-    dense_steps: int = 0     # the first steps attend every visible global entry (the dense warm-up)
+    pack: int = 0  # tokens a training sequence packs problems up to (0: one problem a sequence)
+    isolate: bool = True  # packed problems each read only themselves (train.step: isolate_bos), as when served
+    dense_steps: int = 0  # the first steps attend every visible global entry (the dense warm-up)
     dense_share: float = 0.0  # ... or the first share of the run (of steps, or of time_limit)
     time_limit: float = 0.0  # seconds: stop there (the schedule runs on the clock); 0: run all steps
-    drills: int = 0          # retrieval: answered questions about random facts before the asked one
+    drills: int = 0  # retrieval: answered questions about random facts before the asked one
     fused_sinkhorn: bool = True  # on a GPU: mHC's Sinkhorn as one kernel each way (kernels.sinkhorn)
-    every_expert: bool = True    # on a GPU: every routed expert on every row, weighted 0 where not chosen
-    cuda_graph: bool = True      # on a GPU with packing: the step captured once as a CUDA graph (train.step)
-    data_workers: int = -1       # processes making the batches ahead (-1: none on the CPU, 4 on a GPU)
-    init: str = ""               # a checkpoint directory to start from (empty: seeded random weights)
-    heldout_n: int = 16          # held-out problems a variant for the completion nats (train.heldout); 0: none
-    heldout_every: int = 0       # ... also every that many steps (0: only at the end)
+    every_expert: bool = True  # on a GPU: every routed expert on every row, weighted 0 where not chosen
+    cuda_graph: bool = True  # on a GPU with packing: the step captured once as a CUDA graph (train.step)
+    data_workers: int = -1  # processes making the batches ahead (-1: none on the CPU, 4 on a GPU)
+    init: str = ""  # a checkpoint directory to start from (empty: seeded random weights)
+    heldout_n: int = 16  # held-out problems a variant for the completion nats (train.heldout); 0: none
+    heldout_every: int = 0  # ... also every that many steps (0: only at the end)
     warm_in_start: float = 0.0  # share of the run where mHC and the MoE start blending in (train.warm_in)
-    warm_in_end: float = 0.0    # ... and where they are whole (0: whole from the start)
-    dist_backend: str = "auto"   # data parallel: NCCL when each rank has its own GPU, else gloo (train.ranks)
+    warm_in_end: float = 0.0  # ... and where they are whole (0: whole from the start)
+    dist_backend: str = "auto"  # data parallel: NCCL when each rank has its own GPU, else gloo (train.ranks)
 
 
 @functools.cache
 def _align(model: str, pack: int, isolate: bool) -> int:
     from ..models.loader import resolve_config
+
     return problem_align(resolve_config(model)) if pack and isolate else 1
 
 
@@ -108,7 +111,7 @@ def batch_of(cfg: TrainConfig, step: int, tokenizer, min_back: int) -> list[tupl
     align = _align(cfg.model, cfg.pack, cfg.isolate)
     rng = random.Random(f"batch/{cfg.seed}/{step}")
     tasks, weights = zip(*cfg.mix)
-    count = (lambda s: len(tokenizer.encode(s, add_bos=False)))
+    count = lambda s: len(tokenizer.encode(s, add_bos=False))
     out, ids, completion, j, too_long = [], [], [], 0, {}
     while len(out) < cfg.batch:
         task = rng.choices(tasks, weights)[0]
@@ -120,8 +123,10 @@ def batch_of(cfg: TrainConfig, step: int, tokenizer, min_back: int) -> list[tupl
         if cfg.pack and len(full) > cfg.pack:  # a step has fixed shapes (train.step): a longer problem is skipped
             too_long[task] = too_long.get(task, 0) + 1
             if too_long[task] > 50:
-                raise ValueError(f"pack {cfg.pack} is too short for {task} problems ({len(full)} tokens and more); "
-                                 f"use a larger --pack or leave {task} out of --mix")
+                raise ValueError(
+                    f"pack {cfg.pack} is too short for {task} problems ({len(full)} tokens and more); "
+                    f"use a larger --pack or leave {task} out of --mix"
+                )
             continue
         pad = -len(ids) % align
         if ids and len(ids) + pad + len(full) > cfg.pack:  # this sequence is full: the problem starts the next one
@@ -150,6 +155,7 @@ _WORKER_TOKENIZER = None
 def _batch_job(args) -> list:
     global _WORKER_TOKENIZER
     from ..models.tokenizer import Tokenizer
+
     cfg, step, min_back = args
     if _WORKER_TOKENIZER is None:
         _WORKER_TOKENIZER = Tokenizer.for_preset(cfg.model)
@@ -164,6 +170,7 @@ def batches(cfg: TrainConfig, tokenizer, min_back: int, workers: int):
         return
     import multiprocessing
     from collections import deque
+
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         ahead = deque()
         for step in range(cfg.steps):
@@ -177,18 +184,29 @@ def backward_step(model, cfg: TrainConfig, whole: list, dense: bool, ranks: Rank
     to ``pack`` tokens, or to the batch's longest without packing), the gradients summed over the ranks. ``held``
     keeps the step of the last shape (its CUDA graph). Returns (the step, its outputs)."""
     weights = token_weights(whole, cfg.prompt_weight)
-    mine = whole[ranks.rank::ranks.world]
+    mine = whole[ranks.rank :: ranks.world]
     length = cfg.pack or max(len(ids) for ids, _ in whole)
     key = (len(mine), length, dense)
     if held.get("key") != key:
         if held.get("step") is not None:
             held["step"].release()
         graph = cfg.cuda_graph and cfg.pack > 0 and cfg.every_expert  # the routed MoE loop reads routing back
-        held.update(key=key, step=TrainStep(model, len(mine), length, len(whole), cfg.kl_weight, dense, graph,
-                                            pad_id=held["pad_id"],
-                                            isolate_bos=held["bos_id"] if cfg.pack and cfg.isolate else None))
+        held.update(
+            key=key,
+            step=TrainStep(
+                model,
+                len(mine),
+                length,
+                len(whole),
+                cfg.kl_weight,
+                dense,
+                graph,
+                pad_id=held["pad_id"],
+                isolate_bos=held["bos_id"] if cfg.pack and cfg.isolate else None,
+            ),
+        )
     step = held["step"]
-    step.load(mine, weights[ranks.rank::ranks.world], sum(map(sum, weights)))
+    step.load(mine, weights[ranks.rank :: ranks.world], sum(map(sum, weights)))
     out = step.run()
     ranks.sum_grads(step.params)
     return step, out
@@ -206,6 +224,7 @@ def prepare_for_training(model, device: str, fused_sinkhorn: bool = True, every_
     model = model.to(device).train()
     if device.startswith("cuda"):
         from ..kernels.sinkhorn import sinkhorn_trainable
+
         for block in model.layers:
             if fused_sinkhorn:
                 block.sinkhorn = sinkhorn_trainable
@@ -224,15 +243,29 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
         raise ValueError(f"training runs on the tiny shapes (tiny, tiny-v4), not {cfg.model!r}")
     if cfg.steps < 1 or cfg.batch < 1 or cfg.warmup < 1:
         raise ValueError(f"steps, batch and warmup must be >= 1, got {cfg.steps}, {cfg.batch}, {cfg.warmup}")
-    settings = ("min_back", "min_back_low", "dense_steps", "dense_share", "time_limit", "drills", "prompt_weight",
-                "kl_weight", "heldout_n", "heldout_every")
+    settings = (
+        "min_back",
+        "min_back_low",
+        "dense_steps",
+        "dense_share",
+        "time_limit",
+        "drills",
+        "prompt_weight",
+        "kl_weight",
+        "heldout_n",
+        "heldout_every",
+    )
     negative = {k: getattr(cfg, k) for k in settings if getattr(cfg, k) < 0}
     if negative or not cfg.lr > 0 or cfg.dense_share > 1:
-        raise ValueError(f"lr must be > 0, dense_share at most 1 and {', '.join(settings)} >= 0; got lr {cfg.lr}, "
-                         f"dense_share {cfg.dense_share}" + "".join(f", {k} {v}" for k, v in negative.items()))
+        raise ValueError(
+            f"lr must be > 0, dense_share at most 1 and {', '.join(settings)} >= 0; got lr {cfg.lr}, "
+            f"dense_share {cfg.dense_share}" + "".join(f", {k} {v}" for k, v in negative.items())
+        )
     if cfg.warm_in_end and not 0 <= cfg.warm_in_start <= cfg.warm_in_end <= 1:  # the run must end whole
-        raise ValueError(f"--warm-in-start and --warm-in-end are shares of the run, 0 <= start <= end <= 1 (end 0: "
-                         f"off); got {cfg.warm_in_start}, {cfg.warm_in_end}")
+        raise ValueError(
+            f"--warm-in-start and --warm-in-end are shares of the run, 0 <= start <= end <= 1 (end 0: "
+            f"off); got {cfg.warm_in_start}, {cfg.warm_in_end}"
+        )
     if cfg.data_workers < -1:
         raise ValueError(f"data_workers must be -1 (auto: 0 on the CPU, 4 on a GPU) or >= 0, got {cfg.data_workers}")
     ranks = Ranks(cfg.device, cfg.dist_backend)
@@ -243,14 +276,19 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
     mcfg = resolve_config(cfg.model)
     min_back = cfg.min_back or retrieval_distance(mcfg)
     if cfg.min_back_low > min_back:
-        raise ValueError(f"--min-back-low {cfg.min_back_low} is past the retrieval distance {min_back} (--min-back, "
-                         f"default {retrieval_distance(mcfg)} for {mcfg.name}); it draws from [low, distance]")
+        raise ValueError(
+            f"--min-back-low {cfg.min_back_low} is past the retrieval distance {min_back} (--min-back, "
+            f"default {retrieval_distance(mcfg)} for {mcfg.name}); it draws from [low, distance]"
+        )
     if cfg.pack and cfg.isolate and not mcfg.is_v41:
-        raise ValueError(f"isolating packed problems needs V4.1's non-overlapping compression ({mcfg.name} is V4); "
-                         f"use --no-isolate-problems or --pack 0")
+        raise ValueError(
+            f"isolating packed problems needs V4.1's non-overlapping compression ({mcfg.name} is V4); "
+            f"use --no-isolate-problems or --pack 0"
+        )
     if not 0 <= cfg.pack <= mcfg.max_position_embeddings:
-        raise ValueError(f"pack must be 0 (no packing) or up to the model's {mcfg.max_position_embeddings} positions, "
-                         f"got {cfg.pack}")
+        raise ValueError(
+            f"pack must be 0 (no packing) or up to the model's {mcfg.max_position_embeddings} positions, got {cfg.pack}"
+        )
     tokenizer = Tokenizer.for_preset(cfg.model)
     if cfg.pack and cfg.isolate and tokenizer.bos_id is None:  # problems are told apart by their BOS
         raise ValueError(f"isolating packed problems needs a BOS token; {cfg.model}'s tokenizer has none")
@@ -261,8 +299,9 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
             raise ValueError(f"--init {cfg.init!r} must be a checkpoint directory of the {mcfg.name} shape")
         load_checkpoint(model, mcfg, cfg.init)
     model, params = prepare_for_training(model, cfg.device, cfg.fused_sinkhorn, cfg.every_expert)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01,
-                            fused=cfg.device.startswith("cuda"))  # one launch, not a dozen a parameter
+    opt = torch.optim.AdamW(
+        params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01, fused=cfg.device.startswith("cuda")
+    )  # one launch, not a dozen a parameter
     warm = WarmIn(model, cfg.warm_in_start, cfg.warm_in_end)
     workers = cfg.data_workers if cfg.data_workers >= 0 else (4 if cfg.device.startswith("cuda") else 0)
     held = {"pad_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id}
@@ -271,8 +310,10 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
     for step, whole in enumerate(batches(cfg, tokenizer, min_back, workers)):
         progress = step / cfg.steps
         if cfg.time_limit:  # the schedule follows rank 0's clock (all ranks must agree on it)
-            progress = min(1.0, max(progress, ranks.sum([time.perf_counter() - t0 if ranks.rank == 0 else 0.0])[0]
-                                    / cfg.time_limit))
+            progress = min(
+                1.0,
+                max(progress, ranks.sum([time.perf_counter() - t0 if ranks.rank == 0 else 0.0])[0] / cfg.time_limit),
+            )
             if progress >= 1 and step:
                 break
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * progress))
@@ -287,11 +328,26 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
         opt.step()
         tokens += sum(len(ids) for ids, _ in whole)
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
-            ce_sum, targets, kl_sum, kl_count, n = ranks.sum([
-                float((out["ce"] * ts.completion).sum()), float(ts.completion.sum()), float(out["kl_sum"]),
-                out["kl_count"], sum(len(ids) for ids, _ in whole[ranks.rank::ranks.world])])
-            curve.append({"step": step, "lr": lr, "ce": ce_sum / targets, "index_kl": kl_sum / max(kl_count, 1),
-                          "tokens": int(n), "target_tokens": int(targets), "warm_in": level})
+            ce_sum, targets, kl_sum, kl_count, n = ranks.sum(
+                [
+                    float((out["ce"] * ts.completion).sum()),
+                    float(ts.completion.sum()),
+                    float(out["kl_sum"]),
+                    out["kl_count"],
+                    sum(len(ids) for ids, _ in whole[ranks.rank :: ranks.world]),
+                ]
+            )
+            curve.append(
+                {
+                    "step": step,
+                    "lr": lr,
+                    "ce": ce_sum / targets,
+                    "index_kl": kl_sum / max(kl_count, 1),
+                    "tokens": int(n),
+                    "target_tokens": int(targets),
+                    "warm_in": level,
+                }
+            )
             if cfg.heldout_n and cfg.heldout_every and step % cfg.heldout_every == 0 and ranks.rank == 0:
                 # in the step's mode: during the dense warm-up, what the attention has learnt so far
                 curve[-1]["heldout_nats"] = heldout_nats(model, tokenizer, cfg.heldout_n, min_back, dense)
@@ -299,20 +355,39 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
             if ranks.rank == 0:
                 elapsed = time.perf_counter() - t0
                 held_out = curve[-1].get("heldout_nats")
-                print(f"step {step:5d}  ce {curve[-1]['ce']:.4f}  index kl {curve[-1]['index_kl']:.4f}  "
-                      f"{tokens / elapsed:.0f} tok/s  {elapsed:.1f} s"
-                      + (f"  held-out nats{' (dense)' if dense else ''}: "
-                         + " ".join(f"{k} {v:.2f}" for k, v in held_out.items()) if held_out else ""), flush=True)
+                print(
+                    f"step {step:5d}  ce {curve[-1]['ce']:.4f}  index kl {curve[-1]['index_kl']:.4f}  "
+                    f"{tokens / elapsed:.0f} tok/s  {elapsed:.1f} s"
+                    + (
+                        f"  held-out nats{' (dense)' if dense else ''}: "
+                        + " ".join(f"{k} {v:.2f}" for k, v in held_out.items())
+                        if held_out
+                        else ""
+                    ),
+                    flush=True,
+                )
     seconds = time.perf_counter() - t0
     warm.detach()  # whole from here: what is measured and saved is the model itself
     final = heldout_nats(model, tokenizer, cfg.heldout_n, min_back) if cfg.heldout_n and ranks.rank == 0 else None
     if final:
-        print("held-out completion nats (as served: top-k, the whole model): "
-              + "  ".join(f"{k} {v:.2f}" for k, v in final.items()), flush=True)
-    summary = {"config": asdict(cfg), "ranks": ranks.world, "model": mcfg.name, "min_back": min_back, "tokens": tokens,
-               "steps_run": steps_run, "dense_until": dense_until, "seconds": seconds, "heldout_nats": final,
-               "curve": curve,
-               "data": {"tasks": list(TASKS), "split": "train (prompt hash), problems seeded by step and slot"}}
+        print(
+            "held-out completion nats (as served: top-k, the whole model): "
+            + "  ".join(f"{k} {v:.2f}" for k, v in final.items()),
+            flush=True,
+        )
+    summary = {
+        "config": asdict(cfg),
+        "ranks": ranks.world,
+        "model": mcfg.name,
+        "min_back": min_back,
+        "tokens": tokens,
+        "steps_run": steps_run,
+        "dense_until": dense_until,
+        "seconds": seconds,
+        "heldout_nats": final,
+        "curve": curve,
+        "data": {"tasks": list(TASKS), "split": "train (prompt hash), problems seeded by step and slot"},
+    }
     if out_dir and ranks.rank == 0:
         os.makedirs(out_dir, exist_ok=True)
         model.eval()
@@ -342,8 +417,10 @@ def parse_mix(text: str) -> tuple:
 
 def _plot(curve: list[dict], path: str, dense_steps: int = 0) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [c["step"] for c in curve]
     ax.plot(steps, [c["ce"] for c in curve], label="completion cross entropy")
@@ -361,24 +438,60 @@ def main(argv: list[str] | None = None) -> int:
     d = TrainConfig()
     for name in ("model", "device", "dist_backend", "init"):
         p.add_argument(f"--{name.replace('_', '-')}", default=getattr(d, name))
-    for name in ("steps", "batch", "warmup", "seed", "min_back", "min_back_low", "log_every", "pack", "dense_steps",
-                 "drills", "heldout_n", "heldout_every"):
+    for name in (
+        "steps",
+        "batch",
+        "warmup",
+        "seed",
+        "min_back",
+        "min_back_low",
+        "log_every",
+        "pack",
+        "dense_steps",
+        "drills",
+        "heldout_n",
+        "heldout_every",
+    ):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     for name in ("lr", "kl_weight", "prompt_weight", "dense_share", "time_limit", "warm_in_start", "warm_in_end"):
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(d, name))
-    p.add_argument("--fused-sinkhorn", action=argparse.BooleanOptionalAction, default=d.fused_sinkhorn,
-                   help="on a GPU, mHC's Sinkhorn as one Triton kernel each way (default on)")
-    p.add_argument("--every-expert", action=argparse.BooleanOptionalAction, default=d.every_expert,
-                   help="on a GPU, every routed expert on every row, weighted 0 where not chosen (default on)")
-    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=d.cuda_graph,
-                   help="on a GPU with --pack and --every-expert, the step captured as a CUDA graph (default on)")
-    p.add_argument("--isolate-problems", dest="isolate", action=argparse.BooleanOptionalAction, default=d.isolate,
-                   help="with --pack, each problem reads only itself, as when served: no key of the problem before "
-                        "(V4.1 shapes; default on)")
-    p.add_argument("--data-workers", type=int, default=d.data_workers,
-                   help="processes making batches ahead (default: 0 on the CPU, 4 on a GPU)")
-    p.add_argument("--mix", default=",".join(f"{t}={w}" for t, w in d.mix),
-                   help="tasks and their shares of the draws, e.g. retrieval=1 (default %(default)s)")
+    p.add_argument(
+        "--fused-sinkhorn",
+        action=argparse.BooleanOptionalAction,
+        default=d.fused_sinkhorn,
+        help="on a GPU, mHC's Sinkhorn as one Triton kernel each way (default on)",
+    )
+    p.add_argument(
+        "--every-expert",
+        action=argparse.BooleanOptionalAction,
+        default=d.every_expert,
+        help="on a GPU, every routed expert on every row, weighted 0 where not chosen (default on)",
+    )
+    p.add_argument(
+        "--cuda-graph",
+        action=argparse.BooleanOptionalAction,
+        default=d.cuda_graph,
+        help="on a GPU with --pack and --every-expert, the step captured as a CUDA graph (default on)",
+    )
+    p.add_argument(
+        "--isolate-problems",
+        dest="isolate",
+        action=argparse.BooleanOptionalAction,
+        default=d.isolate,
+        help="with --pack, each problem reads only itself, as when served: no key of the problem before "
+        "(V4.1 shapes; default on)",
+    )
+    p.add_argument(
+        "--data-workers",
+        type=int,
+        default=d.data_workers,
+        help="processes making batches ahead (default: 0 on the CPU, 4 on a GPU)",
+    )
+    p.add_argument(
+        "--mix",
+        default=",".join(f"{t}={w}" for t, w in d.mix),
+        help="tasks and their shares of the draws, e.g. retrieval=1 (default %(default)s)",
+    )
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     try:

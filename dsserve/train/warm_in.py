@@ -10,6 +10,7 @@ output is scaled by r (``Block.warm_in``). At r = 1 the block computes exactly i
 detached, so what is saved and served is the model itself. Every parameter trains throughout (the MoE's and the mixes'
 get no gradient while r = 0).
 """
+
 from __future__ import annotations
 
 import torch

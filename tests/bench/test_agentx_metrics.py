@@ -1,4 +1,5 @@
 """AgentX metric math (dsserve.bench.metrics) on hand-computed examples; fast and deterministic."""
+
 import csv
 import json
 import math
@@ -12,9 +13,20 @@ S = 10**9  # ns per second
 
 
 def rec(start_s, end_s, ttft, isl, osl, *, phase="profile", error=None, cached=None, hit=0, blocks=0, **kw):
-    return {"phase": phase, "error": error, "start_ns": int(start_s * S), "end_ns": int(end_s * S), "ttft": ttft,
-            "e2el": end_s - start_s, "isl": isl, "osl": osl, "cached": cached, "hit_blocks": hit,
-            "total_blocks": blocks, **kw}
+    return {
+        "phase": phase,
+        "error": error,
+        "start_ns": int(start_s * S),
+        "end_ns": int(end_s * S),
+        "ttft": ttft,
+        "e2el": end_s - start_s,
+        "isl": isl,
+        "osl": osl,
+        "cached": cached,
+        "hit_blocks": hit,
+        "total_blocks": blocks,
+        **kw,
+    }
 
 
 def pt(x, y, **kw):
@@ -22,6 +34,7 @@ def pt(x, y, **kw):
 
 
 # ---------------------------------------------------------------- percentiles, ITL, inverted P90
+
 
 def test_percentile_is_numpy_linear_between_closest_ranks():
     assert M.pct([4, 1, 3, 2], 90) == pytest.approx(3.7)  # k = 3*0.9 = 2.7 -> 3 + 0.7*(4-3)
@@ -60,6 +73,7 @@ def test_p90_interactivity_is_inverted_p90_itl_not_p10_of_rates():
 
 # ---------------------------------------------------------------- throughput window, cache rates, qps
 
+
 def window_records():
     return [
         rec(0, 10, 1.0, 1000, 100, cached=800, hit=12, blocks=16, max_tokens=100),  # ITL 9/99
@@ -87,14 +101,20 @@ def test_throughput_window_and_per_gpu():
 
 
 def test_cache_hit_rates():
-    assert M.theoretical_hit_rate([rec(0, 1, 0, 1, 1, hit=12, blocks=16), rec(0, 1, 0, 1, 1, hit=30, blocks=32)]) \
-        == pytest.approx(42 / 48)
+    assert M.theoretical_hit_rate(
+        [rec(0, 1, 0, 1, 1, hit=12, blocks=16), rec(0, 1, 0, 1, 1, hit=30, blocks=32)]
+    ) == pytest.approx(42 / 48)
     assert M.theoretical_hit_rate([rec(0, 1, 0, 1, 1)]) is None
     before = {"dsserve:prefix_cache_hits_total": 100, "dsserve:prefix_cache_queries_total": 200}
     after = {"dsserve:prefix_cache_hits_total": 400, "dsserve:prefix_cache_queries_total": 600}
     assert M.server_hit_rate(before, after) == pytest.approx(0.75)
-    assert M.server_hit_rate({"vllm:prefix_cache_hits": 0, "vllm:prefix_cache_queries": 0},
-                             {"vllm:prefix_cache_hits": 5, "vllm:prefix_cache_queries": 10}) == 0.5
+    assert (
+        M.server_hit_rate(
+            {"vllm:prefix_cache_hits": 0, "vllm:prefix_cache_queries": 0},
+            {"vllm:prefix_cache_hits": 5, "vllm:prefix_cache_queries": 10},
+        )
+        == 0.5
+    )
     assert M.server_hit_rate(before, before) is None and M.server_hit_rate({}, after) is None
 
 
@@ -105,6 +125,7 @@ def test_qps_one_second_buckets():
 
 
 # ---------------------------------------------------------------- Pareto frontier
+
 
 def test_pareto_frontier_dominated_points_and_ties():
     p1, p2, p3, p4 = pt(10, 1000, c=1), pt(20, 800, c=2), pt(15, 700, c=3), pt(30, 400, c=4)
@@ -142,12 +163,15 @@ def test_pchip_slopes_hand_computed():
 
 
 @pytest.mark.parametrize("method", ["steffen", "pchip"])
-@pytest.mark.parametrize("xs,ys", [
-    (FX, FY),
-    ([0, 1, 2, 3, 4, 5], [0, 0, 0, 1, 1, 10]),  # flat runs then a jump: classic overshoot trap
-    ([0, 0.1, 5, 5.2, 30], [0, 10, 11, 50, 51]),
-    ([1, 2], [3, 1]),
-])
+@pytest.mark.parametrize(
+    "xs,ys",
+    [
+        (FX, FY),
+        ([0, 1, 2, 3, 4, 5], [0, 0, 0, 1, 1, 10]),  # flat runs then a jump: classic overshoot trap
+        ([0, 0.1, 5, 5.2, 30], [0, 10, 11, 50, 51]),
+        ([1, 2], [3, 1]),
+    ],
+)
 def test_monotone_and_exact_at_knots(method, xs, ys):
     f = M.monotone_cubic(xs, ys, method)
     assert f(np.array(xs, float)) == pytest.approx(ys, abs=1e-9)
@@ -191,19 +215,36 @@ def test_tier_reads_unreachable_clamped_exact_estimated():
 
 # ---------------------------------------------------------------- aggregate + writers
 
+
 def make_agg(conc=4, config="tiny-tp1", scale=1.0, **kw):
     rs = [{**r, "end_ns": int(r["start_ns"] + (r["end_ns"] - r["start_ns"]) * scale)} for r in window_records()]
     for r in rs:
         r["e2el"] *= scale
-    server = {"before": {"dsserve:prefix_cache_hits_total": 100, "dsserve:prefix_cache_queries_total": 200,
-                         "dsserve:external_prefix_cache_hits_total": 0,
-                         "dsserve:external_prefix_cache_queries_total": 0},
-              "after": {"dsserve:prefix_cache_hits_total": 400, "dsserve:prefix_cache_queries_total": 600,
-                        "dsserve:external_prefix_cache_hits_total": 40,
-                        "dsserve:external_prefix_cache_queries_total": 100},
-              "gpu_usage_pct": 55.0, "gpu_total_tokens": 123456}
-    return M.aggregate(rs, kw.pop("window", None), 2, meta={"config": config, "conc": conc, "hw": "h200", "tp": 2},
-                       server=server, dataset={"generator": "agentx", "seed": 42}, **kw)
+    server = {
+        "before": {
+            "dsserve:prefix_cache_hits_total": 100,
+            "dsserve:prefix_cache_queries_total": 200,
+            "dsserve:external_prefix_cache_hits_total": 0,
+            "dsserve:external_prefix_cache_queries_total": 0,
+        },
+        "after": {
+            "dsserve:prefix_cache_hits_total": 400,
+            "dsserve:prefix_cache_queries_total": 600,
+            "dsserve:external_prefix_cache_hits_total": 40,
+            "dsserve:external_prefix_cache_queries_total": 100,
+        },
+        "gpu_usage_pct": 55.0,
+        "gpu_total_tokens": 123456,
+    }
+    return M.aggregate(
+        rs,
+        kw.pop("window", None),
+        2,
+        meta={"config": config, "conc": conc, "hw": "h200", "tp": 2},
+        server=server,
+        dataset={"generator": "agentx", "seed": 42},
+        **kw,
+    )
 
 
 def test_aggregate_fields():
@@ -247,7 +288,7 @@ def test_writers_produce_parseable_files(tmp_path):
 
     rq = M.write_requests_jsonl(tmp_path / "requests.jsonl", window_records())
     rows = [json.loads(line) for line in rq.read_text().splitlines()]
-    assert len(rows) == 5 and list(rows[0])[:len(M.REQUEST_FIELDS)] == list(M.REQUEST_FIELDS)
+    assert len(rows) == 5 and list(rows[0])[: len(M.REQUEST_FIELDS)] == list(M.REQUEST_FIELDS)
     assert rows[0]["itl"] == pytest.approx(9 / 99) and rows[4]["itl"] is None and rows[0]["max_tokens"] == 100
 
     pc = M.write_points_csv(tmp_path / "points.csv", aggs)
@@ -269,14 +310,21 @@ def test_writers_produce_parseable_files(tmp_path):
 
 # ---------------------------------------------------------------- the tier at a per-user speed
 
+
 def test_tier_best_is_the_best_measured_point_at_or_above_the_tier():
     pts = [pt(200, 300, conc=1), pt(150, 700, conc=8), pt(149.9, 2000, conc=16), pt(40, 3000, conc=32)]
     assert M.tier_best(pts, 150)["conc"] == 8  # 149.9 does not reach 150; among the rest 700 is the most
     assert M.tier_best(pts, 201) is None and M.tier_best([], 150) is None
     assert M.tier_best(pts + [pt(None, 9000, conc=64)], 100)["conc"] == 16  # a point without a P90 never counts
     s = M.tier_summary(pts, 150)
-    assert s == {"tier_tok_s_per_user": 150, "best_tput_per_gpu": 700, "best_conc": 8, "best_p90_intvty": 150,
-                 "front_tput_per_gpu": 700.0, "front_status": "exact"}
+    assert s == {
+        "tier_tok_s_per_user": 150,
+        "best_tput_per_gpu": 700,
+        "best_conc": 8,
+        "best_p90_intvty": 150,
+        "front_tput_per_gpu": 700.0,
+        "front_status": "exact",
+    }
     s = M.tier_summary(pts, 250)
     assert s["best_tput_per_gpu"] is None and s["best_conc"] is None and s["front_status"] == "unreachable"
     assert M.tier_summary(pts, 100)["front_status"] == "estimated"
@@ -284,6 +332,7 @@ def test_tier_best_is_the_best_measured_point_at_or_above_the_tier():
 
 def test_agentx_summary_reads_agg_files_of_several_runs(tmp_path):
     from dsserve.bench import agentx_summary as S
+
     for cfg, pts in (("replay-on", ((1, 180, 400), (8, 120, 1500))), ("replay-off", ((1, 160, 350), (8, 90, 1700)))):
         (tmp_path / cfg).mkdir()
         for conc, x, y in pts:
@@ -291,8 +340,10 @@ def test_agentx_summary_reads_agg_files_of_several_runs(tmp_path):
             a.update(p90_intvty=x, tput_per_gpu=y)
             M.write_agg(tmp_path / cfg, a)
     out = tmp_path / "sum"
-    assert S.main(["--tier-tok-s", "150", "--out", str(out), str(tmp_path / "replay-on"),
-                   str(tmp_path / "replay-off")]) == 0
+    assert (
+        S.main(["--tier-tok-s", "150", "--out", str(out), str(tmp_path / "replay-on"), str(tmp_path / "replay-off")])
+        == 0
+    )
     res = json.loads((out / "agentx-summary.json").read_text())
     assert list(res["configs"]) == ["replay-on", "replay-off"] and res["tier_tok_s_per_user"] == 150
     on, off = res["configs"]["replay-on"], res["configs"]["replay-off"]

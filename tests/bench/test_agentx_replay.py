@@ -1,4 +1,5 @@
 """`dsserve bench agentx` against a live tiny server, and the in-process `bench latency` / `bench throughput`."""
+
 import asyncio
 import csv
 import json
@@ -22,6 +23,7 @@ def test_reset_cache_retries_while_busy_and_says_when_the_server_lacks_it():
         transport = httpx.MockTransport(lambda request: httpx.Response(next(answers)))
         async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
             return await reset_cache(client, Console(stderr=True, quiet=True), tries=3)
+
     assert asyncio.run(reset([409, 409, 200])) is True
     assert asyncio.run(reset([409, 409, 409])) is False
     assert asyncio.run(reset([404])) is None  # another engine without the route: the point runs warm
@@ -39,9 +41,29 @@ def _last_json(out: str) -> dict:
 
 def test_agentx_replay_small(tiny_server, tmp_path, capsys):
     out = tmp_path / "ax"
-    rc = main(["bench", "agentx", "--base-url", tiny_server, "--preset", "small", "--seed", "1", "--concurrency",
-               "2", "--duration", "5", "--fast", "--num-sessions", "3", "--scale", "0.02",
-               "--output-dir", str(out)])
+    rc = main(
+        [
+            "bench",
+            "agentx",
+            "--base-url",
+            tiny_server,
+            "--preset",
+            "small",
+            "--seed",
+            "1",
+            "--concurrency",
+            "2",
+            "--duration",
+            "5",
+            "--fast",
+            "--num-sessions",
+            "3",
+            "--scale",
+            "0.02",
+            "--output-dir",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0
     summary = _last_json(text)
@@ -60,7 +82,11 @@ def test_agentx_replay_small(tiny_server, tmp_path, capsys):
     # the tier read at --tier-tok-s (default 150 tok/s/user): the tiny CPU server is far slower, so no point
     # reaches it; the same JSON is written as summary.json
     assert summary["tier"]["tier_tok_s_per_user"] == 150 and summary["tier"]["front_status"] in (
-        "unreachable", "exact", "estimated", "clamped")
+        "unreachable",
+        "exact",
+        "estimated",
+        "clamped",
+    )
     assert (summary["tier"]["best_conc"] is None) == (pt["p90_intvty"] < 150)
     assert "tier 150 tok/s/user" in text and json.loads((out / "summary.json").read_text()) == summary
 
@@ -102,8 +128,31 @@ def test_agentx_replay_small(tiny_server, tmp_path, capsys):
 def test_agentx_chat_exact_isl(tiny_server, tmp_path, capsys):
     """--api chat: growing message arrays whose (the server's) chat encoding has exactly the trace's ISL."""
     out = tmp_path / "chat"
-    rc = main(["bench", "agentx", "--base-url", tiny_server, "--api", "chat", "--preset", "small", "--seed", "1",
-               "--concurrency", "3", "--duration", "5", "--fast", "--num-sessions", "4", "--scale", "0.25", "--output-dir", str(out)])
+    rc = main(
+        [
+            "bench",
+            "agentx",
+            "--base-url",
+            tiny_server,
+            "--api",
+            "chat",
+            "--preset",
+            "small",
+            "--seed",
+            "1",
+            "--concurrency",
+            "3",
+            "--duration",
+            "5",
+            "--fast",
+            "--num-sessions",
+            "4",
+            "--scale",
+            "0.25",
+            "--output-dir",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0
     (pt,) = _last_json(text)["points"]
@@ -122,20 +171,62 @@ def test_agentx_chat_exact_isl(tiny_server, tmp_path, capsys):
 
 def test_agentx_aborts_on_failed_root_warmup(tiny_server, tmp_path, capsys):
     out = tmp_path / "bad"  # an unknown model name makes every request, so the root warm-up, fail (HTTP 404)
-    rc = main(["bench", "agentx", "--base-url", tiny_server, "--model", "nope", "--preset", "small", "--concurrency",
-               "2", "--duration", "5", "--num-sessions", "3", "--scale", "0.02", "--output-dir", str(out)])
+    rc = main(
+        [
+            "bench",
+            "agentx",
+            "--base-url",
+            tiny_server,
+            "--model",
+            "nope",
+            "--preset",
+            "small",
+            "--concurrency",
+            "2",
+            "--duration",
+            "5",
+            "--num-sessions",
+            "3",
+            "--scale",
+            "0.02",
+            "--output-dir",
+            str(out),
+        ]
+    )
     assert rc == 1 and "root warm-up request failed" in capsys.readouterr().err
     assert not (out / "points.csv").exists() and not list(out.glob("agg_*.json"))
     rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
     assert rows and all(r["phase"] == "warmup" and r["max_tokens"] == 1 and r["error"] for r in rows)
 
+
 def test_bench_latency_and_throughput(capsys):
-    assert main(["bench", "latency", "--model", "tiny", "--input-len", "8", "--output-len", "4", "--batch-size", "2",
-                 "--num-iters", "1", "--num-iters-warmup", "0"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "latency",
+                "--model",
+                "tiny",
+                "--input-len",
+                "8",
+                "--output-len",
+                "4",
+                "--batch-size",
+                "2",
+                "--num-iters",
+                "1",
+                "--num-iters-warmup",
+                "0",
+            ]
+        )
+        == 0
+    )
     lat = _last_json(capsys.readouterr().out)
     assert lat["bench"] == "latency" and lat["output_tokens"] == 8 and lat["avg_latency_s"] > 0
-    assert main(["bench", "throughput", "--model", "tiny", "--num-prompts", "4", "--input-len", "8",
-                 "--output-len", "4"]) == 0
+    assert (
+        main(["bench", "throughput", "--model", "tiny", "--num-prompts", "4", "--input-len", "8", "--output-len", "4"])
+        == 0
+    )
     tp = _last_json(capsys.readouterr().out)
     assert tp["bench"] == "throughput" and tp["output_tokens"] == 16 and tp["input_tokens"] == 32
     assert tp["tokens_per_s"] > 0 and tp["output_tokens_per_s"] > 0
@@ -146,11 +237,13 @@ def test_agentx_chat_builder_exact_and_prefix():
     verbatim (all but the last, which an append too short for a chat turn may extend)."""
     from dsserve.bench.agentx_chat import ChatBuilder
     from dsserve.bench.agentx_trace import generate, request_token_ids
+
     b, tr, k = ChatBuilder("tiny"), generate("small", 2, 2), 16
 
     def ids_of(q):
         ids = request_token_ids(tr, q, 8192, (0, 1, 2), "salt")
-        return [t for j in range(0, len(ids), 64) for t in ids[j:j + k]]
+        return [t for j in range(0, len(ids), 64) for t in ids[j : j + k]]
+
     built, n = {}, 0
     for s in tr.sessions:
         for r in sorted(s.requests, key=lambda r: r.idx):
@@ -158,6 +251,7 @@ def test_agentx_chat_builder_exact_and_prefix():
             n += got != target
             if r.parent is not None and not r.compacted:
                 head = built[r.parent][0]
-                assert msgs[:len(head) - 1] == head[:-1] and msgs[len(head) - 1]["content"].startswith(
-                    head[-1]["content"])
+                assert msgs[: len(head) - 1] == head[:-1] and msgs[len(head) - 1]["content"].startswith(
+                    head[-1]["content"]
+                )
     assert n == 0

@@ -7,7 +7,15 @@ from dataclasses import asdict
 import pytest
 
 from dsserve.bench.agentx_trace import (
-    ACCEPTANCE, BLOCK, PRESETS, Trace, check_acceptance, generate, request_token_ids, seed_for)
+    ACCEPTANCE,
+    BLOCK,
+    PRESETS,
+    Trace,
+    check_acceptance,
+    generate,
+    request_token_ids,
+    seed_for,
+)
 
 VOCAB = 129_280
 RESERVED = frozenset(range(3)) | frozenset(range(128_798, VOCAB))
@@ -100,19 +108,19 @@ def test_request_token_ids_realise_the_trace(small):
             assert len(ids) == r.isl and not RESERVED.intersection(ids) and max(ids) < VOCAB
             toks[r.idx] = ids
             for j, b in enumerate(r.hash_ids):  # equal hash id -> identical block content
-                blk = ids[j * BLOCK:(j + 1) * BLOCK]
+                blk = ids[j * BLOCK : (j + 1) * BLOCK]
                 ref = by_block.setdefault(b, blk)
                 assert ref[: len(blk)] == blk[: len(ref)]
             if r.parent is not None:
                 par, n = toks[r.parent], r.cached_tokens
                 assert ids[:n] == par[:n]  # the child starts with exactly the parent's shared prefix
                 if n < len(par):
-                    assert ids[n:n + BLOCK] != par[n:n + BLOCK]  # ... and no further
+                    assert ids[n : n + BLOCK] != par[n : n + BLOCK]  # ... and no further
     r = small.sessions[0].requests[-1]
     assert request_token_ids(small, r, VOCAB, RESERVED) == request_token_ids(small, r, VOCAB, RESERVED)
     a, b = (request_token_ids(small, r, VOCAB, RESERVED, salt=x) for x in ("play-a", "play-b"))
     n = r.sys_blocks * BLOCK
-    assert len(a) == r.isl and a[:n] == b[:n] and a[n:n + BLOCK] != b[n:n + BLOCK]
+    assert len(a) == r.isl and a[:n] == b[:n] and a[n : n + BLOCK] != b[n : n + BLOCK]
 
 
 def test_subagents_and_joins(small):

@@ -1,4 +1,5 @@
 """``dsserve eval``: the harness end to end on the built-in model (not its accuracy), and its scoring."""
+
 import json
 
 from dsserve.bench.eval import run_mode, standard_error
@@ -11,13 +12,19 @@ TOK = Tokenizer.for_preset("tiny")
 
 def test_scoring_and_hit_mode_send_the_context_first():
     sent = []
-    solved = {tuple(prompt_ids(TOK, p.prompt)): p.completion
-              for p in (problem(t, "eval", i, lambda s: len(TOK.encode(s, add_bos=False)), 64)
-                        for t in ("arithmetic", "retrieval", "chat") for i in range(2))}
+    solved = {
+        tuple(prompt_ids(TOK, p.prompt)): p.completion
+        for p in (
+            problem(t, "eval", i, lambda s: len(TOK.encode(s, add_bos=False)), 64)
+            for t in ("arithmetic", "retrieval", "chat")
+            for i in range(2)
+        )
+    }
 
     def oracle(requests):  # answers every problem right, after recording what was sent
         sent.append([ids for ids, _ in requests])
         return [solved.get(tuple(ids), "Answer: none") for ids, _ in requests]
+
     res = run_mode(oracle, TOK, ["arithmetic", "retrieval", "chat"], 2, hit=True, min_back=64, batch=2)
     assert all(r["accuracy"] == 1.0 and r["n"] == 2 for r in res.values())
     assert len(sent) == 6  # per task, the problems' contexts together, then their prompts
@@ -39,16 +46,21 @@ def test_dsserve_eval_end_to_end(tmp_path, capsys):
     assert modes == {("off", "cold"), ("off", "hit"), ("on", "cold"), ("on", "hit")}
     for r in saved["results"]:
         assert set(r["tasks"]) >= {"arithmetic", "retrieval", "chat"}
-        assert all(t["n"] == 2 and 0.0 <= t["accuracy"] <= 1.0 for k, t in r["tasks"].items() if k in
-                   ("arithmetic", "retrieval", "chat"))
+        assert all(
+            t["n"] == 2 and 0.0 <= t["accuracy"] <= 1.0
+            for k, t in r["tasks"].items()
+            if k in ("arithmetic", "retrieval", "chat")
+        )
         if r["cache"] == "hit":
             assert r["tasks"]["prefix_hit_tokens"] > 0
-    assert set(saved["replay_difference_se"]) == {f"{c}/{t}" for c in ("cold", "hit")
-                                                  for t in ("arithmetic", "retrieval", "chat")}
+    assert set(saved["replay_difference_se"]) == {
+        f"{c}/{t}" for c in ("cold", "hit") for t in ("arithmetic", "retrieval", "chat")
+    }
 
 
 def test_bad_task_is_named():
     import pytest
+
     with pytest.raises(SystemExit, match="tasks are"):
         main(["eval", "--model", "tiny", "--tasks", "poetry"])
     with pytest.raises(SystemExit, match="--replay takes off and/or on"):  # before any mode runs
@@ -75,6 +87,7 @@ def test_server_completer_keeps_the_order_of_concurrent_requests():
 
         def log_message(self, *args):
             pass
+
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -92,22 +105,29 @@ def _run(tmp_path, name, *args):
 
 def test_runs_split_by_mode_task_and_range_merge_into_one(tmp_path, capsys):
     from dsserve.bench.eval import merge
+
     whole = _run(tmp_path, "whole", "-n", "3", "--tasks", "retrieval", "--replay", "on", "--cache", "hit")
     assert whole["complete"] and whole["first"] == 0
     head = _run(tmp_path, "head", "-n", "2", "--tasks", "retrieval", "--replay", "on", "--cache", "hit")
-    tail = _run(tmp_path, "tail", "-n", "1", "--first", "2", "--tasks", "retrieval", "--replay", "on",
-                "--cache", "hit")
+    tail = _run(tmp_path, "tail", "-n", "1", "--first", "2", "--tasks", "retrieval", "--replay", "on", "--cache", "hit")
     chat = _run(tmp_path, "chat", "-n", "1", "--tasks", "chat", "--replay", "on", "--cache", "hit")
     joined = merge([tail, head, chat])
     assert joined["merged"] == 3 and joined["complete"]
     (mode,) = joined["results"]
-    assert (mode["replay"], mode["cache"]) == ("on", "hit") and set(mode["tasks"]) == {"retrieval", "chat",
-                                                                                        "prefix_hit_tokens"}
+    assert (mode["replay"], mode["cache"]) == ("on", "hit") and set(mode["tasks"]) == {
+        "retrieval",
+        "chat",
+        "prefix_hit_tokens",
+    }
     got, want = mode["tasks"]["retrieval"], whole["results"][0]["tasks"]["retrieval"]
     assert got == want and (got["n"], got["first"], got["end"]) == (3, 0, 3)  # as if run in one piece
-    assert mode["tasks"]["prefix_hit_tokens"] == sum(s["results"][0]["tasks"]["prefix_hit_tokens"]
-                                                      for s in (head, tail, chat)) > 0
+    assert (
+        mode["tasks"]["prefix_hit_tokens"]
+        == sum(s["results"][0]["tasks"]["prefix_hit_tokens"] for s in (head, tail, chat))
+        > 0
+    )
     import pytest
+
     with pytest.raises(SystemExit, match="scored the same held-out problems"):
         merge([head, whole])
     with pytest.raises(SystemExit, match="differ in"):
@@ -122,9 +142,20 @@ def test_runs_split_by_mode_task_and_range_merge_into_one(tmp_path, capsys):
 
 def test_an_unfinished_run_keeps_what_it_scored(tmp_path):
     from dsserve.bench.eval import run_mode
+
     seen = []
     partial = {}
-    res = run_mode(lambda r: ["Answer: x"] * len(r), TOK, ["chat"], 5, hit=False, min_back=64, batch=2,
-                   out=partial, on_batch=lambda: seen.append(dict(partial["chat"])), first=7)
+    res = run_mode(
+        lambda r: ["Answer: x"] * len(r),
+        TOK,
+        ["chat"],
+        5,
+        hit=False,
+        min_back=64,
+        batch=2,
+        out=partial,
+        on_batch=lambda: seen.append(dict(partial["chat"])),
+        first=7,
+    )
     assert [s["n"] for s in seen] == [2, 4, 5] and [s["end"] for s in seen] == [9, 11, 12]
     assert res["chat"]["first"] == 7 and res["chat"]["accuracy"] == 0.0

@@ -3,6 +3,7 @@
 Runs the script in a subprocess (as the lead runs it on the H200) on the CPU; checks structure and finiteness of
 the JSON it writes, never timings. About 20 s here.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,14 @@ def _numbers(x):
 
 def test_smoke_writes_every_section(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""} if "CUDA_VISIBLE_DEVICES" not in os.environ else dict(os.environ)
-    p = subprocess.run([sys.executable, "benchmarks/model_h200.py", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "benchmarks/model_h200.py", "--smoke", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     last = json.loads(p.stdout.strip().splitlines()[-1])
     assert last["errors"] == {} and last["finite"], last

@@ -1,5 +1,6 @@
 """benchmarks/prefill_kernels_h200.py --smoke: every case runs on tiny shapes (the Triton interpreter) and agrees with
 the path it replaces; checks structure and errors, never timings. About 25 s here."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_smoke_runs_every_case(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    p = subprocess.run([sys.executable, "benchmarks/prefill_kernels_h200.py", "--smoke", "--out", str(tmp_path)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "benchmarks/prefill_kernels_h200.py", "--smoke", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     last = json.loads(p.stdout.strip().splitlines()[-1])
     res = json.loads((tmp_path / "prefill_kernels.json").read_text())

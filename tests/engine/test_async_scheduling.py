@@ -4,6 +4,7 @@ arrivals and aborts while a step is in flight.
 
 Both engines run the tiny model in fp64 on the paged backend (the async one in fixed-shape decode steps, run
 eagerly on the CPU, the form CUDA graphs capture), so their logits agree to ~1e-12 and so do their tokens."""
+
 import pytest
 import torch
 
@@ -15,9 +16,19 @@ PROMPTS = [[5 + (7 * i + 3 * j) % 900 for j in range(n)] for i, n in enumerate((
 
 
 def _core(async_on: bool, max_num_seqs: int = 8) -> EngineCore:
-    return EngineCore(EngineArgs(model="tiny", dtype="float64", device="cpu", attention_backend="paged",
-                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=64, async_scheduling=async_on,
-                                 kv_cache_memory=64 << 20, reference_ops="all"))
+    return EngineCore(
+        EngineArgs(
+            model="tiny",
+            dtype="float64",
+            device="cpu",
+            attention_backend="paged",
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=64,
+            async_scheduling=async_on,
+            kv_cache_memory=64 << 20,
+            reference_ops="all",
+        )
+    )
 
 
 def _params(stop_id: int) -> list[SamplingParams]:
@@ -77,8 +88,9 @@ def test_async_engine_equals_sync_engine(cores):
     a, b = LOGPROBS[False], LOGPROBS[True]  # logprobs copied back with the tokens, read one step later
     assert len(a) == len(b) == 26
     for da, db in zip(a, b):
-        assert list(da) == list(db) and all(abs(da[k].logprob - db[k].logprob) < 1e-9 and da[k].rank == db[k].rank
-                                            for k in da)
+        assert list(da) == list(db) and all(
+            abs(da[k].logprob - db[k].logprob) < 1e-9 and da[k].rank == db[k].rank for k in da
+        )
     assert want["1"][1] == "stop" and len(want["1"][0]) <= 8 and want["5"][1] == "abort"
     assert want["0"][1] == "length" and len(want["0"][0]) == 26
     assert sync.stats.ahead_steps == 0 and asyn.stats.ahead_steps >= 8  # it did run ahead
@@ -125,8 +137,18 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def _gpu_core(async_on: bool, **kw) -> EngineCore:
-    return EngineCore(EngineArgs(model="tiny", dtype="bfloat16", device="cuda", max_num_seqs=8,
-                                 max_num_batched_tokens=64, async_scheduling=async_on, kv_cache_memory=64 << 20, **kw))
+    return EngineCore(
+        EngineArgs(
+            model="tiny",
+            dtype="bfloat16",
+            device="cuda",
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            async_scheduling=async_on,
+            kv_cache_memory=64 << 20,
+            **kw,
+        )
+    )
 
 
 @needs_cuda
@@ -149,9 +171,18 @@ def test_async_steady_step_makes_no_host_sync():
     copy back) and the reading of the step before it: nothing waits for the device but the copy back's event."""
     core = _gpu_core(True, engram_tables="host-fp8")
     for i in range(3):
-        core.add_request(str(i), PROMPTS[i], SamplingParams(temperature=0.8, top_k=5, max_tokens=12,
-                                                             ignore_eos=True, logprobs=2 if i else None,
-                                                             seed=7 if i == 2 else None))
+        core.add_request(
+            str(i),
+            PROMPTS[i],
+            SamplingParams(
+                temperature=0.8,
+                top_k=5,
+                max_tokens=12,
+                ignore_eos=True,
+                logprobs=2 if i else None,
+                seed=7 if i == 2 else None,
+            ),
+        )
     for _ in range(3):  # the prefill, the first decode step (captures its graph), one step ahead
         core.step()
     before = core.stats.ahead_steps

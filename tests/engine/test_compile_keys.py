@@ -3,6 +3,7 @@
 A key first met while serving stalls that step for Triton's compile (0.5-5 s on the H200). A live replay-off server
 compiled the entry-rows gather once per new context (its table width was a constexpr), 70 times in two minutes
 (benchmarks/results/agentx-replay-off-compiles-h200); the census sees the same on the tiny model."""
+
 import pytest
 import torch
 
@@ -23,6 +24,7 @@ def test_keys_follow_tritons_specialisation():
     def call(t, k):
         with census.recording():
             entry_rows(torch.zeros(t, k, dtype=torch.long), torch.ones(t, k, dtype=torch.bool), tables, seq[:t], 4)
+
     call(17, 300)
     before = census.snapshot()
     call(5, 301)  # t is not specialised; K neither a multiple of 16 nor 1, as 300 was
@@ -40,10 +42,21 @@ def test_a_hit_at_a_new_context_needs_no_new_kernel(replay):
     block tables are wider than any step's before, in the same power-of-two range of entries: the second needs no
     compile key the first and the cold prompts did not. Replay off runs these steps eagerly on the GPU too; with
     replay the encoder rows are eager past the row graphs."""
-    core = EngineCore(EngineArgs(model="tiny", load_format="dummy", dtype="bfloat16", device="cpu",
-                                 attention_backend="paged", enable_prefix_caching=True, swa_bounded_replay=replay,
-                                 max_model_len=1024, kv_cache_memory=8 << 20, max_num_seqs=2,
-                                 max_num_batched_tokens=512))
+    core = EngineCore(
+        EngineArgs(
+            model="tiny",
+            load_format="dummy",
+            dtype="bfloat16",
+            device="cpu",
+            attention_backend="paged",
+            enable_prefix_caching=True,
+            swa_bounded_replay=replay,
+            max_model_len=1024,
+            kv_cache_memory=8 << 20,
+            max_num_seqs=2,
+            max_num_batched_tokens=512,
+        )
+    )
     census = LaunchCensus()
     core.model.kernel_ops = CensusOps(census=census)
     g = torch.Generator().manual_seed(0)
@@ -57,6 +70,7 @@ def test_a_hit_at_a_new_context_needs_no_new_kernel(replay):
 
     def prompt(n):
         return torch.randint(0, 8000, (n,), generator=g).tolist()
+
     first, second = prompt(5 * block), prompt(7 * block)  # 320 and 448 tokens: 340 and 468 after the hits
     run("cold-1", first)
     run("hit-1", first + prompt(20))
@@ -91,11 +105,16 @@ def test_counts_that_change_every_step_do_not_split_kernels():
         ix.index_scores(q, w, pool, "fp4", table, torch.zeros(t, dtype=torch.long), 8, nv, n)
         row_topk(torch.randn(t, n, generator=g), 8)
         swiglu(torch.randn(n, 64, generator=g).bfloat16(), 7.0)
-        window_rows(torch.arange(16), torch.zeros(n, 16, dtype=torch.long), torch.ones(n, 16, dtype=torch.long),
-                    torch.zeros(n, 16, dtype=torch.int32))
+        window_rows(
+            torch.arange(16),
+            torch.zeros(n, 16, dtype=torch.long),
+            torch.ones(n, 16, dtype=torch.long),
+            torch.zeros(n, 16, dtype=torch.int32),
+        )
         engram_gather(torch.randn(9, 32, generator=g), torch.zeros(n, dtype=torch.long), "float", 32, torch.float32)
         primes = torch.full((2, 4), 7, dtype=torch.long)
         engram_rows(torch.zeros(n, 3, dtype=torch.long), torch.ones(3, dtype=torch.long), primes, primes * 0, 0)
+
     census = LaunchCensus()
     with census.recording():
         launches(48)

@@ -5,31 +5,42 @@ context bucket, the compressor's carry in device buffers, host bookkeeping after
 torch reference in fp64 it must equal the oracle exactly. On a GPU, graph replay must equal the same fixed-shape
 step run eagerly, bit for bit, and the engine's greedy tokens must agree with the oracle.
 """
+
 import pytest
 import torch
+from test_paged_attention import _engine, _greedy_agrees_with_oracle, _tiny
+from test_paged_engine import make_prompts
 
 from dsserve.engine.decode_graphs import DecodeGraphs, batch_bucket, context_bucket
 from dsserve.engine.graph_capture import GraphCapture
 from dsserve.engine.greedy import greedy_generate
 from dsserve.kernels.ops import OPS, KernelOps
-from test_paged_attention import _engine, _greedy_agrees_with_oracle, _tiny
-from test_paged_engine import make_prompts
 
 
 def test_buckets():
     assert [batch_bucket(b, 64) for b in (1, 3, 8, 9, 33, 64)] == [1, 4, 8, 16, 48, 64]
     assert batch_bucket(5, 6) == 6  # the engine's max_num_seqs is the last bucket
     assert [context_bucket(n, 1024) for n in (1, 1024, 1025, 3000, 8192, 8193, 16385, 131073)] == [
-        1024, 1024, 2048, 3072, 8192, 10240, 20480, 163840]
+        1024,
+        1024,
+        2048,
+        3072,
+        8192,
+        10240,
+        20480,
+        163840,
+    ]
 
 
 def _graphs(capture, made, min_context=128, ahead_batches=False, **kw):
     def make(kv):
-        g = DecodeGraphs(model, kv, max_batch=8, capture=GraphCapture() if capture else None, min_context=min_context,
-                         **kw)  # 5 rows pad to 8
+        g = DecodeGraphs(
+            model, kv, max_batch=8, capture=GraphCapture() if capture else None, min_context=min_context, **kw
+        )  # 5 rows pad to 8
         g.ahead_batches = ahead_batches
         made.append(g)
         return g
+
     return make
 
 
@@ -41,11 +52,19 @@ def _fixed_shape_vs_oracle(m, prompt_ids, chunk=7, min_context=128, ahead_batche
     prompts = [make_prompts(m.cfg, seed=1)[i] for i in prompt_ids]
     conts = [greedy_generate(m, p, 24, bounded_replay=False) for p in prompts]
     with torch.no_grad():
-        ref = [m.reference_logits(torch.tensor(p + c[:-1]))[len(p) - 1:] for p, c in zip(prompts, conts)]
+        ref = [m.reference_logits(torch.tensor(p + c[:-1]))[len(p) - 1 :] for p, c in zip(prompts, conts)]
     made = []
-    reqs, _, logits = _engine(m, prompts, chunk, KernelOps(frozenset(OPS)), torch.float64, "cpu", 24,
-                              decode_graphs=_graphs(False, made, min_context=min_context,
-                                                    ahead_batches=ahead_batches), **kw)
+    reqs, _, logits = _engine(
+        m,
+        prompts,
+        chunk,
+        KernelOps(frozenset(OPS)),
+        torch.float64,
+        "cpu",
+        24,
+        decode_graphs=_graphs(False, made, min_context=min_context, ahead_batches=ahead_batches),
+        **kw,
+    )
     assert [r.output_token_ids for r in reqs] == conts
     assert max(float((g - r).abs().max()) for g, r in zip(logits, ref)) < 1e-9
     return made[0].report()
@@ -74,14 +93,23 @@ def test_fixed_shape_decode_exact_mode_and_host_tables(where):
     prompts = [make_prompts(m.cfg, seed=4)[i] for i in (3, 9, 0)]
     conts = [greedy_generate(m, p, 12, bounded_replay=False) for p in prompts]
     with torch.no_grad():
-        ref = [m.reference_logits(torch.tensor(p + c[:-1]))[len(p) - 1:] for p, c in zip(prompts, conts)]
+        ref = [m.reference_logits(torch.tensor(p + c[:-1]))[len(p) - 1 :] for p, c in zip(prompts, conts)]
     if where == "host Engram tables":
         for b in m.layers:
             if b.engram is not None:
                 b.engram.move_table_to_host("float")
     made = []
-    reqs, _, logits = _engine(m, prompts, 0, KernelOps(frozenset(OPS)), torch.float64, "cpu", 12,
-                              decode_graphs=_graphs(False, made), window_in_blocks=where == "window in blocks")
+    reqs, _, logits = _engine(
+        m,
+        prompts,
+        0,
+        KernelOps(frozenset(OPS)),
+        torch.float64,
+        "cpu",
+        12,
+        decode_graphs=_graphs(False, made),
+        window_in_blocks=where == "window in blocks",
+    )
     assert [r.output_token_ids for r in reqs] == conts
     assert max(float((g - r).abs().max()) for g, r in zip(logits, ref)) < 1e-9
     assert made[0].report()["fixed_shape_steps"]
@@ -92,6 +120,7 @@ def test_unpinned_host_tables_send_decode_steps_to_the_eager_path():
     every decode step falls back (named) instead of capturing a graph that would have to wait for the host."""
     from dsserve.engine.scheduler import StepPlan
     from dsserve.kv.paged import KVLayout, PagedKVCache
+
     m = _tiny(torch.float32)
     for b in m.layers:
         if b.engram is not None:
@@ -115,8 +144,16 @@ def test_paged_kernels_interpreted_eager_prefill_then_fixed_shape_decode():
     model = m = _tiny(torch.float32)
     p = make_prompts(m.cfg, seed=3)[14]
     made = []
-    reqs, _, _ = _engine(m, [p], 0, KernelOps(frozenset({"router", "moe", "mhc"})), torch.float32, "cpu", 2,
-                         decode_graphs=_graphs(False, made, batch_buckets=(2,)))
+    reqs, _, _ = _engine(
+        m,
+        [p],
+        0,
+        KernelOps(frozenset({"router", "moe", "mhc"})),
+        torch.float32,
+        "cpu",
+        2,
+        decode_graphs=_graphs(False, made, batch_buckets=(2,)),
+    )
     assert reqs[0].output_token_ids == greedy_generate(m, p, 2, bounded_replay=False)
     assert made[0].report()["padded_rows"] > 0
 
@@ -134,8 +171,16 @@ def test_graph_replay_equals_the_fixed_shape_step_on_gpu():
         model = m = _tiny(torch.float32, "cuda")
         prompts = [make_prompts(m.cfg, seed=3)[i] for i in (11, 3, 9, 0, 6)]
         made = []
-        reqs, _, logits = _engine(m, prompts, 7, KernelOps(), torch.float32, "cuda", 24,
-                                  decode_graphs=_graphs(capture, made, ahead_batches=ahead))
+        reqs, _, logits = _engine(
+            m,
+            prompts,
+            7,
+            KernelOps(),
+            torch.float32,
+            "cuda",
+            24,
+            decode_graphs=_graphs(capture, made, ahead_batches=ahead),
+        )
         runs[capture, ahead] = [r.output_token_ids for r in reqs], logits, made[0].report()
     eager = runs[False, False]
     for key in ((True, False), (True, True)):
@@ -146,8 +191,7 @@ def test_graph_replay_equals_the_fixed_shape_step_on_gpu():
     assert set(runs[True, True][2]["graphs"]) > set(eager[2]["fixed_shape_steps"])
     made = []
     model = _tiny(torch.float32, "cuda")
-    _greedy_agrees_with_oracle("cuda", range(16), 10, 0, KernelOps(), model=model,
-                               decode_graphs=_graphs(True, made))
+    _greedy_agrees_with_oracle("cuda", range(16), 10, 0, KernelOps(), model=model, decode_graphs=_graphs(True, made))
     assert made[0].report()["replays"] > 0
 
 
@@ -159,20 +203,23 @@ def test_mhc_mixes_on_a_side_stream_on_gpu(monkeypatch, capture):
     (Against the fused site the sublayer input differs in its norm's sum order, which a tiny random model's
     routing can amplify: the collapse kernel is checked against its reference in tests/kernels.)"""
     import dsserve.models.block as B
+
     global model
     monkeypatch.setattr(B, "MHC_SIDE_STREAM_MAX_ROWS", 64)
     real = B.side_stream
 
     def one_stream(x, rows):
         return torch.cuda.current_stream(x.device) if real(x, rows) is not None else None
+
     runs = {}
     for single in (True, False):
         monkeypatch.setattr(B, "side_stream", one_stream if single else real)
         model = m = _tiny(torch.float32, "cuda")
         prompts = [make_prompts(m.cfg, seed=3)[i] for i in (11, 3, 9)]
         made = []
-        reqs, _, logits = _engine(m, prompts, 7, KernelOps(), torch.float32, "cuda", 12,
-                                  decode_graphs=_graphs(capture, made))
+        reqs, _, logits = _engine(
+            m, prompts, 7, KernelOps(), torch.float32, "cuda", 12, decode_graphs=_graphs(capture, made)
+        )
         runs[single] = [r.output_token_ids for r in reqs], logits, made[0].report()["replays"]
     assert runs[False][0] == runs[True][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[False][1], runs[True][1]))
@@ -185,14 +232,22 @@ def test_fixed_shape_decode_after_prefix_hits_with_and_without_bounded_replay():
     logprobs, fp64."""
     from dsserve import LLM, SamplingParams
     from dsserve.models.presets import preset
+
     base = make_prompts(preset("tiny"), seed=4)[11][:100]
     prompts = [base + [7, 8, 9], base + [10, 11]]
     params = SamplingParams(temperature=0, max_tokens=9, logprobs=2)
     for replay in (True, False):
         outs = []
         for backend in ("reference", "paged"):
-            llm = LLM(model="tiny", dtype="float64", device="cpu", attention_backend=backend, reference_ops="all",
-                      swa_bounded_replay=replay, max_num_batched_tokens=64)
+            llm = LLM(
+                model="tiny",
+                dtype="float64",
+                device="cpu",
+                attention_backend=backend,
+                reference_ops="all",
+                swa_bounded_replay=replay,
+                max_num_batched_tokens=64,
+            )
             eng = llm.engine
             if backend == "paged":
                 eng.runner.decode_graphs = DecodeGraphs(eng.model, eng.kv, 4, capture=None, min_context=128)
@@ -212,8 +267,9 @@ def test_v4_fixed_shape_decode_is_exact(tiny_models, window_in_blocks):
     """V4 (tiny-v4): its compressors pool from the cache's rings in fixed-shape steps (ratio 4 overlapping the group
     before, ratio 128 completing an entry inside them: a 120-token prompt decodes past 128); steps beside prefill
     chunks run eagerly, reading the rings back. fp64 logits equal the oracle's, ring and window-in-blocks alike."""
-    rep = _fixed_shape_vs_oracle(tiny_models["tiny-v4"], (11, 5, 13, 3, 0), min_context=256,
-                                 window_in_blocks=window_in_blocks)
+    rep = _fixed_shape_vs_oracle(
+        tiny_models["tiny-v4"], (11, 5, 13, 3, 0), min_context=256, window_in_blocks=window_in_blocks
+    )
     assert rep["fixed_shape_steps"] and rep["padded_rows"] > 0 and rep["fallbacks"]["not a decode step"] > 0
 
 
@@ -225,9 +281,20 @@ def test_v4_engine_fixed_shape_steps_between_eager_ones():
     from dsserve.engine.args import EngineArgs
     from dsserve.engine.core import EngineCore
     from dsserve.engine.sampling_params import SamplingParams
-    core = EngineCore(EngineArgs(model="tiny-v4", dtype="float64", device="cpu", attention_backend="paged",
-                                 max_num_seqs=4, max_num_batched_tokens=32, async_scheduling=True,
-                                 kv_cache_memory=64 << 20, reference_ops="all"))
+
+    core = EngineCore(
+        EngineArgs(
+            model="tiny-v4",
+            dtype="float64",
+            device="cpu",
+            attention_backend="paged",
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            async_scheduling=True,
+            kv_cache_memory=64 << 20,
+            reference_ops="all",
+        )
+    )
     prompts = [[9, 4], [5 + (7 * j) % 900 for j in range(120)], [11 + (3 * j) % 700 for j in range(40)]]
     n_out = [30, 14, 6]
     got, seen = {}, {}
@@ -239,11 +306,13 @@ def test_v4_engine_fixed_shape_steps_between_eager_ones():
                 got[out.request_id] = list(out.outputs[0].token_ids)
         for i, (after, n) in enumerate((("0", 4), ("1", 3)), start=1):
             if str(i) not in seen and seen.get(after, 0) >= n:
-                core.add_request(str(i), prompts[i], SamplingParams(temperature=0, max_tokens=n_out[i],
-                                                                    ignore_eos=True))
+                core.add_request(
+                    str(i), prompts[i], SamplingParams(temperature=0, max_tokens=n_out[i], ignore_eos=True)
+                )
                 seen[str(i)] = 0
-    want = {str(i): greedy_generate(core.model, p, n, bounded_replay=False)
-            for i, (p, n) in enumerate(zip(prompts, n_out))}
+    want = {
+        str(i): greedy_generate(core.model, p, n, bounded_replay=False) for i, (p, n) in enumerate(zip(prompts, n_out))
+    }
     assert got == want
     rep = core.runner.decode_graphs.report()
     assert rep["fixed_shape_steps"] and rep["fallbacks"]["not a decode step"] > 0
@@ -259,8 +328,16 @@ def test_v4_graph_replay_equals_the_fixed_shape_step_on_gpu():
         model = m = _tiny(torch.bfloat16, "cuda", name="tiny-v4")
         prompts = [make_prompts(m.cfg, seed=1)[i] for i in (11, 5, 13, 3, 0)]
         made = []
-        reqs, _, logits = _engine(m, prompts, 7, KernelOps(), torch.bfloat16, "cuda", 24,
-                                  decode_graphs=_graphs(capture, made, min_context=256))
+        reqs, _, logits = _engine(
+            m,
+            prompts,
+            7,
+            KernelOps(),
+            torch.bfloat16,
+            "cuda",
+            24,
+            decode_graphs=_graphs(capture, made, min_context=256),
+        )
         runs[capture] = [r.output_token_ids for r in reqs], logits, made[0].report()
     assert runs[True][0] == runs[False][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1]))

@@ -16,6 +16,7 @@ def tok():
 
 class ByteTok:
     """A synthetic byte-level tokenizer: each id is a fixed byte string; 0 is a special EOS."""
+
     eos_id = 0
 
     def __init__(self, pieces: list[bytes]):
@@ -23,7 +24,8 @@ class ByteTok:
 
     def decode(self, ids, skip_special_tokens=False):
         return b"".join(self.pieces[i] for i in ids if not (skip_special_tokens and i == 0)).decode(
-            "utf-8", errors="replace")
+            "utf-8", errors="replace"
+        )
 
 
 def stream(tokenizer, prompt, ids, **kw):
@@ -80,13 +82,16 @@ def test_special_tokens(tok):
 
 
 # ---------------------------------------------------------------- stop strings
-@pytest.mark.parametrize("text, stop, include, want", [
-    ("Say STOP now. The stop word is here.", "P no", False, "Say STO"),
-    ("Say STOP now. The stop word is here.", "P no", True, "Say STOP no"),
-    ("The answer is 42.\n\nQuestion: what", "\n\nQue", False, "The answer is 42."),
-    ("café naïve 日本語 🎉🎉 done", "日本", False, "café naïve "),
-    ("café naïve 日本語 🎉🎉 done", "🎉 d", True, "café naïve 日本語 🎉🎉 d"),
-])
+@pytest.mark.parametrize(
+    "text, stop, include, want",
+    [
+        ("Say STOP now. The stop word is here.", "P no", False, "Say STO"),
+        ("Say STOP now. The stop word is here.", "P no", True, "Say STOP no"),
+        ("The answer is 42.\n\nQuestion: what", "\n\nQue", False, "The answer is 42."),
+        ("café naïve 日本語 🎉🎉 done", "日本", False, "café naïve "),
+        ("café naïve 日本語 🎉🎉 done", "🎉 d", True, "café naïve 日本語 🎉🎉 d"),
+    ],
+)
 def test_stop_string_straddling_tokens(tok, text, stop, include, want):
     ids = tok.encode(text, add_bos=False)
     assert not any(stop in tok.decode([i]) for i in ids)  # no single token holds the stop string
@@ -94,7 +99,7 @@ def test_stop_string_straddling_tokens(tok, text, stop, include, want):
     assert (sc.text, sc.finish_reason, sc.stop_reason) == (want, "stop", stop)
     assert "".join(deltas) == want  # nothing streamed was later cut off
     assert all(FFFD not in d for d in deltas)
-    assert sc.token_ids == ids[:len(sc.token_ids)]
+    assert sc.token_ids == ids[: len(sc.token_ids)]
 
 
 @settings(max_examples=80, deadline=None)
@@ -103,15 +108,15 @@ def test_stop_string_property(tok, text, stop, include, data):
     """Whatever the text and stop string: cut at the first occurrence; the stream equals the final text."""
     if data.draw(st.booleans()) and len(text) > 2:  # often take the stop string from the text itself
         i = data.draw(st.integers(0, len(text) - 2))
-        stop = text[i:data.draw(st.integers(i + 1, len(text)))]
+        stop = text[i : data.draw(st.integers(i + 1, len(text)))]
     ids = tok.encode(text, add_bos=False)
     deltas, sc = stream(tok, tok.encode("x", add_bos=True), ids, stop=[stop], include_stop_str_in_output=include)
     at = text.find(stop)
     if at == -1:
-        held = 0 if include else len(stop) - 1   # the tail kept back while the request runs
-        assert sc.text == text and not sc.finished and "".join(deltas) == text[:max(0, len(text) - held)]
+        held = 0 if include else len(stop) - 1  # the tail kept back while the request runs
+        assert sc.text == text and not sc.finished and "".join(deltas) == text[: max(0, len(text) - held)]
     else:
-        assert sc.text == text[:at + (len(stop) if include else 0)] and sc.stop_reason == stop
+        assert sc.text == text[: at + (len(stop) if include else 0)] and sc.stop_reason == stop
         assert "".join(deltas) == sc.text
 
 

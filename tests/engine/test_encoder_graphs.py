@@ -2,16 +2,23 @@
 
 The Triton kernels on fixed shapes run under the interpreter in test_decode_graphs; here on a GPU only.
 """
+
 import re
 
 import pytest
 import torch
+from test_replay_graphs import (
+    PARAMS,
+    EagerCapture,
+    _long_prompts,
+    _prompts,
+    assert_capture_is_exact,
+    assert_greedy_agree,
+)
 
 from dsserve import LLM
 from dsserve.engine.encoder_graphs import EncoderGraphs
 from dsserve.engine.replay_graphs import ReplayGraphs
-from test_replay_graphs import (PARAMS, EagerCapture, _long_prompts, _prompts, assert_capture_is_exact,
-                                assert_greedy_agree)
 
 
 def _run(graphs=None, prompts=None, **kw):
@@ -29,14 +36,19 @@ def _run(graphs=None, prompts=None, **kw):
 
 def _fixed_shape(made, capture=None, row_buckets=(16, 32, 64), decoder=True, ahead_rows=False):
     def make(eng):
-        made.append(EncoderGraphs(eng.model, eng.kv, row_buckets[-1], 4, capture, min_context=128,
-                                  row_buckets=row_buckets))
-        rep = ReplayGraphs(eng.model, eng.kv, row_buckets[-1], 4, capture, min_context=128,
-                           row_buckets=row_buckets) if decoder else None
+        made.append(
+            EncoderGraphs(eng.model, eng.kv, row_buckets[-1], 4, capture, min_context=128, row_buckets=row_buckets)
+        )
+        rep = (
+            ReplayGraphs(eng.model, eng.kv, row_buckets[-1], 4, capture, min_context=128, row_buckets=row_buckets)
+            if decoder
+            else None
+        )
         for g in (made[-1], rep):
             if g is not None:
                 g.ahead_rows = ahead_rows
         return made[-1], rep
+
     return make
 
 
@@ -54,8 +66,13 @@ def test_fixed_shape_encoder_rows_are_exact(decoder):
     logprobs: the compressors' entries and carried rows, windows and Engram rows are the eager path's."""
     ref, _ = _run(False, dtype="float64", device="cpu", attention_backend="reference")
     made = []
-    got, eng = _run(_fixed_shape(made, decoder=decoder), dtype="float64", device="cpu", attention_backend="paged",
-                    reference_ops="all")
+    got, eng = _run(
+        _fixed_shape(made, decoder=decoder),
+        dtype="float64",
+        device="cpu",
+        attention_backend="paged",
+        reference_ops="all",
+    )
     _close(ref, got)
     rep = made[0].report()
     assert rep["runs"] == eng.stats.encoder_graph_steps > 0 and rep["padded_rows"] > 0
@@ -73,8 +90,14 @@ def test_row_buckets_built_ahead_are_exact():
     ahead, from the first 16 or 32 rows of a step of 64."""
     ref, _ = _run(False, _long_prompts(), dtype="float64", device="cpu", attention_backend="reference")
     made, capture = [], EagerCapture()
-    got, eng = _run(_fixed_shape(made, capture, ahead_rows=True), _long_prompts(), dtype="float64", device="cpu",
-                    attention_backend="paged", reference_ops="all")
+    got, eng = _run(
+        _fixed_shape(made, capture, ahead_rows=True),
+        _long_prompts(),
+        dtype="float64",
+        device="cpu",
+        attention_backend="paged",
+        reference_ops="all",
+    )
     _close(ref, got)
     rep = made[0].report()
     assert set(rep["fixed_shape_steps"]) == {(r, c) for r in (16, 32, 64) for c in (128, 256, 512)}
@@ -96,12 +119,26 @@ def test_host_engram_tables_and_odd_starts():
     positions (a chunk budget of 37 rows leaves the ratio-2 compressors a carried row between steps)."""
     ref, _ = _run(False, dtype="float64", device="cpu", attention_backend="reference")
     made = []
-    got, eng = _run(_fixed_shape(made, row_buckets=(16, 40)), dtype="float64", device="cpu",
-                    attention_backend="paged", reference_ops="all", engram_tables="host", max_num_batched_tokens=37)
+    got, eng = _run(
+        _fixed_shape(made, row_buckets=(16, 40)),
+        dtype="float64",
+        device="cpu",
+        attention_backend="paged",
+        reference_ops="all",
+        engram_tables="host",
+        max_num_batched_tokens=37,
+    )
     assert eng.model.layers[1].engram.table is not None
     _close(ref, got, 2e-2)  # bf16 tables: the reference reads the fp64 weights
-    exact, _ = _run(False, dtype="float64", device="cpu", attention_backend="paged", reference_ops="all",
-                    engram_tables="host", max_num_batched_tokens=37)
+    exact, _ = _run(
+        False,
+        dtype="float64",
+        device="cpu",
+        attention_backend="paged",
+        reference_ops="all",
+        engram_tables="host",
+        max_num_batched_tokens=37,
+    )
     _close(exact, got)
     assert made[0].report()["runs"] > 0
 
@@ -111,8 +148,13 @@ def test_steps_it_cannot_take_fall_back():
     row bucket runs eagerly, counted."""
     made = []
     eager, _ = _run(False, dtype="float64", device="cpu", attention_backend="paged", reference_ops="all")
-    got, _ = _run(_fixed_shape(made, row_buckets=(16,)), dtype="float64", device="cpu", attention_backend="paged",
-                  reference_ops="all")
+    got, _ = _run(
+        _fixed_shape(made, row_buckets=(16,)),
+        dtype="float64",
+        device="cpu",
+        attention_backend="paged",
+        reference_ops="all",
+    )
     _close(eager, got)
     rep = made[0].report()
     assert rep["fallbacks"]["rows outside the buckets"] > 0 and rep["runs"] > 0

@@ -1,5 +1,6 @@
 """--expert-format: the engine with packed routed experts against the reference forward of the same rounded
 weights (tiny, CPU, fp64), and its option errors."""
+
 import argparse
 
 import pytest
@@ -26,9 +27,18 @@ def oracle():
 def test_mxfp4_engine_equals_the_oracle_on_the_rounded_weights(oracle, backend):
     """reference: the engine's MoE reads the kept dense (rounded) experts; paged (reference ops on the CPU): the
     grouped-MoE op reads the packed experts. Both give the oracle's greedy tokens."""
-    llm = LLM(model="tiny", dtype="float64", expert_format="mxfp4", attention_backend=backend, reference_ops="all",
-              device="cpu", swa_bounded_replay=False, enable_prefix_caching=False, max_num_seqs=4,
-              max_num_batched_tokens=64)
+    llm = LLM(
+        model="tiny",
+        dtype="float64",
+        expert_format="mxfp4",
+        attention_backend=backend,
+        reference_ops="all",
+        device="cpu",
+        swa_bounded_replay=False,
+        enable_prefix_caching=False,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+    )
     for b, r in zip(llm.engine.model.layers, oracle.layers):
         assert b.ffn.packed.fmt == "mxfp4" and torch.equal(b.ffn.packed.w2, r.ffn.packed.w2)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)

@@ -1,4 +1,5 @@
 """engine.graph_capture: the shared output buffers of one kind of graph, and graphs writing them on a GPU."""
+
 import pytest
 import torch
 

@@ -1,4 +1,5 @@
 """engine.graph_scratch: the pool switch, and the poison catching a graph that reads scratch it did not write."""
+
 import pytest
 import torch
 
@@ -26,7 +27,7 @@ def test_poison_shows_a_read_of_unwritten_scratch_on_gpu(monkeypatch, shared):
     cap = GraphCapture(warmups=1, shared_pool=shared)
     # reads memory no kernel of it wrote (a temporary of another size class than good's tensors, so that in the
     # shared pool none of them, live, can sit on it)
-    bad, bad_out = cap(lambda: torch.empty(5 << 16, device="cuda")[:x.numel()] + 1)
+    bad, bad_out = cap(lambda: torch.empty(5 << 16, device="cuda")[: x.numel()] + 1)
     good, good_out = cap(lambda: (x * 2) + 1)
     assert isinstance(bad, graph_scratch.PoisonedGraph) and bad.blocks
     for _ in range(2):

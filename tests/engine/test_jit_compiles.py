@@ -1,6 +1,7 @@
 """engine.jit_compiles: Triton's compile hooks count and time compiles, tell loads from its disk cache apart, chain
 hooks installed before them, and never skip a compile; the engine's counters are those since its start (or its
 warm-up)."""
+
 import logging
 from types import SimpleNamespace
 
@@ -27,17 +28,33 @@ def fresh_hooks(monkeypatch):
 def _compile(rt, name, key, clock, monkeypatch, seconds, cache_hit=None):
     """What JITFunction._do_compile does around a compile, as Triton calls the hooks (keywords only); ``cache_hit``
     (None: no listener call, as in a Triton without one) is what triton.compile tells its listener inside."""
-    fn = SimpleNamespace(name=name, module="dsserve.kernels.x", jit_function=SimpleNamespace(
-        params=[SimpleNamespace(name=n) for n in "tK"]))
+    fn = SimpleNamespace(
+        name=name,
+        module="dsserve.kernels.x",
+        jit_function=SimpleNamespace(params=[SimpleNamespace(name=n) for n in "tK"]),
+    )
     comp = {"constants": {(1,): 512}, "specialization_data": f'{{"name": "{name}", "key": "{key}"}}'}
-    skip = rt.jit_cache_hook(key=key, repr=f"{name}[num_warps=4](t: i32)", fn=fn, compile=comp,
-                             is_manual_warmup=False, already_compiled=False)
+    skip = rt.jit_cache_hook(
+        key=key,
+        repr=f"{name}[num_warps=4](t: i32)",
+        fn=fn,
+        compile=comp,
+        is_manual_warmup=False,
+        already_compiled=False,
+    )
     clock[0] += seconds
     if cache_hit is not None:
         import triton
+
         triton.knobs.compilation.listener(src=None, metadata={}, metadata_group={}, times=None, cache_hit=cache_hit)
-    rt.jit_post_compile_hook(key=key, repr=f"{name}[num_warps=4](t: i32)", fn=fn, compile=comp,
-                             is_manual_warmup=False, already_compiled=False)
+    rt.jit_post_compile_hook(
+        key=key,
+        repr=f"{name}[num_warps=4](t: i32)",
+        fn=fn,
+        compile=comp,
+        is_manual_warmup=False,
+        already_compiled=False,
+    )
     return skip
 
 
@@ -52,25 +69,35 @@ def test_hooks_count_time_and_chain(fresh_hooks, monkeypatch, caplog):
         assert not _compile(rt, "_up_kernel", "k3", clock, monkeypatch, 1.0)
     assert J.COMPILES.snapshot() == (3, pytest.approx(3.1), 0)
     assert J.COMPILES.by_kernel == {"_up_kernel": [2, pytest.approx(3.0)], "_topk": [1, pytest.approx(0.1)]}
-    assert calls == [("cache", "k1"), ("post", "k1"), ("cache", "k2"), ("post", "k2"), ("cache", "k3"),
-                     ("post", "k3")]  # the hooks installed before still run, in order
+    assert calls == [
+        ("cache", "k1"),
+        ("post", "k1"),
+        ("cache", "k2"),
+        ("post", "k2"),
+        ("cache", "k3"),
+        ("post", "k3"),
+    ]  # the hooks installed before still run, in order
     slow = [r.getMessage() for r in caplog.records if "triton compiled" in r.getMessage()]
     assert len(slow) == 2 and "_up_kernel in 2.00 s" in slow[0]  # only those past 0.5 s
     assert "constexprs {K=512}" in slow[0] and "(t: i32)" in slow[0]  # the specialisation that was compiled
     # what engine.kernel_manifest saves: each compile's kernel and Triton's serialisation of it, once
-    assert list(J.COMPILES.specs) == [(f"dsserve.kernels.x:{n}", f'{{"name": "{n}", "key": "{k}"}}')
-                                      for n, k in (("_up_kernel", "k1"), ("_topk", "k2"), ("_up_kernel", "k3"))]
+    assert list(J.COMPILES.specs) == [
+        (f"dsserve.kernels.x:{n}", f'{{"name": "{n}", "key": "{k}"}}')
+        for n, k in (("_up_kernel", "k1"), ("_topk", "k2"), ("_up_kernel", "k3"))
+    ]
 
 
 def test_engine_counts_compiles_since_its_start_and_its_warm_up(fresh_hooks, monkeypatch):
     from dsserve.engine.args import EngineArgs
     from dsserve.engine.core import EngineCore
+
     rt, _ = fresh_hooks
     clock = [0.0]
     monkeypatch.setattr(J.time, "perf_counter", lambda: clock[0])
     _compile(rt, "before_the_engine", "k0", clock, monkeypatch, 1.0)  # not hooked yet: not counted anywhere
-    core = EngineCore(EngineArgs(model="tiny", load_format="dummy", dtype="float32", max_model_len=256,
-                                 enable_prefix_caching=False))
+    core = EngineCore(
+        EngineArgs(model="tiny", load_format="dummy", dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    )
     _compile(rt, "_mid_serving", "k1", clock, monkeypatch, 0.75)
     core._count_runs()
     assert (core.stats.triton_compiles, core.stats.triton_compile_seconds) == (1, pytest.approx(0.75))
@@ -81,6 +108,7 @@ def test_engine_counts_compiles_since_its_start_and_its_warm_up(fresh_hooks, mon
     core._count_runs()
     assert (core.stats.triton_compiles, core.stats.triton_compile_seconds) == (1, pytest.approx(0.25))
     import triton
+
     if hasattr(getattr(triton.knobs, "compilation", None), "listener"):  # loads are counted apart
         _compile(rt, "_loaded", "k3", clock, monkeypatch, 0.01, cache_hit=True)
         core._count_runs()
@@ -90,6 +118,7 @@ def test_engine_counts_compiles_since_its_start_and_its_warm_up(fresh_hooks, mon
 
 def test_loads_from_the_disk_cache_are_told_apart(fresh_hooks, monkeypatch, caplog):
     import triton
+
     if not hasattr(getattr(triton.knobs, "compilation", None), "listener"):
         pytest.skip("this Triton has no compilation listener")
     rt, calls = fresh_hooks

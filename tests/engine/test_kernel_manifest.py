@@ -1,5 +1,6 @@
 """engine.kernel_manifest: the list of compiled kernels round-trips and merges; entries that no longer match their
 kernel fail one by one without stopping the start. (A successful preload needs a GPU: the server's GPU run.)"""
+
 import json
 
 import pytest
@@ -24,10 +25,14 @@ def test_save_merges_what_this_process_compiled(tmp_path, compiled):
     compiled.specs[("dsserve.kernels.rowwise:_rms_norm_kernel", '{"b": 2}')] = None
     compiled.specs[("dsserve.kernels.entry_rows:_entry_rows_kernel", '{"a": 1}')] = None  # listed already
     assert M.save(path) == 2  # the file's entry kept, the new one added, no duplicate
-    assert M.load(path) == [("dsserve.kernels.entry_rows:_entry_rows_kernel", '{"a": 1}'),
-                            ("dsserve.kernels.rowwise:_rms_norm_kernel", '{"b": 2}')]
+    assert M.load(path) == [
+        ("dsserve.kernels.entry_rows:_entry_rows_kernel", '{"a": 1}'),
+        ("dsserve.kernels.rowwise:_rms_norm_kernel", '{"b": 2}'),
+    ]
     assert [json.loads(line)["kernel"] for line in path.read_text().splitlines()] == [
-        "dsserve.kernels.entry_rows:_entry_rows_kernel", "dsserve.kernels.rowwise:_rms_norm_kernel"]
+        "dsserve.kernels.entry_rows:_entry_rows_kernel",
+        "dsserve.kernels.rowwise:_rms_norm_kernel",
+    ]
 
 
 def test_a_bad_line_is_named(tmp_path):
@@ -39,9 +44,11 @@ def test_a_bad_line_is_named(tmp_path):
 
 def test_stale_entries_fail_alone(tmp_path):
     path = tmp_path / "k.jsonl"
-    lines = [{"kernel": "dsserve.kernels.entry_rows:_entry_rows_kernel", "data": '{"name": "other_kernel"}'},
-             {"kernel": "dsserve.kernels.no_such_module:_k", "data": "{}"},
-             {"kernel": "dsserve.kernels.entry_rows:no_such_kernel", "data": "{}"}]
+    lines = [
+        {"kernel": "dsserve.kernels.entry_rows:_entry_rows_kernel", "data": '{"name": "other_kernel"}'},
+        {"kernel": "dsserve.kernels.no_such_module:_k", "data": "{}"},
+        {"kernel": "dsserve.kernels.entry_rows:no_such_kernel", "data": "{}"},
+    ]
     path.write_text("".join(json.dumps(e) + "\n" for e in lines))
     report = M.precompile(path, workers=0)
     assert (report.entries, report.failed) == (3, 3)
@@ -51,6 +58,7 @@ def test_stale_entries_fail_alone(tmp_path):
 
 def test_serve_names_a_bad_manifest_before_building_anything(tmp_path):
     from dsserve.cli import main
+
     bad = tmp_path / "k.jsonl"
     bad.write_text("not json\n")
     with pytest.raises(SystemExit, match=r"--kernel-manifest .*k.jsonl:1: not a kernel manifest line"):

@@ -1,4 +1,5 @@
 """The offline API end to end: LLM(...).generate against the per-sequence reference path."""
+
 import random
 
 import pytest
@@ -13,8 +14,14 @@ from dsserve.engine.sampling_params import SamplingParamsError
 @pytest.fixture(scope="module")
 def llm():
     # fp64 so batched and per-sequence runs agree exactly, QAT rounding included
-    return LLM(model="tiny", dtype="float64", device="cpu", max_num_seqs=16, max_num_batched_tokens=96,
-               swa_bounded_replay=False)
+    return LLM(
+        model="tiny",
+        dtype="float64",
+        device="cpu",
+        max_num_seqs=16,
+        max_num_batched_tokens=96,
+        swa_bounded_replay=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +59,11 @@ def test_text_prompts_n_and_seeds(llm):
 def test_stop_strings_and_logprobs(llm):
     base = llm.generate(["Stop test"], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0].outputs[0]
     stop = base.text[3:6]  # a string inside the greedy continuation
-    o = llm.generate(["Stop test"], SamplingParams(temperature=0, max_tokens=10, stop=[stop], logprobs=2),
-                     use_tqdm=False)[0].outputs[0]
+    o = llm.generate(
+        ["Stop test"], SamplingParams(temperature=0, max_tokens=10, stop=[stop], logprobs=2), use_tqdm=False
+    )[0].outputs[0]
     assert o.finish_reason == "stop" and o.stop_reason == stop
-    assert o.text == base.text[:base.text.index(stop)]
+    assert o.text == base.text[: base.text.index(stop)]
     assert len(o.logprobs) == len(o.token_ids) and all(len(d) >= 2 for d in o.logprobs)
     assert o.cumulative_logprob == pytest.approx(sum(d[t].logprob for d, t in zip(o.logprobs, o.token_ids)))
 

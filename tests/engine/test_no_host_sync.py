@@ -3,6 +3,7 @@
 torch's sync debug mode raises on any call that makes the host wait for the device (a .item(), a boolean mask
 index, a blocking copy). Skipped without CUDA.
 """
+
 import pytest
 import torch
 
@@ -15,8 +16,9 @@ def _engine(model="tiny", **kw):
     llm = LLM(model=model, dtype="bfloat16", device="cuda", enable_prefix_caching=False, max_num_seqs=4, **kw)
     eng = llm.engine
     for i in range(3):  # ragged prompts, longer than the 32-row window: ring, compressor and indexer all run
-        eng.add_request(f"r{i}", list(range(5, 45 + 7 * i)), SamplingParams(temperature=0, max_tokens=4,
-                                                                           ignore_eos=True))
+        eng.add_request(
+            f"r{i}", list(range(5, 45 + 7 * i)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        )
     eng.step()  # the prefill, unguarded
     return eng
 
@@ -38,6 +40,7 @@ def test_decode_step_forward_makes_no_host_sync(model):
         finally:
             torch.cuda.set_sync_debug_mode(0)
             guarded.append(True)
+
     model.forward_batch = no_sync
     for _ in range(2):  # decode steps: every row one token
         eng.step()
@@ -61,6 +64,7 @@ def test_graph_decode_step_makes_no_host_sync():
         finally:
             torch.cuda.set_sync_debug_mode(0)
             guarded.append(True)
+
     graphs.run = no_sync
     for _ in range(3):
         eng.step()
@@ -83,6 +87,7 @@ def _guard_replays(graphs, ctx_of) -> list:
         finally:
             torch.cuda.set_sync_debug_mode(0)
             guarded.append(True)
+
     graphs.run = no_sync
     return guarded
 
@@ -97,8 +102,14 @@ def _three_prompts(llm) -> None:
 def test_replay_graph_step_makes_no_host_sync():
     """Bounded replay's decoder rows replayed from a CUDA graph (a prefill step past the window): refilling the
     buffers, copying the narrowed stream in, the replay."""
-    llm = LLM(model="tiny", dtype="bfloat16", device="cuda", enable_prefix_caching=False, max_num_seqs=4,
-              swa_bounded_replay=True)
+    llm = LLM(
+        model="tiny",
+        dtype="bfloat16",
+        device="cuda",
+        enable_prefix_caching=False,
+        max_num_seqs=4,
+        swa_bounded_replay=True,
+    )
     graphs = llm.engine.runner.replay_graphs
     guarded = _guard_replays(graphs, lambda args: args[2])  # run(start, parts, ctx)
     _three_prompts(llm)
@@ -109,8 +120,15 @@ def test_replay_graph_step_makes_no_host_sync():
 def test_encoder_graph_step_makes_no_host_sync():
     """A replayed step's encoder rows replayed from a CUDA graph: refilling the buffers (Engram row ids hashed on
     the host and uploaded), the replay, the host's compressor counts."""
-    llm = LLM(model="tiny", dtype="bfloat16", device="cuda", enable_prefix_caching=False, max_num_seqs=4,
-              swa_bounded_replay=True, encoder_graphs=True)
+    llm = LLM(
+        model="tiny",
+        dtype="bfloat16",
+        device="cuda",
+        enable_prefix_caching=False,
+        max_num_seqs=4,
+        swa_bounded_replay=True,
+        encoder_graphs=True,
+    )
     graphs = llm.engine.runner.encoder_graphs
     guarded = _guard_replays(graphs, lambda args: args[0])  # run(ctx, host_ids)
     _three_prompts(llm)

@@ -3,18 +3,18 @@
 With every op on its torch reference the path is exact in fp64. With the Triton kernels (the interpreter on
 the CPU, compiled on a GPU) the greedy tokens equal the reference forward's on the same device.
 """
+
 import pytest
+import test_paged_engine
 import torch
+from oracle_logprobs import logprob_errors
+from test_paged_engine import make_prompts, run_engine
 
 from dsserve.engine.greedy import greedy_generate
 from dsserve.kernels.ops import OPS, KernelOps
 from dsserve.models.checkpoint import dummy_weights
 from dsserve.models.model import DeepseekForCausalLM
 from dsserve.models.presets import preset
-from oracle_logprobs import logprob_errors
-from test_paged_engine import make_prompts, run_engine
-
-import test_paged_engine
 
 
 def _tiny(dtype, device="cpu", name="tiny"):
@@ -43,7 +43,7 @@ def test_paged_path_with_reference_ops_is_exact(tiny_models, chunk):
     prompts = [make_prompts(m.cfg, seed=1)[i] for i in (2, 5, 11, 13)]
     conts = [greedy_generate(m, p, 5, bounded_replay=False) for p in prompts]
     with torch.no_grad():
-        ref = [m.reference_logits(torch.tensor(p + c[:-1]))[len(p) - 1:] for p, c in zip(prompts, conts)]
+        ref = [m.reference_logits(torch.tensor(p + c[:-1]))[len(p) - 1 :] for p, c in zip(prompts, conts)]
     reqs, _, logits = _engine(m, prompts, chunk, KernelOps(frozenset(OPS)), torch.float64, "cpu", 5)
     assert [r.output_token_ids for r in reqs] == conts
     assert max(float((g - r).abs().max()) for g, r in zip(logits, ref)) < 1e-9
@@ -56,6 +56,7 @@ def test_prefill_key_tables_are_exact(tiny_models, monkeypatch, chunk, window_in
     step, fp64 with torch references, the output equals the oracle's (FP8 / FP4 keys are exact in bf16)."""
     import dsserve.kernels.kv_unpack as U
     import dsserve.layers.attention_paged as AP
+
     calls, real = [], U.unpack_rows_ref
     monkeypatch.setattr(U, "unpack_rows_ref", lambda *a: calls.append(a[1]) or real(*a))
     monkeypatch.setattr(AP, "_key_tables", lambda ops, q: True)
@@ -64,9 +65,10 @@ def test_prefill_key_tables_are_exact(tiny_models, monkeypatch, chunk, window_in
     prompts = [make_prompts(m.cfg, seed=1)[i] for i in (2, 5, 11, 13)]
     conts = [greedy_generate(m, p, 4, bounded_replay=False) for p in prompts]
     with torch.no_grad():
-        ref = [m.reference_logits(torch.tensor(p + c[:-1]))[len(p) - 1:] for p, c in zip(prompts, conts)]
-    reqs, _, logits = _engine(m, prompts, chunk, KernelOps(frozenset(OPS)), torch.float64, "cpu", 4,
-                              window_in_blocks=window_in_blocks)
+        ref = [m.reference_logits(torch.tensor(p + c[:-1]))[len(p) - 1 :] for p, c in zip(prompts, conts)]
+    reqs, _, logits = _engine(
+        m, prompts, chunk, KernelOps(frozenset(OPS)), torch.float64, "cpu", 4, window_in_blocks=window_in_blocks
+    )
     assert [r.output_token_ids for r in reqs] == conts
     assert max(float((g - r).abs().max()) for g, r in zip(logits, ref)) < 1e-9
     assert {"fp8", "fp4", "index_fp4"} <= set(calls)
@@ -79,12 +81,21 @@ def _bf16_logprob_errors(monkeypatch, min_rows: int) -> tuple[list[float], list[
     import dsserve.kernels.kv_unpack as U
     import dsserve.kernels.sparse_attention_prefill as P
     from dsserve import LLM
+
     calls, real = [], U.unpack_rows
     monkeypatch.setattr(U, "unpack_rows", lambda *a: calls.append(a[1]) or real(*a))
     monkeypatch.setattr(P, "PREFILL_MIN_ROWS", min_rows)
     monkeypatch.setattr(IP, "PREFILL_ROWS", min_rows)  # index-key tables and the long-chunk index kernel too
-    llm = LLM(model="tiny", dtype="bfloat16", device="cuda", seed=0, max_num_seqs=4, max_num_batched_tokens=64,
-              enable_prefix_caching=False, enforce_eager=True)
+    llm = LLM(
+        model="tiny",
+        dtype="bfloat16",
+        device="cuda",
+        seed=0,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+        enforce_eager=True,
+    )
     errs = logprob_errors(llm, "cuda")
     monkeypatch.undo()
     return errs, calls
@@ -106,6 +117,7 @@ def test_v4_paged_path_is_exact(tiny_models, monkeypatch, chunk, window_in_block
     """V4 (tiny-v4) on the batched paged path: its raw rows read by the references, the compressors per sequence,
     HCA layers over every visible entry, the window entries stored raw; fp64 equals the oracle."""
     import dsserve.layers.attention_paged as AP
+
     calls, real = [], AP.forward_paged
     monkeypatch.setattr(AP, "forward_paged", lambda *a: calls.append(1) or real(*a))
     m = tiny_models["tiny-v4"]
@@ -113,9 +125,10 @@ def test_v4_paged_path_is_exact(tiny_models, monkeypatch, chunk, window_in_block
     prompts = [make_prompts(m.cfg, seed=1)[i] for i in (2, 5, 11)] + [[5 + (j * 37) % 900 for j in range(300)]]
     conts = [greedy_generate(m, p, 4, bounded_replay=False) for p in prompts]
     with torch.no_grad():
-        ref = [m.reference_logits(torch.tensor(p + c[:-1]))[len(p) - 1:] for p, c in zip(prompts, conts)]
-    reqs, _, logits = _engine(m, prompts, chunk, KernelOps(frozenset(OPS)), torch.float64, "cpu", 4,
-                              window_in_blocks=window_in_blocks)
+        ref = [m.reference_logits(torch.tensor(p + c[:-1]))[len(p) - 1 :] for p, c in zip(prompts, conts)]
+    reqs, _, logits = _engine(
+        m, prompts, chunk, KernelOps(frozenset(OPS)), torch.float64, "cpu", 4, window_in_blocks=window_in_blocks
+    )
     assert calls
     assert [r.output_token_ids for r in reqs] == conts
     assert max(float((g - r).abs().max()) for g, r in zip(logits, ref)) < 1e-9
@@ -148,7 +161,7 @@ def _greedy_agrees_with_oracle(device, prompt_ids, max_new, chunk, ops, model=No
     errs, checked, steps = [], 0, 0
     for p, r, got in zip(prompts, reqs, logits):
         with torch.no_grad():
-            ref = m.reference_logits(torch.tensor((p + r.output_token_ids)[:-1], device=device))[len(p) - 1:]
+            ref = m.reference_logits(torch.tensor((p + r.output_token_ids)[:-1], device=device))[len(p) - 1 :]
         err = (got - ref).abs().amax(-1)
         errs.append(err)
         top2 = ref.topk(2, dim=-1).values
@@ -189,14 +202,16 @@ def test_fp8_release_format_on_gpu(monkeypatch, prefill_dequant):
     the prefill chunks' rows take the dequantise-then-matmul path (its threshold lowered to the tiny chunks)."""
     from dsserve.kernels import fp8_linear as F
     from dsserve.models.quantize import quantize_dense_fp8, use_fp8_kernels
+
     calls, real = [], F.dequant_fp8
     monkeypatch.setattr(F, "dequant_fp8", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(F, "DEQUANT_MIN_ROWS", 2 if prefill_dequant else 1 << 30)
     m = _tiny(torch.float32, "cuda")
     assert quantize_dense_fp8(m, m.cfg.weight_block_size) > 0
     use_fp8_kernels(m, True)
-    _greedy_agrees_with_oracle("cuda", range(8), 8, 7, KernelOps(frozenset()), model=m,
-                               before_oracle=lambda mod: use_fp8_kernels(mod, False))
+    _greedy_agrees_with_oracle(
+        "cuda", range(8), 8, 7, KernelOps(frozenset()), model=m, before_oracle=lambda mod: use_fp8_kernels(mod, False)
+    )
     assert bool(calls) == prefill_dequant
 
 
@@ -204,14 +219,22 @@ def test_paged_path_matches_reference_path_under_bounded_replay():
     """Prefix hits with bounded replay (narrowed decoder rows, ring tags of skipped decoder rows) and exact-mode
     hits (window rows read from the blocks): the paged path gives the reference path's tokens, fp64."""
     from dsserve import LLM, SamplingParams
+
     base = make_prompts(preset("tiny"), seed=4)[11][:100]
     prompts = [base + [7, 8, 9], base + [10, 11]]
     params = SamplingParams(temperature=0, max_tokens=6)
     for replay in (True, False):
         outs = []
         for backend in ("reference", "paged"):
-            llm = LLM(model="tiny", dtype="float64", device="cpu", attention_backend=backend, reference_ops="all",
-                      swa_bounded_replay=replay, max_num_batched_tokens=64)
+            llm = LLM(
+                model="tiny",
+                dtype="float64",
+                device="cpu",
+                attention_backend=backend,
+                reference_ops="all",
+                swa_bounded_replay=replay,
+                max_num_batched_tokens=64,
+            )
             outs.append([o.outputs[0].token_ids for p in prompts for o in llm.generate([p], params)])
             assert llm.engine.stats.as_dict()["prefix_hit_tokens"] > 0
         assert outs[0] == outs[1]

@@ -1,4 +1,5 @@
 """Scheduler + paged KV cache + runner against the reference path, greedy, with replay off."""
+
 import random
 
 import pytest
@@ -29,22 +30,35 @@ def references(tiny_models):
         prompts = make_prompts(m.cfg, seed=1)
         conts = [greedy_generate(m, p, MAX_NEW, bounded_replay=False) for p in prompts]
         with torch.no_grad():
-            logits = [m.reference_logits(torch.tensor(p + c[:-1]))[len(p) - 1:] for p, c in zip(prompts, conts)]
+            logits = [m.reference_logits(torch.tensor(p + c[:-1]))[len(p) - 1 :] for p, c in zip(prompts, conts)]
         out[name] = (prompts, conts, logits)
     return out
 
 
-def run_engine(model, prompts, chunk, num_blocks=None, abort_at=None, block_size=None, kv_dtype="auto",
-               dtype=torch.float64, device="cpu", window_in_blocks=False, decode_graphs=None):
+def run_engine(
+    model,
+    prompts,
+    chunk,
+    num_blocks=None,
+    abort_at=None,
+    block_size=None,
+    kv_dtype="auto",
+    dtype=torch.float64,
+    device="cpu",
+    window_in_blocks=False,
+    decode_graphs=None,
+):
     """``decode_graphs``: kv cache -> engine.decode_graphs.DecodeGraphs for the runner (None: every step eager)."""
     cfg = model.cfg
-    layout = KVLayout.build(cfg, block_size=block_size, kv_cache_dtype=kv_dtype, dtype=dtype,
-                            window_in_blocks=window_in_blocks)
+    layout = KVLayout.build(
+        cfg, block_size=block_size, kv_cache_dtype=kv_dtype, dtype=dtype, window_in_blocks=window_in_blocks
+    )
     if num_blocks is None:
         num_blocks = sum(-(-(len(p) + MAX_NEW) // layout.block_size) for p in prompts)
     kv = PagedKVCache(layout, num_blocks, N_REQ, dtype=dtype, device=device)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=N_REQ, long_prefill_token_threshold=chunk),
-                      kv)
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=N_REQ, long_prefill_token_threshold=chunk), kv
+    )
     runner = ModelRunner(model, decode_graphs=None if decode_graphs is None else decode_graphs(kv))
     reqs = [Request(str(i), list(p), SamplingParams(temperature=0, max_tokens=MAX_NEW)) for i, p in enumerate(prompts)]
     logits_seen = {r.request_id: [] for r in reqs}
@@ -67,13 +81,18 @@ def run_engine(model, prompts, chunk, num_blocks=None, abort_at=None, block_size
         sched.check()  # after every step: no leaked block or window slot
         assert steps < 5000
     assert kv.blocks.num_free == kv.blocks.num_blocks and kv.slots.num_free == kv.slots.num_blocks
-    return reqs, preemptions, [torch.stack(logits_seen[r.request_id]) if logits_seen[r.request_id] else None
-                               for r in reqs]
+    return (
+        reqs,
+        preemptions,
+        [torch.stack(logits_seen[r.request_id]) if logits_seen[r.request_id] else None for r in reqs],
+    )
 
 
 # one-token chunks on V4 too would add ~25 s of CI for what its 7-token chunks and decode steps already cover
-@pytest.mark.parametrize("name, chunk", [("tiny", 1), ("tiny", 7), ("tiny", 64), ("tiny", 0), ("tiny-v4", 7),
-                                         ("tiny-v4", 64), ("tiny-v4", 0)])
+@pytest.mark.parametrize(
+    "name, chunk",
+    [("tiny", 1), ("tiny", 7), ("tiny", 64), ("tiny", 0), ("tiny-v4", 7), ("tiny-v4", 64), ("tiny-v4", 0)],
+)
 def test_engine_greedy_equals_reference(tiny_models, references, name, chunk):
     prompts, expected, ref_logits = references[name]
     if chunk == 1:  # one-token chunks: 8 of the 16 requests (prompt lengths 1 to 90) keep CI time in bounds
@@ -97,6 +116,7 @@ def test_engine_with_forced_preemption_and_aborts(tiny_models, references, name,
     """paged: V4 on the batched paged path (every op on its reference), which a preempted request re-enters."""
     import dsserve.layers.attention_paged as AP
     from dsserve.kernels.ops import OPS, KernelOps
+
     calls, real = [], AP.forward_paged
     monkeypatch.setattr(AP, "forward_paged", lambda *a: calls.append(1) or real(*a))
     prompts, expected, _ = references[name]
@@ -104,13 +124,14 @@ def test_engine_with_forced_preemption_and_aborts(tiny_models, references, name,
     m = tiny_models[name]
     m.kernel_ops = KernelOps(frozenset(OPS)) if paged else None
     try:
-        reqs, preemptions, _ = run_engine(m, prompts, chunk=16, num_blocks=6 if bs == 64 else 2,
-                                       abort_at={3: ["3", "5"], 9: ["0"]}, block_size=bs)
+        reqs, preemptions, _ = run_engine(
+            m, prompts, chunk=16, num_blocks=6 if bs == 64 else 2, abort_at={3: ["3", "5"], 9: ["0"]}, block_size=bs
+        )
     finally:
         m.kernel_ops = None
     assert preemptions > 0 and bool(calls) == paged
     for r, exp in zip(reqs, expected):
         if r.request_id in ("3", "5", "0"):
-            assert r.status == RequestStatus.FINISHED_ABORTED and r.output_token_ids == exp[:len(r.output_token_ids)]
+            assert r.status == RequestStatus.FINISHED_ABORTED and r.output_token_ids == exp[: len(r.output_token_ids)]
         else:
             assert r.output_token_ids == exp

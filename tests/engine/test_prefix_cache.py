@@ -1,4 +1,5 @@
 """Prefix caching with SWA bounded replay, against references of the truncated semantics (spec 2.9)."""
+
 import random
 
 import pytest
@@ -15,8 +16,18 @@ BS, NEW = 16, 6
 
 
 def make_llm(replay, window=None, budget=512, **kw):
-    return LLM(model="tiny", dtype="float64", device="cpu", block_size=BS, max_num_batched_tokens=budget,
-               max_num_seqs=8, swa_bounded_replay=replay, replay_window=window, enable_prefix_caching=True, **kw)
+    return LLM(
+        model="tiny",
+        dtype="float64",
+        device="cpu",
+        block_size=BS,
+        max_num_batched_tokens=budget,
+        max_num_seqs=8,
+        swa_bounded_replay=replay,
+        replay_window=window,
+        enable_prefix_caching=True,
+        **kw,
+    )
 
 
 def capture_logits(llm):
@@ -28,6 +39,7 @@ def capture_logits(llm):
         for r, row in zip(reqs, logits):
             seen.setdefault(r.request_id, []).append(row)
         return reqs, logits
+
     llm.engine.runner.execute = wrapped
     return seen
 
@@ -49,7 +61,7 @@ def reference_after_hit(model, tokens, hit, window):
     for src in {r.kv_source for r in model.cfg.roles if r.owns_compressor}:
         c.push_global(src, *cold.global_kv(src))
     c.published_until, c.num_tokens = hit, s
-    c.engram_history = model.engram_token_map[torch.tensor(tokens[max(0, s - 3):s])]
+    c.engram_history = model.engram_token_map[torch.tensor(tokens[max(0, s - 3) : s])]
     floor = max(0, len(tokens) - window)
     out = model(torch.tensor(tokens[s:]), c, decoder_start=floor)
     logits = [model.logits(out.hidden[-1:])[0]]
@@ -68,8 +80,10 @@ def rand_tokens(n, seed):
 
 # windows 31/32/33 give both parities of the replay floor; budgets 20 and 7 chunk the replayed prefill;
 # prompts end mid-block (70+25), right after a block (64+1) and far past the hit (90+50)
-@pytest.mark.parametrize("window,budget,prefix_len,suffix_len", [
-    (32, 512, 70, 25), (31, 512, 64, 1), (33, 7, 90, 50), (32, 20, 64, 1), (31, 20, 70, 25), (32, 512, 90, 50)])
+@pytest.mark.parametrize(
+    "window,budget,prefix_len,suffix_len",
+    [(32, 512, 70, 25), (31, 512, 64, 1), (33, 7, 90, 50), (32, 20, 64, 1), (31, 20, 70, 25), (32, 512, 90, 50)],
+)
 def test_replay_after_a_hit_matches_the_truncated_reference(window, budget, prefix_len, suffix_len):
     llm = make_llm(True, window, budget)
     seen = capture_logits(llm)
@@ -95,7 +109,7 @@ def test_prompts_and_hits_within_the_window_are_exact(prefix_len):
     out = greedy(llm, b)
     assert out.num_cached_tokens == 16
     model = llm.engine.model
-    cold = model.reference_logits(torch.tensor(b + out.outputs[0].token_ids[:-1]))[len(b) - 1:]
+    cold = model.reference_logits(torch.tensor(b + out.outputs[0].token_ids[:-1]))[len(b) - 1 :]
     assert (torch.stack(seen[out.request_id]) - cold).abs().max() < 1e-9
 
 
@@ -108,7 +122,7 @@ def test_exact_mode_hit_equals_the_cold_run():
     out = greedy(llm, b)
     assert out.num_cached_tokens == 80
     model = llm.engine.model
-    cold = model.reference_logits(torch.tensor(b + out.outputs[0].token_ids[:-1]))[len(b) - 1:]
+    cold = model.reference_logits(torch.tensor(b + out.outputs[0].token_ids[:-1]))[len(b) - 1 :]
     assert (torch.stack(seen[out.request_id]) - cold).abs().max() < 1e-9
     assert out.outputs[0].token_ids == [int(r.argmax()) for r in cold]
 
@@ -117,6 +131,7 @@ def test_exact_mode_hit_equals_the_cold_run():
 def test_multi_turn_hit_covers_the_previous_turn(replay):
     llm = make_llm(replay, 32)
     history = rand_tokens(40, 8)
+    prev_computed = 0
     for turn in range(3):
         out = greedy(llm, history)
         computed = len(history) + NEW - 1  # the last sampled token never ran through the model
@@ -133,8 +148,9 @@ def test_eviction_under_pressure_never_touches_blocks_in_use():
     seen = capture_logits(llm)
     rng = random.Random(10)
     prefixes = [rand_tokens(48, 20 + i) for i in range(3)]
-    prompts = [rng.choice(prefixes)[:rng.randrange(16, 49)] + rand_tokens(rng.randrange(1, 30), 40 + i)
-               for i in range(12)]
+    prompts = [
+        rng.choice(prefixes)[: rng.randrange(16, 49)] + rand_tokens(rng.randrange(1, 30), 40 + i) for i in range(12)
+    ]
     sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     eng = llm.engine
     for i, p in enumerate(prompts):
@@ -149,19 +165,20 @@ def test_eviction_under_pressure_never_touches_blocks_in_use():
     model = eng.model
     for i, p in enumerate(prompts):
         o = outs[f"e{i}"]
-        cold = model.reference_logits(torch.tensor(p + o.outputs[0].token_ids[:-1]))[len(p) - 1:]
+        cold = model.reference_logits(torch.tensor(p + o.outputs[0].token_ids[:-1]))[len(p) - 1 :]
         assert (torch.stack(seen[f"e{i}"]) - cold).abs().max() < 1e-9, i
 
 
 def test_cache_salt_isolates_tenants():
     llm = make_llm(True, 32)
     prefix = rand_tokens(50, 11)
-    llm.generate([{"prompt_token_ids": prefix + [1], "cache_salt": "a"}], SamplingParams(max_tokens=2),
-                 use_tqdm=False)
-    other = llm.generate([{"prompt_token_ids": prefix + [2], "cache_salt": "b"}], SamplingParams(max_tokens=2),
-                         use_tqdm=False)[0]
-    same = llm.generate([{"prompt_token_ids": prefix + [3], "cache_salt": "a"}], SamplingParams(max_tokens=2),
-                        use_tqdm=False)[0]
+    llm.generate([{"prompt_token_ids": prefix + [1], "cache_salt": "a"}], SamplingParams(max_tokens=2), use_tqdm=False)
+    other = llm.generate(
+        [{"prompt_token_ids": prefix + [2], "cache_salt": "b"}], SamplingParams(max_tokens=2), use_tqdm=False
+    )[0]
+    same = llm.generate(
+        [{"prompt_token_ids": prefix + [3], "cache_salt": "a"}], SamplingParams(max_tokens=2), use_tqdm=False
+    )[0]
     assert other.num_cached_tokens == 0 and same.num_cached_tokens == 48
 
 
@@ -173,10 +190,12 @@ def test_session_retention_keeps_a_paused_agents_prefix(retention):
     llm.generate([{"prompt_token_ids": agent, "session_id": "s1"}], SamplingParams(max_tokens=2), use_tqdm=False)
     # other traffic that needs every block while the agent waits for its tool
     filler = rand_tokens(2 * blocks * BS, 13)  # more than the pool: plain LRU must cycle through every block
-    llm.generate([filler[i:i + 200] for i in range(0, len(filler), 200)], SamplingParams(max_tokens=1),
-                 use_tqdm=False)
-    back = llm.generate([{"prompt_token_ids": agent + [9, 9], "session_id": "s1"}], SamplingParams(max_tokens=2),
-                        use_tqdm=False)[0]
+    llm.generate(
+        [filler[i : i + 200] for i in range(0, len(filler), 200)], SamplingParams(max_tokens=1), use_tqdm=False
+    )
+    back = llm.generate(
+        [{"prompt_token_ids": agent + [9, 9], "session_id": "s1"}], SamplingParams(max_tokens=2), use_tqdm=False
+    )[0]
     assert (back.num_cached_tokens == 64) == (retention > 0)
 
 
@@ -209,8 +228,9 @@ def test_stats_for_the_real_config():
 
 def test_vllm_replay_form_runs_and_batches_with_empty_rows():
     llm = make_llm(True, 32, budget=20, replay_form="vllm")
-    outs = llm.generate([rand_tokens(70, 30), rand_tokens(3, 31)], SamplingParams(temperature=0, max_tokens=3),
-                        use_tqdm=False)
+    outs = llm.generate(
+        [rand_tokens(70, 30), rand_tokens(3, 31)], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False
+    )
     assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
 
 
@@ -220,8 +240,17 @@ def test_v4_prefix_hit_reruns_the_overlapping_compressors_group(paged):
     resumes layout.resume_rows (4) rows early, pools that group again without re-publishing its entry, and leaves
     the shared cached window rows alone. fp64, every op on its reference; the paged batched path and the
     per-sequence one (the reference backend) both equal the oracle after a hit (before the fix: a shape error)."""
-    llm = LLM(model="tiny-v4", dtype="float64", device="cpu", attention_backend="paged" if paged else "reference",
-              seed=0, max_num_seqs=2, max_num_batched_tokens=64, enable_prefix_caching=True, reference_ops="all")
+    llm = LLM(
+        model="tiny-v4",
+        dtype="float64",
+        device="cpu",
+        attention_backend="paged" if paged else "reference",
+        seed=0,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=True,
+        reference_ops="all",
+    )
     m = llm.engine.model
     base = [5 + (j * 37) % 900 for j in range(300)]
     for tail in ([7, 8, 9], [10, 11, 12, 13]):

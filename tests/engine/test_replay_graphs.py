@@ -3,15 +3,16 @@
 The Triton kernels on fixed shapes (padded rows, context-bucketed entry counts) run under the interpreter in
 test_decode_graphs; here on a GPU only (the interpreter takes ~40 s for one prompt through every layer).
 """
+
 import pytest
 import torch
+from test_paged_engine import make_prompts
 
 from dsserve import LLM, SamplingParams
 from dsserve.engine import graph_scratch
 from dsserve.engine.graph_capture import GraphCapture, copy_outputs
 from dsserve.engine.replay_graphs import ReplayGraphs, decoder_context_bucket
 from dsserve.models.presets import preset
-from test_paged_engine import make_prompts
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
 
@@ -25,7 +26,13 @@ def _prompts():
 
 def test_decoder_context_buckets():
     assert [decoder_context_bucket(n, 1024) for n in (1, 1024, 1025, 5000, 40000, 131073)] == [
-        1024, 1024, 2048, 8192, 65536, 262144]
+        1024,
+        1024,
+        2048,
+        8192,
+        65536,
+        262144,
+    ]
 
 
 def _run(graphs=None, prompts=None, **kw):
@@ -50,10 +57,12 @@ def _long_prompts():
 
 def _fixed_shape(made, capture=None, row_buckets=(16, 32, 64), ahead_rows=False):
     def make(eng):
-        made.append(ReplayGraphs(eng.model, eng.kv, row_buckets[-1], 4, capture, min_context=128,
-                                 row_buckets=row_buckets))
+        made.append(
+            ReplayGraphs(eng.model, eng.kv, row_buckets[-1], 4, capture, min_context=128, row_buckets=row_buckets)
+        )
         made[-1].ahead_rows = ahead_rows
         return made[-1]
+
     return make
 
 
@@ -93,12 +102,12 @@ def test_fixed_shape_decoder_rows_are_exact(monkeypatch, key_tables):
     bf16 key tables of a long chunk forced on (the GPU builds them from 128 decoder rows)."""
     if key_tables:
         import dsserve.layers.attention_paged as AP
+
         monkeypatch.setattr(AP, "_key_tables", lambda ops, q: True)
         monkeypatch.setattr(AP, "_index_tables", lambda ops, q: True)
     ref, _ = _run(False, dtype="float64", device="cpu", attention_backend="reference")
     made = []
-    got, eng = _run(_fixed_shape(made), dtype="float64", device="cpu", attention_backend="paged",
-                    reference_ops="all")
+    got, eng = _run(_fixed_shape(made), dtype="float64", device="cpu", attention_backend="paged", reference_ops="all")
     for (tok_a, lp_a), (tok_b, lp_b) in zip(ref, got):
         assert tok_a == tok_b
         assert max(abs(a[1] - b[1]) for da, db in zip(lp_a, lp_b) for a, b in zip(da, db)) < 1e-9
@@ -112,10 +121,17 @@ def test_other_replay_form_falls_back():
     """The vllm form narrows after layer 20's attention (its top-k already published): that step runs eagerly,
     counted, and the output is the eager path's."""
     made = []
-    eager, _ = _run(False, dtype="float64", device="cpu", attention_backend="paged", reference_ops="all",
-                    replay_form="vllm")
-    got, _ = _run(_fixed_shape(made), dtype="float64", device="cpu", attention_backend="paged",
-                  reference_ops="all", replay_form="vllm")
+    eager, _ = _run(
+        False, dtype="float64", device="cpu", attention_backend="paged", reference_ops="all", replay_form="vllm"
+    )
+    got, _ = _run(
+        _fixed_shape(made),
+        dtype="float64",
+        device="cpu",
+        attention_backend="paged",
+        reference_ops="all",
+        replay_form="vllm",
+    )
     assert got == eager
     rep = made[0].report()
     assert rep["runs"] == 0 and rep["fallbacks"]["not narrowed at the decoder's KV source (replay form)"] > 0
@@ -149,8 +165,9 @@ def test_graphs_read_only_scratch_they_wrote_on_gpu(monkeypatch, pool):
     monkeypatch.setenv(graph_scratch.POOL_ENV, pool)
     monkeypatch.setenv(graph_scratch.ENV, "1")
     poisoned, eng = _run(None, **kw)
-    graphs = [v[2] for v in eng.runner.replay_graphs._steps.values()] + \
-        [v[1] for v in eng.runner.decode_graphs._steps.values()]
+    graphs = [v[2] for v in eng.runner.replay_graphs._steps.values()] + [
+        v[1] for v in eng.runner.decode_graphs._steps.values()
+    ]
     encoder = [v[2] for v in eng.runner.encoder_graphs._steps.values() if v[2] is not None]
     assert encoder and graphs and all(isinstance(g, graph_scratch.PoisonedGraph) for g in encoder)
     assert all(isinstance(g, graph_scratch.PoisonedGraph) for g in graphs)
@@ -182,4 +199,3 @@ def assert_greedy_agree(graphed, eager) -> None:
             assert a == b
             checked += 1
     assert checked >= sum(len(t) for t, _ in eager) // 2
-

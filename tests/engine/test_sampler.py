@@ -4,8 +4,15 @@ import pytest
 import torch
 
 from dsserve.engine.outputs import Logprob, RequestMetrics, make_logprob_dict
-from dsserve.engine.sampler import (Sampler, SamplingRow, apply_min_p, apply_penalties, apply_top_k, apply_top_p,
-                                    make_generator)
+from dsserve.engine.sampler import (
+    Sampler,
+    SamplingRow,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k,
+    apply_top_p,
+    make_generator,
+)
 from dsserve.engine.sampling_params import SamplingParams
 
 EOS = 1
@@ -57,8 +64,12 @@ def _run_steps(batch_kws: list[dict], steps: int, seed_logits: int = 123) -> lis
     sampler = Sampler(EOS, make_generator(999))
     toks: list[list[int]] = [[] for _ in rows]
     for step in range(steps):
-        logits = torch.stack([torch.randn(64, generator=make_generator(seed_logits + 1000 * kw.get("tag", 0) + step))
-                              for kw in batch_kws])
+        logits = torch.stack(
+            [
+                torch.randn(64, generator=make_generator(seed_logits + 1000 * kw.get("tag", 0) + step))
+                for kw in batch_kws
+            ]
+        )
         out = sampler(logits, rows).sampled_token_ids.tolist()
         for i, t in enumerate(out):
             toks[i].append(t)
@@ -89,25 +100,31 @@ def test_top_k_keeps_ties_at_the_boundary():
     assert support([0.0, 0.5, 0.2, 0.1, 0.4], top_k=1) == {1}
 
 
-@pytest.mark.parametrize("probs, p, want", [
-    ([0.4, 0.3, 0.2, 0.1], 0.6, {0, 1}),      # 0.4 < 0.6 so token 1 joins; 0.7 >= 0.6 stops
-    ([0.4, 0.3, 0.2, 0.1], 0.3, {0}),
-    ([0.1, 0.2, 0.3, 0.4], 0.95, {0, 1, 2, 3}),
-    ([0.4, 0.2, 0.2, 0.2], 0.5, {0, 1, 2, 3}),  # tie at the boundary: all three 0.2s kept
-    ([0.3, 0.3, 0.2, 0.2], 0.25, {0, 1}),      # tie at the top
-    ([0.25, 0.25, 0.25, 0.25], 0.1, {0, 1, 2, 3}),
-])
+@pytest.mark.parametrize(
+    "probs, p, want",
+    [
+        ([0.4, 0.3, 0.2, 0.1], 0.6, {0, 1}),  # 0.4 < 0.6 so token 1 joins; 0.7 >= 0.6 stops
+        ([0.4, 0.3, 0.2, 0.1], 0.3, {0}),
+        ([0.1, 0.2, 0.3, 0.4], 0.95, {0, 1, 2, 3}),
+        ([0.4, 0.2, 0.2, 0.2], 0.5, {0, 1, 2, 3}),  # tie at the boundary: all three 0.2s kept
+        ([0.3, 0.3, 0.2, 0.2], 0.25, {0, 1}),  # tie at the top
+        ([0.25, 0.25, 0.25, 0.25], 0.1, {0, 1, 2, 3}),
+    ],
+)
 def test_top_p_keeps_the_nucleus(probs, p, want):
     out = apply_top_p(log_probs([probs]), torch.tensor([p]))
     assert kept(out[0]) == want
     assert support(log_probs(probs).tolist(), top_p=p) == want
 
 
-@pytest.mark.parametrize("probs, min_p, want", [
-    ([0.5, 0.3, 0.15, 0.05], 0.25, {0, 1, 2}),  # threshold 0.125
-    ([0.5, 0.3, 0.15, 0.05], 0.5, {0, 1}),      # threshold 0.25
-    ([0.4, 0.4, 0.1, 0.1], 1.0, {0, 1}),        # only the (tied) maxima
-])
+@pytest.mark.parametrize(
+    "probs, min_p, want",
+    [
+        ([0.5, 0.3, 0.15, 0.05], 0.25, {0, 1, 2}),  # threshold 0.125
+        ([0.5, 0.3, 0.15, 0.05], 0.5, {0, 1}),  # threshold 0.25
+        ([0.4, 0.4, 0.1, 0.1], 1.0, {0, 1}),  # only the (tied) maxima
+    ],
+)
 def test_min_p(probs, min_p, want):
     assert kept(apply_min_p(log_probs([probs]), torch.tensor([min_p]))[0]) == want
     assert support(log_probs(probs).tolist(), min_p=min_p) == want
@@ -134,31 +151,39 @@ def test_random_sampling_matches_the_distribution():
 # ---------------------------------------------------------------- penalties and min_tokens
 def test_penalties_against_hand_computation():
     logits = torch.tensor([[2.0, -1.0, 0.5, 1.9, 0.0, 0.0, -0.5]])
-    out = apply_penalties(logits.clone(), [[1, 5]], [[3, 3, 2, 6]], torch.tensor([2.0]), torch.tensor([0.1]),
-                          torch.tensor([0.2]))
-    want = [2.0,                      # unseen
-            -2.0,                     # prompt only, negative: multiplied
-            0.5 / 2 - 0.1 - 0.2,      # output once, positive: divided, then frequency and presence
-            1.9 / 2 - 0.2 - 0.2,      # output twice
-            0.0,                      # unseen
-            0.0,                      # seen in prompt, zero stays zero
-            -0.5 * 2 - 0.1 - 0.2]     # output once, negative
+    out = apply_penalties(
+        logits.clone(), [[1, 5]], [[3, 3, 2, 6]], torch.tensor([2.0]), torch.tensor([0.1]), torch.tensor([0.2])
+    )
+    want = [
+        2.0,  # unseen
+        -2.0,  # prompt only, negative: multiplied
+        0.5 / 2 - 0.1 - 0.2,  # output once, positive: divided, then frequency and presence
+        1.9 / 2 - 0.2 - 0.2,  # output twice
+        0.0,  # unseen
+        0.0,  # seen in prompt, zero stays zero
+        -0.5 * 2 - 0.1 - 0.2,
+    ]  # output once, negative
     assert torch.allclose(out[0], torch.tensor(want), atol=1e-6)
 
 
 def test_penalties_change_the_greedy_choice():
     logits = torch.tensor([[2.0, 1.5, 0.0]]).repeat(3, 1)
-    rows = [row(temperature=0.0, output=[0]), row(temperature=0.0, output=[0], repetition_penalty=1.5),
-            row(temperature=0.0, output=[0, 0, 0], frequency_penalty=0.2)]
+    rows = [
+        row(temperature=0.0, output=[0]),
+        row(temperature=0.0, output=[0], repetition_penalty=1.5),
+        row(temperature=0.0, output=[0, 0, 0], frequency_penalty=0.2),
+    ]
     assert Sampler(EOS)(logits, rows).sampled_token_ids.tolist() == [0, 1, 1]
 
 
 def test_min_tokens_masks_eos_and_stop_ids():
     logits = torch.tensor([[0.0, 9.0, 0.0, 8.0, 1.0]]).repeat(4, 1)  # EOS (1) best, then stop id 3
-    rows = [row(temperature=0.0, min_tokens=2, stop_token_ids=[3], output=[4]),
-            row(temperature=0.0, min_tokens=2, stop_token_ids=[3], output=[4, 4]),
-            row(temperature=0.0, min_tokens=2, ignore_eos=True, output=[4]),  # vLLM masks EOS anyway
-            row(min_tokens=5, stop_token_ids=[3], top_k=1, seed=3)]  # masked before top-k
+    rows = [
+        row(temperature=0.0, min_tokens=2, stop_token_ids=[3], output=[4]),
+        row(temperature=0.0, min_tokens=2, stop_token_ids=[3], output=[4, 4]),
+        row(temperature=0.0, min_tokens=2, ignore_eos=True, output=[4]),  # vLLM masks EOS anyway
+        row(min_tokens=5, stop_token_ids=[3], top_k=1, seed=3),
+    ]  # masked before top-k
     assert Sampler(EOS)(logits, rows).sampled_token_ids.tolist() == [4, 1, 3, 4]
 
 
@@ -166,8 +191,11 @@ def test_min_tokens_masks_eos_and_stop_ids():
 def test_logprobs_are_raw_and_top_n_correct():
     torch.manual_seed(1)
     logits = torch.randn(3, 40)
-    rows = [row(logprobs=5, temperature=0.3, repetition_penalty=1.7, prompt=list(range(20))),
-            row(logprobs=0, temperature=0.0), row()]
+    rows = [
+        row(logprobs=5, temperature=0.3, repetition_penalty=1.7, prompt=list(range(20))),
+        row(logprobs=0, temperature=0.0),
+        row(),
+    ]
     out = Sampler(EOS)(logits, rows)
     raw = torch.log_softmax(logits, -1)
     lp0, lp1 = out.logprobs[0], out.logprobs[1]
@@ -186,6 +214,7 @@ def test_make_logprob_dict():
     class Tok:
         def decode(self, ids):
             return f"<{ids[0]}>"
+
     d = make_logprob_dict(7, -2.0, 3, [4, 9], [-0.5, -1.0], Tok())
     assert list(d) == [7, 4, 9]
     assert d[7] == Logprob(-2.0, 3, "<7>") and d[4] == Logprob(-0.5, 1, "<4>")

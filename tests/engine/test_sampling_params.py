@@ -41,29 +41,32 @@ def test_stop_buffer_and_stop_ids():
     assert SamplingParams(stop_token_ids=[9], ignore_eos=True).all_stop_token_ids(1) == {1, 9}
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(max_tokens=-1), "max_tokens"),
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(temperature=-0.1), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(top_k=-2), "top_k"),
-    (dict(top_k=2.5), "top_k"),
-    (dict(min_p=-0.1), "min_p"),
-    (dict(min_p=1.1), "min_p"),
-    (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(repetition_penalty=-1.0), "repetition_penalty"),
-    (dict(presence_penalty=2.5), "presence_penalty"),
-    (dict(frequency_penalty=-2.1), "frequency_penalty"),
-    (dict(n=0), "n"),
-    (dict(logprobs=-1), "logprobs"),
-    (dict(min_tokens=-1), "min_tokens"),
-    (dict(min_tokens=20, max_tokens=10), "min_tokens"),
-    (dict(stop=[""]), "stop"),
-    (dict(stop_token_ids=[-3]), "stop_token_ids"),
-    (dict(temperature=0.0, n=2), "n"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(max_tokens=-1), "max_tokens"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_k=-2), "top_k"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(min_p=-0.1), "min_p"),
+        (dict(min_p=1.1), "min_p"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(repetition_penalty=-1.0), "repetition_penalty"),
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=-2.1), "frequency_penalty"),
+        (dict(n=0), "n"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(min_tokens=20, max_tokens=10), "min_tokens"),
+        (dict(stop=[""]), "stop"),
+        (dict(stop_token_ids=[-3]), "stop_token_ids"),
+        (dict(temperature=0.0, n=2), "n"),
+    ],
+)
 def test_invalid_values_raise_clear_errors(kwargs, field):
     with pytest.raises(SamplingParamsError) as info:
         SamplingParams(**kwargs)
@@ -88,20 +91,23 @@ def test_max_tokens_none_means_unbounded():
     assert SamplingParams(max_tokens=None, min_tokens=100).max_tokens is None
 
 
-valid = st.fixed_dictionaries({}, optional={
-    "n": st.integers(1, 4),
-    "temperature": st.floats(0.01, 2.0),
-    "top_p": st.floats(0.01, 1.0),
-    "top_k": st.integers(-1, 100),
-    "min_p": st.floats(0.0, 1.0),
-    "repetition_penalty": st.floats(0.1, 3.0),
-    "presence_penalty": st.floats(-2.0, 2.0),
-    "frequency_penalty": st.floats(-2.0, 2.0),
-    "seed": st.none() | st.integers(0, 2**31),
-    "stop": st.lists(st.text(min_size=1, max_size=5), max_size=3),
-    "max_tokens": st.integers(1, 64),
-    "logprobs": st.none() | st.integers(0, 20),
-})
+valid = st.fixed_dictionaries(
+    {},
+    optional={
+        "n": st.integers(1, 4),
+        "temperature": st.floats(0.01, 2.0),
+        "top_p": st.floats(0.01, 1.0),
+        "top_k": st.integers(-1, 100),
+        "min_p": st.floats(0.0, 1.0),
+        "repetition_penalty": st.floats(0.1, 3.0),
+        "presence_penalty": st.floats(-2.0, 2.0),
+        "frequency_penalty": st.floats(-2.0, 2.0),
+        "seed": st.none() | st.integers(0, 2**31),
+        "stop": st.lists(st.text(min_size=1, max_size=5), max_size=3),
+        "max_tokens": st.integers(1, 64),
+        "logprobs": st.none() | st.integers(0, 20),
+    },
+)
 
 
 @settings(max_examples=60, deadline=None)

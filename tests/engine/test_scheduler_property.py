@@ -3,6 +3,7 @@
 The model is replaced by bookkeeping (rows advance the cache's token count), so thousands of steps run
 in seconds; the real forward over the same scheduler is tested in test_paged_engine.py.
 """
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,19 +16,38 @@ from dsserve.models.presets import preset
 LAYOUT = KVLayout.build(preset("tiny"), block_size=16)
 
 request = st.tuples(st.integers(1, 60), st.integers(1, 12), st.integers(0, 3))  # prompt, max_tokens, priority
-event = st.one_of(st.tuples(st.just("add"), request), st.tuples(st.just("abort"), st.integers(0, 40)),
-                  st.tuples(st.just("step"), st.integers(1, 3)))
+event = st.one_of(
+    st.tuples(st.just("add"), request),
+    st.tuples(st.just("abort"), st.integers(0, 40)),
+    st.tuples(st.just("step"), st.integers(1, 3)),
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(events=st.lists(event, min_size=1, max_size=60), blocks=st.integers(8, 24), seqs=st.integers(1, 6),
-       budget=st.integers(1, 48), chunk=st.integers(0, 20), policy=st.sampled_from(["fcfs", "priority"]),
-       prefix=st.booleans(), replay=st.booleans())
+@given(
+    events=st.lists(event, min_size=1, max_size=60),
+    blocks=st.integers(8, 24),
+    seqs=st.integers(1, 6),
+    budget=st.integers(1, 48),
+    chunk=st.integers(0, 20),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    prefix=st.booleans(),
+    replay=st.booleans(),
+)
 def test_random_traffic_keeps_invariants(events, blocks, seqs, budget, chunk, policy, prefix, replay):
     kv = PagedKVCache(LAYOUT, blocks, seqs, prefix_caching=prefix)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs, policy=policy,
-                                      long_prefill_token_threshold=chunk, enable_prefix_caching=prefix,
-                                      swa_bounded_replay=replay, replay_window=8), kv)
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=budget,
+            max_num_seqs=seqs,
+            policy=policy,
+            long_prefill_token_threshold=chunk,
+            enable_prefix_caching=prefix,
+            swa_bounded_replay=replay,
+            replay_window=8,
+        ),
+        kv,
+    )
     reqs: list[Request] = []
 
     def step():

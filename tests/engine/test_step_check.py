@@ -1,5 +1,6 @@
 """DSSERVE_CHECK_STEPS: every step checked after it ran (scheduled and launched-ahead ones), outputs unchanged, and a
 step whose logits are not finite named in the file with the steps before it."""
+
 import json
 
 import pytest
@@ -14,9 +15,19 @@ PROMPTS = [[5 + (7 * i + 3 * j) % 900 for j in range(n)] for i, n in enumerate((
 
 
 def _core() -> EngineCore:
-    return EngineCore(EngineArgs(model="tiny", dtype="float64", device="cpu", attention_backend="paged",
-                                 max_num_seqs=4, max_num_batched_tokens=32, async_scheduling=True,
-                                 kv_cache_memory=64 << 20, reference_ops="all"))
+    return EngineCore(
+        EngineArgs(
+            model="tiny",
+            dtype="float64",
+            device="cpu",
+            attention_backend="paged",
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            async_scheduling=True,
+            kv_cache_memory=64 << 20,
+            reference_ops="all",
+        )
+    )
 
 
 def _generate(core: EngineCore) -> dict:

@@ -3,13 +3,14 @@ or on the CPU by their references): its greedy tokens' logprobs are as close to 
 as the per-sequence torch path's. bf16 with QAT is noisy here (both paths: median error ~0.04, max ~1 in logprob on
 the CPU), so the check is relative; a wrong row read moves the logprobs by far more. (fp64 exactness of the same
 path: test_paged_attention.py::test_v4_paged_path_is_exact.)"""
+
 import pytest
 import torch
+from oracle_logprobs import logprob_errors
 
 import dsserve.layers.attention_paged as AP
 from dsserve import LLM
 from dsserve.kv.paged_batch import PagedBatch
-from oracle_logprobs import logprob_errors
 
 
 def _errors(device: str, paged: bool, monkeypatch, graphs: bool = False) -> tuple[list[float], int]:
@@ -18,9 +19,18 @@ def _errors(device: str, paged: bool, monkeypatch, graphs: bool = False) -> tupl
     if not paged:
         monkeypatch.setattr(PagedBatch, "supports", classmethod(lambda cls, seqs, ops: False))
     # the CPU: every op on its torch reference (interpreted kernels would take minutes); a GPU: the Triton kernels
-    llm = LLM(model="tiny-v4", dtype="bfloat16", device=device, attention_backend="paged", seed=0, max_num_seqs=4,
-              max_num_batched_tokens=64, enable_prefix_caching=False, reference_ops="all" if device == "cpu" else "",
-              enforce_eager=not graphs)
+    llm = LLM(
+        model="tiny-v4",
+        dtype="bfloat16",
+        device=device,
+        attention_backend="paged",
+        seed=0,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+        reference_ops="all" if device == "cpu" else "",
+        enforce_eager=not graphs,
+    )
     errs = logprob_errors(llm, device)
     if graphs:
         assert llm.engine.runner.decode_graphs.report()["replays"] > 0

@@ -1,22 +1,40 @@
 """engine.warmup: the warm-up runs the shapes it promises, then leaves no trace in outputs, cache or counters."""
+
 import pytest
 import torch
-
-from dsserve import LLM, SamplingParams
-from dsserve.engine.encoder_graphs import EncoderGraphs
-from dsserve.engine.decode_graphs import bucket_sizes
-from dsserve.engine.replay_graphs import ROW_BUCKETS, ReplayGraphs
-from dsserve.engine.warmup import (attention_split_rows, batch_sizes, context_ladder, moe_run_rows, prefill_rows,
-                                   router_split_rows, wanted, warm_up)
-from dsserve.kernels import grouped_moe, moe_permute, router, sparse_attention
-from dsserve.models.presets import preset
 from test_paged_engine import make_prompts
 from test_replay_graphs import EagerCapture
 
+from dsserve import LLM, SamplingParams
+from dsserve.engine.decode_graphs import bucket_sizes
+from dsserve.engine.encoder_graphs import EncoderGraphs
+from dsserve.engine.replay_graphs import ROW_BUCKETS, ReplayGraphs
+from dsserve.engine.warmup import (
+    attention_split_rows,
+    batch_sizes,
+    context_ladder,
+    moe_run_rows,
+    prefill_rows,
+    router_split_rows,
+    wanted,
+    warm_up,
+)
+from dsserve.kernels import grouped_moe, moe_permute, router, sparse_attention
+from dsserve.models.presets import preset
+
 PARAMS = SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True)
 # the paged backend's fixed-shape decode steps, with the ops' torch references (the kernels: tests/kernels)
-KW = dict(model="tiny", dtype="float32", attention_backend="paged", reference_ops="all", async_scheduling=True,
-          max_num_seqs=3, max_num_batched_tokens=256, max_model_len=2100, swa_bounded_replay=True)
+KW = dict(
+    model="tiny",
+    dtype="float32",
+    attention_backend="paged",
+    reference_ops="all",
+    async_scheduling=True,
+    max_num_seqs=3,
+    max_num_batched_tokens=256,
+    max_model_len=2100,
+    swa_bounded_replay=True,
+)
 
 
 def _rounds():
@@ -39,6 +57,7 @@ def _warm_up_recording_prefills(eng):
             cs = plan.chunks
             steps.append((sum(c.num_tokens for c in cs), sum(c.request.num_cached_tokens for c in cs)))
         return execute(plan)
+
     eng.runner.execute = recording
     try:
         return warm_up(eng), steps
@@ -54,13 +73,45 @@ def test_batch_sizes():
 
 def test_context_ladder():
     assert context_ladder(40000, 1024) == [1024 * i for i in range(1, 9)] + [
-        10240, 12288, 14336, 16384, 20480, 24576, 28672, 32768]
+        10240,
+        12288,
+        14336,
+        16384,
+        20480,
+        24576,
+        28672,
+        32768,
+    ]
     assert context_ladder(1000, 1024) == []
 
 
 def test_prefill_rows():
-    assert prefill_rows(8192, 1024) == [1, 3, 7, 15, 16, 31, 32, 63, 64, 127, 128, 192, 255, 256, 384, 511, 512, 768,
-                                        1023, 1024, 2047, 4095, 8191, 8192]
+    assert prefill_rows(8192, 1024) == [
+        1,
+        3,
+        7,
+        15,
+        16,
+        31,
+        32,
+        63,
+        64,
+        127,
+        128,
+        192,
+        255,
+        256,
+        384,
+        511,
+        512,
+        768,
+        1023,
+        1024,
+        2047,
+        4095,
+        8191,
+        8192,
+    ]
     assert prefill_rows(8192, 0) == [1, 3, 7, 15, 31, 63, 127, 255, 511, 1023, 2047, 4095, 8191, 8192]
     assert prefill_rows(100, 64) == [1, 3, 7, 15, 16, 31, 32, 63, 64, 100]
     assert prefill_rows(100, 0, (38, 66, 120)) == [1, 3, 7, 15, 31, 38, 63, 66, 100]
@@ -76,8 +127,12 @@ def test_row_ladder_runs_every_split_k_variant_of_the_attention(model):
     tiles = dict(sparse_attention._tiles(1, cfg.num_attention_heads, cfg.head_dim), fill=sparse_attention._FILL)
 
     def variants(rows, k):
-        return {sparse_attention.split_plan(t, cfg.num_attention_heads, cfg.sliding_window, k, tiles)
-                for t in rows if t < sparse_attention.prefill.PREFILL_MIN_ROWS}
+        return {
+            sparse_attention.split_plan(t, cfg.num_attention_heads, cfg.sliding_window, k, tiles)
+            for t in rows
+            if t < sparse_attention.prefill.PREFILL_MIN_ROWS
+        }
+
     ladder = prefill_rows(8192, 1024, attention_split_rows(cfg))
     for k in (cfg.index_topk, 0):
         assert variants(range(1, 8192), k) == variants(ladder, k)
@@ -95,8 +150,8 @@ def test_row_ladder_runs_every_launch_variant_of_the_router(model, sms):
     cfg = preset(model)
 
     def variants(rows):
-        return {tuple(sorted(router._plan(t, cfg.n_routed_experts, cfg.hidden_size, sms, {})[0].items()))
-                for t in rows}
+        return {tuple(sorted(router._plan(t, cfg.n_routed_experts, cfg.hidden_size, sms, {})[0].items())) for t in rows}
+
     others = attention_split_rows(cfg)
     ladder = prefill_rows(8192, 1024, others + router_split_rows(cfg, sms, 8192))
     assert variants(range(1, 8193)) == variants(ladder)
@@ -121,10 +176,12 @@ def test_row_ladder_runs_every_launch_variant_of_the_expert_run(model):
         for t in rows:
             if t * k <= moe_permute.MAX_KERNEL_PAIRS:
                 for packed in (False, True):
-                    bm = grouped_moe._config(t * k, e, cfg.hidden_size, cfg.moe_intermediate_size, {},
-                                             scaled=packed)["BM"]
+                    bm = grouped_moe._config(t * k, e, cfg.hidden_size, cfg.moe_intermediate_size, {}, scaled=packed)[
+                        "BM"
+                    ]
                     out.add(tuple(sorted(moe_permute.run_constexprs(t * k, e, bm).items())))
         return out
+
     others = attention_split_rows(cfg) + router_split_rows(cfg, 132, 8192)
     assert variants(range(1, 8193)) == variants(prefill_rows(8192, 1024, others + moe_run_rows(cfg)))
     if model == "proxy-h200-release":
@@ -143,7 +200,8 @@ def _row_graphs(eng, capture) -> None:
     a GPU: fixed shapes, run eagerly (capture None) or through EagerCapture (a capture's masked runs, replays)."""
     eng.runner.replay_graphs, eng.runner.encoder_graphs = (
         cls(eng.model, eng.kv, 128, 3, capture, min_context=1024, row_buckets=(16, 32, 64, 128))
-        for cls in (ReplayGraphs, EncoderGraphs))
+        for cls in (ReplayGraphs, EncoderGraphs)
+    )
 
 
 def test_warm_up_runs_every_bucket_and_hits_then_leaves_no_trace():
@@ -152,19 +210,22 @@ def test_warm_up_runs_every_bucket_and_hits_then_leaves_no_trace():
     _row_graphs(cold.engine, None)
     _row_graphs(eng, EagerCapture())
     report, steps = _warm_up_recording_prefills(eng)
-    ladder = prefill_rows(256, 128, attention_split_rows(eng.cfg) + router_split_rows(eng.cfg, 1, 256)
-                          + moe_run_rows(eng.cfg))
+    ladder = prefill_rows(
+        256, 128, attention_split_rows(eng.cfg) + router_split_rows(eng.cfg, 1, 256) + moe_run_rows(eng.cfg)
+    )
     assert 65 in ladder  # the router's first split-K row count on one SM
     assert report.requests == 3 + 2 * (1 + 2 + 3) + 1 + len(ladder) and report.prefix_hit_tokens > 0
     assert min(report.round_seconds) > 0 and sum(report.round_seconds) == pytest.approx(report.seconds)
     assert report.capture_seconds == 0  # the CPU captures nothing
     # the row ladder: a prefill step of each row count, alone; past the replay window (32) a prefix hit
     assert all((r, 0) in steps for r in ladder if r <= 32) and all(
-        any(rows == r and hit > 0 for rows, hit in steps) for r in ladder if r > 32), steps
+        any(rows == r and hit > 0 for rows, hit in steps) for r in ladder if r > 32
+    ), steps
     # the fixed-shape decode steps of every batch bucket at every context bucket were built (on a GPU: their graphs
     # captured), those of 2 and 3 rows at 2048 from the ladder's lone sequence
-    assert set(eng.runner.decode_graphs.report()["fixed_shape_steps"]) == {(b, c) for b in (1, 2, 3) for c in (1024,
-                                                                                                           2048)}
+    assert set(eng.runner.decode_graphs.report()["fixed_shape_steps"]) == {
+        (b, c) for b in (1, 2, 3) for c in (1024, 2048)
+    }
     assert not eng.runner.decode_graphs.ahead_batches  # for the warm-up only
     # the row graphs at every context the ladder reached: the decoder's every row bucket, the encoder's from a
     # hit's rows up (the replayed window of 32 plus 61 new rows: 128)
@@ -180,16 +241,17 @@ def test_warm_up_runs_every_bucket_and_hits_then_leaves_no_trace():
     assert eng.runner.graph_steps == 0 and eng.runner.decode_graphs.report()["replays"] == 0
     # and the same traffic afterwards gives the same tokens, logprobs and counts as on an engine never warmed
     assert _serve(warm) == _serve(cold)
-    a, b = ({k: v for k, v in llm.engine.stats.as_dict().items() if not k.endswith("_seconds")}
-            for llm in (warm, cold))
+    a, b = ({k: v for k, v in llm.engine.stats.as_dict().items() if not k.endswith("_seconds")} for llm in (warm, cold))
     assert a == b and a["prefix_hit_tokens"] > 0  # the warm-up's salted blocks gave no user prompt a hit
 
 
 def test_row_ladder_without_replay_runs_hits_of_every_row_count():
     kw = {**KW, "swa_bounded_replay": False, "max_num_seqs": 1, "max_model_len": 1100, "max_num_batched_tokens": 128}
     _, steps = _warm_up_recording_prefills(LLM(**kw).engine)
-    assert all(any(rows == r and hit > 0 for rows, hit in steps)
-               for r in prefill_rows(128, 0, attention_split_rows(preset("tiny")))), steps
+    assert all(
+        any(rows == r and hit > 0 for rows, hit in steps)
+        for r in prefill_rows(128, 0, attention_split_rows(preset("tiny")))
+    ), steps
 
 
 def test_warmup_option_and_busy_engine():
@@ -205,8 +267,9 @@ def test_warmup_option_and_busy_engine():
 def test_warm_up_captures_graphs_on_gpu():
     """On a GPU the warm-up captures the graphs of its shapes (decode steps, decoder and encoder rows), and traffic
     after it gives the same tokens and logprobs, bit for bit, as on an engine that captures on first use."""
-    kw = dict(model="tiny", dtype="float32", device="cuda", max_num_seqs=3, max_num_batched_tokens=256,
-              max_model_len=2100)
+    kw = dict(
+        model="tiny", dtype="float32", device="cuda", max_num_seqs=3, max_num_batched_tokens=256, max_model_len=2100
+    )
     cold, warm = LLM(**kw), LLM(**kw)
     report = warm_up(warm.engine)
     eng = warm.engine

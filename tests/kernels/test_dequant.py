@@ -1,4 +1,5 @@
 """dsserve.kernels.dequant: FP8 block and MXFP4 weights decoded to a float dtype, bit-exact against the torch decode."""
+
 import pytest
 import torch
 import triton
@@ -90,4 +91,3 @@ def test_gpu_mxfp4_ptx_decode_is_exact(bk):
     out = torch.full((e, n, k), float("nan"), dtype=torch.bfloat16, device="cuda")
     _ptx_tile_kernel[(e,)](packed.cuda().view(torch.int32), scale.cuda(), out, N=n, K=k, BN=256, BK=bk)
     assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))
-

@@ -2,6 +2,7 @@
 
 CPU: the Triton interpreter on tiny tables. GPU: tables in registered host memory read by the kernel, a CUDA-graph
 capture replayed with refilled ids, and a device-resident table."""
+
 import pytest
 import torch
 
@@ -14,8 +15,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def _weight(rows, dim, seed, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     # per-row magnitudes over many binades, so fp8 scales differ between rows and 32-column groups
-    w = torch.randn(rows, dim, generator=g) * torch.exp2(torch.randint(-12, 6, (rows, dim // 16 or 1), generator=g)
-                                                         .float().repeat_interleave(16, 1)[:, :dim])
+    w = torch.randn(rows, dim, generator=g) * torch.exp2(
+        torch.randint(-12, 6, (rows, dim // 16 or 1), generator=g).float().repeat_interleave(16, 1)[:, :dim]
+    )
     return w.to(dtype)
 
 
@@ -38,17 +40,20 @@ def _check_all(table, ids, dtype):
     return out
 
 
-@pytest.mark.parametrize("fmt,wdtype,dim,dtype,shape", [
-    ("fp8", torch.float32, 32, torch.float32, (5, 3)),
-    ("fp8", torch.float32, 96, torch.bfloat16, (7,)),  # D not a power of two: masked columns
-    ("fp8", torch.float32, 256, torch.bfloat16, (2, 3)),  # the release D
-    ("fp8", torch.float32, 64, torch.float16, (4, 2)),
-    ("bf16", torch.float32, 16, torch.float32, (6, 2)),
-    ("bf16", torch.float32, 32, torch.bfloat16, (9,)),
-    ("float", torch.float32, 16, torch.bfloat16, (3, 4)),  # fp32 -> bf16 rounding
-    ("float", torch.float16, 32, torch.float32, (5,)),
-    ("float", torch.float64, 16, torch.float64, (4, 3)),  # the fp64 tiny models
-])
+@pytest.mark.parametrize(
+    "fmt,wdtype,dim,dtype,shape",
+    [
+        ("fp8", torch.float32, 32, torch.float32, (5, 3)),
+        ("fp8", torch.float32, 96, torch.bfloat16, (7,)),  # D not a power of two: masked columns
+        ("fp8", torch.float32, 256, torch.bfloat16, (2, 3)),  # the release D
+        ("fp8", torch.float32, 64, torch.float16, (4, 2)),
+        ("bf16", torch.float32, 16, torch.float32, (6, 2)),
+        ("bf16", torch.float32, 32, torch.bfloat16, (9,)),
+        ("float", torch.float32, 16, torch.bfloat16, (3, 4)),  # fp32 -> bf16 rounding
+        ("float", torch.float16, 32, torch.float32, (5,)),
+        ("float", torch.float64, 16, torch.float64, (4, 3)),  # the fp64 tiny models
+    ],
+)
 def test_matches_ref_and_table(fmt, wdtype, dim, dtype, shape):
     rows = 37
     table = EngramTable.from_weight(_weight(rows, dim, dim, wdtype), fmt)

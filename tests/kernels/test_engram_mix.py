@@ -3,6 +3,7 @@
 CPU: the Triton interpreter on tiny ragged shapes (one chunk, and several chunks with a small chunk bound), fp32 /
 bf16 / fp16, dead rows (out == x exactly), a zero key (sign 0) and negative dots. GPU: the release proxy's n = 4,
 d = 4096 at T 1 / 32, and a CUDA-graph replay with refilled inputs and a poisoned output."""
+
 import pytest
 import torch
 
@@ -27,7 +28,7 @@ def _inputs(t, n, d, dtype, seed, device="cpu"):
         ids[1] = -2  # before-start marks are not dead
         kv[1, :d] = 0  # a zero key: dot 0, sign 0, gate 1/2
     if t > 2:
-        kv[2, d: 2 * d] *= -1e3  # a negated key far larger than x: the other sign of dot, rms scales apart
+        kv[2, d : 2 * d] *= -1e3  # a negated key far larger than x: the other sign of dot, rms scales apart
     return [a.to(device) for a in (x.to(dtype), kv.to(dtype), qw, kw, ids)]
 
 

@@ -3,6 +3,7 @@
 CPU: the Triton interpreter on the tiny and v41-flash hashers' constants, random ids with dead (-1) and before-start
 (-2) marks in every column, T 1..33; constants with multipliers near 2^62 so hashes wrap negative (floor vs C mod).
 GPU: the same on CUDA, a CUDA-graph replay with refilled lookbacks and a poisoned output, and a prefill-sized T."""
+
 import pytest
 import torch
 
@@ -61,11 +62,11 @@ def test_decode_lookbacks_and_strides():
     back = h.lookbacks(torch.zeros(len(hist), dtype=torch.long), hist)[:, 1:]
     ids = torch.randint(-1, h.compressed_vocab_size, (len(hist),), generator=g)
     _check(h, torch.cat([ids[:, None], back], 1))
-    wide = _src(h, 9, 4).repeat(1, 2)[::2, 1: 1 + h.max_ngram]  # strides (2 * 2 * max_ngram, 1)
+    wide = _src(h, 9, 4).repeat(1, 2)[::2, 1 : 1 + h.max_ngram]  # strides (2 * 2 * max_ngram, 1)
     assert not wide.is_contiguous()
     _check(h, wide)
     # pad id 1 (an int argument Triton specialises as a constant) and one that is not a small int
-    for pad in (1, 2 ** 40 + 7):
+    for pad in (1, 2**40 + 7):
         hp = EngramHasher(preset("tiny"), h.layer_id, pad_id=pad)
         _check(hp, _src(hp, 6, 5))
     assert engram_rows(_src(h, 1, 0)[:0], *h.constants("cpu"), h.pad_id).shape == (0, h.columns)
@@ -75,9 +76,9 @@ def test_wrapped_negative_hashes_floor_mod():
     """Multipliers near 2^62 and ids up to 2^20: products wrap and XORs go negative; torch floors, C truncates."""
     g = torch.Generator().manual_seed(7)
     for h in _hashers():
-        mult = torch.randint(2 ** 61, 2 ** 62, (h.max_ngram,), generator=g) * 2 + 1
+        mult = torch.randint(2**61, 2**62, (h.max_ngram,), generator=g) * 2 + 1
         h._dev["cpu"] = (mult, *h.constants("cpu")[1:])  # the hasher now hashes with these
-        src = _src(h, 33, h.layer_id, high=2 ** 20)
+        src = _src(h, 33, h.layer_id, high=2**20)
         out = _check(h, src)
         assert (out >= torch.tensor(h.offsets)).all()
         # the test can fail: C-style remainders would differ somewhere
@@ -110,9 +111,9 @@ def test_bad_input_is_named():
 def test_cuda_matches_hasher(t):
     for h in _hashers():
         _check(h, _src(h, t, t + h.layer_id, "cuda"))
-        mult = torch.randint(2 ** 61, 2 ** 62, (h.max_ngram,)).cuda() * 2 + 1
+        mult = torch.randint(2**61, 2**62, (h.max_ngram,)).cuda() * 2 + 1
         h._dev["cuda"] = (mult, *h.constants("cuda")[1:])  # wrapped, negative hashes
-        _check(h, _src(h, t, t, "cuda", high=2 ** 20))
+        _check(h, _src(h, t, t, "cuda", high=2**20))
 
 
 @needs_cuda

@@ -1,4 +1,5 @@
 """dsserve.kernels.entry_rows against its torch reference (the interpreter on the CPU; the GPU when present)."""
+
 import pytest
 import torch
 
@@ -8,12 +9,13 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("t,k,mb,epb,dtype", [(5, 8, 4, 32, torch.int64), (19, 12, 7, 2, torch.int32),
-                                                (1, 64, 1, 64, torch.int64)])
+@pytest.mark.parametrize(
+    "t,k,mb,epb,dtype", [(5, 8, 4, 32, torch.int64), (19, 12, 7, 2, torch.int32), (1, 64, 1, 64, torch.int64)]
+)
 def test_matches_ref(device, t, k, mb, epb, dtype):
     g = torch.Generator().manual_seed(t * k)
     tables = torch.randint(0, 1000, (3, mb), generator=g, dtype=torch.int32)
-    tables[1, max(1, mb // 2):] = -1  # a short sequence: absent blocks
+    tables[1, max(1, mb // 2) :] = -1  # a short sequence: absent blocks
     row_seq = torch.randint(0, 3, (t,), generator=g, dtype=torch.int32)
     entries = torch.randint(-2, (mb + 1) * epb, (t, k), generator=g).to(dtype)  # negatives and past the table
     valid = torch.rand(t, k, generator=g) < 0.8
@@ -41,6 +43,7 @@ def test_gpu_new_table_widths_and_row_counts_compile_nothing():
     kernel (they did as constexprs: 70 compiles stalled two minutes of a live server). Entry counts of one power
     of two share one kernel too."""
     from dsserve.engine import jit_compiles
+
     if not jit_compiles.watch():
         pytest.skip("this Triton has no compile hooks")
     g = torch.Generator().manual_seed(3)
@@ -50,8 +53,10 @@ def test_gpu_new_table_widths_and_row_counts_compile_nothing():
         row_seq = torch.randint(0, 2, (t,), generator=g, dtype=torch.int32).cuda()
         entries = torch.randint(0, mb * 4, (t, k), generator=g).cuda()
         valid = (torch.rand(t, k, generator=g) < 0.9).cuda()
-        assert torch.equal(entry_rows(entries, valid, tables, row_seq, 4), entry_rows_ref(entries, valid, tables,
-                                                                                          row_seq, 4))
+        assert torch.equal(
+            entry_rows(entries, valid, tables, row_seq, 4), entry_rows_ref(entries, valid, tables, row_seq, 4)
+        )
+
     call(5, 300, 9)
     before = jit_compiles.COMPILES.count, jit_compiles.COMPILES.loads  # a warm disk cache would load, not compile
     for t, k, mb in [(1, 301, 9), (16, 305, 64), (37, 300, 129), (512, 299, 1000)]:

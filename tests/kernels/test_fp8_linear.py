@@ -1,4 +1,5 @@
 """FP8 block-scaled linear: Triton kernels (W8A16, W8A8, activation quant) against their torch references."""
+
 import pytest
 import torch
 from torch import nn
@@ -22,12 +23,15 @@ def make(n, k, block, device="cpu", seed=0):
     return w_q, w_s.view(torch.uint8)
 
 
-@pytest.mark.parametrize("m,n,k,block,dtype,config", [
-    (1, 96, 64, 32, torch.float32, None),            # BK 128 > K: masked K tail, 4 scale rows per tile
-    (5, 80, 72, 32, torch.bfloat16, None),           # ragged N and K (partial edge blocks)
-    (33, 64, 192, 128, torch.float32, {"BK": 64}),   # BK < block: one scale per tile, ragged K block
-    (5, 96, 96, 32, torch.float32, {"BK": 32, "SPLIT_K": 2, "BN": 32}),  # split K, 3 K tiles over 2 programs
-])
+@pytest.mark.parametrize(
+    "m,n,k,block,dtype,config",
+    [
+        (1, 96, 64, 32, torch.float32, None),  # BK 128 > K: masked K tail, 4 scale rows per tile
+        (5, 80, 72, 32, torch.bfloat16, None),  # ragged N and K (partial edge blocks)
+        (33, 64, 192, 128, torch.float32, {"BK": 64}),  # BK < block: one scale per tile, ragged K block
+        (5, 96, 96, 32, torch.float32, {"BK": 32, "SPLIT_K": 2, "BN": 32}),  # split K, 3 K tiles over 2 programs
+    ],
+)
 def test_w8a16_matches_ref(m, n, k, block, dtype, config):
     w_q, w_s = make(n, k, block)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -59,8 +63,12 @@ def test_many_rows_take_dequant_then_matmul_the_reference_exactly(monkeypatch, g
     monkeypatch.setattr(F, "DEQUANT_MIN_ROWS", 8)
     w_q, w_s = make(groups * 64, 96, 32)
     g = torch.Generator().manual_seed(2)
-    for m, config, taken in ((7, None, False), (8, None, True), (7, {"dequant": True}, True),
-                             (8, {"dequant": False}, False)):
+    for m, config, taken in (
+        (7, None, False),
+        (8, None, True),
+        (7, {"dequant": True}, True),
+        (8, {"dequant": False}, False),
+    ):
         calls.clear()
         x = torch.randn(m, groups * 96, generator=g).bfloat16()
         out = F.fp8_linear(x, w_q, w_s, 32, groups=groups, config=config)
@@ -73,20 +81,23 @@ def test_many_rows_take_dequant_then_matmul_the_reference_exactly(monkeypatch, g
 
 def test_act_quant_is_the_fake_quant_exactly():
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(2))
-    x[1] = 0.0                      # amax floor 1e-4
-    x[2, :32] = 448.0 * 2.0 ** -3   # amax exactly 448 * 2^k: scale 2^k, not 2^(k+1)
+    x[1] = 0.0  # amax floor 1e-4
+    x[2, :32] = 448.0 * 2.0**-3  # amax exactly 448 * 2^k: scale 2^k, not 2^(k+1)
     x[3, 32:64] *= 1e6
     q, s = F._act_quant(x, 32, m_major=False)
     deq = q.view(torch.float8_e4m3fn).float() * s.repeat_interleave(32, 1)
     assert torch.equal(deq, fake_quant_fp8_pow2(x, 32))
-    assert s[2, 0] == 2.0 ** -3
+    assert s[2, 0] == 2.0**-3
 
 
-@pytest.mark.parametrize("m,n,k,block,group,dtype", [
-    (5, 96, 64, 32, 32, torch.float32),
-    (33, 80, 256, 128, 128, torch.float32),
-    (1, 64, 96, 32, 32, torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "m,n,k,block,group,dtype",
+    [
+        (5, 96, 64, 32, 32, torch.float32),
+        (33, 80, 256, 128, 128, torch.float32),
+        (1, 64, 96, 32, 32, torch.bfloat16),
+    ],
+)
 def test_w8a8_matches_its_ref(m, n, k, block, group, dtype):
     w_q, w_s = make(n, k, block)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(dtype)
@@ -109,9 +120,9 @@ def test_module_round_trip_and_dispatch():
     assert rel(mod(x), ref) < 1e-6
     mod.use_kernel = True
     assert mod(x).shape == (2, 3, 80) and rel(mod(x), ref) < 1e-5
-    mod.act_quant_min_m = 6         # 6 rows: W8A8 numerics in the kernel and in the reference alike
+    mod.act_quant_min_m = 6  # 6 rows: W8A8 numerics in the kernel and in the reference alike
     assert rel(mod(x), F.fp8_linear_w8a8_ref(x.view(6, 96), q, s, 32).view(2, 3, 80)) < 1e-5
-    mod.double()                    # fp8 bytes survive a model-wide dtype cast
+    mod.double()  # fp8 bytes survive a model-wide dtype cast
     assert mod.weight.dtype == torch.float8_e4m3fn
     assert torch.equal(mod.dequantized_weight(), dequant_fp8_block(q, s, 32))
 
@@ -135,8 +146,11 @@ def grouped_loop(x, w_q, w_s, block, groups):
     """The block-diagonal product group by group: each group's own rows and scale rows, a plain matmul."""
     n, k = w_q.shape
     o, ob = n // groups, n // groups // block
-    outs = [x[:, g * k:(g + 1) * k] @ dequant_fp8_block(w_q[g * o:(g + 1) * o], w_s[g * ob:(g + 1) * ob], block)
-            .to(x.dtype).t() for g in range(groups)]
+    outs = [
+        x[:, g * k : (g + 1) * k]
+        @ dequant_fp8_block(w_q[g * o : (g + 1) * o], w_s[g * ob : (g + 1) * ob], block).to(x.dtype).t()
+        for g in range(groups)
+    ]
     return torch.cat(outs, 1)
 
 
@@ -154,12 +168,15 @@ def test_grouped_ref_is_the_per_group_loop(groups, m, o, k):
     assert rel(aq, grouped_loop(fake_quant_fp8_pow2(x, 32), w_q, w_s, 32, groups)) < 1e-6
 
 
-@pytest.mark.parametrize("groups,m,o,k,dtype,config", [
-    (2, 1, 64, 256, torch.float32, {"SPLIT_K": 2}),           # decode: BN 64 = O, 2 K tiles over 2 programs
-    (4, 5, 32, 64, torch.bfloat16, None),                     # default tiles, BN 32 = O: one program per group
-    (2, 5, 64, 128, torch.float32, {"BN": 32, "BK": 32, "SPLIT_K": 3}),  # 2 programs a group, 4 K tiles over 2
-    (4, 70, 32, 64, torch.float32, None),                     # M > 64: BM 128, BK 64
-])
+@pytest.mark.parametrize(
+    "groups,m,o,k,dtype,config",
+    [
+        (2, 1, 64, 256, torch.float32, {"SPLIT_K": 2}),  # decode: BN 64 = O, 2 K tiles over 2 programs
+        (4, 5, 32, 64, torch.bfloat16, None),  # default tiles, BN 32 = O: one program per group
+        (2, 5, 64, 128, torch.float32, {"BN": 32, "BK": 32, "SPLIT_K": 3}),  # 2 programs a group, 4 K tiles over 2
+        (4, 70, 32, 64, torch.float32, None),  # M > 64: BM 128, BK 64
+    ],
+)
 def test_grouped_w8a16_matches_ref(groups, m, o, k, dtype, config):
     w_q, w_s = make(groups * o, k, 32, seed=m)
     x = torch.randn(m, groups * k, generator=torch.Generator().manual_seed(7)).to(dtype)
@@ -169,11 +186,14 @@ def test_grouped_w8a16_matches_ref(groups, m, o, k, dtype, config):
     assert rel(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("m,n,k,groups,config", [
-    (1, 80, 96, 1, {"BK": 32, "SPLIT_K": 2}),    # N tail past the weight (zero-filled tile), split summed in-kernel
-    (5, 128, 128, 2, {"BK": 32}),                # grouped: the descriptor spans every group's rows
-    (70, 96, 64, 1, None),                       # many rows: 128-row tiles
-])
+@pytest.mark.parametrize(
+    "m,n,k,groups,config",
+    [
+        (1, 80, 96, 1, {"BK": 32, "SPLIT_K": 2}),  # N tail past the weight (zero-filled tile), split summed in-kernel
+        (5, 128, 128, 2, {"BK": 32}),  # grouped: the descriptor spans every group's rows
+        (70, 96, 64, 1, None),  # many rows: 128-row tiles
+    ],
+)
 def test_w8a16_tma_weight_tiles_equal_pointer_loads(m, n, k, groups, config):
     """config tma: the weight tiles by TMA from a host descriptor give the pointer loads' numbers, bit for bit."""
     w_q, w_s = make(n, k, 32)
@@ -202,11 +222,11 @@ def test_grouped_rejects_bad_operands():
     w_q, w_s = make(96, 64, 32)
     x = torch.randn(2, 128)
     with pytest.raises(ValueError, match="groups"):
-        F.fp8_linear_ref(x, w_q, w_s, 32, groups=5)          # 96 rows do not split into 5
+        F.fp8_linear_ref(x, w_q, w_s, 32, groups=5)  # 96 rows do not split into 5
     with pytest.raises(ValueError, match="multiple of block"):
         F.fp8_linear(torch.randn(2, 256), w_q, w_s, 32, groups=4)  # O = 24: a scale block straddles groups
     with pytest.raises(ValueError, match="x must be"):
-        F.fp8_linear(torch.randn(2, 64), w_q, w_s, 32, groups=3)   # x must be [M, groups * K]
+        F.fp8_linear(torch.randn(2, 64), w_q, w_s, 32, groups=3)  # x must be [M, groups * K]
     with pytest.raises(ValueError, match="BN"):
         F.fp8_linear(torch.randn(2, 192), w_q, w_s, 32, groups=3, config={"BN": 64})  # O = 32
     with pytest.raises(ValueError, match="multiple of block"):

@@ -5,6 +5,7 @@ EP rank of the model (d = 5120, inter = 512, E = 48, k = 6, bf16 x: rel err < 1e
 starts as NaN, and experts that no token picks hold NaN / Inf weights, so a row left unwritten or a tile read from
 the wrong expert shows.
 """
+
 from dataclasses import replace
 
 import pytest
@@ -21,8 +22,9 @@ D, INTER, E, LIMIT = 64, 32, 8, 3.0
 
 @pytest.fixture(autouse=True)
 def _poisoned_scratch(monkeypatch):
-    monkeypatch.setattr(G, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
-                                                                             device=device))
+    monkeypatch.setattr(
+        G, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
+    )
 
 
 def rel(out, ref):
@@ -34,9 +36,9 @@ def dense(n_exp, d, inter, device="cpu", seed=0):
     with rows of different magnitude so that a wrong scale block shows."""
     g = torch.Generator(device=device).manual_seed(seed)
     mag = torch.logspace(-1, 0.5, inter, device=device)[:, None]
-    w1 = torch.randn(n_exp, inter, d, generator=g, device=device) * mag * 2 * d ** -0.5
-    w3 = torch.randn(n_exp, inter, d, generator=g, device=device) * mag * 2 * d ** -0.5
-    w2 = torch.randn(n_exp, d, inter, generator=g, device=device) * inter ** -0.5
+    w1 = torch.randn(n_exp, inter, d, generator=g, device=device) * mag * 2 * d**-0.5
+    w3 = torch.randn(n_exp, inter, d, generator=g, device=device) * mag * 2 * d**-0.5
+    w2 = torch.randn(n_exp, d, inter, generator=g, device=device) * inter**-0.5
     return w1, w3, w2
 
 
@@ -210,7 +212,7 @@ def test_ref_plus_shared_expert_is_moe_forward(fmt):
     cfg = preset("tiny")
     moe = MoE(cfg, n_experts=8, topk=3)
     for p in moe.parameters():
-        torch.nn.init.normal_(p, std=cfg.hidden_size ** -0.5)
+        torch.nn.init.normal_(p, std=cfg.hidden_size**-0.5)
     moe = moe.double()
     ex = G.ExpertWeights.from_dense(*(moe.experts[n].detach().float() for n in ("w1", "w3", "w2")), fmt)
     with torch.no_grad():  # the module holds what the loader makes of the stored format
@@ -225,11 +227,14 @@ def test_ref_plus_shared_expert_is_moe_forward(fmt):
     assert rel(y, ref) < 1e-12
 
 
-@pytest.mark.parametrize("ids", [
-    torch.arange(8)[:, None],                                   # one pair per expert: the bound is reached
-    torch.full((37, 1), 3),                                     # one expert, three tiles
-    torch.tensor([[0, 7], [7, 0], [-1, 8], [2, 7], [7, 7]]),    # out-of-range ids land in no tile
-])
+@pytest.mark.parametrize(
+    "ids",
+    [
+        torch.arange(8)[:, None],  # one pair per expert: the bound is reached
+        torch.full((37, 1), 3),  # one expert, three tiles
+        torch.tensor([[0, 7], [7, 0], [-1, 8], [2, 7], [7, 7]]),  # out-of-range ids land in no tile
+    ],
+)
 def test_expert_tiles_cover_every_pair_once(ids):
     order, tiles = expert_tiles(ids, E, 16)
     flat = ids.reshape(-1)
@@ -237,7 +242,7 @@ def test_expert_tiles_cover_every_pair_once(ids):
     seen = []
     for e, lo, hi in tiles.t().tolist():
         if e < E:
-            rows = order[lo:min(lo + 16, hi)]
+            rows = order[lo : min(lo + 16, hi)]
             assert rows.numel() > 0 and (flat[rows] == e).all()
             seen += rows.tolist()
     valid = ((flat >= 0) & (flat < E)).nonzero().flatten().tolist()

@@ -1,5 +1,6 @@
 """Indexer scoring kernels vs their torch refs (interpreter: tiny shapes; GPU: real shapes), and the consumer's
 candidate path (candidate scores -> topk -> candidate_entries) vs the model's (masked full scores, stable_topk)."""
+
 import pytest
 import torch
 
@@ -49,10 +50,10 @@ def _close(out, ref, tol):
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    monkeypatch.setattr(ix, "BLOCK_N", 16)       # several entry tiles per row at tiny n
+    monkeypatch.setattr(ix, "BLOCK_N", 16)  # several entry tiles per row at tiny n
     monkeypatch.setattr(ix, "CAND_BLOCK_N", 16)
-    monkeypatch.setattr(ix, "PREFILL_M", 16)     # Hi = 4 -> tiles of 4 rows
-    monkeypatch.setattr(ix, "N_TILES", 2)        # two entry tiles per program, the second past n_max at times
+    monkeypatch.setattr(ix, "PREFILL_M", 16)  # Hi = 4 -> tiles of 4 rows
+    monkeypatch.setattr(ix, "N_TILES", 2)  # two entry tiles per program, the second past n_max at times
     monkeypatch.setattr(ix, "_FILL", 0)
 
 
@@ -68,9 +69,16 @@ def test_ref_follows_block_table(fmt):
 
 
 # Di = 32/64 FP4 rows (17/34 B) and misaligned views (offset) take the byte path; Di = 128 FP4 and bf16 rows words.
-@pytest.mark.parametrize("fmt,h,di,qdt,offset", [("fp4", 4, 64, torch.float32, 0), ("bf16", 20, 32, torch.float32, 0),
-                                                 ("fp4", 20, 32, torch.bfloat16, 0), ("fp4", 4, 128, torch.float32, 0),
-                                                 ("bf16", 4, 32, torch.float32, 2)])
+@pytest.mark.parametrize(
+    "fmt,h,di,qdt,offset",
+    [
+        ("fp4", 4, 64, torch.float32, 0),
+        ("bf16", 20, 32, torch.float32, 0),
+        ("fp4", 20, 32, torch.bfloat16, 0),
+        ("fp4", 4, 128, torch.float32, 0),
+        ("bf16", 4, 32, torch.float32, 2),
+    ],
+)
 def test_index_scores_decode_rows(small_tiles, fmt, h, di, qdt, offset):
     # every row its own sequence and visible count (a decode batch), one sequence read twice
     pool, bt, _ = _paged(fmt, 4, di, 8, 8, seed=3, offset=offset)
@@ -108,6 +116,7 @@ def test_long_chunk_kernel(monkeypatch):
     others (programs spanning sequences), rows seeing past the table's reach, n_max not a multiple of the tiles,
     super-tiles past every row's visible entries."""
     import dsserve.kernels.indexer_prefill as IP
+
     for name, v in (("PREFILL_ROWS", 1), ("ROWS", 4), ("BLOCK_N", 16), ("SUPER", 2)):
         monkeypatch.setattr(IP, name, v)
     calls, real = [], IP.prefill_scores
@@ -140,12 +149,12 @@ def _raw_fp4(di, device, offset=0):
     g = torch.Generator().manual_seed(11)
     rb = di // 2 + di // 32
     rows = torch.randint(0, 256, (32, rb), generator=g, dtype=torch.uint8)
-    rows[:, di // 2:] = torch.randint(0, 4, (32, di // 32), generator=g, dtype=torch.uint8)
+    rows[:, di // 2 :] = torch.randint(0, 4, (32, di // 32), generator=g, dtype=torch.uint8)
     pool = torch.zeros(32 * rb + offset, dtype=torch.uint8, device=device)[offset:].view(32, rb)
     pool.copy_(rows)
     bt = torch.randperm(4, generator=g).int()[None]
     q, w, _ = _qw(3, 4, di, seed=12)
-    return pool, bt.to(device), q.to(device) * 2.0 ** 120, w.to(device)
+    return pool, bt.to(device), q.to(device) * 2.0**120, w.to(device)
 
 
 @pytest.mark.parametrize("di,offset", [(64, 0), (128, 0), (128, 1)])
@@ -156,8 +165,10 @@ def test_index_scores_raw_fp4_bytes(small_tiles, di, offset):
     _close(out, ix.index_scores_ref(q, w, pool, "fp4", bt, seq, 8, nv, 32), 1e-5)
 
 
-@pytest.mark.parametrize("fmt,di,qdt", [("fp4", 32, torch.float32), ("bf16", 32, torch.float32),
-                                        ("fp4", 32, torch.bfloat16), ("fp4", 128, torch.float32)])
+@pytest.mark.parametrize(
+    "fmt,di,qdt",
+    [("fp4", 32, torch.float32), ("bf16", 32, torch.float32), ("fp4", 32, torch.bfloat16), ("fp4", 128, torch.float32)],
+)
 def test_index_scores_candidates(small_tiles, fmt, di, qdt):
     pool, bt, _ = _paged(fmt, 3, di, 8, 6, seed=5)
     q, w, g = _qw(4, 4, di, seed=6, dtype=qdt)
@@ -240,23 +251,33 @@ def _real(fmt, kind, t, epb, n_max, seed):
         c = t - 37
         seq = torch.cat((torch.arange(1, 22), torch.zeros(c, dtype=torch.int64), torch.arange(22, 38)))
         nv = torch.randint(0, n_max + 1, (t,), generator=g)
-        nv[21:21 + c] = n_max - c + 1 + torch.arange(c)
+        nv[21 : 21 + c] = n_max - c + 1 + torch.arange(c)
     return pool.cuda(), bt.int().cuda(), seq.int().cuda(), nv.int().cuda(), g
 
 
 @cuda
-@pytest.mark.parametrize("fmt,kind,t,epb,n_max,qdt", [
-    ("fp4", "prefill", 4096, 64, 32768, torch.bfloat16), ("fp4", "decode", 64, 64, 32768, torch.bfloat16),
-    ("fp4", "mixed", 1061, 64, 20000, torch.bfloat16), ("fp4", "decode", 1, 64, 20000, torch.bfloat16),
-    ("fp4", "decode", 16, 32, 20000, torch.bfloat16), ("fp4", "mixed", 300, 64, 20000, torch.float32),
-    ("bf16", "prefill", 256, 64, 20000, torch.bfloat16), ("bf16", "decode", 16, 64, 20000, torch.float32),
-    ("bf16", "prefill", 4096, 64, 32768, torch.bfloat16), ("bf16", "mixed", 1061, 64, 20000, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "fmt,kind,t,epb,n_max,qdt",
+    [
+        ("fp4", "prefill", 4096, 64, 32768, torch.bfloat16),
+        ("fp4", "decode", 64, 64, 32768, torch.bfloat16),
+        ("fp4", "mixed", 1061, 64, 20000, torch.bfloat16),
+        ("fp4", "decode", 1, 64, 20000, torch.bfloat16),
+        ("fp4", "decode", 16, 32, 20000, torch.bfloat16),
+        ("fp4", "mixed", 300, 64, 20000, torch.float32),
+        ("bf16", "prefill", 256, 64, 20000, torch.bfloat16),
+        ("bf16", "decode", 16, 64, 20000, torch.float32),
+        ("bf16", "prefill", 4096, 64, 32768, torch.bfloat16),
+        ("bf16", "mixed", 1061, 64, 20000, torch.bfloat16),
+    ],
+)
 def test_index_scores_gpu(fmt, kind, t, epb, n_max, qdt, monkeypatch):
     import dsserve.kernels.indexer_prefill as IP
+
     monkeypatch.setattr(IP, "PREFILL_ROWS", 1024)  # bf16 q and keys from 1024 rows: the long-chunk kernel
     pool, bt, seq, nv, g = _real(fmt, kind, t, epb, n_max, seed=t + epb)
     q = torch.randn(t, 32, 128, generator=g).to("cuda", qdt)
-    w = torch.randn(t, 32, generator=g).cuda() * 128 ** -0.5 * 32 ** -0.5
+    w = torch.randn(t, 32, generator=g).cuda() * 128**-0.5 * 32**-0.5
     tol = 1e-5 if qdt == torch.float32 else 1e-2
     out = torch.full((t, n_max), float("nan"), device="cuda")
     ix.index_scores(q, w, pool, fmt, bt, seq, epb, nv, n_max, out=out)

@@ -1,4 +1,5 @@
 """unpack_rows (Triton) vs unpack_rows_ref: packed KV rows to bf16 key tables, absent rows zero."""
+
 import pytest
 import torch
 

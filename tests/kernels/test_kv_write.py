@@ -4,6 +4,7 @@ Interpreter tests use tiny shapes (D = 64, R = 16, Di = 32, 1 to 37 rows); GPU t
 The quantiser is checked bit-exactly (bytes and values); the fused ops allow a rare element one grid step apart,
 since the kernel's norm sums in another order and an fp32 ulp can cross a rounding boundary.
 """
+
 from types import SimpleNamespace
 
 import pytest
@@ -26,8 +27,9 @@ ROPE = Rope(RopeSpec(16, 10000.0))
 @pytest.fixture(autouse=True)
 def _poisoned_outputs(monkeypatch):
     """The kernels' returned tensors start as NaN, so a row the kernel fails to write shows up."""
-    monkeypatch.setattr(kw, "_empty", lambda n, d, dtype, device: torch.full((n, d), float("nan"), dtype=dtype,
-                                                                             device=device))
+    monkeypatch.setattr(
+        kw, "_empty", lambda n, d, dtype, device: torch.full((n, d), float("nan"), dtype=dtype, device=device)
+    )
 
 
 def _angles(n, half, dev, seed):
@@ -79,7 +81,7 @@ def _assert_near(out, ref, pre, kind, qat, frac):
         return
     bad = ~((out == ref) & (torch.signbit(out) == torch.signbit(ref)))
     assert bad.sum().item() <= max(1, frac * out.numel()), f"{bad.sum().item()} of {out.numel()} differ"
-    grp, floor = kw._GROUP[kind], {"swa_fp8": 1e-4, "main_fp4": 6 * 2.0 ** -9, "index_fp4": 6 * 2.0 ** -126}[kind]
+    grp, floor = kw._GROUP[kind], {"swa_fp8": 1e-4, "main_fp4": 6 * 2.0**-9, "index_fp4": 6 * 2.0**-126}[kind]
     amax = pre.float().abs().unflatten(-1, (-1, grp)).amax(-1, keepdim=True).clamp_min(floor)
     top, steps = (448.0, 32.0) if kind == "swa_fp8" else (6.0, 2.0)  # largest grid step, in units of the scale
     step = (2 * amax / top * steps).expand(-1, -1, grp).flatten(-2)
@@ -94,8 +96,9 @@ def _check_op(op, args, fmt, qat, frac=0.0, out_dtype=None):
         (lat, got), (ref_lat, ref) = got, ref
         _assert_near(lat, ref_lat, None, None, False, frac)  # the gate's exp/softmax differ from torch's by ulps
     own = f.name == OWN[op]
-    pre = getattr(kw, op + "_ref")(*args, ref_pool.clone(), rows, fmt, False,
-                                   **({"out_dtype": out_dtype} if op == "store_main" else {}))
+    pre = getattr(kw, op + "_ref")(
+        *args, ref_pool.clone(), rows, fmt, False, **({"out_dtype": out_dtype} if op == "store_main" else {})
+    )
     pre = pre[1] if op == "store_main" else pre
     _assert_near(got, ref, pre, OWN[op], qat, frac)
     keep = rows >= 0
@@ -121,8 +124,26 @@ def test_quantize_rows_exact(name):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(5, d, generator=g) * (10.0 ** torch.tensor([-7.0, -2.0, 0.0, 2.0, 5.0]))[:, None]
     t4 = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.0, 0.0, 1.0, 3.0, 0.5, 1.5, 4.0, 2.0])
-    t8 = torch.tensor([448.0, 1.0625, 1.1875, 17.0, 19.0, 232.0, 248.0, 4.5 / 512, 3.5 / 512, 0.5 / 512, 1.5 / 512,
-                       -0.0, 0.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, -1.0625])
+    t8 = torch.tensor(
+        [
+            448.0,
+            1.0625,
+            1.1875,
+            17.0,
+            19.0,
+            232.0,
+            248.0,
+            4.5 / 512,
+            3.5 / 512,
+            0.5 / 512,
+            1.5 / 512,
+            -0.0,
+            0.0,
+            1 + 2**-8,
+            1 + 3 * 2**-8,
+            -1.0625,
+        ]
+    )
     x[2] = torch.cat((t4, -t4, t8, -t8))
     x[0, 0] = 6.375  # main scale 6.375 / 6 = 1.0625: an e4m3 tie
     x[1, 0], x[1, 32] = 12.0, 56.0  # pow2 scales exactly 2 (index) and 2^-3 (fp8)
@@ -135,21 +156,34 @@ def test_quantize_rows_exact(name):
     assert _same(f.unpack(pools[0][rows[rows >= 0]]), ref[rows >= 0])
 
 
-@pytest.mark.parametrize("op,fmt,dtype,qat", [
-    ("store_window", "fp8", torch.float32, True), ("store_window", "fp8", torch.bfloat16, True),
-    ("store_window", "bf16", torch.float32, True), ("store_window", "fp8", torch.float32, False),
-    ("store_index", "fp4", torch.float32, True), ("store_index", "bf16", torch.bfloat16, True),
-])
+@pytest.mark.parametrize(
+    "op,fmt,dtype,qat",
+    [
+        ("store_window", "fp8", torch.float32, True),
+        ("store_window", "fp8", torch.bfloat16, True),
+        ("store_window", "bf16", torch.float32, True),
+        ("store_window", "fp8", torch.float32, False),
+        ("store_index", "fp4", torch.float32, True),
+        ("store_index", "bf16", torch.bfloat16, True),
+    ],
+)
 def test_store_tiny(op, fmt, dtype, qat):
     d, half = (64, 8) if op == "store_window" else (32, 8)
     _check_op(op, _case(op, 4, d, half, dtype, "cpu", 3), fmt, qat)
 
 
-@pytest.mark.parametrize("ratio,fmt,out_dtype", [(2, "fp4", None), (1, "fp4", None), (2, "fp8", None),
-                                                 (2, "bf16", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "ratio,fmt,out_dtype", [(2, "fp4", None), (1, "fp4", None), (2, "fp8", None), (2, "bf16", torch.bfloat16)]
+)
 def test_store_main_tiny(ratio, fmt, out_dtype):
-    _check_op("store_main", _case("store_main", 4, 64, 8, torch.float32, "cpu", 5, ratio), fmt, True,
-              frac=0.01, out_dtype=out_dtype)
+    _check_op(
+        "store_main",
+        _case("store_main", 4, 64, 8, torch.float32, "cpu", 5, ratio),
+        fmt,
+        True,
+        frac=0.01,
+        out_dtype=out_dtype,
+    )
 
 
 @pytest.mark.parametrize("n", [1, 37])
@@ -167,8 +201,9 @@ def test_refs_follow_the_model():
     torch.manual_seed(0)
     d, hd, di, n = 96, 64, 32, 6
     x, pos = torch.randn(2 * n, d), torch.arange(2 * n)
-    layer = SimpleNamespace(wkv=torch.nn.Linear(d, hd, bias=False), kv_norm=RMSNorm(hd, EPS), rope=ROPE,
-                            cfg=SimpleNamespace(is_v41=True))
+    layer = SimpleNamespace(
+        wkv=torch.nn.Linear(d, hd, bias=False), kv_norm=RMSNorm(hd, EPS), rope=ROPE, cfg=SimpleNamespace(is_v41=True)
+    )
     layer._kv_qat = lambda kv, qat: CSA2Attention._kv_qat(layer, kv, qat)
     torch.nn.init.uniform_(layer.kv_norm.weight, 0.5, 1.5)
     cos, sin = ROPE._cos_sin(pos)
@@ -185,12 +220,22 @@ def test_refs_follow_the_model():
         z = x @ comp.wgate.weight.t() if ratio == 2 else None
         c, s = ROPE._cos_sin(epos)
         rows = torch.arange(latent.shape[0])
-        lat, main = kw.store_main_ref(u, z, ratio, comp.norm.weight, EPS, c, s, torch.zeros(len(rows), 36,
-                                      dtype=torch.uint8), rows, "fp4", True)
+        lat, main = kw.store_main_ref(
+            u, z, ratio, comp.norm.weight, EPS, c, s, torch.zeros(len(rows), 36, dtype=torch.uint8), rows, "fp4", True
+        )
         assert _same(lat, latent)
         assert _same(main, quant.fake_quant_fp4_e4m3scale(ROPE(latent, epos), 16))
-        k = kw.store_index_ref(idx.wk(latent), idx.k_norm.weight, EPS, c, s, torch.zeros(len(rows), 17,
-                               dtype=torch.uint8), rows, "fp4", True)
+        k = kw.store_index_ref(
+            idx.wk(latent),
+            idx.k_norm.weight,
+            EPS,
+            c,
+            s,
+            torch.zeros(len(rows), 17, dtype=torch.uint8),
+            rows,
+            "fp4",
+            True,
+        )
         assert _same(k, idx.index_keys(latent, epos, ROPE, True))
 
 
@@ -209,8 +254,9 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="z must"):
         kw.store_main_ref(torch.randn(4, 64), None, 2, w, EPS, cos, sin, pool, rows, "fp8")
     with pytest.raises(ValueError, match="power-of-two"):
-        kw.store_window(torch.randn(2, 96), torch.ones(96), EPS, cos, sin, torch.zeros(4, 99, dtype=torch.uint8),
-                        rows, "fp8")
+        kw.store_window(
+            torch.randn(2, 96), torch.ones(96), EPS, cos, sin, torch.zeros(4, 99, dtype=torch.uint8), rows, "fp8"
+        )
 
 
 # ------------------------------------------------------------------ GPU (real shapes)

@@ -1,4 +1,5 @@
 """mhc_site / mhc_expand (Triton) == their references, and the references == Block.forward's own pieces."""
+
 import pytest
 import torch
 
@@ -17,8 +18,10 @@ def _rel(out, ref):
 @pytest.fixture
 def poison(monkeypatch):
     """Every buffer the kernels allocate (outputs and scratch) starts as NaN."""
+
     def alloc(*shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
     monkeypatch.setattr(K, "_alloc", alloc)
 
 
@@ -103,10 +106,15 @@ def test_references_are_block_forward(tiny_models, poison):
     def spy_mix(site, x):
         seen["mix_" + site] = (x, *mix(site, x))
         return seen["mix_" + site][1:]
-    hooks = [block.register_forward_pre_hook(lambda mod, a: seen.__setitem__("in", a[:2])),
-             block.register_forward_hook(lambda mod, a, out: seen.__setitem__("out", out[:2]))]
-    hooks += [getattr(block, name).register_forward_hook(lambda mod, a, out, name=name: seen.__setitem__(name, out))
-              for name in ("attn_norm", "ffn_norm", "attn", "ffn")]
+
+    hooks = [
+        block.register_forward_pre_hook(lambda mod, a: seen.__setitem__("in", a[:2])),
+        block.register_forward_hook(lambda mod, a, out: seen.__setitem__("out", out[:2])),
+    ]
+    hooks += [
+        getattr(block, name).register_forward_hook(lambda mod, a, out, name=name: seen.__setitem__(name, out))
+        for name in ("attn_norm", "ffn_norm", "attn", "ffn")
+    ]
     block.mix = spy_mix
     try:
         with torch.no_grad():
@@ -115,14 +123,23 @@ def test_references_are_block_forward(tiny_models, poison):
         del block.mix
         for h in hooks:
             h.remove()
-    (x_in, pre_in), (x_a, a_pre, a_post, a_comb), (x_mid, f_pre, f_post, f_comb) = \
-        seen["in"], seen["mix_attn"], seen["mix_ffn"]
+    (x_in, pre_in), (x_a, a_pre, a_post, a_comb), (x_mid, f_pre, f_post, f_comb) = (
+        seen["in"],
+        seen["mix_attn"],
+        seen["mix_ffn"],
+    )
     assert torch.equal(x_a, x_in) and x_in.shape == (5, c.hc_mult, c.hidden_size)
     eps = (c.rms_norm_eps, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
     # V4.1: attention collapses with the pre handed in, the FFN with the attention site's pre
     for site, x, pre in (("attn", x_in, pre_in), ("ffn", x_mid, a_pre)):
-        args = [x, getattr(block, f"hc_{site}_fn"), getattr(block, f"hc_{site}_base"),
-                getattr(block, f"hc_{site}_scale"), pre, getattr(block, f"{site}_norm").weight]
+        args = [
+            x,
+            getattr(block, f"hc_{site}_fn"),
+            getattr(block, f"hc_{site}_base"),
+            getattr(block, f"hc_{site}_scale"),
+            pre,
+            getattr(block, f"{site}_norm").weight,
+        ]
         for g, w in zip(mhc_site_ref(*args, *eps), (seen[f"{site}_norm"], *seen["mix_" + site][1:])):
             assert torch.equal(g, w), site
         _check_site([a.detach().float() for a in args] + list(eps), 1e-5)

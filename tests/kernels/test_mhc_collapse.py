@@ -1,4 +1,5 @@
 """mhc_collapse_norm (Triton) == its reference, and == the h that mhc_site computes (its d-split sums aside)."""
+
 import pytest
 import torch
 

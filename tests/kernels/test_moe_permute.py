@@ -1,15 +1,22 @@
 """kernels.moe_permute: the one-launch counting sort equals the torch reference (order and tile table)."""
+
 import pytest
 import torch
 
-from dsserve.kernels.moe_permute import (MAX_KERNEL_PAIRS, expert_tiles, expert_tiles_kernel, expert_tiles_ref,
-                                         tile_count)
+from dsserve.kernels.moe_permute import (
+    MAX_KERNEL_PAIRS,
+    expert_tiles,
+    expert_tiles_kernel,
+    expert_tiles_ref,
+    tile_count,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("t,k,e,bm", [(1, 6, 48, 16), (7, 2, 8, 16), (120, 2, 8, 16), (40, 6, 48, 64),
-                                      (5, 3, 5, 16), (170, 6, 48, 16)])
+@pytest.mark.parametrize(
+    "t,k,e,bm", [(1, 6, 48, 16), (7, 2, 8, 16), (120, 2, 8, 16), (40, 6, 48, 64), (5, 3, 5, 16), (170, 6, 48, 16)]
+)
 def test_kernel_equals_reference(t, k, e, bm):
     assert t * k <= MAX_KERNEL_PAIRS  # sizes the dispatcher sends to the kernel on CUDA
     g = torch.Generator().manual_seed(t * 100 + e)
@@ -35,7 +42,7 @@ def test_int32_ids_and_ids_out_of_range():
     seen = []
     for ex, lo, hi in tiles.cpu().t().tolist():
         if ex < 8:
-            rows = order.cpu()[lo:min(lo + 16, hi)]
+            rows = order.cpu()[lo : min(lo + 16, hi)]
             assert (flat[rows] == ex).all()
             seen += rows.tolist()
     assert sorted(seen) == ((flat >= 0) & (flat < 8)).nonzero().flatten().tolist()

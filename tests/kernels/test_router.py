@@ -1,4 +1,5 @@
 """route (Triton MoE router) against route_ref, and route_ref against Gate.forward itself."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,13 +12,12 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 # (T, d, E, k): the brief's tiny grid, every value of each axis at least twice, k = E once
 TINY = [(1, 64, 8, 1), (5, 96, 12, 2), (33, 64, 40, 6), (5, 64, 40, 1), (33, 96, 8, 6), (1, 96, 12, 12)]
 # the three code paths: default plan, one launch (all E, all d per program), split d + select pass
-PATHS = {"default": None, "fused": {"fused": True, "BT": 16}, "split": {"fused": False, "BE": 16, "BK": 16,
-                                                                          "SPLIT": 3}}
+PATHS = {"default": None, "fused": {"fused": True, "BT": 16}, "split": {"fused": False, "BE": 16, "BK": 16, "SPLIT": 3}}
 
 
 def _inputs(t, d, e, gen, device="cpu", dtype=torch.float32, alt=True):
     x = torch.randn(t, d, generator=gen).to(device, dtype)
-    w = (torch.randn(e, d, generator=gen) * d ** -0.5 * 2).to(device, dtype)
+    w = (torch.randn(e, d, generator=gen) * d**-0.5 * 2).to(device, dtype)
     b = (torch.randn(e, generator=gen) * 0.1).to(device)
     ba = (torch.randn(e, generator=gen) * 0.5).to(device) if alt else None
     u = (torch.rand(t, generator=gen) < 0.5).to(device) if alt else None
@@ -25,8 +25,7 @@ def _inputs(t, d, e, gen, device="cpu", dtype=torch.float32, alt=True):
 
 
 def _poisoned(t, k, device="cpu"):
-    return (torch.full((t, k), -7, dtype=torch.int64, device=device),
-            torch.full((t, k), float("nan"), device=device))
+    return (torch.full((t, k), -7, dtype=torch.int64, device=device), torch.full((t, k), float("nan"), device=device))
 
 
 def _rel(a, b):
@@ -57,7 +56,7 @@ def test_route_exact_ties_take_lower_id(path):
     """Integer x and W: every logit is exact in any summation order, so duplicated expert rows (with equal
     biases) tie exactly in both; k cuts through tied groups, so only the lower-id rule gives the ref's ids."""
     gen = torch.Generator().manual_seed(1)
-    t, d, e = 33, 64, 12
+    t, d = 33, 64
     x = torch.randint(-2, 3, (t, d), generator=gen).float()
     proto = torch.randint(-1, 2, (3, d), generator=gen).float() * 0.25
     w = proto[torch.tensor([2, 0, 1, 0, 2, 1, 1, 0, 2, 0, 1, 2])]
@@ -113,9 +112,16 @@ def test_route_ref_is_gate_forward():
 
 def test_route_rejects_bad_arguments():
     x, w, b, u = torch.randn(3, 16), torch.randn(8, 16), torch.zeros(8), torch.zeros(3, dtype=torch.bool)
-    bad = [(x, w, b, 0, 1.0, b, u, None), (x, w, b, 9, 1.0, b, u, None), (x, w[:, 1:], b, 2, 1.0, b, u, None),
-           (x, w, b[1:], 2, 1.0, b, u, None), (x, w, b, 2, 0.0, b, u, None), (x, w, b, 2, 1.0, b, u.float(), None),
-           (x.double(), w, b, 2, 1.0, b, u, None), (x, w, b, 2, 1.0, b, u, _poisoned(3, 3))]
+    bad = [
+        (x, w, b, 0, 1.0, b, u, None),
+        (x, w, b, 9, 1.0, b, u, None),
+        (x, w[:, 1:], b, 2, 1.0, b, u, None),
+        (x, w, b[1:], 2, 1.0, b, u, None),
+        (x, w, b, 2, 0.0, b, u, None),
+        (x, w, b, 2, 1.0, b, u.float(), None),
+        (x.double(), w, b, 2, 1.0, b, u, None),
+        (x, w, b, 2, 1.0, b, u, _poisoned(3, 3)),
+    ]
     for xx, ww, bb, k, temp, ba, uu, out in bad:
         with pytest.raises(ValueError):
             route(xx, ww, bb, k, temp, 1.5, ba, uu, out=out)
@@ -125,13 +131,14 @@ def test_route_rejects_bad_arguments():
 
 # ---- GPU: real shapes, bf16 operands ----
 
+
 def _check_gpu(args, k, ids, w, rids, rw):
     """ids equal wherever the ref's ordering is clear; near-ties (adjacent biased scores among the top k+1 within
     1e-3 relative) may flip between summation orders, but only between near-equal experts."""
     x, wt, b, ba, u = args
     s = torch.sqrt(F.softplus(x.float() @ wt.float().t()))
     biased = torch.where(u[:, None], s + ba, s + b)
-    top = biased.sort(-1, descending=True).values[:, :k + 1]
+    top = biased.sort(-1, descending=True).values[:, : k + 1]
     gap = (top[:, :-1] - top[:, 1:]) / top[:, :1].abs().clamp_min(1e-6)
     clear = (gap > 1e-3).all(-1)
     same = (ids == rids).all(-1)

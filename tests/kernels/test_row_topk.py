@@ -1,4 +1,5 @@
 """row_topk == topk (hence stable_topk) bit for bit: idx and valid, on random, tie-heavy and -inf-heavy rows."""
+
 import pytest
 import torch
 
@@ -54,8 +55,9 @@ def test_dtypes_extremes_and_strides():
     for dt in (torch.bfloat16, torch.float16):  # rounding to 8 / 11 bits makes ties across the cut
         _check(s.to(dt), 20)
     # finite extremes, subnormals, neighbouring floats, infinities: ordered exactly as the float compare
-    v = torch.tensor([3.4e38, -3.4e38, 1e-45, -1e-45, 1.0, 1.0 + 2 ** -23, -1.0, -1.0 - 2 ** -23, 0.0, -0.0,
-                      float("inf"), NEG_INF])
+    v = torch.tensor(
+        [3.4e38, -3.4e38, 1e-45, -1e-45, 1.0, 1.0 + 2**-23, -1.0, -1.0 - 2**-23, 0.0, -0.0, float("inf"), NEG_INF]
+    )
     x = v[torch.randperm(12, generator=g)].repeat(2, 3)
     for k in (3, 11, 12, 13, 30):
         _check(x, k)
@@ -79,6 +81,7 @@ def _nan_rows(t, n, g):
 def test_nan_scores_rank_first_and_invalid():
     # NaN ranks above +inf (torch.sort's order, hence stable_topk's) and is never valid; every slot is written
     from dsserve.layers.indexer import stable_topk
+
     g = torch.Generator().manual_seed(6)
     for n in (7, 64, 300):
         s = _nan_rows(5, n, g)
@@ -122,6 +125,7 @@ def test_chunk_topk_matches_topk(kind):
 
 def test_topk_sends_long_rows_to_chunks(monkeypatch):
     import dsserve.kernels.topk as T
+
     calls, real = [], T.chunk_topk
     monkeypatch.setattr(T, "chunk_topk", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(T, "MAX_N", 64)
@@ -166,6 +170,7 @@ def test_gpu_decode_shapes(t, n, kind):
 def test_gpu_chunk_topk(n, k, monkeypatch):
     # a prefill chunk's source rows past 16K entries (topk sends them here), sparse rows: causal visibility
     import dsserve.kernels.topk as T
+
     monkeypatch.setattr(T, "CHUNKS", True)
     g = torch.Generator().manual_seed(n)
     s = _scores("sparse", 8, n, g)
@@ -179,11 +184,11 @@ def test_gpu_edge_cases():
     g = torch.Generator().manual_seed(3)
     s = torch.randn(8, MAX_N, generator=g)
     s[0] = NEG_INF
-    s[1, 100:] = NEG_INF           # fewer finite scores than k
+    s[1, 100:] = NEG_INF  # fewer finite scores than k
     s[2] = torch.where(torch.rand(MAX_N, generator=g) < 0.5, 0.0, -0.0)  # signed zeros tie
-    s[3] = 1.5                     # one value everywhere
+    s[3] = 1.5  # one value everywhere
     s[4, 7::3] = float("inf")
-    s[5] = s[5].round()            # integer ties straddle the cut
+    s[5] = s[5].round()  # integer ties straddle the cut
     s = s.cuda()
     for k in (1, 511, 512, 513, 4096, MAX_N, MAX_N + 1):
         _check(s, k)
@@ -191,8 +196,8 @@ def test_gpu_edge_cases():
         _check(s, 512, num_warps=nw)
     for dt in (torch.bfloat16, torch.float16):
         _check(s.to(dt), 512)
-    _check(s[:, :600], 1024)       # k >= N
-    _check(s[:, ::2], 512)         # strided rows
+    _check(s[:, :600], 1024)  # k >= N
+    _check(s[:, ::2], 512)  # strided rows
     _check(_scores("ties", 300, 2048, g).cuda(), 512)  # more rows than SMs
 
 
@@ -202,11 +207,12 @@ def test_gpu_arithmetic_nan(n):
     # NaN made by the GPU's own arithmetic (0 * inf: 0x7FFFFFFF) over many entries, as a garbage index key gives: the
     # decode path's top-k (one row_topk, or chunk_topk past MAX_N) still writes every slot, as stable_topk orders
     from dsserve.layers.indexer import stable_topk
+
     g = torch.Generator().manual_seed(n)
     s = torch.randn(6, n, generator=g).cuda()
     hit = torch.rand(6, n, generator=g).cuda() < torch.tensor([1.0, 0.5, 0.03, 0.0, 0.2, 0.9], device="cuda")[:, None]
     s = torch.where(hit, s * 0 * float("inf"), s)
-    s[3, n // 2:] = NEG_INF
+    s[3, n // 2 :] = NEG_INF
     assert (s[0].view(torch.int32) == 0x7FFFFFFF).all()
     for k in (512, 2048):
         got = topk(s, k)

@@ -2,6 +2,7 @@
 
 RoPE and the FP4 / FP8 fake-quants reproduce their references bit for bit; RMSNorm up to the order of its fp32 sum.
 """
+
 import pytest
 import torch
 
@@ -29,7 +30,7 @@ def test_rms_norm(device, dtype, d, weighted):
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, rtol=2e-6, atol=0)
     else:  # the fp32 values differ by summation order only: at most one bf16 step apart
-        torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=0)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -71,7 +72,7 @@ def test_fake_quant_fp8_pow2_bit_exact(device, dtype, group):
     x = _x((6, 4, 448 if group == 64 else 128), dtype, device, group + 1)
     x[0, 0, :group] = 0.0  # an all-zero group: the amax floor
     x[0, 1, :group] = -0.0
-    x[1, 0, :group] *= 2.0 ** -20  # below the floor: the scale stays 2^ceil(log2(1e-4 / 448))
+    x[1, 0, :group] *= 2.0**-20  # below the floor: the scale stays 2^ceil(log2(1e-4 / 448))
     x[2, 2, 3] = x[2, 2, :group].abs().max() * 9 / 448  # on e4m3's subnormal grid after scaling
     out, ref = R.fake_quant_fp8_pow2(x, group), quant.fake_quant_fp8_pow2(x, group)
     assert out.dtype == dtype and torch.equal(out, ref)

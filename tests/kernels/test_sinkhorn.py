@@ -1,4 +1,5 @@
 """The training Sinkhorn kernel (forward and backward) against layers.mhc.sinkhorn under torch autograd."""
+
 import pytest
 import torch
 
@@ -37,6 +38,7 @@ def test_a_block_with_the_kernel_trains_as_with_torch():
     from dsserve.models.checkpoint import dummy_weights
     from dsserve.models.model import DeepseekForCausalLM
     from dsserve.models.presets import preset
+
     cfg = preset("tiny")
     t = torch.randint(3, 8000, (40,), generator=torch.Generator().manual_seed(2))
     grads = []
@@ -48,8 +50,12 @@ def test_a_block_with_the_kernel_trains_as_with_torch():
                 block.sinkhorn = sinkhorn_trainable
         loss = torch.nn.functional.cross_entropy(m.logits(m.forward(t).hidden)[:-1], t[1:])
         loss.backward()
-        grads.append((loss.detach(), {n: p.grad for n, p in m.named_parameters()
-                                         if n.startswith("layers.") and n.endswith("hc_attn_fn")}))
+        grads.append(
+            (
+                loss.detach(),
+                {n: p.grad for n, p in m.named_parameters() if n.startswith("layers.") and n.endswith("hc_attn_fn")},
+            )
+        )
     (l0, g0), (l1, g1) = grads
     torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-5)
     assert len(g0) == cfg.num_hidden_layers

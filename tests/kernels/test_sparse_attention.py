@@ -4,6 +4,7 @@ Cases are built like the engine builds them: each sequence has earlier rows (its
 scattered physical rows, listed per query row in any order with -1 holes), a chunk of fresh rows this step, and
 visible global entries scattered in the main pool; pools also hold junk rows (NaN bytes) nobody may read.
 """
+
 import pytest
 import torch
 
@@ -25,7 +26,7 @@ def _pool(fmt, vals, junk, g):
     """Rows of vals packed at random physical ids among `junk` extra rows of 0xFF bytes (NaN in e4m3/bf16)."""
     n = vals.shape[0] + junk
     pool = torch.full((n, fmt.row_bytes), 0xFF, dtype=torch.uint8)
-    phys = torch.randperm(n, generator=g)[:vals.shape[0]]
+    phys = torch.randperm(n, generator=g)[: vals.shape[0]]
     pool[phys] = fmt.pack(vals)
     return pool, phys
 
@@ -56,34 +57,47 @@ def make_case(seqs, h, d, r, w, k, wfmt, mfmt, dtype=torch.float32, seed=0):
         old_p = torch.arange(n_old - nr, n_old)
         for i in range(n_new):
             vis = torch.nonzero(old_p > n_old + i - w).flatten()
-            slots = torch.randperm(w, generator=g)[:vis.numel()]
+            slots = torch.randperm(w, generator=g)[: vis.numel()]
             old_rows[row + i, slots] = wphys[wbase + vis].int()
             if mf is None:
                 continue
-            take = torch.randperm(n_vis, generator=g)[:min(n_vis, k)]
-            take = take[:int(torch.randint(0, take.numel() + 1, (), generator=g))] if i % 2 else take
-            sel_rows[row + i, torch.randperm(k, generator=g)[:take.numel()]] = mphys[mbase + take].int()
+            take = torch.randperm(n_vis, generator=g)[: min(n_vis, k)]
+            take = take[: int(torch.randint(0, take.numel() + 1, (), generator=g))] if i % 2 else take
+            sel_rows[row + i, torch.randperm(k, generator=g)[: take.numel()]] = mphys[mbase + take].int()
         parts.append((rows, wbase, nr, old_p, mbase, n_vis))
         row, wbase, mbase = row + n_new, wbase + nr, mbase + n_vis
     cos, sin = rope._cos_sin(pos)
     cast = lambda x: x.to(dtype)  # noqa: E731
     cos, sin = (x.to(torch.float64 if dtype == torch.float64 else torch.float32) for x in (cos, sin))
-    args = (cast(q), cos, sin, wpool, wfmt, old_rows, cast(fresh), row_first, mpool, mfmt if mf else None,
-            sel_rows if mf else None, sink, d ** -0.5)
+    args = (
+        cast(q),
+        cos,
+        sin,
+        wpool,
+        wfmt,
+        old_rows,
+        cast(fresh),
+        row_first,
+        mpool,
+        mfmt if mf else None,
+        sel_rows if mf else None,
+        sink,
+        d**-0.5,
+    )
 
     def direct():
         out = torch.empty(t, h, d, dtype=torch.float64)
         wk = wf.unpack(wpool, torch.float64)
         for rows, wb, nr, old_p, mb, n_vis in parts:
             p = pos[rows]
-            win_k = torch.cat((wk[wphys[wb:wb + nr]], fresh[rows]))
+            win_k = torch.cat((wk[wphys[wb : wb + nr]], fresh[rows]))
             win_p = torch.cat((old_p, p))
             win_mask = (win_p[None, :] <= p[:, None]) & (win_p[None, :] > p[:, None] - w)
             sel_k = sel_mask = None
             if mf is not None:
                 sel = sel_rows[rows].long()
                 sel_k, sel_mask = mf.unpack(mpool[sel.clamp(min=0)], torch.float64), sel >= 0
-            o = sparse_attention_with_sink(q[rows], win_k, win_mask, sel_k, sel_mask, sink, d ** -0.5)
+            o = sparse_attention_with_sink(q[rows], win_k, win_mask, sel_k, sel_mask, sink, d**-0.5)
             out[rows] = rope(o, p, inverse=True)
         return out
 
@@ -128,9 +142,15 @@ def test_kernel_ragged_fp8_window_fp4_main(splits):
 # K = 48: blocks [old 0, old 1, fresh 0, fresh 1, sel 0, sel 1, sel 2]. splits: None is the automatic choice (7 here,
 # one block each); 3 splits take 3 + 3 + 1 blocks, so a split ends inside the selected range; SWA-only (4 blocks)
 # with 2 splits takes the old, then the fresh window blocks.
-@pytest.mark.parametrize("wfmt,mfmt,dtype,splits", [
-    ("fp8", "fp8", torch.float32, 1), ("bf16", "bf16", torch.float32, None), ("fp8", None, torch.float32, 2),
-    ("fp8", "fp4", torch.bfloat16, 3)])
+@pytest.mark.parametrize(
+    "wfmt,mfmt,dtype,splits",
+    [
+        ("fp8", "fp8", torch.float32, 1),
+        ("bf16", "bf16", torch.float32, None),
+        ("fp8", None, torch.float32, 2),
+        ("fp8", "fp4", torch.bfloat16, 3),
+    ],
+)
 def test_kernel_formats(wfmt, mfmt, dtype, splits):
     args, _ = make_case([(40, 3, 30), (0, 1, 2)], **dict(TINY, k=48), wfmt=wfmt, mfmt=mfmt, dtype=dtype, seed=1)
     _check_kernel(args, 1e-5 if dtype == torch.float32 else 1e-2, splits=splits)
@@ -139,8 +159,9 @@ def test_kernel_formats(wfmt, mfmt, dtype, splits):
 @pytest.mark.parametrize("wfmt,mfmt", [("fp8", "fp4"), ("bf16", "fp8"), ("fp8", None)])
 def test_ref_matches_direct_construction_fp64(wfmt, mfmt, monkeypatch):
     monkeypatch.setattr(sparse_attention_mod, "_REF_CHUNK", 16)  # row chunks that split sequences and windows
-    args, direct = make_case([(40, 1, 30), (10, 36, 12), (0, 2, 0)], **TINY, wfmt=wfmt, mfmt=mfmt,
-                             dtype=torch.float64, seed=2)
+    args, direct = make_case(
+        [(40, 1, 30), (10, 36, 12), (0, 2, 0)], **TINY, wfmt=wfmt, mfmt=mfmt, dtype=torch.float64, seed=2
+    )
     got = sparse_attention_ref(*args, out_dtype=torch.float64)
     assert got.dtype == torch.float64
     assert _rel(got, direct()) < 1e-12
@@ -177,7 +198,7 @@ def test_rejects_bad_input():
     bad = {4: "fp4", 9: "fp16", 3: args[3][:, :-1], 8: None}  # window fmt, main fmt, row width, main without sel
     for i, v in bad.items():
         with pytest.raises(ValueError):
-            sparse_attention_ref(*args[:i], v, *args[i + 1:])
+            sparse_attention_ref(*args[:i], v, *args[i + 1 :])
     with pytest.raises(ValueError):
         sparse_attention(args[0].half(), *args[1:])
     with pytest.raises(ValueError):
@@ -190,19 +211,28 @@ def test_rejects_bad_input():
 @pytest.mark.parametrize("wfmt,mfmt", [("fp8", "fp4"), ("fp8", "fp8"), ("bf16", "bf16")])
 def test_gpu_decode(b, wfmt, mfmt):
     g = torch.Generator().manual_seed(b)
-    seqs = [(int(torch.randint(0, 400, (), generator=g)), 1, int(torch.randint(0, 900, (), generator=g)))
-            for _ in range(b)]
+    seqs = [
+        (int(torch.randint(0, 400, (), generator=g)), 1, int(torch.randint(0, 900, (), generator=g))) for _ in range(b)
+    ]
     args, _ = make_case(seqs, **REAL, wfmt=wfmt, mfmt=mfmt, seed=b)
     _check_kernel(args, 1e-5, device="cuda")
 
 
 @cuda
-@pytest.mark.parametrize("wfmt,mfmt,dtype", [("fp8", "fp4", torch.float32), ("fp8", "fp4", torch.bfloat16),
-                                             ("bf16", "fp8", torch.float32), ("fp8", None, torch.float32)])
+@pytest.mark.parametrize(
+    "wfmt,mfmt,dtype",
+    [
+        ("fp8", "fp4", torch.float32),
+        ("fp8", "fp4", torch.bfloat16),
+        ("bf16", "fp8", torch.float32),
+        ("fp8", None, torch.float32),
+    ],
+)
 def test_gpu_prefill_chunk(wfmt, mfmt, dtype):
     # A 300-row chunk over 200 earlier rows, next to decode rows of other sequences; fewer visible than top-k.
-    args, _ = make_case([(7, 1, 3), (200, 300, 400), (0, 1, 0), (150, 1, 700)], **REAL, wfmt=wfmt, mfmt=mfmt,
-                        dtype=dtype, seed=3)
+    args, _ = make_case(
+        [(7, 1, 3), (200, 300, 400), (0, 1, 0), (150, 1, 700)], **REAL, wfmt=wfmt, mfmt=mfmt, dtype=dtype, seed=3
+    )
     if dtype == torch.float32:
         _check_kernel(args, 1e-5, device="cuda")
     else:
@@ -214,8 +244,14 @@ def test_gpu_prefill_chunk(wfmt, mfmt, dtype):
 def test_gpu_prefill_kernel(wfmt, mfmt, monkeypatch):
     # The chunk of test_gpu_prefill_chunk through the many-row kernel at its real tiles (64 keys, 2 stages).
     monkeypatch.setattr(prefill, "PREFILL_MIN_ROWS", 1)
-    args, _ = make_case([(7, 1, 3), (200, 300, 400), (0, 1, 0), (150, 1, 700)], **REAL, wfmt=wfmt, mfmt=mfmt,
-                        dtype=torch.bfloat16, seed=6)
+    args, _ = make_case(
+        [(7, 1, 3), (200, 300, 400), (0, 1, 0), (150, 1, 700)],
+        **REAL,
+        wfmt=wfmt,
+        mfmt=mfmt,
+        dtype=torch.bfloat16,
+        seed=6,
+    )
     _check_kernel(args, 1e-2, out_dtype=torch.bfloat16, device="cuda")
 
 
@@ -231,8 +267,9 @@ def test_gpu_bf16_decode_fp4():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_decode_split_k(b, splits, dtype):
     g = torch.Generator().manual_seed(100 + b)
-    seqs = [(int(torch.randint(0, 400, (), generator=g)), 1, int(torch.randint(0, 900, (), generator=g)))
-            for _ in range(b)]
+    seqs = [
+        (int(torch.randint(0, 400, (), generator=g)), 1, int(torch.randint(0, 900, (), generator=g))) for _ in range(b)
+    ]
     if b > 1:
         seqs[-1] = (0, 1, 0)  # a first row: its only key (its fresh row) sits in one split
     args, _ = make_case(seqs, **REAL, wfmt="fp8", mfmt="fp4", dtype=dtype, seed=100 + b)

@@ -1,4 +1,5 @@
 """kernels.split_k: the last program of each output tile sums the split partials; counters are left at zero."""
+
 import gc
 import weakref
 

@@ -2,6 +2,7 @@
 
 CPU: the Triton interpreter on ragged tiny shapes. Its exp is numpy's, not torch's CPU silu's, so fp32 agrees to a
 few ulp and bf16 / fp16 almost always bitwise. GPU: the release shapes, bitwise equal expected."""
+
 import pytest
 import torch
 
@@ -19,7 +20,7 @@ def _h(t, inter, dtype, limit, seed, device="cpu", pad=0):
     specials = torch.tensor([limit, -limit, -100.0, 100.0, 0.0, -0.0, 1e-3, -2 * limit])
     flat = h.view(-1)
     flat[torch.randint(0, flat.numel(), (len(specials) * 2,), generator=g)] = specials.repeat(2)
-    return h.to(dtype).to(device)[:, :2 * inter]
+    return h.to(dtype).to(device)[:, : 2 * inter]
 
 
 def _ulps(out, ref):
@@ -70,16 +71,17 @@ def test_bad_input_is_named():
 
 
 @needs_cuda
-@pytest.mark.parametrize("t,dtype", [(1, torch.bfloat16), (37, torch.bfloat16), (8192, torch.bfloat16),
-                                     (37, torch.float32), (37, torch.float16)])
+@pytest.mark.parametrize(
+    "t,dtype",
+    [(1, torch.bfloat16), (37, torch.bfloat16), (8192, torch.bfloat16), (37, torch.float32), (37, torch.float16)],
+)
 def test_release_shapes_bitwise(t, dtype):
     inter = 2304
     h = _h(t, inter, dtype, LIMIT, seed=t, device="cuda")
     torch.full((t * inter,), float("nan"), dtype=dtype, device="cuda")  # freed: the output's block is poisoned
     out, ref = swiglu(h, LIMIT), swiglu_ref(h, LIMIT)
     diff = out != ref
-    assert torch.equal(out, ref), (f"{int(diff.sum())} of {out.numel()} differ, "
-                                   f"max {int(_ulps(out, ref).max())} ulp")
+    assert torch.equal(out, ref), f"{int(diff.sum())} of {out.numel()} differ, max {int(_ulps(out, ref).max())} ulp"
     strided = _h(t, inter, dtype, LIMIT, seed=t + 1, device="cuda", pad=8)  # rows of a wider product
     strided[0, 1] = strided[-1, inter + 2] = float("nan")  # a gate and an up: NaN kept as torch's clamp keeps it
     out, ref = swiglu(strided, LIMIT), swiglu_ref(strided, LIMIT)

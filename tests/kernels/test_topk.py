@@ -1,4 +1,5 @@
 """topk == stable_topk exactly (ties, -inf, signed zeros, k > N); candidate_blocks == candidate_pool's choice."""
+
 import pytest
 import torch
 
@@ -33,7 +34,7 @@ def test_topk_matches_stable_topk(fn):
 
 def test_topk_extremes_and_tiny_gaps():
     # finite extremes, subnormals and neighbouring floats must order exactly like the float compare
-    v = torch.tensor([3.4e38, -3.4e38, 1e-45, -1e-45, 1.0, 1.0 + 2 ** -23, -1.0, -1.0 - 2 ** -23, 0.0, -0.0])
+    v = torch.tensor([3.4e38, -3.4e38, 1e-45, -1e-45, 1.0, 1.0 + 2**-23, -1.0, -1.0 - 2**-23, 0.0, -0.0])
     s = v[torch.randperm(10, generator=torch.Generator().manual_seed(1))].repeat(2, 3)
     for k in range(0, 31, 3):
         for fn in (topk, topk_int64_keys):

@@ -1,6 +1,7 @@
 """dsserve.kernels.window_rows against its torch reference (bitwise: integer ops only).
 
 CPU: the Triton interpreter on tiny batches. GPU: decode batches of the release window."""
+
 import pytest
 import torch
 

@@ -1,10 +1,23 @@
 """Packed KV row formats (spec 3.1): byte counts, byte layout, and unpack(pack(x)) == fake_quant(x) bit for bit."""
+
 import pytest
 import torch
 
-from dsserve.kv.formats import (BF16_ROWS, INDEX_FP4, MAIN_FP4, SWA_FP8, format_for, pack_bf16, pack_index_fp4,
-                                pack_main_fp4, pack_swa_fp8, unpack_bf16, unpack_index_fp4, unpack_main_fp4,
-                                unpack_swa_fp8)
+from dsserve.kv.formats import (
+    BF16_ROWS,
+    INDEX_FP4,
+    MAIN_FP4,
+    SWA_FP8,
+    format_for,
+    pack_bf16,
+    pack_index_fp4,
+    pack_main_fp4,
+    pack_swa_fp8,
+    unpack_bf16,
+    unpack_index_fp4,
+    unpack_main_fp4,
+    unpack_swa_fp8,
+)
 from dsserve.layers.quant import fake_quant_fp4_e4m3scale, fake_quant_fp4_pow2, fake_quant_fp8_pow2
 
 PACKED = [SWA_FP8, MAIN_FP4, INDEX_FP4]
@@ -41,8 +54,11 @@ def test_row_bytes_real_and_tiny_dims():
     assert real == PACKED and sum(f.row_bytes for f in real[1:]) == 356  # 890 B/token = 534 + 356 (spec 3.2)
     assert [(f.data_bytes, f.scale_bytes) for f in real] == [(512, 16), (256, 32), (64, 4)]
     assert [format_for(k, "auto", c).row_bytes for k, c in (("swa", 64), ("main", 64), ("index", 32))] == [66, 36, 17]
-    assert [format_for(k, "bf16", c).row_bytes for k, c in (("swa", 512), ("main", 512), ("index", 128))] == \
-        [1024, 1024, 256]
+    assert [format_for(k, "bf16", c).row_bytes for k, c in (("swa", 512), ("main", 512), ("index", 128))] == [
+        1024,
+        1024,
+        256,
+    ]
     assert format_for("main", "bf16", 64) == BF16_ROWS.with_channels(64)
     with pytest.raises(ValueError):
         format_for("compressor", "auto", 512)
@@ -82,8 +98,14 @@ def test_reference_is_the_fake_quant():
 @pytest.mark.parametrize("fmt", PACKED, ids=lambda f: f.name)
 def test_zeros_and_negative_zeros(fmt):
     c = fmt.channels
-    rows = torch.stack([torch.zeros(c), -torch.zeros(c), torch.where(torch.arange(c) % 2 == 0, 0.0, -0.0),
-                        torch.where(torch.arange(c) % 3 == 0, -1e-45, 1e-45)])  # round to -0 / +0
+    rows = torch.stack(
+        [
+            torch.zeros(c),
+            -torch.zeros(c),
+            torch.where(torch.arange(c) % 2 == 0, 0.0, -0.0),
+            torch.where(torch.arange(c) % 3 == 0, -1e-45, 1e-45),
+        ]
+    )  # round to -0 / +0
     for dtype in (torch.float32, torch.float64):
         x = rows.to(dtype)
         y = roundtrip(fmt, x)
@@ -91,26 +113,29 @@ def test_zeros_and_negative_zeros(fmt):
         assert (y == 0).all() and torch.equal(torch.signbit(y), torch.signbit(x))
 
 
-@pytest.mark.parametrize("fmt,floor,scale_byte", [(SWA_FP8, 1e-4, 127 - 22), (MAIN_FP4, 6 * 2.0 ** -9, 0x01),
-                                                  (INDEX_FP4, 6 * 2.0 ** -126, 1)], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "fmt,floor,scale_byte",
+    [(SWA_FP8, 1e-4, 127 - 22), (MAIN_FP4, 6 * 2.0**-9, 0x01), (INDEX_FP4, 6 * 2.0**-126, 1)],
+    ids=lambda v: str(v),
+)
 def test_rows_at_and_below_the_amax_floor(fmt, floor, scale_byte):
     """Rows whose amax is at, just above or below the floor (down to fp32 subnormals) all use the floor scale."""
     g = torch.Generator().manual_seed(3)
     c = fmt.channels
     base = torch.rand(6, c, generator=g, dtype=torch.float64) * 2 - 1
-    amax = torch.tensor([floor, floor * 0.999, floor * 0.5, floor * 1e-3, 1e-40, 2.0 ** -149], dtype=torch.float64)
+    amax = torch.tensor([floor, floor * 0.999, floor * 0.5, floor * 1e-3, 1e-40, 2.0**-149], dtype=torch.float64)
     x = base / base.abs().amax(-1, keepdim=True) * amax[:, None]
     for dtype in (torch.float32, torch.float64):
         xd = x.to(dtype)
         b = fmt.pack(xd)
-        assert (b[..., fmt.data_bytes:] == scale_byte).all()
+        assert (b[..., fmt.data_bytes :] == scale_byte).all()
         assert_bits_equal(fmt.unpack(b, dtype), fmt.reference(xd))
 
 
 def test_main_subnormal_e4m3_scales():
     """Group amax = 6*k*2^-9 (k = 1..7) gives the subnormal e4m3 scale byte k; off-grid amaxes round to nearby ones."""
     k = torch.arange(1, 8, dtype=torch.float64)
-    x = torch.linspace(-1, 1, 16, dtype=torch.float64).expand(7, 16) * (6 * k * 2.0 ** -9)[:, None]
+    x = torch.linspace(-1, 1, 16, dtype=torch.float64).expand(7, 16) * (6 * k * 2.0**-9)[:, None]
     b = pack_main_fp4(x)
     assert b[:, 8].tolist() == list(range(1, 8))
     assert_bits_equal(unpack_main_fp4(b, torch.float64), fake_quant_fp4_e4m3scale(x, 16))
@@ -134,7 +159,7 @@ def test_extreme_magnitudes(fmt):
         assert y[0, 5] == 2688 and y[1, 5] == -2688 and (fmt.pack(x64)[..., 256:][:, 0] == 0x7E).all()
     else:  # scale 2^127 (byte 254); the fp32 product overflows to inf exactly as in the fake-quant
         assert torch.isinf(y[0, 5]) and y[1, 5] == -float("inf")
-        assert (fmt.pack(x64)[0, fmt.data_bytes] == 254)
+        assert fmt.pack(x64)[0, fmt.data_bytes] == 254
 
 
 # ---------------------------------------------------------------- already fake-quantised rows
@@ -156,9 +181,9 @@ def test_main_fake_quant_is_not_idempotent_with_subnormal_scales():
     that again picks s = 2^-9 and clamps 8 to 6. The default pack follows the fake-quant of its input;
     prequantized=True keeps s = 2*2^-9 (byte 0x02) and the row exactly."""
     x = torch.zeros(16, dtype=torch.float64)
-    x[0], x[1] = 9 * 2.0 ** -9, -2.0 ** -9
+    x[0], x[1] = 9 * 2.0**-9, -(2.0**-9)
     y = fake_quant_fp4_e4m3scale(x, 16)
-    assert y[0] == 8 * 2.0 ** -9 and fake_quant_fp4_e4m3scale(y, 16)[0] == 6 * 2.0 ** -9
+    assert y[0] == 8 * 2.0**-9 and fake_quant_fp4_e4m3scale(y, 16)[0] == 6 * 2.0**-9
     assert_bits_equal(unpack_main_fp4(pack_main_fp4(y), torch.float64), fake_quant_fp4_e4m3scale(y, 16))
     b = pack_main_fp4(y, prequantized=True)
     assert b[8] == 0x02 and b[0] == 0x6 | 0x9 << 4  # 4 (code 6) in the low nibble, -0.5 (code 9) in the high one
@@ -169,11 +194,11 @@ def test_main_fake_quant_is_not_idempotent_with_subnormal_scales():
 def test_swa_layout_hand_packed():
     x = torch.zeros(64)
     x[0], x[1], x[2], x[31] = 1.0, -2.0, 448.0, 0.5  # group 0: amax 448 -> s = 1 (e = 127)
-    x[32], x[33] = 12.0, -0.0                          # group 1: amax 12 -> s = 2^ceil(log2(12/448)) = 2^-5
+    x[32], x[33] = 12.0, -0.0  # group 1: amax 12 -> s = 2^ceil(log2(12/448)) = 2^-5
     b = pack_swa_fp8(x)
     expect = torch.zeros(66, dtype=torch.uint8)
     expect[[0, 1, 2, 31]] = torch.tensor([0x38, 0xC0, 0x7E, 0x30], dtype=torch.uint8)
-    expect[32], expect[33] = 0x7C, 0x80                # 12 / 2^-5 = 384 = 1.5 * 2^8; -0.0
+    expect[32], expect[33] = 0x7C, 0x80  # 12 / 2^-5 = 384 = 1.5 * 2^8; -0.0
     expect[64], expect[65] = 127, 127 - 5
     assert torch.equal(b, expect)
     assert_bits_equal(unpack_swa_fp8(expect), fake_quant_fp8_pow2(x, 32))
@@ -182,13 +207,13 @@ def test_swa_layout_hand_packed():
 def test_main_layout_hand_packed():
     x = torch.zeros(32)
     x[0], x[1], x[2], x[3], x[15] = 0.5, -1.0, 6.0, -0.0, 3.0  # group 0: amax 6 -> s = e4m3(1.0) = 0x38
-    x[16], x[17] = 0.75, -0.375                                 # group 1: amax .75 -> s = .125 (0x20)
+    x[16], x[17] = 0.75, -0.375  # group 1: amax .75 -> s = .125 (0x20)
     b = pack_main_fp4(x)
     expect = torch.zeros(18, dtype=torch.uint8)
-    expect[0] = 0x1 | 0xA << 4   # 0.5 low, -1 high (sign 8 | index 2)
-    expect[1] = 0x7 | 0x8 << 4   # 6 low, -0.0 high
-    expect[7] = 0x0 | 0x5 << 4   # x[14] = 0 low, x[15] = 3 high
-    expect[8] = 0x7 | 0xD << 4   # 0.75 / .125 = 6 low; -0.375 / .125 = -3 high
+    expect[0] = 0x1 | 0xA << 4  # 0.5 low, -1 high (sign 8 | index 2)
+    expect[1] = 0x7 | 0x8 << 4  # 6 low, -0.0 high
+    expect[7] = 0x0 | 0x5 << 4  # x[14] = 0 low, x[15] = 3 high
+    expect[8] = 0x7 | 0xD << 4  # 0.75 / .125 = 6 low; -0.375 / .125 = -3 high
     expect[16], expect[17] = 0x38, 0x20
     assert torch.equal(b, expect)
     assert_bits_equal(unpack_main_fp4(expect), fake_quant_fp4_e4m3scale(x, 16))
@@ -202,7 +227,7 @@ def test_index_layout_hand_packed():
     expect[0], expect[15], expect[16] = 0xF | 0x3 << 4, 0x4 | 0xE << 4, 127
     assert torch.equal(b, expect)
     assert_bits_equal(unpack_index_fp4(expect), fake_quant_fp4_pow2(x, 32))
-    assert pack_index_fp4(x * 2.0 ** -40)[16] == 127 - 40  # pure rescale: same nibbles, scale byte moves
+    assert pack_index_fp4(x * 2.0**-40)[16] == 127 - 40  # pure rescale: same nibbles, scale byte moves
 
 
 def test_leading_dims_and_strided_rows():

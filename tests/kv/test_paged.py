@@ -21,8 +21,9 @@ def test_pools_hold_real_bytes():
     lay = KVLayout.build(cfg)
     kv = PagedKVCache(lay, num_blocks=4, num_window_slots=2)
     assert all(t.dtype == torch.uint8 for t in kv.main.values())
-    assert sum(t.numel() for t in kv.main.values()) + sum(t.numel() for t in kv.index.values()) \
-        == 4 * lay.bytes_per_block
+    assert (
+        sum(t.numel() for t in kv.main.values()) + sum(t.numel() for t in kv.index.values()) == 4 * lay.bytes_per_block
+    )
     assert sum(t.numel() for t in kv.window.values()) == 2 * lay.bytes_per_window_slot
 
 

@@ -1,6 +1,7 @@
 """banded_attention_with_sink (the training step's one-shape attention) equals sparse_attention_with_sink (the loop's)
 sequence by sequence: a window read in blocks against the [L, L] masked square, with a sequence's entries, each row's
 own entries, or none; lengths shorter than the window, a multiple of it, and neither."""
+
 import pytest
 import torch
 
@@ -12,8 +13,10 @@ from dsserve.layers.attention import banded_attention_with_sink, sparse_attentio
 def test_banded_equals_the_masked_square(n, window, entries):
     g = torch.Generator().manual_seed(n * 10 + window)
     s, h, d, m = 3, 2, 8, 5
-    q, keys = torch.randn(s, n, h, d, generator=g, dtype=torch.float64), torch.randn(s, n, d, generator=g,
-                                                                                      dtype=torch.float64)
+    q, keys = (
+        torch.randn(s, n, h, d, generator=g, dtype=torch.float64),
+        torch.randn(s, n, d, generator=g, dtype=torch.float64),
+    )
     sink, pos = torch.randn(h, generator=g, dtype=torch.float64), torch.arange(n)
     square = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
     ent = mask = None
@@ -39,8 +42,10 @@ def test_packed_problems_read_only_themselves(n, window, entries):
     masked square with the problem's lower bound added."""
     g = torch.Generator().manual_seed(n + window)
     s, h, d, m = 2, 2, 8, 6
-    q, keys = torch.randn(s, n, h, d, generator=g, dtype=torch.float64), torch.randn(s, n, d, generator=g,
-                                                                                      dtype=torch.float64)
+    q, keys = (
+        torch.randn(s, n, h, d, generator=g, dtype=torch.float64),
+        torch.randn(s, n, d, generator=g, dtype=torch.float64),
+    )
     sink, pos = torch.randn(h, generator=g, dtype=torch.float64), torch.arange(n)
     starts = [(0, 5, 6, 11), (0, 2, 9)]
     first = torch.stack([torch.tensor([max(b for b in st if b <= t) for t in range(n)]) for st in starts])
@@ -50,8 +55,11 @@ def test_packed_problems_read_only_themselves(n, window, entries):
         mask = (torch.rand(s, n, m, generator=g) < 0.7) & (2 * torch.arange(m)[None, None, :] >= first[..., None])
     got = banded_attention_with_sink(q, keys, window, ent, mask, sink, 0.3, first)
     for i in range(s):
-        square = ((pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
-                  & (pos[None, :] >= first[i][:, None]))
+        square = (
+            (pos[None, :] <= pos[:, None])
+            & (pos[None, :] > pos[:, None] - window)
+            & (pos[None, :] >= first[i][:, None])
+        )
         win_k, win_mask = keys[i], square
         if entries == "sequence":
             win_k, win_mask = torch.cat((keys[i], ent[i])), torch.cat((square, mask[i]), 1)

@@ -6,8 +6,14 @@ import pytest
 import torch
 
 from dsserve.layers import engram_hash as eh
-from dsserve.layers.engram_hash import (DEAD, EngramHasher, engram_offsets, engram_primes, engram_rows_per_layer,
-                                        hash_multipliers)
+from dsserve.layers.engram_hash import (
+    DEAD,
+    EngramHasher,
+    engram_offsets,
+    engram_primes,
+    engram_rows_per_layer,
+    hash_multipliers,
+)
 from dsserve.models.presets import preset
 
 
@@ -22,11 +28,14 @@ def _slow_prime(n):
     return True
 
 
-@pytest.mark.parametrize("name,rows", [
-    ("v41-flash", {1: 384_006_168, 14: 384_016_682}),
-    ("tiny", {1: 49_796, 4: 50_980}),
-    ("proxy-h200", {1: 6_294_996, 14: 6_302_196}),
-])
+@pytest.mark.parametrize(
+    "name,rows",
+    [
+        ("v41-flash", {1: 384_006_168, 14: 384_016_682}),
+        ("tiny", {1: 49_796, 4: 50_980}),
+        ("proxy-h200", {1: 6_294_996, 14: 6_302_196}),
+    ],
+)
 def test_rows_per_layer(name, rows):
     assert engram_rows_per_layer(preset(name)) == rows
 
@@ -69,6 +78,7 @@ def test_multipliers_match_spec():
 
 
 # ------------------------------------------------------------------ scalar reference
+
 
 def _wrap(x):
     return ((x + 2**63) % 2**64) - 2**63

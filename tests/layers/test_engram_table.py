@@ -1,4 +1,5 @@
 """Engram tables in host memory (layers.engram_table) and the model running on them: every path is exact."""
+
 import copy
 
 import pytest
@@ -112,8 +113,13 @@ def test_prefetched_rows_follow_bounded_replay_narrowing():
     ids = torch.randint(0, cfg.engram_compressed_vocab_size, (11,))
     ids[4] = -1  # a dead token
     hist = [torch.tensor([5, 6]), torch.empty(0, dtype=torch.long)]
-    ctx = ForwardContext(tokens=ids, positions=torch.arange(11), seqs=[SeqRows(slice(0, 5), None),
-                         SeqRows(slice(5, 11), None)], engram_ids=ids, engram_history=hist)
+    ctx = ForwardContext(
+        tokens=ids,
+        positions=torch.arange(11),
+        seqs=[SeqRows(slice(0, 5), None), SeqRows(slice(5, 11), None)],
+        engram_ids=ids,
+        engram_history=hist,
+    )
     ctx.engram_rows = {1: host.prefetch(ids, [s.rows for s in ctx.seqs], hist, "cpu", torch.float64)}
     n = ctx.narrow(KeptRows.suffixes(ctx.seqs, (3, 5), "cpu"))  # rows 2-4 and 6-10
     x = torch.randn(8, cfg.hc_mult, cfg.hidden_size, dtype=torch.float64)
@@ -151,25 +157,38 @@ def test_engine_chunked_prefill_decode_and_replay_hit_are_exact():
     import random
 
     from dsserve import LLM, SamplingParams
+
     rng = random.Random(7)
     prefix = [rng.randrange(3, 8190) for _ in range(34)]
     prompts = [prefix + [5, 6], prefix + [7, 8, 9]]  # the second hits 32 cached tokens and replays
     sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
     def run(tables):
-        llm = LLM(model="tiny", dtype="float64", device="cpu", block_size=16, max_num_batched_tokens=20, max_num_seqs=4,
-                  swa_bounded_replay=True, replay_window=16, enable_prefix_caching=True, engram_tables=tables)
+        llm = LLM(
+            model="tiny",
+            dtype="float64",
+            device="cpu",
+            block_size=16,
+            max_num_batched_tokens=20,
+            max_num_seqs=4,
+            swa_bounded_replay=True,
+            replay_window=16,
+            enable_prefix_caching=True,
+            engram_tables=tables,
+        )
         seen, execute = [], llm.engine.runner.execute
 
         def capture(plan):
             reqs, logits = execute(plan)
             seen.extend(logits)
             return reqs, logits
+
         llm.engine.runner.execute = capture
         outs = [llm.generate([p], sp, use_tqdm=False)[0] for p in prompts]
         assert outs[1].num_cached_tokens == 32 and llm.engine.stats.replayed_rows > 0
         hosted = [e.table is not None and e.embed.weight.numel() == 0 for e in engram_layers(llm.engine.model)]
         return [o.outputs[0].token_ids for o in outs], torch.stack(seen), hosted
+
     ref_tokens, ref_logits, hosted = run("device")
     assert hosted and not any(hosted)
     tokens, logits, hosted = run("host")
@@ -179,6 +198,7 @@ def test_engine_chunked_prefill_decode_and_replay_hit_are_exact():
 
 def test_engram_tables_option_rejects_unknown_places():
     from dsserve.engine.args import EngineArgs, EngineArgsError
+
     with pytest.raises(EngineArgsError, match="engram_tables must be device, host or host-fp8"):
         EngineArgs(engram_tables="gpu")
 
@@ -230,6 +250,7 @@ def test_engram_tables_the_table_cannot_take_is_an_engine_args_error(monkeypatch
 
     def refuse(self, fmt="bf16", huge_pages=False):
         raise ValueError("fp8 needs D a multiple of 32, got 48")
+
     monkeypatch.setattr(Engram, "move_table_to_host", refuse)
     with pytest.raises(EngineArgsError, match="engram_tables='host-fp8': fp8 needs D a multiple of 32"):
         LLM(model="tiny", engram_tables="host-fp8")

@@ -1,5 +1,6 @@
 """The shared expert on a side stream (a decode step's few rows, on a GPU): the same output, bit for bit, as on
 one stream, eagerly and replayed from a CUDA graph. Skipped without CUDA (on the CPU there is one stream)."""
+
 import pytest
 import torch
 
@@ -23,7 +24,7 @@ def test_side_stream_shared_expert_equals_one_stream(monkeypatch, t):
     cfg = preset("tiny")
     moe = M.MoE(cfg, n_experts=8, topk=3)
     for p in moe.parameters():
-        torch.nn.init.normal_(p, std=cfg.hidden_size ** -0.5)
+        torch.nn.init.normal_(p, std=cfg.hidden_size**-0.5)
     moe = moe.to("cuda", torch.bfloat16)
     moe.packed = ExpertWeights.from_dense(*(moe.experts[n].detach().float() for n in ("w1", "w3", "w2")), "mxfp4")
     ops = KernelOps()

@@ -1,4 +1,5 @@
 """layers.numerics: the cached fp32 copies of parameters follow every change of the parameter."""
+
 import torch
 from torch import nn
 

@@ -1,15 +1,28 @@
 """Release quantisation formats and the QAT fake-quant numerics (spec 1.7, 2.12, 4.2), checked bit-exactly
 against independent plain-Python decoders."""
+
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from dsserve.layers.quant import (dequant_engram, dequant_fp8_block, dequant_mxfp4, e2m1_decode, e8m0_to_float,
-                                  fake_quant_fp4_e4m3scale, fake_quant_fp4_pow2, fake_quant_fp8_pow2,
-                                  float_to_e8m0, pack_mxfp4, pow2_ceil, quant_engram, quant_fp8_block,
-                                  round_to_e2m1)
+from dsserve.layers.quant import (
+    dequant_engram,
+    dequant_fp8_block,
+    dequant_mxfp4,
+    e2m1_decode,
+    e8m0_to_float,
+    fake_quant_fp4_e4m3scale,
+    fake_quant_fp4_pow2,
+    fake_quant_fp8_pow2,
+    float_to_e8m0,
+    pack_mxfp4,
+    pow2_ceil,
+    quant_engram,
+    quant_fp8_block,
+    round_to_e2m1,
+)
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -18,7 +31,7 @@ E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 def ref_e4m3(byte: int) -> float:
     sign = -1.0 if byte & 0x80 else 1.0
     e, m = (byte >> 3) & 0xF, byte & 7
-    return sign * (m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+    return sign * (m / 8 * 2.0**-6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
 
 
 def ref_e2m1(nibble: int) -> float:
@@ -61,8 +74,8 @@ def test_e2m1_decode_all_codes():  # computed on the codes' device (no host tabl
 def test_e8m0_encode_roundtrip_and_pow2_ceil():
     e = torch.arange(0, 255, dtype=torch.int32).to(torch.uint8)
     assert torch.equal(float_to_e8m0(e8m0_to_float(e)).view(torch.uint8), e)
-    y = torch.tensor([1.0, 1.5, 3.0, 4.0, 0.3, 2.0 ** -130, 0.0, 448.0, 449.0])
-    expect = torch.tensor([1.0, 2.0, 4.0, 4.0, 0.5, 2.0 ** -127, 2.0 ** -127, 512.0, 512.0])
+    y = torch.tensor([1.0, 1.5, 3.0, 4.0, 0.3, 2.0**-130, 0.0, 448.0, 449.0])
+    expect = torch.tensor([1.0, 2.0, 4.0, 4.0, 0.5, 2.0**-127, 2.0**-127, 512.0, 512.0])
     assert torch.equal(pow2_ceil(y), expect)
 
 
@@ -72,8 +85,9 @@ def test_dequant_fp8_block_matches_formula(n, k, block):
     gen = torch.Generator().manual_seed(n * k)
     w = random_e4m3_bytes(gen, (n, k))
     s = random_e8m0(gen, (-(-n // block), -(-k // block)))
-    expect = [ref_e4m3(int(w[i, j])) * 2.0 ** (int(s[i // block, j // block]) - 127)
-              for i in range(n) for j in range(k)]
+    expect = [
+        ref_e4m3(int(w[i, j])) * 2.0 ** (int(s[i // block, j // block]) - 127) for i in range(n) for j in range(k)
+    ]
     out = dequant_fp8_block(w.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), block)
     assert bits_equal(out, as_f32(expect, (n, k)))
 
@@ -108,8 +122,9 @@ def test_dequant_engram_matches_formula():
 def test_fp8_block_roundtrip_exact_on_grid_and_scale_choice():
     gen = torch.Generator().manual_seed(1)
     for n, k, b in [(70, 45, 32), (200, 130, 128)]:
-        w = dequant_fp8_block(random_e4m3_bytes(gen, (n, k)).view(torch.float8_e4m3fn),
-                              random_e8m0(gen, (-(-n // b), -(-k // b))), b)
+        w = dequant_fp8_block(
+            random_e4m3_bytes(gen, (n, k)).view(torch.float8_e4m3fn), random_e8m0(gen, (-(-n // b), -(-k // b))), b
+        )
         q, s = quant_fp8_block(w, b)
         assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float8_e8m0fnu
         assert bits_equal(dequant_fp8_block(q, s, b), w)
@@ -179,8 +194,9 @@ def _varied(gen, shape):
     return torch.randn(shape, generator=gen) * mag
 
 
-@pytest.mark.parametrize("fn,group", [(fake_quant_fp8_pow2, 32), (fake_quant_fp4_e4m3scale, 16),
-                                      (fake_quant_fp4_pow2, 32)])
+@pytest.mark.parametrize(
+    "fn,group", [(fake_quant_fp8_pow2, 32), (fake_quant_fp4_e4m3scale, 16), (fake_quant_fp4_pow2, 32)]
+)
 def test_fake_quant_idempotent_and_dtype(fn, group):
     gen = torch.Generator().manual_seed(4)
     x = _varied(gen, (6, 8, 4 * group))
@@ -189,8 +205,9 @@ def test_fake_quant_idempotent_and_dtype(fn, group):
     assert torch.equal(fn(y, group), y)
     for dt in (torch.bfloat16, torch.float16):
         assert fn(x.to(dt), group).dtype == dt
-    assert torch.equal(fn(x.to(torch.bfloat16), group).float(), fn(x.to(torch.bfloat16).float(), group).to(
-        torch.bfloat16).float())
+    assert torch.equal(
+        fn(x.to(torch.bfloat16), group).float(), fn(x.to(torch.bfloat16).float(), group).to(torch.bfloat16).float()
+    )
 
 
 def test_fake_quant_exact_on_representable_values():
@@ -200,8 +217,9 @@ def test_fake_quant_exact_on_representable_values():
     x = q * e8m0_to_float(random_e8m0(gen, (4, 2), 110, 140)).repeat_interleave(32, -1)
     assert torch.equal(fake_quant_fp8_pow2(x), x)
     # FP4 pow2: grid values times a power of two per 32
-    g = torch.tensor(E2M1)[torch.randint(0, 8, (4, 64), generator=gen)] * (torch.randint(0, 2, (4, 64),
-                                                                                        generator=gen) * 2 - 1)
+    g = torch.tensor(E2M1)[torch.randint(0, 8, (4, 64), generator=gen)] * (
+        torch.randint(0, 2, (4, 64), generator=gen) * 2 - 1
+    )
     x = g * e8m0_to_float(random_e8m0(gen, (4, 2), 110, 140)).repeat_interleave(32, -1)
     assert torch.equal(fake_quant_fp4_pow2(x), x)
     assert torch.equal(dequant_mxfp4(*pack_mxfp4(x)), x)
@@ -232,17 +250,17 @@ def test_fake_quant_tie_cases():
 def test_fake_quant_amax_floors():
     # FP8: amax floor 1e-4 -> s = 2^ceil(log2(1e-4/448)) = 2^-22, then e4m3 on x / s
     x = torch.tensor([1e-6, -3e-7] + [0.0] * 30)
-    s = 2.0 ** -22
+    s = 2.0**-22
     expect = torch.tensor([1e-6 / s, -3e-7 / s]).to(torch.float8_e4m3fn).float() * s
     assert torch.equal(fake_quant_fp8_pow2(x)[:2], expect)
     assert torch.equal(fake_quant_fp8_pow2(torch.zeros(2, 32)), torch.zeros(2, 32))
     # FP4 / e4m3 scale: amax floor 6*2^-9 -> s = 2^-9
-    u = 2.0 ** -9
+    u = 2.0**-9
     x = torch.tensor([1.0, 0.5, 0.25, 0.75, -1.5] + [0.0] * 11) * u
     assert torch.equal(fake_quant_fp4_e4m3scale(x)[:5], torch.tensor([1.0, 0.5, 0.0, 1.0, -1.5]) * u)
     assert torch.equal(fake_quant_fp4_e4m3scale(torch.zeros(16)), torch.zeros(16))
     # FP4 pow2: amax floor 6*2^-126 -> s = 2^-126
-    u = 2.0 ** -126
+    u = 2.0**-126
     x = torch.tensor([1.0, 0.5, 0.25, 3.0] + [0.0] * 28) * u
     assert torch.equal(fake_quant_fp4_pow2(x)[:4], torch.tensor([1.0, 0.5, 0.0, 3.0]) * u)
     assert torch.equal(fake_quant_fp4_pow2(torch.zeros(32)), torch.zeros(32))
@@ -253,9 +271,9 @@ def test_fake_quant_pow2_scale_choice():
     # amax slightly above needs scale 8, where 2^-7 / 8 = 2^-10 ties to 0
     x = torch.zeros(2, 32)
     x[0, 0], x[1, 0] = 448.0 * 4, 448.0 * 4 * 1.01
-    x[:, 1] = 2.0 ** -7
+    x[:, 1] = 2.0**-7
     y = fake_quant_fp8_pow2(x)
-    assert y[:, 0].tolist() == [1792.0, 1792.0] and y[:, 1].tolist() == [2.0 ** -7, 0.0]
+    assert y[:, 0].tolist() == [1792.0, 1792.0] and y[:, 1].tolist() == [2.0**-7, 0.0]
     # FP4 pow2: amax 6 * 2 keeps scale 2 (0.5 * 2 = 1 survives); amax 6 * 2 * 1.01 -> scale 4 (1 / 4 ties to 0)
     x = torch.zeros(2, 32)
     x[0, 0], x[1, 0] = 12.0, 12.12

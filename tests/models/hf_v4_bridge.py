@@ -17,6 +17,7 @@ Test-only helpers (nothing here is imported by ``dsserve``):
 The mapping mirrors transformers' own ``conversion_mapping.py`` entry for ``deepseek_v4`` (WeightRenaming list
 plus MergeModulelist/Concatenate for the experts), written out explicitly per tensor.
 """
+
 from __future__ import annotations
 
 import math
@@ -141,57 +142,67 @@ def release_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], 
     for L in range(cfg.num_hidden_layers):
         r = cfg.compress_ratios[L]
         p = f"layers.{L}."
-        out.update({
-            p + "attn_norm.weight": ((d,), f32),
-            p + "ffn_norm.weight": ((d,), f32),
-            p + "hc_attn_fn": ((mix, hc * d), f32),
-            p + "hc_attn_base": ((mix,), f32),
-            p + "hc_attn_scale": ((3,), f32),
-            p + "hc_ffn_fn": ((mix, hc * d), f32),
-            p + "hc_ffn_base": ((mix,), f32),
-            p + "hc_ffn_scale": ((3,), f32),
-            p + "attn.wq_a.weight": ((cfg.q_lora_rank, d), f32),
-            p + "attn.q_norm.weight": ((cfg.q_lora_rank,), f32),
-            p + "attn.wq_b.weight": ((H * D, cfg.q_lora_rank), f32),
-            p + "attn.wkv.weight": ((D, d), f32),
-            p + "attn.kv_norm.weight": ((D,), f32),
-            p + "attn.wo_a.weight": ((cfg.o_groups * cfg.o_lora_rank, H * D // cfg.o_groups), f32),
-            p + "attn.wo_b.weight": ((d, cfg.o_groups * cfg.o_lora_rank), f32),
-            p + "attn.attn_sink": ((H,), f32),
-        })
+        out.update(
+            {
+                p + "attn_norm.weight": ((d,), f32),
+                p + "ffn_norm.weight": ((d,), f32),
+                p + "hc_attn_fn": ((mix, hc * d), f32),
+                p + "hc_attn_base": ((mix,), f32),
+                p + "hc_attn_scale": ((3,), f32),
+                p + "hc_ffn_fn": ((mix, hc * d), f32),
+                p + "hc_ffn_base": ((mix,), f32),
+                p + "hc_ffn_scale": ((3,), f32),
+                p + "attn.wq_a.weight": ((cfg.q_lora_rank, d), f32),
+                p + "attn.q_norm.weight": ((cfg.q_lora_rank,), f32),
+                p + "attn.wq_b.weight": ((H * D, cfg.q_lora_rank), f32),
+                p + "attn.wkv.weight": ((D, d), f32),
+                p + "attn.kv_norm.weight": ((D,), f32),
+                p + "attn.wo_a.weight": ((cfg.o_groups * cfg.o_lora_rank, H * D // cfg.o_groups), f32),
+                p + "attn.wo_b.weight": ((d, cfg.o_groups * cfg.o_lora_rank), f32),
+                p + "attn.attn_sink": ((H,), f32),
+            }
+        )
         if r:
             coff = 2 if r == 4 else 1  # overlap doubles the CSA projections (Ca | Cb)
-            out.update({
-                p + "attn.compressor.wkv.weight": ((coff * D, d), f32),
-                p + "attn.compressor.wgate.weight": ((coff * D, d), f32),
-                p + "attn.compressor.ape": ((r, coff * D), f32),
-                p + "attn.compressor.norm.weight": ((D,), f32),
-            })
+            out.update(
+                {
+                    p + "attn.compressor.wkv.weight": ((coff * D, d), f32),
+                    p + "attn.compressor.wgate.weight": ((coff * D, d), f32),
+                    p + "attn.compressor.ape": ((r, coff * D), f32),
+                    p + "attn.compressor.norm.weight": ((D,), f32),
+                }
+            )
         if r == 4:
-            out.update({
-                p + "attn.indexer.wq_b.weight": ((ih * idim, cfg.q_lora_rank), f32),
-                p + "attn.indexer.weights_proj.weight": ((ih, d), f32),
-                p + "attn.indexer.compressor.wkv.weight": ((2 * idim, d), f32),
-                p + "attn.indexer.compressor.wgate.weight": ((2 * idim, d), f32),
-                p + "attn.indexer.compressor.ape": ((4, 2 * idim), f32),
-                p + "attn.indexer.compressor.norm.weight": ((idim,), f32),
-            })
+            out.update(
+                {
+                    p + "attn.indexer.wq_b.weight": ((ih * idim, cfg.q_lora_rank), f32),
+                    p + "attn.indexer.weights_proj.weight": ((ih, d), f32),
+                    p + "attn.indexer.compressor.wkv.weight": ((2 * idim, d), f32),
+                    p + "attn.indexer.compressor.wgate.weight": ((2 * idim, d), f32),
+                    p + "attn.indexer.compressor.ape": ((4, 2 * idim), f32),
+                    p + "attn.indexer.compressor.norm.weight": ((idim,), f32),
+                }
+            )
         out[p + "ffn.gate.weight"] = ((E, d), f32)
         if L < cfg.num_hash_layers:
             out[p + "ffn.gate.tid2eid"] = ((V, k), i32)
         else:
             out[p + "ffn.gate.bias"] = ((E,), f32)
-        out.update({
-            p + "ffn.shared_experts.w1.weight": ((I, d), f32),
-            p + "ffn.shared_experts.w2.weight": ((d, I), f32),
-            p + "ffn.shared_experts.w3.weight": ((I, d), f32),
-        })
+        out.update(
+            {
+                p + "ffn.shared_experts.w1.weight": ((I, d), f32),
+                p + "ffn.shared_experts.w2.weight": ((d, I), f32),
+                p + "ffn.shared_experts.w3.weight": ((I, d), f32),
+            }
+        )
         for e in range(E):
-            out.update({
-                p + f"ffn.experts.{e}.w1.weight": ((I, d), f32),
-                p + f"ffn.experts.{e}.w2.weight": ((d, I), f32),
-                p + f"ffn.experts.{e}.w3.weight": ((I, d), f32),
-            })
+            out.update(
+                {
+                    p + f"ffn.experts.{e}.w1.weight": ((I, d), f32),
+                    p + f"ffn.experts.{e}.w2.weight": ((d, I), f32),
+                    p + f"ffn.experts.{e}.w3.weight": ((I, d), f32),
+                }
+            )
     return out
 
 
@@ -280,8 +291,9 @@ _LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
 _EXPERT_KEY = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$")
 
 
-def release_to_hf_state_dict(release_sd: dict[str, torch.Tensor], cfg: ModelConfig,
-                             drop_mtp: bool = True) -> dict[str, torch.Tensor]:
+def release_to_hf_state_dict(
+    release_sd: dict[str, torch.Tensor], cfg: ModelConfig, drop_mtp: bool = True
+) -> dict[str, torch.Tensor]:
     """Map dequantised release-named tensors to ``DeepseekV4ForCausalLM`` state-dict names and layouts.
 
     Raises ``KeyError`` on any name it does not know (including FP8/FP4 ``.scale`` siblings: dequantise first)
@@ -318,8 +330,10 @@ def release_to_hf_state_dict(release_sd: dict[str, torch.Tensor], cfg: ModelConf
             t = t.to(torch.int64)  # HF buffer is int64 (release int32)
         out[f"model.layers.{L}.{_LAYER_RENAMES[rest]}"] = t
     if unknown:
-        raise KeyError(f"release tensors with no transformers counterpart: {sorted(unknown)[:20]}"
-                       f"{' ...' if len(unknown) > 20 else ''}")
+        raise KeyError(
+            f"release tensors with no transformers counterpart: {sorted(unknown)[:20]}"
+            f"{' ...' if len(unknown) > 20 else ''}"
+        )
     E = cfg.n_routed_experts
     for L, ws in sorted(experts.items()):
         for w in ("w1", "w2", "w3"):
@@ -347,8 +361,9 @@ def load_hf_model(cfg: ModelConfig, release_sd: dict[str, torch.Tensor], dtype=t
     missing = sorted(set(ref) - set(hf_sd))
     extra = sorted(set(hf_sd) - set(ref))
     if missing or extra:
-        raise KeyError(f"state-dict mismatch: missing {missing[:10]} ({len(missing)}), "
-                       f"unexpected {extra[:10]} ({len(extra)})")
+        raise KeyError(
+            f"state-dict mismatch: missing {missing[:10]} ({len(missing)}), unexpected {extra[:10]} ({len(extra)})"
+        )
     bad = [(k, tuple(hf_sd[k].shape), tuple(ref[k].shape)) for k in ref if hf_sd[k].shape != ref[k].shape]
     if bad:
         raise ValueError(f"shape mismatch (name, given, expected): {bad[:10]}")

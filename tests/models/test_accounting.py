@@ -36,9 +36,15 @@ def test_v4_flash_params():
 def test_tiny_total_exact():
     pc = param_counts(preset("tiny"))
     assert pc.total == 23_608_782
-    assert pc.parts == {"routed_experts": 9_437_184, "shared_experts": 1_179_648, "attention": 1_378_224,
-                        "embed_head": 4_194_560, "mhc": 590_472, "router_compressor_indexer_norms": 185_824,
-                        "engram_projections": 987_136}
+    assert pc.parts == {
+        "routed_experts": 9_437_184,
+        "shared_experts": 1_179_648,
+        "attention": 1_378_224,
+        "embed_head": 4_194_560,
+        "mhc": 590_472,
+        "router_compressor_indexer_norms": 185_824,
+        "engram_projections": 987_136,
+    }
     assert pc.engram_tables == 3_224_832 and pc.draft == 2_430_902
 
 
@@ -69,6 +75,7 @@ def test_v4_kv_bytes():
 
 def test_all_presets_count():
     from dsserve.models.presets import PRESETS
+
     for name in PRESETS:
         pc = param_counts(preset(name))
         assert 0 < pc.active_prefill <= pc.active_decode < pc.total

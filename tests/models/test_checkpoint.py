@@ -1,5 +1,6 @@
 """Release checkpoint layout (spec 4) against the real V4.1-Flash / V4-Flash shapes, and the loader/writer on a
 stand-in module built from the tiny layout."""
+
 import json
 import math
 import os
@@ -8,10 +9,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsserve.layers.quant import (dequant_engram, dequant_fp8_block, fake_quant_fp4_pow2, quant_engram,
-                                  quant_fp8_block)
-from dsserve.models.checkpoint import (CheckpointError, dummy_weights, load_checkpoint, model_name_for,
-                                       model_shapes, release_layout, save_checkpoint)
+from dsserve.layers.quant import dequant_engram, dequant_fp8_block, fake_quant_fp4_pow2, quant_engram, quant_fp8_block
+from dsserve.models.checkpoint import (
+    CheckpointError,
+    dummy_weights,
+    load_checkpoint,
+    model_name_for,
+    model_shapes,
+    release_layout,
+    save_checkpoint,
+)
 from dsserve.models.config import ModelConfig
 from dsserve.models.presets import preset
 
@@ -28,7 +35,7 @@ def _one_thread():
 def _primes_above(start: int, count: int) -> list[int]:
     out, n = [], start + 1
     while len(out) < count:
-        if all(n % d for d in range(2, int(n ** 0.5) + 1)):
+        if all(n % d for d in range(2, int(n**0.5) + 1)):
             out.append(n)
         n += 1
     return out
@@ -111,13 +118,14 @@ def test_v41_flash_dspark_and_totals(v41):
         assert spec(v41, f"mtp.{s}.ffn.experts.127.w2.weight") == ([5120, 1152], "I8")
         assert f"mtp.{s}.ffn.experts.128.w1.weight" not in v41 and f"mtp.{s}.ffn.gate.bias_vl" in v41
         assert f"mtp.{s}.attn.wq_b.scale" in v41
-        assert not any(n.startswith(f"mtp.{s}.") and ("compressor" in n or "indexer" in n or "engram" in n)
-                       for n in v41)
+        assert not any(
+            n.startswith(f"mtp.{s}.") and ("compressor" in n or "indexer" in n or "engram" in n) for n in v41
+        )
     assert not any(n.startswith("mtp.3.") for n in v41)
     # spec 1.9: 551.9 B backbone + 196.6 B Engram + 14.2 B DSpark; spec 1.7: ~475 GiB on disk
     params = sum(math.prod(s.float_shape) for s in v41.values() if s.quant != "scale")
     assert abs(params / 1e9 - 762.7) < 0.1
-    assert 470 < sum(s.nbytes for s in v41.values()) / 2 ** 30 < 480
+    assert 470 < sum(s.nbytes for s in v41.values()) / 2**30 < 480
 
 
 def test_v4_flash_layout(v4):
@@ -151,8 +159,7 @@ def test_model_name_for():
     assert model_name_for("layers.0.attn.wq_b.weight") == ("layers.0.attn.wq_b.weight", None)
     assert model_name_for("layers.0.attn.wq_b.scale") == ("layers.0.attn.wq_b.weight", None)
     assert model_name_for("layers.0.hc_attn_scale") == ("layers.0.hc_attn_scale", None)
-    assert model_name_for("layers.0.ffn.shared_experts.w1.weight") == ("layers.0.ffn.shared_experts.w1.weight",
-                                                                       None)
+    assert model_name_for("layers.0.ffn.shared_experts.w1.weight") == ("layers.0.ffn.shared_experts.w1.weight", None)
 
 
 def test_tiny_model_shapes():
@@ -354,8 +361,8 @@ def test_dummy_weights_deterministic_and_sane(tiny):
     assert torch.equal(sd["layers.0.hc_attn_scale"], torch.ones(3))
     for name in ("layers.0.ffn.gate.bias", "layers.0.attn.attn_sink"):  # random, so tests exercise them
         assert 0.2 < sd[name].std().item() < 1.0, name
-    assert abs(sd["layers.0.attn.wq_b.weight"].std().item() * 96 ** 0.5 - 1) < 0.05
-    assert abs(sd["layers.0.ffn.experts.w2"].std().item() * 128 ** 0.5 - 1) < 0.05
+    assert abs(sd["layers.0.attn.wq_b.weight"].std().item() * 96**0.5 - 1) < 0.05
+    assert abs(sd["layers.0.ffn.experts.w2"].std().item() * 128**0.5 - 1) < 0.05
     assert abs(sd["layers.1.engram.embed.weight"].std().item() - 0.1) < 0.01
 
 

@@ -44,13 +44,16 @@ def test_v4_roles():
     assert all(not r.owns_indexer and r.index_source is None for r in hca)
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(compress_ratios=(0, 0, 3) + (1,) * 12), "allows"),
-    (dict(kv_source_layer_ids=(0,)), "nonzero compress ratio"),
-    (dict(num_experts_per_tok=9), "num_experts_per_tok"),
-    (dict(candidate_topk_blocks=2), "candidate pool"),
-    (dict(family="llama"), "family"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(compress_ratios=(0, 0, 3) + (1,) * 12), "allows"),
+        (dict(kv_source_layer_ids=(0,)), "nonzero compress ratio"),
+        (dict(num_experts_per_tok=9), "num_experts_per_tok"),
+        (dict(candidate_topk_blocks=2), "candidate pool"),
+        (dict(family="llama"), "family"),
+    ],
+)
 def test_invalid_configs_are_named_errors(change, message):
     with pytest.raises(ConfigError, match=message):
         preset("tiny").with_options(**change)

@@ -3,6 +3,7 @@
 The draft attention is checked against a dense re-derivation written from spec 2.3/2.10 (explicit loops over
 query rows and heads, its own RMSNorm and RoPE), fed with the inputs captured from a real ``propose``.
 """
+
 import math
 
 import pytest
@@ -155,7 +156,7 @@ def ref_draft_attention(cfg, mtp, stage, taps, x, p):
             heads.append(ref_rope(prob @ K, p + 1 + t, rd, th, sign=-1.0))
         per_group = H // G
         wo_a = at.wo_a.weight.view(G, cfg.o_lora_rank, per_group * D)
-        u = [wo_a[g] @ torch.cat(heads[g * per_group:(g + 1) * per_group]) for g in range(G)]
+        u = [wo_a[g] @ torch.cat(heads[g * per_group : (g + 1) * per_group]) for g in range(G)]
         rows.append(at.wo_b.weight @ torch.cat(u))
     return torch.stack(rows)
 
@@ -167,8 +168,11 @@ def test_draft_attention_matches_dense_reference(setup, n):
     captured = {}
     hooks = []
     for i, stage in enumerate(model.mtp):
-        hooks.append(stage.attn.register_forward_hook(
-            lambda mod, args, out, i=i: captured.__setitem__(i, (args[0].clone(), out.clone()))))
+        hooks.append(
+            stage.attn.register_forward_hook(
+                lambda mod, args, out, i=i: captured.__setitem__(i, (args[0].clone(), out.clone()))
+            )
+        )
     try:
         propose(setup, state, p=n - 1, qat=False)
     finally:
@@ -182,7 +186,9 @@ def test_draft_attention_matches_dense_reference(setup, n):
     with torch.no_grad():
         for i, stage in enumerate(model.mtp):
             x, out = captured[i]
-            torch.testing.assert_close(out, ref_draft_attention(cfg, model.mtp, stage, taps, x, n - 1), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                out, ref_draft_attention(cfg, model.mtp, stage, taps, x, n - 1), rtol=1e-4, atol=1e-4
+            )
 
 
 def test_markov_head_is_sequential_and_confidence(setup):

@@ -1,5 +1,6 @@
 """models.dummy_build: a dummy model whose routed experts are filled and packed one layer at a time equals a plain
 build + dummy_weights + quantize_experts, and never holds the dense experts of two layers at once."""
+
 import inspect
 
 import pytest
@@ -48,6 +49,7 @@ def test_one_layer_of_dense_experts_at_a_time(monkeypatch):
         net = inspect.currentframe().f_back.f_locals["net"]
         seen.append(sum(not b.ffn.experts["w1"].is_meta for b in net.layers if "w1" in b.ffn.experts))
         pack_experts(moe, fmt, keep_dense)
+
     monkeypatch.setattr(dummy_build, "pack_experts", spy)
     net = dummy_build.build_dummy_model(preset("tiny"), 0, "mxfp4", "cpu", keep_dense=False)
     assert seen == [1] * len(net.layers)  # only the layer being packed has its dense experts

@@ -5,6 +5,7 @@ QAT is off; its YaRN helper multiplies cos/sin by 1.277, which the bridge neutra
 to match the release; its top-k is not stable, so the config uses 16 index heads, where ReLU scores have no
 exact ties at the top-k boundary.
 """
+
 from __future__ import annotations
 
 import os

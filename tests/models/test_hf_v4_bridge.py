@@ -1,4 +1,5 @@
 """Self-check of the release-name -> transformers DeepseekV4 bridge on the tiny-v4 preset."""
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,12 @@ def cfg():
 def test_hf_config_matches_roles(cfg):
     hf = hf_config_from(cfg)
     assert hf.num_hidden_layers == cfg.num_hidden_layers
-    assert hf.layer_types[:4] == ["sliding_attention", "sliding_attention",
-                                  "compressed_sparse_attention", "heavily_compressed_attention"]
+    assert hf.layer_types[:4] == [
+        "sliding_attention",
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+    ]
     assert hf.mlp_layer_types == ["hash_moe"] * 3 + ["moe"] * (cfg.num_hidden_layers - 3)
     assert hf.qk_rope_head_dim == cfg.qk_rope_head_dim
     comp = hf.rope_parameters["compress"]

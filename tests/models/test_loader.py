@@ -1,4 +1,5 @@
 """Checkpoint directories through the real loader: preset -> save -> load_model -> same forward."""
+
 import os
 
 import pytest
@@ -33,8 +34,12 @@ def test_saved_checkpoint_reloads_to_the_same_quantised_weights(saved_tiny, tmp_
         assert torch.equal(a.model.reference_logits(toks), b.model.reference_logits(toks))
     # Against the float source only the release formats' rounding differs: FP8 blocks, MXFP4 experts, BF16.
     sa, ss = a.model.state_dict(), src.model.state_dict()
-    for name, bound in (("layers.3.attn.wq_b.weight", 0.07), ("layers.3.ffn.experts.w1", 0.2),
-                        ("embed.weight", 0.01), ("layers.3.hc_attn_fn", 0.0)):
+    for name, bound in (
+        ("layers.3.attn.wq_b.weight", 0.07),
+        ("layers.3.ffn.experts.w1", 0.2),
+        ("embed.weight", 0.01),
+        ("layers.3.hc_attn_fn", 0.0),
+    ):
         rel = ((sa[name] - ss[name]).norm() / ss[name].norm()).item()
         assert rel <= bound, (name, rel)
 
@@ -78,6 +83,7 @@ def test_bfloat16_model_runs(saved_tiny):
 def test_checkpoint_for_another_config_is_a_named_error(saved_tiny, tmp_path):
     import json
     import shutil
+
     path = tmp_path / "ckpt"
     shutil.copytree(saved_tiny[1], path)
     cfg = json.loads((path / "config.json").read_text())

@@ -1,4 +1,5 @@
 """The reference forward and the per-sequence cache path (spec 5.1 tests (a)-(g))."""
+
 import pytest
 import torch
 
@@ -17,7 +18,7 @@ def rand_tokens(cfg, n, seed):
 def run_chunks(model, tokens, chunks, **kw):
     cache, outs, s = model.new_cache(), [], 0
     for c in chunks:
-        out = model(tokens[s:s + c], cache, **kw)
+        out = model(tokens[s : s + c], cache, **kw)
         outs.append(model.logits(out.hidden))
         s += c
     assert s == tokens.shape[0]
@@ -151,6 +152,7 @@ def test_bad_tokens_are_clear_errors(tiny_models):
 def test_batched_rows_of_several_sequences_equal_one_at_a_time(tiny_models, name):
     """forward_batch over a mix of prefill chunks and decodes equals each sequence run on its own."""
     from dsserve.layers.context import SeqRows
+
     m = tiny_models[name]
     lens = [45, 3, 70, 1]
     prompts = [rand_tokens(m.cfg, n + 4, seed=10 + i) for i, n in enumerate(lens)]
@@ -163,7 +165,7 @@ def test_batched_rows_of_several_sequences_equal_one_at_a_time(tiny_models, name
     for step in plan:
         toks, seqs, row = [], [], 0
         for i, n in enumerate(step):
-            toks.append(prompts[i][done[i]:done[i] + n])
+            toks.append(prompts[i][done[i] : done[i] + n])
             seqs.append(SeqRows(slice(row, row + n), caches[i]))
             row += n
             done[i] += n
@@ -206,7 +208,7 @@ def test_an_odd_hit_boundary_rebuilds_the_half_group_from_the_replayed_row(tiny_
     for src in (2, 4, 6):
         c.push_global(src, *cold.global_kv(src))
     c.published_until, c.num_tokens = hit, s
-    c.engram_history = m.engram_token_map[toks[s - 3:s]]
+    c.engram_history = m.engram_token_map[toks[s - 3 : s]]
     m(toks[s:], c)
     for src, ratio in ((2, 2), (4, 2), (6, 1)):
         got, ref = c.global_kv(src)[0], full.global_kv(src)[0]
@@ -220,12 +222,14 @@ def test_an_odd_hit_boundary_rebuilds_the_half_group_from_the_replayed_row(tiny_
 def test_v4_mixing_sites_through_the_kernel_ops(tiny_models, where):
     """V4's two-pass sites with kernel ops (Block.v4_site: the fused site's mixes, then the collapse kernel) give the
     oracle's logits: exactly on the references (fp64); through the Triton kernels (the collapse kernel interpreted
-    on the CPU; every kernel on a GPU) within fp32 noise, which QAT rounding and top-k / routing choices amplify in places
+    on the CPU; every kernel on a GPU) within fp32 noise, which QAT
+    rounding and top-k / routing choices amplify in places
     (any 1-ulp change does: max 2e-3 of the largest logit, median 3e-5, seen on the CPU), so: a small median, the
     same greedy choice wherever the oracle's top-2 margin is clear."""
     import copy
 
     from dsserve.kernels.ops import OPS, KernelOps
+
     if where == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     m = tiny_models["tiny-v4"]

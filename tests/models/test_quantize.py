@@ -1,5 +1,6 @@
 """--quantization fp8 (models.quantize.quantize_dense_fp8): which tensors become Fp8Linear, and the tiny model's
 forward on them equals the same model running the dequantised weights as plain nn.Linear (fp32)."""
+
 import copy
 
 import pytest
@@ -13,10 +14,18 @@ from dsserve.models.presets import preset
 from dsserve.models.quantize import quantize_dense_fp8
 
 # The release's dense FP8 tensors per layer (spec 1.7 and the table of 4.2), module names without ".weight"
-RELEASE_FP8 = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "ffn.shared_experts.w1",
-               "ffn.shared_experts.w2", "ffn.shared_experts.w3")
+RELEASE_FP8 = (
+    "attn.wq_a",
+    "attn.wq_b",
+    "attn.wkv",
+    "attn.wo_a",
+    "attn.wo_b",
+    "ffn.shared_experts.w1",
+    "ffn.shared_experts.w2",
+    "ffn.shared_experts.w3",
+)
 RELEASE_FP8_INDEXER = ("attn.indexer.wq_b",)  # layers that own an indexer
-RELEASE_FP8_ENGRAM = ("engram.wkv",)          # layers with Engram
+RELEASE_FP8_ENGRAM = ("engram.wkv",)  # layers with Engram
 
 
 def release_fp8_names(model):
@@ -62,7 +71,7 @@ def test_every_release_fp8_tensor_is_fp8linear(models):
     # the fused gate/up product holds the bytes once: w1 and w3 are views of its rows
     sh = q.layers[0].ffn.shared_experts
     assert sh.w1.weight.data_ptr() == sh.w13.weight.data_ptr()
-    assert sh.w3.weight.data_ptr() == sh.w13.weight[sh.w1.out_features:].data_ptr()
+    assert sh.w3.weight.data_ptr() == sh.w13.weight[sh.w1.out_features :].data_ptr()
     assert isinstance(q.layers[2].attn.compressor.wkv, nn.Linear) and isinstance(q.head, nn.Linear)
     assert quantize_dense_fp8(q, cfg.weight_block_size) == 0  # already converted
 

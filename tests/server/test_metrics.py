@@ -1,4 +1,5 @@
 """EngineMetrics against a real tiny engine: counters move by the right amounts, gauges settle, names are prefixed."""
+
 import random
 from types import SimpleNamespace
 
@@ -102,7 +103,8 @@ def test_counters_gauges_histograms(engine):
     assert value(s, "dsserve:e2e_request_latency_seconds_count") == len(outs)
     assert value(s, "dsserve:time_to_first_token_seconds_count") == len(with_tokens)
     assert value(s, "dsserve:request_queue_time_seconds_count") == sum(
-        o.metrics.first_scheduled_time is not None for o in outs)
+        o.metrics.first_scheduled_time is not None for o in outs
+    )
     assert value(s, "dsserve:request_generation_tokens_count") == len(outs)
     assert value(s, "dsserve:request_generation_tokens_sum") == gen
     assert value(s, "dsserve:request_prompt_tokens_sum") == sum(len(o.prompt_token_ids) for o in outs)
@@ -110,7 +112,8 @@ def test_counters_gauges_histograms(engine):
     assert value(s, "dsserve:inter_token_latency_seconds_count") == itl
     assert value(s, "dsserve:time_per_output_token_seconds_count") == itl
     assert value(s, "dsserve:request_time_per_output_token_seconds_count") == sum(
-        len(o.outputs[0].token_ids) >= 2 for o in outs)
+        len(o.outputs[0].token_ids) >= 2 for o in outs
+    )
     assert value(s, "dsserve:time_to_first_token_seconds_bucket", le="+Inf") == len(with_tokens)
 
     st = engine.stats
@@ -156,14 +159,29 @@ def test_waiting_abort_and_separate_registries(engine):
 def test_stat_deltas_and_preemptions_from_a_fake_engine():
     pool = SimpleNamespace(num_blocks=10, num_used=3)
     req = SimpleNamespace(num_preemptions=0)
-    stats = SimpleNamespace(prefix_query_tokens=100, prefix_hit_tokens=64, replayed_rows=5, prefill_rows=36,
-                            decoder_rows_skipped=7, graph_steps=3, replay_graph_steps=2, encoder_graph_steps=5,
-                            graph_captures=4, graph_capture_seconds=1.25, graph_pool_bytes=3 << 20, ahead_steps=6,
-                            nonfinite_logit_rows=2, triton_compiles=9, triton_compile_seconds=3.5,
-                            triton_cache_loads=11)
-    eng = SimpleNamespace(scheduler=SimpleNamespace(running=[req], waiting=[], requests={"r": req}),
-                          kv=SimpleNamespace(blocks=pool, slots=SimpleNamespace(num_blocks=4, num_used=1)),
-                          stats=stats)
+    stats = SimpleNamespace(
+        prefix_query_tokens=100,
+        prefix_hit_tokens=64,
+        replayed_rows=5,
+        prefill_rows=36,
+        decoder_rows_skipped=7,
+        graph_steps=3,
+        replay_graph_steps=2,
+        encoder_graph_steps=5,
+        graph_captures=4,
+        graph_capture_seconds=1.25,
+        graph_pool_bytes=3 << 20,
+        ahead_steps=6,
+        nonfinite_logit_rows=2,
+        triton_compiles=9,
+        triton_compile_seconds=3.5,
+        triton_cache_loads=11,
+    )
+    eng = SimpleNamespace(
+        scheduler=SimpleNamespace(running=[req], waiting=[], requests={"r": req}),
+        kv=SimpleNamespace(blocks=pool, slots=SimpleNamespace(num_blocks=4, num_used=1)),
+        stats=stats,
+    )
     m = EngineMetrics()
     m.observe_step(eng)
     m.observe_step(eng)
@@ -189,17 +207,31 @@ def test_stat_deltas_and_preemptions_from_a_fake_engine():
     assert value(s, "dsserve:kv_cache_usage_perc", kind="window") == pytest.approx(0.25)
     assert value(s, "dsserve:kv_cache_blocks", kind="global", state="used") == 3
     # A new engine (new stats object) starts from zero: its totals add on, nothing goes backwards.
-    eng.stats = SimpleNamespace(prefix_query_tokens=20, prefix_hit_tokens=0, replayed_rows=0, prefill_rows=0,
-                                decoder_rows_skipped=0, graph_steps=0, replay_graph_steps=0, encoder_graph_steps=0,
-                                graph_captures=0, graph_capture_seconds=0.0, graph_pool_bytes=0, ahead_steps=0,
-                                nonfinite_logit_rows=0, triton_compiles=0, triton_compile_seconds=0.0,
-                                triton_cache_loads=0)
+    eng.stats = SimpleNamespace(
+        prefix_query_tokens=20,
+        prefix_hit_tokens=0,
+        replayed_rows=0,
+        prefill_rows=0,
+        decoder_rows_skipped=0,
+        graph_steps=0,
+        replay_graph_steps=0,
+        encoder_graph_steps=0,
+        graph_captures=0,
+        graph_capture_seconds=0.0,
+        graph_pool_bytes=0,
+        ahead_steps=0,
+        nonfinite_logit_rows=0,
+        triton_compiles=0,
+        triton_compile_seconds=0.0,
+        triton_cache_loads=0,
+    )
     m.observe_step(eng)
     assert value(parse(m)[1], "dsserve:prefix_cache_queries_total") == 150
 
 
 def test_render_from_another_thread_while_the_loop_observes(engine):
     import threading
+
     m, stop, errors = EngineMetrics(), threading.Event(), []
 
     def scrape():

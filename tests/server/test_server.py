@@ -1,4 +1,5 @@
 """The live server on loopback, through the official openai client and raw HTTP."""
+
 import asyncio
 import os
 import sys
@@ -46,30 +47,45 @@ def test_completions_plain_stream_n_stop_logprobs(server, client):
     n_prompt = httpx.post(server + "/tokenize", json={"prompt": "Hello world"}).json()["count"]
     assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens == n_prompt and c.finish_reason == "length"
     assert len(c.logprobs.tokens) == 8 and all(len(t) >= 1 for t in c.logprobs.top_logprobs)
-    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
-        model="tiny", prompt="Hello world", max_tokens=8, temperature=0, stream=True))
+    streamed = "".join(
+        ch.choices[0].text
+        for ch in client.completions.create(
+            model="tiny", prompt="Hello world", max_tokens=8, temperature=0, stream=True
+        )
+    )
     assert streamed == c.text
     stop = c.text[2:5]
     s = client.completions.create(model="tiny", prompt="Hello world", max_tokens=8, temperature=0, stop=[stop])
-    assert s.choices[0].finish_reason == "stop" and s.choices[0].text == c.text[:c.text.index(stop)]
+    assert s.choices[0].finish_reason == "stop" and s.choices[0].text == c.text[: c.text.index(stop)]
     n = client.completions.create(model="tiny", prompt="Hi", max_tokens=4, n=3, temperature=1.0, seed=3)
     assert sorted(ch.index for ch in n.choices) == [0, 1, 2] and n.usage.completion_tokens == 12
 
 
 def test_chat_plain_stream_usage_and_cached_second_turn(client):
     msgs = [{"role": "system", "content": "You are terse. " * 12}, {"role": "user", "content": "Say hi. " * 10}]
-    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0, logprobs=True,
-                                       top_logprobs=2)
+    r = client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
     assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens == 6
     assert len(r.choices[0].logprobs.content) == 6
     # another salt: a prefix hit under bounded replay is (by design) not bit-identical to the cold run
-    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"cache_salt": "stream"}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=msgs,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"cache_salt": "stream"},
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 6
-    turn2 = msgs + [{"role": "assistant", "content": r.choices[0].message.content},
-                    {"role": "user", "content": "Again."}]
+    turn2 = msgs + [
+        {"role": "assistant", "content": r.choices[0].message.content},
+        {"role": "user", "content": "Again."},
+    ]
     r2 = client.chat.completions.create(model="tiny", messages=turn2, max_tokens=4, temperature=0)
     cached = r2.usage.prompt_tokens_details.cached_tokens
     assert cached >= 16 and cached % 16 == 0 and cached <= r.usage.prompt_tokens
@@ -77,12 +93,15 @@ def test_chat_plain_stream_usage_and_cached_second_turn(client):
 
 def test_streaming_greedy_equals_llm_generate(client):
     from dsserve import LLM, SamplingParams
+
     opts = dict(zip([a[2:].replace("-", "_") for a in SERVER_ARGS[::2]], SERVER_ARGS[1::2]))
     llm = LLM(model="tiny", dtype=opts["dtype"], block_size=int(opts["block_size"]))
     prompt = "The quick brown fox jumps over the lazy dog " * 4
     want = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0].text
-    got = "".join(c.choices[0].text for c in client.completions.create(
-        model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True))
+    got = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True)
+    )
     assert got == want
 
 
@@ -90,8 +109,13 @@ def test_concurrent_streams_then_disconnects_leave_the_cache_empty(server):
     async def one(i, cut):
         async with httpx.AsyncClient(timeout=120) as c:
             # seeded: unseeded sampling made this test flaky (a 200-token stream can draw EOS within 3 tokens)
-            body = {"prompt": f"client {i} " * (5 + i % 7), "max_tokens": 24 if not cut else 200,
-                    "temperature": 0.7, "stream": True, "seed": 1000 + i}
+            body = {
+                "prompt": f"client {i} " * (5 + i % 7),
+                "max_tokens": 24 if not cut else 200,
+                "temperature": 0.7,
+                "stream": True,
+                "seed": 1000 + i,
+            }
             async with c.stream("POST", server + "/v1/completions", json=body) as r:
                 n = 0
                 async for line in r.aiter_lines():
@@ -105,12 +129,12 @@ def test_concurrent_streams_then_disconnects_leave_the_cache_empty(server):
 
     async def many(cut):
         return await asyncio.gather(*(one(i, cut) for i in range(16)))
+
     assert asyncio.run(many(False)) == ["done"] * 16
     aborted_before = metric(server, "dsserve:request_success_total", finished_reason="abort")
     assert asyncio.run(many(True)) == ["cut"] * 16
     for _ in range(100):
-        if metric(server, "dsserve:num_requests_running") == 0 and \
-                metric(server, "dsserve:num_requests_waiting") == 0:
+        if metric(server, "dsserve:num_requests_running") == 0 and metric(server, "dsserve:num_requests_waiting") == 0:
             break
         asyncio.run(asyncio.sleep(0.1))
     assert metric(server, "dsserve:num_requests_running") == 0
@@ -131,8 +155,17 @@ def test_warmup_runs_before_the_port_opens_and_counts_nothing(tmp_path):
     `--kernel-manifest` is written after the warm-up (empty here: the interpreter compiles nothing)."""
     log = []
     manifest = tmp_path / "kernels.jsonl"
-    args = SERVER_ARGS + ["--warmup", "--max-num-seqs", "2", "--max-model-len", "1100", "--kernel-manifest",
-                          str(manifest), "--precompile-workers", "0"]
+    args = SERVER_ARGS + [
+        "--warmup",
+        "--max-num-seqs",
+        "2",
+        "--max-model-len",
+        "1100",
+        "--kernel-manifest",
+        str(manifest),
+        "--precompile-workers",
+        "0",
+    ]
     with live_server(args=args, log=log) as base:
         assert metric(base, "dsserve:prompt_tokens_total") == 0 and metric(base, "dsserve:prefill_rows_total") == 0
         httpx.post(base + "/v1/completions", json={"prompt": "warm", "max_tokens": 2}, timeout=60).raise_for_status()
@@ -147,14 +180,17 @@ def test_warmup_runs_before_the_port_opens_and_counts_nothing(tmp_path):
     assert manifest.exists() and manifest.read_text() == ""
 
 
-@pytest.mark.parametrize("body, status, needle", [
-    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-    ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
-    ({"prompt": "x", "temprature": 1}, 400, "temprature"),
-    ({"prompt": [1, 99999]}, 400, "8192"),
-    ({"prompt": [5] * 5000, "max_tokens": 1}, 400, "max_model_len"),
-    ({"prompt": "x", "model": "gpt-4"}, 404, "does not exist"),
-])
+@pytest.mark.parametrize(
+    "body, status, needle",
+    [
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+        ({"prompt": "x", "temprature": 1}, 400, "temprature"),
+        ({"prompt": [1, 99999]}, 400, "8192"),
+        ({"prompt": [5] * 5000, "max_tokens": 1}, 400, "max_model_len"),
+        ({"prompt": "x", "model": "gpt-4"}, 404, "does not exist"),
+    ],
+)
 def test_bad_requests_are_openai_errors(server, body, status, needle):
     r = httpx.post(server + "/v1/completions", json=body)
     assert r.status_code == status, r.text
@@ -162,17 +198,38 @@ def test_bad_requests_are_openai_errors(server, body, status, needle):
     assert needle in err["message"] and err["code"] == status and "type" in err
 
 
-json_value = st.recursive(st.none() | st.booleans() | st.integers(-5, 10**6) | st.floats(allow_nan=False, allow_infinity=False) |
-                          st.text(max_size=20), lambda c: st.lists(c, max_size=4) | st.dictionaries(
-                              st.text(max_size=8), c, max_size=4), max_leaves=8)
-fields = st.fixed_dictionaries({}, optional={
-    "prompt": json_value, "messages": json_value, "max_tokens": json_value, "temperature": json_value,
-    "top_p": json_value, "top_k": json_value, "n": json_value, "stop": json_value, "stream": json_value,
-    "logprobs": json_value, "seed": json_value, "min_p": json_value, "extra": json_value})
+json_value = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-5, 10**6)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+    max_leaves=8,
+)
+fields = st.fixed_dictionaries(
+    {},
+    optional={
+        "prompt": json_value,
+        "messages": json_value,
+        "max_tokens": json_value,
+        "temperature": json_value,
+        "top_p": json_value,
+        "top_k": json_value,
+        "n": json_value,
+        "stop": json_value,
+        "stream": json_value,
+        "logprobs": json_value,
+        "seed": json_value,
+        "min_p": json_value,
+        "extra": json_value,
+    },
+)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(body=fields, chat=st.booleans())
 def test_fuzzed_bodies_never_5xx(server, body, chat):
     if "max_tokens" not in body:
@@ -188,8 +245,11 @@ def test_fuzzed_bodies_never_5xx(server, body, chat):
 def test_a_non_streaming_client_that_hangs_up_is_aborted(server):
     before = metric(server, "dsserve:request_success_total", finished_reason="abort")
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(server + "/v1/completions", json={"prompt": "slow " * 20, "max_tokens": 3000,
-                                                     "ignore_eos": True}, timeout=1.0)
+        httpx.post(
+            server + "/v1/completions",
+            json={"prompt": "slow " * 20, "max_tokens": 3000, "ignore_eos": True},
+            timeout=1.0,
+        )
     for _ in range(100):
         if metric(server, "dsserve:request_success_total", finished_reason="abort") > before:
             break

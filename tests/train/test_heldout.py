@@ -1,5 +1,6 @@
 """Held-out completion nats (train.heldout): the batched forward gives each problem's own teacher-forced
 log-likelihood, and the near retrieval variant asks about the last fact."""
+
 import torch
 
 from dsserve.models.checkpoint import dummy_weights
@@ -15,7 +16,9 @@ def test_near_asks_about_the_last_fact():
     q = near(p)
     last = p.context.splitlines()[-1]
     assert q.prompt.startswith(p.context) and q.prompt.endswith("?\n")
-    assert last == f"The code for {q.prompt.splitlines()[-1][len('Question: What is the code for '):-1]} is {q.answer}."
+    assert (
+        last == f"The code for {q.prompt.splitlines()[-1][len('Question: What is the code for ') : -1]} is {q.answer}."
+    )
     assert final_answer(q.completion) == q.answer != p.answer
 
 

@@ -1,6 +1,7 @@
 """The fixed-shape training step (train.step): padded sequences give the unpadded sequences' loss and gradients, the
 step reads nothing back to the host (so a GPU can capture it), and on a GPU the captured graph replays the eager
 step."""
+
 import copy
 import traceback
 from dataclasses import replace
@@ -70,9 +71,17 @@ def _grads(m):
     return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("name,lengths,length,kl_weight,dense", [
-    ("tiny", (70, 70), 70, 0.1, False), ("tiny", (45, 70, 12), 72, 0.0, False), ("tiny", (70, 70, 70), 70, 0.1, True),
-    ("tiny", (45, 70), 71, 0.0, True), ("tiny-v4", (70, 70), 70, 0.1, False), ("tiny-v4", (70, 70), 70, 0.1, True)])
+@pytest.mark.parametrize(
+    "name,lengths,length,kl_weight,dense",
+    [
+        ("tiny", (70, 70), 70, 0.1, False),
+        ("tiny", (45, 70, 12), 72, 0.0, False),
+        ("tiny", (70, 70, 70), 70, 0.1, True),
+        ("tiny", (45, 70), 71, 0.0, True),
+        ("tiny-v4", (70, 70), 70, 0.1, False),
+        ("tiny-v4", (70, 70), 70, 0.1, True),
+    ],
+)
 def test_padded_step_equals_the_unpadded_sequences(name, lengths, length, kl_weight, dense):
     """Padding adds rows after each sequence (weight 0; causal, so earlier rows are untouched). The pad rows join the
     indexer KL, so with KL on the check uses sequences that need no padding. The step's sequences attend as one batch
@@ -101,8 +110,24 @@ def test_a_step_too_long_is_named():
 
 class _HostReads(TorchFunctionMode):
     """Records where tensors are read back to the host or made on it (what a CUDA graph capture refuses)."""
-    READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "unique", "cpu",
-                       "numpy", "masked_select", "tensor", "as_tensor"})
+
+    READS = frozenset(
+        {
+            "item",
+            "tolist",
+            "__bool__",
+            "__int__",
+            "__float__",
+            "__index__",
+            "nonzero",
+            "unique",
+            "cpu",
+            "numpy",
+            "masked_select",
+            "tensor",
+            "as_tensor",
+        }
+    )
     # called without a device: made on the host, then uploaded
     FACTORIES = frozenset({"arange", "zeros", "ones", "full", "empty", "rand", "randn", "randint", "linspace", "eye"})
 
@@ -143,11 +168,16 @@ def test_the_step_reads_nothing_back(name, isolate, dense):
 def test_the_captured_step_replays_the_eager_step(isolate):
     eager = _model(dtype=torch.float32, device="cuda")
     graphed = copy.deepcopy(eager)
-    steps = {m: TrainStep(m, 2, 96, 2, 0.1, dense=False, graph=g, pad_id=1, isolate_bos=isolate)
-             for m, g in ((eager, False), (graphed, True))}
+    steps = {
+        m: TrainStep(m, 2, 96, 2, 0.1, dense=False, graph=g, pad_id=1, isolate_bos=isolate)
+        for m, g in ((eager, False), (graphed, True))
+    }
     for seed in range(5):  # warm-up steps, the capture, then replays of fresh batches (other problem starts)
-        batch = (_batch((96, 50), seed) if isolate is None
-                 else _packed([_problems((4 * (seed + 3), 96 - 4 * (seed + 3)), seed), _problems((48,), seed)]))
+        batch = (
+            _batch((96, 50), seed)
+            if isolate is None
+            else _packed([_problems((4 * (seed + 3), 96 - 4 * (seed + 3)), seed), _problems((48,), seed)])
+        )
         w = token_weights(batch, 0.5)
         for step in steps.values():
             step.load(batch, w, sum(map(sum, w)))
@@ -181,8 +211,9 @@ def test_isolated_packed_problems_train_as_sequences_of_their_own(dense):
         for ids, done in group:
             kl = []
             hidden = m.forward(torch.tensor(ids), index_kl=kl, dense_entries=dense).hidden
-            loss = torch.nn.functional.cross_entropy(m.logits(hidden[:-1]).float(), torch.tensor(ids[1:]),
-                                                     reduction="none")
+            loss = torch.nn.functional.cross_entropy(
+                m.logits(hidden[:-1]).float(), torch.tensor(ids[1:]), reduction="none"
+            )
             w = torch.tensor(token_weights([(ids, done)], 0.5)[0])
             ce = ce + (loss * w).sum() / total
             assert len(kl) == len(ratios)
@@ -198,8 +229,7 @@ def test_isolated_packed_problems_train_as_sequences_of_their_own(dense):
         step.run()
         got = _grads(m)
         assert want.keys() == got.keys() and len(got) > 50
-        same = [torch.allclose(got[k], g, rtol=1e-5, atol=1e-7 * float(g.abs().max()) + 1e-12)
-                for k, g in want.items()]
+        same = [torch.allclose(got[k], g, rtol=1e-5, atol=1e-7 * float(g.abs().max()) + 1e-12) for k, g in want.items()]
         assert all(same) if equal else not all(same)
 
 
@@ -216,13 +246,18 @@ def test_problem_bounds_outside_a_static_one_shape_step_are_refused():
     forward's loop, whose reads would ignore it; not V4's overlapping compression)."""
     from dsserve.layers.context import SeqRows
     from dsserve.models.model import ModelInputError
+
     m = _model(dtype=torch.float32)
     tokens, first = torch.arange(3, 11), torch.tensor([0, 0, 0, 0, 4, 4, 4, 4])
     with pytest.raises(ModelInputError, match="static step's packed problems"):
         m.forward_batch(tokens, [SeqRows(slice(0, 8), m.new_cache())], segment_first=first)
     with pytest.raises(ValueError, match="fresh sequences of one length"):  # static, but two lengths: the loop
-        m.forward_batch(tokens, [SeqRows(slice(0, 3), m.new_cache()), SeqRows(slice(3, 8), m.new_cache())],
-                        static=True, segment_first=first)
+        m.forward_batch(
+            tokens,
+            [SeqRows(slice(0, 3), m.new_cache()), SeqRows(slice(3, 8), m.new_cache())],
+            static=True,
+            segment_first=first,
+        )
     v4 = _model("tiny-v4", torch.float32)
     with pytest.raises(ModelInputError, match="V4.1"):
         v4.forward_batch(tokens, [SeqRows(slice(0, 8), v4.new_cache())], static=True, segment_first=first)

@@ -1,5 +1,6 @@
 """The synthetic tasks (issue 10): deterministic, held-out problems never produced by training seeds, answers that
 follow from the problems, retrieval facts out of a window-only model's sight."""
+
 import re
 
 import pytest
@@ -49,7 +50,7 @@ def test_retrieval_fact_is_far_back_and_unique():
         assert p.prompt.count(f"The code for {key} is ") == 1
         at = p.prompt.index(f"The code for {key} is {p.answer}.")
         places.add(p.prompt[:at].count("\n"))
-        after = p.prompt[at + len(f"The code for {key} is {p.answer}.\n"):]
+        after = p.prompt[at + len(f"The code for {key} is {p.answer}.\n") :]
         assert count(after) >= 128
     assert len(places) > 3 and 0 in places
 
@@ -117,13 +118,18 @@ def test_retrieval_counted_by_line_is_the_problem_counted_joined(monkeypatch):
     from dsserve.train import tasks
 
     def cases():
-        return [problem("retrieval", split, i, c, back, drills=d)
-                for split, n in (("train", 12), ("eval", 2)) for i in range(n)
-                for c, back, d in ((count, 416, 0), (count, 128, 30), (None, 128, 0))]
+        return [
+            problem("retrieval", split, i, c, back, drills=d)
+            for split, n in (("train", 12), ("eval", 2))
+            for i in range(n)
+            for c, back, d in ((count, 416, 0), (count, 128, 30), (None, 128, 0))
+        ]
+
     fast = cases()
 
     def joined(lines, line_tokens, count_tokens, min_back):
-        return [i for i in range(len(lines)) if count_tokens("".join(lines[i + 1:])) >= min_back]
+        return [i for i in range(len(lines)) if count_tokens("".join(lines[i + 1 :])) >= min_back]
+
     monkeypatch.setattr(tasks, "_facts_by_line_counts", lambda *a: (None, None))
     monkeypatch.setattr(tasks, "_far_facts", joined)
     assert fast == cases()

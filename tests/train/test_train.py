@@ -1,5 +1,6 @@
 """Training (issue 10) on the CPU: the fake quants pass gradients straight through, every indexer learns from its
 KL to the main attention, a few steps lower the loss, and the checkpoint serves."""
+
 import os
 
 import pytest
@@ -50,8 +51,17 @@ def test_a_few_steps_lower_the_loss_and_the_checkpoint_serves(tmp_path):
     from dataclasses import replace
 
     from dsserve import LLM, SamplingParams
-    cfg = TrainConfig(steps=8, batch=2, lr=3e-3, warmup=1, min_back=32, log_every=1, heldout_n=0,
-                      mix=(("arithmetic", 0.5), ("retrieval", 0.5)))
+
+    cfg = TrainConfig(
+        steps=8,
+        batch=2,
+        lr=3e-3,
+        warmup=1,
+        min_back=32,
+        log_every=1,
+        heldout_n=0,
+        mix=(("arithmetic", 0.5), ("retrieval", 0.5)),
+    )
     out = train(replace(cfg, heldout_n=1), str(tmp_path))
     assert set(out["heldout_nats"]) == {"arithmetic", "retrieval", "retrieval-near", "chat"}
     ce = [c["ce"] for c in out["curve"]]
@@ -71,6 +81,7 @@ def test_a_few_steps_lower_the_loss_and_the_checkpoint_serves(tmp_path):
 
 def test_a_shape_too_large_to_train_is_named(capsys):
     from dsserve.train.train import main
+
     assert main(["--model", "v41-flash", "--steps", "1"]) == 2
     assert "tiny shapes" in capsys.readouterr().err
     assert main(["--steps", "0"]) == 2 and "must be >= 1" in capsys.readouterr().err
@@ -88,6 +99,7 @@ def test_a_shape_too_large_to_train_is_named(capsys):
 def test_min_back_low_draws_retrieval_distances_from_its_range():
     from dsserve.models.tokenizer import Tokenizer
     from dsserve.train.train import batch_of
+
     tok = Tokenizer.for_preset("tiny")
     at = TrainConfig(batch=24, mix=(("retrieval", 1.0),))
     ranged = TrainConfig(batch=24, mix=(("retrieval", 1.0),), min_back_low=8)
@@ -104,13 +116,19 @@ def test_isolated_packs_start_each_problem_on_the_alignment(isolate):
     end-of-sequence tokens padding up to it are None and no row is trained to predict them. Not isolated: no padding."""
     from dsserve.models.tokenizer import Tokenizer
     from dsserve.train.train import batch_of, token_weights
+
     tok = Tokenizer.for_preset("tiny")
-    cfg = TrainConfig(batch=6, pack=512, isolate=isolate, mix=(("arithmetic", 0.5), ("retrieval", 0.5)),
-                      min_back_low=16)
+    cfg = TrainConfig(
+        batch=6, pack=512, isolate=isolate, mix=(("arithmetic", 0.5), ("retrieval", 0.5)), min_back_low=16
+    )
     batch = batch_of(cfg, 0, tok, 128)
     starts = [t for ids, _ in batch for t, i in enumerate(ids) if i == tok.bos_id]
-    pads = [(ids[t], w[t - 1]) for (ids, done), w in zip(batch, token_weights(batch, 0.5))
-            for t, c in enumerate(done) if c is None]
+    pads = [
+        (ids[t], w[t - 1])
+        for (ids, done), w in zip(batch, token_weights(batch, 0.5))
+        for t, c in enumerate(done)
+        if c is None
+    ]
     assert len(starts) > 2 * len(batch) and all(len(ids) <= 512 for ids, _ in batch)
     if isolate:
         assert all(t % 4 == 0 for t in starts) and pads and set(pads) == {(tok.eos_id, 0.0)}
@@ -122,10 +140,13 @@ def test_dense_entries_equal_a_top_k_that_keeps_every_entry():
     """The dense warm-up attends every visible entry: the same as the sparse path when its top-k (and the decoder's
     candidate pool) keep them all, and not the same at the model's own top-k."""
     from dataclasses import replace
+
     t = torch.randint(3, 8000, (160,), generator=torch.Generator().manual_seed(1))
     out = {}
-    for name, cfg in (("tiny", preset("tiny")),
-                      ("keep-all", replace(preset("tiny"), index_topk=1024, candidate_topk_blocks=1024))):
+    for name, cfg in (
+        ("tiny", preset("tiny")),
+        ("keep-all", replace(preset("tiny"), index_topk=1024, candidate_topk_blocks=1024)),
+    ):
         m = DeepseekForCausalLM(cfg)
         dummy_weights(m, cfg, seed=0)
         m.to(torch.float64)  # exact up to the summation order of the softmax
@@ -154,8 +175,16 @@ def test_every_expert_trains_as_the_routed_loop(name):
                 block.ffn.gate.tid2eid[t[:5]] = 3
         loss = torch.nn.functional.cross_entropy(m.logits(m.forward(t).hidden)[:-1], t[1:])
         loss.backward()
-        out.append((loss.detach(), {n: p.grad for n, p in m.named_parameters()
-                                    if n.startswith("layers.") and ".ffn." in n and p.grad is not None}))
+        out.append(
+            (
+                loss.detach(),
+                {
+                    n: p.grad
+                    for n, p in m.named_parameters()
+                    if n.startswith("layers.") and ".ffn." in n and p.grad is not None
+                },
+            )
+        )
     (l0, g0), (l1, g1) = out
     assert torch.allclose(l0, l1, rtol=0, atol=1e-12)
     assert g0.keys() == g1.keys() and any("experts.w2" in n for n in g0)
@@ -169,10 +198,20 @@ def test_a_time_limit_stops_the_run_on_its_clock(monkeypatch):
     import itertools
 
     from dsserve.train import train as train_mod
+
     clock = itertools.count()
     monkeypatch.setattr(train_mod.time, "perf_counter", lambda: float(next(clock)))
-    cfg = TrainConfig(steps=100, batch=1, warmup=1, min_back=32, log_every=1, time_limit=6, dense_share=0.5,
-                      heldout_n=0, mix=(("arithmetic", 1.0),))
+    cfg = TrainConfig(
+        steps=100,
+        batch=1,
+        warmup=1,
+        min_back=32,
+        log_every=1,
+        time_limit=6,
+        dense_share=0.5,
+        heldout_n=0,
+        mix=(("arithmetic", 1.0),),
+    )
     out = train(cfg, None)
     lrs = [c["lr"] for c in out["curve"]]
     assert 1 < out["steps_run"] < 100 and out["dense_until"] < out["steps_run"]

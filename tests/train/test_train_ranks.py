@@ -1,5 +1,6 @@
 """Data-parallel training (issue 10): two gloo ranks, each on its share of a step's problems, sum to the gradients
 of one process on the whole batch."""
+
 import os
 
 import torch
@@ -21,8 +22,9 @@ def _grads(step: int) -> dict[str, torch.Tensor]:
     dummy_weights(model, cfg, seed=0)
     model.double().train()  # float64: two ranks' sequences attend in batches of another size than one rank's
     tokenizer = Tokenizer.for_preset("tiny")
-    backward_step(model, CFG, batch_of(CFG, step, tokenizer, CFG.min_back), False, Ranks(),
-                  {"pad_id": tokenizer.eos_id})
+    backward_step(
+        model, CFG, batch_of(CFG, step, tokenizer, CFG.min_back), False, Ranks(), {"pad_id": tokenizer.eos_id}
+    )
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -37,6 +39,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
 
 def test_two_ranks_sum_to_the_whole_batch(tmp_path, monkeypatch):
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

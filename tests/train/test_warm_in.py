@@ -1,5 +1,6 @@
 """Warm-in (train.warm_in): at level 0 the model is the plain-residual model without its MoE, at level 1 the model
 itself; the ramp and its errors; a training run ends with the model whole."""
+
 import pytest
 import torch
 
@@ -69,11 +70,27 @@ def test_the_ramp_and_bad_ranges():
 
 
 def test_a_run_ramps_in_and_ends_whole():
-    cfg = TrainConfig(steps=6, batch=2, lr=3e-3, warmup=1, min_back=32, log_every=1, heldout_n=0,
-                      mix=(("arithmetic", 1.0),), warm_in_start=0.25, warm_in_end=0.75)
+    cfg = TrainConfig(
+        steps=6,
+        batch=2,
+        lr=3e-3,
+        warmup=1,
+        min_back=32,
+        log_every=1,
+        heldout_n=0,
+        mix=(("arithmetic", 1.0),),
+        warm_in_start=0.25,
+        warm_in_end=0.75,
+    )
     out = train(cfg, None)
-    assert [c["warm_in"] for c in out["curve"]] == [0.0, 0.0, pytest.approx(1 / 6), pytest.approx(0.5),
-                                                    pytest.approx(5 / 6), 1.0]
+    assert [c["warm_in"] for c in out["curve"]] == [
+        0.0,
+        0.0,
+        pytest.approx(1 / 6),
+        pytest.approx(0.5),
+        pytest.approx(5 / 6),
+        1.0,
+    ]
     assert all(torch.isfinite(torch.tensor([c["ce"] for c in out["curve"]])))
 
 

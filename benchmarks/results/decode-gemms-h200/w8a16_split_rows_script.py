@@ -1,10 +1,25 @@
-import os, sys, math, json, torch
+import json
+import math
+import os
+import sys
+
+import torch
+
 sys.path.insert(0, os.getcwd())
 from dsserve.bench.device_timing import graph_ms
 from dsserve.kernels import fp8_linear as F
 from dsserve.layers.quant import quant_fp8_block
-DENSE = {"wq_a": (1280, 5120, 1), "wq_b": (32768, 1280, 1), "wkv": (512, 5120, 1), "wo_a": (8192, 4096, 8),
-         "wo_b": (5120, 8192, 1), "shared_w13": (4608, 5120, 1), "shared_w2": (5120, 2304, 1), "indexer_wq_b": (4096, 1280, 1)}
+
+DENSE = {
+    "wq_a": (1280, 5120, 1),
+    "wq_b": (32768, 1280, 1),
+    "wkv": (512, 5120, 1),
+    "wo_a": (8192, 4096, 8),
+    "wo_b": (5120, 8192, 1),
+    "shared_w13": (4608, 5120, 1),
+    "shared_w2": (5120, 2304, 1),
+    "indexer_wq_b": (4096, 1280, 1),
+}
 res = {}
 for name, (n, k, g) in DENSE.items():
     copies = max(2, math.ceil(120e6 / (n * k)))
@@ -18,5 +33,7 @@ for name, (n, k, g) in DENSE.items():
         res[f"{name} M={m}"] = row
         print(name, m, {r: round(v, 1) for r, v in row.items()}, flush=True)
 for m in (24, 32, 64):
-    print("total M=%d" % m, {r: round(sum(v[r] for kk, v in res.items() if kk.endswith(f"M={m}")), 1) for r in (16, 64)})
+    print(
+        "total M=%d" % m, {r: round(sum(v[r] for kk, v in res.items() if kk.endswith(f"M={m}")), 1) for r in (16, 64)}
+    )
 json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), "splitrows.json"), "w"), indent=1)

@@ -11,6 +11,7 @@ decoder step (16 pairs an expert). Needs a GPU. Weights rotate over 2 copies lar
 draws; every variant is checked against the torch reference before it is timed. Prints a line per T, then one JSON
 line; writes expert_gemms.json and expert_gemms.png under --out.
 """
+
 import argparse
 import json
 import os
@@ -22,7 +23,7 @@ import torch
 HERE = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # benchmarks/
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
-from decode_gemms_h200 import DEADLINE, D, INTER, N_EXP, TOPK, ceilings, rel, search  # noqa: E402
+from decode_gemms_h200 import DEADLINE, INTER, N_EXP, TOPK, D, ceilings, rel, search  # noqa: E402
 
 from dsserve.bench.device_timing import graph_ms  # noqa: E402
 from dsserve.kernels import grouped_moe as G  # noqa: E402
@@ -49,8 +50,12 @@ def run_tokens(t: int, exs, per_expert: int, res: dict, g, budget_s: float) -> N
             err = rel(G.routed_experts(xs[i], ids[i], ws[i], exs[0], 10.0, config=dict(cfg)), refs[i])
             if not err < 1e-2:
                 raise RuntimeError(f"rel err {err:.3g} against the reference")
-        return graph_ms(lambda i: G.routed_experts(xs[i % sets], ids[i % sets], ws[i % sets], exs[i % copies], 10.0,
-                                                   config=dict(cfg)), sets * copies)
+        return graph_ms(
+            lambda i: G.routed_experts(
+                xs[i % sets], ids[i % sets], ws[i % sets], exs[i % copies], 10.0, config=dict(cfg)
+            ),
+            sets * copies,
+        )
 
     row = {"experts_touched": used, "weight_bytes": used * per_expert, "pairs_per_expert": t * TOPK / N_EXP}
     for name, cfg in VARIANTS.items():
@@ -58,18 +63,32 @@ def run_tokens(t: int, exs, per_expert: int, res: dict, g, budget_s: float) -> N
             row[f"{name}_ms"] = evaluate(cfg)
         except Exception as e:  # noqa: BLE001 - a variant that fails is recorded, the others still run
             row[f"{name}_ms"], row[f"{name}_error"] = None, repr(e)[:300]
+
     def safe(cfg):  # a start that fails to compile or to match is recorded as a miss, not fatal
         try:
             return evaluate(cfg)
         except Exception as e:  # noqa: BLE001
             res["log"].append({"part": f"T={t}", "config": cfg, "error": repr(e)[:300]})
             return float("inf")
+
     for name, start, axes in (
-            ("asm_tuned", {"decode": "asm"}, {"BM": [16, 32, 64], "BN": [64, 128], "BK": [128, 256],
-                                              "num_warps": [4, 8], "num_stages": [2, 3, 4]}),
-            ("swap_tuned", {"decode": "asm", "swap": True, "BN": 128, "BK": 128, "num_warps": 4},
-             {"BM": [16, 32, 64], "BN": [64, 128, 256], "BK": [64, 128, 256], "num_warps": [4, 8],
-              "num_stages": [2, 3, 4]})):
+        (
+            "asm_tuned",
+            {"decode": "asm"},
+            {"BM": [16, 32, 64], "BN": [64, 128], "BK": [128, 256], "num_warps": [4, 8], "num_stages": [2, 3, 4]},
+        ),
+        (
+            "swap_tuned",
+            {"decode": "asm", "swap": True, "BN": 128, "BK": 128, "num_warps": 4},
+            {
+                "BM": [16, 32, 64],
+                "BN": [64, 128, 256],
+                "BK": [64, 128, 256],
+                "num_warps": [4, 8],
+                "num_stages": [2, 3, 4],
+            },
+        ),
+    ):
         DEADLINE[0] = time.time() + budget_s / 2
         tuned, tuned_ms = search(safe, start, axes, res["log"], f"T={t} {name}")
         row.update({f"{name}_ms": tuned_ms if tuned_ms < float("inf") else None, f"{name}_config": tuned})
@@ -80,24 +99,34 @@ def run_tokens(t: int, exs, per_expert: int, res: dict, g, budget_s: float) -> N
     best_new = min(row[f"{n}_ms"] for n in ("swap_asm", "swap_scaled", "swap_tuned") if row[f"{n}_ms"])
     row["swap_speedup_over_best_unswapped"] = best_old / best_new
     res["rows"][f"T={t}"] = row
-    print(f"T={t} ({row['pairs_per_expert']:.1f} pairs/expert): " +
-          ", ".join(f"{n} {row[f'{n}_ms'] * 1e3:.0f} us" for n in list(VARIANTS) + ["asm_tuned", "swap_tuned"]
-                    if row[f"{n}_ms"])
-          + f"; swap {row['swap_speedup_over_best_unswapped']:.2f}x", flush=True)
+    print(
+        f"T={t} ({row['pairs_per_expert']:.1f} pairs/expert): "
+        + ", ".join(
+            f"{n} {row[f'{n}_ms'] * 1e3:.0f} us" for n in list(VARIANTS) + ["asm_tuned", "swap_tuned"] if row[f"{n}_ms"]
+        )
+        + f"; swap {row['swap_speedup_over_best_unswapped']:.2f}x",
+        flush=True,
+    )
 
 
 def plot(res: dict, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     rows = res["rows"]
     names = list(rows)
     fig, ax = plt.subplots(figsize=(8, 4))
     keys = ["default", "scaled", "asm_tuned", "swap_asm", "swap_tuned"]
     w = 0.8 / len(keys)
     for j, key in enumerate(keys):
-        ax.bar([i + (j - len(keys) / 2 + 0.5) * w for i in range(len(names))],
-               [rows[n].get(f"{key}_GBps") or 0 for n in names], w, label=key)
+        ax.bar(
+            [i + (j - len(keys) / 2 + 0.5) * w for i in range(len(names))],
+            [rows[n].get(f"{key}_GBps") or 0 for n in names],
+            w,
+            label=key,
+        )
     ax.axhline(res["ceilings"]["read_GBps"], ls=":", c="k", label="read bandwidth")
     ax.set_xticks(range(len(names)), [f"{n}\n{rows[n]['pairs_per_expert']:.0f}/expert" for n in names])
     ax.set_ylabel("weight GB/s (bytes of the experts touched / time)")
@@ -114,15 +143,29 @@ def main():
     p.add_argument("--budget-s", type=float, default=300, help="seconds for all the searches")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    res = {"meta": {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(),
-                    "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
-           "rows": {}, "log": []}
+    res = {
+        "meta": {
+            "command": " ".join(sys.argv),
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        },
+        "rows": {},
+        "log": [],
+    }
     res["ceilings"] = ceilings()
     print(f"ceilings: {json.dumps(res['ceilings'])}", flush=True)
     g = torch.Generator(device="cuda").manual_seed(0)
-    exs = [G.ExpertWeights.from_dense(*(torch.randn(N_EXP, o, i, device="cuda", generator=g) * i ** -0.5
-                                        for o, i in ((INTER, D), (INTER, D), (D, INTER))), "mxfp4")
-           for _ in range(2)]
+    exs = [
+        G.ExpertWeights.from_dense(
+            *(
+                torch.randn(N_EXP, o, i, device="cuda", generator=g) * i**-0.5
+                for o, i in ((INTER, D), (INTER, D), (D, INTER))
+            ),
+            "mxfp4",
+        )
+        for _ in range(2)
+    ]
     per_expert = sum(w[0].numel() + s[0].numel() for w, s in exs[0]._pairs())
     path = os.path.join(a.out, "expert_gemms.json")
     tokens = [int(v) for v in a.tokens.split(",")]
@@ -131,8 +174,14 @@ def main():
         with open(path, "w") as f:
             json.dump(res, f, indent=1)
     plot(res, os.path.join(a.out, "expert_gemms.png"))
-    print(json.dumps({n: {k: v for k, v in r.items() if k.endswith("_ms") or k.startswith("swap_speedup")}
-                      for n, r in res["rows"].items()}))
+    print(
+        json.dumps(
+            {
+                n: {k: v for k, v in r.items() if k.endswith("_ms") or k.startswith("swap_speedup")}
+                for n, r in res["rows"].items()
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Greedy accuracy of a checkpoint at warm-in level r (default 0) by full recompute (the reference forward, no cache),
 dense entries or the indexers' top-k: python probe_gen.py CHECKPOINT N BACK [r]. Prints per task correct / n."""
+
 import sys
 
 import torch
+
 from dsserve.layers.context import SeqRows
 from dsserve.models.checkpoint import load_checkpoint
 from dsserve.models.loader import resolve_config
@@ -19,7 +21,7 @@ load_checkpoint(m, cfg, path)
 m.eval()
 WarmIn(m, 0.0, 1.0).set(r)  # a ramp over [0, 1]: the level is r itself
 tok = Tokenizer.from_dir(path)
-count = (lambda s: len(tok.encode(s, add_bos=False)))
+count = lambda s: len(tok.encode(s, add_bos=False))
 MAX = {"arithmetic": 64, "retrieval": 8}
 
 
@@ -37,7 +39,7 @@ def greedy(prompts, steps, dense):
         nxt = m.logits(h[last]).argmax(-1).tolist()
         for s, t in zip(seqs, nxt):
             s.append(t)
-    return [tok.decode(s[len(p):]) for s, p in zip(seqs, prompts)]
+    return [tok.decode(s[len(p) :]) for s, p in zip(seqs, prompts)]
 
 
 for task in ("retrieval", "arithmetic"):

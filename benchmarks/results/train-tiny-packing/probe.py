@@ -1,9 +1,11 @@
 """Teacher-forced held-out retrieval of a checkpoint at warm-in level r = 0, dense entries or top-k, with and without
 drills: python probe.py CHECKPOINT [N] [BACKS]. Pilot 1 was probed with the tasks of before this commit (the asked
 fact always the first); run now, it draws the new problems."""
+
 import sys
 
 import torch
+
 from dsserve.models.checkpoint import load_checkpoint
 from dsserve.models.loader import resolve_config
 from dsserve.models.model import DeepseekForCausalLM
@@ -31,7 +33,7 @@ def nats(ps, dense):
     for p in ps:
         a, b = prompt_ids(tok, p.prompt), tok.encode(p.completion, add_bos=False)
         h = m.forward(torch.tensor(a + b), dense_entries=dense).hidden
-        lp = torch.log_softmax(m.logits(h[len(a) - 1:len(a) - 1 + len(b)]).float(), -1)
+        lp = torch.log_softmax(m.logits(h[len(a) - 1 : len(a) - 1 + len(b)]).float(), -1)
         tot -= float(lp.gather(1, torch.tensor(b)[:, None]).sum())
         right += bool((lp.argmax(-1) == torch.tensor(b)).all())
     return round(tot / len(ps), 2), right

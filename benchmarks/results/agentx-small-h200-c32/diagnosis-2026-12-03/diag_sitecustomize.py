@@ -1,13 +1,16 @@
 """Issue 9 diagnosis only (untracked): DIAG_OWN_POOLS=1 gives every CUDA graph capture its own memory pool;
 DIAG_COUNTERS=1 checks after every DSSERVE_CHECK_STEPS wait that the split-K tile counters are all zero."""
+
 import os
 
 if os.environ.get("DIAG_OWN_POOLS") or os.environ.get("DIAG_COUNTERS"):
     import logging
     import time
+
     log = logging.getLogger("dsserve")
     from dsserve.engine import graph_capture, step_check
     from dsserve.kernels import split_k
+
     orig_call = graph_capture.GraphCapture.__call__
     own = bool(os.environ.get("DIAG_OWN_POOLS"))
 
@@ -18,6 +21,7 @@ if os.environ.get("DIAG_OWN_POOLS") or os.environ.get("DIAG_COUNTERS"):
         out = orig_call(self, run)
         log.warning("diag: capture %d (own pool: %s) took %.2fs", self.captured, own, time.time() - t0)
         return out
+
     graph_capture.GraphCapture.__call__ = call
 
     if os.environ.get("DIAG_COUNTERS"):
@@ -33,4 +37,5 @@ if os.environ.get("DIAG_OWN_POOLS") or os.environ.get("DIAG_COUNTERS"):
                 if nz and seen[0] < 30:
                     seen[0] += 1
                     log.warning("diag: nonzero split-K counters after a %s step %s: %s", label, took, nz)
+
         step_check.StepCheck.after = after
