@@ -1,7 +1,8 @@
 """The ``dsserve`` command line.
 
-Subcommands are registered in ``_build_parser`` (one ``_add_<name>`` function each) and dispatched through the
-``func`` default that each sets; add ``generate``/``serve``/... the same way.
+Each subcommand is a row of ``COMMANDS``: its name, its one-line help and the function that adds its arguments and
+sets ``func``. Only the subcommand on the command line gets its arguments built, so ``dsserve --help`` imports
+neither torch nor the server, and one subcommand's optional imports never break another.
 """
 
 from __future__ import annotations
@@ -161,8 +162,7 @@ def cmd_info(args) -> int:
     return 0
 
 
-def _add_info(sub):
-    p = sub.add_parser("info", help="print a model's config, layer roles, parameter counts and KV bytes")
+def _add_info(p):
     p.add_argument(
         "model", metavar="MODEL", help="a preset name, a built-in checkpoint (tiny-trained) or a checkpoint directory"
     )
@@ -213,10 +213,9 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _add_generate(sub):
+def _add_generate(p):
     from .engine.args import EngineArgs
 
-    p = sub.add_parser("generate", help="generate text for one or more prompts with the batched engine")
     p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     p.add_argument("--prompts-file", help="a file with one prompt per line")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -231,10 +230,9 @@ def _add_generate(sub):
 # ------------------------------------------------------------------ serve
 
 
-def _add_serve(sub):
+def _add_serve(p):
     from .server.serve import add_serve_args, run_server
 
-    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     add_serve_args(p)
     p.set_defaults(func=run_server)
 
@@ -242,44 +240,48 @@ def _add_serve(sub):
 # ------------------------------------------------------------------ bench
 
 
-def _add_bench(sub):
+def _add_bench_forward(p):
     from .bench.forward import add_bench_forward_args, run_bench_forward
 
-    p = sub.add_parser("bench", help="benchmarks")
-    kinds = p.add_subparsers(dest="bench", metavar="KIND")
-    f = kinds.add_parser("forward", help="time the execute path on an exact batch (B requests at context C)")
-    add_bench_forward_args(f)
-    f.set_defaults(func=run_bench_forward)
-    from .bench.agentx import add_bench_agentx_args, run_bench_agentx
-    from .bench.offline import (
-        add_bench_latency_args,
-        add_bench_throughput_args,
-        run_bench_latency,
-        run_bench_throughput,
-    )
+    add_bench_forward_args(p)
+    p.set_defaults(func=run_bench_forward)
 
-    x = kinds.add_parser("agentx", help="closed-loop AgentX-like trace replay against an OpenAI-compatible server")
-    add_bench_agentx_args(x)
-    x.set_defaults(func=run_bench_agentx)
-    lat = kinds.add_parser("latency", help="in-process: time one batch generating a fixed number of tokens")
-    add_bench_latency_args(lat)
-    lat.set_defaults(func=run_bench_latency)
-    tp = kinds.add_parser("throughput", help="in-process: tokens/s for N prompts submitted at once")
-    add_bench_throughput_args(tp)
-    tp.set_defaults(func=run_bench_throughput)
+
+def _add_bench_agentx(p):
+    from .bench.agentx import add_bench_agentx_args, run_bench_agentx
+
+    add_bench_agentx_args(p)
+    p.set_defaults(func=run_bench_agentx)
+
+
+def _add_bench_latency(p):
+    from .bench.offline import add_bench_latency_args, run_bench_latency
+
+    add_bench_latency_args(p)
+    p.set_defaults(func=run_bench_latency)
+
+
+def _add_bench_throughput(p):
+    from .bench.offline import add_bench_throughput_args, run_bench_throughput
+
+    add_bench_throughput_args(p)
+    p.set_defaults(func=run_bench_throughput)
+
+
+BENCH_KINDS = {
+    "forward": ("time the execute path on an exact batch (B requests at context C)", _add_bench_forward),
+    "agentx": ("closed-loop AgentX-like trace replay against an OpenAI-compatible server", _add_bench_agentx),
+    "latency": ("in-process: time one batch generating a fixed number of tokens", _add_bench_latency),
+    "throughput": ("in-process: tokens/s for N prompts submitted at once", _add_bench_throughput),
+}
 
 
 # ------------------------------------------------------------------ eval
 
 
-def _add_eval(sub):
+def _add_eval(p):
     from .bench.eval import add_eval_args, run_eval
 
-    p = sub.add_parser(
-        "eval",
-        help="accuracy on held-out synthetic problems (arithmetic, retrieval, chat), "
-        "bounded replay off / on, cold / after a prefix hit",
-    )
     add_eval_args(p)
     p.set_defaults(func=run_eval)
 
@@ -287,19 +289,43 @@ def _add_eval(sub):
 # ------------------------------------------------------------------ entry point
 
 
-def _build_parser() -> argparse.ArgumentParser:
+COMMANDS = {
+    "info": ("print a model's config, layer roles, parameter counts and KV bytes", _add_info),
+    "generate": ("generate text for one or more prompts with the batched engine", _add_generate),
+    "serve": ("serve the model over an OpenAI-compatible HTTP API", _add_serve),
+    "bench": ("benchmarks", BENCH_KINDS),
+    "eval": (
+        "accuracy on held-out synthetic problems (arithmetic, retrieval, chat), "
+        "bounded replay off / on, cold / after a prefix hit",
+        _add_eval,
+    ),
+}
+
+
+def _add_chosen(sub, table: dict, argv: list[str]) -> None:
+    """Add every name of ``table`` as a subparser; build the arguments of the one that ``argv`` names first (a
+    nested table is a level of subcommands, as ``bench KIND``). The others stay bare: a listing shows only their
+    help line, and their imports are not made."""
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (help_line, build) in table.items():
+        p = sub.add_parser(name, help=help_line, description=help_line)
+        if name != chosen:
+            continue
+        if isinstance(build, dict):
+            _add_chosen(p.add_subparsers(dest=name, metavar="KIND"), build, argv[argv.index(name) + 1 :])
+        else:
+            build(p)
+
+
+def _build_parser(argv: list[str]) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dsserve", description="DeepSeek-V4.1-Flash / V4-Flash serving engine")
-    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
-    _add_info(sub)
-    _add_generate(sub)
-    _add_serve(sub)
-    _add_bench(sub)
-    _add_eval(sub)
+    _add_chosen(ap.add_subparsers(dest="command", metavar="COMMAND"), COMMANDS, argv)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = _build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = _build_parser(argv)
     args = ap.parse_args(argv)
     if not getattr(args, "func", None):
         ap.print_help(sys.stderr)
