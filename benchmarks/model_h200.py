@@ -46,6 +46,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE, os.path.join(os.path.dirname(HERE),
 
 import dsserve.bench.forward as fwd  # noqa: E402
 from dsserve.bench import floors  # noqa: E402
+from dsserve.bench.provenance import run_meta  # noqa: E402
 from dsserve.engine.args import EngineArgs  # noqa: E402
 from dsserve.models.accounting import param_counts  # noqa: E402
 
@@ -592,13 +593,7 @@ def main() -> None:
     if "prefill" in skip:
         plan["prefill"] = []
     res = {
-        "meta": {
-            "command": " ".join(["python", "benchmarks/model_h200.py"] + sys.argv[1:]),
-            "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
-            "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "smoke": a.smoke,
-        },
+        "meta": run_meta(smoke=a.smoke),
         "ceilings": ceilings(),
         "seconds": {},
     }
