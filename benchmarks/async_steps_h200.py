@@ -21,6 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 import dsserve.bench.forward as fwd  # noqa: E402
+from dsserve.bench.provenance import run_meta  # noqa: E402
 from dsserve.engine.core import _Tracked  # noqa: E402
 from dsserve.engine.detokenizer import StopChecker  # noqa: E402
 from dsserve.engine.request import Request, RequestStatus  # noqa: E402
@@ -174,12 +175,7 @@ def main() -> None:
             f"{r['sync']['host_ms_per_step']:11.2f} / {r['async']['host_ms_per_step']:.2f}"
         )
     res = {
-        "meta": {
-            "command": " ".join(["python", "benchmarks/async_steps_h200.py"] + sys.argv[1:]),
-            "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        },
+        "meta": run_meta(),
         "model": info,
         "cases": rows,
     }

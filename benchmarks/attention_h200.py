@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import time
 
 import torch
 import triton.testing
 
 from dsserve.bench.device_timing import eager_ms, graph_ms
+from dsserve.bench.provenance import run_meta
 from dsserve.kernels.indexer import index_scores, index_scores_candidates
 from dsserve.kernels.sparse_attention import sparse_attention
 from dsserve.kernels.topk import topk
@@ -334,15 +333,7 @@ def main() -> None:
     a = p.parse_args()
     skip = set(a.skip.split(","))
     torch.manual_seed(0)
-    meta = {
-        "command": "python benchmarks/attention_h200.py --out " + a.out + (f" --skip {a.skip}" if a.skip else ""),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        or os.environ.get("DSSERVE_COMMIT", ""),
-    }
+    meta = run_meta()
     ceil = ceilings()
     res = {
         "meta": meta,

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from dsserve.bench.provenance import run_meta  # noqa: E402
 from dsserve.engine.args import EngineArgs  # noqa: E402
 from dsserve.engine.core import EngineCore  # noqa: E402
 from dsserve.engine.sampling_params import SamplingParams  # noqa: E402
@@ -99,12 +100,7 @@ def main():
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     res = {
-        "meta": {
-            "command": " ".join(sys.argv),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "torch": torch.__version__,
-            "device": "cpu (Triton interpreter census)",
-        },
+        "meta": run_meta(census="Triton interpreter, no device"),
         "modes": [run_mode(r, a) for r in (False, True)],
     }
     print(f"{'replay':>6} | {'warm-up keys':>12} | {'traffic requests':>16} | {'new keys':>8} | by kernel")

@@ -22,6 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 from dsserve.bench.device_timing import graph_ms  # noqa: E402
+from dsserve.bench.provenance import run_meta  # noqa: E402
 from dsserve.kernels import grouped_moe as G  # noqa: E402
 
 D, INTER, N_EXP, TOPK = 5120, 2304, 48, 6
@@ -168,14 +169,7 @@ def main():
     a = p.parse_args()
     DEADLINE[0] = time.time() + a.budget_s
     os.makedirs(a.out, exist_ok=True)
-    res = {
-        "meta": {
-            "command": " ".join(sys.argv),
-            "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        }
-    }
+    res = {"meta": run_meta()}
     res["ceilings"] = ceilings()
     print(
         f"ceilings: copy {res['ceilings']['copy_GBps']:.0f} GB/s, read {res['ceilings']['read_GBps']:.0f} GB/s",

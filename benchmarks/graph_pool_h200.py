@@ -21,6 +21,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE)]
 
+from dsserve.bench.provenance import run_meta  # noqa: E402
 from dsserve.engine import graph_scratch, kernel_manifest, warmup  # noqa: E402
 from dsserve.engine.args import EngineArgs  # noqa: E402
 from dsserve.engine.core import EngineCore, log_to_stderr  # noqa: E402
@@ -142,6 +143,7 @@ def main() -> None:
     for s in sites[:20]:
         print(f"  {s['mib']:>8.1f} MiB in {s['blocks']:>5} blocks  {s['site']}")
     summary = {
+        "meta": run_meta(),
         "graphs": len(rec.rows),
         "pool_gib": round(size / 2**30, 3),
         "grown_gib": round(core.graph_capture.pool_bytes / 2**30, 3),

@@ -20,6 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 import dsserve.bench.forward as fwd  # noqa: E402
+from dsserve.bench.provenance import run_meta  # noqa: E402
 from dsserve.engine.request import Request  # noqa: E402
 from dsserve.engine.sampling_params import SamplingParams  # noqa: E402
 from dsserve.engine.scheduler import ScheduledChunk, StepPlan  # noqa: E402
@@ -124,12 +125,7 @@ def main() -> None:
             f"{ph['wait']:7.2f} {ph['commit']:7.2f} {r['replay_kernels_ms']:8.2f}"
         )
     res = {
-        "meta": {
-            "command": " ".join(["python", "benchmarks/graph_step_profile.py"] + sys.argv[1:]),
-            "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        },
+        "meta": run_meta(),
         "model": info,
         "cases": rows,
     }

@@ -24,6 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dsserve.bench.provenance import run_meta  # noqa: E402
 from dsserve.kernels import grouped_moe as G  # noqa: E402
 
 D, INTER = 5120, 2304
@@ -118,7 +119,7 @@ def main():
             flush=True,
         )
     res = {
-        "meta": {"command": " ".join(sys.argv), "triton": triton.__version__, "target": "sm_90 (offline)"},
+        "meta": run_meta(target="sm_90 (offline)", device_note="SASS compiled offline, no GPU ran"),
         "rows": rows,
     }
     if a.out:

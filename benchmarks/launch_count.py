@@ -27,6 +27,8 @@ os.environ.pop("TRITON_INTERPRET", None)  # references, not interpreted kernels:
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from dsserve.bench.provenance import run_meta  # noqa: E402
+
 # ops that launch no kernel: views, metadata, allocations; a conversion launches only if it really copies
 _NO_LAUNCH = {
     "aten::" + n
@@ -251,6 +253,7 @@ def main() -> None:
     for k, v in sorted(extra.items(), key=lambda kv: -kv[1])[:10]:
         print(f"{v:18.1f}  {k}")
     res = {
+        "meta": run_meta(),
         "model": a.model,
         "dtype": a.dtype,
         "fixed_shape": a.fixed_shape,
@@ -287,6 +290,7 @@ def hit_main(a) -> None:
     for k, v in s_on.most_common(25):
         print(f"{v:18d}  {k}")
     res = {
+        "meta": run_meta(),
         "model": a.model,
         "dtype": a.dtype,
         "hit": [cached, fresh],

@@ -15,8 +15,9 @@ Sections (each skippable with --skip a,b; the JSON is rewritten after each, so a
   case timed with the engine's CUDA graphs of decode steps (captured in the warm-up repeat) and eager, and the
   eager step's device-busy time under the profiler;
 - prefill: 8K and 32K new tokens cold (in 8K chunks, as the engine chunks) and 8K new on 128K cached; floor =
-  the FLOPs (2 x active params per row + sparse attention over each layer's window and selected entries + indexer
-  scoring: a source's indexer scores every visible entry, a consumer's the candidate pool) at the bf16 matmul rate;
+  the FLOPs (2 x active params per row, the LM head on one row a chunk, + sparse attention over each layer's window
+  and selected entries + indexer scoring: a source's indexer scores every visible entry, a consumer's the candidate
+  pool; dsserve/bench/floors.py) at the bf16 matmul rate;
 - kernels: the bench() of the router, mHC and grouped-MoE kernels (fused vs the unfused torch path) and of
   Engram's lookup if a module provides one; a missing or failing bench is recorded as an error;
 - peer: transformers' DeepseekV4ForCausalLM (bf16) against dsserve on the same V4-Flash weights (`v4-flash`
@@ -44,8 +45,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE, os.path.join(os.path.dirname(HERE), "tests", "models")]
 
 import dsserve.bench.forward as fwd  # noqa: E402
+from dsserve.bench import floors  # noqa: E402
+from dsserve.bench.provenance import run_meta  # noqa: E402
 from dsserve.engine.args import EngineArgs  # noqa: E402
-from dsserve.kv.formats import INDEX_FP4, MAIN_FP4, SWA_FP8  # noqa: E402
 from dsserve.models.accounting import param_counts  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -184,17 +186,9 @@ def weight_bytes(core) -> tuple[float, float]:
 
 
 def kv_rows_read(cfg, model, context: int) -> dict:
-    """Per decode row: the KV bytes its attention and indexers read, and its indexer FLOPs."""
-    n_layers = len(model.layers)
-    n_idx = sum(1 for lay in model.layers if getattr(lay.attn, "indexer", None) is not None)
-    cand = (cfg.candidate_topk_blocks or 0) * (cfg.candidate_block_size or 0) or context
-    scored = min(context, cand)  # entries an indexer scores (ratio-1 keys bound the count)
-    att = n_layers * (min(context, cfg.index_topk) * MAIN_FP4.row_bytes + cfg.sliding_window * SWA_FP8.row_bytes)
-    return {
-        "kv_bytes": att + n_idx * scored * INDEX_FP4.row_bytes,
-        "indexer_layers": n_idx,
-        "indexer_flops": n_idx * scored * cfg.index_n_heads * cfg.index_head_dim * 2,
-    }
+    """Per decode row: the KV bytes its attention and indexers read, and its indexer FLOPs (bench/floors.py:
+    a source indexer scores every visible index key, a consumer the candidate pool)."""
+    return floors.kv_row_bytes(cfg, context)
 
 
 def expected_experts(n_exp: int, k: int, b: int) -> float:
@@ -223,20 +217,8 @@ def decode_floor(core, b: int, context: int, ceil: dict) -> dict:
 
 
 def prefill_flops(core, context: int, new: int) -> float:
-    cfg, model = core.cfg, core.model
-    active = param_counts(cfg).active_decode  # bench_forward runs every row through every layer
-    cand = (cfg.candidate_topk_blocks or 0) * (cfg.candidate_block_size or 0)
-    att = idx = 0.0
-    for p in range(context, context + new):
-        for block in model.layers:  # keys each row must read: its window and its selected entries; and scoring:
-            role = block.role  # a source's indexer scores every visible entry, a consumer the candidate pool
-            vis = (p + 1) // role.ratio if role.ratio else 0
-            att += min(p + 1, cfg.sliding_window) + min(vis, cfg.index_topk)
-            if block.attn.indexer is not None:
-                idx += min(vis, cand) if role.candidate == "consumer" and cand else vis
-    att *= 4 * cfg.num_attention_heads * cfg.head_dim
-    idx *= cfg.index_n_heads * cfg.index_head_dim * 2
-    return 2.0 * active * new + att + idx
+    """One chunk's FLOPs (bench/floors.py), the LM head on its last row only, as the engine computes logits."""
+    return floors.prefill_flops(core.cfg, context, new, logit_rows=1)
 
 
 def device_busy(core, b: int, context: int) -> dict:
@@ -611,13 +593,7 @@ def main() -> None:
     if "prefill" in skip:
         plan["prefill"] = []
     res = {
-        "meta": {
-            "command": " ".join(["python", "benchmarks/model_h200.py"] + sys.argv[1:]),
-            "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
-            "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "smoke": a.smoke,
-        },
+        "meta": run_meta(smoke=a.smoke),
         "ceilings": ceilings(),
         "seconds": {},
     }

@@ -36,6 +36,7 @@ import dsserve.kernels.indexer_prefill as ixp  # noqa: E402
 import dsserve.kernels.mhc as mhc  # noqa: E402
 import dsserve.kernels.sparse_attention as sa  # noqa: E402
 import dsserve.kernels.sparse_attention_prefill as sap  # noqa: E402
+from dsserve.bench.provenance import run_meta  # noqa: E402
 from dsserve.kernels.kv_unpack import unpack_rows  # noqa: E402
 from dsserve.kernels.row_topk import chunk_topk  # noqa: E402
 from dsserve.kernels.topk import candidate_blocks, topk_int64_keys  # noqa: E402
@@ -271,13 +272,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     ceil = ceilings()
     res = {
-        "meta": {
-            "command": " ".join(["python", "benchmarks/prefill_kernels_h200.py"] + sys.argv[1:]),
-            "device": "cpu" if SMOKE else torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        },
+        "meta": run_meta(),
         "ceilings": ceil,
         "rows": [],
     }

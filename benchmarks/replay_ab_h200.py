@@ -25,6 +25,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 from model_h200 import build_core  # noqa: E402
 
+from dsserve.bench.provenance import run_meta  # noqa: E402
 from dsserve.engine.args import EngineArgs  # noqa: E402
 from dsserve.engine.core import EngineCore  # noqa: E402
 from dsserve.engine.sampling_params import SamplingParams  # noqa: E402
@@ -98,12 +99,7 @@ def main() -> None:
         del core
         torch.cuda.empty_cache()
     os.makedirs(a.out, exist_ok=True)
-    meta = {
-        "command": " ".join(["python", "benchmarks/replay_ab_h200.py"] + sys.argv[1:]),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    }
+    meta = run_meta()
     with open(os.path.join(a.out, "ab.json"), "w") as f:
         json.dump({"meta": meta, "runs": runs}, f, indent=1, default=str)
     print(json.dumps({"runs": [{k: r[k] for k in ("replay", "hit2")} for r in runs]}, default=str))

@@ -39,6 +39,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 from model_h200 import DEV, build_core  # noqa: E402
 
+from dsserve.bench.provenance import run_meta  # noqa: E402
 from dsserve.engine.args import EngineArgs  # noqa: E402
 from dsserve.engine.core import EngineCore  # noqa: E402
 from dsserve.engine.sampling_params import SamplingParams  # noqa: E402
@@ -222,16 +223,12 @@ def main() -> None:
         loaded = LoadedModel(core.model, core.cfg, core.tokenizer, "dummy")
         del core
     res = {
-        "meta": {
-            "command": " ".join(["python", "benchmarks/replay_ttft_h200.py"] + sys.argv[1:]),
-            "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
-            "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "model": loaded.cfg.name,
-            "hit_new": a.hit_new,
-            "lengths": lengths,
-            "build_s": time.perf_counter() - t0,
-        },
+        "meta": run_meta(
+            model=loaded.cfg.name,
+            hit_new=a.hit_new,
+            lengths=lengths,
+            build_s=time.perf_counter() - t0,
+        ),
         "modes": {},
         "graphs": {},
         "profiles": {},

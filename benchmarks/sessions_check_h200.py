@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from dsserve.bench.provenance import run_meta
 from dsserve.engine.args import EngineArgs
 from dsserve.engine.core import EngineCore
 from dsserve.engine.sampling_params import SamplingParams
@@ -147,6 +148,7 @@ while time.time() - t0 < budget:
     if not core.has_unfinished_requests():
         break
 res = {
+    "meta": run_meta(),
     "variant": variant,
     "steps": steps,
     "seconds": round(time.time() - t0, 1),

@@ -19,6 +19,8 @@ import shlex
 import subprocess
 import time
 
+from dsserve.bench.provenance import run_meta  # noqa: E402
+
 SAVE_S = 45  # start-up (imports, the data workers) and saving the checkpoint, outside the training clock
 
 
@@ -91,7 +93,7 @@ def main() -> int:
         extra = ["--no-fused-sinkhorn", "--no-cuda-graph"]
     with open(log) as f:
         print("".join(f.readlines()[-8:]))
-    summary = {"layout": a.layout, "runs": runs, "seconds": time.time() - t_start}
+    summary = {"meta": run_meta(), "layout": a.layout, "runs": runs, "seconds": time.time() - t_start}
     with open(os.path.join(a.out, "train_h200.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(json.dumps(summary))

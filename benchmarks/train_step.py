@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from dsserve.bench.provenance import run_meta  # noqa: E402
+
 
 def main() -> int:
     from dsserve.kernels.sinkhorn import sinkhorn_trainable
@@ -88,7 +90,12 @@ def main() -> int:
             f"{'dense' if r['dense'] else 'sparse':>6} {r['seqs']:5d} {r['eager_s']:8.3f} {r['replay_s']:9.3f} "
             f"{r['eager_s'] / r['replay_s']:6.2f} {r['tokens'] / r['replay_s']:13.0f} {r['optimizer_s']:6.3f}"
         )
-    out = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "length": a.length, "rows": rows}
+    out = {
+        "meta": run_meta(),
+        "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
+        "length": a.length,
+        "rows": rows,
+    }
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)

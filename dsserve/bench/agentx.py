@@ -32,6 +32,7 @@ from .agentx_chat import ChatBuilder, mismatches
 from .agentx_presets import PRESETS, stream
 from .agentx_trace import BLOCK, VERSION, generate, request_token_ids
 from .agentx_warmup import WarmupError, parse_prom, resumed, sample_metrics, scrape, warm_up, write_series  # noqa
+from .provenance import run_meta
 
 
 def _table(title: str, cols) -> Table:
@@ -306,6 +307,7 @@ async def _main(a) -> int:
                 dataset=ds,
                 price_per_gpu_hr=a.price_per_gpu_hr,
             )
+            agg["provenance"] = run_meta()
             M.write_agg(out, agg), aggs.append(agg)
             points.append(
                 {

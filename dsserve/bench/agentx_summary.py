@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from . import metrics as M
+from .provenance import run_meta
 
 POINT_KEYS = (
     "conc",
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    res = {"tier_tok_s_per_user": a.tier_tok_s, "configs": summarise(aggs, a.tier_tok_s)}
+    res = {"meta": run_meta(), "tier_tok_s_per_user": a.tier_tok_s, "configs": summarise(aggs, a.tier_tok_s)}
     (out / "agentx-summary.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
     M.plot_points(out / "agentx-frontier.png", aggs, "p90_intvty", tier=a.tier_tok_s)
     f = lambda v, s="{:,.1f}": "-" if v is None else s.format(v)  # noqa: E731

@@ -20,6 +20,7 @@ import urllib.request
 from dataclasses import asdict, replace
 
 from ..train.tasks import TASKS, final_answer, problem, prompt_ids, retrieval_distance
+from .provenance import run_meta
 
 MAX_TOKENS = {"arithmetic": 64, "retrieval": 8, "chat": 24}
 
@@ -140,6 +141,7 @@ def run_eval(ns) -> int:
     min_back = ns.min_back or retrieval_distance(cfg)  # past any window-only path's reach
     results, t0 = [], time.perf_counter()
     summary = {
+        "meta": run_meta(),
         "model": args.model,
         "n": ns.n,
         "first": ns.first,

@@ -246,6 +246,20 @@ def tier_summary(points: list[dict], tier: float, x="p90_intvty", y="tput_per_gp
     }
 
 
+# Rejections of a prompt longer than the server's context: dsserve's RequestError and vLLM's / OpenAI's wording.
+CONTEXT_OVERFLOW_MARKS = ("max_model_len", "maximum context length", "context_length_exceeded", "context length")
+MAX_OVERFLOW_RATE = 0.01  # agentx.md 1.3: more than 1% context-overflow responses make a run invalid
+
+
+def is_context_overflow(record: dict) -> bool:
+    """A response the server refused (or cut) because the prompt did not fit its context: the record's own
+    ``context_overflow`` flag when the client set one, else its error text naming the context limit."""
+    if "context_overflow" in record:
+        return bool(record["context_overflow"])
+    err = record.get("error")
+    return bool(err) and any(m in str(err).lower() for m in CONTEXT_OVERFLOW_MARKS)
+
+
 def aggregate(
     records: list[dict],
     window=None,
@@ -276,6 +290,8 @@ def aggregate(
     )
     cov = (max(r["end_ns"] for r in ok) - t0) / (t1 - t0) if window and ok and t1 > t0 else None
     err, dur_ok = (len(prof) - len(ok)) / len(prof) if prof else None, tp["duration_seconds"] >= min_duration_s
+    overflow = sum(map(is_context_overflow, prof)) / len(prof) if prof else None
+    overflow_ok = (overflow or 0) <= MAX_OVERFLOW_RATE
     cost = price_per_gpu_hr * 1e6 / (3600 * tp["per_gpu"]) if price_per_gpu_hr and tp["per_gpu"] else None
     return {
         **{k: meta.get(k) for k in META_KEYS},
@@ -322,7 +338,9 @@ def aggregate(
             "coverage": cov,
             "duration_ok": dur_ok,
             "error_rate_ok": (err or 0) <= 0.10,
-            "valid": dur_ok and (err or 0) <= 0.10 and (cov is None or cov >= 0.98),
+            "context_overflow_rate": overflow,
+            "context_overflow_ok": overflow_ok,
+            "valid": dur_ok and (err or 0) <= 0.10 and overflow_ok and (cov is None or cov >= 0.98),
         },
     }
 

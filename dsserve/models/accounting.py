@@ -161,6 +161,11 @@ def engram_table_params(c: ModelConfig) -> int:
     return sum(engram_rows_per_layer(c).values()) * c.engram_head_dim
 
 
+def head_params(c: ModelConfig) -> int:
+    """The LM head with its final norm (+ V4's hc head): weights a row multiplies only when its logits are needed."""
+    return c.vocab_size * c.hidden_size + c.hidden_size + (0 if c.is_v41 else _hc_head(c))
+
+
 def param_counts(c: ModelConfig) -> ParamCounts:
     d = c.hidden_size
     parts = dict(
@@ -189,7 +194,7 @@ def param_counts(c: ModelConfig) -> ParamCounts:
             # compressor (wkv [+ wgate], norm) and index-K projection (wk, k_norm); the rest runs on the window.
             pooled = c.head_dim * d * (2 if role.ratio > 1 else 1)
             prefill += d + pooled + c.head_dim + c.index_head_dim * c.head_dim + c.index_head_dim
-    head = c.vocab_size * d + d + (0 if c.is_v41 else _hc_head(c))  # head, final norm (+ V4 hc head)
+    head = head_params(c)
     return ParamCounts(
         parts=parts,
         engram_tables=engram_table_params(c),

@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from ..bench.provenance import run_meta
 from .heldout import heldout_nats
 from .ranks import Ranks
 from .step import TrainStep, problem_align
@@ -376,6 +377,7 @@ def train(cfg: TrainConfig, out_dir: str | None) -> dict:
             flush=True,
         )
     summary = {
+        "meta": run_meta(),
         "config": asdict(cfg),
         "ranks": ranks.world,
         "model": mcfg.name,
