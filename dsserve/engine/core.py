@@ -30,7 +30,7 @@ from .request import Request, RequestStatus
 from .runner import ModelRunner
 from .sampler import Sampler, row_logprobs
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepPlan
+from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepOutput, StepPlan
 from .stats import EngineStats
 from .step_check import StepCheck
 
@@ -90,6 +90,7 @@ class _Tracked:
 class _Launched:
     """A step that sampled: its tokens on the device, and their copy to the host under way."""
 
+    plan: StepPlan  # what ran; its requests' progress moves when the tokens are read (Scheduler.update)
     requests: list[Request]  # the rows that sample, in order
     sampled: torch.Tensor  # [B] int64 on the device
     host: torch.Tensor  # [B] the copy (pinned on a GPU)
@@ -321,15 +322,17 @@ class EngineCore:
             return results
         self.stats.admitted(plan)
         before = self.step_check and self._runner_runs()
+        starts = [c.request.num_computed_tokens for c in plan.chunks]
         sampling, logits = self.runner.execute(plan)
         if self.step_check:
-            self._check_step("scheduled", logits, plan, before)
+            self._check_step("scheduled", logits, plan, starts, before)
         self._count_runs()
         self.scheduler.register_full_blocks([c.request for c in plan.chunks])
         if not sampling:
+            self.scheduler.update(plan, StepOutput())
             self.stats.step_done(time.perf_counter() - t0 - wait, wait)
             return results
-        launched = self._sample(sampling, logits)
+        launched = self._sample(plan, sampling, logits)
         if self.async_scheduling:
             self._in_flight = launched  # read in the next call, after it launched the next step (if it can)
         else:
@@ -358,7 +361,7 @@ class EngineCore:
             self.stats.graph_capture_seconds = self.graph_capture.seconds
             self.stats.graph_pool_bytes = self.graph_capture.pool_bytes
 
-    def _sample(self, sampling: list[Request], logits: torch.Tensor) -> _Launched:
+    def _sample(self, plan: StepPlan, sampling: list[Request], logits: torch.Tensor) -> _Launched:
         logits = logits.float()
         # the model's own logits (before the sampler masks any), counted on the device and read with the tokens:
         # a fault shows in the metrics without a wait per step
@@ -374,14 +377,14 @@ class EngineCore:
             ready.record()
         else:
             host = ids
-        return _Launched(sampling, ids, host, ready, lps, out.want, nonfinite)
+        return _Launched(plan, sampling, ids, host, ready, lps, out.want, nonfinite)
 
     def _launch_ahead(self, prev: _Launched) -> _Launched | None:
         """The next decode step of ``prev``'s requests, launched before the host reads ``prev``'s tokens (they
         are its inputs, taken on the device), when that step is certain to be what the scheduler would plan:
         nobody waits (or the batch is full), every running request is one of ``prev``'s and will not finish by
         length, its sampling needs no host history, and the cache has room. None: the caller reads ``prev``
-        first."""
+        first. ``prev``'s progress is not applied yet: each request's pending token goes at ``num_tokens``."""
         sched, graphs = self.scheduler, self.runner.decode_graphs
         if len(sched.running) != len(prev.requests):  # e.g. a prompt still has chunks to run
             return None
@@ -393,7 +396,7 @@ class EngineCore:
         for r in sched.running:
             if id(r) not in row_of or not self._may_run_ahead(r):
                 return None
-        if sum(self.kv.blocks_needed(r.kv, r.num_computed_tokens + 1) for r in sched.running) > self.kv.blocks.num_free:
+        if sum(self.kv.blocks_needed(r.kv, r.num_tokens + 1) for r in sched.running) > self.kv.blocks.num_free:
             return None
         order = sched._by_priority(sched.running)  # the order schedule() would give
         plan = StepPlan([ScheduledChunk(r, 1) for r in order], [])
@@ -401,21 +404,19 @@ class EngineCore:
         if key is None:
             return None
         for r in order:
-            self.kv.grow(r.kv, r.num_computed_tokens + 1)
+            self.kv.grow(r.kv, r.num_tokens + 1)
         rows = [row_of[id(r)] for r in order]
         tokens = prev.sampled
         if rows != list(range(len(rows))):  # (a pinned upload: a pageable one would wait for the device)
             idx = torch.tensor(rows, pin_memory=tokens.device.type == "cuda")
             tokens = tokens[idx.to(tokens.device, non_blocking=True)]
         logits = graphs.run(plan, key, tokens)
-        for r in order:
-            r.num_computed_tokens += 1
         if self.step_check:
-            self._check_step("ahead", logits, plan, None, decode=key)
+            self._check_step("ahead", logits, plan, [r.num_tokens for r in order], None, decode=key)
         self.runner.graph_steps += 1
         self.stats.ahead_steps += 1
         self._count_runs()
-        return self._sample(order, logits)
+        return self._sample(plan, order, logits)
 
     def _runner_runs(self) -> dict:
         runners = {"encoder_rows": self.runner.encoder_graphs, "decoder_rows": self.runner.replay_graphs}
@@ -424,11 +425,14 @@ class EngineCore:
         out["decode"] = (self.runner.graph_steps, None if dec is None else dec.last_key)
         return out
 
-    def _check_step(self, label: str, logits: torch.Tensor, plan: StepPlan, before: dict | None, **took) -> None:
-        """StepCheck's wait and check, with the step's rows and the fixed-shape runners that took it."""
+    def _check_step(
+        self, label: str, logits: torch.Tensor, plan: StepPlan, starts: list[int], before: dict | None, **took
+    ) -> None:
+        """StepCheck's wait and check, with the step's rows (from ``starts``) and the fixed-shape runners that
+        took it."""
         if before is not None:
             took.update({k: key or "taken" for k, (n, key) in self._runner_runs().items() if n != before[k][0]})
-        seqs = [(c.request.num_computed_tokens - c.num_tokens, c.num_tokens) for c in plan.chunks]
+        seqs = [(start, c.num_tokens) for start, c in zip(starts, plan.chunks)]
         self.step_check.after(label, logits, seqs, **took)
 
     def _may_run_ahead(self, r: Request) -> bool:
@@ -442,9 +446,10 @@ class EngineCore:
         return len(r.output_token_ids) >= p.min_tokens
 
     def _read(self, launched: _Launched, ahead: _Launched | None) -> tuple[list[RequestOutput], float]:
-        """Waits for ``launched``'s tokens on the host, then appends them, checks stops and frees finished
-        requests. ``ahead``: the step already launched on these tokens (their Engram histories are pushed now,
-        and its rows of requests finished here are dropped when it is read). Returns the outputs and the wait."""
+        """Waits for ``launched``'s tokens on the host, then has the scheduler apply its step (``Scheduler.update``),
+        checks stops and frees finished requests. ``ahead``: the step already launched on these tokens (their Engram
+        histories are pushed now, and its rows of requests finished here are dropped when it is read). Returns the
+        outputs and the wait."""
         t1 = time.perf_counter()
         if launched.ready is not None:
             launched.ready.synchronize()
@@ -464,13 +469,15 @@ class EngineCore:
             tok_of = {id(r): tok for r, tok in zip(launched.requests, tokens)}
             self.model.push_decode_history([r.kv for r in ahead.requests], [tok_of[id(r)] for r in ahead.requests])
         now = time.monotonic()
-        results = []
+        results, accepted, row_of = [], {}, {}
         for i, req in enumerate(launched.requests):
             t = self._tracked.get(req.request_id)
             if t is None or t.request is not req or req.status.finished:
                 continue  # aborted, or finished while this step ran ahead of reading its last token
+            accepted[req.request_id], row_of[req.request_id] = [tokens[i]], i
+        for req in self.scheduler.update(launched.plan, StepOutput(accepted)):
+            t, i = self._tracked[req.request_id], row_of[req.request_id]
             tok = tokens[i]
-            req.output_token_ids.append(tok)
             req.metrics.record_token(now)
             if t.logprobs is not None and logprobs[i] is not None:
                 lp = logprobs[i]

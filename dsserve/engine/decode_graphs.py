@@ -93,7 +93,8 @@ class DecodeGraphs:
 
     def key(self, plan: StepPlan, ahead: bool = False) -> tuple[int, int] | None:
         """(batch bucket, context bucket) of a plan that can run as a fixed-shape decode step, or None.
-        ``ahead``: the rows' input tokens are still on the device (not yet appended to the requests)."""
+        ``ahead``: the rows' input tokens are still on the device (the previous step's samples, its progress not yet
+        applied: each row's input goes at the request's ``num_tokens``)."""
         why = self._unfit(plan, ahead)
         if why is not None:
             self.fallbacks[why] += 1
@@ -113,10 +114,10 @@ class DecodeGraphs:
             return "batch size outside the buckets"
         for c in plan.chunks:
             r = c.request
-            known = r.num_tokens + ahead  # the pending token counts
-            if c.num_tokens != 1 or r.num_computed_tokens != known - 1 or not (ahead or c.samples):
+            start = r.num_tokens if ahead else r.num_computed_tokens  # the row's position
+            if c.num_tokens != 1 or not (ahead or c.samples):
                 return "not a decode step"
-            if r.decoder_start is not None and r.num_computed_tokens < r.decoder_start:
+            if r.decoder_start is not None and start < r.decoder_start:
                 return "bounded replay narrows the step"
             if r.kv.cache is not self.kv:
                 return "another cache"

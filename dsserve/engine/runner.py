@@ -1,4 +1,5 @@
-"""The model runner: one batched forward over a step's mixed prefill chunks and decodes, on the paged cache."""
+"""The model runner: one batched forward over a step's mixed prefill chunks and decodes, on the paged cache. It reads
+the requests' progress and never moves it (``Scheduler.update`` does, after the step)."""
 
 from __future__ import annotations
 
@@ -42,8 +43,6 @@ class ModelRunner:
         if key is not None:
             logits = self.decode_graphs.run(plan, key)
             self.graph_steps += 1
-            for c in plan.chunks:
-                c.request.num_computed_tokens += 1
             return [c.request for c in plan.chunks], logits
         ids, seqs, row = [], [], 0
         for c in plan.chunks:
@@ -62,7 +61,5 @@ class ModelRunner:
         self.decoder_rows_skipped += len(ids) - out.hidden.shape[0]
         last_rows = [s.rows.stop - 1 for c, s in zip(plan.chunks, out.seqs) if c.samples]
         sampling = [c.request for c in plan.chunks if c.samples]
-        for c in plan.chunks:
-            c.request.num_computed_tokens += c.num_tokens
         logits = self.model.logits(out.hidden[last_rows]) if last_rows else torch.empty(0)
         return sampling, logits
