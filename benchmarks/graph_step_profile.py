@@ -59,7 +59,7 @@ def profile_case(core, b: int, ctx: int, gen: torch.Generator, steps: int = 3) -
         t0 = time.perf_counter()
         key = graphs.key(p)
         t1 = time.perf_counter()
-        batch, graph, _ = graphs._steps[key]
+        batch, graph = graphs._steps[key].batch, graphs._steps[key].graph
         core.model.fill_decode(batch, seqs, toks)
         t2 = time.perf_counter()
         if step < steps:

@@ -21,11 +21,11 @@ from ..models.quantize import quantize_dense_fp8, quantize_experts, use_fp8_kern
 from . import graph_scratch, jit_compiles
 from .args import EngineArgs, EngineArgsError
 from .decode_graphs import DecodeGraphs
+from .decoder_row_graphs import DecoderRowGraphs
 from .detokenizer import StopChecker
 from .encoder_graphs import EncoderGraphs
 from .graph_capture import GraphCapture
 from .outputs import CompletionOutput, RequestOutput, make_logprob_dict
-from .replay_graphs import ReplayGraphs
 from .request import Request, RequestStatus
 from .runner import ModelRunner
 from .sampler import Sampler, row_logprobs
@@ -180,29 +180,16 @@ class EngineCore:
             self.kv,
         )
         self.stats = EngineStats(layout, self.cfg)
-        graphs = replay_graphs = encoder_graphs = self.graph_capture = None
+        graphs = decoder_row_graphs = encoder_graphs = self.graph_capture = None
         min_context = -(-1024 // (2 * layout.block_size)) * 2 * layout.block_size
         if backend == "paged" and self.device.type == "cuda" and not args.enforce_eager:
             capture = self.graph_capture = GraphCapture(shared_pool=graph_scratch.shared_pool())
             graphs = DecodeGraphs(self.model, self.kv, args.max_num_seqs, capture, min_context=min_context)
             if replay:
-                replay_graphs = ReplayGraphs(
-                    self.model,
-                    self.kv,
-                    min(1024, args.max_num_batched_tokens),
-                    args.max_num_seqs,
-                    capture,
-                    min_context=min_context,
-                )
+                rows = (self.model, self.kv, min(1024, args.max_num_batched_tokens), args.max_num_seqs, capture)
+                decoder_row_graphs = DecoderRowGraphs(*rows, min_context=min_context)
                 if args.encoder_graphs:
-                    encoder_graphs = EncoderGraphs(
-                        self.model,
-                        self.kv,
-                        min(1024, args.max_num_batched_tokens),
-                        args.max_num_seqs,
-                        capture,
-                        min_context=min_context,
-                    )
+                    encoder_graphs = EncoderGraphs(*rows, min_context=min_context)
         elif backend == "paged" and args.async_scheduling:  # fixed shapes, eager (the CPU)
             graphs = DecodeGraphs(self.model, self.kv, args.max_num_seqs, None, min_context=min_context)
         # Asynchronous scheduling runs only fixed-shape decode steps ahead: they take their tokens from the device.
@@ -215,7 +202,7 @@ class EngineCore:
                 self.cfg.name,
             )
         self._in_flight: _Launched | None = None  # a step whose tokens the host has not read yet
-        self.runner = ModelRunner(self.model, args.replay_form, graphs, replay_graphs, encoder_graphs)
+        self.runner = ModelRunner(self.model, args.replay_form, graphs, decoder_row_graphs, encoder_graphs)
         self.step_check = StepCheck.from_env(self.device)  # a diagnostic: waits for the device after every step
         if self.step_check:
             self.step_check.attach(self.model)
@@ -351,7 +338,9 @@ class EngineCore:
     def _count_runs(self) -> None:
         self.stats.decoder_rows_skipped = self.runner.decoder_rows_skipped
         self.stats.graph_steps = self.runner.graph_steps
-        self.stats.replay_graph_steps = 0 if self.runner.replay_graphs is None else self.runner.replay_graphs.runs
+        self.stats.replay_graph_steps = (
+            0 if self.runner.decoder_row_graphs is None else self.runner.decoder_row_graphs.runs
+        )
         self.stats.encoder_graph_steps = 0 if self.runner.encoder_graphs is None else self.runner.encoder_graphs.runs
         n, secs, loads = jit_compiles.COMPILES.snapshot()
         self.stats.triton_compiles, self.stats.triton_compile_seconds = n - self._jit_base[0], secs - self._jit_base[1]
@@ -419,7 +408,7 @@ class EngineCore:
         return self._sample(plan, order, logits)
 
     def _runner_runs(self) -> dict:
-        runners = {"encoder_rows": self.runner.encoder_graphs, "decoder_rows": self.runner.replay_graphs}
+        runners = {"encoder_rows": self.runner.encoder_graphs, "decoder_rows": self.runner.decoder_row_graphs}
         out = {k: (g.runs, g.last_key) for k, g in runners.items() if g is not None}
         dec = self.runner.decode_graphs
         out["decode"] = (self.runner.graph_steps, None if dec is None else dec.last_key)

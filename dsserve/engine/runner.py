@@ -17,22 +17,22 @@ class ModelRunner:
         model: DeepseekForCausalLM,
         replay_form: str = "report",
         decode_graphs=None,
-        replay_graphs=None,
+        decoder_row_graphs=None,
         encoder_graphs=None,
     ):
         """``decode_graphs`` (engine.decode_graphs.DecodeGraphs): plain decode steps run through it, in fixed
-        shapes (CUDA graphs on a GPU); None: every step runs ``forward_batch``. ``replay_graphs``
-        (engine.replay_graphs.ReplayGraphs): other steps' decoder rows after bounded replay's narrowing run
+        shapes (CUDA graphs on a GPU); None: every step runs ``forward_batch``. ``decoder_row_graphs``
+        (engine.decoder_row_graphs.DecoderRowGraphs): other steps' decoder rows after bounded replay's narrowing run
         through it; ``encoder_graphs`` (engine.encoder_graphs.EncoderGraphs): their encoder rows before it."""
         self.model, self.replay_form, self.decode_graphs = model, replay_form, decode_graphs
-        self.replay_graphs, self.encoder_graphs = replay_graphs, encoder_graphs
+        self.decoder_row_graphs, self.encoder_graphs = decoder_row_graphs, encoder_graphs
         self.reset_counts()
 
     def reset_counts(self) -> None:
         """Zeroes what this runner and its fixed-shape runners counted (the warm-up's steps are not traffic)."""
         self.decoder_rows_skipped = 0  # prefill rows bounded replay kept out of the decoder
         self.graph_steps = 0  # steps run by decode_graphs
-        for g in (self.decode_graphs, self.replay_graphs, self.encoder_graphs):
+        for g in (self.decode_graphs, self.decoder_row_graphs, self.encoder_graphs):
             if g is not None:
                 g.reset_counts()
 
@@ -55,7 +55,7 @@ class ModelRunner:
             tokens,
             seqs,
             replay_form=self.replay_form,
-            decoder_rows=self.replay_graphs,
+            decoder_rows=self.decoder_row_graphs,
             encoder_rows=self.encoder_graphs,
         )
         self.decoder_rows_skipped += len(ids) - out.hidden.shape[0]

@@ -9,7 +9,7 @@ of their own. The rounds:
 - a context ladder: one cold prompt reaching the last decode context bucket that fits ``max_model_len`` and the
   cache (at least a whole chunk: the eager prefill's large-row kernels), then one prefix hit on it ending in each
   bucket, from the last one down, each decoding a few tokens alone: the decode graphs (b, c) of every batch bucket b
-  at every context c (``DecodeGraphs.ahead_batches``: a lone row's step captures the larger buckets too), and with
+  at every context c (``DecodeGraphs.ahead_rows``: a lone row's step captures the larger buckets too), and with
   bounded replay the row graphs at every context: the decoder rows' every row bucket, the encoder rows' from the
   hit's rows up (their ``ahead_rows``). The ladder and each step capture the largest shapes first, so that later
   captures reuse their freed scratch. Before, only (1, c) and (b, the first c) were captured here; an AgentX
@@ -52,9 +52,10 @@ from ..kernels import router
 from ..kernels.grouped_moe import expert_run_rows
 from ..kernels.sparse_attention import split_rows
 from . import jit_compiles
-from .decode_graphs import bucket_sizes, context_bucket
-from .replay_graphs import ROW_BUCKETS
+from .decode_graphs import context_bucket
+from .decoder_row_graphs import ROW_BUCKETS
 from .sampling_params import SamplingParams
+from .step_graphs import bucket_sizes
 
 log = logging.getLogger("dsserve")
 
@@ -143,7 +144,7 @@ def ahead(decode_graphs, row_graphs: list, on: bool) -> None:
     """The context ladder's steps also build other buckets at their context: every larger decode batch bucket, and
     the row graphs' other row buckets (their ``ahead_rows``)."""
     if decode_graphs is not None:
-        decode_graphs.ahead_batches = on
+        decode_graphs.ahead_rows = on
     for g in row_graphs:
         g.ahead_rows = on
 
@@ -183,7 +184,7 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
         log.warning("warm-up skipped: max_model_len %d leaves no room for a prompt", core.max_model_len)
         return WarmupReport(0, 0, 0.0, 0, 0)
     graphs = core.runner.decode_graphs
-    row_graphs = [g for g in (core.runner.replay_graphs, core.runner.encoder_graphs) if g is not None]
+    row_graphs = [g for g in (core.runner.decoder_row_graphs, core.runner.encoder_graphs) if g is not None]
     # prompt lengths whose decode steps stay in each bucket c (positions up to c)
     ladder = [c - new_tokens for c in context_ladder(cap, graphs.min_context if graphs else 1024)]
     longest = prompt(max(ladder[-1:] + [min(sched.max_num_batched_tokens, room)]))

@@ -111,7 +111,7 @@ class DeepseekForCausalLM(nn.Module):
         decoder's KV source (``report``: layer 20 publishes global KV from every row, then its attention
         and FFN run on the window, as the V4.1 report and TRT-LLM do) or after it (``vllm``: layer 20 on
         every row, 21-39 on the window). Both publish the same global KV. ``decoder_rows``
-        (engine.replay_graphs.ReplayGraphs) may run the narrowed rows from there on in fixed shapes (a CUDA
+        (engine.decoder_row_graphs.DecoderRowGraphs) may run the narrowed rows from there on in fixed shapes (a CUDA
         graph); it returns None for a step it does not take. The DSpark taps of layers it runs are not returned.
         ``encoder_rows`` (engine.encoder_graphs.EncoderGraphs) may likewise run a replayed step's encoder layers (the
         split's other piece) and hand their streams to the decoder's KV source layer.
