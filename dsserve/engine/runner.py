@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layers.context import SeqRows
+from ..layers.context import SeqRows, StepBatch
 from ..models.model import DeepseekForCausalLM
 from .request import Request
 from .scheduler import StepPlan
@@ -51,13 +51,14 @@ class ModelRunner:
             seqs.append(SeqRows(slice(row, row + c.num_tokens), r.kv, r.decoder_start))
             row += c.num_tokens
         tokens = torch.tensor(ids, dtype=torch.long)  # on the host: forward_batch checks, then moves them
-        out = self.model.forward_batch(
+        step = StepBatch(
             tokens,
             seqs,
             replay_form=self.replay_form,
             decoder_rows=self.decoder_row_graphs,
             encoder_rows=self.encoder_graphs,
         )
+        out = self.model.forward_batch(step)
         self.decoder_rows_skipped += len(ids) - out.hidden.shape[0]
         last_rows = [s.rows.stop - 1 for c, s in zip(plan.chunks, out.seqs) if c.samples]
         sampling = [c.request for c in plan.chunks if c.samples]
