@@ -10,8 +10,8 @@ from test_paged_engine import make_prompts
 
 from dsserve import LLM, SamplingParams
 from dsserve.engine import graph_scratch
-from dsserve.engine.graph_capture import GraphCapture, copy_outputs
 from dsserve.engine.decoder_row_graphs import DecoderRowGraphs, decoder_context_bucket
+from dsserve.engine.graph_capture import GraphCapture, copy_outputs
 from dsserve.models.presets import preset
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)

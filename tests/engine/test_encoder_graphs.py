@@ -17,8 +17,8 @@ from test_decoder_row_graphs import (
 )
 
 from dsserve import LLM
-from dsserve.engine.encoder_graphs import EncoderGraphs
 from dsserve.engine.decoder_row_graphs import DecoderRowGraphs
+from dsserve.engine.encoder_graphs import EncoderGraphs
 
 
 def _run(graphs=None, prompts=None, **kw):

@@ -2,13 +2,13 @@
 
 import pytest
 import torch
-from test_paged_engine import make_prompts
 from test_decoder_row_graphs import EagerCapture
+from test_paged_engine import make_prompts
 
 from dsserve import LLM, SamplingParams
-from dsserve.engine.step_graphs import bucket_sizes
-from dsserve.engine.encoder_graphs import EncoderGraphs
 from dsserve.engine.decoder_row_graphs import ROW_BUCKETS, DecoderRowGraphs
+from dsserve.engine.encoder_graphs import EncoderGraphs
+from dsserve.engine.step_graphs import bucket_sizes
 from dsserve.engine.warmup import (
     attention_split_rows,
     batch_sizes,
