@@ -82,7 +82,7 @@ def device_step_ms(core, b: int, ctx: int, gen: torch.Generator, reps: int = 20)
     core.step()  # fills the graph's buffers for these rows
     graphs = core.runner.decode_graphs
     key = graphs.key(core.scheduler.schedule())  # (the plan is not run: only its key)
-    graph = graphs._steps[key][1]
+    graph = graphs._steps[key].graph
     torch.cuda.synchronize()
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()

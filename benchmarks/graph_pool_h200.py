@@ -109,7 +109,7 @@ def main() -> None:
         kernel_manifest.precompile(ns.kernel_manifest, kernel_manifest.default_workers())
     core = EngineCore(EngineArgs.from_cli(ns))
     rec = Recorder(core.graph_capture)
-    for g in (core.runner.decode_graphs, core.runner.replay_graphs, core.runner.encoder_graphs):
+    for g in (core.runner.decode_graphs, core.runner.decoder_row_graphs, core.runner.encoder_graphs):
         if g is not None:
             g.capture = rec
     if a.history:

@@ -23,7 +23,7 @@ import dsserve.bench.forward as fwd  # noqa: E402
 from dsserve.bench.provenance import run_meta  # noqa: E402
 from dsserve.engine.request import Request  # noqa: E402
 from dsserve.engine.sampling_params import SamplingParams  # noqa: E402
-from dsserve.engine.scheduler import ScheduledChunk, StepPlan  # noqa: E402
+from dsserve.engine.scheduler import ScheduledChunk, StepOutput, StepPlan  # noqa: E402
 
 CASES = [(1, 8192), (128, 8192), (32, 131072), (128, 131072)]
 
@@ -43,7 +43,9 @@ def profile_case(core, b: int, ctx: int, gen: torch.Generator, steps: int = 3) -
 
     torch.cuda.synchronize()
     t = time.perf_counter()
-    core.runner.execute(plan())  # captures this bucket pair's graph
+    first = plan()
+    core.runner.execute(first)  # captures this bucket pair's graph
+    core.scheduler.update(first, StepOutput())
     torch.cuda.synchronize()
     first_s = time.perf_counter() - t
     phases = []
@@ -58,7 +60,7 @@ def profile_case(core, b: int, ctx: int, gen: torch.Generator, steps: int = 3) -
         t0 = time.perf_counter()
         key = graphs.key(p)
         t1 = time.perf_counter()
-        batch, graph, _ = graphs._steps[key]
+        batch, graph = graphs._steps[key].batch, graphs._steps[key].graph
         core.model.fill_decode(batch, seqs, toks)
         t2 = time.perf_counter()
         if step < steps:
@@ -73,8 +75,7 @@ def profile_case(core, b: int, ctx: int, gen: torch.Generator, steps: int = 3) -
         t4 = time.perf_counter()
         core.model.commit_decode(seqs, toks)
         t5 = time.perf_counter()
-        for r in reqs:
-            r.num_computed_tokens += 1
+        core.scheduler.update(p, StepOutput())
         if step < steps:
             phases.append({"key": t1 - t0, "fill": t2 - t1, "launch": t3 - t2, "wait": t4 - t3, "commit": t5 - t4})
     per, count = {}, {}

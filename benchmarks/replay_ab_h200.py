@@ -84,7 +84,9 @@ def main() -> None:
             "hit": phase(core, "hit", prompt + fresh(1500), 64),
             "hit2": phase(core, "hit2", prompt + fresh(1500), 64),
             "decode_graphs": core.runner.decode_graphs.report(),
-            "replay_graphs": None if core.runner.replay_graphs is None else core.runner.replay_graphs.report(),
+            "decoder_row_graphs": None
+            if core.runner.decoder_row_graphs is None
+            else core.runner.decoder_row_graphs.report(),
         }
         print(
             f"replay {replay}: "

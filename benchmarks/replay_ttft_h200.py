@@ -7,10 +7,10 @@ One model (`proxy-h200-release`: dense FP8, routed experts MXFP4, Engram tables 
 three engines around it, each with prefix caching on and 8K-token prefill chunks:
   (a) replay off: the exact mode (the decoder runs on every prompt row; window rows kept with the cached blocks);
   (b) replay on, eager: the decoder runs on each prompt's last `replay_window` rows, as plain kernel launches;
-  (c) replay on, graphs split at the encoder/decoder boundary (`--encoder-graphs`): the encoder rows of a step that
+  (c) replay on, graphs split at the encoder/decoder boundary (the engine's default): the encoder rows of a step that
       fits a row bucket (a prefix hit's replayed + new rows, a short prompt) and the decoder rows replay CUDA graphs
-      (engine.encoder_graphs, engine.replay_graphs);
-  (d) as (c) with the encoder eager (the decoder rows' graphs only: the engine's default).
+      (engine.encoder_graphs, engine.decoder_row_graphs);
+  (d) as (c) with the encoder eager (`--no-encoder-graphs`: the decoder rows' graphs only).
 Per prompt length L: TTFT of fresh random prompts (cold), then of an earlier prompt plus `--hit-new` fresh tokens
 (a prefix hit on the L cached tokens). Every (engine, L, cold/hit) case runs once untimed first (graph capture and
 Triton compilation land there; reported as `first_ms`), then `--repeats` timed requests, one at a time,
@@ -248,7 +248,7 @@ def main() -> None:
                     f"({r['kernels']}), top: " + ", ".join(f"{t['name'][:32]} {t['ms']:.1f}" for t in r["top"][:4]),
                     flush=True,
                 )
-        rg, eg = core.runner.replay_graphs, core.runner.encoder_graphs
+        rg, eg = core.runner.decoder_row_graphs, core.runner.encoder_graphs
         res["graphs"][name] = {
             "replay": None if rg is None else rg.report(),
             "encoder": None if eg is None else eg.report(),

@@ -87,7 +87,7 @@ if os.environ.get("DIAG_BURST") == "1":  # the prefix cached first: the others a
         pass
 for sid in range(1, 32):
     submit(sid, base + tok(rng.randint(10, 150) if TINY else rng.randint(100, 1500)))
-dg, rg = core.runner.decode_graphs, core.runner.replay_graphs
+dg, rg = core.runner.decode_graphs, core.runner.decoder_row_graphs
 net = core.model
 tensors = [t for t in list(net.parameters()) + list(net.buffers()) if t.is_cuda]
 for m in net.modules():

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import random
@@ -188,7 +187,8 @@ def main() -> int:
     cuda = a.device.startswith("cuda")
     model, params = prepare_for_training(model, a.device)  # as train.py
     if "qat" in ablate:
-        model.forward_batch = functools.partial(model.forward_batch, qat=False)
+        forward = model.forward_batch
+        model.forward_batch = lambda step: forward(dataclasses.replace(step, qat=False))
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.01, fused=cuda)
     warm = WarmIn(model, *ramp)
     step_fn = TrainStep(model, a.batch, 1 + 4 * a.pairs + a.filler, a.batch, 0.1, a.dense, cuda, pad_id=1)

@@ -22,7 +22,7 @@ from ..engine.args import EngineArgs
 from ..engine.core import EngineCore
 from ..engine.request import Request
 from ..engine.sampling_params import SamplingParams
-from ..engine.scheduler import ScheduledChunk, StepPlan
+from ..engine.scheduler import ScheduledChunk, StepOutput, StepPlan
 from ..layers import attention_paged
 from ..layers.attention import CSA2Attention
 from ..models.accounting import param_counts
@@ -147,6 +147,7 @@ def bench_forward(core: EngineCore, batch: int, context: int, new_tokens: int, r
             _sync(core.device)
             t0 = time.perf_counter()
             sampling, logits = core.runner.execute(plan)
+            core.scheduler.update(plan, StepOutput())  # the rows are in the cache: the next repeat decodes on
             with timer.around("sampler"):
                 core.sampler(logits.float(), sampling)
             _sync(core.device)  # the step ends when the device is done, not when its launches are

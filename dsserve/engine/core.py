@@ -21,16 +21,16 @@ from ..models.quantize import quantize_dense_fp8, quantize_experts, use_fp8_kern
 from . import graph_scratch, jit_compiles
 from .args import EngineArgs, EngineArgsError
 from .decode_graphs import DecodeGraphs
+from .decoder_row_graphs import DecoderRowGraphs
 from .detokenizer import StopChecker
 from .encoder_graphs import EncoderGraphs
 from .graph_capture import GraphCapture
 from .outputs import CompletionOutput, RequestOutput, make_logprob_dict
-from .replay_graphs import ReplayGraphs
 from .request import Request, RequestStatus
 from .runner import ModelRunner
 from .sampler import Sampler, row_logprobs
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepPlan
+from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepOutput, StepPlan
 from .stats import EngineStats
 from .step_check import StepCheck
 
@@ -90,6 +90,7 @@ class _Tracked:
 class _Launched:
     """A step that sampled: its tokens on the device, and their copy to the host under way."""
 
+    plan: StepPlan  # what ran; its requests' progress moves when the tokens are read (Scheduler.update)
     requests: list[Request]  # the rows that sample, in order
     sampled: torch.Tensor  # [B] int64 on the device
     host: torch.Tensor  # [B] the copy (pinned on a GPU)
@@ -179,29 +180,16 @@ class EngineCore:
             self.kv,
         )
         self.stats = EngineStats(layout, self.cfg)
-        graphs = replay_graphs = encoder_graphs = self.graph_capture = None
+        graphs = decoder_row_graphs = encoder_graphs = self.graph_capture = None
         min_context = -(-1024 // (2 * layout.block_size)) * 2 * layout.block_size
         if backend == "paged" and self.device.type == "cuda" and not args.enforce_eager:
             capture = self.graph_capture = GraphCapture(shared_pool=graph_scratch.shared_pool())
             graphs = DecodeGraphs(self.model, self.kv, args.max_num_seqs, capture, min_context=min_context)
             if replay:
-                replay_graphs = ReplayGraphs(
-                    self.model,
-                    self.kv,
-                    min(1024, args.max_num_batched_tokens),
-                    args.max_num_seqs,
-                    capture,
-                    min_context=min_context,
-                )
+                rows = (self.model, self.kv, min(1024, args.max_num_batched_tokens), args.max_num_seqs, capture)
+                decoder_row_graphs = DecoderRowGraphs(*rows, min_context=min_context)
                 if args.encoder_graphs:
-                    encoder_graphs = EncoderGraphs(
-                        self.model,
-                        self.kv,
-                        min(1024, args.max_num_batched_tokens),
-                        args.max_num_seqs,
-                        capture,
-                        min_context=min_context,
-                    )
+                    encoder_graphs = EncoderGraphs(*rows, min_context=min_context)
         elif backend == "paged" and args.async_scheduling:  # fixed shapes, eager (the CPU)
             graphs = DecodeGraphs(self.model, self.kv, args.max_num_seqs, None, min_context=min_context)
         # Asynchronous scheduling runs only fixed-shape decode steps ahead: they take their tokens from the device.
@@ -214,7 +202,7 @@ class EngineCore:
                 self.cfg.name,
             )
         self._in_flight: _Launched | None = None  # a step whose tokens the host has not read yet
-        self.runner = ModelRunner(self.model, args.replay_form, graphs, replay_graphs, encoder_graphs)
+        self.runner = ModelRunner(self.model, args.replay_form, graphs, decoder_row_graphs, encoder_graphs)
         self.step_check = StepCheck.from_env(self.device)  # a diagnostic: waits for the device after every step
         if self.step_check:
             self.step_check.attach(self.model)
@@ -321,15 +309,17 @@ class EngineCore:
             return results
         self.stats.admitted(plan)
         before = self.step_check and self._runner_runs()
+        starts = [c.request.num_computed_tokens for c in plan.chunks]
         sampling, logits = self.runner.execute(plan)
         if self.step_check:
-            self._check_step("scheduled", logits, plan, before)
+            self._check_step("scheduled", logits, plan, starts, before)
         self._count_runs()
         self.scheduler.register_full_blocks([c.request for c in plan.chunks])
         if not sampling:
+            self.scheduler.update(plan, StepOutput())
             self.stats.step_done(time.perf_counter() - t0 - wait, wait)
             return results
-        launched = self._sample(sampling, logits)
+        launched = self._sample(plan, sampling, logits)
         if self.async_scheduling:
             self._in_flight = launched  # read in the next call, after it launched the next step (if it can)
         else:
@@ -348,7 +338,9 @@ class EngineCore:
     def _count_runs(self) -> None:
         self.stats.decoder_rows_skipped = self.runner.decoder_rows_skipped
         self.stats.graph_steps = self.runner.graph_steps
-        self.stats.replay_graph_steps = 0 if self.runner.replay_graphs is None else self.runner.replay_graphs.runs
+        self.stats.replay_graph_steps = (
+            0 if self.runner.decoder_row_graphs is None else self.runner.decoder_row_graphs.runs
+        )
         self.stats.encoder_graph_steps = 0 if self.runner.encoder_graphs is None else self.runner.encoder_graphs.runs
         n, secs, loads = jit_compiles.COMPILES.snapshot()
         self.stats.triton_compiles, self.stats.triton_compile_seconds = n - self._jit_base[0], secs - self._jit_base[1]
@@ -358,7 +350,7 @@ class EngineCore:
             self.stats.graph_capture_seconds = self.graph_capture.seconds
             self.stats.graph_pool_bytes = self.graph_capture.pool_bytes
 
-    def _sample(self, sampling: list[Request], logits: torch.Tensor) -> _Launched:
+    def _sample(self, plan: StepPlan, sampling: list[Request], logits: torch.Tensor) -> _Launched:
         logits = logits.float()
         # the model's own logits (before the sampler masks any), counted on the device and read with the tokens:
         # a fault shows in the metrics without a wait per step
@@ -374,14 +366,14 @@ class EngineCore:
             ready.record()
         else:
             host = ids
-        return _Launched(sampling, ids, host, ready, lps, out.want, nonfinite)
+        return _Launched(plan, sampling, ids, host, ready, lps, out.want, nonfinite)
 
     def _launch_ahead(self, prev: _Launched) -> _Launched | None:
         """The next decode step of ``prev``'s requests, launched before the host reads ``prev``'s tokens (they
         are its inputs, taken on the device), when that step is certain to be what the scheduler would plan:
         nobody waits (or the batch is full), every running request is one of ``prev``'s and will not finish by
         length, its sampling needs no host history, and the cache has room. None: the caller reads ``prev``
-        first."""
+        first. ``prev``'s progress is not applied yet: each request's pending token goes at ``num_tokens``."""
         sched, graphs = self.scheduler, self.runner.decode_graphs
         if len(sched.running) != len(prev.requests):  # e.g. a prompt still has chunks to run
             return None
@@ -393,7 +385,7 @@ class EngineCore:
         for r in sched.running:
             if id(r) not in row_of or not self._may_run_ahead(r):
                 return None
-        if sum(self.kv.blocks_needed(r.kv, r.num_computed_tokens + 1) for r in sched.running) > self.kv.blocks.num_free:
+        if sum(self.kv.blocks_needed(r.kv, r.num_tokens + 1) for r in sched.running) > self.kv.blocks.num_free:
             return None
         order = sched._by_priority(sched.running)  # the order schedule() would give
         plan = StepPlan([ScheduledChunk(r, 1) for r in order], [])
@@ -401,34 +393,35 @@ class EngineCore:
         if key is None:
             return None
         for r in order:
-            self.kv.grow(r.kv, r.num_computed_tokens + 1)
+            self.kv.grow(r.kv, r.num_tokens + 1)
         rows = [row_of[id(r)] for r in order]
         tokens = prev.sampled
         if rows != list(range(len(rows))):  # (a pinned upload: a pageable one would wait for the device)
             idx = torch.tensor(rows, pin_memory=tokens.device.type == "cuda")
             tokens = tokens[idx.to(tokens.device, non_blocking=True)]
         logits = graphs.run(plan, key, tokens)
-        for r in order:
-            r.num_computed_tokens += 1
         if self.step_check:
-            self._check_step("ahead", logits, plan, None, decode=key)
+            self._check_step("ahead", logits, plan, [r.num_tokens for r in order], None, decode=key)
         self.runner.graph_steps += 1
         self.stats.ahead_steps += 1
         self._count_runs()
-        return self._sample(order, logits)
+        return self._sample(plan, order, logits)
 
     def _runner_runs(self) -> dict:
-        runners = {"encoder_rows": self.runner.encoder_graphs, "decoder_rows": self.runner.replay_graphs}
+        runners = {"encoder_rows": self.runner.encoder_graphs, "decoder_rows": self.runner.decoder_row_graphs}
         out = {k: (g.runs, g.last_key) for k, g in runners.items() if g is not None}
         dec = self.runner.decode_graphs
         out["decode"] = (self.runner.graph_steps, None if dec is None else dec.last_key)
         return out
 
-    def _check_step(self, label: str, logits: torch.Tensor, plan: StepPlan, before: dict | None, **took) -> None:
-        """StepCheck's wait and check, with the step's rows and the fixed-shape runners that took it."""
+    def _check_step(
+        self, label: str, logits: torch.Tensor, plan: StepPlan, starts: list[int], before: dict | None, **took
+    ) -> None:
+        """StepCheck's wait and check, with the step's rows (from ``starts``) and the fixed-shape runners that
+        took it."""
         if before is not None:
             took.update({k: key or "taken" for k, (n, key) in self._runner_runs().items() if n != before[k][0]})
-        seqs = [(c.request.num_computed_tokens - c.num_tokens, c.num_tokens) for c in plan.chunks]
+        seqs = [(start, c.num_tokens) for start, c in zip(starts, plan.chunks)]
         self.step_check.after(label, logits, seqs, **took)
 
     def _may_run_ahead(self, r: Request) -> bool:
@@ -442,9 +435,10 @@ class EngineCore:
         return len(r.output_token_ids) >= p.min_tokens
 
     def _read(self, launched: _Launched, ahead: _Launched | None) -> tuple[list[RequestOutput], float]:
-        """Waits for ``launched``'s tokens on the host, then appends them, checks stops and frees finished
-        requests. ``ahead``: the step already launched on these tokens (their Engram histories are pushed now,
-        and its rows of requests finished here are dropped when it is read). Returns the outputs and the wait."""
+        """Waits for ``launched``'s tokens on the host, then has the scheduler apply its step (``Scheduler.update``),
+        checks stops and frees finished requests. ``ahead``: the step already launched on these tokens (their Engram
+        histories are pushed now, and its rows of requests finished here are dropped when it is read). Returns the
+        outputs and the wait."""
         t1 = time.perf_counter()
         if launched.ready is not None:
             launched.ready.synchronize()
@@ -464,13 +458,15 @@ class EngineCore:
             tok_of = {id(r): tok for r, tok in zip(launched.requests, tokens)}
             self.model.push_decode_history([r.kv for r in ahead.requests], [tok_of[id(r)] for r in ahead.requests])
         now = time.monotonic()
-        results = []
+        results, accepted, row_of = [], {}, {}
         for i, req in enumerate(launched.requests):
             t = self._tracked.get(req.request_id)
             if t is None or t.request is not req or req.status.finished:
                 continue  # aborted, or finished while this step ran ahead of reading its last token
+            accepted[req.request_id], row_of[req.request_id] = [tokens[i]], i
+        for req in self.scheduler.update(launched.plan, StepOutput(accepted)):
+            t, i = self._tracked[req.request_id], row_of[req.request_id]
             tok = tokens[i]
-            req.output_token_ids.append(tok)
             req.metrics.record_token(now)
             if t.logprobs is not None and logprobs[i] is not None:
                 lp = logprobs[i]

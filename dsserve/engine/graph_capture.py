@@ -3,20 +3,16 @@ in one shared memory pool.
 
 Every graph of the engine (decode steps, bounded replay's decoder and encoder rows) captures through one
 ``GraphCapture``. Graphs that never run at once (the engine's never do) may share a pool provided no graph reads,
-at replay, pool memory that no live tensor holds: a later capture may take that memory for its scratch. A shared
-pool keeps the graphs' memory to about a third of a pool each (offline on the release proxy: 86 against 255 MB a
-graph; `dsserve:graph_pool_bytes_total`). Until 55e8b1a a live server at 32 concurrent agent sessions got NaN
-logits with it in every run past 175 s (six runs), then the warm-ups moved onto the capture stream, so that what
-PyTorch and our kernels keep per stream (the cuBLAS workspace, the split-K counters) is made before any capture and
-outside the pools; four live runs since ran clean, one with every graph's free pool memory poisoned before each
-replay (docs/decode_graphs.md). ``DSSERVE_GRAPH_POOL=own`` (``shared_pool=False``) gives every graph its own pool;
-``DSSERVE_POISON_GRAPH_SCRATCH=1`` (engine.graph_scratch) shows a graph reading scratch it did not write.
+at replay, pool memory that no live tensor holds: a later capture may take that memory for its scratch. The warm-up
+runs happen on the capture stream, so that what PyTorch and our kernels keep per stream (the cuBLAS workspace, the
+split-K counters) is made before any capture and outside the pools. ``DSSERVE_GRAPH_POOL=own``
+(``shared_pool=False``) gives every graph its own pool; ``DSSERVE_POISON_GRAPH_SCRATCH=1`` (engine.graph_scratch)
+shows a graph reading scratch it did not write.
 
-A graph's output would otherwise stay alive in the pool, one per graph: 1.60 of the 2.03 GiB the warm-up's 212
-graphs took on the release proxy (benchmarks/results/agentx-300s-h200-2026-12-04), most of it the decode steps'
-logits. Graphs of one kind replay one at a time and their callers copy the rows they keep before the next replay,
-so with ``outputs`` (a ``SharedOutputs`` per kind) each graph ends by copying its result into the first rows of
-one buffer sized for the kind's largest bucket, made outside the pool; the result itself is then scratch.
+Graphs of one kind replay one at a time and their callers copy the rows they keep before the next replay, so with
+``outputs`` (a ``SharedOutputs`` per kind) each graph ends by copying its result into the first rows of one buffer
+sized for the kind's largest bucket, made outside the pool; the result itself is then scratch, and no graph keeps an
+output of its own alive in the pool. docs/engine_history.md has the measurements behind the shared pool and outputs.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""The model runner: one batched forward over a step's mixed prefill chunks and decodes, on the paged cache."""
+"""The model runner: one batched forward over a step's mixed prefill chunks and decodes, on the paged cache. It reads
+the requests' progress and never moves it (``Scheduler.update`` does, after the step)."""
 
 from __future__ import annotations
 
 import torch
 
-from ..layers.context import SeqRows
+from ..layers.context import SeqRows, StepBatch
 from ..models.model import DeepseekForCausalLM
 from .request import Request
 from .scheduler import StepPlan
@@ -16,22 +17,22 @@ class ModelRunner:
         model: DeepseekForCausalLM,
         replay_form: str = "report",
         decode_graphs=None,
-        replay_graphs=None,
+        decoder_row_graphs=None,
         encoder_graphs=None,
     ):
         """``decode_graphs`` (engine.decode_graphs.DecodeGraphs): plain decode steps run through it, in fixed
-        shapes (CUDA graphs on a GPU); None: every step runs ``forward_batch``. ``replay_graphs``
-        (engine.replay_graphs.ReplayGraphs): other steps' decoder rows after bounded replay's narrowing run
+        shapes (CUDA graphs on a GPU); None: every step runs ``forward_batch``. ``decoder_row_graphs``
+        (engine.decoder_row_graphs.DecoderRowGraphs): other steps' decoder rows after bounded replay's narrowing run
         through it; ``encoder_graphs`` (engine.encoder_graphs.EncoderGraphs): their encoder rows before it."""
         self.model, self.replay_form, self.decode_graphs = model, replay_form, decode_graphs
-        self.replay_graphs, self.encoder_graphs = replay_graphs, encoder_graphs
+        self.decoder_row_graphs, self.encoder_graphs = decoder_row_graphs, encoder_graphs
         self.reset_counts()
 
     def reset_counts(self) -> None:
         """Zeroes what this runner and its fixed-shape runners counted (the warm-up's steps are not traffic)."""
         self.decoder_rows_skipped = 0  # prefill rows bounded replay kept out of the decoder
         self.graph_steps = 0  # steps run by decode_graphs
-        for g in (self.decode_graphs, self.replay_graphs, self.encoder_graphs):
+        for g in (self.decode_graphs, self.decoder_row_graphs, self.encoder_graphs):
             if g is not None:
                 g.reset_counts()
 
@@ -42,8 +43,6 @@ class ModelRunner:
         if key is not None:
             logits = self.decode_graphs.run(plan, key)
             self.graph_steps += 1
-            for c in plan.chunks:
-                c.request.num_computed_tokens += 1
             return [c.request for c in plan.chunks], logits
         ids, seqs, row = [], [], 0
         for c in plan.chunks:
@@ -52,17 +51,16 @@ class ModelRunner:
             seqs.append(SeqRows(slice(row, row + c.num_tokens), r.kv, r.decoder_start))
             row += c.num_tokens
         tokens = torch.tensor(ids, dtype=torch.long)  # on the host: forward_batch checks, then moves them
-        out = self.model.forward_batch(
+        step = StepBatch(
             tokens,
             seqs,
             replay_form=self.replay_form,
-            decoder_rows=self.replay_graphs,
+            decoder_rows=self.decoder_row_graphs,
             encoder_rows=self.encoder_graphs,
         )
+        out = self.model.forward_batch(step)
         self.decoder_rows_skipped += len(ids) - out.hidden.shape[0]
         last_rows = [s.rows.stop - 1 for c, s in zip(plan.chunks, out.seqs) if c.samples]
         sampling = [c.request for c in plan.chunks if c.samples]
-        for c in plan.chunks:
-            c.request.num_computed_tokens += c.num_tokens
         logits = self.model.logits(out.hidden[last_rows]) if last_rows else torch.empty(0)
         return sampling, logits

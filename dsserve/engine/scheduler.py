@@ -1,16 +1,19 @@
-"""The scheduler: which rows of which requests run in the next step, under a token budget.
+"""The scheduler: which rows of which requests run in the next step, under a token budget, and the one owner of a
+request's progress.
 
 Every step first serves the running requests (decodes, and the next chunk of prefills still in flight),
 then admits waiting ones, chunking a long prompt so decode tokens and prefill chunks share one batch.
 When the global KV pool runs out, the lowest-priority running request is preempted by recompute: its
 cache is freed and it goes back to the front of the queue with its tokens so far, so nothing is lost.
+After a step ran, ``update`` moves each request on: its computed tokens by the step's rows, its output by the tokens
+the step accepted for it (a list per request: one sampled token today, a verify step's accepted drafts later).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..kv.paged import PagedKVCache
 from .request import Request, RequestStatus
@@ -44,7 +47,8 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        """The chunk reaches the request's last known token, so the step samples its next one."""
+        """The chunk reaches the request's last known token, so the step samples from its last row. Valid until the
+        step's ``Scheduler.update``."""
         return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
 
 
@@ -56,6 +60,14 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What a step gave its requests: request id -> the token ids it accepted, in order. A chunk that samples accepts
+    one token; a prefill chunk short of its prompt's end, none (it may be left out)."""
+
+    token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -118,6 +130,23 @@ class Scheduler:
             if c.request.metrics.first_scheduled_time is None:
                 c.request.metrics.first_scheduled_time = now
         return StepPlan(chunks, preempted)
+
+    def update(self, plan: StepPlan, output: StepOutput) -> list[Request]:
+        """After ``plan`` ran: each of its requests has its chunk's rows in the cache (``num_computed_tokens``
+        advances by them) and the tokens ``output`` accepted for it appended. Requests that finished while the step
+        ran (an abort) are left alone. Returns the requests given tokens, in plan order. The only place, with
+        admission and release, that moves a request's progress."""
+        given = []
+        for c in plan.chunks:
+            r = c.request
+            if r.status.finished:
+                continue
+            r.num_computed_tokens += c.num_tokens
+            accepted = output.token_ids.get(r.request_id)
+            if accepted:
+                r.output_token_ids.extend(accepted)
+                given.append(r)
+        return given
 
     def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
         order = self._by_priority(list(self.waiting)) if self.config.policy == "priority" else list(self.waiting)

@@ -1,42 +1,29 @@
 """Warming the engine up before it serves: synthetic requests through the shapes the first traffic takes, so that
 Triton compiles its kernels and the CUDA graphs of those shapes are captured before any user waits for them.
 
-On a bare H200 a live server otherwise spends its first minutes compiling: the first server of the release proxy on
-a machine took 120 s for AgentX's 64 warm-up requests, the next one on that machine 30 s
-(benchmarks/results/agentx-small-h200-c32/shared-pool-2026-12-03). Some kernels take sizes that grow with the
-context as constexprs (the top-k's BLOCK: the entry count's next power of two), so longer contexts compile kernels
-of their own. The rounds:
+Some kernels take sizes that grow with the context as constexprs (the top-k's BLOCK: the entry count's next power of
+two), so longer contexts compile kernels of their own. The rounds:
 - a context ladder: one cold prompt reaching the last decode context bucket that fits ``max_model_len`` and the
   cache (at least a whole chunk: the eager prefill's large-row kernels), then one prefix hit on it ending in each
-  bucket, from the last one down, each decoding a few tokens alone: the decode graphs (b, c) of every batch bucket b
-  at every context c (``DecodeGraphs.ahead_batches``: a lone row's step captures the larger buckets too), and with
-  bounded replay the row graphs at every context: the decoder rows' every row bucket, the encoder rows' from the
-  hit's rows up (their ``ahead_rows``). The ladder and each step capture the largest shapes first, so that later
-  captures reuse their freed scratch. Before, only (1, c) and (b, the first c) were captured here; an AgentX
-  window of 60 s at 8 sessions then captured 19 graphs in 6.5 s of stalled steps
-  (benchmarks/results/agentx-compile-fixes-h200).
-  With the decode grid, windows of 90-300 s still captured 1-16 row graphs (agentx-grid-300s-h200);
+  bucket, from the last one down, each decoding a few tokens alone. With the runners' ``ahead_rows`` on, this
+  captures the decode graphs (b, c) of every batch bucket b at every context c, and with bounded replay the row
+  graphs at every context: the decoder rows' every row bucket, the encoder rows' from the hit's rows up. Largest
+  shapes first, so that later captures reuse their freed scratch;
 - per decode batch bucket b up to ``max_num_seqs``: b short prompts at once, then b prefix hits on them (the
-  prompts and a few new tokens), each decoding a few tokens (in the graphs the ladder captured): bounded replay's
-  decoder- and encoder-row graphs of b hits (the replayed window plus the new rows), and b-row eager kernels;
+  prompts and a few new tokens), each decoding a few tokens: bounded replay's decoder- and encoder-row graphs of b
+  hits (the replayed window plus the new rows), and b-row eager kernels;
 - a row ladder: prefill steps alone, each of a row count from ``prefill_rows``: every row bucket of the row graphs,
-  one less than every power of two up to a whole chunk, the chunk, and one row count per split-K variant of the
-  attention kernel and per launch variant of the router and of the MoE's expert-run kernel (``attention_split_rows``,
-  ``router_split_rows``, ``moe_run_rows``: constexprs that follow from the row count). They are prefix hits on a short
-  prompt whose new tokens (plus the replayed window, with bounded replay) make that many rows, or cold prompts where
-  the window alone is more. Prefill kernels take the next power of two of the row count as a constexpr (the GEMMs' BM,
-  the router's, the MoE permutation's), and Triton compiles an integer argument apart when it is a multiple of 16 (or
-  1): eager steps of traffic mostly have other row counts, 2^k - 1 among them; whole chunks and the graphs' buckets
-  are multiples of 16. In the first live sweep with the warm-up, a replay-off server at one session (no row graphs:
-  every hit eager in its exact row count) took 1-7 s for hits of 85-2,440 new tokens; with this ladder it still did,
-  and the compile count (engine.jit_compiles) showed why: the entry-rows gather compiled once per new context (its
-  table width was a constexpr; it no longer is), which no ladder of short prompts reaches
-  (benchmarks/results/agentx-replay-off-compiles-h200).
-Encoder-row graphs of fewer rows than a hit's still capture on first use (traffic met none on the release proxy).
+  one less than every power of two up to a whole chunk, the chunk, and one row count per launch variant of the
+  attention, the router and the MoE's expert-run kernel (``attention_split_rows``, ``router_split_rows``,
+  ``moe_run_rows``: constexprs that follow from the row count). They are prefix hits on a short prompt whose new
+  tokens (plus the replayed window, with bounded replay) make that many rows, or cold prompts where the window alone
+  is more. Prefill kernels take the next power of two of the row count as a constexpr, and Triton compiles an
+  integer argument apart when it is a multiple of 16 (or 1): eager steps of traffic mostly have other row counts.
+Encoder-row graphs of fewer rows than a hit's are not built here: they capture on first use.
 
 Its requests carry a cache salt of their own, so no user prompt hits their blocks (freed first, they are also
 evicted first). Afterwards the engine's counters start from zero again; the graphs stay captured, and
-``dsserve:graph_captures_total`` counts them.
+``dsserve:graph_captures_total`` counts them. docs/engine_history.md has the measurements behind each round.
 """
 
 from __future__ import annotations
@@ -52,9 +39,10 @@ from ..kernels import router
 from ..kernels.grouped_moe import expert_run_rows
 from ..kernels.sparse_attention import split_rows
 from . import jit_compiles
-from .decode_graphs import bucket_sizes, context_bucket
-from .replay_graphs import ROW_BUCKETS
+from .decode_graphs import context_bucket
+from .decoder_row_graphs import ROW_BUCKETS
 from .sampling_params import SamplingParams
+from .step_graphs import bucket_sizes
 
 log = logging.getLogger("dsserve")
 
@@ -107,8 +95,7 @@ def prefill_rows(max_rows: int, graph_rows: int, extra: tuple[int, ...] = ()) ->
 
 def attention_split_rows(cfg) -> tuple[int, ...]:
     """A row count per split-K variant of the attention kernel, for layers with selected entries and window-only ones
-    (kernels.sparse_attention.split_rows). The 2^k - 1 rows miss two of them on the release proxy (38-52 and 66-87
-    rows), which a bare machine's traffic then compiled, 2.4 s each (benchmarks/results/agentx-compile-fixes-h200)."""
+    (kernels.sparse_attention.split_rows)."""
     return tuple(
         sorted(
             {
@@ -122,28 +109,22 @@ def attention_split_rows(cfg) -> tuple[int, ...]:
 
 def router_split_rows(cfg, sms: int, max_rows: int) -> tuple[int, ...]:
     """A row count per launch variant of the router up to ``max_rows`` (kernels.router.split_rows): past 64 rows its
-    split of d over the SMs changes with the 64-row tile count. On the release proxy at 132 SMs the other rows of the
-    ladder miss 7 of its 19 variants (513-576, 577-704, 833-896, 1025-1152, 1153-1408, 1409-1664, 2113-2816 rows);
-    a bare machine's traffic compiled one of them (SPLIT=6, 1153-1408 rows; benchmarks/results/
-    agentx-shared-outputs-h200)."""
+    split of d over the SMs changes with the 64-row tile count."""
     return tuple(router.split_rows(cfg.n_routed_experts, cfg.hidden_size, sms, max_rows))
 
 
 def moe_run_rows(cfg) -> tuple[int, ...]:
-    """A row count per launch variant of the MoE's expert-run kernel (kernels.grouped_moe.expert_run_rows). The
-    other rows of the ladder miss two on the release proxy: 2 tokens (the decode graphs of batch 2 build it) and
-    129-170 (BM 32, TMAX 32: most likely the TMAX=32 run a bare machine's replay-off traffic compiled,
-    benchmarks/results/agentx-compile-fixes-h200)."""
+    """A row count per launch variant of the MoE's expert-run kernel (kernels.grouped_moe.expert_run_rows)."""
     return tuple(
         expert_run_rows(cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size)
     )
 
 
 def ahead(decode_graphs, row_graphs: list, on: bool) -> None:
-    """The context ladder's steps also build other buckets at their context: every larger decode batch bucket, and
-    the row graphs' other row buckets (their ``ahead_rows``)."""
+    """The context ladder's steps also build other buckets at their context (every fixed-shape runner's
+    ``ahead_rows``): every larger decode batch bucket, and the row graphs' other row buckets."""
     if decode_graphs is not None:
-        decode_graphs.ahead_batches = on
+        decode_graphs.ahead_rows = on
     for g in row_graphs:
         g.ahead_rows = on
 
@@ -183,7 +164,7 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
         log.warning("warm-up skipped: max_model_len %d leaves no room for a prompt", core.max_model_len)
         return WarmupReport(0, 0, 0.0, 0, 0)
     graphs = core.runner.decode_graphs
-    row_graphs = [g for g in (core.runner.replay_graphs, core.runner.encoder_graphs) if g is not None]
+    row_graphs = [g for g in (core.runner.decoder_row_graphs, core.runner.encoder_graphs) if g is not None]
     # prompt lengths whose decode steps stay in each bucket c (positions up to c)
     ladder = [c - new_tokens for c in context_ladder(cap, graphs.min_context if graphs else 1024)]
     longest = prompt(max(ladder[-1:] + [min(sched.max_num_batched_tokens, room)]))

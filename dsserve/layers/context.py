@@ -22,6 +22,25 @@ class SeqRows:
 
 
 @dataclass(frozen=True)
+class StepBatch:
+    """What one eager batched forward runs (``DeepseekForCausalLM.forward_batch``): rows of several sequences and
+    the step's options. Each sequence's rows continue its cache at ``cache.num_tokens``."""
+
+    tokens: torch.Tensor  # [T] ids: on the host (checked, then uploaded), or on the model's device when ``static``
+    seqs: list[SeqRows]  # which rows are whose, in order, covering the batch exactly
+    qat: bool | None = None  # None: the model's config
+    is_image: torch.Tensor | None = None  # [T] bool: rows inside an image span
+    trace: list | None = None  # an optional (layer, op) log for tests
+    replay_form: str = "report"  # bounded replay's narrowing: "report" (at layer 20) or "vllm" (after it)
+    decoder_rows: object | None = None  # engine.decoder_row_graphs.DecoderRowGraphs: the narrowed rows' graphs
+    encoder_rows: object | None = None  # engine.encoder_graphs.EncoderGraphs: a replayed step's encoder graphs
+    index_kl: list | None = None  # training: the indexers' KL terms are appended here (ForwardContext.index_kl)
+    dense_entries: bool = False  # training's dense warm-up (ForwardContext.dense_entries)
+    static: bool = False  # training's fixed-shape step: no host reads or uploads (ForwardContext.static)
+    segment_first: torch.Tensor | None = None  # static only: packed problems' first positions (ForwardContext)
+
+
+@dataclass(frozen=True)
 class KeptRows:
     """Bounded replay's narrowing, decided on the host: per sequence the number of its last rows that continue
     (a suffix), and their indices in the flat batch (uploaded without a wait)."""

@@ -19,7 +19,7 @@ from ..kv.paged_batch import PagedBatch
 from ..kv.replay_batch import ReplayBatch
 from ..kv.sequence_cache import SequenceCache
 from ..layers.compress_v4_decode import ring_specs, rings_before_step
-from ..layers.context import ForwardContext, KeptRows, SeqRows
+from ..layers.context import ForwardContext, KeptRows, SeqRows, StepBatch
 from ..layers.mhc import collapse, hc_head_pre
 from ..layers.norm import RMSNorm
 from ..layers.numerics import acc
@@ -86,41 +86,26 @@ class DeepseekForCausalLM(nn.Module):
         cache = cache if cache is not None else self.new_cache()
         seq = SeqRows(slice(0, tokens.shape[0] if tokens.dim() else 0), cache, decoder_start)
         return self.forward_batch(
-            tokens, [seq], qat=qat, is_image=is_image, trace=trace, index_kl=index_kl, dense_entries=dense_entries
+            StepBatch(tokens, [seq], qat, is_image, trace, index_kl=index_kl, dense_entries=dense_entries)
         )
 
-    def forward_batch(
-        self,
-        tokens: torch.Tensor,
-        seqs: list[SeqRows],
-        qat: bool | None = None,
-        is_image: torch.Tensor | None = None,
-        trace: list | None = None,
-        replay_form: str = "report",
-        decoder_rows=None,
-        index_kl: list | None = None,
-        dense_entries: bool = False,
-        static: bool = False,
-        segment_first: torch.Tensor | None = None,
-        encoder_rows=None,
-    ) -> ForwardOutput:
-        """A flat batch of rows from several sequences: ``seqs`` says which rows are whose, in order.
+    def forward_batch(self, step: StepBatch) -> ForwardOutput:
+        """A flat batch of rows from several sequences (``StepBatch``): ``step.seqs`` says which rows are whose.
 
-        Each sequence's rows continue its cache at ``cache.num_tokens``. Returns the hidden states of the
-        rows that ran the decoder, with ``seqs`` narrowed to them. Bounded replay narrows the rows at the
-        decoder's KV source (``report``: layer 20 publishes global KV from every row, then its attention
-        and FFN run on the window, as the V4.1 report and TRT-LLM do) or after it (``vllm``: layer 20 on
-        every row, 21-39 on the window). Both publish the same global KV. ``decoder_rows``
-        (engine.replay_graphs.ReplayGraphs) may run the narrowed rows from there on in fixed shapes (a CUDA
-        graph); it returns None for a step it does not take. The DSpark taps of layers it runs are not returned.
-        ``encoder_rows`` (engine.encoder_graphs.EncoderGraphs) may likewise run a replayed step's encoder layers (the
-        split's other piece) and hand their streams to the decoder's KV source layer.
+        Returns the hidden states of the rows that ran the decoder, with ``seqs`` narrowed to them. Bounded replay
+        narrows the rows at the decoder's KV source (``replay_form`` ``report``: layer 20 publishes global KV from
+        every row, then its attention and FFN run on the window, as the V4.1 report and TRT-LLM do) or after it
+        (``vllm``: layer 20 on every row, 21-39 on the window). Both publish the same global KV. ``decoder_rows``
+        may run the narrowed rows from there on in fixed shapes (a CUDA graph); it returns None for a step it does
+        not take. The DSpark taps of layers it runs are not returned. ``encoder_rows`` may likewise run a replayed
+        step's encoder layers (the split's other piece) and hand their streams to the decoder's KV source layer.
         ``dense_entries`` (training's dense warm-up): every compressed layer attends all its visible global entries.
         ``static`` (training's fixed-shape step, train.step): ``tokens`` are on the model's device and were checked by
         the caller; nothing is read back or uploaded (positions and Engram ids are made on the device), so the step
         can be captured as a CUDA graph. ``segment_first`` (static only; ``ForwardContext.segment_first``): per row the
         position its packed problem starts at, so that no row reads an earlier problem.
         """
+        tokens, seqs, is_image, static = step.tokens, step.seqs, step.is_image, step.static
         cfg = self.cfg
         if static:
             if tokens.device != self.embed.weight.device or tokens.dtype != torch.int64 or is_image is not None:
@@ -144,12 +129,12 @@ class DeepseekForCausalLM(nn.Module):
             ]
         ).to(tokens.device, non_blocking=True)
         replay = any(s.decoder_start is not None for s in seqs)
-        if replay_form not in ("report", "vllm"):
-            raise ModelInputError(f"replay_form must be 'report' or 'vllm', got {replay_form!r}")
-        narrow_at = cfg.encoder_layers + (replay_form == "vllm")
+        if step.replay_form not in ("report", "vllm"):
+            raise ModelInputError(f"replay_form must be 'report' or 'vllm', got {step.replay_form!r}")
+        narrow_at = cfg.encoder_layers + (step.replay_form == "vllm")
         if replay and not cfg.is_v41:
             raise ModelInputError("bounded replay (decoder_start) needs the V4.1 encoder/decoder split")
-        if segment_first is not None and not (static and cfg.is_v41 and not replay):
+        if step.segment_first is not None and not (static and cfg.is_v41 and not replay):
             # V4's overlapping compression mixes the rows either side of a problem's start into one entry
             raise ModelInputError(
                 "segment_first isolates a static step's packed problems, on V4.1 (non-overlapping "
@@ -159,17 +144,17 @@ class DeepseekForCausalLM(nn.Module):
             tokens=tokens,
             positions=positions,
             seqs=list(seqs),
-            qat=cfg.qat if qat is None else qat,
+            qat=cfg.qat if step.qat is None else step.qat,
             is_image=is_image,
-            trace=trace,
-            index_kl=index_kl,
-            dense_entries=dense_entries,
+            trace=step.trace,
+            index_kl=step.index_kl,
+            dense_entries=step.dense_entries,
             static=static,
-            segment_first=segment_first,
+            segment_first=step.segment_first,
         )
         ctx.ops, ctx.probe = self.kernel_ops, self.score_probe  # row-wise ops (MoE, mHC) run on either path
         if self.kernel_ops is not None and PagedBatch.supports(seqs, self.kernel_ops):
-            if dense_entries:
+            if step.dense_entries:
                 raise ModelInputError("dense_entries is training's, on the reference path, not the paged one")
             ctx.paged = PagedBatch(seqs[0].cache.cache, seqs, positions)
         if cfg.engram_layer_ids:
@@ -187,8 +172,8 @@ class DeepseekForCausalLM(nn.Module):
             ctx.engram_rows = self._prefetch_engram(ctx, host_ids)
 
         x, first_layer = None, 0
-        if replay and encoder_rows is not None:
-            ran = encoder_rows.run(ctx, host_ids if cfg.engram_layer_ids else None)
+        if replay and step.encoder_rows is not None:
+            ran = step.encoder_rows.run(ctx, host_ids if cfg.engram_layer_ids else None)
             if ran is not None:
                 (x, pre), first_layer = ran, cfg.encoder_layers
         if x is None:
@@ -202,9 +187,9 @@ class DeepseekForCausalLM(nn.Module):
             if replay and i == narrow_at:
                 keep = self._replay_rows(seqs, tokens.device)
                 taps = taps if keep is None else {k: v[keep.index] for k, v in taps.items()}
-            if keep is not None and decoder_rows is not None:  # the split: the decoder rows may run as a graph
+            if keep is not None and step.decoder_rows is not None:  # the split: the decoder rows may run as a graph
                 x, h, a_pre, a_post, a_comb, ctx = block.head(x, pre, ctx, keep)
-                if x.shape[0] and (hidden := decoder_rows.run(i, (x, h, a_pre, a_post, a_comb), ctx)) is not None:
+                if x.shape[0] and (hidden := step.decoder_rows.run(i, (x, h, a_pre, a_post, a_comb), ctx)) is not None:
                     break
                 if x.shape[0]:
                     x, pre, ctx = block.tail(x, h, a_pre, a_post, a_comb, ctx)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layers.context import SeqRows
+from ..layers.context import SeqRows, StepBatch
 from .tasks import Problem, problem, prompt_ids
 
 VARIANTS = ("arithmetic", "retrieval", "retrieval-near", "chat")
@@ -34,7 +34,7 @@ def completion_nats(model, tokenizer, problems: list[Problem], dense: bool = Fal
         seqs.append(SeqRows(slice(len(tokens), len(tokens) + len(a) + len(b)), model.new_cache()))
         spans.append((len(tokens) + len(a), b))
         tokens += a + b
-    hidden = model.forward_batch(torch.tensor(tokens), seqs, dense_entries=dense).hidden
+    hidden = model.forward_batch(StepBatch(torch.tensor(tokens), seqs, dense_entries=dense)).hidden
     rows = torch.tensor([at - 1 + i for at, b in spans for i in range(len(b))], device=hidden.device)
     targets = torch.tensor([t for _, b in spans for t in b], device=hidden.device)
     logp = torch.log_softmax(model.logits(hidden[rows]).float(), -1).gather(1, targets[:, None])

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from ..layers.context import SeqRows
+from ..layers.context import SeqRows, StepBatch
 
 WARM_STEPS = 2  # eager steps before a capture: Triton compiles and the allocator settles
 
@@ -112,9 +112,10 @@ class TrainStep:
         m, L = self.model, self.length
         seqs = [SeqRows(slice(i * L, (i + 1) * L), m.new_cache()) for i in range(self.seqs)]
         kl = []
-        hidden = m.forward_batch(
+        step = StepBatch(
             self.tokens, seqs, index_kl=kl, dense_entries=self.dense, static=True, segment_first=self.first
-        ).hidden
+        )
+        hidden = m.forward_batch(step).hidden
         ce = torch.nn.functional.cross_entropy(m.logits(hidden).float(), self.targets, reduction="none")
         kl_sum = torch.stack(kl).sum() if kl else ce.new_zeros(())
         # every sequence has the same shape, so the same number of KL terms: the whole step's count is known here

@@ -32,19 +32,19 @@ def test_buckets():
     ]
 
 
-def _graphs(capture, made, min_context=128, ahead_batches=False, **kw):
+def _graphs(capture, made, min_context=128, ahead_rows=False, **kw):
     def make(kv):
         g = DecodeGraphs(
             model, kv, max_batch=8, capture=GraphCapture() if capture else None, min_context=min_context, **kw
         )  # 5 rows pad to 8
-        g.ahead_batches = ahead_batches
+        g.ahead_rows = ahead_rows
         made.append(g)
         return g
 
     return make
 
 
-def _fixed_shape_vs_oracle(m, prompt_ids, chunk=7, min_context=128, ahead_batches=False, **kw) -> dict:
+def _fixed_shape_vs_oracle(m, prompt_ids, chunk=7, min_context=128, ahead_rows=False, **kw) -> dict:
     """The engine (fp64, references, fixed-shape decode steps run eagerly) on make_prompts' ``prompt_ids``, 24 tokens
     each: its greedy tokens and logits equal the oracle's; returns the DecodeGraphs report."""
     global model
@@ -62,7 +62,7 @@ def _fixed_shape_vs_oracle(m, prompt_ids, chunk=7, min_context=128, ahead_batche
         torch.float64,
         "cpu",
         24,
-        decode_graphs=_graphs(False, made, min_context=min_context, ahead_batches=ahead_batches),
+        decode_graphs=_graphs(False, made, min_context=min_context, ahead_rows=ahead_rows),
         **kw,
     )
     assert [r.output_token_ids for r in reqs] == conts
@@ -73,11 +73,11 @@ def _fixed_shape_vs_oracle(m, prompt_ids, chunk=7, min_context=128, ahead_batche
 def test_fixed_shape_decode_is_exact(tiny_models):
     """Ragged prompts (mixed steps fall back to the eager path) and decode steps of several batch buckets, some
     padded, whose positions cross two context buckets (odd and even positions: the compressor's carry): fp64 logits
-    equal the oracle's. With ``ahead_batches`` (the warm-up's), as here, a step also builds the larger batch buckets
+    equal the oracle's. With ``ahead_rows`` (the warm-up's), as here, a step also builds the larger batch buckets
     at its context from its own rows (writes masked); later steps of more rows run in them, refilled."""
-    rep = _fixed_shape_vs_oracle(tiny_models["tiny"], (11, 3, 9, 0, 6), ahead_batches=True)
+    rep = _fixed_shape_vs_oracle(tiny_models["tiny"], (11, 3, 9, 0, 6), ahead_rows=True)
     # the first step at context 128 had 4 rows, at 256 one row: every larger bucket was built then. Without
-    # ahead_batches this run takes (4, 128), (8, 128), (1, 256), (2, 256), (4, 256): so (8, 128), (2, 256) and
+    # ahead_rows this run takes (4, 128), (8, 128), (1, 256), (2, 256), (4, 256): so (8, 128), (2, 256) and
     # (4, 256) ran steps in batches built from fewer rows
     assert set(rep["fixed_shape_steps"]) == {(4, 128), (8, 128), (1, 256), (2, 256), (4, 256), (8, 256)}
     assert rep["padded_rows"] > 0
@@ -179,7 +179,7 @@ def test_graph_replay_equals_the_fixed_shape_step_on_gpu():
             torch.float32,
             "cuda",
             24,
-            decode_graphs=_graphs(capture, made, ahead_batches=ahead),
+            decode_graphs=_graphs(capture, made, ahead_rows=ahead),
         )
         runs[capture, ahead] = [r.output_token_ids for r in reqs], logits, made[0].report()
     eager = runs[False, False]

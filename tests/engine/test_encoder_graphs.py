@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from test_replay_graphs import (
+from test_decoder_row_graphs import (
     PARAMS,
     EagerCapture,
     _long_prompts,
@@ -17,18 +17,18 @@ from test_replay_graphs import (
 )
 
 from dsserve import LLM
+from dsserve.engine.decoder_row_graphs import DecoderRowGraphs
 from dsserve.engine.encoder_graphs import EncoderGraphs
-from dsserve.engine.replay_graphs import ReplayGraphs
 
 
 def _run(graphs=None, prompts=None, **kw):
     """Each round's prompts submitted together (mixed steps: prefill chunks with other prompts' decode rows, prefix
     hits on the first round). graphs: None (the engine's default), False (every step eager) or a factory of
-    (EncoderGraphs, ReplayGraphs or None)."""
+    (EncoderGraphs, DecoderRowGraphs or None)."""
     llm = LLM(model="tiny", swa_bounded_replay=True, **{"max_num_batched_tokens": 64, **kw})
     eng = llm.engine
     if graphs is not None:
-        eng.runner.encoder_graphs, eng.runner.replay_graphs = graphs(eng) if graphs else (None, None)
+        eng.runner.encoder_graphs, eng.runner.decoder_row_graphs = graphs(eng) if graphs else (None, None)
     outs = [o.outputs[0] for batch in (prompts or _prompts()) for o in llm.generate(batch, PARAMS)]
     assert eng.stats.as_dict()["prefix_hit_tokens"] > 0 and eng.stats.as_dict()["decoder_rows_skipped"] > 0
     return [(c.token_ids, [sorted((k, v.logprob) for k, v in d.items()) for d in c.logprobs]) for c in outs], eng
@@ -40,7 +40,7 @@ def _fixed_shape(made, capture=None, row_buckets=(16, 32, 64), decoder=True, ahe
             EncoderGraphs(eng.model, eng.kv, row_buckets[-1], 4, capture, min_context=128, row_buckets=row_buckets)
         )
         rep = (
-            ReplayGraphs(eng.model, eng.kv, row_buckets[-1], 4, capture, min_context=128, row_buckets=row_buckets)
+            DecoderRowGraphs(eng.model, eng.kv, row_buckets[-1], 4, capture, min_context=128, row_buckets=row_buckets)
             if decoder
             else None
         )
@@ -109,7 +109,7 @@ def test_row_buckets_built_ahead_are_exact():
         assert not (c0 == c1 and k0 == k1 and r1 >= r0), capture.whats
     assert capture.released == len(capture.whats)
     assert len(capture.shared) == 2  # one set of output buffers per kind (encoder, decoder rows) for all its graphs
-    dec = eng.runner.replay_graphs.report()
+    dec = eng.runner.decoder_row_graphs.report()
     assert set(dec["fixed_shape_steps"]) == {(r, c) for r in (16, 32, 64) for c in (128, 512)}
     assert dec["graphs"] == dec["fixed_shape_steps"] and dec["replays"] == dec["runs"] == 5 and not dec["fallbacks"]
 

@@ -110,7 +110,7 @@ def test_replay_graph_step_makes_no_host_sync():
         max_num_seqs=4,
         swa_bounded_replay=True,
     )
-    graphs = llm.engine.runner.replay_graphs
+    graphs = llm.engine.runner.decoder_row_graphs
     guarded = _guard_replays(graphs, lambda args: args[2])  # run(start, parts, ctx)
     _three_prompts(llm)
     assert len(guarded) == 2 and graphs.replays == 3

@@ -9,7 +9,7 @@ from dsserve.engine.greedy import greedy_generate
 from dsserve.engine.request import Request, RequestStatus
 from dsserve.engine.runner import ModelRunner
 from dsserve.engine.sampling_params import SamplingParams
-from dsserve.engine.scheduler import Scheduler, SchedulerConfig
+from dsserve.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
 from dsserve.kv.paged import KVLayout, PagedKVCache
 
 N_REQ, MAX_NEW = 16, 10
@@ -71,7 +71,8 @@ def run_engine(
         sampling, logits = runner.execute(plan)
         for r, row in zip(sampling, logits):
             logits_seen[r.request_id].append(row)
-            r.output_token_ids.append(int(row.argmax()))
+        sched.update(plan, StepOutput({r.request_id: [int(row.argmax())] for r, row in zip(sampling, logits)}))
+        for r in sampling:
             if len(r.output_token_ids) == MAX_NEW:
                 sched.finish(r, RequestStatus.FINISHED_LENGTH)
         steps += 1

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from dsserve.engine.request import Request, RequestStatus
 from dsserve.engine.sampling_params import SamplingParams
-from dsserve.engine.scheduler import Scheduler, SchedulerConfig
+from dsserve.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
 from dsserve.kv.paged import KVLayout, PagedKVCache
 from dsserve.models.presets import preset
 
@@ -61,14 +61,9 @@ def test_random_traffic_keeps_invariants(events, blocks, seqs, budget, chunk, po
             r.kv.num_tokens += c.num_tokens  # what the model's forward does to the cache
         assert plan.num_tokens <= budget and len(sched.running) <= seqs
         sched.register_full_blocks([c.request for c in plan.chunks])
-        for c in plan.chunks:
-            r = c.request
-            samples = c.samples
-            r.num_computed_tokens += c.num_tokens
-            if samples:
-                r.output_token_ids.append(5)
-                if len(r.output_token_ids) == r.params.max_tokens:
-                    sched.finish(r, RequestStatus.FINISHED_LENGTH)
+        for r in sched.update(plan, StepOutput({c.request.request_id: [5] for c in plan.chunks if c.samples})):
+            if len(r.output_token_ids) == r.params.max_tokens:
+                sched.finish(r, RequestStatus.FINISHED_LENGTH)
         sched.check()
 
     for kind, arg in events:
@@ -97,3 +92,25 @@ def test_random_traffic_keeps_invariants(events, blocks, seqs, budget, chunk, po
         assert r.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
         if r.status == RequestStatus.FINISHED_LENGTH:
             assert len(r.output_token_ids) == r.params.max_tokens
+
+
+def test_update_applies_a_step_to_each_request_once():
+    """``Scheduler.update`` is what moves progress: a chunk's rows into the cache count, the step's accepted tokens
+    (several for one request, as a verify step will give) are appended in order, and a request aborted while the
+    step ran is left as the abort left it."""
+    kv = PagedKVCache(LAYOUT, 16, 4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), kv)
+    a, b, c = (Request(n, [7] * k, SamplingParams(max_tokens=8)) for n, k in (("a", 5), ("b", 9), ("c", 3)))
+    for r in (a, b, c):
+        sched.add(r)
+    plan = sched.schedule()
+    assert [(ch.request.request_id, ch.num_tokens) for ch in plan.chunks] == [("a", 5), ("b", 9), ("c", 3)]
+    sched.abort("c")
+    given = sched.update(plan, StepOutput({"a": [11, 12, 13], "b": [21], "c": [31]}))
+    assert given == [a, b]
+    assert (a.num_computed_tokens, a.output_token_ids) == (5, [11, 12, 13])
+    assert (b.num_computed_tokens, b.output_token_ids) == (9, [21])
+    assert (c.num_computed_tokens, c.output_token_ids) == (0, [])
+    plan = sched.schedule()  # a's three new tokens are pending; b's one
+    assert [(ch.request.request_id, ch.num_tokens) for ch in plan.chunks] == [("a", 3), ("b", 1)]
+    assert sched.update(plan, StepOutput()) == [] and (a.num_computed_tokens, b.num_computed_tokens) == (8, 10)

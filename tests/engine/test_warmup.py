@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from test_decoder_row_graphs import EagerCapture
 from test_paged_engine import make_prompts
-from test_replay_graphs import EagerCapture
 
 from dsserve import LLM, SamplingParams
-from dsserve.engine.decode_graphs import bucket_sizes
+from dsserve.engine.decoder_row_graphs import ROW_BUCKETS, DecoderRowGraphs
 from dsserve.engine.encoder_graphs import EncoderGraphs
-from dsserve.engine.replay_graphs import ROW_BUCKETS, ReplayGraphs
+from dsserve.engine.step_graphs import bucket_sizes
 from dsserve.engine.warmup import (
     attention_split_rows,
     batch_sizes,
@@ -198,9 +198,9 @@ def test_wanted():
 def _row_graphs(eng, capture) -> None:
     """Bounded replay's row graphs on the CPU engine (which has none), with the decode graphs' context buckets as on
     a GPU: fixed shapes, run eagerly (capture None) or through EagerCapture (a capture's masked runs, replays)."""
-    eng.runner.replay_graphs, eng.runner.encoder_graphs = (
+    eng.runner.decoder_row_graphs, eng.runner.encoder_graphs = (
         cls(eng.model, eng.kv, 128, 3, capture, min_context=1024, row_buckets=(16, 32, 64, 128))
-        for cls in (ReplayGraphs, EncoderGraphs)
+        for cls in (DecoderRowGraphs, EncoderGraphs)
     )
 
 
@@ -226,14 +226,16 @@ def test_warm_up_runs_every_bucket_and_hits_then_leaves_no_trace():
     assert set(eng.runner.decode_graphs.report()["fixed_shape_steps"]) == {
         (b, c) for b in (1, 2, 3) for c in (1024, 2048)
     }
-    assert not eng.runner.decode_graphs.ahead_batches  # for the warm-up only
+    assert not eng.runner.decode_graphs.ahead_rows  # for the warm-up only
     # the row graphs at every context the ladder reached: the decoder's every row bucket, the encoder's from a
     # hit's rows up (the replayed window of 32 plus 61 new rows: 128)
-    dec, enc = (set(g.report()["fixed_shape_steps"]) for g in (eng.runner.replay_graphs, eng.runner.encoder_graphs))
+    dec, enc = (
+        set(g.report()["fixed_shape_steps"]) for g in (eng.runner.decoder_row_graphs, eng.runner.encoder_graphs)
+    )
     contexts = {c for _, c in dec}
     assert contexts == {1024, 2048} and dec == {(r, c) for r in (16, 32, 64, 128) for c in contexts}
     assert {(128, c) for c in contexts} <= enc, enc
-    assert not eng.runner.replay_graphs.ahead_rows and not eng.runner.encoder_graphs.ahead_rows
+    assert not eng.runner.decoder_row_graphs.ahead_rows and not eng.runner.encoder_graphs.ahead_rows
     # nothing left: no request, every block and window slot free, every counter zero
     assert not eng.has_unfinished_requests() and not eng.scheduler.requests
     assert eng.kv.blocks.num_used == 0 and eng.kv.slots.num_used == 0
@@ -276,8 +278,8 @@ def test_warm_up_captures_graphs_on_gpu():
     assert report.graph_captures > 0 and report.nonfinite_logit_rows == 0
     assert 0 < report.capture_seconds < report.seconds
     assert eng.stats.graph_captures == report.graph_captures  # counted though the other counts were zeroed
-    assert eng.runner.replay_graphs.report()["graphs"] and eng.runner.encoder_graphs.report()["graphs"]
+    assert eng.runner.decoder_row_graphs.report()["graphs"] and eng.runner.encoder_graphs.report()["graphs"]
     # the decoder rows' graphs of every row bucket at both contexts (1024, 2048), most captured ahead
-    dec = set(eng.runner.replay_graphs.report()["graphs"])
+    dec = set(eng.runner.decoder_row_graphs.report()["graphs"])
     assert dec == {(r, c) for r in bucket_sizes(256, ROW_BUCKETS) for c in (1024, 2048)}
     assert _serve(warm) == _serve(cold)

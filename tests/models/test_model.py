@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dsserve.layers.context import SeqRows
+from dsserve.layers.context import SeqRows, StepBatch
 from dsserve.layers.mhc import sinkhorn
 from dsserve.layers.moe import Gate
 from dsserve.models.model import ModelInputError
@@ -151,7 +151,7 @@ def test_bad_tokens_are_clear_errors(tiny_models):
 @torch.no_grad()
 def test_batched_rows_of_several_sequences_equal_one_at_a_time(tiny_models, name):
     """forward_batch over a mix of prefill chunks and decodes equals each sequence run on its own."""
-    from dsserve.layers.context import SeqRows
+    from dsserve.layers.context import SeqRows, StepBatch
 
     m = tiny_models[name]
     lens = [45, 3, 70, 1]
@@ -169,7 +169,7 @@ def test_batched_rows_of_several_sequences_equal_one_at_a_time(tiny_models, name
             seqs.append(SeqRows(slice(row, row + n), caches[i]))
             row += n
             done[i] += n
-        out = m.forward_batch(torch.cat(toks), seqs)
+        out = m.forward_batch(StepBatch(torch.cat(toks), seqs))
         for i, s in enumerate(out.seqs):
             got[i].append(m.logits(out.hidden[s.rows]))
     for i, p in enumerate(prompts):
@@ -185,7 +185,7 @@ def test_replay_forms_publish_the_same_global_kv_and_differ_only_in_layer_20(tin
     outs = {}
     for form in ("report", "vllm"):
         cache = m.new_cache()
-        out = m.forward_batch(toks, [SeqRows(slice(0, 90), cache, s)], replay_form=form)
+        out = m.forward_batch(StepBatch(toks, [SeqRows(slice(0, 90), cache, s)], replay_form=form))
         outs[form] = (m.logits(out.hidden), cache)
     src = m.cfg.candidate_source_layer_id
     assert torch.equal(outs["report"][1].global_kv(src)[0], outs["vllm"][1].global_kv(src)[0])

@@ -244,20 +244,22 @@ def test_an_isolated_problem_off_the_alignment_is_named():
 def test_problem_bounds_outside_a_static_one_shape_step_are_refused():
     """segment_first only where the one-shape attention honours it: a static step of V4.1 (not the reference
     forward's loop, whose reads would ignore it; not V4's overlapping compression)."""
-    from dsserve.layers.context import SeqRows
+    from dsserve.layers.context import SeqRows, StepBatch
     from dsserve.models.model import ModelInputError
 
     m = _model(dtype=torch.float32)
     tokens, first = torch.arange(3, 11), torch.tensor([0, 0, 0, 0, 4, 4, 4, 4])
     with pytest.raises(ModelInputError, match="static step's packed problems"):
-        m.forward_batch(tokens, [SeqRows(slice(0, 8), m.new_cache())], segment_first=first)
+        m.forward_batch(StepBatch(tokens, [SeqRows(slice(0, 8), m.new_cache())], segment_first=first))
     with pytest.raises(ValueError, match="fresh sequences of one length"):  # static, but two lengths: the loop
         m.forward_batch(
-            tokens,
-            [SeqRows(slice(0, 3), m.new_cache()), SeqRows(slice(3, 8), m.new_cache())],
-            static=True,
-            segment_first=first,
+            StepBatch(
+                tokens,
+                [SeqRows(slice(0, 3), m.new_cache()), SeqRows(slice(3, 8), m.new_cache())],
+                static=True,
+                segment_first=first,
+            )
         )
     v4 = _model("tiny-v4", torch.float32)
     with pytest.raises(ModelInputError, match="V4.1"):
-        v4.forward_batch(tokens, [SeqRows(slice(0, 8), v4.new_cache())], static=True, segment_first=first)
+        v4.forward_batch(StepBatch(tokens, [SeqRows(slice(0, 8), v4.new_cache())], static=True, segment_first=first))

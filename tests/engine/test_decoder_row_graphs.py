@@ -10,8 +10,8 @@ from test_paged_engine import make_prompts
 
 from dsserve import LLM, SamplingParams
 from dsserve.engine import graph_scratch
+from dsserve.engine.decoder_row_graphs import DecoderRowGraphs, decoder_context_bucket
 from dsserve.engine.graph_capture import GraphCapture, copy_outputs
-from dsserve.engine.replay_graphs import ReplayGraphs, decoder_context_bucket
 from dsserve.models.presets import preset
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
@@ -37,12 +37,12 @@ def test_decoder_context_buckets():
 
 def _run(graphs=None, prompts=None, **kw):
     """Each round's prompts submitted together (mixed steps: one prompt's prefill chunk with the others' decode
-    rows). graphs: None (the engine's default), False (every replay step eager) or a ReplayGraphs factory. The
+    rows). graphs: None (the engine's default), False (every replay step eager) or a DecoderRowGraphs factory. The
     encoder rows run eagerly unless ``encoder_graphs=True`` (test_encoder_graphs covers their graphs)."""
     llm = LLM(model="tiny", swa_bounded_replay=True, max_num_batched_tokens=64, **{"encoder_graphs": False, **kw})
     eng = llm.engine
     if graphs is not None:
-        eng.runner.replay_graphs = graphs(eng) if graphs else None
+        eng.runner.decoder_row_graphs = graphs(eng) if graphs else None
     outs = [o.outputs[0] for batch in (prompts or _prompts()) for o in llm.generate(batch, PARAMS)]
     assert eng.stats.as_dict()["prefix_hit_tokens"] > 0 and eng.stats.as_dict()["decoder_rows_skipped"] > 0
     return [(c.token_ids, [sorted((k, v.logprob) for k, v in d.items()) for d in c.logprobs]) for c in outs], eng
@@ -58,7 +58,7 @@ def _long_prompts():
 def _fixed_shape(made, capture=None, row_buckets=(16, 32, 64), ahead_rows=False):
     def make(eng):
         made.append(
-            ReplayGraphs(eng.model, eng.kv, row_buckets[-1], 4, capture, min_context=128, row_buckets=row_buckets)
+            DecoderRowGraphs(eng.model, eng.kv, row_buckets[-1], 4, capture, min_context=128, row_buckets=row_buckets)
         )
         made[-1].ahead_rows = ahead_rows
         return made[-1]
@@ -138,14 +138,14 @@ def test_other_replay_form_falls_back():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_replay_graphs_on_gpu():
+def test_decoder_row_graphs_on_gpu():
     """On a GPU the engine captures the decoder rows' graphs: replaying them gives the same tokens and
     logprobs, bit for bit, as the same fixed-shape forward run eagerly; and the same greedy tokens as the fully
     eager engine (--enforce-eager) wherever that engine's top-2 margin clears fp32 noise."""
     kw = dict(dtype="float32", device="cuda")
     assert_capture_is_exact(_run, _fixed_shape, kw)
     graphed, eng = _run(None, **kw)  # the engine's own buckets
-    rep = eng.runner.replay_graphs.report()
+    rep = eng.runner.decoder_row_graphs.report()
     assert rep["replays"] > 0 and not rep["fallbacks"]
     assert eng.runner.encoder_graphs is None  # --no-encoder-graphs (_run)
     assert eng.stats.graph_captures == len(rep["graphs"]) + len(eng.runner.decode_graphs.report()["graphs"])
@@ -165,10 +165,10 @@ def test_graphs_read_only_scratch_they_wrote_on_gpu(monkeypatch, pool):
     monkeypatch.setenv(graph_scratch.POOL_ENV, pool)
     monkeypatch.setenv(graph_scratch.ENV, "1")
     poisoned, eng = _run(None, **kw)
-    graphs = [v[2] for v in eng.runner.replay_graphs._steps.values()] + [
-        v[1] for v in eng.runner.decode_graphs._steps.values()
+    graphs = [v.graph for v in eng.runner.decoder_row_graphs._steps.values()] + [
+        v.graph for v in eng.runner.decode_graphs._steps.values()
     ]
-    encoder = [v[2] for v in eng.runner.encoder_graphs._steps.values() if v[2] is not None]
+    encoder = [v.graph for v in eng.runner.encoder_graphs._steps.values() if v.graph is not None]
     assert encoder and graphs and all(isinstance(g, graph_scratch.PoisonedGraph) for g in encoder)
     assert all(isinstance(g, graph_scratch.PoisonedGraph) for g in graphs)
     assert sum(len(g.blocks) for g in graphs) > 0
