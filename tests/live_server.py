@@ -31,31 +31,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextmanager
-def live_server(model: str = "tiny", args=SERVER_ARGS, log: list | None = None):
-    """Yields the base URL; on exit sends SIGTERM, which must drain and exit 0. ``log``: the server's output is
-    appended to it once the process has exited."""
+def spawn(model: str = "tiny", args=SERVER_ARGS, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """A `dsserve serve` process (output on its stdout pipe) and its base URL, once /health answers 200."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dsserve", "serve", model, "--port", str(port), *args, "--shutdown-timeout", "5"],
+        [sys.executable, "-m", "dsserve", "serve", model, "--port", str(port), *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env={**os.environ, **(env or {})},
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                raise RuntimeError("server died:\n" + proc.stdout.read())
-            time.sleep(0.1)
-        else:
-            raise RuntimeError("server did not come up")
+        wait_up(proc, base)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, base
+
+
+def wait_up(proc: subprocess.Popen, base: str, timeout: float = 600) -> None:
+    """Until /health answers 200: a warm-up on a loaded machine can take minutes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError("server died:\n" + proc.stdout.read())
+        time.sleep(0.1)
+    raise RuntimeError("server did not come up")
+
+
+@contextmanager
+def live_server(model: str = "tiny", args=SERVER_ARGS, log: list | None = None):
+    """Yields the base URL; on exit sends SIGTERM, which must drain and exit 0. ``log``: the server's output is
+    appended to it once the process has exited."""
+    proc, base = spawn(model, [*args, "--shutdown-timeout", "5"])
+    try:
         yield base
     except BaseException:
         proc.kill()

@@ -18,6 +18,7 @@ from ..kernels.ops import KernelOps
 from ..kv.paged import KVLayout, PagedKVCache
 from ..models.loader import DTYPES, LoadedModel, load_model
 from ..models.quantize import quantize_dense_fp8, quantize_experts, use_fp8_kernels
+from ..models.tokenizer import TooManyTokens
 from . import graph_scratch, jit_compiles
 from .args import EngineArgs, EngineArgsError
 from .decode_graphs import DecodeGraphs
@@ -226,17 +227,20 @@ class EngineCore:
         the engine's configuration, so a front end may call it from another thread."""
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        ids = self.tokenizer.encode(prompt, add_bos=True) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            try:
+                ids = self.tokenizer.encode(prompt, add_bos=True, max_tokens=self.max_model_len - 1)
+            except TooManyTokens as e:  # counted before the ids were built
+                raise RequestError(self._too_long(e.n)) from None
+        else:
+            ids = list(prompt)
         if not ids:
             raise RequestError("the prompt is empty")
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise RequestError(f"prompt token ids must be ints in [0, {self.cfg.vocab_size}); got {bad[:5]}")
         if len(ids) >= self.max_model_len:
-            raise RequestError(
-                f"the prompt has {len(ids)} tokens; this model allows at most "
-                f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})"
-            )
+            raise RequestError(self._too_long(len(ids)))
         need = -(
             -min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len) // self.kv.layout.block_size
         )
@@ -246,6 +250,12 @@ class EngineCore:
                 f"{self.kv.blocks.num_blocks}; raise kv_cache_memory or lower max_tokens"
             )
         return ids
+
+    def _too_long(self, n: int) -> str:
+        return (
+            f"the prompt has {n} tokens; this model allows at most "
+            f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})"
+        )
 
     def add_request(
         self,

@@ -26,6 +26,15 @@ TINY_PRESETS = ("tiny", "tiny-v4")
 REAL_PRESETS = ("v41-flash", "v4-flash", "proxy-h200", "proxy-h200-release")
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
 _SENTINEL = "\ue000"  # private-use char standing in for a lone space while Strip() runs
+_LONG = 1 << 16  # characters (or ids) from which encode and decode release the GIL
+
+
+class TooManyTokens(ValueError):
+    """A text encodes to more tokens than the caller allows; ``n`` says how many (its ids were never built)."""
+
+    def __init__(self, n: int, limit: int):
+        super().__init__(f"the text has {n} tokens; at most {limit} are allowed")
+        self.n, self.limit = n, limit
 
 
 class Tokenizer:
@@ -85,12 +94,24 @@ class Tokenizer:
         return cls.from_dir(name_or_path) if os.path.isdir(name_or_path) else cls.for_preset(name_or_path)
 
     # ---------------------------------------------------------------- text <-> ids
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=False).ids
-        return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
+    def encode(self, text: str, add_bos: bool = True, max_tokens: int | None = None) -> list[int]:
+        """A long text goes through ``encode_batch``, which releases the GIL (``encode`` holds it: 1.2 s for
+        2 MB), so a server's event loop runs on while a worker thread encodes it. With ``max_tokens``, a text of
+        more tokens raises ``TooManyTokens`` before its ids are built (millions of Python ints: the GIL again)."""
+        if len(text) > _LONG:
+            enc = self.tok.encode_batch([text], add_special_tokens=False)[0]
+        else:
+            enc = self.tok.encode(text, add_special_tokens=False)
+        bos = [self.bos_id] if add_bos and self.bos_id is not None else []
+        if max_tokens is not None and len(bos) + len(enc) > max_tokens:
+            raise TooManyTokens(len(bos) + len(enc), max_tokens)
+        return [*bos, *enc.ids]
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        ids = [int(i) for i in ids]
+        if len(ids) > _LONG:  # as in encode: the batch call releases the GIL
+            return self.tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)

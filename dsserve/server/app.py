@@ -20,12 +20,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.core import RequestError
 from ..engine.sampling_params import SamplingParamsError
+from ..models.tokenizer import TooManyTokens
 from . import openai_format as fmt
-from .async_engine import AsyncEngine, EngineOverloaded
+from .async_engine import AsyncEngine, EngineOverloaded, EngineShutdown
 from .chat import ChatFormatError, chat_prompt_ids
+from .guard import Guard
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-
-OPEN_PATHS = ("/health", "/metrics", "/v1/models")
 
 
 class ApiError(Exception):
@@ -39,38 +39,17 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = 8 << 20,
     default_max_tokens: int = 256,
+    aliases: tuple = (),
 ) -> FastAPI:
+    """``aliases``: other model names a request may give (the MODEL argument a served name stands for); only
+    ``served_model_name`` is listed."""
     app = FastAPI(title="dsserve", docs_url=None, redoc_url=None)
     core = engine.core
 
     def err(status: int, message: str, type_: str, param: str | None = None, headers=None) -> JSONResponse:
         return JSONResponse(fmt.error_body(message, type_, status, param), status_code=status, headers=headers)
 
-    class Guard:
-        """API key and body size, as plain ASGI: a BaseHTTPMiddleware would hide a client's disconnect from
-        the routes, and with it the abort that frees the request's cache."""
-
-        def __init__(self, inner):
-            self.inner = inner
-
-        async def __call__(self, scope, receive, send):
-            if scope["type"] == "http":
-                headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
-                bad = None
-                if api_key and scope["path"] not in OPEN_PATHS and headers.get("authorization") != f"Bearer {api_key}":
-                    bad = err(401, "missing or wrong API key", "authentication_error")
-                size = headers.get("content-length", "")
-                if bad is None and size.isdigit() and int(size) > max_body_bytes:
-                    bad = err(
-                        413,
-                        f"request body of {size} bytes exceeds the limit of {max_body_bytes}",
-                        "invalid_request_error",
-                    )
-                if bad is not None:
-                    return await bad(scope, receive, send)
-            await self.inner(scope, receive, send)
-
-    app.add_middleware(Guard)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def _api(_, e: ApiError):
@@ -147,10 +126,15 @@ def build_app(
     async def tokenize(body: TokenizeRequest):
         check_model(body.model)
         if body.messages is not None:
-            ids = chat_prompt_ids(core.tokenizer, [m.model_dump(exclude_none=True) for m in body.messages])
+            messages = [m.model_dump(exclude_none=True) for m in body.messages]
+            try:
+                ids = await asyncio.to_thread(chat_prompt_ids, core.tokenizer, messages)
+            except (ChatFormatError, ValueError) as e:
+                raise ApiError(400, str(e), param="messages") from None
         else:
-            ids = core.tokenizer.encode(body.prompt or "", add_bos=body.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": core.max_model_len}
+            ids = await asyncio.to_thread(core.tokenizer.encode, body.prompt or "", body.add_special_tokens)
+        out = {"tokens": ids, "count": len(ids), "max_model_len": core.max_model_len}
+        return await asyncio.to_thread(JSONResponse, out)  # a long list renders off the event loop too
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
@@ -158,11 +142,11 @@ def build_app(
         bad = [t for t in body.tokens if not 0 <= t < core.cfg.vocab_size]
         if bad:
             raise ApiError(400, f"token ids must lie in [0, {core.cfg.vocab_size}); got {bad[:5]}", param="tokens")
-        return {"prompt": core.tokenizer.decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(core.tokenizer.decode, body.tokens)}
 
     # ------------------------------------------------------------------ generation routes
     def check_model(name: str | None) -> None:
-        if name is not None and name != served_model_name:
+        if name is not None and name != served_model_name and name not in aliases:
             raise ApiError(
                 404,
                 f"the model {name!r} does not exist; this server serves {served_model_name!r}",
@@ -170,13 +154,16 @@ def build_app(
                 "model",
             )
 
-    def plan(prompts: list, body, logprobs: int | None, max_tokens: int | None):
-        """Validate everything up front: [(prompt ids, params)] per choice, prompt-major."""
+    async def plan(prompts: list, body, logprobs: int | None, max_tokens: int | None):
+        """Validate everything up front: [(prompt ids, params)] per choice, prompt-major. Text prompts are
+        tokenised (and their length checked against max_model_len) in a worker thread: a long prompt must not
+        stall the event loop, and with it /health and every stream."""
         if max_tokens is not None:
             body.max_tokens = max_tokens
         try:
             params = body.sampling_params(default_max_tokens, logprobs)
-            return [(core.validate(p, params), params) for p in prompts for _ in range(body.n)]
+            ids = [await asyncio.to_thread(core.validate, p, params) for p in prompts]
+            return [(i, params) for i in ids for _ in range(body.n)]
         except (SamplingParamsError, RequestError, ChatFormatError, ValueError) as e:
             raise ApiError(400, str(e), param=getattr(e, "field", None)) from None
 
@@ -225,6 +212,8 @@ def build_app(
         async def gather():
             last: dict[int, object] = {}
             async for i, item in merged(sinks):
+                if isinstance(item, EngineShutdown):
+                    raise ApiError(503, str(item), "service_unavailable")
                 if isinstance(item, Exception):
                     raise ApiError(500, str(item), "internal_error")
                 if item is not None:
@@ -248,12 +237,16 @@ def build_app(
             sent_text = [0] * len(sinks)
             sent_tokens = [0] * len(sinks)
             finals: dict[int, object] = {}
+            cut = None  # the shutdown that cut the choices, said once after their "abort" chunks
             done = False
             try:
                 if chat:
                     for i in range(len(sinks)):
                         yield _sse(fmt.stream_chunk(rid, model, True, i, None, None, role=True))
                 async for i, out in merged(sinks):
+                    if isinstance(out, EngineShutdown):
+                        cut = out
+                        continue
                     if isinstance(out, Exception):
                         yield _sse(fmt.error_body(str(out), "internal_error", 500))
                         continue
@@ -284,6 +277,8 @@ def build_app(
                             "usage": fmt.usage([finals[i] for i in range(len(sinks))], n),
                         }
                     )
+                if cut is not None:
+                    yield _sse(fmt.error_body(str(cut), "service_unavailable", 503))
                 yield "data: [DONE]\n\n"
                 done = True
             finally:
@@ -300,7 +295,7 @@ def build_app(
         prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
         if not prompts:
             raise ApiError(400, "the prompt is empty", param="prompt")
-        choices = plan(prompts, body, body.logprobs, None)
+        choices = await plan(prompts, body, body.logprobs, None)
         sinks = await run(choices, body, request.headers.get("x-session-id"))
         model = served_model_name
         if body.stream:
@@ -313,16 +308,25 @@ def build_app(
         check_model(body.model)
         kwargs = dict(body.chat_template_kwargs or {})
         try:
-            ids = chat_prompt_ids(
+            ids = await asyncio.to_thread(
+                chat_prompt_ids,
                 core.tokenizer,
                 [m.model_dump(exclude_none=True) for m in body.messages],
+                max_tokens=core.max_model_len - 1,
                 thinking=bool(kwargs.get("thinking", kwargs.get("enable_thinking", False))),
                 tools=body.tools,
             )
+        except TooManyTokens as e:  # counted before the ids were built
+            raise ApiError(
+                400,
+                f"the prompt has {e.n} tokens; this model allows at most {e.limit} prompt tokens "
+                f"(max_model_len {core.max_model_len})",
+                param="messages",
+            ) from None
         except (ChatFormatError, ValueError) as e:
             raise ApiError(400, str(e), param="messages") from None
         top_n = (body.top_logprobs or 0) if body.logprobs else None
-        choices = plan([ids], body, top_n, body.max_completion_tokens)
+        choices = await plan([ids], body, top_n, body.max_completion_tokens)
         sinks = await run(choices, body, request.headers.get("x-session-id"))
         model = served_model_name
         if body.stream:

@@ -28,6 +28,10 @@ class EngineFault(RuntimeError):
     """A step failed for this request; the engine itself keeps running (HTTP 500)."""
 
 
+class EngineShutdown(RuntimeError):
+    """The server shut down before the request finished: its sink gets this after its "abort" output (HTTP 503)."""
+
+
 @dataclass
 class _Submit:
     request_id: str
@@ -47,6 +51,7 @@ class AsyncEngine:
         self._sinks: dict[str, _Submit] = {}
         self._stop = threading.Event()
         self._intake_open = True
+        self._drain_timeout: float | None = None
         self._thread = threading.Thread(target=self._loop, name="dsserve-engine", daemon=True)
         self._thread.start()
 
@@ -100,11 +105,19 @@ class AsyncEngine:
     def close_intake(self) -> None:
         self._intake_open = False
 
-    def shutdown(self, timeout: float) -> None:
-        """Stop intake, let in-flight requests finish for ``timeout`` seconds, then abort the rest."""
+    def begin_drain(self, timeout: float) -> None:
+        """Stop intake; in-flight requests get ``timeout`` seconds to finish, then each is aborted and its sink
+        gets its "abort" output and an ``EngineShutdown``; then the engine thread ends. Returns at once; a later
+        call keeps the first deadline."""
         self.close_intake()
-        self._inbox.put(("drain", timeout))
-        self._thread.join(timeout + 5)
+        if self._drain_timeout is None:
+            self._drain_timeout = timeout
+            self._inbox.put(("drain", timeout))
+
+    def shutdown(self, timeout: float) -> None:
+        """``begin_drain``, then wait for the engine thread."""
+        self.begin_drain(timeout)
+        self._thread.join(self._drain_timeout + 5)
 
     # ---------------------------------------------------------------- engine thread
     def _deliver(self, sub: _Submit, item) -> None:
@@ -131,8 +144,12 @@ class AsyncEngine:
             if self.metrics is not None and not busy:  # aborts may have emptied the engine: no step will say so
                 self.metrics.observe_step(self.core)
             if deadline is not None and (not busy or time.monotonic() > deadline):
+                cut = EngineShutdown(
+                    f"the server shut down before the request finished (the {self._drain_timeout:g} s "
+                    "--shutdown-timeout after SIGTERM ran out); retry on another server"
+                )
                 for rid in list(self._sinks):
-                    self._abort(rid)
+                    self._abort(rid, cut)
                 return
             if busy:
                 self._step()
@@ -152,14 +169,16 @@ class AsyncEngine:
             _, done, loop = item
             loop.call_soon_threadsafe(done.set_result, self.core.reset_prefix_cache())
 
-    def _abort(self, rid: str) -> None:
+    def _abort(self, rid: str, end: Exception | None = None) -> None:
+        """Abort a request; its sink gets its last output, then ``end`` (None: a plain end)."""
         sub = self._sinks.pop(rid, None)
         out = self.core.abort_request(rid)
         if out is not None and self.metrics is not None:
             self.metrics.observe_output(out)
         if sub is not None:
-            self._deliver(sub, out)
-            self._deliver(sub, None)
+            if out is not None:
+                self._deliver(sub, out)
+            self._deliver(sub, end)
 
     def _step(self) -> None:
         try:

@@ -223,13 +223,14 @@ def encode_chat(
     return prompt
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict], **kw) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: list[dict], max_tokens: int | None = None, **kw) -> list[int]:
     """``encode_chat`` then token ids, without a second BOS (the text starts with it). On a DeepSeek vocabulary
-    (one that knows ``<｜User｜>``) every special string the format uses must be a single token."""
+    (one that knows ``<｜User｜>``) every special string the format uses must be a single token. ``max_tokens``: as
+    in ``Tokenizer.encode``."""
     needed = [BOS, EOS, USER, ASSISTANT, THINK, END_THINK, DSML] + ([SYSTEM] if kw.get("version") == "v41" else [])
     if tokenizer.token_to_id(USER) is not None and (missing := [t for t in needed if tokenizer.token_to_id(t) is None]):
         raise ChatFormatError(
             f"tokenizer {getattr(tokenizer, 'name', '')!r} has no single token for {missing}; "
             f"use the checkpoint's own tokenizer for this chat format"
         )
-    return tokenizer.encode(encode_chat(messages, **kw), add_bos=False)
+    return tokenizer.encode(encode_chat(messages, **kw), add_bos=False, max_tokens=max_tokens)

@@ -1,10 +1,21 @@
-"""``dsserve serve``: the engine behind uvicorn, with a graceful SIGTERM."""
+"""``dsserve serve``: the engine behind uvicorn, with a graceful SIGTERM.
+
+Start-up: the port is bound first (a port in use is a one-line error before any loading), then the model is
+built and warmed up, then the socket listens and a "ready" line says where and after how long. SIGTERM: new
+connections are refused, in-flight requests get ``--shutdown-timeout`` seconds, then each remaining one is cut
+(a stream gets a final "abort" chunk, an error event and ``[DONE]``; a plain request a 503) and the process exits 0.
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import gc
 import logging
+import os
+import socket
+import time
 
 from ..engine.args import EngineArgs
 
@@ -21,8 +32,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: MODEL)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every path under /v1 (/v1/models included) and on "
+        "/reset_prefix_cache; /health, /metrics, /version, /tokenize and /detokenize stay open, as in vLLM. "
+        "Default: $DSSERVE_API_KEY, else $VLLM_API_KEY (an environment variable keeps the key out of ps)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients use and /v1/models lists (default: MODEL; for a checkpoint directory its "
+        "last path component, so no local path is shown; the full MODEL is accepted too)",
+    )
     p.add_argument("--max-waiting", type=int, default=1024, help="queued requests before 503 (default: 1024)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger bodies get 413 (default: 8 MiB)")
     p.add_argument("--default-max-tokens", type=int, default=256)
@@ -50,7 +72,46 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(p)
 
 
+def api_key_from(ns: argparse.Namespace, environ=os.environ) -> str | None:
+    """--api-key, else $DSSERVE_API_KEY, else vLLM's $VLLM_API_KEY; None (no key) when all are unset or empty."""
+    return ns.api_key or environ.get("DSSERVE_API_KEY") or environ.get("VLLM_API_KEY") or None
+
+
+def served_name(model: str, served_model_name: str | None) -> str:
+    """The id clients see: --served-model-name, else MODEL, where a directory shows only its last component."""
+    if served_model_name:
+        return served_model_name
+    return os.path.basename(os.path.normpath(model)) if os.path.isdir(model) else model
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model is loaded (uvicorn's options: SO_REUSEADDR, IPv6 for a
+    host with a colon); a port in use is an OSError of one line."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        why = (
+            "is in use (another server?); stop it or pick another --port"
+            if e.errno == errno.EADDRINUSE
+            else f"cannot be bound: {e}"
+        )
+        raise OSError(f"port {port} on {host} {why}") from None
+    return sock
+
+
 def run_server(ns: argparse.Namespace) -> int:
+    t0 = time.monotonic()
+    sock = bind(ns.host, ns.port)  # before the model: a port in use should not cost a model load
+    try:
+        return _serve(ns, sock, t0)
+    finally:
+        sock.close()
+
+
+def _serve(ns: argparse.Namespace, sock: socket.socket, t0: float) -> int:
     import uvicorn
 
     from ..engine import kernel_manifest, warmup
@@ -65,6 +126,10 @@ def run_server(ns: argparse.Namespace) -> int:
     if ns.precompile_workers is not None and ns.precompile_workers < 0:
         raise SystemExit(f"--precompile-workers must be >= 0, got {ns.precompile_workers}")
     log_to_stderr()
+    name = served_name(args.model, ns.served_model_name)
+    host, port = sock.getsockname()[:2]
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    log.info("dsserve serve: model %s, served as %r, will listen on %s", args.model, name, url)
     if ns.kernel_manifest:  # before the model: the workers' CUDA contexts are gone when the KV cache is sized
         try:
             kernel_manifest.precompile(
@@ -78,9 +143,10 @@ def run_server(ns: argparse.Namespace) -> int:
         warmup.warm_up(core)  # before the port opens: /health answers once the first shapes are compiled and captured
     if ns.kernel_manifest:
         log.info("kernel manifest %s: %d kernels listed", ns.kernel_manifest, kernel_manifest.save(ns.kernel_manifest))
-    name = ns.served_model_name or args.model
     engine = AsyncEngine(core, ns.max_waiting, EngineMetrics(model_name=name))
-    app = build_app(engine, name, ns.api_key, ns.max_body_bytes, ns.default_max_tokens)
+    app = build_app(
+        engine, name, api_key_from(ns), ns.max_body_bytes, ns.default_max_tokens, aliases=(args.model, ns.served_model)
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -90,10 +156,19 @@ def run_server(ns: argparse.Namespace) -> int:
             kernel_manifest.save(ns.kernel_manifest)
 
     app.router.lifespan_context = lifespan
-    config = uvicorn.Config(
-        app, host=ns.host, port=ns.port, log_level="warning", timeout_graceful_shutdown=ns.shutdown_timeout
+    config = uvicorn.Config(  # uvicorn's own graceful timeout is only a backstop: the engine cuts at the deadline
+        app, host=ns.host, port=ns.port, log_level="warning", timeout_graceful_shutdown=ns.shutdown_timeout + 5
     )
-    _GracefulServer(config).run()
+
+    def ready():
+        log.info("ready: %s serves %r (start-up took %.1f s)", url, name, time.monotonic() - t0)
+
+    def stopping():
+        log.info("shutting down: in-flight requests get %g s (--shutdown-timeout), then are cut", ns.shutdown_timeout)
+        engine.begin_drain(ns.shutdown_timeout)
+
+    _GracefulServer(config, ready, stopping).run(sockets=[sock])
+    gc.freeze()  # the interpreter's exit then skips a last collection over every object: 0.4 s instead of 1.2-2 s
     return 0
 
 
@@ -104,7 +179,21 @@ def _graceful_server_class():
 
     class GracefulServer(uvicorn.Server):
         """uvicorn re-raises SIGTERM after its graceful shutdown, so the process dies of the signal; a drained
-        shutdown is a normal exit here (status 0)."""
+        shutdown is a normal exit here (status 0). ``on_ready`` runs once the socket listens; ``on_stop`` as
+        the shutdown begins (uvicorn has stopped its main loop; connections are still open)."""
+
+        def __init__(self, config, on_ready, on_stop):
+            super().__init__(config)
+            self.on_ready, self.on_stop = on_ready, on_stop
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                self.on_ready()
+
+        async def shutdown(self, sockets=None):
+            self.on_stop()
+            await super().shutdown(sockets)
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -118,5 +207,5 @@ def _graceful_server_class():
     return GracefulServer
 
 
-def _GracefulServer(config):  # noqa: N802 - built lazily so importing this module does not import uvicorn
-    return _graceful_server_class()(config)
+def _GracefulServer(config, on_ready, on_stop):  # noqa: N802 - built lazily: importing this module imports no uvicorn
+    return _graceful_server_class()(config, on_ready, on_stop)

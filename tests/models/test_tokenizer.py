@@ -74,6 +74,27 @@ def test_tiny_round_trip(tiny, text):
     assert with_bos[0] == tiny.bos_id and with_bos[1:] == ids
 
 
+def test_long_texts_take_the_gil_free_path_with_the_same_ids(tiny):
+    """Past 64 Ki characters encode and decode use the batch calls (they release the GIL); the ids and text are
+    those of the plain calls. ``max_tokens`` refuses a longer text, counting before the ids are built."""
+    from dsserve.models.tokenizer import TooManyTokens
+
+    text = "".join(TEXTS) * 700  # ~130 Ki characters
+    ids = tiny.encode(text)
+    assert len(text) > 1 << 16 and len(ids) > 1 << 16
+    assert ids == [tiny.bos_id, *tiny.tok.encode(text, add_special_tokens=False).ids]
+    assert tiny.decode(ids) == tiny.tok.decode(ids, skip_special_tokens=False)
+    assert tiny.decode(ids, skip_special_tokens=True) == tiny.tok.decode(ids)
+    assert tiny.encode(text, max_tokens=len(ids)) == ids
+    with pytest.raises(TooManyTokens) as e:
+        tiny.encode(text, max_tokens=len(ids) - 1)
+    assert e.value.n == len(ids) and e.value.limit == len(ids) - 1
+    short = tiny.encode("hello world")  # the plain path counts the same way
+    assert tiny.encode("hello world", max_tokens=len(short)) == short
+    with pytest.raises(TooManyTokens):
+        tiny.encode("hello world", max_tokens=len(short) - 1)
+
+
 def test_tiny_special_tokens_in_text(tiny):
     ids = tiny.encode("a<｜image｜>b<｜noise｜>", add_bos=False)
     assert 8190 in ids and 8191 in ids

@@ -127,3 +127,14 @@ def test_reset_prefix_cache_route(core):
     assert refused and last.finished and len(last.outputs[0].token_ids) == 32
     engine.reset_prefix_cache = lambda: asyncio.sleep(0, result=False)  # the engine's refusal, as the route says it
     check_error(c.post("/reset_prefix_cache", headers=auth), 409, "only while no request runs")
+
+
+def test_a_prompt_over_max_model_len_is_refused_by_count(core):
+    """Plain and chat prompts are counted before their ids are built; the message names the limit."""
+    _, c = make(core)
+    long = "hello world " * core.max_model_len
+    check_error(c.post("/v1/completions", json={"prompt": long}), 400, f"max_model_len {core.max_model_len}")
+    chat = {"messages": [{"role": "user", "content": long}]}
+    r = c.post("/v1/chat/completions", json=chat)
+    check_error(r, 400, f"at most {core.max_model_len - 1} prompt tokens")
+    assert r.json()["error"]["param"] == "messages"

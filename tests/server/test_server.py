@@ -1,6 +1,7 @@
 """The live server on loopback, through the official openai client and raw HTTP."""
 
 import asyncio
+import json
 import os
 import sys
 
@@ -240,6 +241,69 @@ def test_fuzzed_bodies_never_5xx(server, body, chat):
         err = r.json()["error"]
         assert isinstance(err["message"], str) and err["code"] == r.status_code
     assert httpx.get(server + "/health").status_code == 200
+
+
+def _mangle(raw: bytes, how: str, at: int) -> bytes:
+    """The JSON bytes ``raw`` re-encoded or damaged at the ``at``-th position (or quote)."""
+    quotes = [i for i, b in enumerate(raw) if b == ord('"')]
+    q = quotes[at % len(quotes)] + 1 if quotes else 0  # just inside a string (or a key)
+    k = at % (len(raw) + 1)
+    return {
+        "utf-8": lambda: raw,
+        "utf-16": lambda: json.dumps(json.loads(raw), ensure_ascii=False).encode("utf-16"),
+        "invalid utf-8": lambda: raw[:k] + b"\xff" + raw[k:],
+        "raw surrogate": lambda: raw[:q] + "\ud800".encode("utf-8", "surrogatepass") + raw[q:],
+        "lone surrogate escape": lambda: raw[:q] + b"\\udc00" + raw[q:],
+        "surrogate pair escape": lambda: raw[:q] + b"\\ud83d\\ude00" + raw[q:],
+        "nul byte": lambda: raw[:k] + b"\x00" + raw[k:],
+        "nul escape": lambda: raw[:q] + b"\\u0000" + raw[q:],
+    }[how]()
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(
+    body=fields,
+    chat=st.booleans(),
+    how=st.sampled_from(
+        [
+            "utf-8",
+            "utf-16",
+            "invalid utf-8",
+            "raw surrogate",
+            "lone surrogate escape",
+            "surrogate pair escape",
+            "nul byte",
+            "nul escape",
+        ]
+    ),
+    at=st.integers(0, 10**6),
+    pieces=st.integers(1, 4),
+)
+def test_fuzzed_bytes_and_framing_never_5xx(server, body, chat, how, at, pieces):
+    """The fuzzed bodies again, as raw bytes re-encoded or damaged, sent whole (Content-Length) or in chunks
+    (chunked transfer encoding): never a 5xx, an OpenAI error body for every 4xx, and the kept-alive connection
+    serves the next request."""
+    body.setdefault("max_tokens", 2)
+    raw = _mangle(json.dumps(body).encode(), how, at)
+    cuts = sorted({(at * (i + 1)) % (len(raw) + 1) for i in range(pieces - 1)})
+    parts = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)])]
+    content = raw if pieces == 1 else iter(parts)
+    with httpx.Client(base_url=server, timeout=60) as c:
+        r = c.post(
+            "/v1/chat/completions" if chat else "/v1/completions",
+            content=content,
+            headers={"content-type": "application/json"},
+        )
+        assert r.status_code < 500, r.text
+        if r.status_code >= 400:
+            err = r.json()["error"]
+            assert isinstance(err["message"], str) and err["code"] == r.status_code
+        port = r.extensions["network_stream"].get_extra_info("client_addr")[1]
+        after = c.get("/health")
+        assert after.status_code == 200
+        assert after.extensions["network_stream"].get_extra_info("client_addr")[1] == port
 
 
 def test_a_non_streaming_client_that_hangs_up_is_aborted(server):
