@@ -170,13 +170,28 @@ def build_app(
                 "model",
             )
 
-    def plan(prompts: list, body, logprobs: int | None, max_tokens: int | None):
-        """Validate everything up front: [(prompt ids, params)] per choice, prompt-major."""
-        if max_tokens is not None:
-            body.max_tokens = max_tokens
+    def plan(prompts: list, body, logprobs: int | None):
+        """Validate everything up front: [(prompt ids, params)] per choice, prompt-major. A prompt that leaves no
+        room for the asked completion is a 400 in vLLM's words; without an asked length, the default is cut to
+        the room left (as vLLM does)."""
+        field, asked = body.output_limit()
         try:
             params = body.sampling_params(default_max_tokens, logprobs)
-            return [(core.validate(p, params), params) for p in prompts for _ in range(body.n)]
+            params.check_vocab(core.cfg.vocab_size)
+            out = []
+            for p in prompts:
+                ids = core.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p)
+                room = core.max_model_len - len(ids)
+                if ids and (room < 1 or (asked or 0) > room):
+                    raise ApiError(
+                        400, fmt.context_length_message(core.max_model_len, len(ids), asked or 0), param=field
+                    )
+                own = params
+                if asked is None and params.max_tokens is not None and params.max_tokens > room:
+                    own = dataclasses.replace(params, max_tokens=room)
+                ids = core.validate(ids, own)
+                out += [(ids, own)] * body.n
+            return out
         except (SamplingParamsError, RequestError, ChatFormatError, ValueError) as e:
             raise ApiError(400, str(e), param=getattr(e, "field", None)) from None
 
@@ -241,18 +256,32 @@ def build_app(
                 raise ApiError(499, "the client closed the connection", "client_closed_request")
         return task.result()
 
-    def stream(sinks, chat: bool, model: str, include_usage: bool, top_n: int | None, n: int) -> StreamingResponse:
+    def stream(sinks, chat: bool, model: str, body, top_n: int | None, prompt_lens, echo=None) -> StreamingResponse:
+        """SSE chunks as tokens come. ``stream_options``: include_usage adds a last chunk with the usage; with
+        continuous_usage_stats too, every chunk carries its choice's usage so far (vLLM's). ``echo``: per choice,
+        text sent before any token."""
         rid = fmt.new_id("chatcmpl" if chat else "cmpl")
+        opts, n = body.stream_options, body.n
+        include_usage = bool(opts and opts.include_usage)
+        continuous = include_usage and bool(opts.continuous_usage_stats)
+        sent_tokens = [0] * len(sinks)
+
+        def chunk(i, delta, finish, lp=None, role=False):
+            c = fmt.stream_chunk(rid, model, chat, i, delta, finish, lp, role=role)
+            if continuous:
+                c["usage"] = fmt.running_usage(prompt_lens[i], sent_tokens[i])
+            return _sse(c)
 
         async def events():
             sent_text = [0] * len(sinks)
-            sent_tokens = [0] * len(sinks)
             finals: dict[int, object] = {}
             done = False
             try:
                 if chat:
                     for i in range(len(sinks)):
-                        yield _sse(fmt.stream_chunk(rid, model, True, i, None, None, role=True))
+                        yield chunk(i, None, None, role=True)
+                for i, text in enumerate(echo or ()):
+                    yield chunk(i, text, None)
                 async for i, out in merged(sinks):
                     if isinstance(out, Exception):
                         yield _sse(fmt.error_body(str(out), "internal_error", 500))
@@ -270,7 +299,7 @@ def build_app(
                         )
                     sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
                     if delta or c.finish_reason or lp:
-                        yield _sse(fmt.stream_chunk(rid, model, chat, i, delta, c.finish_reason, lp))
+                        yield chunk(i, delta, c.finish_reason, lp)
                     if out.finished:
                         finals[i] = out
                 if include_usage and len(finals) == len(sinks):
@@ -300,34 +329,40 @@ def build_app(
         prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
         if not prompts:
             raise ApiError(400, "the prompt is empty", param="prompt")
-        choices = plan(prompts, body, body.logprobs, None)
+        choices = plan(prompts, body, body.logprobs)
+        # echo: the prompt as given (token ids decoded) before each choice's text
+        echo = [p if isinstance(p, str) else core.tokenizer.decode(p) for p in prompts for _ in range(body.n)]
         sinks = await run(choices, body, request.headers.get("x-session-id"))
         model = served_model_name
         if body.stream:
-            inc = bool(body.stream_options and body.stream_options.include_usage)
-            return stream(sinks, False, model, inc, body.logprobs, body.n)
-        return fmt.completion_body(fmt.new_id("cmpl"), model, await collect(sinks, request), body.logprobs, body.n)
+            lens = [len(ids) for ids, _ in choices]
+            return stream(sinks, False, model, body, body.logprobs, lens, echo if body.echo else None)
+        out = fmt.completion_body(fmt.new_id("cmpl"), model, await collect(sinks, request), body.logprobs, body.n)
+        if body.echo:
+            for c, text in zip(out["choices"], echo):
+                c["text"] = text + c["text"]
+        return out
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        kwargs = dict(body.chat_template_kwargs or {})
+        thinking, effort = body.thinking()
         try:
             ids = chat_prompt_ids(
                 core.tokenizer,
                 [m.model_dump(exclude_none=True) for m in body.messages],
-                thinking=bool(kwargs.get("thinking", kwargs.get("enable_thinking", False))),
+                thinking=thinking,
                 tools=body.tools,
+                reasoning_effort=effort,
             )
         except (ChatFormatError, ValueError) as e:
             raise ApiError(400, str(e), param="messages") from None
         top_n = (body.top_logprobs or 0) if body.logprobs else None
-        choices = plan([ids], body, top_n, body.max_completion_tokens)
+        choices = plan([ids], body, top_n)
         sinks = await run(choices, body, request.headers.get("x-session-id"))
         model = served_model_name
         if body.stream:
-            inc = bool(body.stream_options and body.stream_options.include_usage)
-            return stream(sinks, True, model, inc, top_n, body.n)
+            return stream(sinks, True, model, body, top_n, [len(ids)] * body.n)
         return fmt.chat_body(fmt.new_id("chatcmpl"), model, await collect(sinks, request), top_n, body.n)
 
     return app
