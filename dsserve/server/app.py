@@ -15,9 +15,11 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import __version__
 from ..engine.core import RequestError
 from ..engine.sampling_params import SamplingParamsError
 from . import openai_format as fmt
@@ -25,7 +27,7 @@ from .async_engine import AsyncEngine, EngineOverloaded
 from .chat import ChatFormatError, chat_prompt_ids
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
-OPEN_PATHS = ("/health", "/metrics", "/v1/models")
+OPEN_PATHS = ("/health", "/metrics", "/v1/models", "/version")
 
 
 class ApiError(Exception):
@@ -39,7 +41,10 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = 8 << 20,
     default_max_tokens: int = 256,
+    cors: dict | None = None,
 ) -> FastAPI:
+    """``cors``: Starlette CORSMiddleware's arguments (allow_origins, allow_methods, allow_headers,
+    allow_credentials), as vLLM's --allowed-origins etc.; None: no CORS headers."""
     app = FastAPI(title="dsserve", docs_url=None, redoc_url=None)
     core = engine.core
 
@@ -198,6 +203,10 @@ def build_app(
     async def run(choices, body, session_id: str | None):
         rid = fmt.new_id("req")
         sinks = []
+        if engine.metrics is not None:  # per prompt: its n requests (vLLM's parent request)
+            for k in range(0, len(choices), body.n):
+                ids = [f"{rid}-{i}" for i in range(k, k + body.n)]
+                engine.metrics.observe_request(ids, body.n, choices[k][1].max_tokens)
         try:
             for i, (ids, params) in enumerate(choices):
                 if params.seed is not None and body.n > 1:  # n samples, not n copies of one
@@ -208,6 +217,8 @@ def build_app(
         except EngineOverloaded as e:
             for sid, _ in sinks:
                 engine.abort(sid)
+            if engine.metrics is not None:
+                engine.metrics.forget_requests([f"{rid}-{i}" for i in range(len(sinks), len(choices))])
             raise ApiError(503, str(e), "service_unavailable") from None
         return sinks
 
@@ -365,6 +376,17 @@ def build_app(
             return stream(sinks, True, model, body, top_n, [len(ids)] * body.n)
         return fmt.chat_body(fmt.new_id("chatcmpl"), model, await collect(sinks, request), top_n, body.n)
 
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    # Outermost last: CORS answers a browser's preflight before the API key check, and the HTTP metrics see
+    # every response, the middleware's own rejections (401, 413) included.
+    if cors is not None:
+        app.add_middleware(CORSMiddleware, **cors)
+    if engine.metrics is not None:
+        engine.metrics.install_http(app)
+        engine.metrics.observe_step(core)  # every gauge has its value from the start, before any request
     return app
 
 
