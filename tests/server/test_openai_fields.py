@@ -145,3 +145,104 @@ def test_prompt_plus_max_tokens_over_the_context_is_a_400_in_vllm_words(client):
     assert full.status_code == 200 and full.json()["usage"]["completion_tokens"] == 3
     cut = client.post("/v1/completions", json={"prompt": [5] * (n - 2), "ignore_eos": True}).json()
     assert cut["usage"]["completion_tokens"] == 2 and cut["choices"][0]["finish_reason"] == "length"
+
+
+# ---------------------------------------------------------------- fields clients send
+CHAT = {"messages": [{"role": "user", "content": "Say something"}], **GREEDY}
+
+
+def test_accepted_no_op_fields_change_nothing(client):
+    want = client.post("/v1/chat/completions", json=CHAT).json()
+    no_ops = {
+        "store": True,
+        "metadata": {"team": "a"},
+        "user": "u-1",
+        "service_tier": "auto",
+        "parallel_tool_calls": False,
+        "prediction": {"type": "content", "content": "Something"},
+        "prompt_cache_key": "k",
+        "safety_identifier": "s",
+        "verbosity": "low",
+        "modalities": ["text"],
+        "reasoning_effort": None,
+    }
+    got = client.post("/v1/chat/completions", json={**CHAT, **no_ops})
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"] == want["choices"]
+    assert got.json()["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]  # cached_tokens may differ
+    done = client.post("/v1/completions", json={"prompt": "hi", "user": "u", "best_of": 1, **GREEDY})
+    assert done.status_code == 200
+
+
+def test_reasoning_effort_switches_thinking(client, monkeypatch):
+    import dsserve.server.app as app_module
+
+    seen = []
+
+    def spy(tokenizer, messages, **kw):
+        seen.append((kw["thinking"], kw["reasoning_effort"]))
+        return real(tokenizer, messages, **kw)
+
+    real = app_module.chat_prompt_ids
+    monkeypatch.setattr(app_module, "chat_prompt_ids", spy)
+
+    def mode(**kw):
+        r = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1, **kw})
+        assert r.status_code == 200, r.text
+        return seen.pop()
+
+    assert mode() == (False, None)
+    assert mode(reasoning_effort="none") == (False, None)
+    assert mode(reasoning_effort="high") == (True, "high")
+    assert mode(reasoning_effort="minimal") == (True, "low") and mode(reasoning_effort="xhigh") == (True, "max")
+    assert mode(reasoning_effort="high", chat_template_kwargs={"thinking": False}) == (False, None)  # kwargs win
+    assert mode(chat_template_kwargs={"enable_thinking": True}) == (True, None)
+    error(client.post("/v1/chat/completions", json={**CHAT, "reasoning_effort": "extreme"}), 400, "reasoning_effort")
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"web_search_options": {}}, "web_search_options"),
+        ({"functions": [{"name": "f"}]}, "functions"),  # outside the schema dsserve serves: named, as any other
+        ({"temprature": 0.5}, "temprature"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true (vLLM's rule)
+    ],
+)
+def test_unsupported_fields_are_named_400s(client, extra, param):
+    error(client.post("/v1/chat/completions", json={**CHAT, **extra}), 400, param, param)
+
+
+def test_logit_bias_validation(client):
+    vocab = client.core.cfg.vocab_size
+    body = {"prompt": "hi", "max_tokens": 1}
+    error(client.post("/v1/completions", json={**body, "logit_bias": {str(vocab): 5}}), 400, "logit_bias", str(vocab))
+    error(client.post("/v1/completions", json={**body, "logit_bias": {"7": 100.5}}), 400, "logit_bias", "[-100, 100]")
+    error(client.post("/v1/completions", json={**body, "logit_bias": {"seven": 1}}), 400, "logit_bias", "'seven'")
+    assert client.post("/v1/completions", json={**body, "logit_bias": {}}).status_code == 200
+
+
+# ---------------------------------------------------------------- the live server
+def test_live_logit_bias_forces_and_bans_tokens(server):
+    import httpx
+
+    forced = 77
+    text = httpx.post(server + "/detokenize", json={"tokens": [forced] * 5}).json()["prompt"]
+    for path, body in (
+        ("/v1/completions", {"prompt": "Hello"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]}),
+    ):
+        common = {"max_tokens": 5, "ignore_eos": True, "temperature": 1.0, "seed": 3, **body}
+        r = httpx.post(server + path, json={**common, "logit_bias": {str(forced): 100}}, timeout=60)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert (choice["text"] if "text" in choice else choice["message"]["content"]) == text
+    greedy = {"prompt": "Hello", "max_tokens": 1, "temperature": 0, "logprobs": 0}
+    first = httpx.post(server + "/v1/completions", json=greedy, timeout=60).json()["choices"][0]["logprobs"]["tokens"]
+    ids = httpx.post(server + "/tokenize", json={"prompt": first[0], "add_special_tokens": False}).json()["tokens"]
+    banned = httpx.post(
+        server + "/v1/completions", json={**greedy, "logit_bias": {str(t): -100 for t in ids}}, timeout=60
+    ).json()
+    assert banned["choices"][0]["logprobs"]["tokens"] != first
