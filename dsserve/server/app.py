@@ -342,14 +342,16 @@ def build_app(
             raise ApiError(400, "the prompt is empty", param="prompt")
         choices = plan(prompts, body, body.logprobs)
         # echo: the prompt as given (token ids decoded) before each choice's text
-        echo = [p if isinstance(p, str) else core.tokenizer.decode(p) for p in prompts for _ in range(body.n)]
+        echo = None
+        if body.echo:
+            echo = [p if isinstance(p, str) else core.tokenizer.decode(p) for p in prompts for _ in range(body.n)]
         sinks = await run(choices, body, request.headers.get("x-session-id"))
         model = served_model_name
         if body.stream:
             lens = [len(ids) for ids, _ in choices]
-            return stream(sinks, False, model, body, body.logprobs, lens, echo if body.echo else None)
+            return stream(sinks, False, model, body, body.logprobs, lens, echo)
         out = fmt.completion_body(fmt.new_id("cmpl"), model, await collect(sinks, request), body.logprobs, body.n)
-        if body.echo:
+        if echo:
             for c, text in zip(out["choices"], echo):
                 c["text"] = text + c["text"]
         return out

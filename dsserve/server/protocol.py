@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..engine.sampling_params import SamplingParams
 
@@ -43,7 +43,7 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
@@ -58,7 +58,14 @@ class _Sampling(_Body):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
-    priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
+    priority: int = 0
+
+    @field_validator("seed", "priority")
+    @classmethod
+    def _int64(cls, v: int | None) -> int | None:
+        if v is not None and not INT64_MIN <= v <= INT64_MAX:
+            raise ValueError(f"must be an integer in [{INT64_MIN}, {INT64_MAX}] (int64, as vLLM), got {v}")
+        return v
 
     def check(self) -> None:
         """The cross-field rules (vLLM's): ``FieldError`` on the first broken one."""

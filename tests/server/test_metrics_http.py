@@ -245,3 +245,29 @@ def test_serve_flags():
     assert ns.allow_credentials and ns.metrics_names == "vllm"
     with pytest.raises(SystemExit):
         p.parse_args(["--metrics-names", "prometheus"])
+
+
+def test_live_server_flags_reach_the_app():
+    """`serve --metrics-names vllm --allowed-origins ...`: the dashboard's names from start-up, CORS, /version."""
+    import os
+    import sys
+
+    import httpx
+
+    import dsserve
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from live_server import SERVER_ARGS, live_server
+
+    args = SERVER_ARGS + ["--metrics-names", "vllm", "--allowed-origins", "http://ui.example", "--api-key", "k"]
+    with live_server(args=args) as base:
+        text = httpx.get(base + "/metrics").text
+        names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+        assert set(GRAFANA_PROMQL_NAMES) <= names
+        assert 'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.0' in text
+        assert httpx.get(base + "/version").json() == {"version": dsserve.__version__}
+        pre = httpx.options(
+            base + "/v1/completions",
+            headers={"Origin": "http://ui.example", "Access-Control-Request-Method": "POST"},
+        )
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "http://ui.example"

@@ -47,7 +47,9 @@ GREEDY = {"temperature": 0, "max_tokens": 3, "ignore_eos": True}
 @pytest.mark.parametrize("seed", [2**64, 2**63, -(2**63) - 1])
 def test_seed_outside_int64_is_a_400_naming_the_range(client, seed, stream):
     r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "seed": seed, "stream": stream})
-    error(r, 400, "seed", "seed", str(2**63 - 1) if seed > 0 else str(-(2**63)))
+    error(r, 400, "seed", "seed", f"[{-(2**63)}, {2**63 - 1}]", str(seed))
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "priority": seed, "stream": stream})
+    error(r, 400, "priority", "priority", f"[{-(2**63)}, {2**63 - 1}]")
 
 
 def test_int64_edge_seeds_are_served_and_repeat(client):
