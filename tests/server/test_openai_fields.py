@@ -224,6 +224,11 @@ def test_logit_bias_validation(client):
     error(client.post("/v1/completions", json={**body, "logit_bias": {"7": 100.5}}), 400, "logit_bias", "[-100, 100]")
     error(client.post("/v1/completions", json={**body, "logit_bias": {"seven": 1}}), 400, "logit_bias", "'seven'")
     assert client.post("/v1/completions", json={**body, "logit_bias": {}}).status_code == 200
+    # the engine checks it too (LLM users): before the request enters a step, not in the sampler
+    from dsserve.engine.sampling_params import SamplingParams, SamplingParamsError
+
+    with pytest.raises(SamplingParamsError, match=f"0, {vocab}"):
+        client.core.validate([5, 6], SamplingParams(logit_bias={vocab + 3: 1.0}))
 
 
 # ---------------------------------------------------------------- the live server
