@@ -227,6 +227,7 @@ class EngineCore:
         the engine's configuration, so a front end may call it from another thread."""
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.check_vocab(self.cfg.vocab_size)  # a bad logit_bias id must not fail a whole step later
         if isinstance(prompt, str):
             try:
                 ids = self.tokenizer.encode(prompt, add_bos=True, max_tokens=self.max_model_len - 1)

@@ -4,11 +4,12 @@ Per step, for logits [B, V] (cast to fp32; the caller's tensor is not modified):
 
 1. logprobs, when any row asks: ``log_softmax`` of the *raw* logits, before penalties and temperature
    (vLLM v1's default ``logprobs_mode="raw_logprobs"``).
-2. min_tokens: while a row has fewer than ``min_tokens`` outputs, its stop_token_ids and EOS get -inf.
-3. penalties: repetition (tokens seen in prompt or output: positive logits divided, the rest multiplied),
+2. logit_bias: each row's bias is added to its logits (after the raw logprobs, before everything below).
+3. min_tokens: while a row has fewer than ``min_tokens`` outputs, its stop_token_ids and EOS get -inf.
+4. penalties: repetition (tokens seen in prompt or output: positive logits divided, the rest multiplied),
    then frequency (minus penalty * count in output) and presence (minus penalty if in output).
-4. greedy rows (temperature < 1e-5) take the argmax here; ties go to the lowest id.
-5. random rows: temperature, then min-p, then top-k, then top-p (vLLM v1's order), then one draw.
+5. greedy rows (temperature < 1e-5) take the argmax here; ties go to the lowest id.
+6. random rows: temperature, then min-p, then top-k, then top-p (vLLM v1's order), then one draw.
 
 Top-k keeps every token whose logit is >= the k-th largest (ties at the boundary all survive, as in vLLM).
 Top-p keeps a token when the mass of tokens strictly more probable than it is < p (the smallest
@@ -199,6 +200,22 @@ def _index(rows: list[int], device: torch.device) -> torch.Tensor:
     return idx.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else idx
 
 
+def apply_logit_bias(logits: torch.Tensor, biases: Sequence[dict[int, float] | None], upload) -> torch.Tensor:
+    """``logits[i, t] += biases[i][t]`` for every row with a bias (ids outside the vocabulary are an error)."""
+    rows, cols, vals = [], [], []
+    for i, b in enumerate(biases):
+        for t, v in (b or {}).items():
+            rows.append(i)
+            cols.append(t)
+            vals.append(v)
+    if not rows:
+        return logits
+    if max(cols) >= logits.shape[1]:
+        raise ValueError(f"logit_bias names token {max(cols)}, outside the vocabulary of {logits.shape[1]}")
+    index = (upload(rows, torch.long), upload(cols, torch.long))
+    return logits.index_put_(index, upload(vals, logits.dtype), accumulate=True)
+
+
 # ---------------------------------------------------------------- the sampler
 class Sampler:
     """``Sampler(eos_token_id)(logits, rows) -> SamplerOutput``. Stateless apart from the shared generator."""
@@ -224,6 +241,9 @@ class Sampler:
 
         want = [p.logprobs for p in params]
         raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in want) else None
+
+        if any(p.logit_bias for p in params):
+            apply_logit_bias(logits, [p.logit_bias for p in params], vec)
 
         # min_tokens: stop tokens and EOS are not allowed yet
         for i, (r, p) in enumerate(zip(rows, params)):

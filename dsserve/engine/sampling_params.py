@@ -8,6 +8,9 @@ Mirrors ``vllm.SamplingParams`` for the fields dsserve supports, so user code ca
 - ``top_k`` 0 or -1 disables top-k (vLLM quietly accepts -1; it is normalised to 0 here).
 - ``stop`` may be a string or a list; ``stop_token_ids`` is de-duplicated keeping order; ``seed == -1`` means
   no seed; ``logprobs=True`` means 1; ``max_tokens=None`` means "until the context is full".
+- ``logit_bias`` maps token ids to a bias in [-100, 100] added to the raw logits before penalties, temperature
+  and top-k/top-p (OpenAI's and vLLM's field; +100 all but forces a token, -100 all but bans it). Ids must lie
+  in the vocabulary, which the engine checks (``check_vocab``) since the params do not know it.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         # ---- normalisation (vLLM's conventions)
@@ -91,6 +95,10 @@ class SamplingParams:
             self.logprobs = 1
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise SamplingParamsError("logit_bias", self.logit_bias, "must be a dict of token id -> bias")
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias) or None
         self._validate()
         if 0 < self.temperature < MIN_TEMPERATURE:
             logger.warning(
@@ -127,7 +135,18 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             need(_is_num(v) and -2 <= v <= 2, name, "must be in [-2, 2]")
-        need(self.seed is None or _is_int(self.seed), "seed", "must be an integer or None")
+        need(
+            self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
+            "seed",
+            "must be an integer in [-2**63, 2**64) or None",
+        )
+        for tid, bias in (self.logit_bias or {}).items():
+            need(_is_int(tid) and tid >= 0, "logit_bias", f"keys must be token ids (integers >= 0), got {tid!r}")
+            need(
+                _is_num(bias) and math.isfinite(bias) and -100 <= bias <= 100,
+                "logit_bias",
+                f"bias for token {tid} must be a number in [-100, 100], got {bias!r}",
+            )
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         need(
             self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
@@ -165,6 +184,14 @@ class SamplingParams:
 
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids this request names (``logit_bias``) must lie in [0, vocab_size)."""
+        bad = sorted(t for t in self.logit_bias or {} if t >= vocab_size)
+        if bad:
+            raise SamplingParamsError(
+                "logit_bias", self.logit_bias, f"token ids must lie in [0, {vocab_size}); got {bad[:5]}"
+            )
 
     # ---------------------------------------------------------------- derived values
     @property

@@ -15,9 +15,11 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import __version__
 from ..engine.core import RequestError
 from ..engine.sampling_params import SamplingParamsError
 from ..models.tokenizer import TooManyTokens
@@ -40,9 +42,11 @@ def build_app(
     max_body_bytes: int = 8 << 20,
     default_max_tokens: int = 256,
     aliases: tuple = (),
+    cors: dict | None = None,
 ) -> FastAPI:
     """``aliases``: other model names a request may give (the MODEL argument a served name stands for); only
-    ``served_model_name`` is listed."""
+    ``served_model_name`` is listed. ``cors``: Starlette CORSMiddleware's arguments (allow_origins, allow_methods,
+    allow_headers, allow_credentials), as vLLM's --allowed-origins etc.; None: no CORS headers."""
     app = FastAPI(title="dsserve", docs_url=None, redoc_url=None)
     core = engine.core
 
@@ -154,22 +158,49 @@ def build_app(
                 "model",
             )
 
-    async def plan(prompts: list, body, logprobs: int | None, max_tokens: int | None):
-        """Validate everything up front: [(prompt ids, params)] per choice, prompt-major. Text prompts are
-        tokenised (and their length checked against max_model_len) in a worker thread: a long prompt must not
-        stall the event loop, and with it /health and every stream."""
-        if max_tokens is not None:
-            body.max_tokens = max_tokens
+    def plan_sync(prompts: list, body, logprobs: int | None):
+        """[(prompt ids, params)] per choice, prompt-major. A prompt that leaves no room for the asked completion
+        is a 400 in vLLM's words; without an asked length, the default is cut to the room left (as vLLM does).
+        Text prompts are counted before their ids are built (TooManyTokens)."""
+        field, asked = body.output_limit()
+        params = body.sampling_params(default_max_tokens, logprobs)
+        params.check_vocab(core.cfg.vocab_size)
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                try:
+                    ids = core.tokenizer.encode(p, add_bos=True, max_tokens=core.max_model_len - 1)
+                except TooManyTokens as e:
+                    raise ApiError(
+                        400, fmt.context_length_message(core.max_model_len, e.n, asked or 0), param=field
+                    ) from None
+            else:
+                ids = list(p)
+            room = core.max_model_len - len(ids)
+            if ids and (room < 1 or (asked or 0) > room):
+                raise ApiError(400, fmt.context_length_message(core.max_model_len, len(ids), asked or 0), param=field)
+            own = params
+            if asked is None and params.max_tokens is not None and params.max_tokens > room:
+                own = dataclasses.replace(params, max_tokens=room)
+            ids = core.validate(ids, own)
+            out += [(ids, own)] * body.n
+        return out
+
+    async def plan(prompts: list, body, logprobs: int | None):
+        """Validate everything up front, in a worker thread: tokenising a long prompt must not stall the event
+        loop, and with it /health and every stream."""
         try:
-            params = body.sampling_params(default_max_tokens, logprobs)
-            ids = [await asyncio.to_thread(core.validate, p, params) for p in prompts]
-            return [(i, params) for i in ids for _ in range(body.n)]
+            return await asyncio.to_thread(plan_sync, prompts, body, logprobs)
         except (SamplingParamsError, RequestError, ChatFormatError, ValueError) as e:
             raise ApiError(400, str(e), param=getattr(e, "field", None)) from None
 
     async def run(choices, body, session_id: str | None):
         rid = fmt.new_id("req")
         sinks = []
+        if engine.metrics is not None:  # per prompt: its n requests (vLLM's parent request)
+            for k in range(0, len(choices), body.n):
+                ids = [f"{rid}-{i}" for i in range(k, k + body.n)]
+                engine.metrics.observe_request(ids, body.n, choices[k][1].max_tokens)
         try:
             for i, (ids, params) in enumerate(choices):
                 if params.seed is not None and body.n > 1:  # n samples, not n copies of one
@@ -180,6 +211,8 @@ def build_app(
         except EngineOverloaded as e:
             for sid, _ in sinks:
                 engine.abort(sid)
+            if engine.metrics is not None:
+                engine.metrics.forget_requests([f"{rid}-{i}" for i in range(len(sinks), len(choices))])
             raise ApiError(503, str(e), "service_unavailable") from None
         return sinks
 
@@ -230,19 +263,33 @@ def build_app(
                 raise ApiError(499, "the client closed the connection", "client_closed_request")
         return task.result()
 
-    def stream(sinks, chat: bool, model: str, include_usage: bool, top_n: int | None, n: int) -> StreamingResponse:
+    def stream(sinks, chat: bool, model: str, body, top_n: int | None, prompt_lens, echo=None) -> StreamingResponse:
+        """SSE chunks as tokens come. ``stream_options``: include_usage adds a last chunk with the usage; with
+        continuous_usage_stats too, every chunk carries its choice's usage so far (vLLM's). ``echo``: per choice,
+        text sent before any token."""
         rid = fmt.new_id("chatcmpl" if chat else "cmpl")
+        opts, n = body.stream_options, body.n
+        include_usage = bool(opts and opts.include_usage)
+        continuous = include_usage and bool(opts.continuous_usage_stats)
+        sent_tokens = [0] * len(sinks)
+
+        def chunk(i, delta, finish, lp=None, role=False):
+            c = fmt.stream_chunk(rid, model, chat, i, delta, finish, lp, role=role)
+            if continuous:
+                c["usage"] = fmt.running_usage(prompt_lens[i], sent_tokens[i])
+            return _sse(c)
 
         async def events():
             sent_text = [0] * len(sinks)
-            sent_tokens = [0] * len(sinks)
             finals: dict[int, object] = {}
             cut = None  # the shutdown that cut the choices, said once after their "abort" chunks
             done = False
             try:
                 if chat:
                     for i in range(len(sinks)):
-                        yield _sse(fmt.stream_chunk(rid, model, True, i, None, None, role=True))
+                        yield chunk(i, None, None, role=True)
+                for i, text in enumerate(echo or ()):
+                    yield chunk(i, text, None)
                 async for i, out in merged(sinks):
                     if isinstance(out, EngineShutdown):
                         cut = out
@@ -263,7 +310,7 @@ def build_app(
                         )
                     sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
                     if delta or c.finish_reason or lp:
-                        yield _sse(fmt.stream_chunk(rid, model, chat, i, delta, c.finish_reason, lp))
+                        yield chunk(i, delta, c.finish_reason, lp)
                     if out.finished:
                         finals[i] = out
                 if include_usage and len(finals) == len(sinks):
@@ -295,26 +342,35 @@ def build_app(
         prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
         if not prompts:
             raise ApiError(400, "the prompt is empty", param="prompt")
-        choices = await plan(prompts, body, body.logprobs, None)
+        choices = await plan(prompts, body, body.logprobs)
+        # echo: the prompt as given (token ids decoded) before each choice's text
+        echo = None
+        if body.echo:
+            echo = [p if isinstance(p, str) else core.tokenizer.decode(p) for p in prompts for _ in range(body.n)]
         sinks = await run(choices, body, request.headers.get("x-session-id"))
         model = served_model_name
         if body.stream:
-            inc = bool(body.stream_options and body.stream_options.include_usage)
-            return stream(sinks, False, model, inc, body.logprobs, body.n)
-        return fmt.completion_body(fmt.new_id("cmpl"), model, await collect(sinks, request), body.logprobs, body.n)
+            lens = [len(ids) for ids, _ in choices]
+            return stream(sinks, False, model, body, body.logprobs, lens, echo)
+        out = fmt.completion_body(fmt.new_id("cmpl"), model, await collect(sinks, request), body.logprobs, body.n)
+        if echo:
+            for c, text in zip(out["choices"], echo):
+                c["text"] = text + c["text"]
+        return out
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        kwargs = dict(body.chat_template_kwargs or {})
+        thinking, effort = body.thinking()
         try:
             ids = await asyncio.to_thread(
                 chat_prompt_ids,
                 core.tokenizer,
                 [m.model_dump(exclude_none=True) for m in body.messages],
                 max_tokens=core.max_model_len - 1,
-                thinking=bool(kwargs.get("thinking", kwargs.get("enable_thinking", False))),
+                thinking=thinking,
                 tools=body.tools,
+                reasoning_effort=effort,
             )
         except TooManyTokens as e:  # counted before the ids were built
             raise ApiError(
@@ -326,14 +382,24 @@ def build_app(
         except (ChatFormatError, ValueError) as e:
             raise ApiError(400, str(e), param="messages") from None
         top_n = (body.top_logprobs or 0) if body.logprobs else None
-        choices = await plan([ids], body, top_n, body.max_completion_tokens)
+        choices = await plan([ids], body, top_n)
         sinks = await run(choices, body, request.headers.get("x-session-id"))
         model = served_model_name
         if body.stream:
-            inc = bool(body.stream_options and body.stream_options.include_usage)
-            return stream(sinks, True, model, inc, top_n, body.n)
+            return stream(sinks, True, model, body, top_n, [len(ids)] * body.n)
         return fmt.chat_body(fmt.new_id("chatcmpl"), model, await collect(sinks, request), top_n, body.n)
 
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    # Outermost last: CORS answers a browser's preflight before the API key check, and the HTTP metrics see
+    # every response, the middleware's own rejections (401, 413) included.
+    if cors is not None:
+        app.add_middleware(CORSMiddleware, **cors)
+    if engine.metrics is not None:
+        engine.metrics.install_http(app)
+        engine.metrics.observe_step(core)  # every gauge has its value from the start, before any request
     return app
 
 

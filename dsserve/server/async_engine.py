@@ -196,9 +196,10 @@ class AsyncEngine:
             return
         if self.metrics is not None:
             self.metrics.observe_step(self.core)
-        for out in outs:
-            if self.metrics is not None:
+            for out in outs:
                 self.metrics.observe_output(out)
+            self.metrics.end_step()  # before delivering: a client that reads /metrics after its reply sees it
+        for out in outs:
             sub = self._sinks.get(out.request_id)
             if sub is None:
                 continue

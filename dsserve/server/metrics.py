@@ -18,6 +18,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 FINISH_REASONS = ("stop", "length", "abort")
 ERROR_KINDS = ("bad_request", "unavailable", "internal")  # exported at 0 from the start
+REJECTION_STATUSES = (400, 401, 404, 413, 499, 500, 503)  # exported at 0 from the start; others as they come
+KV_KINDS = ("global", "window")
+VLLM_STAT_COUNTERS = ("prefix_query_tokens", "prefix_hit_tokens")  # the engine stats vLLM also exports
 # Buckets as in vLLM's v1 PrometheusStatLogger.
 TTFT_BUCKETS = (
     0.001,
@@ -165,59 +168,132 @@ class _Seen:
     prompt_counted: bool = False
 
 
+@dataclass
+class _Group:
+    """The n requests a front end runs for one prompt (vLLM's parent request)."""
+
+    left: int
+    max_tokens: int | None
+    longest: int = 0
+
+
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
+PREFILL_TOKEN_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+METRICS_NAMES = ("dsserve", "vllm")
+
+
 class EngineMetrics:
+    """``names``: "dsserve" (the default) exports everything as ``dsserve:*`` with the label ``model_name``;
+    "vllm" exports every metric vLLM also has under vLLM's name, type, buckets and labels (``model_name`` and
+    ``engine="0"``, vLLM v1's), so vLLM's dashboards and alerts work unchanged; dsserve's own metrics stay
+    ``dsserve:*`` either way."""
+
     def __init__(
-        self, registry: CollectorRegistry | None = None, model_name: str = "tiny", max_model_len: int = 131072
+        self,
+        registry: CollectorRegistry | None = None,
+        model_name: str = "tiny",
+        max_model_len: int = 131072,
+        names: str = "dsserve",
     ):
+        if names not in METRICS_NAMES:
+            raise ValueError(f"metrics names must be one of {METRICS_NAMES}, not {names!r}")
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.model_name = model_name
+        self.model_name, self.names = model_name, names
         self._lock = threading.Lock()
         self._requests: dict[str, _Seen] = {}
+        self._groups: dict[str, _Group] = {}
         self._last_stats: dict[str, int] = {}
         self._stats_obj = None
         self._preemptions: dict[str, int] = {}
-        lbl, reg = ["model_name"], self.registry
+        self._iteration_tokens = 0  # tokens of the step(s) observed since the last observe_step
+        self._http_installed = False
+        reg, vllm = self.registry, names == "vllm"
+        # vLLM's own metrics: vLLM's names and labels under names="vllm"
+        shared_labels = ["model_name", "engine"] if vllm else ["model_name"]
+        self._shared = (model_name, "0") if vllm else (model_name,)
+        prefix = "vllm" if vllm else "dsserve"
 
-        def counter(name, doc, extra=()):
-            return Counter(f"dsserve:{name}", doc, lbl + list(extra), registry=reg)
+        def counter(name, doc, extra=(), own=False):
+            if own:
+                return Counter(f"dsserve:{name}", doc, ["model_name", *extra], registry=reg)
+            return Counter(f"{prefix}:{name}", doc, shared_labels + list(extra), registry=reg)
 
-        def gauge(name, doc, extra=()):
-            return Gauge(f"dsserve:{name}", doc, lbl + list(extra), registry=reg)
+        def gauge(name, doc, extra=(), own=False):
+            if own:
+                return Gauge(f"dsserve:{name}", doc, ["model_name", *extra], registry=reg)
+            return Gauge(f"{prefix}:{name}", doc, shared_labels + list(extra), registry=reg)
 
         def hist(name, doc, buckets):
-            return Histogram(f"dsserve:{name}", doc, lbl, buckets=buckets, registry=reg).labels(model_name)
+            return Histogram(f"{prefix}:{name}", doc, shared_labels, buckets=buckets, registry=reg).labels(
+                *self._shared
+            )
 
         self.request_success = counter(
             "request_success", "Count of successfully processed requests.", ["finished_reason"]
         )
-        self.request_errors = counter("request_errors", "Requests that failed, by kind.", ["kind"])
+        self.request_errors = counter("request_errors", "Requests that failed, by kind.", ["kind"], own=True)
+        self.rejected = counter(
+            "rejected_requests",
+            "HTTP responses with an error status (schema 400s, 401, 404, 413, 499, 503, 500 ...), by status.",
+            ["status"],
+            own=True,
+        )
         for r in FINISH_REASONS:
-            self.request_success.labels(model_name, r)
+            self.request_success.labels(*self._shared, r)
         for k in ERROR_KINDS:
             self.request_errors.labels(model_name, k)
-        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.").labels(model_name)
+        for code in REJECTION_STATUSES:
+            self.rejected.labels(model_name, str(code))
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.").labels(*self._shared)
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.").labels(
-            model_name
+            *self._shared
         )
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemption from the engine.").labels(
-            model_name
+            *self._shared
         )
-        self.stat_counters = {f: counter(n, d).labels(model_name) for f, (n, d) in STAT_COUNTERS.items()}
+        self.stat_counters = {
+            f: counter(n, d, own=f not in VLLM_STAT_COUNTERS).labels(
+                *(self._shared if f in VLLM_STAT_COUNTERS else (model_name,))
+            )
+            for f, (n, d) in STAT_COUNTERS.items()
+        }
+        self.deprecated_counters = {}  # vLLM's pre-0.9 names, which its example dashboard still reads
+        if vllm:
+            self.deprecated_counters = {
+                f: counter(f"gpu_{n}", f"{d} DEPRECATED: Use vllm:{n} instead.").labels(*self._shared)
+                for f, (n, d) in STAT_COUNTERS.items()
+                if f in VLLM_STAT_COUNTERS
+            }
 
         self.num_running = gauge("num_requests_running", "Number of requests in model execution batches.").labels(
-            model_name
+            *self._shared
         )
         self.num_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.").labels(
-            model_name
+            *self._shared
         )
         self.kv_usage = gauge(
             "kv_cache_usage_perc",
             "KV-cache usage by kind (global blocks, window slots). 1 means 100 percent usage.",
             ["kind"],
+            own=True,
         )
         self.kv_blocks = gauge(
-            "kv_cache_blocks", "KV-cache blocks (global) or slots (window), by state.", ["kind", "state"]
+            "kv_cache_blocks", "KV-cache blocks (global) or slots (window), by state.", ["kind", "state"], own=True
         )
+        for kind in KV_KINDS:
+            self.kv_usage.labels(model_name, kind)
+            for state in ("used", "total"):
+                self.kv_blocks.labels(model_name, kind, state)
+        self.vllm_kv_usage = []  # vLLM's single usage gauge (and its deprecated name): the global blocks' usage
+        if vllm:
+            self.vllm_kv_usage = [
+                gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.").labels(*self._shared),
+                gauge(
+                    "gpu_cache_usage_perc",
+                    "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
+                ).labels(*self._shared),
+            ]
 
         tok = build_1_2_5_buckets(max_model_len)
         self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
@@ -256,20 +332,42 @@ class EngineMetrics:
             "Histogram of time spent in DECODE phase for request.",
             REQUEST_LATENCY_BUCKETS,
         )
+        self.prefill_per_token = hist(
+            "time_per_prefill_token_request_seconds",
+            "Time spent per token during prefill phase in seconds.",
+            PREFILL_TOKEN_BUCKETS,
+        )
         self.req_prompt_tokens = hist("request_prompt_tokens", "Number of prefill tokens processed.", tok)
         self.req_generation_tokens = hist("request_generation_tokens", "Number of generation tokens processed.", tok)
+        self.iteration_tokens = hist(
+            "iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS
+        )
+        self.max_generation_tokens = hist(
+            "request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.", tok
+        )
+        self.params_n = hist("request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        self.params_max_tokens = hist(
+            "request_params_max_tokens", "Histogram of the max_tokens request parameter.", tok
+        )
 
     # ------------------------------------------------------------------------- engine loop thread
     def observe_step(self, engine) -> None:
         """Gauges from the scheduler and KV pools; counters from the deltas of ``engine.stats`` and of the
-        live requests' preemption counts since the last call (call it after every step)."""
+        live requests' preemption counts since the last call (call it after every step, and once at start so
+        that every gauge has its value from the start). The tokens the outputs observed since the previous
+        call carried make one ``iteration_tokens_total`` sample (``end_step``)."""
         sched, kv, m = engine.scheduler, engine.kv, self.model_name
         self.num_running.set(len(sched.running))
         self.num_waiting.set(len(sched.waiting))
-        for kind, pool in (("global", kv.blocks), ("window", kv.slots)):
-            self.kv_usage.labels(m, kind).set(pool.num_used / pool.num_blocks if pool.num_blocks else 0.0)
+        for kind, pool in zip(KV_KINDS, (kv.blocks, kv.slots)):
+            usage = pool.num_used / pool.num_blocks if pool.num_blocks else 0.0
+            self.kv_usage.labels(m, kind).set(usage)
             self.kv_blocks.labels(m, kind, "used").set(pool.num_used)
             self.kv_blocks.labels(m, kind, "total").set(pool.num_blocks)
+            if kind == "global":  # the paged cache, vLLM's "KV cache"; window slots are one per running request
+                for g in self.vllm_kv_usage:
+                    g.set(usage)
+        self.end_step()
         with self._lock:
             stats = engine.stats
             if stats is not self._stats_obj:  # a new engine: its counts start from zero
@@ -279,6 +377,8 @@ class EngineMetrics:
                 d = v - self._last_stats.get(field, 0)
                 if d > 0:
                     c.inc(d)
+                    if field in self.deprecated_counters:
+                        self.deprecated_counters[field].inc(d)
                 self._last_stats[field] = v
             # A preempted request goes back to the waiting queue, so it is still live at the next call.
             now = {rid: r.num_preemptions for rid, r in sched.requests.items()}
@@ -286,6 +386,15 @@ class EngineMetrics:
             if d:
                 self.num_preemptions.inc(d)
             self._preemptions = now
+
+    def end_step(self) -> None:
+        """The outputs observed since the last call make one step: one ``iteration_tokens_total`` sample of their
+        prompt and generation tokens (call it after a step's outputs; ``observe_step`` calls it too, for a
+        driver that observes a step's outputs after the step's gauges)."""
+        with self._lock:
+            if self._iteration_tokens:
+                self.iteration_tokens.observe(self._iteration_tokens)
+                self._iteration_tokens = 0
 
     def observe_output(self, out) -> None:
         """One streamed ``RequestOutput``: new generation tokens and their inter-token latencies; when it is
@@ -297,8 +406,10 @@ class EngineMetrics:
             t = m.last_token_time if m is not None else None
             if n_new > 0:
                 self.generation_tokens.inc(n_new)
+                self._iteration_tokens += n_new
                 if not seen.prompt_counted:  # the prompt went through the model once it sampled a token
                     self.prompt_tokens.inc(len(out.prompt_token_ids))
+                    self._iteration_tokens += len(out.prompt_token_ids)
                     seen.prompt_counted = True
                 prev, gaps = seen.last_token_time, n_new
                 if prev is None and m is not None:
@@ -312,8 +423,15 @@ class EngineMetrics:
             if not out.finished:
                 return
             self._requests.pop(rid, None)
+            group = self._groups.pop(rid, None) or _Group(1, None)
+            group.left -= 1
+            group.longest = max(group.longest, len(comp.token_ids))
+            if group.left == 0:  # vLLM: once per parent request, the longest of its n completions
+                self.max_generation_tokens.observe(group.longest)
+        if group.max_tokens:
+            self.params_max_tokens.observe(group.max_tokens)
         reason = comp.finish_reason if comp.finish_reason in FINISH_REASONS else "abort"
-        self.request_success.labels(self.model_name, reason).inc()
+        self.request_success.labels(*self._shared, reason).inc()
         self.req_prompt_tokens.observe(len(out.prompt_token_ids))
         self.req_generation_tokens.observe(len(comp.token_ids))
         if m is None:
@@ -326,12 +444,95 @@ class EngineMetrics:
         s, f, last = m.first_scheduled_time, m.first_token_time, m.last_token_time
         if s is not None and f is not None and last is not None:
             self.prefill.observe(max(0.0, f - s))
+            if out.prompt_token_ids:
+                self.prefill_per_token.observe(max(0.0, f - s) / len(out.prompt_token_ids))
             self.decode.observe(max(0.0, last - f))
             self.inference.observe(max(0.0, last - s))
 
     def observe_error(self, kind: str) -> None:
         self.request_errors.labels(self.model_name, kind).inc()
 
-    # ------------------------------------------------------------------------- HTTP thread
+    # ------------------------------------------------------------------------- HTTP side
+    def observe_request(self, request_ids: list[str], n: int, max_tokens: int | None) -> None:
+        """A front end is about to submit the ``n`` requests it runs for one prompt (call it before submitting):
+        ``request_params_n`` now; ``request_params_max_tokens`` per finished request and, once all have
+        finished, ``request_max_num_generation_tokens`` (vLLM's per parent request)."""
+        self.params_n.observe(n)
+        group = _Group(len(request_ids), max_tokens)
+        with self._lock:
+            for rid in request_ids:
+                self._groups[rid] = group
+
+    def forget_requests(self, request_ids: list[str]) -> None:
+        """Requests registered by ``observe_request`` that were never submitted."""
+        with self._lock:
+            for rid in request_ids:
+                self._groups.pop(rid, None)
+
+    def observe_rejection(self, status: int) -> None:
+        self.rejected.labels(self.model_name, str(status)).inc()
+
+    def install_http(self, app) -> None:
+        """Adds the HTTP layer's metrics to this registry: ``http_requests_total`` and
+        ``http_request_duration_seconds`` (prometheus-fastapi-instrumentator's names and labels, as vLLM's
+        server exports them), every error status counted in ``dsserve:rejected_requests_total``, and
+        prometheus_client's process, platform and GC collectors (``process_*``, ``python_*``), which vLLM's
+        /metrics also has. Once per registry."""
+        from prometheus_client.gc_collector import GCCollector
+        from prometheus_client.platform_collector import PlatformCollector
+        from prometheus_client.process_collector import ProcessCollector
+
+        if self._http_installed:
+            raise RuntimeError("this EngineMetrics already serves an app")
+        self._http_installed = True
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        requests = Counter(
+            "http_requests_total",
+            "Total number of requests by method, status and handler.",
+            ["method", "status", "handler"],
+            registry=self.registry,
+        )
+        duration = Histogram(
+            "http_request_duration_seconds",
+            "Latency with only few buckets by handler.",
+            ["method", "handler"],
+            buckets=(0.1, 0.5, 1.0),
+            registry=self.registry,
+        )
+        app.add_middleware(HttpMetrics, metrics=self, requests=requests, duration=duration)
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class HttpMetrics:
+    """Plain ASGI (a BaseHTTPMiddleware would hide a client's disconnect from the routes): counts every HTTP
+    response by method, status class ("2xx", as the instrumentator groups them) and route ("none" for a path no
+    route has), times it to its last body byte, and counts every error status in ``rejected_requests``."""
+
+    def __init__(self, inner, metrics: EngineMetrics, requests: Counter, duration: Histogram):
+        self.inner, self.metrics, self.requests, self.duration = inner, metrics, requests, duration
+        self.paths: set[str] | None = None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.inner(scope, receive, send)
+        if self.paths is None:
+            self.paths = {getattr(r, "path", None) for r in scope["app"].routes} - {None}
+        start, status = time.perf_counter(), [500]
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.inner(scope, receive, sending)
+        finally:
+            handler = scope["path"] if scope["path"] in self.paths else "none"
+            self.requests.labels(scope["method"], f"{status[0] // 100}xx", handler).inc()
+            self.duration.labels(scope["method"], handler).observe(time.perf_counter() - start)
+            if status[0] >= 400:
+                self.metrics.observe_rejection(status[0])

@@ -29,6 +29,25 @@ def usage(outs: list[RequestOutput], n: int) -> dict:
     }
 
 
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """One choice's usage so far (``stream_options.continuous_usage_stats``)."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def context_length_message(max_model_len: int, prompt_tokens: int, max_tokens: int) -> str:
+    """vLLM's wording (clients match "maximum context length" to shorten and retry)."""
+    return (
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested {max_tokens} "
+        f"output tokens and your prompt contains at least {prompt_tokens} input tokens, for a total of at least "
+        f"{prompt_tokens + max_tokens} tokens. Please reduce the length of the input prompt or the number of "
+        f"requested output tokens. (max_model_len={max_model_len}, input_tokens={prompt_tokens})"
+    )
+
+
 def completion_logprobs(c: CompletionOutput, start: int, text_offset: int, top_n: int) -> dict | None:
     """Legacy completions logprobs for tokens [start:] of the choice."""
     if c.logprobs is None:

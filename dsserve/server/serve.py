@@ -69,6 +69,23 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="worker processes for --kernel-manifest (default: the CPU count, at most 16; 0: in this process)",
     )
+    # ---- HTTP compatibility with vLLM's server: CORS (vLLM's flags and defaults) and metric names
+    p.add_argument(
+        "--allowed-origins",
+        type=_name_list,
+        default=["*"],
+        help='CORS allowed origins, a JSON list or comma-separated (default: ["*"], as vLLM)',
+    )
+    p.add_argument("--allowed-methods", type=_name_list, default=["*"], help='CORS allowed methods (default: ["*"])')
+    p.add_argument("--allowed-headers", type=_name_list, default=["*"], help='CORS allowed headers (default: ["*"])')
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (default: off)")
+    p.add_argument(
+        "--metrics-names",
+        choices=("dsserve", "vllm"),
+        default="dsserve",
+        help="/metrics names: dsserve:* (default), or vllm: every metric vLLM also has under vLLM's name, type, "
+        "buckets and labels (its Grafana dashboard works unchanged); dsserve's own metrics stay dsserve:*",
+    )
     EngineArgs.add_cli_args(p)
 
 
@@ -100,6 +117,31 @@ def bind(host: str, port: int) -> socket.socket:
         )
         raise OSError(f"port {port} on {host} {why}") from None
     return sock
+
+
+def _name_list(text: str) -> list[str]:
+    """'["a", "b"]' (vLLM's JSON form) or 'a,b'."""
+    import json
+
+    if text.lstrip().startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError("must be a JSON list of strings")
+        return value
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def cors_options(ns: argparse.Namespace) -> dict:
+    """CORSMiddleware's arguments from the flags."""
+    return dict(
+        allow_origins=ns.allowed_origins,
+        allow_methods=ns.allowed_methods,
+        allow_headers=ns.allowed_headers,
+        allow_credentials=ns.allow_credentials,
+    )
 
 
 def run_server(ns: argparse.Namespace) -> int:
@@ -143,9 +185,16 @@ def _serve(ns: argparse.Namespace, sock: socket.socket, t0: float) -> int:
         warmup.warm_up(core)  # before the port opens: /health answers once the first shapes are compiled and captured
     if ns.kernel_manifest:
         log.info("kernel manifest %s: %d kernels listed", ns.kernel_manifest, kernel_manifest.save(ns.kernel_manifest))
-    engine = AsyncEngine(core, ns.max_waiting, EngineMetrics(model_name=name))
+    metrics = EngineMetrics(model_name=name, max_model_len=core.max_model_len, names=ns.metrics_names)
+    engine = AsyncEngine(core, ns.max_waiting, metrics)
     app = build_app(
-        engine, name, api_key_from(ns), ns.max_body_bytes, ns.default_max_tokens, aliases=(args.model, ns.served_model)
+        engine,
+        name,
+        api_key_from(ns),
+        ns.max_body_bytes,
+        ns.default_max_tokens,
+        aliases=(args.model, ns.served_model),
+        cors=cors_options(ns),
     )
 
     @contextlib.asynccontextmanager

@@ -187,6 +187,36 @@ def test_min_tokens_masks_eos_and_stop_ids():
     assert Sampler(EOS)(logits, rows).sampled_token_ids.tolist() == [4, 1, 3, 4]
 
 
+def test_logit_bias_against_hand_computation():
+    """The bias is added to the raw logits before penalties and temperature; the logprobs stay raw."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.9]])
+    bias = {0: -3.0, 2: 1.25, 3: 100.0}
+    # greedy: argmax of [2 - 3, -1, 0.5 + 1.25, 1.9 + 100] = token 3
+    assert Sampler(EOS)(logits, [row(temperature=0.0, logit_bias=bias)]).sampled_token_ids.tolist() == [3]
+    # repetition penalty 2 on the output token 2, applied after the bias: (0.5 + 1.25) / 2 = 0.875; with token 3
+    # banned (-100) the greedy choice is token 2 (0.875) over token 0 (2 - 3 = -1) and token 1 (-1)
+    r = row(temperature=0.0, logit_bias={0: -3.0, 2: 1.25, 3: -100.0}, repetition_penalty=2.0, output=[2])
+    assert Sampler(EOS)(logits, [r]).sampled_token_ids.tolist() == [2]
+    # the distribution a random row draws from: softmax((logits + bias) / T)
+    draws, t = 20000, 0.5
+    b = {1: 2.0, 3: -1.5}
+    want = torch.softmax((logits[0] + torch.tensor([0.0, 2.0, 0.0, -1.5])) / t, -1)
+    out = Sampler(EOS, make_generator(7))(
+        logits.repeat(draws, 1), [row(temperature=t, logit_bias=b) for _ in range(draws)]
+    ).sampled_token_ids
+    freq = torch.bincount(out, minlength=4).double() / draws
+    assert torch.allclose(freq, want.double(), atol=0.015)
+    # raw logprobs ignore the bias (vLLM's raw_logprobs); the caller's logits are untouched
+    lp = Sampler(EOS)(logits, [row(temperature=0.0, logit_bias=bias, logprobs=1)]).logprobs[0]
+    assert lp.sampled_logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[3]), abs=1e-6)
+    assert torch.equal(logits, torch.tensor([[2.0, -1.0, 0.5, 1.9]]))
+    # rows without a bias are not touched; an id outside the vocabulary is an error
+    two = Sampler(EOS)(logits.repeat(2, 1), [row(temperature=0.0), row(temperature=0.0, logit_bias={1: 50.0})])
+    assert two.sampled_token_ids.tolist() == [0, 1]
+    with pytest.raises(ValueError, match="outside the vocabulary of 4"):
+        Sampler(EOS)(logits, [row(temperature=0.0, logit_bias={4: 1.0})])
+
+
 # ---------------------------------------------------------------- logprobs
 def test_logprobs_are_raw_and_top_n_correct():
     torch.manual_seed(1)

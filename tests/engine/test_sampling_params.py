@@ -65,6 +65,13 @@ def test_stop_buffer_and_stop_ids():
         (dict(stop=[""]), "stop"),
         (dict(stop_token_ids=[-3]), "stop_token_ids"),
         (dict(temperature=0.0, n=2), "n"),
+        (dict(seed=2**64), "seed"),
+        (dict(seed=-(2**63) - 1), "seed"),
+        (dict(logit_bias={5: 100.5}), "logit_bias"),
+        (dict(logit_bias={5: float("nan")}), "logit_bias"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias"),
+        (dict(logit_bias={"5": 1.0}), "logit_bias"),
+        (dict(logit_bias=[5]), "logit_bias"),
     ],
 )
 def test_invalid_values_raise_clear_errors(kwargs, field):
@@ -85,6 +92,16 @@ def test_from_dict():
         SamplingParams.from_dict({"best_of": 2})
     with pytest.raises(SamplingParamsError, match="top_p"):
         SamplingParams.from_dict({"top_p": 2})
+
+
+def test_logit_bias_and_seed_ranges():
+    p = SamplingParams(logit_bias={3: -100, 7: 100.0}, seed=2**64 - 1)
+    assert p.logit_bias == {3: -100, 7: 100.0} and p.seed == 2**64 - 1
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    p.check_vocab(8)
+    with pytest.raises(SamplingParamsError, match=r"\[0, 7\); got \[7\]"):
+        p.check_vocab(7)
+    assert SamplingParams.from_dict(p.to_dict()) == p
 
 
 def test_max_tokens_none_means_unbounded():
