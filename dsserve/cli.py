@@ -268,11 +268,22 @@ def _add_bench_throughput(p):
     p.set_defaults(func=run_bench_throughput)
 
 
+def _add_bench_serve(p):
+    from .bench.serve import add_bench_serve_args, run_bench_serve
+
+    add_bench_serve_args(p)
+    p.set_defaults(func=run_bench_serve)
+
+
 BENCH_KINDS = {
     "forward": ("time the execute path on an exact batch (B requests at context C)", _add_bench_forward),
     "agentx": ("closed-loop AgentX-like trace replay against an OpenAI-compatible server", _add_bench_agentx),
     "latency": ("in-process: time one batch generating a fixed number of tokens", _add_bench_latency),
     "throughput": ("in-process: tokens/s for N prompts submitted at once", _add_bench_throughput),
+    "serve": (
+        "vLLM's bench serve: TTFT/TPOT/ITL/E2EL and throughput against an OpenAI-compatible server",
+        _add_bench_serve,
+    ),
 }
 
 

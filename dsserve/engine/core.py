@@ -16,19 +16,23 @@ import torch
 
 from ..kernels.ops import KernelOps
 from ..kv.paged import KVLayout, PagedKVCache
+from ..models.hub import resolve_model
 from ..models.loader import DTYPES, LoadedModel, load_model
+from ..models.presets import model_dir
 from ..models.quantize import quantize_dense_fp8, quantize_experts, use_fp8_kernels
+from ..models.tokenizer import Tokenizer
 from . import graph_scratch, jit_compiles
 from .args import EngineArgs, EngineArgsError
 from .decode_graphs import DecodeGraphs
 from .detokenizer import StopChecker
 from .encoder_graphs import EncoderGraphs
+from .generation_config import default_sampling
 from .graph_capture import GraphCapture
 from .outputs import CompletionOutput, RequestOutput, make_logprob_dict
 from .replay_graphs import ReplayGraphs
 from .request import Request, RequestStatus
 from .runner import ModelRunner
-from .sampler import Sampler, row_logprobs
+from .sampler import Sampler, make_generator, row_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepPlan
 from .stats import EngineStats
@@ -113,10 +117,11 @@ class EngineCore:
         jit_compiles.watch()  # process-wide; this engine counts the compiles from here on (its model's build too)
         self._jit_base = jit_compiles.COMPILES.snapshot()
         self.device = resolve_device(args.device)  # first: a dummy model with packed experts is built there
+        self.model_path = model_dir(resolve_model(args.model))  # a Hugging Face id: its local snapshot
         lm = loaded or load_model(
-            args.model,
+            self.model_path,
             args.load_format,
-            args.dtype,
+            args.torch_dtype_name(self.device.type),
             args.seed,
             qat=args.qat,
             expert_format=args.expert_format,
@@ -133,6 +138,16 @@ class EngineCore:
                     except ValueError as e:  # e.g. an FP8 layout the table's width does not fit
                         raise EngineArgsError(f"engram_tables={args.engram_tables!r}: {e}") from None
         self.model, self.cfg, self.tokenizer = lm.model.to(self.device), lm.cfg, lm.tokenizer
+        if args.tokenizer is not None:
+            self.tokenizer = Tokenizer.load(resolve_model(args.tokenizer))
+            if self.tokenizer.vocab_size > self.cfg.vocab_size:
+                raise EngineArgsError(
+                    f"tokenizer {args.tokenizer!r} has {self.tokenizer.vocab_size} ids; the model's vocabulary has "
+                    f"{self.cfg.vocab_size}"
+                )
+        self.default_sampling = default_sampling(args.generation_config, self.model_path if loaded is None else None)
+        for note in args.notes():
+            _say("%s", note)
         backend = args.attention_backend
         if backend == "auto":
             backend = "paged" if self.device.type == "cuda" else "reference"
@@ -142,7 +157,7 @@ class EngineCore:
         if args.quantization == "fp8":
             quantize_dense_fp8(self.model, self.cfg.weight_block_size)
             use_fp8_kernels(self.model, ops.uses_triton("linear"))
-        dtype = DTYPES[args.dtype]
+        dtype = DTYPES[args.torch_dtype_name(self.device.type)]
         replay = args.swa_bounded_replay and self.cfg.is_v41
         # Exact mode keeps window rows with the cached blocks, so a hit restores the window exactly.
         layout = KVLayout.build(
@@ -218,7 +233,8 @@ class EngineCore:
         self.step_check = StepCheck.from_env(self.device)  # a diagnostic: waits for the device after every step
         if self.step_check:
             self.step_check.attach(self.model)
-        self.sampler = Sampler(eos_token_id=self.tokenizer.eos_id)
+        # unseeded requests draw from one engine generator: with --seed a run's samples repeat, as vLLM's
+        self.sampler = Sampler(eos_token_id=self.tokenizer.eos_id, generator=make_generator(args.seed, self.device))
         self._tracked: dict[str, _Tracked] = {}
         r = self.kv.report()
         _say(

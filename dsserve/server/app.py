@@ -35,12 +35,18 @@ class ApiError(Exception):
 
 def build_app(
     engine: AsyncEngine,
-    served_model_name: str,
-    api_key: str | None = None,
+    served_model_name: str | list[str],
+    api_key: str | list[str] | None = None,
     max_body_bytes: int = 8 << 20,
-    default_max_tokens: int = 256,
+    default_max_tokens: int | None = 256,
+    default_sampling: dict | None = None,
 ) -> FastAPI:
+    """``served_model_name``: the ids a request may name (the first is the one reported); ``api_key``: the keys any
+    of which is accepted; ``default_sampling``: SamplingParams fields a request that sets none of them gets."""
     app = FastAPI(title="dsserve", docs_url=None, redoc_url=None)
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    served_model_name, default_sampling = names[0], default_sampling or {}
+    bearers = {f"Bearer {k}" for k in ([api_key] if isinstance(api_key, str) else api_key or [])}
     core = engine.core
 
     def err(status: int, message: str, type_: str, param: str | None = None, headers=None) -> JSONResponse:
@@ -57,7 +63,7 @@ def build_app(
             if scope["type"] == "http":
                 headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
                 bad = None
-                if api_key and scope["path"] not in OPEN_PATHS and headers.get("authorization") != f"Bearer {api_key}":
+                if bearers and scope["path"] not in OPEN_PATHS and headers.get("authorization") not in bearers:
                     bad = err(401, "missing or wrong API key", "authentication_error")
                 size = headers.get("content-length", "")
                 if bad is None and size.isdigit() and int(size) > max_body_bytes:
@@ -162,10 +168,10 @@ def build_app(
 
     # ------------------------------------------------------------------ generation routes
     def check_model(name: str | None) -> None:
-        if name is not None and name != served_model_name:
+        if name is not None and name not in names:
             raise ApiError(
                 404,
-                f"the model {name!r} does not exist; this server serves {served_model_name!r}",
+                f"the model {name!r} does not exist; this server serves {' or '.join(map(repr, names))}",
                 "not_found_error",
                 "model",
             )
@@ -176,6 +182,8 @@ def build_app(
             body.max_tokens = max_tokens
         try:
             params = body.sampling_params(default_max_tokens, logprobs)
+            unset = {k: v for k, v in default_sampling.items() if k not in body.model_fields_set}
+            params = dataclasses.replace(params, **unset) if unset else params
             return [(core.validate(p, params), params) for p in prompts for _ in range(body.n)]
         except (SamplingParamsError, RequestError, ChatFormatError, ValueError) as e:
             raise ApiError(400, str(e), param=getattr(e, "field", None)) from None
