@@ -126,3 +126,11 @@ def test_generation_config_gives_defaults(tmp_path):
     assert default_sampling("auto", CHECKPOINTS["tiny-trained"]) == {}  # no file: none
     with pytest.raises(ConfigError, match="no generation_config.json"):
         default_sampling(str(tmp_path / "missing"), None)
+
+
+def test_bench_latency_runs_without_prefix_caching(capsys):
+    argv = "bench latency --model tiny --block-size 16 --input-len 40 --output-len 2 --batch-size 1 --num-iters 2"
+    assert main(argv.split() + ["--num-iters-warmup", "0"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # the second iteration repeats the prompt: with caching on it would reuse its two full 16-token blocks
+    assert res["prefix_caching"] is False and res["cached_prompt_tokens"] == 0

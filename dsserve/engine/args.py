@@ -54,7 +54,9 @@ class EngineArgs:
             "auto (bfloat16 on a GPU, float32 on the CPU) | half | float16 | bfloat16 | float | float32 | float64"
         ),
     )
-    seed: int = field(default=0, metadata=_h("seed of the dummy weights and of the sampling of unseeded requests"))
+    seed: int | None = field(
+        default=0, metadata=_h("seed of the dummy weights and of the sampling of unseeded requests (None: unseeded)")
+    )
     tokenizer: str | None = field(default=None, metadata=_h("a tokenizer directory or model name (None: the model's)"))
     tokenizer_mode: str = field(
         default="auto", metadata=_h("accepted for vLLM's launch lines; no effect: this family has one tokenizer")

@@ -88,6 +88,7 @@ class _Tracked:
     stops: StopChecker
     logprobs: list | None
     cumulative_logprob: float | None
+    prompt_logprobs: list | None = None  # built once, after the prefill
 
 
 @dataclass
@@ -122,7 +123,7 @@ class EngineCore:
             self.model_path,
             args.load_format,
             args.torch_dtype_name(self.device.type),
-            args.seed,
+            args.seed or 0,
             qat=args.qat,
             expert_format=args.expert_format,
             device=self.device,
@@ -234,7 +235,10 @@ class EngineCore:
         if self.step_check:
             self.step_check.attach(self.model)
         # unseeded requests draw from one engine generator: with --seed a run's samples repeat, as vLLM's
-        self.sampler = Sampler(eos_token_id=self.tokenizer.eos_id, generator=make_generator(args.seed, self.device))
+        self.sampler = Sampler(
+            eos_token_id=self.tokenizer.eos_id,
+            generator=None if args.seed is None else make_generator(args.seed, self.device),
+        )
         self._tracked: dict[str, _Tracked] = {}
         r = self.kv.report()
         _say(
@@ -490,9 +494,10 @@ class EngineCore:
             req.metrics.record_token(now)
             if t.logprobs is not None and logprobs[i] is not None:
                 lp = logprobs[i]
+                detok = self.tokenizer if req.params.detokenize else None
                 t.logprobs.append(
                     make_logprob_dict(
-                        tok, lp.sampled_logprob, lp.sampled_rank, lp.top_token_ids, lp.top_logprobs, self.tokenizer
+                        tok, lp.sampled_logprob, lp.sampled_rank, lp.top_token_ids, lp.top_logprobs, detok
                     )
                 )
                 t.cumulative_logprob += lp.sampled_logprob
@@ -530,5 +535,14 @@ class EngineCore:
             [comp],
             finished=finish_reason is not None,
             metrics=req.metrics,
+            prompt_logprobs=self._prompt_logprobs(t),
             num_cached_tokens=req.num_cached_tokens,
         )
+
+    def _prompt_logprobs(self, t: _Tracked) -> list | None:
+        """vLLM's shape: None for the first prompt token, then per token a ``{token_id: Logprob}`` dict."""
+        req = t.request
+        if t.prompt_logprobs is None and req.prompt_logprobs is not None and all(req.prompt_logprobs[1:]):
+            detok = self.tokenizer if req.params.detokenize else None
+            t.prompt_logprobs = [None] + [make_logprob_dict(*row, detok) for row in req.prompt_logprobs[1:]]
+        return t.prompt_logprobs
