@@ -15,10 +15,11 @@ EXIT_USAGE = 2
 
 
 def load_model_config(model: str):
-    """MODEL is a preset name, a built-in checkpoint or a checkpoint directory."""
+    """MODEL is a preset name, a built-in checkpoint, a checkpoint directory or a Hugging Face id."""
+    from .models.hub import resolve_model
     from .models.loader import resolve_config
 
-    return resolve_config(model)
+    return resolve_config(resolve_model(model))
 
 
 def _fmt_params(n: float) -> str:
@@ -178,7 +179,6 @@ def cmd_generate(args) -> int:
     from .engine.args import EngineArgs
     from .engine.llm import LLM
     from .engine.sampling_params import SamplingParams
-    from .models.presets import model_dir
 
     params = SamplingParams(
         temperature=args.temperature,
@@ -194,7 +194,7 @@ def cmd_generate(args) -> int:
     if not prompts:
         prompts = ["The quick brown fox"]
     llm = LLM(**vars(EngineArgs.from_cli(args)))
-    if llm.engine.args.load_format == "auto" and not os.path.isdir(model_dir(args.model)):
+    if llm.engine.args.load_format == "auto" and not os.path.isdir(llm.engine.model_path):
         print(
             f"[{args.model}: seeded random weights (--load-format dummy); the text is not meaningful]", file=sys.stderr
         )

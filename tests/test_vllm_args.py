@@ -134,3 +134,46 @@ def test_bench_latency_runs_without_prefix_caching(capsys):
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     # the second iteration repeats the prompt: with caching on it would reuse its two full 16-token blocks
     assert res["prefix_caching"] is False and res["cached_prompt_tokens"] == 0
+
+
+def _bench_ns(**kw):
+    ns = parse(["bench", "serve"])
+    for k, v in kw.items():
+        setattr(ns, k, v)
+    return ns
+
+
+def test_bench_serve_datasets(tmp_path):
+    from dsserve.bench.serve import random_requests, sharegpt_requests
+    from dsserve.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.load("tiny")
+    ns = _bench_ns(num_prompts=50, random_input_len=20, random_output_len=10, random_range_ratio=0.5)
+    reqs = random_requests(ns, tok, chat=False)
+    assert len(reqs) == 50 and all(10 <= r.prompt_len <= 30 and 5 <= r.output_len <= 15 for r in reqs)
+    assert all(len(r.prompt) == r.prompt_len and min(r.prompt) > 2 for r in reqs)  # no BOS/EOS/pad ids
+    assert len({r.prompt_len for r in reqs}) > 1 and random_requests(ns, tok, chat=False) == reqs  # seeded
+    assert all(isinstance(r.prompt, str) for r in random_requests(ns, tok, chat=True))
+    conv = lambda q, a: {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}  # noqa: E731
+    data = [conv("tell me about the sea " * 3, "the sea is wide and deep " * 2), {"conversations": []}]
+    data.append(conv("hi", "a reply that is long enough"))  # a prompt under 4 tokens: dropped, as vLLM does
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    (req,) = sharegpt_requests(_bench_ns(dataset_path=str(path), num_prompts=1), tok)
+    assert req.prompt.startswith("tell me") and req.output_len == len(
+        tok.encode("the sea is wide and deep " * 2, False)
+    )
+    with pytest.raises(ValueError, match="only 1 usable"):
+        sharegpt_requests(_bench_ns(dataset_path=str(path), num_prompts=2), tok)
+
+
+def test_bench_serve_metrics_add_up():
+    from dsserve.bench.serve import RequestResult, summarize
+
+    ok = [RequestResult(True, 10, 5, 0.1, 0.5, [0.1] * 4), RequestResult(True, 20, 3, 0.3, 0.7, [0.2, 0.2])]
+    res = summarize(ok + [RequestResult(error="HTTP 500")], 2.0, [50.0, 99.0])
+    assert (res["completed"], res["failed"], res["total_input_tokens"], res["total_output_tokens"]) == (2, 1, 30, 8)
+    assert res["request_throughput"] == 1.0 and res["output_throughput"] == 4.0 and res["total_token_throughput"] == 19
+    assert res["mean_ttft_ms"] == pytest.approx(200) and res["mean_e2el_ms"] == pytest.approx(600)
+    assert res["mean_tpot_ms"] == pytest.approx((100 + 200) / 2)  # (0.5-0.1)/4 and (0.7-0.3)/2
+    assert res["mean_itl_ms"] == pytest.approx(800 / 6) and res["p50_itl_ms"] == pytest.approx(100)

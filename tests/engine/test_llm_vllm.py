@@ -137,3 +137,11 @@ def test_chat_equals_generate_on_the_encoded_prompt(llm):
         llm.chat([{"role": "robot", "content": "x"}], sp)
     with pytest.raises(RequestError, match="chat_template"):
         llm.chat(MESSAGES, sp, chat_template="{{ messages }}")
+
+
+def test_default_sampling_params_come_from_the_generation_config(llm, monkeypatch):
+    assert llm.get_default_sampling_params() == SamplingParams()  # tiny has no generation_config.json
+    monkeypatch.setattr(llm.engine, "default_sampling", {"temperature": 0.0, "max_tokens": 3})
+    assert llm.get_default_sampling_params().max_tokens == 3
+    out = llm.generate(["Defaults"], use_tqdm=False)[0]  # no sampling_params: the generation config's
+    assert len(out.outputs[0].token_ids) <= 3
