@@ -16,7 +16,7 @@ LAUNCH = (  # after `dsserve serve deepseek-ai/tiny-trained` (live_server adds -
     "--trust-remote-code --kv-cache-dtype fp8_ds_mla --block-size 16 --enable-expert-parallel -tp 1 -dp 1 "
     "--tokenizer-mode deepseek_v4 --tool-call-parser deepseek_v4 --enable-auto-tool-choice "
     "--reasoning-parser deepseek_v4 --served-model-name deepseek-ai/DeepSeek-V4.1-Flash dsv4 --api-key k1 k2 "
-    f"--max-model-len {MAX_MODEL_LEN} --dtype auto --uvicorn-log-level warning --disable-log-requests "
+    f"--max-model-len {MAX_MODEL_LEN} --dtype auto --uvicorn-log-level warning --enable-log-requests "
     "--swap-space 4 --enforce-eager --max-num-seqs 8 --seed 0"
 ).split()
 
@@ -31,7 +31,8 @@ def vllm_server(tmp_path_factory):
         mp.setenv("HF_HUB_OFFLINE", "1")
         with live_server("deepseek-ai/tiny-trained", LAUNCH, log) as base:
             yield base
-    assert "tokenizer_mode 'deepseek_v4': no effect" in log[0]
+    assert "tokenizer_mode 'deepseek_v4': no effect" in log[0] and "tool calling (--tool-call-parser" in log[0]
+    assert "prompt tokens, SamplingParams(" in log[0]  # --enable-log-requests
 
 
 def post(base, body, key="k2", path="/v1/completions"):
