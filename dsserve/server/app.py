@@ -140,12 +140,13 @@ def build_app(
             "object": "list",
             "data": [
                 {
-                    "id": served_model_name,
+                    "id": name,
                     "object": "model",
                     "created": int(time.time()),
                     "owned_by": "dsserve",
                     "max_model_len": core.max_model_len,
                 }
+                for name in names  # every served name is a model card, as vLLM's
             ],
         }
 
