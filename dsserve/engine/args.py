@@ -29,8 +29,12 @@ KV_CACHE_DTYPE_NAMES = {
     "bfloat16": "bf16",
 }
 PARALLEL_ISSUE = "not yet supported: parallel execution is issue 54; dsserve runs one engine on one device"
-CLI_ALIASES = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",), "pipeline_parallel_size": ("-pp",)}
-CLI_ALIASES["quantization"] = ("-q",)
+CLI_ALIASES = {  # vLLM's short flags
+    "tensor_parallel_size": ("-tp",),
+    "data_parallel_size": ("-dp",),
+    "pipeline_parallel_size": ("-pp",),
+    "quantization": ("-q",),
+}
 
 
 def _h(text: str) -> dict:
@@ -45,7 +49,10 @@ class EngineArgsError(ValueError):
 class EngineArgs:
     model: str = field(
         default=DEFAULT_MODEL,
-        metadata=_h("a preset name, a built-in checkpoint (tiny-trained) or a checkpoint directory"),
+        metadata=_h(
+            "a preset name, a built-in checkpoint (tiny-trained), a checkpoint directory or a Hugging Face id (from "
+            "the local Hugging Face cache, downloaded where the network allows)"
+        ),
     )
     load_format: str = field(default="auto", metadata=_h("auto | safetensors | dummy"))
     dtype: str = field(

@@ -118,7 +118,8 @@ class EngineCore:
         jit_compiles.watch()  # process-wide; this engine counts the compiles from here on (its model's build too)
         self._jit_base = jit_compiles.COMPILES.snapshot()
         self.device = resolve_device(args.device)  # first: a dummy model with packed experts is built there
-        self.model_path = model_dir(resolve_model(args.model))  # a Hugging Face id: its local snapshot
+        # a Hugging Face id: its local snapshot (a model given already built is not looked up)
+        self.model_path = model_dir(resolve_model(args.model) if loaded is None else args.model)
         lm = loaded or load_model(
             self.model_path,
             args.load_format,

@@ -18,7 +18,9 @@ PromptType = str | list[int] | dict
 
 class LLM:
     """``LLM(max_num_seqs=8)`` (the built-in trained model) or ``LLM(model="tiny")``: a preset name, a built-in
-    checkpoint or a checkpoint directory, plus engine options named like the CLI flags."""
+    checkpoint, a checkpoint directory or a Hugging Face id, plus engine options named like the CLI flags (vLLM's:
+    ``tensor_parallel_size``, ``dtype``, ``max_model_len``, ``seed``, ...). An option that does not exist, or a
+    value this engine cannot honour, is an ``EngineArgsError`` naming it and what is allowed."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_options):
         self.engine = EngineCore(EngineArgs.from_kwargs(model=model, **engine_options))

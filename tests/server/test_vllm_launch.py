@@ -89,3 +89,15 @@ def test_bench_serve_against_the_live_server(vllm_server, tmp_path):
     assert 0 < res["mean_ttft_ms"] <= res["mean_e2el_ms"]
     saved = [p for p in os.listdir(tmp_path) if p.endswith(".json")]
     assert len(saved) == 1 and json.load(open(tmp_path / saved[0]))["completed"] == 5
+
+
+def test_bench_serve_chat_backend(vllm_server):
+    env = dict(os.environ, OPENAI_API_KEY="k2")
+    cmd = [sys.executable, "-m", "dsserve", "bench", "serve", "--base-url", vllm_server, "--backend", "openai-chat"]
+    cmd += ["--random-input-len", "6", "--random-output-len", "3", "--num-prompts", "2", "--request-rate", "50"]
+    r = subprocess.run(cmd + ["--ignore-eos"], capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr + r.stdout
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["model_id"] == "deepseek-ai/DeepSeek-V4.1-Flash"  # no --model: the server's first
+    assert (res["completed"], res["total_output_tokens"], res["request_rate"]) == (2, 6, 50.0)
+    assert res["total_input_tokens"] > 2 * 6  # the chat format's tokens around each prompt, as the server counts
