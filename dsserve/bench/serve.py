@@ -51,13 +51,13 @@ class RequestResult:
 def load_tokenizer(name: str | None, model: str | None):
     """The tokenizer that sizes prompts: ``--tokenizer``, else the model's when it names a local model, else the
     built-in tiny one (8,192 ids, every one valid in every model of this family)."""
-    from ..models.hub import resolve_model
+    from ..models.hub import TOKENIZER_FILES, resolve_model
     from ..models.tokenizer import Tokenizer
 
     for candidate in (name, model):
         if candidate:
             try:
-                return Tokenizer.load(resolve_model(candidate))
+                return Tokenizer.load(resolve_model(candidate, TOKENIZER_FILES))
             except (ValueError, OSError, ImportError):
                 if candidate == name:
                     raise

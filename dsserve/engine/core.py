@@ -16,7 +16,7 @@ import torch
 
 from ..kernels.ops import KernelOps
 from ..kv.paged import KVLayout, PagedKVCache
-from ..models.hub import resolve_model
+from ..models.hub import TOKENIZER_FILES, resolve_model
 from ..models.loader import DTYPES, LoadedModel, load_model
 from ..models.presets import model_dir
 from ..models.quantize import quantize_dense_fp8, quantize_experts, use_fp8_kernels
@@ -141,7 +141,7 @@ class EngineCore:
                         raise EngineArgsError(f"engram_tables={args.engram_tables!r}: {e}") from None
         self.model, self.cfg, self.tokenizer = lm.model.to(self.device), lm.cfg, lm.tokenizer
         if args.tokenizer is not None:
-            self.tokenizer = Tokenizer.load(resolve_model(args.tokenizer))
+            self.tokenizer = Tokenizer.load(resolve_model(args.tokenizer, TOKENIZER_FILES))
             if self.tokenizer.vocab_size > self.cfg.vocab_size:
                 raise EngineArgsError(
                     f"tokenizer {args.tokenizer!r} has {self.tokenizer.vocab_size} ids; the model's vocabulary has "

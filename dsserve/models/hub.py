@@ -10,6 +10,7 @@ from .presets import CHECKPOINTS, PRESETS
 
 # what a checkpoint directory needs: config, weights and their index, tokenizer, generation defaults
 CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.model", "*.txt"]
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "config.json"]
 
 
 def is_repo_id(name: str) -> bool:
@@ -18,9 +19,10 @@ def is_repo_id(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not name.startswith((".", "~")) and not os.path.exists(name)
 
 
-def resolve_model(name: str) -> str:
+def resolve_model(name: str, files: list[str] = CHECKPOINT_FILES) -> str:
     """A preset, a built-in checkpoint or an existing path as given; a Hugging Face id as its snapshot directory
-    (the cache's copy; with ``HF_HUB_OFFLINE=1`` only that). Anything else as given: the loader names it."""
+    (the cache's copy; with ``HF_HUB_OFFLINE=1`` only that; else ``files`` of it are downloaded: a tokenizer needs
+    ``TOKENIZER_FILES``, not the weights). Anything else as given: the loader names it."""
     if name in PRESETS or name in CHECKPOINTS or not is_repo_id(name):
         return name
     try:
@@ -39,7 +41,7 @@ def resolve_model(name: str) -> str:
     if offline:
         raise ConfigError(f"{name!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set")
     try:
-        return snapshot_download(name, allow_patterns=CHECKPOINT_FILES)
+        return snapshot_download(name, allow_patterns=files)
     except Exception as e:  # network, auth, missing repo: one clear line, not a traceback
         raise ConfigError(
             f"{name!r} is not a preset, a built-in checkpoint, a directory or a Hugging Face model in the local "
