@@ -15,10 +15,11 @@ EXIT_USAGE = 2
 
 
 def load_model_config(model: str):
-    """MODEL is a preset name, a built-in checkpoint or a checkpoint directory."""
+    """MODEL is a preset name, a built-in checkpoint, a checkpoint directory or a Hugging Face id."""
+    from .models.hub import resolve_model
     from .models.loader import resolve_config
 
-    return resolve_config(model)
+    return resolve_config(resolve_model(model))
 
 
 def _fmt_params(n: float) -> str:
@@ -178,7 +179,6 @@ def cmd_generate(args) -> int:
     from .engine.args import EngineArgs
     from .engine.llm import LLM
     from .engine.sampling_params import SamplingParams
-    from .models.presets import model_dir
 
     params = SamplingParams(
         temperature=args.temperature,
@@ -194,7 +194,7 @@ def cmd_generate(args) -> int:
     if not prompts:
         prompts = ["The quick brown fox"]
     llm = LLM(**vars(EngineArgs.from_cli(args)))
-    if llm.engine.args.load_format == "auto" and not os.path.isdir(model_dir(args.model)):
+    if llm.engine.args.load_format == "auto" and not os.path.isdir(llm.engine.model_path):
         print(
             f"[{args.model}: seeded random weights (--load-format dummy); the text is not meaningful]", file=sys.stderr
         )
@@ -268,11 +268,22 @@ def _add_bench_throughput(p):
     p.set_defaults(func=run_bench_throughput)
 
 
+def _add_bench_serve(p):
+    from .bench.serve import add_bench_serve_args, run_bench_serve
+
+    add_bench_serve_args(p)
+    p.set_defaults(func=run_bench_serve)
+
+
 BENCH_KINDS = {
     "forward": ("time the execute path on an exact batch (B requests at context C)", _add_bench_forward),
     "agentx": ("closed-loop AgentX-like trace replay against an OpenAI-compatible server", _add_bench_agentx),
     "latency": ("in-process: time one batch generating a fixed number of tokens", _add_bench_latency),
     "throughput": ("in-process: tokens/s for N prompts submitted at once", _add_bench_throughput),
+    "serve": (
+        "vLLM's bench serve: TTFT/TPOT/ITL/E2EL and throughput against an OpenAI-compatible server",
+        _add_bench_serve,
+    ),
 }
 
 

@@ -2,8 +2,9 @@
 
 latency: one batch of ``--batch-size`` random-token prompts of ``--input-len`` tokens generating exactly
 ``--output-len`` tokens each (``ignore_eos``), ``--num-iters`` timed runs after ``--num-iters-warmup``;
-reports mean/median/p90 seconds per batch. throughput: ``--num-prompts`` such prompts submitted at once;
-reports requests/s, total and output tokens/s. Both print a table, then one JSON line last.
+reports mean/median/p90 seconds per batch, with prefix caching off (the iterations repeat the prompts).
+throughput: ``--num-prompts`` such prompts submitted at once; reports requests/s, total and output tokens/s.
+Both print a table, then one JSON line last.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from ..engine.llm import LLM
 from ..engine.sampling_params import SamplingParams
 
 
-def _llm_and_prompts(ns, n: int):
-    llm = LLM(**vars(EngineArgs.from_cli(ns)))
+def _llm_and_prompts(ns, n: int, **overrides):
+    llm = LLM(**dict(vars(EngineArgs.from_cli(ns)), **overrides))
     vocab = llm.engine.cfg.vocab_size
     rng = np.random.default_rng(ns.seed or 0)
     prompts = [rng.integers(3, vocab, ns.input_len).tolist() for _ in range(n)]
@@ -38,7 +39,8 @@ def _table(title: str, rows: dict) -> None:
 
 
 def run_bench_latency(ns) -> int:
-    llm, prompts, sp = _llm_and_prompts(ns, ns.batch_size)
+    # every iteration runs the same prompts: with prefix caching on, later ones would time cache hits
+    llm, prompts, sp = _llm_and_prompts(ns, ns.batch_size, enable_prefix_caching=False)
     for _ in range(ns.num_iters_warmup):
         llm.generate(prompts, sp, use_tqdm=False)
     times = []
@@ -58,6 +60,8 @@ def run_bench_latency(ns) -> int:
         "p50_latency_s": float(np.percentile(times, 50)),
         "p90_latency_s": float(np.percentile(times, 90)),
         "output_tokens": n_out,
+        "prefix_caching": llm.engine.args.enable_prefix_caching,
+        "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs),  # 0: prefix caching is off
         "output_tokens_per_s": n_out / float(np.mean(times)),
         "total_tokens_per_s": (n_out + ns.batch_size * ns.input_len) / float(np.mean(times)),
     }

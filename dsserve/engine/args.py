@@ -3,9 +3,38 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import MISSING, dataclass, field, fields
 
 from ..models.presets import DEFAULT_MODEL
+
+# vLLM's spellings of --dtype -> the dtype names the loader knows ("auto" is resolved per device: torch_dtype_name)
+DTYPE_NAMES = {
+    "auto": "auto",
+    "half": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float": "float32",
+    "float32": "float32",
+    "float64": "float64",
+}
+# vLLM's --kv-cache-dtype values that name this family's cache -> dsserve's: the release's packed records are FP8
+# (FP4 index keys), which is what vLLM's fp8 / fp8_ds_mla mean for DeepSeek V4
+KV_CACHE_DTYPE_NAMES = {
+    "auto": "auto",
+    "fp8": "auto",
+    "fp8_e4m3": "auto",
+    "fp8_ds_mla": "auto",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+}
+PARALLEL_ISSUE = "not yet supported: parallel execution is issue 54; dsserve runs one engine on one device"
+CLI_ALIASES = {  # vLLM's short flags
+    "tensor_parallel_size": ("-tp",),
+    "data_parallel_size": ("-dp",),
+    "pipeline_parallel_size": ("-pp",),
+    "quantization": ("-q",),
+}
 
 
 def _h(text: str) -> dict:
@@ -20,11 +49,48 @@ class EngineArgsError(ValueError):
 class EngineArgs:
     model: str = field(
         default=DEFAULT_MODEL,
-        metadata=_h("a preset name, a built-in checkpoint (tiny-trained) or a checkpoint directory"),
+        metadata=_h(
+            "a preset name, a built-in checkpoint (tiny-trained), a checkpoint directory or a Hugging Face id (from "
+            "the local Hugging Face cache, downloaded where the network allows)"
+        ),
     )
     load_format: str = field(default="auto", metadata=_h("auto | safetensors | dummy"))
-    dtype: str = field(default="float32", metadata=_h("float32 | bfloat16 | float64"))
-    seed: int = field(default=0, metadata=_h("seed of the dummy weights"))
+    dtype: str = field(
+        default="auto",
+        metadata=_h(
+            "auto (bfloat16 on a GPU, float32 on the CPU) | half | float16 | bfloat16 | float | float32 | float64"
+        ),
+    )
+    seed: int | None = field(
+        default=0, metadata=_h("seed of the dummy weights and of the sampling of unseeded requests (None: unseeded)")
+    )
+    tokenizer: str | None = field(default=None, metadata=_h("a tokenizer directory or model name (None: the model's)"))
+    tokenizer_mode: str = field(
+        default="auto", metadata=_h("accepted for vLLM's launch lines; no effect: this family has one tokenizer")
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata=_h("accepted for vLLM's launch lines; no effect: the model code is built in")
+    )
+    generation_config: str = field(
+        default="auto",
+        metadata=_h(
+            "default sampling parameters: auto (the model directory's generation_config.json) | vllm (none: "
+            "SamplingParams' own) | a directory holding a generation_config.json"
+        ),
+    )
+    tensor_parallel_size: int = field(default=1, metadata=_h(f"1 ({PARALLEL_ISSUE})"))
+    data_parallel_size: int = field(default=1, metadata=_h(f"1 ({PARALLEL_ISSUE})"))
+    pipeline_parallel_size: int = field(default=1, metadata=_h(f"1 ({PARALLEL_ISSUE})"))
+    enable_expert_parallel: bool = field(
+        default=False, metadata=_h("accepted; with one device every expert is local, so it changes nothing")
+    )
+    speculative_config: str | None = field(
+        default=None,
+        metadata=_h("JSON (vLLM's); speculative decoding (DSpark, MTP) is not yet implemented: setting it is an error"),
+    )
+    swap_space: float = field(
+        default=4.0, metadata=_h("GiB, accepted; no effect: a preempted request is recomputed, never swapped")
+    )
     qat: bool | None = field(default=None, metadata=_h("quantisation-aware numerics of the release (None: on)"))
     max_num_batched_tokens: int = field(default=2048, metadata=_h("token budget of one step"))
     max_num_seqs: int = field(default=64, metadata=_h("running requests at most"))
@@ -34,7 +100,10 @@ class EngineArgs:
         default=None, metadata=_h("or this fraction of the memory free now (neither: 256 MiB)")
     )
     block_size: int | None = field(default=None, metadata=_h("tokens per KV block (None: 64; V4: 128)"))
-    kv_cache_dtype: str = field(default="auto", metadata=_h("auto (the release's packed FP4/FP8 records) | bf16"))
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=_h("auto (the release's packed FP4/FP8 records; also fp8, fp8_e4m3, fp8_ds_mla) | bf16 (bfloat16)"),
+    )
     scheduling_policy: str = field(default="fcfs", metadata=_h("fcfs | priority"))
     enable_chunked_prefill: bool = field(default=True, metadata=_h("split long prompts across steps"))
     long_prefill_token_threshold: int = field(default=0, metadata=_h("cap on one prompt's chunk per step (0: none)"))
@@ -126,6 +195,30 @@ class EngineArgs:
     )
 
     def __post_init__(self):
+        if self.dtype not in DTYPE_NAMES:
+            raise EngineArgsError(f"dtype must be one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
+            raise EngineArgsError(
+                f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPE_NAMES)}, got {self.kv_cache_dtype!r}"
+            )
+        object.__setattr__(self, "kv_cache_dtype", KV_CACHE_DTYPE_NAMES[self.kv_cache_dtype])
+        for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) != 1:
+                raise EngineArgsError(f"{name}={getattr(self, name)}: {PARALLEL_ISSUE} (use 1)")
+        if self.speculative_config is not None:
+            spec = self.speculative_config
+            if isinstance(spec, str):
+                try:
+                    spec = json.loads(spec)
+                except json.JSONDecodeError as e:
+                    raise EngineArgsError(f"speculative_config must be a JSON object: {e}") from None
+            method = spec.get("method") if isinstance(spec, dict) else None
+            raise EngineArgsError(
+                f"speculative_config {self.speculative_config!r}: speculative decoding (method {method or 'dspark'}) "
+                "is not yet implemented in dsserve; leave it unset"
+            )
+        if self.swap_space < 0:
+            raise EngineArgsError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.quantization not in (None, "fp8"):
             raise EngineArgsError(f"quantization must be fp8 or None, got {self.quantization!r}")
         if self.expert_format not in (None, "fp8", "mxfp4"):  # models.quantize.EXPERT_FORMATS
@@ -157,6 +250,26 @@ class EngineArgs:
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise EngineArgsError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
 
+    def torch_dtype_name(self, device_type: str) -> str:
+        """The loader's dtype name on a device of this type: ``auto`` is bfloat16 on a GPU, float32 on the CPU."""
+        name = DTYPE_NAMES[self.dtype]
+        if name == "auto":
+            return "bfloat16" if device_type == "cuda" else "float32"
+        return name
+
+    def notes(self) -> list[str]:
+        """One line per vLLM option that was set but changes nothing here, saying why (logged at start)."""
+        out = []
+        if self.tokenizer_mode != "auto":
+            out.append(f"tokenizer_mode {self.tokenizer_mode!r}: no effect, this family has one tokenizer")
+        if self.trust_remote_code:
+            out.append("trust_remote_code: no effect, no remote code is run (the model code is built in)")
+        if self.enable_expert_parallel:
+            out.append("enable_expert_parallel: no effect on one device (every expert is local)")
+        if self.swap_space != 4.0:
+            out.append(f"swap_space {self.swap_space} GiB: no effect, a preempted request is recomputed")
+        return out
+
     @classmethod
     def from_kwargs(cls, **kw) -> "EngineArgs":
         names = {f.name for f in fields(cls)}
@@ -168,15 +281,15 @@ class EngineArgs:
     @classmethod
     def add_cli_args(cls, p: argparse.ArgumentParser) -> None:
         for f in fields(cls):
-            flag = "--" + f.name.replace("_", "-")
+            flags = ("--" + f.name.replace("_", "-"), *CLI_ALIASES.get(f.name, ()))
             default = f.default if f.default is not MISSING else None
             doc = f.metadata.get("help", "")
             doc = f"{doc} (default: {default})"
             if f.type in ("bool", "bool | None"):
-                p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=doc)
+                p.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=doc)
             else:
                 kind = int if f.type.startswith("int") else float if f.type.startswith("float") else str
-                p.add_argument(flag, type=kind, default=default, help=doc)
+                p.add_argument(*flags, dest=f.name, type=kind, default=default, help=doc)
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> "EngineArgs":

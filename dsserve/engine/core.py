@@ -16,20 +16,23 @@ import torch
 
 from ..kernels.ops import KernelOps
 from ..kv.paged import KVLayout, PagedKVCache
+from ..models.hub import TOKENIZER_FILES, resolve_model
 from ..models.loader import DTYPES, LoadedModel, load_model
+from ..models.presets import model_dir
 from ..models.quantize import quantize_dense_fp8, quantize_experts, use_fp8_kernels
-from ..models.tokenizer import TooManyTokens
+from ..models.tokenizer import Tokenizer, TooManyTokens
 from . import graph_scratch, jit_compiles
 from .args import EngineArgs, EngineArgsError
 from .decode_graphs import DecodeGraphs
 from .decoder_row_graphs import DecoderRowGraphs
 from .detokenizer import StopChecker
 from .encoder_graphs import EncoderGraphs
+from .generation_config import default_sampling
 from .graph_capture import GraphCapture
 from .outputs import CompletionOutput, RequestOutput, make_logprob_dict
 from .request import Request, RequestStatus
 from .runner import ModelRunner
-from .sampler import Sampler, row_logprobs
+from .sampler import Sampler, make_generator, row_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepOutput, StepPlan
 from .stats import EngineStats
@@ -85,6 +88,7 @@ class _Tracked:
     stops: StopChecker
     logprobs: list | None
     cumulative_logprob: float | None
+    prompt_logprobs: list | None = None  # built once, after the prefill
 
 
 @dataclass
@@ -115,11 +119,13 @@ class EngineCore:
         jit_compiles.watch()  # process-wide; this engine counts the compiles from here on (its model's build too)
         self._jit_base = jit_compiles.COMPILES.snapshot()
         self.device = resolve_device(args.device)  # first: a dummy model with packed experts is built there
+        # a Hugging Face id: its local snapshot (a model given already built is not looked up)
+        self.model_path = model_dir(resolve_model(args.model) if loaded is None else args.model)
         lm = loaded or load_model(
-            args.model,
+            self.model_path,
             args.load_format,
-            args.dtype,
-            args.seed,
+            args.torch_dtype_name(self.device.type),
+            args.seed or 0,
             qat=args.qat,
             expert_format=args.expert_format,
             device=self.device,
@@ -135,6 +141,16 @@ class EngineCore:
                     except ValueError as e:  # e.g. an FP8 layout the table's width does not fit
                         raise EngineArgsError(f"engram_tables={args.engram_tables!r}: {e}") from None
         self.model, self.cfg, self.tokenizer = lm.model.to(self.device), lm.cfg, lm.tokenizer
+        if args.tokenizer is not None:
+            self.tokenizer = Tokenizer.load(resolve_model(args.tokenizer, TOKENIZER_FILES))
+            if self.tokenizer.vocab_size > self.cfg.vocab_size:
+                raise EngineArgsError(
+                    f"tokenizer {args.tokenizer!r} has {self.tokenizer.vocab_size} ids; the model's vocabulary has "
+                    f"{self.cfg.vocab_size}"
+                )
+        self.default_sampling = default_sampling(args.generation_config, self.model_path if loaded is None else None)
+        for note in args.notes():
+            _say("%s", note)
         backend = args.attention_backend
         if backend == "auto":
             backend = "paged" if self.device.type == "cuda" else "reference"
@@ -144,7 +160,7 @@ class EngineCore:
         if args.quantization == "fp8":
             quantize_dense_fp8(self.model, self.cfg.weight_block_size)
             use_fp8_kernels(self.model, ops.uses_triton("linear"))
-        dtype = DTYPES[args.dtype]
+        dtype = DTYPES[args.torch_dtype_name(self.device.type)]
         replay = args.swa_bounded_replay and self.cfg.is_v41
         # Exact mode keeps window rows with the cached blocks, so a hit restores the window exactly.
         layout = KVLayout.build(
@@ -207,7 +223,11 @@ class EngineCore:
         self.step_check = StepCheck.from_env(self.device)  # a diagnostic: waits for the device after every step
         if self.step_check:
             self.step_check.attach(self.model)
-        self.sampler = Sampler(eos_token_id=self.tokenizer.eos_id)
+        # unseeded requests draw from one engine generator: with --seed a run's samples repeat, as vLLM's
+        self.sampler = Sampler(
+            eos_token_id=self.tokenizer.eos_id,
+            generator=None if args.seed is None else make_generator(args.seed, self.device),
+        )
         self._tracked: dict[str, _Tracked] = {}
         r = self.kv.report()
         _say(
@@ -481,9 +501,10 @@ class EngineCore:
             req.metrics.record_token(now)
             if t.logprobs is not None and logprobs[i] is not None:
                 lp = logprobs[i]
+                detok = self.tokenizer if req.params.detokenize else None
                 t.logprobs.append(
                     make_logprob_dict(
-                        tok, lp.sampled_logprob, lp.sampled_rank, lp.top_token_ids, lp.top_logprobs, self.tokenizer
+                        tok, lp.sampled_logprob, lp.sampled_rank, lp.top_token_ids, lp.top_logprobs, detok
                     )
                 )
                 t.cumulative_logprob += lp.sampled_logprob
@@ -521,5 +542,14 @@ class EngineCore:
             [comp],
             finished=finish_reason is not None,
             metrics=req.metrics,
+            prompt_logprobs=self._prompt_logprobs(t),
             num_cached_tokens=req.num_cached_tokens,
         )
+
+    def _prompt_logprobs(self, t: _Tracked) -> list | None:
+        """vLLM's shape: None for the first prompt token, then per token a ``{token_id: Logprob}`` dict."""
+        req = t.request
+        if t.prompt_logprobs is None and req.prompt_logprobs is not None and all(req.prompt_logprobs[1:]):
+            detok = self.tokenizer if req.params.detokenize else None
+            t.prompt_logprobs = [None] + [make_logprob_dict(*row, detok) for row in req.prompt_logprobs[1:]]
+        return t.prompt_logprobs

@@ -151,7 +151,7 @@ class StopChecker:
         verdict = check_token_stop(p, self.token_ids, self.eos_token_id, self.num_prompt_tokens, self.max_model_len)
         stopped_by_token = verdict is not None and verdict[0] == "stop"
         before = len(self.text)
-        if not stopped_by_token or p.include_stop_str_in_output:
+        if (not stopped_by_token or p.include_stop_str_in_output) and p.detokenize:
             self.text += self.detok.add_token(token_id)
         # Stop strings count from the (min_tokens + 1)-th token on; a token stop takes precedence.
         if p.stop and not stopped_by_token and len(self.token_ids) > p.min_tokens:

@@ -18,7 +18,9 @@ PromptType = str | list[int] | dict
 
 class LLM:
     """``LLM(max_num_seqs=8)`` (the built-in trained model) or ``LLM(model="tiny")``: a preset name, a built-in
-    checkpoint or a checkpoint directory, plus engine options named like the CLI flags."""
+    checkpoint, a checkpoint directory or a Hugging Face id, plus engine options named like the CLI flags (vLLM's:
+    ``tensor_parallel_size``, ``dtype``, ``max_model_len``, ``seed``, ...). An option that does not exist, or a
+    value this engine cannot honour, is an ``EngineArgsError`` naming it and what is allowed."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_options):
         self.engine = EngineCore(EngineArgs.from_kwargs(model=model, **engine_options))
@@ -29,6 +31,50 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the model's generation_config.json defaults (``generation_config``), else SamplingParams()."""
+        return SamplingParams(**self.engine.default_sampling)
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request=None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation (a list of messages) or several, encoded by this family's chat
+        format (``Tokenizer.apply_chat_template``), then ``generate``. ``chat_template_kwargs``: ``thinking`` /
+        ``enable_thinking``, ``reasoning_effort``."""
+        if lora_request is not None:
+            raise RequestError("lora_request: dsserve serves no LoRA adapters")
+        if chat_template is not None:
+            raise RequestError("chat_template: this family's chat format is built in (server/chat.py); pass None")
+        if continue_final_message:
+            raise RequestError("continue_final_message=True is not supported: an assistant turn is always closed")
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise RequestError(
+                f"chat_template_content_format must be auto, string or openai, got {chat_template_content_format!r}"
+            )
+        one = isinstance(messages, (list, tuple)) and (not messages or isinstance(messages[0], dict))
+        conversations = [messages] if one else list(messages)
+        tok = self.get_tokenizer()
+        prompts = []
+        for conv in conversations:
+            try:
+                ids = tok.apply_chat_template(
+                    list(conv), tools=tools, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+                )
+            except ValueError as e:  # ChatFormatError: names the offending message
+                raise RequestError(str(e)) from None
+            prompts.append({"prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -38,7 +84,7 @@ class LLM:
     ) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise RequestError(f"{len(params)} sampling params for {len(prompts)} prompts")

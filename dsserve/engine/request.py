@@ -45,12 +45,16 @@ class Request:
     block_hashes: list = field(default_factory=list)  # hash chain of this request's full token blocks
     num_cached_tokens: int = 0  # prompt tokens whose global KV came from the prefix cache
     counted_admission: int = -1  # the admission (preemption count) the engine's stats have counted
+    # prompt_logprobs: per prompt position (0 has none), (token, logprob, rank, top ids, top logprobs) on the host
+    prompt_logprobs: list | None = None
 
     def __post_init__(self):
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
         if self.metrics is None:
             self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -44,9 +44,10 @@ class ModelRunner:
             logits = self.decode_graphs.run(plan, key)
             self.graph_steps += 1
             return [c.request for c in plan.chunks], logits
-        ids, seqs, row = [], [], 0
+        ids, seqs, starts, row = [], [], [], 0
         for c in plan.chunks:
             r, start = c.request, c.request.num_computed_tokens
+            starts.append(start)
             ids.extend(r.token_ids(start, start + c.num_tokens))
             seqs.append(SeqRows(slice(row, row + c.num_tokens), r.kv, r.decoder_start))
             row += c.num_tokens
@@ -63,4 +64,23 @@ class ModelRunner:
         last_rows = [s.rows.stop - 1 for c, s in zip(plan.chunks, out.seqs) if c.samples]
         sampling = [c.request for c in plan.chunks if c.samples]
         logits = self.model.logits(out.hidden[last_rows]) if last_rows else torch.empty(0)
+        for c, s, start in zip(plan.chunks, out.seqs, starts):
+            first = start + c.num_tokens - (s.rows.stop - s.rows.start)  # the position of the chunk's first row
+            if c.request.prompt_logprobs is not None and first < c.request.num_prompt_tokens - 1:
+                record_prompt_logprobs(c.request, first, self.model.logits(out.hidden[s.rows]))
         return sampling, logits
+
+
+def record_prompt_logprobs(r: Request, start: int, logits: torch.Tensor) -> None:
+    """Row i of a chunk from ``start`` (position start + i) gives the logprob of prompt token start + i + 1: kept
+    with its rank and the top ``prompt_logprobs`` on ``r.prompt_logprobs`` (by position: a recompute rewrites)."""
+    n = min(logits.shape[0], r.num_prompt_tokens - 1 - start)
+    lp = logits[:n].float().log_softmax(dim=-1)
+    target = torch.tensor(r.prompt_token_ids[start + 1 : start + 1 + n], device=lp.device)
+    chosen = lp.gather(1, target.unsqueeze(1))
+    ranks = (lp >= chosen).sum(dim=-1)
+    k = min(r.params.prompt_logprobs, lp.shape[1])
+    top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], target[:, None][:, :0])
+    rows = zip(target.tolist(), chosen.squeeze(1).tolist(), ranks.tolist(), top_ids.tolist(), top_lp.tolist())
+    for i, row in enumerate(rows):
+        r.prompt_logprobs[start + 1 + i] = row

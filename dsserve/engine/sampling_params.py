@@ -7,10 +7,13 @@ Mirrors ``vllm.SamplingParams`` for the fields dsserve supports, so user code ca
   (tiny temperatures overflow fp32 logits).
 - ``top_k`` 0 or -1 disables top-k (vLLM quietly accepts -1; it is normalised to 0 here).
 - ``stop`` may be a string or a list; ``stop_token_ids`` is de-duplicated keeping order; ``seed == -1`` means
-  no seed; ``logprobs=True`` means 1; ``max_tokens=None`` means "until the context is full".
+  no seed; ``logprobs=True`` means 1; ``max_tokens=None`` means "until the context is full" (the default is
+  vLLM's 16; the server's omitted max_tokens is the rest of the context).
 - ``logit_bias`` maps token ids to a bias in [-100, 100] added to the raw logits before penalties, temperature
   and top-k/top-p (OpenAI's and vLLM's field; +100 all but forces a token, -100 all but bans it). Ids must lie
   in the vocabulary, which the engine checks (``check_vocab``) since the params do not know it.
+- ``prompt_logprobs=n``: each prompt token's logprob (and the top n) under the model, from the prefill's logits
+  (such a request reads no prefix cache and is not narrowed by bounded replay); ``detokenize=False``: ids only.
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None  # per prompt token: its logprob and the top-n (the prefill's logits)
+    detokenize: bool = True  # False: token ids only, text empty
 
     def __post_init__(self) -> None:
         # ---- normalisation (vLLM's conventions)
@@ -164,8 +169,14 @@ class SamplingParams:
             "logprobs",
             "must be None or an integer >= 0 (the number of top tokens to return)",
         )
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        need(
+            self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+            "prompt_logprobs",
+            "must be None or an integer >= 0 (the number of top tokens to return per prompt token)",
+        )
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             need(isinstance(getattr(self, name), bool), name, "must be a bool")
+        need(self.detokenize or not self.stop, "stop", "stop strings need detokenize=True (the text is matched)")
 
     # ---------------------------------------------------------------- construction
     @classmethod

@@ -153,8 +153,12 @@ class Scheduler:
         for req in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs or self.kv.slots.num_free == 0:
                 break
+            # prompt logprobs need every prompt row's logits: no cache hit, no narrowing (as vLLM skips the cache)
+            exact = req.params.prompt_logprobs is not None
             hit, hashes = (
-                self.kv.match(req.all_token_ids, req.cache_salt) if self.config.enable_prefix_caching else ([], [])
+                self.kv.match(req.all_token_ids, req.cache_salt)
+                if self.config.enable_prefix_caching and not exact
+                else ([], [])
             )
             hit_len = len(hit) * self.kv.layout.block_size
             start = hit_len
@@ -177,7 +181,7 @@ class Scheduler:
                 )
                 req.num_cached_tokens = hit_len
             req.status = RequestStatus.RUNNING
-            if self.config.swa_bounded_replay:
+            if self.config.swa_bounded_replay and not exact:
                 req.decoder_start = max(0, req.num_tokens - self.config.replay_window)
             self.running.append(req)
             self.kv.grow(req.kv, req.num_computed_tokens + n)

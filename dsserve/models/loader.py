@@ -17,7 +17,7 @@ from .quantize import EXPERT_FORMATS, quantize_experts
 from .tokenizer import Tokenizer, engram_token_map
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 @dataclass

@@ -113,6 +113,32 @@ class Tokenizer:
             return self.tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def apply_chat_template(
+        self,
+        conversation: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
+        return_dict: bool = False,
+        **kwargs,
+    ):
+        """Hugging Face's signature over this family's chat encoder (``server/chat.py``): the prompt text, or its
+        ids (``tokenize``; with ``return_dict`` as ``{"input_ids", "attention_mask"}``). ``thinking`` (or
+        ``enable_thinking``) and ``reasoning_effort`` are read from ``kwargs`` as the template's variables; other
+        template variables mean nothing to this format and are ignored, as a Jinja template ignores them."""
+        from ..server.chat import chat_prompt_ids, encode_chat
+
+        kw = dict(
+            thinking=bool(kwargs.get("thinking", kwargs.get("enable_thinking", False))),
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            reasoning_effort=kwargs.get("reasoning_effort"),
+        )
+        if not tokenize:
+            return encode_chat(conversation, **kw)
+        ids = chat_prompt_ids(self, conversation, **kw)
+        return {"input_ids": ids, "attention_mask": [1] * len(ids)} if return_dict else ids
+
     def token_to_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
 

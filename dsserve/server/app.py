@@ -37,17 +37,23 @@ class ApiError(Exception):
 
 def build_app(
     engine: AsyncEngine,
-    served_model_name: str,
-    api_key: str | None = None,
+    served_model_name: str | list[str],
+    api_key: str | list[str] | None = None,
     max_body_bytes: int = 8 << 20,
-    default_max_tokens: int = 256,
+    default_max_tokens: int | None = 256,
     aliases: tuple = (),
     cors: dict | None = None,
+    default_sampling: dict | None = None,
 ) -> FastAPI:
-    """``aliases``: other model names a request may give (the MODEL argument a served name stands for); only
-    ``served_model_name`` is listed. ``cors``: Starlette CORSMiddleware's arguments (allow_origins, allow_methods,
-    allow_headers, allow_credentials), as vLLM's --allowed-origins etc.; None: no CORS headers."""
+    """``served_model_name``: the ids a request may name (the first is the one reported and listed first);
+    ``aliases``: other names a request may give (the MODEL argument a served name stands for), not listed;
+    ``api_key``: the keys any of which is accepted; ``cors``: Starlette CORSMiddleware's arguments
+    (allow_origins, allow_methods, allow_headers, allow_credentials), as vLLM's --allowed-origins etc., None: no
+    CORS headers; ``default_sampling``: SamplingParams fields a request that sets none of them gets (the
+    checkpoint's generation_config.json)."""
     app = FastAPI(title="dsserve", docs_url=None, redoc_url=None)
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    served_model_name, default_sampling = names[0], default_sampling or {}
     core = engine.core
 
     def err(status: int, message: str, type_: str, param: str | None = None, headers=None) -> JSONResponse:
@@ -117,12 +123,13 @@ def build_app(
             "object": "list",
             "data": [
                 {
-                    "id": served_model_name,
+                    "id": name,
                     "object": "model",
                     "created": int(time.time()),
                     "owned_by": "dsserve",
                     "max_model_len": core.max_model_len,
                 }
+                for name in names  # every served name is a model card, as vLLM's
             ],
         }
 
@@ -150,10 +157,10 @@ def build_app(
 
     # ------------------------------------------------------------------ generation routes
     def check_model(name: str | None) -> None:
-        if name is not None and name != served_model_name and name not in aliases:
+        if name is not None and name not in names and name not in aliases:
             raise ApiError(
                 404,
-                f"the model {name!r} does not exist; this server serves {served_model_name!r}",
+                f"the model {name!r} does not exist; this server serves {' or '.join(map(repr, names))}",
                 "not_found_error",
                 "model",
             )
@@ -164,6 +171,8 @@ def build_app(
         Text prompts are counted before their ids are built (TooManyTokens)."""
         field, asked = body.output_limit()
         params = body.sampling_params(default_max_tokens, logprobs)
+        unset = {k: v for k, v in default_sampling.items() if k not in body.model_fields_set}
+        params = dataclasses.replace(params, **unset) if unset else params
         params.check_vocab(core.cfg.vocab_size)
         out = []
         for p in prompts:

@@ -5,7 +5,8 @@ abort that frees the request's cache. In order:
 
 1. API key (vLLM's scope): every path under ``/v1`` and the admin routes (``ADMIN_PATHS``) need
    ``Authorization: Bearer KEY``; ``/health``, ``/metrics``, ``/version``, ``/tokenize``, ``/detokenize`` and
-   ``OPTIONS`` (CORS preflight) stay open. The key is compared by its SHA-256 digest in constant time.
+   ``OPTIONS`` (CORS preflight) stay open. A key is compared by its SHA-256 digest in constant time; any of several keys
+   is accepted.
 2. Body size: the body is read here, whatever its framing (``Content-Length`` or chunked), and its bytes are
    counted as they arrive. Past ``max_body_bytes`` the answer is 413 at once, the rest is never read and the
    connection is closed.
@@ -37,15 +38,17 @@ def needs_key(method: str, path: str) -> bool:
 
 
 class Guard:
-    def __init__(self, app, api_key: str | None = None, max_body_bytes: int = 8 << 20):
+    def __init__(self, app, api_key: str | list[str] | None = None, max_body_bytes: int = 8 << 20):
+        """``api_key``: one key or several (vLLM's ``--api-key k1 k2``), any of which is accepted."""
         self.app, self.max_body_bytes = app, max_body_bytes
-        self.key_digest = hashlib.sha256(api_key.encode()).digest() if api_key else None
+        keys = [api_key] if isinstance(api_key, str) else [k for k in api_key or [] if k]
+        self.key_digests = [hashlib.sha256(k.encode()).digest() for k in keys]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = [(k.decode("latin-1").lower(), v) for k, v in scope["headers"]]
-        if self.key_digest is not None and needs_key(scope["method"], scope["path"]) and not self._key_ok(headers):
+        if self.key_digests and needs_key(scope["method"], scope["path"]) and not self._key_ok(headers):
             return await _error(send, 401, "missing or wrong API key", "authentication_error")
         size = next((v for k, v in headers if k == "content-length"), b"")
         if size.isdigit() and int(size) > self.max_body_bytes:
@@ -80,7 +83,9 @@ class Guard:
         value = next((v for k, v in headers if k == "authorization"), b"")
         scheme, _, token = value.decode("latin-1").partition(" ")
         digest = hashlib.sha256(token.encode("latin-1")).digest()
-        return scheme.lower() == "bearer" and secrets.compare_digest(digest, self.key_digest)
+        # every key is compared, so the time taken does not say which one came close
+        matches = [secrets.compare_digest(digest, k) for k in self.key_digests]
+        return scheme.lower() == "bearer" and any(matches)
 
     async def _too_large(self, send, what: str):
         """413, then the connection closes: the unread rest of the body is never parsed."""

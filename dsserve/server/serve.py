@@ -34,20 +34,67 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
         "--api-key",
+        nargs="+",
         default=None,
+        metavar="KEY",
         help="require 'Authorization: Bearer KEY' on every path under /v1 (/v1/models included) and on "
-        "/reset_prefix_cache; /health, /metrics, /version, /tokenize and /detokenize stay open, as in vLLM. "
-        "Default: $DSSERVE_API_KEY, else $VLLM_API_KEY (an environment variable keeps the key out of ps)",
+        "/reset_prefix_cache; /health, /metrics, /version, /tokenize and /detokenize stay open, as in vLLM. Any "
+        "of several keys is accepted. Default: $DSSERVE_API_KEY, else $VLLM_API_KEY (an environment variable "
+        "keeps the key out of ps)",
     )
     p.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="the model id clients use and /v1/models lists (default: MODEL; for a checkpoint directory its "
-        "last path component, so no local path is shown; the full MODEL is accepted too)",
+        metavar="NAME",
+        help="the model ids clients may use; the first is the one responses report (default: MODEL; for a "
+        "checkpoint directory its last path component, so no local path is shown; the full MODEL is accepted too)",
     )
     p.add_argument("--max-waiting", type=int, default=1024, help="queued requests before 503 (default: 1024)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger bodies get 413 (default: 8 MiB)")
-    p.add_argument("--default-max-tokens", type=int, default=256)
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        help="max_tokens of a request that sets none (default: the rest of the context, as vLLM's)",
+    )
+    # vLLM's serving flags, with its spellings
+    p.add_argument(
+        "--uvicorn-log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level (default: warning; info logs every request line)",
+    )
+    p.add_argument(
+        "--enable-log-requests",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log each request's id, prompt length and sampling parameters as it arrives (default: off)",
+    )
+    p.add_argument(
+        "--disable-log-requests",
+        dest="enable_log_requests",
+        action="store_false",
+        help="vLLM's older spelling of --no-enable-log-requests",
+    )
+    p.add_argument(
+        "--disable-log-stats", action="store_true", help="accepted; no effect: dsserve logs no periodic stats lines"
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted: request tools are always rendered into the prompt in DSML (server/chat.py)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="accepted (e.g. deepseek_v4); the DSML tool calls the model writes come back as text in content",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="accepted (e.g. deepseek_v4); the reasoning comes back as text in content, up to </think>",
+    )
     p.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -94,11 +141,17 @@ def api_key_from(ns: argparse.Namespace, environ=os.environ) -> str | None:
     return ns.api_key or environ.get("DSSERVE_API_KEY") or environ.get("VLLM_API_KEY") or None
 
 
-def served_name(model: str, served_model_name: str | None) -> str:
-    """The id clients see: --served-model-name, else MODEL, where a directory shows only its last component."""
+def served_name(model: str, served_model_name: str | list[str] | None) -> str:
+    """The id clients see: the first --served-model-name, else MODEL, where a directory shows only its last
+    component."""
+    return served_names(model, served_model_name)[0]
+
+
+def served_names(model: str, served_model_name: str | list[str] | None) -> list[str]:
+    """Every id a request may name (--served-model-name a b: both; the first is reported)."""
     if served_model_name:
-        return served_model_name
-    return os.path.basename(os.path.normpath(model)) if os.path.isdir(model) else model
+        return [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    return [os.path.basename(os.path.normpath(model)) if os.path.isdir(model) else model]
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -168,7 +221,7 @@ def _serve(ns: argparse.Namespace, sock: socket.socket, t0: float) -> int:
     if ns.precompile_workers is not None and ns.precompile_workers < 0:
         raise SystemExit(f"--precompile-workers must be >= 0, got {ns.precompile_workers}")
     log_to_stderr()
-    name = served_name(args.model, ns.served_model_name)
+    name = served_name(args.model, ns.served_model_name)  # the reported one
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     log.info("dsserve serve: model %s, served as %r, will listen on %s", args.model, name, url)
@@ -185,17 +238,28 @@ def _serve(ns: argparse.Namespace, sock: socket.socket, t0: float) -> int:
         warmup.warm_up(core)  # before the port opens: /health answers once the first shapes are compiled and captured
     if ns.kernel_manifest:
         log.info("kernel manifest %s: %d kernels listed", ns.kernel_manifest, kernel_manifest.save(ns.kernel_manifest))
-    metrics = EngineMetrics(model_name=name, max_model_len=core.max_model_len, names=ns.metrics_names)
+    names = served_names(args.model, ns.served_model_name)
+    for note in serving_notes(ns):
+        log.info("%s", note)
+    defaults = dict(core.default_sampling)  # the checkpoint's generation_config.json (--generation-config)
+    if ns.default_max_tokens is not None:
+        defaults["max_tokens"] = ns.default_max_tokens
+    if defaults:
+        log.info("default sampling parameters: %s", defaults)
+    metrics = EngineMetrics(model_name=names[0], max_model_len=core.max_model_len, names=ns.metrics_names)
     engine = AsyncEngine(core, ns.max_waiting, metrics)
     app = build_app(
         engine,
-        name,
+        names,
         api_key_from(ns),
         ns.max_body_bytes,
-        ns.default_max_tokens,
+        defaults.pop("max_tokens", None),
         aliases=(args.model, ns.served_model),
         cors=cors_options(ns),
+        default_sampling=defaults,
     )
+    if ns.enable_log_requests:
+        _log_requests(engine)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -206,7 +270,11 @@ def _serve(ns: argparse.Namespace, sock: socket.socket, t0: float) -> int:
 
     app.router.lifespan_context = lifespan
     config = uvicorn.Config(  # uvicorn's own graceful timeout is only a backstop: the engine cuts at the deadline
-        app, host=ns.host, port=ns.port, log_level="warning", timeout_graceful_shutdown=ns.shutdown_timeout + 5
+        app,
+        host=ns.host,
+        port=ns.port,
+        log_level=ns.uvicorn_log_level,
+        timeout_graceful_shutdown=ns.shutdown_timeout + 5,
     )
 
     def ready():
@@ -219,6 +287,35 @@ def _serve(ns: argparse.Namespace, sock: socket.socket, t0: float) -> int:
     _GracefulServer(config, ready, stopping).run(sockets=[sock])
     gc.freeze()  # the interpreter's exit then skips a last collection over every object: 0.4 s instead of 1.2-2 s
     return 0
+
+
+def serving_notes(ns: argparse.Namespace) -> list[str]:
+    """What vLLM's tool, reasoning and stats flags do here today, one line each (logged at start)."""
+    out = []
+    if ns.enable_auto_tool_choice or ns.tool_call_parser:
+        out.append(
+            f"tool calling (--tool-call-parser {ns.tool_call_parser}): request tools are rendered into the prompt "
+            "in DSML; the model's tool calls are returned as text in `content`, not parsed into `tool_calls`"
+        )
+    if ns.reasoning_parser:
+        out.append(
+            f"--reasoning-parser {ns.reasoning_parser}: the reasoning is returned as text in `content`, not split "
+            "into `reasoning_content`"
+        )
+    if ns.disable_log_stats:
+        out.append("--disable-log-stats: no effect, dsserve logs no periodic stats (see /metrics)")
+    return out
+
+
+def _log_requests(engine) -> None:
+    """--enable-log-requests: one INFO line per request as it enters the engine."""
+    submit = engine.submit
+
+    def logged(request_id, prompt_ids, params, *a, **kw):
+        log.info("request %s: %d prompt tokens, %s", request_id, len(prompt_ids), params)
+        return submit(request_id, prompt_ids, params, *a, **kw)
+
+    engine.submit = logged
 
 
 def _graceful_server_class():
