@@ -254,7 +254,9 @@ def _serve(ns: argparse.Namespace, sock: socket.socket, t0: float) -> int:
         api_key_from(ns),
         ns.max_body_bytes,
         defaults.pop("max_tokens", None),
-        aliases=(args.model, ns.served_model),
+        # without --served-model-name, a directory's full path is accepted beside its shown last component; with
+        # it, only the served names are (vLLM's rule)
+        aliases=() if ns.served_model_name else (args.model, ns.served_model),
         cors=cors_options(ns),
         default_sampling=defaults,
     )

@@ -133,7 +133,9 @@ def test_a_prompt_over_max_model_len_is_refused_by_count(core):
     """Plain and chat prompts are counted before their ids are built; the message names the limit."""
     _, c = make(core)
     long = "hello world " * core.max_model_len
-    check_error(c.post("/v1/completions", json={"prompt": long}), 400, f"max_model_len {core.max_model_len}")
+    check_error(
+        c.post("/v1/completions", json={"prompt": long}), 400, f"maximum context length is {core.max_model_len}"
+    )
     chat = {"messages": [{"role": "user", "content": long}]}
     r = c.post("/v1/chat/completions", json=chat)
     check_error(r, 400, f"at most {core.max_model_len - 1} prompt tokens")

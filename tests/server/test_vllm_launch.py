@@ -49,7 +49,8 @@ def test_launch_line_serves_a_completion(vllm_server):
         vllm_server, {"model": "deepseek-ai/DeepSeek-V4.1-Flash", "prompt": "Hi", "max_tokens": 1}, "k1"
     ).is_success
     assert post(vllm_server, {"prompt": "Hi", "max_tokens": 1}, key="k3").status_code == 401
-    models = httpx.get(vllm_server + "/v1/models").json()["data"]
+    assert httpx.get(vllm_server + "/v1/models").status_code == 401  # /v1/* needs a key, as in vLLM
+    models = httpx.get(vllm_server + "/v1/models", headers={"Authorization": "Bearer k2"}).json()["data"]
     assert [m["id"] for m in models] == ["deepseek-ai/DeepSeek-V4.1-Flash", "dsv4"]
     assert post(vllm_server, {"model": "deepseek-ai/tiny-trained", "prompt": "Hi", "max_tokens": 1}).status_code == 404
 
