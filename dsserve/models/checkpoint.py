@@ -23,6 +23,7 @@ from .checkpoint_layout import (
     IGNORED_PREFIXES,
     ST_DTYPES,
     TensorSpec,
+    dtype_accepted,
     model_name_for,
     model_shapes,
     release_layout,
@@ -125,7 +126,7 @@ def load_checkpoint(model: torch.nn.Module, cfg: ModelConfig, path: str) -> list
                         f"unexpected tensor {name!r}: expected none (not in the {cfg.name} layout), "
                         f"found {_fmt(shape, dtype)}"
                     )
-            elif (shape, dtype) != (spec.shape, spec.dtype):
+            elif shape != spec.shape or not dtype_accepted(spec, dtype, cfg):
                 wrong.append(f"tensor {name!r}: expected {_fmt(spec.shape, spec.dtype)}, found {_fmt(shape, dtype)}")
         _fail(
             f"checkpoint {path} does not match config {cfg.name!r} ({len(wrong)} mis-shaped/mis-typed, "
@@ -194,9 +195,9 @@ def save_checkpoint(
 ) -> None:
     """Write config.json, the weights in release names and formats (model.safetensors, or
     model-0000i-of-0000N.safetensors + model.safetensors.index.json when max_shard_bytes is given), and copy
-    tokenizer.json / tokenizer_config.json from tokenizer_dir when present."""
-    if not quantize:
-        raise ValueError("only the release formats are written (quantize=True)")
+    tokenizer.json / tokenizer_config.json from tokenizer_dir when present. quantize=False: the same names
+    with every FP8/MXFP4/Engram weight plain BF16 and no quantization_config (a BF16 conversion)."""
+    cfg = cfg if quantize else cfg.with_options(quantized=False)
     layout = release_layout(cfg)
     sd = model.state_dict()
     _fail(f"model does not match config {cfg.name!r}", _check_model(sd, cfg))
