@@ -121,6 +121,8 @@ class EngineCore:
             qat=args.qat,
             expert_format=args.expert_format,
             device=self.device,
+            quantization=args.quantization,  # a checkpoint loads straight into these forms (release_loader)
+            engram_tables=args.engram_tables,
         )
         if loaded is not None and args.expert_format:  # layers already packed in that format are left alone
             quantize_experts(lm.model, args.expert_format, keep_dense=self.device.type == "cpu")

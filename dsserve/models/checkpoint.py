@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..layers.quant import dequant_engram, dequant_fp8_block, dequant_mxfp4, pack_mxfp4, quant_engram, quant_fp8_block
+from .checkpoint_files import CheckpointError
 from .checkpoint_layout import (
     IGNORED_PREFIXES,
     ST_DTYPES,
@@ -47,10 +48,6 @@ SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 ROW_CHUNK_ELEMS = 1 << 24  # Engram tables are streamed in chunks of about this many values
 MAX_REPORTED = 8
-
-
-class CheckpointError(ValueError):
-    """A checkpoint (or a model) that does not match the layout of its config."""
 
 
 def _fail(what: str, problems: list[str]):

@@ -117,7 +117,9 @@ def test_an_unquantised_bf16_checkpoint_loads_and_generates_as_its_release_forma
     packed = load_model(str(tmp_path), expert_format="mxfp4")
     ref = load_model(saved_tiny[1], expert_format="mxfp4")
     p, q = packed.model.layers[0].ffn.packed, ref.model.layers[0].ffn.packed
-    assert torch.equal(p.w1, q.w1) and torch.equal(p.s2, q.s2)
+    # the same values (bytes may differ: a block whose top value is half the grid's max re-packs one scale lower)
+    for e in range(p.shape[0]):
+        assert all(torch.equal(x, y) for x, y in zip(p.dequant(e), q.dequant(e)))
 
 
 def test_a_fp32_fine_tune_loads_without_quantization_config(saved_tiny, tmp_path):
