@@ -1,0 +1,73 @@
+"""dsserve plan's arithmetic (issue 53.4) against dsserve info's parameter counts and the loader's shares."""
+
+import pytest
+
+from dsserve.distributed.layout import ParallelLayout
+from dsserve.models.accounting import kv_bytes, param_counts
+from dsserve.models.memory_plan import Machine, PlanOptions, parse_bytes, plan, weight_bytes
+from dsserve.models.presets import preset
+
+H200 = Machine(1, parse_bytes("141GiB"), parse_bytes("2TiB"))
+
+
+@pytest.fixture(scope="module")
+def flash():
+    return preset("v41-flash")
+
+
+def test_parse_bytes():
+    assert parse_bytes("141GiB") == 141 * 2**30 and parse_bytes("2TiB") == 2 * 2**40 and parse_bytes("512M") == 2**29
+    with pytest.raises(ValueError, match="not a size"):
+        parse_bytes("lots")
+
+
+def test_weights_equal_the_parameter_counts(flash):
+    pc = param_counts(flash)
+    w, engram_fp8, engram_bf16 = weight_bytes(
+        flash, ParallelLayout(), PlanOptions(quantization=None, expert_format=None)
+    )
+    # everything dequantised to bf16: 2 bytes a parameter, kind by kind
+    assert w["routed experts"] == 2 * pc.parts["routed_experts"]
+    assert w["other weights"] == 2 * (pc.backbone - pc.parts["routed_experts"])
+    assert w["DSpark"] == 2 * pc.draft
+    assert engram_bf16 == 2 * pc.engram_tables
+    assert engram_fp8 == pc.engram_tables * 33 // 32  # e4m3 + one e8m0 per 32
+    # as stored: MXFP4 experts are 4 bits + one byte per 32 values = 0.53125 B a parameter
+    w, _, _ = weight_bytes(flash, ParallelLayout(), PlanOptions())
+    assert w["routed experts"] == pc.parts["routed_experts"] * 17 // 32
+
+
+def test_expert_parallel_divides_the_experts_and_nothing_else(flash):
+    one, _, _ = weight_bytes(flash, ParallelLayout(), PlanOptions())
+    eight, _, _ = weight_bytes(flash, ParallelLayout(ep_size=8), PlanOptions())
+    assert eight["routed experts"] * 8 == one["routed experts"]
+    assert eight["dense FP8 projections"] == one["dense FP8 projections"]
+    assert eight["other weights"] == one["other weights"]
+
+
+def test_one_gpu_does_not_fit_and_dep8_does(flash):
+    p = plan(flash, H200, PlanOptions())
+    assert not p.fits and "by 181.32 GiB" in p.problems[0]
+    assert p.engram_where == "host-fp8"  # 189 GiB of tables never fit beside the weights
+    p8 = plan(flash, Machine(8, H200.gpu_memory, H200.host_memory), PlanOptions(8 // 8, 8, True))
+    assert p8.fits and 40 < p8.weight_bytes / 2**30 < 50  # spec parallel 2: DEP8 ~47 GB/GPU
+    kv = kv_bytes(flash)
+    assert p8.kv_tokens == int(p8.kv_bytes // kv.global_per_token) and kv.global_per_token == 890
+    assert p8.kv_bytes == p8.budget - p8.weight_bytes - p8.activation - p8.graph_pool
+
+
+def test_tp_replicates_the_kv_and_says_what_it_costs(flash):
+    p = plan(flash, Machine(4, H200.gpu_memory, H200.host_memory), PlanOptions(tensor_parallel_size=4))
+    assert p.fits and 70 < p.weight_bytes / 2**30 < 80  # spec parallel 2: TP4 ~77 GB/GPU
+    assert p.tp_duplicate_bytes == 3 * p.kv_bytes
+    assert any("replicates the global KV" in line for line in p.lines())
+
+
+def test_gpu_count_must_match_the_layout(flash):
+    p = plan(flash, Machine(2, H200.gpu_memory, H200.host_memory), PlanOptions(tensor_parallel_size=4))
+    assert any("--gpus is 2" in q for q in p.problems)
+
+
+def test_host_memory_short_for_the_tables(flash):
+    p = plan(flash, Machine(8, H200.gpu_memory, parse_bytes("1TiB")), PlanOptions(1, 8, True))
+    assert not p.fits and any(q.startswith("host: the Engram tables take") for q in p.problems)
