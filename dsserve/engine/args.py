@@ -29,9 +29,19 @@ class EngineArgs:
     max_num_batched_tokens: int = field(default=2048, metadata=_h("token budget of one step"))
     max_num_seqs: int = field(default=64, metadata=_h("running requests at most"))
     max_model_len: int | None = field(default=None, metadata=_h("None: the model's max_position_embeddings"))
-    kv_cache_memory: int | None = field(default=None, metadata=_h("bytes for the KV cache"))
+    kv_cache_memory: int | None = field(default=None, metadata=_h("bytes for the KV cache (alias of the next)"))
+    kv_cache_memory_bytes: int | None = field(
+        default=None, metadata=_h("bytes for the KV cache (vLLM's flag; overrides --gpu-memory-utilization)")
+    )
     kv_cache_memory_fraction: float | None = field(
-        default=None, metadata=_h("or this fraction of the memory free now (neither: 256 MiB)")
+        default=None, metadata=_h("or this fraction of the memory free now (none of these: see the next)")
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata=_h(
+            "the share of the GPU's memory this engine may use: the KV cache gets what is left of it after the "
+            "weights, the activations and the CUDA-graph pool, as vLLM sizes it (the CPU: 256 MiB)"
+        ),
     )
     block_size: int | None = field(default=None, metadata=_h("tokens per KV block (None: 64; V4: 128)"))
     kv_cache_dtype: str = field(default="auto", metadata=_h("auto (the release's packed FP4/FP8 records) | bf16"))
@@ -154,8 +164,18 @@ class EngineArgs:
         f = self.kv_cache_memory_fraction
         if f is not None and not 0 < f <= 1:
             raise EngineArgsError(f"kv_cache_memory_fraction must be in (0, 1], got {f}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise EngineArgsError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        for name in ("kv_cache_memory", "kv_cache_memory_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise EngineArgsError(f"{name} must be a positive number of bytes, got {getattr(self, name)}")
+        if None not in (self.kv_cache_memory, self.kv_cache_memory_bytes) and (
+            self.kv_cache_memory != self.kv_cache_memory_bytes
+        ):
+            raise EngineArgsError(
+                f"kv_cache_memory ({self.kv_cache_memory}) and kv_cache_memory_bytes ({self.kv_cache_memory_bytes}) "
+                "are the same setting: give one"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise EngineArgsError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     @classmethod
     def from_kwargs(cls, **kw) -> "EngineArgs":

@@ -47,15 +47,29 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def kv_cache_budget(args: EngineArgs, device: torch.device = torch.device("cpu")) -> int:
-    """Bytes for the KV cache: given, or a fraction of the memory free now (the GPU's, or host memory)."""
-    if args.kv_cache_memory:
-        return args.kv_cache_memory
+def kv_cache_budget(
+    args: EngineArgs, device: torch.device = torch.device("cpu"), cfg=None, graphs: bool = False
+) -> int:
+    """Bytes for the KV cache: given (--kv-cache-memory-bytes, alias --kv-cache-memory), or a fraction of the memory
+    free now, or on a GPU what --gpu-memory-utilization leaves after the weights (loaded by now), the activation
+    reserve of `cfg` and, with CUDA graphs, the graph pool (models.memory_plan.gpu_kv_budget); the CPU: 256 MiB."""
+    if args.kv_cache_memory_bytes or args.kv_cache_memory:
+        return args.kv_cache_memory_bytes or args.kv_cache_memory
     if args.kv_cache_memory_fraction:
         if device.type == "cuda":
             return int(torch.cuda.mem_get_info(device)[0] * args.kv_cache_memory_fraction)
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         return int(free * args.kv_cache_memory_fraction)
+    if device.type == "cuda" and cfg is not None:
+        from ..models.memory_plan import GRAPH_POOL_BYTES, PlanOptions, activation_bytes, gpu_kv_budget
+
+        free, total = torch.cuda.mem_get_info(device)
+        opts = PlanOptions(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+        pool = GRAPH_POOL_BYTES if graphs else 0
+        try:
+            return gpu_kv_budget(total, free, args.gpu_memory_utilization, activation_bytes(cfg, opts), pool)
+        except ValueError as e:
+            raise EngineArgsError(str(e)) from None
     return CPU_KV_CACHE_MEMORY
 
 
@@ -155,7 +169,21 @@ class EngineCore:
             window_in_blocks=args.enable_prefix_caching and not replay,
         )
         self.max_model_len = args.max_model_len or self.cfg.max_position_embeddings
-        blocks, slots = layout.plan(kv_cache_budget(args, self.device), args.max_num_seqs)
+        graphs_on = backend == "paged" and self.device.type == "cuda" and not args.enforce_eager
+        budget = kv_cache_budget(args, self.device, self.cfg, graphs_on)
+        # A sized (not given) budget stops at what max_num_seqs sequences of max_model_len can hold: a tiny model
+        # would otherwise get tens of millions of blocks (host bookkeeping per block) it can never fill.
+        most = args.max_num_seqs * (
+            layout.bytes_per_slot + -(-self.max_model_len // layout.block_size) * layout.bytes_per_block
+        )
+        if self.device.type == "cuda" and not (args.kv_cache_memory_bytes or args.kv_cache_memory) and budget > most:
+            _say(
+                "KV cache: %.2f GiB left for it; %.2f GiB holds max_num_seqs x max_model_len",
+                budget / 2**30,
+                most / 2**30,
+            )
+            budget = most
+        blocks, slots = layout.plan(budget, args.max_num_seqs)
         self.kv = PagedKVCache(
             layout,
             blocks,

@@ -340,3 +340,23 @@ def run_plan(args) -> int:
     for problem in p.problems:
         con.print(f"does not fit: {problem}")
     return 1
+
+
+# ------------------------------------------------------------------ the engine's KV budget on a GPU
+def gpu_kv_budget(total: int, free: int, utilization: float, activation: int, graph_pool: int) -> int:
+    """Bytes for the KV cache on a GPU whose memory is `total` with `free` left after the weights were loaded:
+    utilization x total, less what is in use now (this engine's weights, and anything else on the GPU), the
+    activation reserve and the CUDA-graph pool, as vLLM's --gpu-memory-utilization sizes it. Raises ValueError
+    naming what to change when nothing is left."""
+    used = total - free
+    kv = int(utilization * total) - used - activation - graph_pool
+    if kv <= 0:
+        gib = 2**30
+        raise ValueError(
+            f"no GPU memory left for the KV cache: --gpu-memory-utilization {utilization} x {total / gib:.2f} GiB = "
+            f"{utilization * total / gib:.2f} GiB, of which {used / gib:.2f} GiB is in use (weights and anything else "
+            f"on the GPU), {activation / gib:.2f} GiB is reserved for activations and {graph_pool / gib:.2f} GiB for "
+            f"the CUDA-graph pool ({-kv / gib:.2f} GiB short): raise --gpu-memory-utilization, lower "
+            "--max-num-batched-tokens, run --enforce-eager, or spread the model over more GPUs"
+        )
+    return kv

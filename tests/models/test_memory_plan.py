@@ -71,3 +71,40 @@ def test_gpu_count_must_match_the_layout(flash):
 def test_host_memory_short_for_the_tables(flash):
     p = plan(flash, Machine(8, H200.gpu_memory, parse_bytes("1TiB")), PlanOptions(1, 8, True))
     assert not p.fits and any(q.startswith("host: the Engram tables take") for q in p.problems)
+
+
+# ------------------------------------------------------------------ issue 62: --gpu-memory-utilization sizes the KV
+def test_gpu_kv_budget_is_what_the_utilisation_leaves():
+    from dsserve.models.memory_plan import gpu_kv_budget
+
+    gib = 2**30
+    # 141 GiB GPU, 50 GiB in use after the weights: 0.9 x 141 - 50 - 2 - 2 = 72.9 GiB
+    assert gpu_kv_budget(141 * gib, 91 * gib, 0.9, 2 * gib, 2 * gib) == int(0.9 * 141 * gib) - 54 * gib
+    with pytest.raises(ValueError, match=r"no GPU memory left.*short\): raise --gpu-memory-utilization"):
+        gpu_kv_budget(80 * gib, 10 * gib, 0.9, 2 * gib, 2 * gib)
+
+
+def test_engine_kv_budget_with_fake_free_memory(monkeypatch):
+    import torch
+
+    from dsserve.engine.args import EngineArgs, EngineArgsError
+    from dsserve.engine.core import CPU_KV_CACHE_MEMORY, kv_cache_budget
+    from dsserve.models.memory_plan import GRAPH_POOL_BYTES, activation_bytes
+
+    gib, cfg = 2**30, preset("tiny")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * gib, 141 * gib))
+    cuda = torch.device("cuda")
+    act = activation_bytes(cfg, PlanOptions())
+    assert kv_cache_budget(EngineArgs(), cuda, cfg, graphs=True) == int(0.9 * 141 * gib) - 41 * gib - act - (
+        GRAPH_POOL_BYTES
+    )
+    assert kv_cache_budget(EngineArgs(gpu_memory_utilization=0.5), cuda, cfg) == int(0.5 * 141 * gib) - 41 * gib - act
+    assert kv_cache_budget(EngineArgs(kv_cache_memory_bytes=3 * gib), cuda, cfg) == 3 * gib
+    assert kv_cache_budget(EngineArgs(kv_cache_memory=3 * gib), cuda, cfg) == 3 * gib  # the old name, an alias
+    with pytest.raises(EngineArgsError, match="raise --gpu-memory-utilization"):
+        kv_cache_budget(EngineArgs(gpu_memory_utilization=0.2), cuda, cfg)
+    assert kv_cache_budget(EngineArgs(), torch.device("cpu"), cfg) == CPU_KV_CACHE_MEMORY  # the CPU stays small
+    with pytest.raises(EngineArgsError, match="same setting"):
+        EngineArgs(kv_cache_memory=1 << 20, kv_cache_memory_bytes=2 << 20)
+    with pytest.raises(EngineArgsError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
+        EngineArgs(gpu_memory_utilization=1.5)
