@@ -220,10 +220,12 @@ def load_release(
     engram_tables: str = "device",
     keep_dense: bool | None = None,
     huge_pages: bool = False,
+    progress: bool | None = None,
 ) -> tuple[nn.Module, LoadReport]:
     """The model of `cfg` with the checkpoint at `path` loaded as the module docstring says; returns it (eval
     mode, on `device`) and a LoadReport. keep_dense None: True on the CPU (the reference path and the tests'
-    oracle read the dense experts there), False elsewhere."""
+    oracle read the dense experts there), False elsewhere. progress: a rich progress bar of the bytes read and
+    their rate on stderr (None: when stderr is a terminal)."""
     from .model import DeepseekForCausalLM
 
     if quantization not in QUANTIZATIONS:
@@ -245,9 +247,11 @@ def load_release(
         _rebuild_tables(net)
         src = _Source(cfg, files, layout)
         done_moes: set[str] = set()
+        bar = _progress_bar(progress, f"loading {cfg.name}", _share_bytes(src))
         for name, spec in src.specs.items():
             if spec.quant == "scale":
                 continue
+            bar.update(files.bytes_read)
             m = _EXPERT.match(name)
             if m:
                 if m.group(1) not in done_moes:
@@ -278,12 +282,58 @@ def load_release(
             for layer in net.layers:
                 fuse_gate_up(layer.ffn.shared_experts)
         report.bytes_read = files.bytes_read
+        bar.close(files.bytes_read)
     if net.engram_token_map is not None and net.engram_token_map.is_meta:  # the model's one computed buffer
         net.engram_token_map = torch.arange(cfg.vocab_size, device=device)
     left = [n for n, p in list(net.named_parameters()) + list(net.named_buffers()) if p.is_meta]
     _fail(f"model of {cfg.name!r}: tensors the checkpoint did not fill", left)
     report.seconds = time.perf_counter() - t0
     return net, report
+
+
+def _share_bytes(src: _Source) -> int:
+    """Bytes this rank's share reads (the progress bar's total)."""
+    total = 0
+    for name, spec in src.specs.items():
+        owner = spec.owner or name
+        share = src.share(owner)
+        if share is None:
+            continue
+        total += spec.nbytes * ((share[2] - share[1]) / src.specs[owner].shape[share[0]] if share else 1)
+    return int(total)
+
+
+class _progress_bar:
+    """rich's transfer bar (bytes, rate, time left) on stderr, or nothing."""
+
+    def __init__(self, on: bool | None, what: str, total: int):
+        import sys
+
+        self.bar = None
+        if on or (on is None and sys.stderr.isatty()):
+            from rich.console import Console
+            from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+            self.bar = Progress(
+                "[progress.description]{task.description}",
+                BarColumn(),
+                DownloadColumn(binary_units=True),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+                transient=False,
+            )
+            self.task = self.bar.add_task(what, total=total)
+            self.bar.start()
+
+    def update(self, done: int) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done)
+
+    def close(self, done: int) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done)
+            self.bar.stop()
 
 
 def _rebuild_tables(net: nn.Module) -> None:
