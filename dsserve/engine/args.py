@@ -63,23 +63,26 @@ class EngineArgs:
         metadata=_h(
             "fp8: the dense projections the release stores in FP8 (attention, indexer wq_b, shared experts, Engram "
             "wkv) in its e4m3 weights with 32x32 (V4: 128x128) ue8m0 block scales, through the Triton FP8 kernel on "
-            "GPU | None: the weights as loaded"
+            "GPU | none: dense (dequantised) | None: follow the checkpoint (on a GPU a quantised checkpoint stays FP8; "
+            "the CPU and dummy weights: dense)"
         ),
     )
     expert_format: str | None = field(
         default=None,
         metadata=_h(
-            "the routed experts' storage: mxfp4 (the release's) | fp8 (32x32 ue8m0 blocks) | None: as loaded. With "
+            "the routed experts' storage: mxfp4 (the release's) | fp8 (32x32 ue8m0 blocks) | none: dense | None: "
+            "follow the checkpoint (on a GPU its MXFP4 experts stay packed; the CPU and dummy weights: dense). With "
             "dummy weights they are built on the device and packed layer by layer (the release proxy fits one "
             "H200); the dense copies are kept, rounded, only on the CPU"
         ),
     )
     engram_tables: str = field(
-        default="device",
+        default="auto",
         metadata=_h(
-            "where the Engram n-gram tables live: device | host (pinned host memory, the model's values; each step's "
-            "rows are copied on a side stream while earlier layers run) | host-fp8 (host, in the release's FP8 "
-            "layout, half the bytes of bf16)"
+            "where the Engram n-gram tables live: auto (on a GPU: the device when the memory plan has room, else "
+            "host memory in the checkpoint's form; the CPU: device) | device | host (pinned host memory, the model's "
+            "values; each step's rows are copied on a side stream while earlier layers run) | host-fp8 (host, in "
+            "the release's FP8 layout, half the bytes of bf16)"
         ),
     )
     device: str = field(default="auto", metadata=_h("auto (cuda when a GPU is visible) | cpu | cuda | cuda:N"))
@@ -136,10 +139,12 @@ class EngineArgs:
     )
 
     def __post_init__(self):
-        if self.quantization not in (None, "fp8"):
-            raise EngineArgsError(f"quantization must be fp8 or None, got {self.quantization!r}")
-        if self.expert_format not in (None, "fp8", "mxfp4"):  # models.quantize.EXPERT_FORMATS
-            raise EngineArgsError(f"expert_format must be mxfp4, fp8 or None, got {self.expert_format!r}")
+        if self.quantization not in (None, "fp8", "none"):
+            raise EngineArgsError(f"quantization must be fp8, none or None, got {self.quantization!r}")
+        if self.expert_format not in (None, "fp8", "mxfp4", "none"):  # models.quantize.EXPERT_FORMATS
+            raise EngineArgsError(
+                f"expert_format must be mxfp4, fp8 or None, got {self.expert_format!r} (or none: dense experts)"
+            )
         if self.attention_backend not in ("auto", "paged", "reference"):
             raise EngineArgsError(f"attention_backend must be auto, paged or reference, got {self.attention_backend!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -150,8 +155,10 @@ class EngineArgs:
             parse_reference_ops(self.reference_ops)
         except ValueError as e:
             raise EngineArgsError(str(e)) from None
-        if self.engram_tables not in ("device", "host", "host-fp8"):
-            raise EngineArgsError(f"engram_tables must be device, host or host-fp8, got {self.engram_tables!r}")
+        if self.engram_tables not in ("auto", "device", "host", "host-fp8"):
+            raise EngineArgsError(
+                f"engram_tables must be device, host or host-fp8 (or auto), got {self.engram_tables!r}"
+            )
         if self.replay_form not in ("report", "vllm"):
             raise EngineArgsError(f"replay_form must be 'report' or 'vllm', got {self.replay_form!r}")
         if self.replay_window is not None and self.replay_window < 1:

@@ -73,6 +73,49 @@ def kv_cache_budget(
     return CPU_KV_CACHE_MEMORY
 
 
+def choose_forms(args: EngineArgs, device: torch.device, loaded: LoadedModel | None = None) -> EngineArgs:
+    """``args`` with --quantization / --expert-format / --engram-tables made concrete (models.memory_plan.
+    choose_forms: a checkpoint runs as stored on a GPU) and the reasons logged; on a GPU the memory plan is logged
+    too, and weights that cannot fit the budget fail here, before anything is loaded."""
+    from dataclasses import replace
+
+    from ..models import memory_plan as mp
+    from ..models.loader import resolve_config
+    from ..models.presets import model_dir
+
+    on_gpu = device.type == "cuda" and loaded is None
+    cfg = loaded.cfg if loaded is not None else resolve_config(args.model)
+    from_checkpoint = loaded is None and args.load_format != "dummy" and os.path.isdir(model_dir(args.model))
+    machine = opts = None
+    if on_gpu:
+        free, total = torch.cuda.mem_get_info(device)
+        host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        machine = mp.Machine(1, total, host)
+        opts = mp.PlanOptions(
+            dtype=args.dtype,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            context=args.max_model_len or cfg.max_position_embeddings,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            graph_pool=0 if args.enforce_eager else mp.GRAPH_POOL_BYTES,
+        )
+    q, ef, et, why = mp.choose_forms(
+        cfg, from_checkpoint, on_gpu, args.quantization, args.expert_format, args.engram_tables, machine, opts
+    )
+    if why and (on_gpu or from_checkpoint):
+        _say("formats: %s", "; ".join(why))
+    if on_gpu:
+        p = mp.plan(cfg, machine, replace(opts, quantization=q, expert_format=ef, engram_tables=et))
+        for line in p.lines():
+            _say("%s", line)
+        on_device = p.weight_bytes + (p.engram_bytes if et == "device" else 0)
+        if on_device > p.budget:
+            raise EngineArgsError(
+                f"{cfg.name} does not fit this GPU: " + "; ".join(p.problems) + " (see `dsserve plan`)"
+            )
+    return replace(args, quantization=q, expert_format=ef, engram_tables=et)
+
+
 def log_to_stderr() -> None:
     """Start-up facts go to stderr like vLLM's (level and time first: a stall in a server's log can then be matched
     to the requests it held up), unless the user configured logging for "dsserve"."""
@@ -127,6 +170,7 @@ class EngineCore:
         jit_compiles.watch()  # process-wide; this engine counts the compiles from here on (its model's build too)
         self._jit_base = jit_compiles.COMPILES.snapshot()
         self.device = resolve_device(args.device)  # first: a dummy model with packed experts is built there
+        args = self.args = choose_forms(args, self.device, loaded)
         lm = loaded or load_model(
             args.model,
             args.load_format,

@@ -149,26 +149,35 @@ class CheckpointFiles:
         with self._lock:
             self.bytes_read += got
 
-    def read(self, name: str, dim: int | None = None, part: tuple[int, int] | None = None) -> torch.Tensor:
+    def buffer(self, name: str, dim: int | None = None, part: tuple[int, int] | None = None) -> torch.Tensor:
+        """Uninitialised uint8 storage for ``read(name, dim, part)`` (a reader thread then only fills it: memory
+        freed by the thread that allocated it goes back to that thread's malloc arena, so allocating in the
+        consuming thread keeps the read-ahead from spreading freed memory over one arena per reader)."""
+        t = self.tensors[name]
+        n = t.nbytes if part is None else t.nbytes // t.shape[dim] * (part[1] - part[0])
+        return torch.empty(n, dtype=torch.uint8)
+
+    def read(
+        self, name: str, dim: int | None = None, part: tuple[int, int] | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Tensor `name` (a CPU tensor of its stored dtype), or only indices [part[0], part[1]) along `dim`
-        (0 or 1): a row slice is one read, a column slice one read per row."""
+        (0 or 1): a row slice is one read, a column slice one read per row. out: a ``buffer`` to read into."""
         t = self.tensors[name]
         dtype, item = ST_DTYPES[t.dtype], ST_ITEMSIZE[t.dtype]
         shape = list(t.shape)
+        out = self.buffer(name, dim, part) if out is None else out
         if part is None:
-            out = torch.empty(t.nbytes, dtype=torch.uint8)
             self._pread(t, name, out, t.begin)
             return out.view(dtype).view(shape)
         lo, hi = part
         if dim == 0:
             row = item * math.prod(shape[1:])
-            out = torch.empty((hi - lo) * row, dtype=torch.uint8)
             self._pread(t, name, out, t.begin + lo * row)
             return out.view(dtype).view([hi - lo, *shape[1:]])
         if dim != 1 or len(shape) != 2:
             raise ValueError(f"tensor {name!r}: slices along dim 0, or dim 1 of a matrix, not dim {dim} of {shape}")
         rows, cols = shape
-        out = torch.empty(rows, (hi - lo) * item, dtype=torch.uint8)
+        out = out.view(rows, (hi - lo) * item)
         for r in range(rows):
             self._pread(t, name, out[r], t.begin + (r * cols + lo) * item)
         return out.view(dtype)

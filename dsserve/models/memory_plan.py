@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..distributed.layout import ParallelLayout
 from .accounting import kv_bytes
@@ -360,3 +360,55 @@ def gpu_kv_budget(total: int, free: int, utilization: float, activation: int, gr
             "--max-num-batched-tokens, run --enforce-eager, or spread the model over more GPUs"
         )
     return kv
+
+
+# ------------------------------------------------------------------ defaults that follow the checkpoint
+def choose_forms(
+    cfg: ModelConfig,
+    from_checkpoint: bool,
+    on_gpu: bool,
+    quantization: str | None,
+    expert_format: str | None,
+    engram_tables: str,
+    machine: Machine | None = None,
+    opts: PlanOptions | None = None,
+) -> tuple[str | None, str | None, str, list[str]]:
+    """The runtime forms an engine uses, and why (issue 53.5). None / "auto" follow the checkpoint on a GPU: its
+    FP8 dense weights stay FP8, its MXFP4 experts stay packed, and its Engram tables go to the device when the
+    plan has room for them beside the weights with half the budget left for KV, else to host memory (FP8 as
+    stored). "none" asks for the dequantised form. The CPU (the reference path, for tiny models) and dummy
+    weights dequantise, as before."""
+    why = []
+    stored = on_gpu and from_checkpoint and cfg.quantized
+    q, ef = quantization, expert_format
+    if q is None:
+        q = "fp8" if stored else None
+        why.append(
+            "quantization fp8: the checkpoint's FP8 dense weights, kept as stored"
+            if q
+            else "quantization none: dense weights"
+            + (" (the CPU's reference path dequantises)" if from_checkpoint and not on_gpu else "")
+        )
+    if ef is None:
+        ef = "mxfp4" if stored and cfg.expert_dtype == "fp4" else None
+        why.append("expert_format mxfp4: the checkpoint's packed experts, kept" if ef else "expert_format none: dense")
+    q, ef = (None if v == "none" else v for v in (q, ef))
+    et = engram_tables
+    if et == "auto":
+        if not (on_gpu and cfg.engram_layer_ids):
+            et = "device"
+            why.append("engram_tables device" + ("" if on_gpu else ": the CPU"))
+        else:
+            p = plan(cfg, machine, replace(opts, quantization=q, expert_format=ef, engram_tables="auto"))
+            et = p.engram_where if p.engram_where == "device" or cfg.quantized else "host"
+            gib = 2**30
+            why.append(
+                f"engram_tables {et}: "
+                + (
+                    "the tables fit the device budget"
+                    if et == "device"
+                    else f"{p.engram_bytes / gib:.1f} GiB of tables do not fit beside {p.weight_bytes / gib:.1f} GiB "
+                    f"of weights in {p.budget / gib:.1f} GiB with half of it left for KV"
+                )
+            )
+    return q, ef, et, why

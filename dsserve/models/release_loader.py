@@ -150,21 +150,95 @@ def _scale_share(share: tuple, spec: TensorSpec, block: int) -> tuple:
 
 
 class _Source:
-    """Reads one weight (and its scale) as this rank's share."""
+    """Reads one weight (and its scale) as this rank's share; from the read-ahead when one runs."""
 
     def __init__(self, cfg: ModelConfig, files: CheckpointFiles, layout: ParallelLayout):
         self.cfg, self.files, self.layout = cfg, files, layout
         self.specs = release_layout(cfg)
+        self.ahead: _ReadAhead | None = None
 
     def share(self, name: str) -> tuple | None:
         return rank_share(name, self.specs[name], self.cfg, self.layout)
 
     def read(self, name: str, share: tuple = ()) -> torch.Tensor:
+        if self.ahead is not None:
+            t = self.ahead.take((name, share))
+            if t is not None:
+                return t
         return self.files.read(name, *((share[0], share[1:]) if share else ()))
 
     def read_scale(self, name: str, share: tuple = ()) -> torch.Tensor:
         s = _scale_share(share, self.specs[name], self.cfg.weight_block_size)
         return self.read(scale_name(name), s)
+
+
+class _ReadAhead:
+    """Reads the next tensors of a known order on `threads` threads (pread releases the GIL, and shards live in
+    separate files), holding at most `max_bytes` read but not yet taken (always at least one)."""
+
+    def __init__(self, files: CheckpointFiles, order, threads: int, max_bytes: int = 16 << 20):
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.files, self.order, self.max_bytes = files, iter(order), max_bytes
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="dsserve-load")
+        self.queue, self.held = deque(), 0
+        self._fill()
+
+    def _fill(self) -> None:
+        while not self.queue or self.held < self.max_bytes:
+            key = next(self.order, None)
+            if key is None:
+                return
+            name, share = key
+            args = (share[0], share[1:]) if share else (None, None)
+            out = self.files.buffer(name, *args)  # allocated here, in the consuming thread
+            self.queue.append((key, out.numel(), self.pool.submit(self.files.read, name, *args, out)))
+            self.held += self.queue[-1][1]
+
+    def take(self, key) -> torch.Tensor | None:
+        """The tensor of `key` if it is next in the order (None otherwise: the caller reads it itself)."""
+        if not self.queue or self.queue[0][0] != key:
+            return None
+        _, size, fut = self.queue.popleft()
+        self.held -= size
+        self._fill()
+        return fut.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _load_order(src: _Source):
+    """(name, share) of every read load_release makes, in its order (what the read-ahead runs ahead on)."""
+    done = set()
+    for name, spec in src.specs.items():
+        if spec.quant == "scale":
+            continue
+        m = _EXPERT.match(name)
+        if m:
+            if m.group(1) in done:
+                continue
+            done.add(m.group(1))
+            n_exp = src.cfg.n_routed_experts if name.startswith("layers.") else src.cfg.dspark_n_routed_experts
+            ids = src.layout.experts(n_exp) if src.layout.ep_size > 1 else range(n_exp)
+            for k in ("w1", "w3", "w2"):
+                for e in ids:
+                    w = f"{m.group(1)}.experts.{e}.{k}.weight"
+                    yield (w, ())
+                    if scale_name(w) in src.specs:
+                        yield (scale_name(w), ())
+        elif name.endswith("engram.embed.weight"):
+            rows, dim = spec.shape
+            step = max(1, ROW_CHUNK_ELEMS // dim)
+            for r in range(0, rows, step):
+                yield (name, (0, r, min(rows, r + step)))
+                if spec.quant == "engram_fp8":
+                    yield (scale_name(name), (0, r, min(rows, r + step)))
+        else:
+            yield (name, ())
+            if scale_name(name) in src.specs:
+                yield (scale_name(name), ())
 
 
 def read_rank_tensors(cfg: ModelConfig, files: CheckpointFiles, layout: ParallelLayout):
@@ -221,11 +295,13 @@ def load_release(
     keep_dense: bool | None = None,
     huge_pages: bool = False,
     progress: bool | None = None,
+    threads: int = 4,
 ) -> tuple[nn.Module, LoadReport]:
     """The model of `cfg` with the checkpoint at `path` loaded as the module docstring says; returns it (eval
     mode, on `device`) and a LoadReport. keep_dense None: True on the CPU (the reference path and the tests'
     oracle read the dense experts there), False elsewhere. progress: a rich progress bar of the bytes read and
-    their rate on stderr (None: when stderr is a terminal)."""
+    their rate on stderr (None: when stderr is a terminal). threads: readers running ahead of the conversion
+    (at most 16 MiB read and not yet used); 0 reads in line."""
     from .model import DeepseekForCausalLM
 
     if quantization not in QUANTIZATIONS:
@@ -248,41 +324,46 @@ def load_release(
         src = _Source(cfg, files, layout)
         done_moes: set[str] = set()
         bar = _progress_bar(progress, f"loading {cfg.name}", _share_bytes(src))
-        for name, spec in src.specs.items():
-            if spec.quant == "scale":
-                continue
-            bar.update(files.bytes_read)
-            m = _EXPERT.match(name)
-            if m:
-                if m.group(1) not in done_moes:
-                    done_moes.add(m.group(1))
-                    fmt = expert_format if name.startswith("layers.") else None  # the draft's experts stay dense
-                    _load_experts(net, src, m.group(1), fmt, keep_dense, device, dtype, report)
-                continue
-            mname, _ = model_name_for(name)
-            if spec.quant == "fp8":
-                w, s = src.read(name), src.read_scale(name)
-                if quantization == "fp8" and _fp8_linear_fits(name, cfg):
-                    groups = cfg.o_groups if name.endswith("wo_a.weight") else 1
-                    owner, _, attr = mname.removesuffix(".weight").rpartition(".")
-                    lin = Fp8Linear(w.to(device), s.to(device), cfg.weight_block_size, groups)
-                    setattr(net.get_submodule(owner), attr, lin)
-                    report.count("fp8_linear")
+        src.ahead = _ReadAhead(files, _load_order(src), threads) if threads > 0 else None
+        try:
+            for name, spec in src.specs.items():
+                if spec.quant == "scale":
+                    continue
+                bar.update(files.bytes_read)
+                m = _EXPERT.match(name)
+                if m:
+                    if m.group(1) not in done_moes:
+                        done_moes.add(m.group(1))
+                        fmt = expert_format if name.startswith("layers.") else None  # the draft's experts stay dense
+                        _load_experts(net, src, m.group(1), fmt, keep_dense, device, dtype, report)
+                    continue
+                mname, _ = model_name_for(name)
+                if spec.quant == "fp8":
+                    w, s = src.read(name), src.read_scale(name)
+                    if quantization == "fp8" and _fp8_linear_fits(name, cfg):
+                        groups = cfg.o_groups if name.endswith("wo_a.weight") else 1
+                        owner, _, attr = mname.removesuffix(".weight").rpartition(".")
+                        lin = Fp8Linear(w.to(device), s.to(device), cfg.weight_block_size, groups)
+                        setattr(net.get_submodule(owner), attr, lin)
+                        report.count("fp8_linear")
+                    else:
+                        _set(net, mname, dequant_fp8_block(w, s, cfg.weight_block_size).to(device, dtype))
+                        report.count("dequantised")
+                elif name.endswith("engram.embed.weight"):  # FP8 as stored, or plain (an unquantised checkpoint)
+                    _load_engram(net, src, name, spec, engram_tables, device, dtype, huge_pages)
+                    report.count(f"engram_{engram_tables}")
                 else:
-                    _set(net, mname, dequant_fp8_block(w, s, cfg.weight_block_size).to(device, dtype))
-                    report.count("dequantised")
-            elif spec.quant == "engram_fp8":
-                _load_engram(net, src, name, spec, engram_tables, device, dtype, huge_pages)
-                report.count(f"engram_{engram_tables}")
-            else:
-                t = src.read(name)
-                _set(net, mname, t.to(device, dtype if t.is_floating_point() else t.dtype))
-                report.count("plain")
-        if quantization == "fp8":
-            for layer in net.layers:
-                fuse_gate_up(layer.ffn.shared_experts)
+                    t = src.read(name)
+                    _set(net, mname, t.to(device, dtype if t.is_floating_point() else t.dtype))
+                    report.count("plain")
+            if quantization == "fp8":
+                for layer in net.layers:
+                    fuse_gate_up(layer.ffn.shared_experts)
+        finally:
+            if src.ahead is not None:
+                src.ahead.close()
+            bar.close(files.bytes_read)
         report.bytes_read = files.bytes_read
-        bar.close(files.bytes_read)
     if net.engram_token_map is not None and net.engram_token_map.is_meta:  # the model's one computed buffer
         net.engram_token_map = torch.arange(cfg.vocab_size, device=device)
     left = [n for n, p in list(net.named_parameters()) + list(net.named_buffers()) if p.is_meta]
@@ -421,8 +502,8 @@ def _load_engram(net, src: _Source, name: str, spec: TensorSpec, where: str, dev
         mem, data = None, torch.empty(rows, dim, dtype=dtype, device=device)
     for r in range(0, rows, step):
         hi = min(rows, r + step)
-        w = src.files.read(name, 0, (r, hi))
-        s = src.files.read(scale_name(name), 0, (r, hi)) if spec.quant == "engram_fp8" else None
+        w = src.read(name, (0, r, hi))
+        s = src.read(scale_name(name), (0, r, hi)) if spec.quant == "engram_fp8" else None
         if where == "host-fp8" and s is not None:
             data[r:hi, :dim].copy_(w.view(torch.uint8))
             data[r:hi, dim:].copy_(s.view(torch.uint8))

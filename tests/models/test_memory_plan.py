@@ -108,3 +108,26 @@ def test_engine_kv_budget_with_fake_free_memory(monkeypatch):
         EngineArgs(kv_cache_memory=1 << 20, kv_cache_memory_bytes=2 << 20)
     with pytest.raises(EngineArgsError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
         EngineArgs(gpu_memory_utilization=1.5)
+
+
+# ------------------------------------------------------------------ issue 53.5: defaults follow the checkpoint
+def test_a_checkpoint_runs_as_stored_on_a_gpu_and_dense_on_the_cpu():
+    from dsserve.models.memory_plan import choose_forms
+
+    tiny, gib = preset("tiny"), 2**30
+    big = Machine(1, 141 * gib, 2 * 2**40)
+    q, ef, et, why = choose_forms(tiny, True, True, None, None, "auto", big, PlanOptions())
+    assert (q, ef, et) == ("fp8", "mxfp4", "device") and "kept as stored" in why[0]
+    # a GPU too small for the tables beside the weights with half the budget left: host memory, FP8 as stored
+    small = Machine(1, 2 * 2**20 + PlanOptions().graph_pool + 2 * gib, 2 * 2**40)
+    q, ef, et, why = choose_forms(tiny, True, True, None, None, "auto", small, PlanOptions(max_num_batched_tokens=16))
+    assert et == "host-fp8" and "do not fit beside" in why[-1]
+    # flags override; "none" asks for the dequantised form
+    assert choose_forms(tiny, True, True, "none", "fp8", "host", big, PlanOptions())[:3] == (None, "fp8", "host")
+    # the CPU's reference path and dummy weights stay dense, as before
+    assert choose_forms(tiny, True, False, None, None, "auto")[:3] == (None, None, "device")
+    assert choose_forms(tiny, False, True, None, None, "auto", big, PlanOptions())[:2] == (None, None)
+    # an unquantised checkpoint (issue 52.5) stays plain; its tables go to host memory as floats when short
+    plain = tiny.with_options(quantized=False)
+    q, ef, et, _ = choose_forms(plain, True, True, None, None, "auto", small, PlanOptions(max_num_batched_tokens=16))
+    assert (q, ef, et) == (None, None, "host")

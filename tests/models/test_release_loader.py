@@ -286,8 +286,9 @@ print(json.dumps({"base": base, "peak": peak, "held": held, "read": report.bytes
 
 def test_peak_host_memory_stays_within_the_largest_tensor_and_a_margin(tmp_path):
     """Issue 53.3: streaming holds one tensor beyond what the model keeps; the dense path holds the dense model.
-    Measured in a subprocess (VmHWM after resetting it with /proc/self/clear_refs). The margin (48 MiB) covers the
-    allocator's slack and the Python objects of ~5,000 tensors; it is a bound, not a timing."""
+    Measured in a subprocess (VmHWM after resetting it with /proc/self/clear_refs). The margin (64 MiB) covers the
+    read-ahead (at most 16 MiB read and not yet used, and the heap it fragments: ~50 MB measured), the allocator's
+    slack and the Python objects of ~5,000 tensors; it is a bound, not a timing."""
     import subprocess
     import sys
 
@@ -305,7 +306,7 @@ def test_peak_host_memory_stays_within_the_largest_tensor_and_a_margin(tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     m = json.loads(out.stdout.strip().splitlines()[-1])
     assert m["read"] == total
-    bound = m["held"] + largest + (48 << 20)
+    bound = m["held"] + largest + (64 << 20)
     assert m["peak"] - m["base"] <= bound, (m, bound)
     dense = sum(4 * math.prod(shape) for shape, _ in model_shapes(cfg).values())  # today's fp32 build alone
     assert dense > bound + (500 << 20)
