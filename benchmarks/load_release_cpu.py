@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import shutil
@@ -91,14 +92,18 @@ def main() -> None:
     from dsserve.models.presets import preset
 
     cfg = preset("tiny").with_options(
-        vocab_size=1_200_000, n_routed_experts=32, moe_intermediate_size=2048, engram_vocab_size=700_000, name="bench-2g"
+        vocab_size=1_200_000,
+        n_routed_experts=32,
+        moe_intermediate_size=2048,
+        engram_vocab_size=700_000,
+        name="bench-2g",
     )
     tmp = args.dir or tempfile.mkdtemp(prefix="dsserve-load-bench-")
     t0 = time.perf_counter()
     total = write_random_release(cfg, tmp, max_shard_bytes=512 << 20)
     write_s = time.perf_counter() - t0
     read_bytes, read_s = read_rate(tmp)
-    dense = sum(4 * int(__import__("math").prod(s)) for s, _ in model_shapes(cfg).values())
+    dense = sum(4 * int(math.prod(s)) for s, _ in model_shapes(cfg).values())
     rows = []
     for which in args.paths.split(","):
         threads = args.threads if which == "new-threads" else 0
