@@ -182,6 +182,16 @@ class EngineCore:
             quantization=args.quantization,  # a checkpoint loads straight into these forms (release_loader)
             engram_tables=args.engram_tables,
         )
+        if lm.report is not None:  # a checkpoint: what was read, how fast, and into which runtime forms
+            r = lm.report
+            _say(
+                "loaded %s: %.2f GB in %.1f s (%.0f MB/s); tensors by form: %s",
+                args.model,
+                r.bytes_read / 1e9,
+                r.seconds,
+                r.bytes_read / max(r.seconds, 1e-9) / 1e6,
+                ", ".join(f"{k} {v}" for k, v in r.forms.items()),
+            )
         if loaded is not None and args.expert_format:  # layers already packed in that format are left alone
             quantize_experts(lm.model, args.expert_format, keep_dense=self.device.type == "cpu")
         if args.engram_tables != "device":  # before .to(device): the real tables are hundreds of GB

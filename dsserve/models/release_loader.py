@@ -26,6 +26,7 @@ execution is the parallel-execution issue's.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from dataclasses import dataclass, field
@@ -318,7 +319,7 @@ def load_release(
     report = LoadReport()
     with CheckpointFiles(path) as files:
         check_files(cfg, files)
-        with torch.device("meta"):
+        with torch.device("meta"), _no_init():
             net = DeepseekForCausalLM(cfg).eval()
         _rebuild_tables(net)
         src = _Source(cfg, files, layout)
@@ -415,6 +416,33 @@ class _progress_bar:
         if self.bar is not None:
             self.bar.update(self.task, completed=done)
             self.bar.stop()
+
+
+@contextlib.contextmanager
+def _no_init():
+    """While the model is built on the meta device: nn.init's fills do nothing (they would compute nothing there),
+    and the RoPE frequencies (host tables outside the parameters) are computed on the CPU. Either, on meta, goes
+    through torch's reference decompositions, whose first use imports sympy (~3 s)."""
+    from ..layers import rope
+
+    names = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_")
+    names += ("xavier_normal_", "zeros_", "ones_", "constant_")
+    saved = {n: getattr(nn.init, n) for n in names}
+    inv_freq = rope.inv_freq
+
+    def on_cpu(spec):
+        with torch.device("cpu"):
+            return inv_freq(spec)
+
+    for n in names:
+        setattr(nn.init, n, lambda t, *a, **k: t)
+    rope.inv_freq = on_cpu
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)
+        rope.inv_freq = inv_freq
 
 
 def _rebuild_tables(net: nn.Module) -> None:
