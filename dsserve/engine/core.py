@@ -225,17 +225,19 @@ class EngineCore:
         self.max_model_len = args.max_model_len or self.cfg.max_position_embeddings
         graphs_on = backend == "paged" and self.device.type == "cuda" and not args.enforce_eager
         budget = kv_cache_budget(args, self.device, self.cfg, graphs_on)
-        # A sized (not given) budget stops at what max_num_seqs sequences of max_model_len can hold: a tiny model
-        # would otherwise get tens of millions of blocks (host bookkeeping per block) it can never fill.
-        most = args.max_num_seqs * (
-            layout.bytes_per_slot + -(-self.max_model_len // layout.block_size) * layout.bytes_per_block
+        # A sized (not given) budget stops at what max_num_seqs sequences of max_model_len can hold or 2 M blocks,
+        # the larger: the block pool keeps host bookkeeping per block (a tiny model would get ~18 M on an H200).
+        from ..models.memory_plan import MAX_SIZED_KV_BLOCKS
+
+        most = (
+            max(
+                args.max_num_seqs * (-(-self.max_model_len // layout.block_size) * layout.bytes_per_block),
+                MAX_SIZED_KV_BLOCKS * layout.bytes_per_block,
+            )
+            + args.max_num_seqs * layout.bytes_per_slot
         )
         if self.device.type == "cuda" and not (args.kv_cache_memory_bytes or args.kv_cache_memory) and budget > most:
-            _say(
-                "KV cache: %.2f GiB left for it; %.2f GiB holds max_num_seqs x max_model_len",
-                budget / 2**30,
-                most / 2**30,
-            )
+            _say("KV cache: %.2f GiB left for it, capped at %.2f GiB", budget / 2**30, most / 2**30)
             budget = most
         blocks, slots = layout.plan(budget, args.max_num_seqs)
         self.kv = PagedKVCache(

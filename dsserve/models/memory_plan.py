@@ -26,6 +26,10 @@ from .checkpoint_layout import release_layout, scale_name
 from .config import ModelConfig
 
 GRAPH_POOL_BYTES = 2 << 30
+# A sized KV cache stops at the larger of what max_num_seqs x max_model_len can hold and this many blocks: the
+# block pool keeps host bookkeeping per block (a tiny model would otherwise get ~18 M blocks on an H200).
+MAX_SIZED_KV_BLOCKS = 1 << 21
+KV_BLOCK_TOKENS = 64
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float64": 8, "float16": 2}
@@ -62,6 +66,7 @@ class PlanOptions:
     context: int = 65536  # tokens of one session, for "sessions of this context"
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
     graph_pool: int = GRAPH_POOL_BYTES  # 0 with --enforce-eager
 
     @property
@@ -85,6 +90,7 @@ class MemoryPlan:
     kv_token_bytes: float
     kv_session_bytes: int  # one session of options.context tokens, windows and state included
     problems: list[str] = field(default_factory=list)
+    kv_capped: bool = False  # the engine's cap on a sized KV cache (MAX_SIZED_KV_BLOCKS) binds
 
     @property
     def weight_bytes(self) -> int:
@@ -121,7 +127,8 @@ class MemoryPlan:
             f"plan: budget {o.gpu_memory_utilization:.2f} x GPU = {self.budget / gib:.2f} GiB; activations "
             f"{self.activation / gib:.2f} GiB (estimate), CUDA-graph pool {self.graph_pool / gib:.2f} GiB; KV "
             f"{self.kv_bytes / gib:.2f} GiB = {self.kv_tokens:,} tokens ({self.kv_token_bytes:.0f} B/token) = "
-            f"{self.sessions:,} sessions of {o.context:,} tokens per GPU",
+            f"{self.sessions:,} sessions of {o.context:,} tokens per GPU"
+            + (" (capped: the most max_num_seqs x max_model_len or 2 M blocks hold)" if self.kv_capped else ""),
         ]
         if o.tensor_parallel_size > 1:
             out.append(
@@ -216,6 +223,9 @@ def plan(cfg: ModelConfig, machine: Machine, opts: PlanOptions) -> MemoryPlan:
     per_session = int(opts.context * token) + kv.swa_per_sequence + kv.draft_swa_per_sequence
     per_session += kv.compressor_state_per_sequence
     kv_total = budget - fixed - on_device
+    longest = opts.max_model_len or cfg.max_position_embeddings
+    most = opts.max_num_seqs * (per_session - int(opts.context * token) + int(longest * token))
+    most = max(most, int(MAX_SIZED_KV_BLOCKS * KV_BLOCK_TOKENS * token))
     gib = 2**30
     if kv_total < per_session:
         short = per_session - kv_total
@@ -248,10 +258,11 @@ def plan(cfg: ModelConfig, machine: Machine, opts: PlanOptions) -> MemoryPlan:
         budget,
         activation,
         opts.graph_pool,
-        kv_total,
+        min(kv_total, most),
         token,
         per_session,
         problems,
+        kv_total > most,
     )
 
 
@@ -267,7 +278,8 @@ def add_plan_args(p) -> None:
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     p.add_argument("--enable-expert-parallel", action="store_true", help="routed experts split over TP x DP ranks")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="the share of a GPU the engine may use")
-    p.add_argument("--context", type=int, default=65536, help="tokens of one session, for the sessions count")
+    p.add_argument("--context", type=int, default=None, help="tokens of one session (default: 65536, or less)")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES), help="dtype of the plain weights")
     p.add_argument(
         "--quantization", default="auto", help="auto (the checkpoint's: fp8 when it is quantised) | fp8 | none"
@@ -294,7 +306,8 @@ def options_from(args, cfg: ModelConfig) -> PlanOptions:
         expert_format=pick(args.expert_format, "mxfp4" if cfg.quantized else None),
         engram_tables=args.engram_tables,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        context=args.context,
+        context=args.context or min(65536, cfg.max_position_embeddings),
+        max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         graph_pool=0 if args.enforce_eager else GRAPH_POOL_BYTES,
@@ -327,7 +340,7 @@ def run_plan(args) -> int:
     t.add_row("activations (estimate)", f"{p.activation / gib:,.2f} GiB")
     t.add_row("CUDA-graph pool reserve", f"{p.graph_pool / gib:,.2f} GiB")
     t.add_row(f"budget ({opts.gpu_memory_utilization} x GPU)", f"{p.budget / gib:,.2f} GiB")
-    t.add_row("KV cache", f"{p.kv_bytes / gib:,.2f} GiB")
+    t.add_row("KV cache", f"{p.kv_bytes / gib:,.2f} GiB" + (" (capped)" if p.kv_capped else ""))
     t.add_row("KV tokens", f"{p.kv_tokens:,} ({p.kv_token_bytes:.0f} B/token)")
     t.add_row(f"sessions of {opts.context:,} tokens", f"{p.sessions:,} ({p.kv_session_bytes / 2**20:,.1f} MiB each)")
     con = Console(width=max(Console().width, 120))

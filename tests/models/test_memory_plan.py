@@ -131,3 +131,12 @@ def test_a_checkpoint_runs_as_stored_on_a_gpu_and_dense_on_the_cpu():
     plain = tiny.with_options(quantized=False)
     q, ef, et, _ = choose_forms(plain, True, True, None, None, "auto", small, PlanOptions(max_num_batched_tokens=16))
     assert (q, ef, et) == (None, None, "host")
+
+
+def test_a_sized_kv_cache_stops_at_two_million_blocks_or_the_longest_need(flash):
+    from dsserve.models.memory_plan import KV_BLOCK_TOKENS, MAX_SIZED_KV_BLOCKS
+
+    tiny = plan(preset("tiny"), H200, PlanOptions())
+    assert tiny.kv_capped and tiny.kv_tokens == MAX_SIZED_KV_BLOCKS * KV_BLOCK_TOKENS
+    dep8 = plan(flash, Machine(8, H200.gpu_memory, H200.host_memory), PlanOptions(1, 8, True))
+    assert not dep8.kv_capped  # the release's 76 GiB are 1.4 M blocks: all of it goes to the KV cache
