@@ -140,3 +140,22 @@ def test_a_sized_kv_cache_stops_at_two_million_blocks_or_the_longest_need(flash)
     assert tiny.kv_capped and tiny.kv_tokens == MAX_SIZED_KV_BLOCKS * KV_BLOCK_TOKENS
     dep8 = plan(flash, Machine(8, H200.gpu_memory, H200.host_memory), PlanOptions(1, 8, True))
     assert not dep8.kv_capped  # the release's 76 GiB are 1.4 M blocks: all of it goes to the KV cache
+
+
+def test_the_engine_refuses_a_model_that_cannot_fit_before_loading_anything(monkeypatch, caplog):
+    """EngineCore's first step on a GPU (faked: only mem_get_info is asked) plans and fails fast, naming the fix."""
+    import torch
+
+    from dsserve.engine.args import EngineArgs, EngineArgsError
+    from dsserve.engine.core import choose_forms
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (139 * gib, 141 * gib))
+    with pytest.raises(EngineArgsError, match=r"v41-flash does not fit this GPU: .* by \d+\.\d+ GiB: use more GPUs"):
+        choose_forms(EngineArgs(model="v41-flash", dtype="bfloat16"), torch.device("cuda"))
+    args = choose_forms(EngineArgs(model="tiny", dtype="bfloat16"), torch.device("cuda"))
+    assert (args.quantization, args.expert_format, args.engram_tables) == (None, None, "device")  # dummy weights
+    args = choose_forms(EngineArgs(model="tiny-trained", dtype="bfloat16"), torch.device("cuda"))
+    assert (args.quantization, args.expert_format, args.engram_tables) == ("fp8", "mxfp4", "device")
+    args = choose_forms(EngineArgs(model="tiny-trained"), torch.device("cpu"))
+    assert (args.quantization, args.expert_format, args.engram_tables) == (None, None, "device")
