@@ -82,7 +82,8 @@ class EngineArgs:
             "where the Engram n-gram tables live: auto (on a GPU: the device when the memory plan has room, else "
             "host memory in the checkpoint's form; the CPU: device) | device | host (pinned host memory, the model's "
             "values; each step's rows are copied on a side stream while earlier layers run) | host-fp8 (host, in "
-            "the release's FP8 layout, half the bytes of bf16)"
+            "the release's FP8 layout, half the bytes of bf16) | host-mmap (a checkpoint's FP8 tables memory-mapped "
+            "from its files: no copy, pages shared by every engine of the host)"
         ),
     )
     device: str = field(default="auto", metadata=_h("auto (cuda when a GPU is visible) | cpu | cuda | cuda:N"))
@@ -155,9 +156,9 @@ class EngineArgs:
             parse_reference_ops(self.reference_ops)
         except ValueError as e:
             raise EngineArgsError(str(e)) from None
-        if self.engram_tables not in ("auto", "device", "host", "host-fp8"):
+        if self.engram_tables not in ("auto", "device", "host", "host-fp8", "host-mmap"):
             raise EngineArgsError(
-                f"engram_tables must be device, host or host-fp8 (or auto), got {self.engram_tables!r}"
+                f"engram_tables must be device, host or host-fp8 (or auto, host-mmap), got {self.engram_tables!r}"
             )
         if self.replay_form not in ("report", "vllm"):
             raise EngineArgsError(f"replay_form must be 'report' or 'vllm', got {self.replay_form!r}")

@@ -99,6 +99,8 @@ def choose_forms(args: EngineArgs, device: torch.device, loaded: LoadedModel | N
             max_num_seqs=args.max_num_seqs,
             graph_pool=0 if args.enforce_eager else mp.GRAPH_POOL_BYTES,
         )
+    if args.engram_tables == "host-mmap" and not from_checkpoint:
+        raise EngineArgsError("engram_tables='host-mmap' maps a checkpoint's files; this model has none (a preset)")
     q, ef, et, why = mp.choose_forms(
         cfg, from_checkpoint, on_gpu, args.quantization, args.expert_format, args.engram_tables, machine, opts
     )

@@ -123,6 +123,15 @@ class CheckpointFiles:
         self.bytes_read = 0
         self._lock = threading.Lock()
         self._fds: dict[str, int] = {}
+        self._maps: dict = {}
+
+    def mapped(self, fn: str):
+        """``fn`` mapped copy-on-write (layers.engram_table.FileMemory), one mapping per file; it outlives close()."""
+        from ..layers.engram_table import FileMemory
+
+        if fn not in self._maps:
+            self._maps[fn] = FileMemory(fn)
+        return self._maps[fn]
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -61,7 +61,7 @@ class PlanOptions:
     dtype: str = "bfloat16"
     quantization: str | None = "fp8"
     expert_format: str | None = "mxfp4"
-    engram_tables: str = "auto"  # auto | device | host | host-fp8
+    engram_tables: str = "auto"  # auto | device | host | host-fp8 | host-mmap
     gpu_memory_utilization: float = 0.9
     context: int = 65536  # tokens of one session, for "sessions of this context"
     max_num_batched_tokens: int = 2048
@@ -215,9 +215,10 @@ def plan(cfg: ModelConfig, machine: Machine, opts: PlanOptions) -> MemoryPlan:
     where = opts.engram_tables
     if where == "auto":  # on the device when they fit beside everything else with half the budget left for KV
         where = "device" if fixed + engram_float <= budget * 0.5 else "host-fp8"
-    engram = engram_fp8 if where == "host-fp8" else engram_float
+    engram = engram_fp8 if where in ("host-fp8", "host-mmap") else engram_float
     on_device = engram if where == "device" else 0
-    host = engram * dp if where != "device" else 0
+    # host copies: one per DP engine, or one per host through the page cache when mapped from the files
+    host = 0 if where == "device" else engram if where == "host-mmap" else engram * dp
     kv = kv_bytes(cfg)
     token = kv.global_per_token
     per_session = int(opts.context * token) + kv.swa_per_sequence + kv.draft_swa_per_sequence
@@ -286,7 +287,9 @@ def add_plan_args(p) -> None:
     )
     p.add_argument("--expert-format", default="auto", help="auto (the checkpoint's: mxfp4) | mxfp4 | fp8 | none")
     p.add_argument(
-        "--engram-tables", default="auto", help="auto (device when they fit, else host-fp8) | device | host | host-fp8"
+        "--engram-tables",
+        default="auto",
+        help="auto (device when they fit, else host-fp8) | device | host | host-fp8 | host-mmap",
     )
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)

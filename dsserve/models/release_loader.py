@@ -12,7 +12,8 @@ time), so the host holds at most about one tensor beyond what the model keeps th
   owns are copied into the layer's ``ExpertWeights``; ``fp8`` re-packs them expert by expert; None dequantises.
   ``keep_dense`` (the CPU's reference path, for tiny models) also keeps the dense experts, as today's CPU path.
 * FP8 Engram tables: ``engram_tables="host-fp8"`` copies them row chunk by row chunk into a host
-  ``EngramTable`` (pinned when CUDA exists) in the stored bytes; ``host`` decodes into a host table of the
+  ``EngramTable`` (pinned when CUDA exists) in the stored bytes; ``host-mmap`` maps the file's own tensors (no
+  copy; pages read on first use and shared through the page cache); ``host`` decodes into a host table of the
   model dtype; ``device`` decodes into ``embed.weight``.
 * Plain tensors are cast to the model dtype (int32 stays) on the target device.
 
@@ -44,7 +45,7 @@ from .checkpoint_layout import IGNORED_PREFIXES, TensorSpec, dtype_accepted, mod
 from .config import ModelConfig
 from .quantize import EXPERT_FORMATS, QUANTIZATIONS, fuse_gate_up
 
-ENGRAM_TABLES = ("device", "host", "host-fp8")
+ENGRAM_TABLES = ("device", "host", "host-fp8", "host-mmap")
 ROW_CHUNK_ELEMS = 1 << 24  # Engram tables stream in chunks of about this many values
 MAX_REPORTED = 8
 
@@ -210,7 +211,7 @@ class _ReadAhead:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _load_order(src: _Source):
+def _load_order(src: _Source, engram_tables: str = "device"):
     """(name, share) of every read load_release makes, in its order (what the read-ahead runs ahead on)."""
     done = set()
     for name, spec in src.specs.items():
@@ -230,6 +231,8 @@ def _load_order(src: _Source):
                     if scale_name(w) in src.specs:
                         yield (scale_name(w), ())
         elif name.endswith("engram.embed.weight"):
+            if engram_tables == "host-mmap":  # mapped, not read
+                continue
             rows, dim = spec.shape
             step = max(1, ROW_CHUNK_ELEMS // dim)
             for r in range(0, rows, step):
@@ -325,7 +328,7 @@ def load_release(
         src = _Source(cfg, files, layout)
         done_moes: set[str] = set()
         bar = _progress_bar(progress, f"loading {cfg.name}", _share_bytes(src))
-        src.ahead = _ReadAhead(files, _load_order(src), threads) if threads > 0 else None
+        src.ahead = _ReadAhead(files, _load_order(src, engram_tables), threads) if threads > 0 else None
         try:
             for name, spec in src.specs.items():
                 if spec.quant == "scale":
@@ -520,6 +523,20 @@ def _load_engram(net, src: _Source, name: str, spec: TensorSpec, where: str, dev
     engram = net.get_submodule(name.removesuffix(".embed.weight"))
     rows, dim = spec.shape
     step = max(1, ROW_CHUNK_ELEMS // dim)
+    if where == "host-mmap":  # the file's own bytes, mapped: nothing read now, nothing copied
+        if spec.quant != "engram_fp8":
+            raise CheckpointError(
+                f"{name}: engram_tables host-mmap maps FP8 tables; this checkpoint stores {spec.dtype}"
+            )
+        w, s = src.files.tensors[name], src.files.tensors[scale_name(name)]
+        mem = src.files.mapped(w.file)
+        smem = src.files.mapped(s.file)
+        data = mem.tensor[w.begin : w.end].view(rows, dim)
+        scale = smem.tensor[s.begin : s.end].view(rows, dim // MX_BLOCK)
+        engram.table = EngramTable(data, "fp8", dim, mem, scale=scale)
+        engram.table.scale_memory = smem
+        engram.embed = nn.Embedding(0, dim, device=device, dtype=dtype)
+        return
     if where == "host-fp8":
         mem = allocate_host(rows * (dim + dim // MX_BLOCK), huge_pages)
         data = mem.tensor.view(rows, dim + dim // MX_BLOCK)

@@ -310,3 +310,22 @@ def test_peak_host_memory_stays_within_the_largest_tensor_and_a_margin(tmp_path)
     assert m["peak"] - m["base"] <= bound, (m, bound)
     dense = sum(4 * math.prod(shape) for shape, _ in model_shapes(cfg).values())  # today's fp32 build alone
     assert dense > bound + (500 << 20)
+
+
+def test_engram_tables_mapped_from_the_file_read_nothing_and_gather_the_same_rows(saved):
+    from dsserve.layers.engram_table import FileMemory
+
+    cfg, path = saved
+    copied, _ = load_release(cfg, path, engram_tables="host-fp8", keep_dense=False, expert_format="mxfp4")
+    mapped, report = load_release(cfg, path, engram_tables="host-mmap", keep_dense=False, expert_format="mxfp4")
+    tables = sum(s.nbytes for n, s in release_layout(cfg).items() if ".engram.embed." in n)
+    assert report.bytes_read == sum(s.nbytes for s in release_layout(cfg).values()) - tables
+    rows = torch.tensor([[0, 5, 77], [3, 3, 1000]])
+    for a, b in zip(copied.layers, mapped.layers):
+        if a.engram is not None:
+            assert isinstance(b.engram.table.memory, FileMemory) and b.engram.table.scale is not None
+            assert torch.equal(a.engram.table.gather(rows), b.engram.table.gather(rows))
+            every = torch.arange(a.engram.table.num_rows)
+            assert torch.equal(a.engram.table.gather(every), b.engram.table.gather(every))
+    prompt = [0, 17, 300, 4095, 52, 9]
+    assert greedy_generate(mapped, prompt, 4) == greedy_generate(copied, prompt, 4)
