@@ -83,7 +83,8 @@ class EngineArgs:
             "host memory in the checkpoint's form; the CPU: device) | device | host (pinned host memory, the model's "
             "values; each step's rows are copied on a side stream while earlier layers run) | host-fp8 (host, in "
             "the release's FP8 layout, half the bytes of bf16) | host-mmap (a checkpoint's FP8 tables memory-mapped "
-            "from its files: no copy, pages shared by every engine of the host)"
+            "from its files: no copy, pages shared by every engine of the host; rows gathered on the host, not by the "
+            "in-place GPU kernel of a pinned table)"
         ),
     )
     device: str = field(default="auto", metadata=_h("auto (cuda when a GPU is visible) | cpu | cuda | cuda:N"))
