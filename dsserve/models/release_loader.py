@@ -18,7 +18,9 @@ time), so the host holds at most about one tensor beyond what the model keeps th
 * Plain tensors are cast to the model dtype (int32 stays) on the target device.
 
 The result equals today's path (``checkpoint.load_checkpoint`` into a dense model, then ``quantize_experts``,
-``move_table_to_host`` and ``quantize_dense_fp8``) bit for bit (tests/models/test_release_loader.py).
+``move_table_to_host`` and ``quantize_dense_fp8``) bit for bit in every value (tests/models/test_release_loader.py);
+the quantised bytes are the file's, where today's re-quantisation picks the next smaller scale for a block whose
+largest value rounded to half the grid's top (same values, other bytes).
 
 A ``ParallelLayout`` selects this rank's share: its routed experts (EP) and its TP slices (``rank_share``), read
 with ranged reads; ``read_rank_tensors`` yields them in stored form. A model is built for tp_size 1 only: TP
