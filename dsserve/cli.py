@@ -297,11 +297,19 @@ def _add_eval(p):
     p.set_defaults(func=run_eval)
 
 
+def _add_plan(p):
+    from .models.memory_plan import add_plan_args, run_plan
+
+    add_plan_args(p)
+    p.set_defaults(func=run_plan)
+
+
 # ------------------------------------------------------------------ entry point
 
 
 COMMANDS = {
     "info": ("print a model's config, layer roles, parameter counts and KV bytes", _add_info),
+    "plan": ("per-GPU weight, KV and host bytes of a model on a machine and layout, and whether it fits", _add_plan),
     "generate": ("generate text for one or more prompts with the batched engine", _add_generate),
     "serve": ("serve the model over an OpenAI-compatible HTTP API", _add_serve),
     "bench": ("benchmarks", BENCH_KINDS),

@@ -107,3 +107,17 @@ def test_serve_with_no_model_serves_the_built_in_checkpoint():
     add_serve_args(p)
     ns = p.parse_args([])
     assert ns.served_model is None and EngineArgs.from_cli(ns).model == "tiny-trained"
+
+
+def test_plan_v41_flash_on_one_gpu_does_not_fit_and_says_by_how_much(capsys):
+    assert main(["plan", "--model", "v41-flash", "--gpus", "1", "--gpu-memory", "141GiB"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "does not fit" in out and "exceed the budget 126.90 GiB (0.9 x 141 GiB) by 181.32 GiB" in out
+    assert "--enable-expert-parallel" in out
+
+
+def test_plan_v41_flash_dep8_fits_with_kv_tokens_per_gpu(capsys):
+    argv = ["plan", "--model", "v41-flash", "--gpus", "8", "--enable-expert-parallel", "--data-parallel-size", "8"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "fits: 91,941,530 KV tokens per GPU" in out and "890 B/token" in out

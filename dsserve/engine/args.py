@@ -95,9 +95,19 @@ class EngineArgs:
     max_num_batched_tokens: int = field(default=2048, metadata=_h("token budget of one step"))
     max_num_seqs: int = field(default=64, metadata=_h("running requests at most"))
     max_model_len: int | None = field(default=None, metadata=_h("None: the model's max_position_embeddings"))
-    kv_cache_memory: int | None = field(default=None, metadata=_h("bytes for the KV cache"))
+    kv_cache_memory: int | None = field(default=None, metadata=_h("bytes for the KV cache (alias of the next)"))
+    kv_cache_memory_bytes: int | None = field(
+        default=None, metadata=_h("bytes for the KV cache (vLLM's flag; overrides --gpu-memory-utilization)")
+    )
     kv_cache_memory_fraction: float | None = field(
-        default=None, metadata=_h("or this fraction of the memory free now (neither: 256 MiB)")
+        default=None, metadata=_h("or this fraction of the memory free now (none of these: see the next)")
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata=_h(
+            "the share of the GPU's memory this engine may use: the KV cache gets what is left of it after the "
+            "weights, the activations and the CUDA-graph pool, as vLLM sizes it (the CPU: 256 MiB)"
+        ),
     )
     block_size: int | None = field(default=None, metadata=_h("tokens per KV block (None: 64; V4: 128)"))
     kv_cache_dtype: str = field(
@@ -122,23 +132,28 @@ class EngineArgs:
         metadata=_h(
             "fp8: the dense projections the release stores in FP8 (attention, indexer wq_b, shared experts, Engram "
             "wkv) in its e4m3 weights with 32x32 (V4: 128x128) ue8m0 block scales, through the Triton FP8 kernel on "
-            "GPU | None: the weights as loaded"
+            "GPU | none: dense (dequantised) | None: follow the checkpoint (on a GPU a quantised checkpoint stays FP8; "
+            "the CPU and dummy weights: dense)"
         ),
     )
     expert_format: str | None = field(
         default=None,
         metadata=_h(
-            "the routed experts' storage: mxfp4 (the release's) | fp8 (32x32 ue8m0 blocks) | None: as loaded. With "
+            "the routed experts' storage: mxfp4 (the release's) | fp8 (32x32 ue8m0 blocks) | none: dense | None: "
+            "follow the checkpoint (on a GPU its MXFP4 experts stay packed; the CPU and dummy weights: dense). With "
             "dummy weights they are built on the device and packed layer by layer (the release proxy fits one "
             "H200); the dense copies are kept, rounded, only on the CPU"
         ),
     )
     engram_tables: str = field(
-        default="device",
+        default="auto",
         metadata=_h(
-            "where the Engram n-gram tables live: device | host (pinned host memory, the model's values; each step's "
-            "rows are copied on a side stream while earlier layers run) | host-fp8 (host, in the release's FP8 "
-            "layout, half the bytes of bf16)"
+            "where the Engram n-gram tables live: auto (on a GPU: the device when the memory plan has room, else "
+            "host memory in the checkpoint's form; the CPU: device) | device | host (pinned host memory, the model's "
+            "values; each step's rows are copied on a side stream while earlier layers run) | host-fp8 (host, in "
+            "the release's FP8 layout, half the bytes of bf16) | host-mmap (a checkpoint's FP8 tables memory-mapped "
+            "from its files: no copy, pages shared by every engine of the host; rows gathered on the host, not by the "
+            "in-place GPU kernel of a pinned table)"
         ),
     )
     device: str = field(default="auto", metadata=_h("auto (cuda when a GPU is visible) | cpu | cuda | cuda:N"))
@@ -219,10 +234,12 @@ class EngineArgs:
             )
         if self.swap_space < 0:
             raise EngineArgsError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
-        if self.quantization not in (None, "fp8"):
-            raise EngineArgsError(f"quantization must be fp8 or None, got {self.quantization!r}")
-        if self.expert_format not in (None, "fp8", "mxfp4"):  # models.quantize.EXPERT_FORMATS
-            raise EngineArgsError(f"expert_format must be mxfp4, fp8 or None, got {self.expert_format!r}")
+        if self.quantization not in (None, "fp8", "none"):
+            raise EngineArgsError(f"quantization must be fp8, none or None, got {self.quantization!r}")
+        if self.expert_format not in (None, "fp8", "mxfp4", "none"):  # models.quantize.EXPERT_FORMATS
+            raise EngineArgsError(
+                f"expert_format must be mxfp4, fp8 or None, got {self.expert_format!r} (or none: dense experts)"
+            )
         if self.attention_backend not in ("auto", "paged", "reference"):
             raise EngineArgsError(f"attention_backend must be auto, paged or reference, got {self.attention_backend!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -233,8 +250,10 @@ class EngineArgs:
             parse_reference_ops(self.reference_ops)
         except ValueError as e:
             raise EngineArgsError(str(e)) from None
-        if self.engram_tables not in ("device", "host", "host-fp8"):
-            raise EngineArgsError(f"engram_tables must be device, host or host-fp8, got {self.engram_tables!r}")
+        if self.engram_tables not in ("auto", "device", "host", "host-fp8", "host-mmap"):
+            raise EngineArgsError(
+                f"engram_tables must be device, host or host-fp8 (or auto, host-mmap), got {self.engram_tables!r}"
+            )
         if self.replay_form not in ("report", "vllm"):
             raise EngineArgsError(f"replay_form must be 'report' or 'vllm', got {self.replay_form!r}")
         if self.replay_window is not None and self.replay_window < 1:
@@ -247,8 +266,18 @@ class EngineArgs:
         f = self.kv_cache_memory_fraction
         if f is not None and not 0 < f <= 1:
             raise EngineArgsError(f"kv_cache_memory_fraction must be in (0, 1], got {f}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise EngineArgsError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        for name in ("kv_cache_memory", "kv_cache_memory_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise EngineArgsError(f"{name} must be a positive number of bytes, got {getattr(self, name)}")
+        if None not in (self.kv_cache_memory, self.kv_cache_memory_bytes) and (
+            self.kv_cache_memory != self.kv_cache_memory_bytes
+        ):
+            raise EngineArgsError(
+                f"kv_cache_memory ({self.kv_cache_memory}) and kv_cache_memory_bytes ({self.kv_cache_memory_bytes}) "
+                "are the same setting: give one"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise EngineArgsError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     def torch_dtype_name(self, device_type: str) -> str:
         """The loader's dtype name on a device of this type: ``auto`` is bfloat16 on a GPU, float32 on the CPU."""

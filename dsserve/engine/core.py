@@ -51,16 +51,79 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def kv_cache_budget(args: EngineArgs, device: torch.device = torch.device("cpu")) -> int:
-    """Bytes for the KV cache: given, or a fraction of the memory free now (the GPU's, or host memory)."""
-    if args.kv_cache_memory:
-        return args.kv_cache_memory
+def kv_cache_budget(
+    args: EngineArgs, device: torch.device = torch.device("cpu"), cfg=None, graphs: bool = False
+) -> int:
+    """Bytes for the KV cache: given (--kv-cache-memory-bytes, alias --kv-cache-memory), or a fraction of the memory
+    free now, or on a GPU what --gpu-memory-utilization leaves after the weights (loaded by now), the activation
+    reserve of `cfg` and, with CUDA graphs, the graph pool (models.memory_plan.gpu_kv_budget); the CPU: 256 MiB."""
+    if args.kv_cache_memory_bytes or args.kv_cache_memory:
+        return args.kv_cache_memory_bytes or args.kv_cache_memory
     if args.kv_cache_memory_fraction:
         if device.type == "cuda":
             return int(torch.cuda.mem_get_info(device)[0] * args.kv_cache_memory_fraction)
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         return int(free * args.kv_cache_memory_fraction)
+    if device.type == "cuda" and cfg is not None:
+        from ..models.memory_plan import GRAPH_POOL_BYTES, PlanOptions, activation_bytes, gpu_kv_budget
+
+        free, total = torch.cuda.mem_get_info(device)
+        opts = PlanOptions(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+        pool = GRAPH_POOL_BYTES if graphs else 0
+        try:
+            return gpu_kv_budget(total, free, args.gpu_memory_utilization, activation_bytes(cfg, opts), pool)
+        except ValueError as e:
+            raise EngineArgsError(str(e)) from None
     return CPU_KV_CACHE_MEMORY
+
+
+def choose_forms(
+    args: EngineArgs, device: torch.device, loaded: LoadedModel | None = None, model_path: str | None = None
+) -> EngineArgs:
+    """``args`` with --quantization / --expert-format / --engram-tables made concrete (models.memory_plan.
+    choose_forms: a checkpoint runs as stored on a GPU) and the reasons logged; on a GPU the memory plan is logged
+    too, and weights that cannot fit the budget fail here, before anything is loaded. ``model_path``: where
+    ``args.model`` resolved to (a Hugging Face id's local snapshot); default ``args.model``."""
+    from dataclasses import replace
+
+    from ..models import memory_plan as mp
+    from ..models.loader import resolve_config
+    from ..models.presets import model_dir
+
+    on_gpu = device.type == "cuda" and loaded is None
+    path = model_path or model_dir(args.model)
+    cfg = loaded.cfg if loaded is not None else resolve_config(path)
+    from_checkpoint = loaded is None and args.load_format != "dummy" and os.path.isdir(path)
+    machine = opts = None
+    if on_gpu:
+        free, total = torch.cuda.mem_get_info(device)
+        host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        machine = mp.Machine(1, total, host)
+        opts = mp.PlanOptions(
+            dtype=args.dtype,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            context=args.max_model_len or cfg.max_position_embeddings,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            graph_pool=0 if args.enforce_eager else mp.GRAPH_POOL_BYTES,
+        )
+    if args.engram_tables == "host-mmap" and not from_checkpoint:
+        raise EngineArgsError("engram_tables='host-mmap' maps a checkpoint's files; this model has none (a preset)")
+    q, ef, et, why = mp.choose_forms(
+        cfg, from_checkpoint, on_gpu, args.quantization, args.expert_format, args.engram_tables, machine, opts
+    )
+    if why and (on_gpu or from_checkpoint):
+        _say("formats: %s", "; ".join(why))
+    if on_gpu:
+        p = mp.plan(cfg, machine, replace(opts, quantization=q, expert_format=ef, engram_tables=et))
+        for line in p.lines():
+            _say("%s", line)
+        on_device = p.weight_bytes + (p.engram_bytes if et == "device" else 0)
+        if on_device > p.budget:
+            raise EngineArgsError(
+                f"{cfg.name} does not fit this GPU: " + "; ".join(p.problems) + " (see `dsserve plan`)"
+            )
+    return replace(args, quantization=q, expert_format=ef, engram_tables=et)
 
 
 def log_to_stderr() -> None:
@@ -121,6 +184,7 @@ class EngineCore:
         self.device = resolve_device(args.device)  # first: a dummy model with packed experts is built there
         # a Hugging Face id: its local snapshot (a model given already built is not looked up)
         self.model_path = model_dir(resolve_model(args.model) if loaded is None else args.model)
+        args = self.args = choose_forms(args, self.device, loaded, self.model_path)
         lm = loaded or load_model(
             self.model_path,
             args.load_format,
@@ -129,7 +193,19 @@ class EngineCore:
             qat=args.qat,
             expert_format=args.expert_format,
             device=self.device,
+            quantization=args.quantization,  # a checkpoint loads straight into these forms (release_loader)
+            engram_tables=args.engram_tables,
         )
+        if lm.report is not None:  # a checkpoint: what was read, how fast, and into which runtime forms
+            r = lm.report
+            _say(
+                "loaded %s: %.2f GB in %.1f s (%.0f MB/s); tensors by form: %s",
+                args.model,
+                r.bytes_read / 1e9,
+                r.seconds,
+                r.bytes_read / max(r.seconds, 1e-9) / 1e6,
+                ", ".join(f"{k} {v}" for k, v in r.forms.items()),
+            )
         if loaded is not None and args.expert_format:  # layers already packed in that format are left alone
             quantize_experts(lm.model, args.expert_format, keep_dense=self.device.type == "cpu")
         if args.engram_tables != "device":  # before .to(device): the real tables are hundreds of GB
@@ -171,7 +247,23 @@ class EngineCore:
             window_in_blocks=args.enable_prefix_caching and not replay,
         )
         self.max_model_len = args.max_model_len or self.cfg.max_position_embeddings
-        blocks, slots = layout.plan(kv_cache_budget(args, self.device), args.max_num_seqs)
+        graphs_on = backend == "paged" and self.device.type == "cuda" and not args.enforce_eager
+        budget = kv_cache_budget(args, self.device, self.cfg, graphs_on)
+        # A sized (not given) budget stops at what max_num_seqs sequences of max_model_len can hold or 2 M blocks,
+        # the larger: the block pool keeps host bookkeeping per block (a tiny model would get ~18 M on an H200).
+        from ..models.memory_plan import MAX_SIZED_KV_BLOCKS
+
+        most = (
+            max(
+                args.max_num_seqs * (-(-self.max_model_len // layout.block_size) * layout.bytes_per_block),
+                MAX_SIZED_KV_BLOCKS * layout.bytes_per_block,
+            )
+            + args.max_num_seqs * layout.bytes_per_slot
+        )
+        if self.device.type == "cuda" and not (args.kv_cache_memory_bytes or args.kv_cache_memory) and budget > most:
+            _say("KV cache: %.2f GiB left for it, capped at %.2f GiB", budget / 2**30, most / 2**30)
+            budget = most
+        blocks, slots = layout.plan(budget, args.max_num_seqs)
         self.kv = PagedKVCache(
             layout,
             blocks,

@@ -9,6 +9,8 @@ Host layouts (row-major, one row per table row, D = engram_head_dim = 256 in the
 * ``"fp8"``: uint8 [rows, D + D/32]: the e4m3 bytes of the row, then its e8m0 scale bytes (one per 32 columns),
   i.e. the release ``engram.embed.weight`` and ``engram.embed.scale`` side by side, so one row is one contiguous
   gather and one copy. Decoded on the device with ``quant.dequant_engram`` (float32, exact), then cast.
+* ``"fp8"`` with ``scale``: the same bytes as two tensors, ``data`` uint8 [rows, D] and ``scale`` uint8
+  [rows, D/32]: the release file's own tensors memory-mapped (``FileMemory``), no copy in host memory.
 * ``"bf16"``: bfloat16 [rows, D] (the table rounded to bf16); ``"float"``: the source weight's dtype, unchanged.
 
 ``gather(rows)`` and ``prefetch(rows).wait()`` return [*rows.shape, D] in the requested dtype on the requested
@@ -56,6 +58,18 @@ class HostMemory:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
 
 
+class FileMemory:
+    """A file mapped copy-on-write: its pages are read on first touch and shared with every other mapping through
+    the page cache (DP engines of one host hold the tables once). ``tensor`` is the file's bytes (uint8)."""
+
+    pinned, huge_pages = False, False
+
+    def __init__(self, path: str):
+        with open(path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+
+
 def allocate_host(nbytes: int, huge_pages: bool = False) -> HostMemory:
     """``nbytes`` of zeroed anonymous host memory (``.tensor``: uint8 [nbytes]); see ``HostMemory``."""
     return HostMemory(nbytes, huge_pages)
@@ -96,10 +110,12 @@ class EngramRows:
 class EngramTable:
     """A layer's table in host memory (see the module docstring for layouts)."""
 
-    def __init__(self, data: torch.Tensor, fmt: str, dim: int, memory: HostMemory | None = None):
+    def __init__(self, data: torch.Tensor, fmt: str, dim: int, memory=None, scale: torch.Tensor | None = None) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
-        self.data, self.fmt, self.dim, self.memory = data, fmt, dim, memory
+        if scale is not None and (fmt != "fp8" or tuple(scale.shape) != (data.shape[0], dim // MX_BLOCK)):
+            raise ValueError(f"a separate scale is [rows, D/{MX_BLOCK}] of an fp8 table, got {tuple(scale.shape)}")
+        self.data, self.fmt, self.dim, self.memory, self.scale = data, fmt, dim, memory, scale
         self._staging: torch.Tensor | None = None
         self._last_copy = None  # event of the latest copy out of the staging buffer
         self._streams: dict = {}
@@ -161,13 +177,16 @@ class EngramTable:
         if self._last_copy is not None:  # the previous copy may still read the staging buffer
             self._last_copy.synchronize()
             self._last_copy = None
+        width = self.data.shape[1] + (0 if self.scale is None else self.scale.shape[1])
         if self._staging is None or self._staging.shape[0] < n:
             cap = max(n, 2 * (0 if self._staging is None else self._staging.shape[0]), 16)
-            self._staging = torch.empty(
-                cap, self.data.shape[1], dtype=self.data.dtype, pin_memory=torch.cuda.is_available()
-            )
+            self._staging = torch.empty(cap, width, dtype=self.data.dtype, pin_memory=torch.cuda.is_available())
         out = self._staging[:n]
-        torch.index_select(self.data, 0, idx, out=out)
+        if self.scale is None:
+            torch.index_select(self.data, 0, idx, out=out)
+        else:  # a mapped release file: weight and scale rows side by side in the staging buffer
+            out[:, : self.dim].copy_(self.data.index_select(0, idx))
+            out[:, self.dim :].copy_(self.scale.index_select(0, idx))
         return out
 
     def _decode(self, staged: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -213,7 +232,7 @@ class EngramTable:
     def device_gather(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``gather`` to rows' device without the host: on a GPU a kernel reads the pinned table in place (so a
         CUDA graph can capture it; rows are not range-checked there: the hasher's are always in range)."""
-        if rows.device.type == "cuda" and self.memory is not None and self.memory.pinned:
+        if rows.device.type == "cuda" and self.memory is not None and self.memory.pinned and self.scale is None:
             from ..kernels.engram_gather import engram_gather
 
             return engram_gather(self.data, rows, self.fmt, self.dim, dtype)

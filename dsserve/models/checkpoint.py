@@ -8,6 +8,7 @@ state_dict entries. ``save_checkpoint`` writes the release names and formats (FP
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -19,10 +20,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..layers.quant import dequant_engram, dequant_fp8_block, dequant_mxfp4, pack_mxfp4, quant_engram, quant_fp8_block
+from .checkpoint_files import CheckpointError
 from .checkpoint_layout import (
     IGNORED_PREFIXES,
     ST_DTYPES,
     TensorSpec,
+    dtype_accepted,
     model_name_for,
     model_shapes,
     release_layout,
@@ -46,10 +49,6 @@ SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 ROW_CHUNK_ELEMS = 1 << 24  # Engram tables are streamed in chunks of about this many values
 MAX_REPORTED = 8
-
-
-class CheckpointError(ValueError):
-    """A checkpoint (or a model) that does not match the layout of its config."""
 
 
 def _fail(what: str, problems: list[str]):
@@ -125,7 +124,7 @@ def load_checkpoint(model: torch.nn.Module, cfg: ModelConfig, path: str) -> list
                         f"unexpected tensor {name!r}: expected none (not in the {cfg.name} layout), "
                         f"found {_fmt(shape, dtype)}"
                     )
-            elif (shape, dtype) != (spec.shape, spec.dtype):
+            elif shape != spec.shape or not dtype_accepted(spec, dtype, cfg):
                 wrong.append(f"tensor {name!r}: expected {_fmt(spec.shape, spec.dtype)}, found {_fmt(shape, dtype)}")
         _fail(
             f"checkpoint {path} does not match config {cfg.name!r} ({len(wrong)} mis-shaped/mis-typed, "
@@ -194,9 +193,9 @@ def save_checkpoint(
 ) -> None:
     """Write config.json, the weights in release names and formats (model.safetensors, or
     model-0000i-of-0000N.safetensors + model.safetensors.index.json when max_shard_bytes is given), and copy
-    tokenizer.json / tokenizer_config.json from tokenizer_dir when present."""
-    if not quantize:
-        raise ValueError("only the release formats are written (quantize=True)")
+    tokenizer.json / tokenizer_config.json from tokenizer_dir when present. quantize=False: the same names
+    with every FP8/MXFP4/Engram weight plain BF16 and no quantization_config (a BF16 conversion)."""
+    cfg = cfg if quantize else cfg.with_options(quantized=False)
     layout = release_layout(cfg)
     sd = model.state_dict()
     _fail(f"model does not match config {cfg.name!r}", _check_model(sd, cfg))
@@ -230,6 +229,55 @@ def save_checkpoint(
     for fn in TOKENIZER_FILES if tokenizer_dir else ():
         if os.path.exists(os.path.join(tokenizer_dir, fn)):
             shutil.copyfile(os.path.join(tokenizer_dir, fn), os.path.join(out_dir, fn))
+
+
+def write_random_release(cfg: ModelConfig, out_dir: str, seed: int = 0, max_shard_bytes: int = 1 << 30) -> int:
+    """A release-format checkpoint of random bytes (finite FP8 values, scales 2^-17..2^0, valid MXFP4 codes and
+    expert ids) written tensor by tensor without building a model: loader tests and benchmarks at sizes the
+    float writer cannot reach quickly. Not a model anyone should run. Returns the bytes written."""
+    layout = release_layout(cfg)
+    os.makedirs(out_dir, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    # Tensors are cut from a few random pools at a rolling offset: drawing every value anew costs more than the write.
+    pool_n = 1 << 24
+    b = torch.randint(0, 256, (pool_n,), generator=g, dtype=torch.uint8)
+    b[(b & 0x7F) == 0x7F] = 0  # the two e4m3 NaN codes
+    pools = {
+        "F8_E4M3": b.view(torch.float8_e4m3fn),
+        "I8": b.view(torch.int8),
+        "F8_E8M0": torch.randint(110, 128, (pool_n,), generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu),
+        "F32": torch.randn(pool_n, generator=g) * 0.02,
+        "I32": torch.randint(0, cfg.n_routed_experts, (pool_n,), generator=g, dtype=torch.int32),
+    }
+    pools["BF16"], pools["F16"] = pools["F32"].bfloat16(), pools["F32"].half()
+    at = [0]
+
+    def tensor(spec: TensorSpec) -> torch.Tensor:
+        n = math.prod(spec.shape)
+        src = pools[spec.dtype]
+        reps = -(-n // pool_n)
+        start = at[0] = (at[0] + 7919) % pool_n
+        flat = src[start : start + n] if start + n <= pool_n else src.repeat(reps + 1)[start : start + n]
+        return flat.clone().view(spec.shape)
+
+    shards, size = [[]], 0
+    for name, spec in layout.items():
+        if max_shard_bytes and shards[-1] and size + spec.nbytes > max_shard_bytes and spec.quant != "scale":
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += spec.nbytes
+    weight_map = {}
+    for i, names in enumerate(shards):
+        fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: tensor(layout[n]) for n in names}, os.path.join(out_dir, fn), metadata={"format": "pt"})
+        weight_map.update({n: fn for n in names})
+    total = sum(s.nbytes for s in layout.values())
+    with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg.to_hf_dict(), f, indent=2)
+    return total
 
 
 # ------------------------------------------------------------------------------------------------ dummy

@@ -20,6 +20,7 @@ from .config import V4, V41, ModelConfig
 ST_DTYPES = {
     "BF16": torch.bfloat16,
     "F32": torch.float32,
+    "F16": torch.float16,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E8M0": torch.float8_e8m0fnu,
     "I8": torch.int8,
@@ -34,6 +35,7 @@ QUANT_DTYPE = {
     "int32": "I32",
     "scale": "F8_E8M0",
 }
+PLAIN_FLOAT = ("BF16", "F32", "F16")  # an unquantised checkpoint may store any float weight in any of these
 MX_BLOCK = 32  # MXFP4 experts and Engram tables: one e8m0 scale per 32 values
 
 # Release tensors that exist but are not part of this engine's model; tolerated (and skipped) by the loader.
@@ -64,6 +66,14 @@ class TensorSpec:
         return self.shape[:-1] + (self.shape[-1] * 2,) if self.quant == "mxfp4" else self.shape
 
 
+def dtype_accepted(spec: TensorSpec, dtype: str, cfg: ModelConfig) -> bool:
+    """A stored dtype the loader takes for `spec`: the release's exact one, or (unquantised config) any float
+    dtype for a float weight (a fine-tune saved in FP32 loads as well as a BF16 conversion)."""
+    if dtype == spec.dtype:
+        return True
+    return not cfg.quantized and spec.dtype in PLAIN_FLOAT and dtype in PLAIN_FLOAT
+
+
 def scale_name(weight_name: str) -> str:
     """``a.b.weight`` -> ``a.b.scale`` (the sibling e8m0 scale of a quantised weight)."""
     return weight_name.removesuffix(".weight") + ".scale"
@@ -75,6 +85,8 @@ class _Builder:
 
     def add(self, name, quant, *shape):
         shape = tuple(int(s) for s in shape)
+        if not self.cfg.quantized and quant in ("fp8", "mxfp4", "engram_fp8"):
+            quant = "bf16"  # no quantization_config: the same names, plain weights, no scales
         self.specs[name] = TensorSpec(shape, QUANT_DTYPE[quant], quant)
         if quant == "fp8":
             b = self.cfg.weight_block_size
@@ -143,7 +155,8 @@ def _v4_compressor(b: _Builder, p: str, ratio: int, width: int):
 
 
 def release_layout(cfg: ModelConfig) -> dict[str, TensorSpec]:
-    """Every tensor of the release checkpoint (spec 4.1-4.3 for V4.1, 4.5 for V4), in file order.
+    """Every tensor of the release checkpoint (spec 4.1-4.3 for V4.1, 4.5 for V4), in file order. An unquantised
+    config (``cfg.quantized`` False) has the same names with every FP8/MXFP4 weight plain BF16 and no scales.
     Pure metadata (V4.1-Flash: 95,819 entries); cached per config, each call returns a fresh dict."""
     return dict(_layout(cfg))
 

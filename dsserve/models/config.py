@@ -113,6 +113,8 @@ class ModelConfig:
     # Quantisation: block of the dense FP8 weights (32 in V4.1, 128 in V4); experts MXFP4.
     weight_block_size: int = 32
     expert_dtype: str = "fp4"
+    # False: a checkpoint with no quantization_config (a BF16 conversion or a fine-tune): every weight plain.
+    quantized: bool = True
     # Quantisation-aware numerics of spec 2.12 (fake-quant of SWA KV, main KV, index q/k).
     qat: bool = True
     bos_token_id: int = 0
@@ -304,6 +306,7 @@ class ModelConfig:
             kw.setdefault("candidate_source_layer_id", None)
             kw.setdefault("dspark_target_layer_ids", ())
             kw.setdefault("weight_block_size", 128)
+        kw["quantized"] = bool(q)
         if q.get("weight_block_size"):
             kw["weight_block_size"] = int(q["weight_block_size"][0])
         if q.get("expert_dtype"):
@@ -350,6 +353,7 @@ class ModelConfig:
                 "weight_block_size",
                 "expert_dtype",
                 "qat",
+                "quantized",
             ):
                 continue
             v = getattr(self, f.name)
@@ -373,16 +377,12 @@ class ModelConfig:
             "weight_block_size": [self.weight_block_size] * 2,
             "expert_dtype": self.expert_dtype,
         }
+        q = {"quantization_config": quant} if self.quantized else {}
         if self.is_v41:
             text["model_type"] = "deepseek_v41_text"
-            return {
-                "architectures": ["DeepseekV41ForCausalLM"],
-                "model_type": V41,
-                "text_config": text,
-                "quantization_config": quant,
-            }
+            return {"architectures": ["DeepseekV41ForCausalLM"], "model_type": V41, "text_config": text, **q}
         text["n_hash_layers"] = text.pop("num_hash_layers")
-        return {"architectures": ["DeepseekV4ForCausalLM"], "model_type": V4, **text, "quantization_config": quant}
+        return {"architectures": ["DeepseekV4ForCausalLM"], "model_type": V4, **text, **q}
 
     def with_options(self, **kw) -> "ModelConfig":
         return replace(self, **kw)

@@ -8,12 +8,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .checkpoint import dummy_weights, load_checkpoint
+from ..distributed.layout import ParallelLayout
+from .checkpoint import dummy_weights
 from .config import ConfigError, ModelConfig
 from .dummy_build import build_dummy_model
 from .model import DeepseekForCausalLM
 from .presets import CHECKPOINTS, PRESETS, model_dir, preset
-from .quantize import EXPERT_FORMATS, quantize_experts
+from .quantize import EXPERT_FORMATS
+from .release_loader import LoadReport, load_release
 from .tokenizer import Tokenizer, engram_token_map
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -26,6 +28,7 @@ class LoadedModel:
     cfg: ModelConfig
     tokenizer: Tokenizer
     load_format: str
+    report: LoadReport | None = None  # what a checkpoint load read and where each kind of tensor went
 
 
 def resolve_config(model: str) -> ModelConfig:
@@ -48,6 +51,9 @@ def load_model(
     qat: bool | None = None,
     expert_format: str | None = None,
     device: str | torch.device | None = None,
+    quantization: str | None = None,
+    engram_tables: str = "device",
+    layout: ParallelLayout = ParallelLayout(),
 ) -> LoadedModel:
     """``auto`` reads safetensors from a checkpoint directory; a preset has no weights, so it gets ``dummy``
     (seeded random weights), as vLLM's ``--load-format dummy``.
@@ -58,7 +64,12 @@ def load_model(
     MXFP4 release proxy loads on one H200 without its 270 GB of dense experts; everything else is loaded on the
     host as before and moved by the caller. The dense experts are kept (rounded to the packed values) only
     when the device is the CPU: there the reference backend and the tests' oracle read them on tiny models;
-    on a GPU the grouped-MoE ops read the packed experts alone (and the reference path dequantises them)."""
+    on a GPU the grouped-MoE ops read the packed experts alone (and the reference path dequantises them).
+
+    A checkpoint streams through ``release_loader.load_release`` straight onto ``device`` in its runtime form:
+    ``quantization="fp8"`` keeps the stored FP8 dense weights as Fp8Linear, ``expert_format`` the stored MXFP4
+    experts packed, ``engram_tables`` (device | host | host-fp8) places the Engram tables; ``layout`` is this
+    rank's share."""
     if load_format not in LOAD_FORMATS:
         raise ConfigError(f"load format {load_format!r} is not one of {LOAD_FORMATS}")
     if dtype not in DTYPES:
@@ -77,20 +88,28 @@ def load_model(
     tokenizer = Tokenizer.from_dir(model) if is_dir else Tokenizer.for_preset(model)
     device = torch.device(device or "cpu")
     keep_dense = device.type == "cpu"
-    if load_format == "dummy" and expert_format is not None:
+    report = None
+    if load_format == "safetensors":
+        net, report = load_release(
+            cfg,
+            model,
+            layout=layout,
+            device=device,
+            dtype=DTYPES[dtype],
+            quantization=quantization,
+            expert_format=expert_format,
+            engram_tables=engram_tables,
+            keep_dense=keep_dense,
+        )
+    elif expert_format is not None:
         net = build_dummy_model(cfg, seed, expert_format, device, keep_dense)
     else:
         net = DeepseekForCausalLM(cfg).eval()
-        if load_format == "dummy":
-            dummy_weights(net, cfg, seed)
-        else:
-            load_checkpoint(net, cfg, model)
-        if expert_format is not None:  # packed from the float32 values, before the cast below
-            quantize_experts(net, expert_format, keep_dense)
+        dummy_weights(net, cfg, seed)
     net = net.to(DTYPES[dtype])
     if device.type == "cuda":  # the float32 build's blocks back to the driver: the KV budget reads free memory
         torch.cuda.empty_cache()
     token_map = engram_token_map(cfg, tokenizer)
     if token_map is not None:
         net.engram_token_map = torch.as_tensor(token_map, dtype=torch.long)
-    return LoadedModel(net, cfg, tokenizer, load_format)
+    return LoadedModel(net, cfg, tokenizer, load_format, report)

@@ -91,3 +91,55 @@ def test_checkpoint_for_another_config_is_a_named_error(saved_tiny, tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"layers\.\d+\.attn\.wq_a\.weight.*expected \[64, 256\]"):
         load_model(str(path))
+
+
+def test_an_unquantised_bf16_checkpoint_loads_and_generates_as_its_release_format(saved_tiny, tmp_path):
+    """Issue 52.5: the release names with plain BF16 weights and no quantization_config (a BF16 conversion)."""
+    import json
+
+    from safetensors import safe_open
+
+    release = load_model(saved_tiny[1])  # FP8/MXFP4/Engram-FP8, dequantised; QAT on
+    save_checkpoint(release.model, release.cfg, str(tmp_path), tokenizer_dir=saved_tiny[1], quantize=False)
+    assert "quantization_config" not in json.loads((tmp_path / "config.json").read_text())
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+        assert not any(k.endswith(".scale") for k in f.keys())
+    assert dtypes == {"BF16", "F32", "I32"} or dtypes == {"BF16", "F32"}
+    plain = load_model(str(tmp_path))
+    assert not plain.cfg.quantized and plain.cfg.qat
+    # every release value is exact in BF16 (e4m3/e2m1 times a power of two), so the weights are the same bits
+    for (name, x), (_, y) in zip(release.model.state_dict().items(), plain.model.state_dict().items()):
+        assert torch.equal(x, y), name
+    prompt = release.tokenizer.encode("Hello, world", add_bos=True)
+    assert greedy_generate(plain.model, prompt, 6) == greedy_generate(release.model, prompt, 6)
+    # --expert-format quantises on load where the user asks
+    packed = load_model(str(tmp_path), expert_format="mxfp4")
+    ref = load_model(saved_tiny[1], expert_format="mxfp4")
+    p, q = packed.model.layers[0].ffn.packed, ref.model.layers[0].ffn.packed
+    # the same values (bytes may differ: a block whose top value is half the grid's max re-packs one scale lower)
+    for e in range(p.shape[0]):
+        assert all(torch.equal(x, y) for x, y in zip(p.dequant(e), q.dequant(e)))
+
+
+def test_a_fp32_fine_tune_loads_without_quantization_config(saved_tiny, tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    release = load_model(saved_tiny[1])
+    save_checkpoint(release.model, release.cfg, str(tmp_path / "bf16"), tokenizer_dir=saved_tiny[1], quantize=False)
+    tensors = {
+        k: (v.float() if v.dtype == torch.bfloat16 else v)
+        for k, v in load_file(str(tmp_path / "bf16" / "model.safetensors")).items()
+    }
+    os.makedirs(tmp_path / "f32")
+    save_file(tensors, str(tmp_path / "f32" / "model.safetensors"))
+    for fn in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tmp_path / "bf16" / fn, tmp_path / "f32" / fn)
+    assert "quantization_config" not in json.loads((tmp_path / "f32" / "config.json").read_text())
+    f32 = load_model(str(tmp_path / "f32"))
+    assert torch.equal(
+        f32.model.state_dict()["layers.1.attn.wq_b.weight"], release.model.state_dict()["layers.1.attn.wq_b.weight"]
+    )
