@@ -1,0 +1,68 @@
+"""Tensor parallelism (dsserve.distributed.tensor_parallel) on two gloo ranks: TP2 of the tiny V4.1 and V4 models
+gives the single-process reference forward's logits within 1e-9 (fp64) and the same greedy tokens."""
+
+import pytest
+import torch
+from tiny import greedy, sequences, tiny_model
+from workers import Workers
+
+from dsserve.distributed.groups import ParallelConfigError, new_groups
+from dsserve.distributed.parallel_linear import vocab_shards
+from dsserve.distributed.tensor_parallel import shard_tensor_parallel
+
+# 40 rows: past the 32-row window and with compressed entries on every compressed layer
+LENGTHS = (5, 17, 40)
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def workers():
+    w = Workers(2)
+    yield w
+    w.close()
+
+
+@torch.no_grad()
+def _tp2(rank: int, name: str) -> dict:
+    groups = new_groups(2, 1)
+    model = shard_tensor_parallel(tiny_model(name), groups.tp_rank, 2, groups.tp)
+    seqs = sequences(1, LENGTHS)
+    return {
+        "logits": [model.reference_logits(s) for s in seqs],
+        "greedy": [greedy(model, s, STEPS) for s in seqs[:2]],
+        "heads": model.layers[0].attn.attn_sink.shape[0],
+        "experts": tuple(model.layers[0].ffn.experts["w1"].shape),
+    }
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-v4"])
+def test_tp2_matches_the_reference_forward(workers, name):
+    out = workers.run(_tp2, name)
+    ref = tiny_model(name)
+    cfg = ref.cfg
+    for o in out:  # each rank really holds its share
+        assert o["heads"] == cfg.num_attention_heads // 2
+        assert o["experts"] == (cfg.n_routed_experts, cfg.moe_intermediate_size // 2, cfg.hidden_size)
+    with torch.no_grad():
+        for i, s in enumerate(sequences(1, LENGTHS)):
+            want = ref.reference_logits(s)
+            for o in out:
+                err = (o["logits"][i] - want).abs().max().item()
+                assert err < 1e-9, (name, i, err)
+            assert torch.equal(out[0]["logits"][i], out[1]["logits"][i])  # every rank sees the same logits
+        for i, s in enumerate(sequences(1, LENGTHS)[:2]):
+            assert out[0]["greedy"][i] == out[1]["greedy"][i] == greedy(ref, s, STEPS)
+
+
+def test_sharding_checks_the_split():
+    model = tiny_model("tiny")
+    with pytest.raises(ParallelConfigError, match="num_attention_heads=4"):
+        shard_tensor_parallel(model, 0, 3, None)
+    with pytest.raises(ParallelConfigError, match="tp_rank=2"):
+        shard_tensor_parallel(model, 2, 2, None)
+    assert shard_tensor_parallel(model, 0, 1, None) is model
+
+
+def test_vocab_shards_cover_the_vocabulary():
+    assert vocab_shards(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert vocab_shards(8192, 2) == [(0, 4096), (4096, 8192)]
