@@ -82,10 +82,13 @@ class ParallelGroups:
         return tp, ep
 
 
-def new_groups(tp_size: int, dp_size: int, backend: str | None = None) -> ParallelGroups:
+def new_groups(
+    tp_size: int, dp_size: int, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> ParallelGroups:
     """Build the TP and EP groups of an initialised world of tp_size x dp_size ranks (a collective: every rank
     calls it). ``backend``: the groups' (default: the world's); a gloo twin of an NCCL world carries host-side
-    control, as vLLM keeps one per group."""
+    control, as vLLM keeps one per group. ``timeout_s``: each group's own (a new group does not take the world's:
+    torch gives it 30 minutes)."""
     if tp_size < 1 or dp_size < 1:
         raise ParallelConfigError(f"tp_size={tp_size} and dp_size={dp_size} must be at least 1")
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -96,10 +99,11 @@ def new_groups(tp_size: int, dp_size: int, backend: str | None = None) -> Parall
     rank = dist.get_rank()
     tp_ranks, ep_ranks = ParallelGroups.ranks(tp_size, dp_size)
     tp = ep = None
+    timeout = datetime.timedelta(seconds=timeout_s)
     for ranks in tp_ranks:
-        g = dist.new_group(ranks, backend=backend)
+        g = dist.new_group(ranks, backend=backend, timeout=timeout)
         tp = g if rank in ranks else tp
     for ranks in ep_ranks:
-        g = dist.new_group(ranks, backend=backend)
+        g = dist.new_group(ranks, backend=backend, timeout=timeout)
         ep = g if rank in ranks else ep
     return ParallelGroups(rank, tp_size, dp_size, tp if tp_size > 1 else None, ep if dp_size > 1 else None)
