@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from workers import Workers
 
 from dsserve.distributed.all_gather import all_gather_dim, all_gather_dim_ref
 from dsserve.distributed.all_reduce import all_reduce_sum, all_reduce_sum_ref
@@ -15,13 +14,6 @@ from dsserve.distributed.all_to_all import (
 from dsserve.distributed.groups import ParallelConfigError, ParallelGroups, new_groups
 
 WORLD = 2
-
-
-@pytest.fixture(scope="module")
-def workers():
-    w = Workers(WORLD)
-    yield w
-    w.close()
 
 
 def _inputs(rank: int) -> dict:

@@ -5,7 +5,6 @@ sequences within 1e-9 (fp64). A rank with no rows joins every collective (no han
 import pytest
 import torch
 from tiny import sequences, tiny_model
-from workers import Workers
 
 from dsserve.distributed.expert_parallel import ExpertParallelMoE, idle_forward, shard_expert_parallel
 from dsserve.distributed.expert_placement import ExpertPlacement
@@ -14,13 +13,6 @@ from dsserve.distributed.groups import ParallelConfigError, new_groups
 # Each rank's own sequences, as many forwards on each rank (every forward is a collective over both).
 RANK_LENGTHS = ((6, 40, 3), (19, 9, 33))
 LISTS = ((5, 0, 3, 6), (1, 2, 4, 7))  # a given placement, local order not sorted
-
-
-@pytest.fixture(scope="module")
-def workers():
-    w = Workers(2)
-    yield w
-    w.close()
 
 
 @torch.no_grad()

@@ -4,7 +4,6 @@ gives the single-process reference forward's logits within 1e-9 (fp64) and the s
 import pytest
 import torch
 from tiny import greedy, sequences, tiny_model
-from workers import Workers
 
 from dsserve.distributed.groups import ParallelConfigError, new_groups
 from dsserve.distributed.parallel_linear import vocab_shards
@@ -13,13 +12,6 @@ from dsserve.distributed.tensor_parallel import shard_tensor_parallel
 # 40 rows: past the 32-row window and with compressed entries on every compressed layer
 LENGTHS = (5, 17, 40)
 STEPS = 3
-
-
-@pytest.fixture(scope="module")
-def workers():
-    w = Workers(2)
-    yield w
-    w.close()
 
 
 @torch.no_grad()
