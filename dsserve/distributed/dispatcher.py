@@ -45,9 +45,8 @@ def unpack_rows(b: torch.Tensor, d: int, x_dtype: torch.dtype, w_dtype: torch.dt
 
 class AllToAllDispatcher:
     def __init__(self, placement: ExpertPlacement, group: dist.ProcessGroup | None):
-        world = 1 if group is None else dist.get_world_size(group)
-        if world != placement.ep_size:
-            raise ValueError(f"the EP group has {world} ranks, the placement {placement.ep_size}")
+        """``group`` None: no communication (one rank, or a model sharded for its shapes only: a loader's meta
+        model; its first ``prepare`` then fails unless the placement has one rank)."""
         self.placement, self.group = placement, group
         self._owner, self._local = placement.owner(), placement.local_index()
         self.rows_sent = self.rows_received = 0  # pairs this rank sent / experts' rows it ran, over its lifetime
@@ -57,6 +56,9 @@ class AllToAllDispatcher:
         a Dispatch): the rows this rank's experts run, grouped by source rank, then by local expert."""
         t, k = ids.shape
         ep, m = self.placement.ep_size, self.placement.max_local
+        world = 1 if self.group is None else dist.get_world_size(self.group)
+        if world != ep:
+            raise ValueError(f"the EP group has {world} ranks, the expert placement {ep}")
         flat = ids.reshape(-1)
         key = self._owner.to(flat.device)[flat] * m + self._local.to(flat.device)[flat]
         order = torch.sort(key, stable=True).indices

@@ -32,6 +32,7 @@ both are used (it replaces the MoE modules; this pass then splits the experts th
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import torch
@@ -71,10 +72,44 @@ def check_tensor_parallel(model: nn.Module, tp_size: int) -> None:
             )
 
 
+_LAYER = re.compile(
+    r"layers\.\d+\.(attn\.(wq_b\.weight|attn_sink|wo_a\.weight|wo_b\.weight)|ffn\.(shared_experts\.w[123]\.weight|experts\.w[123]))"
+)
+
+
+def tp_slice(name: str, cfg, tp_rank: int, tp_size: int) -> tuple[int, int, int] | None:
+    """Which part of the full tensor ``name`` (a ``DeepseekForCausalLM`` state-dict name) TP rank ``tp_rank`` of
+    ``tp_size`` holds: (dim, start, end), or None (replicated). The one rule the pass cuts by, and the one a
+    shard-aware loader reads by (docs/parallel.md)."""
+    if name in ("embed.weight", "head.weight"):
+        return (0, *vocab_shards(cfg.vocab_size, tp_size)[tp_rank])
+    m = _LAYER.fullmatch(name)
+    if m is None:
+        return None
+    part = m.group(1)
+    if part.startswith("attn."):
+        h0, h1 = _span(cfg.num_attention_heads, tp_rank, tp_size)
+        g0, g1 = _span(cfg.o_groups, tp_rank, tp_size)
+        hd, r = cfg.head_dim, cfg.o_lora_rank
+        return {
+            "attn.wq_b.weight": (0, h0 * hd, h1 * hd),
+            "attn.attn_sink": (0, h0, h1),
+            "attn.wo_a.weight": (0, g0 * r, g1 * r),  # the rows of groups g0..g1, whose inputs are its heads
+            "attn.wo_b.weight": (1, g0 * r, g1 * r),
+        }[part]
+    shared = part.startswith("ffn.shared_experts.")
+    inter = cfg.moe_intermediate_size * (cfg.n_shared_experts if shared else 1)
+    i0, i1 = _span(inter, tp_rank, tp_size)
+    down = ".w2" in part
+    return ((1 if down else 0) if shared else (2 if down else 1), i0, i1)
+
+
 def shard_tensor_parallel(model: nn.Module, tp_rank: int, tp_size: int, group: dist.ProcessGroup | None) -> nn.Module:
-    """Cut ``model`` (a built ``DeepseekForCausalLM``) to TP rank ``tp_rank`` of ``tp_size`` in place (module
-    docstring) and return it. Every rank of ``group`` must shard the same model the same way; each then runs the
-    unchanged forward on the same rows and gets the same logits. tp_size 1 leaves the model as it is."""
+    """Cut ``model`` (a built ``DeepseekForCausalLM``, on any device, the meta device included) to TP rank
+    ``tp_rank`` of ``tp_size`` in place (module docstring; ``tp_slice`` per tensor) and return it. Every rank of
+    ``group`` must shard the same model the same way; each then runs the unchanged forward on the same rows and
+    gets the same logits. tp_size 1 leaves the model as it is. ``group`` None: no communication (a model sharded
+    for its shapes only)."""
     if not 0 <= tp_rank < tp_size:
         raise ParallelConfigError(f"tp_rank={tp_rank} must lie in [0, tp_size={tp_size})")
     if group is not None and dist.get_world_size(group) != tp_size:
@@ -82,44 +117,30 @@ def shard_tensor_parallel(model: nn.Module, tp_rank: int, tp_size: int, group: d
     if tp_size == 1:
         return model
     check_tensor_parallel(model, tp_size)
+    cfg = model.cfg
     with torch.no_grad():
+        for name, p in list(model.named_parameters()):
+            cut = tp_slice(name, cfg, tp_rank, tp_size)
+            if cut is not None:
+                owner, leaf = name.rsplit(".", 1)
+                setattr(model.get_submodule(owner), leaf, _keep(p, *cut))
         for block in model.layers:
-            _shard_attention(block.attn, tp_rank, tp_size, group)
-            _shard_moe(block.ffn, tp_rank, tp_size, group)
-        cfg = model.cfg
+            attn, shared = block.attn, block.ffn.shared_experts
+            attn.wq_b.out_features, attn.wo_a.out_features = attn.wq_b.weight.shape[0], attn.wo_a.weight.shape[0]
+            attn.wo_b = RowParallelLinear(attn.wo_b.weight, group)
+            # the local shapes, for every path that reads them from attn.cfg
+            attn.cfg = replace(
+                attn.cfg,
+                num_attention_heads=attn.cfg.num_attention_heads // tp_size,
+                o_groups=attn.cfg.o_groups // tp_size,
+            )
+            shared.w1.out_features = shared.w3.out_features = shared.w2.in_features = shared.w1.weight.shape[0]
+            block.ffn.register_forward_hook(_SumOver(group))  # routed and shared partials: one sum
         shards = vocab_shards(cfg.vocab_size, tp_size)
-        start, end = shards[tp_rank]
-        model.embed = VocabParallelEmbedding(_keep(model.embed.weight, 0, start, end), start, cfg.vocab_size, group)
-        model.head = VocabParallelHead(_keep(model.head.weight, 0, start, end), [b - a for a, b in shards], group)
+        start = shards[tp_rank][0]
+        model.embed = VocabParallelEmbedding(model.embed.weight, start, cfg.vocab_size, group)
+        model.head = VocabParallelHead(model.head.weight, [b - a for a, b in shards], group)
     return model
-
-
-def _shard_attention(attn: nn.Module, rank: int, size: int, group) -> None:
-    cfg = attn.cfg
-    h0, h1 = _span(cfg.num_attention_heads, rank, size)
-    g0, g1 = _span(cfg.o_groups, rank, size)
-    hd, r = cfg.head_dim, cfg.o_lora_rank
-    attn.wq_b.weight = _keep(attn.wq_b.weight, 0, h0 * hd, h1 * hd)
-    attn.wq_b.out_features = (h1 - h0) * hd
-    attn.attn_sink = _keep(attn.attn_sink, 0, h0, h1)
-    attn.wo_a.weight = _keep(attn.wo_a.weight, 0, g0 * r, g1 * r)  # rows of groups g0..g1 (its heads' inputs)
-    attn.wo_a.out_features = (g1 - g0) * r
-    attn.wo_b = RowParallelLinear(_keep(attn.wo_b.weight, 1, g0 * r, g1 * r), group)
-    # the local shapes, for every path that reads them from attn.cfg
-    attn.cfg = replace(cfg, num_attention_heads=h1 - h0, o_groups=g1 - g0)
-
-
-def _shard_moe(moe: nn.Module, rank: int, size: int, group) -> None:
-    shared = moe.shared_experts
-    i0, i1 = _span(shared.w1.out_features, rank, size)
-    for name in ("w1", "w3"):
-        lin = getattr(shared, name)
-        lin.weight, lin.out_features = _keep(lin.weight, 0, i0, i1), i1 - i0
-    shared.w2.weight, shared.w2.in_features = _keep(shared.w2.weight, 1, i0, i1), i1 - i0
-    ex = moe.experts
-    j0, j1 = _span(ex["w1"].shape[1], rank, size)
-    ex["w1"], ex["w3"], ex["w2"] = _keep(ex["w1"], 1, j0, j1), _keep(ex["w3"], 1, j0, j1), _keep(ex["w2"], 2, j0, j1)
-    moe.register_forward_hook(_SumOver(group))
 
 
 class _SumOver:

@@ -7,7 +7,9 @@ from tiny import greedy, sequences, tiny_model
 
 from dsserve.distributed.groups import ParallelConfigError, new_groups
 from dsserve.distributed.parallel_linear import vocab_shards
-from dsserve.distributed.tensor_parallel import shard_tensor_parallel
+from dsserve.distributed.tensor_parallel import shard_tensor_parallel, tp_slice
+from dsserve.models.model import DeepseekForCausalLM
+from dsserve.models.presets import preset
 
 # 40 rows: past the 32-row window and with compressed entries on every compressed layer
 LENGTHS = (5, 17, 40)
@@ -58,3 +60,27 @@ def test_sharding_checks_the_split():
 def test_vocab_shards_cover_the_vocabulary():
     assert vocab_shards(10, 3) == [(0, 4), (4, 7), (7, 10)]
     assert vocab_shards(8192, 2) == [(0, 4096), (4096, 8192)]
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-v4"])
+def test_each_rank_holds_the_tp_slice_of_every_tensor(name):
+    """The rule a shard-aware loader reads by (tp_slice) is the one the pass cuts by; names are kept."""
+    full = tiny_model(name).state_dict()
+    for rank in range(2):
+        sharded = shard_tensor_parallel(tiny_model(name), rank, 2, None).state_dict()  # None: shapes only
+        assert sharded.keys() == full.keys()
+        cut = 0
+        for key, t in sharded.items():
+            s = tp_slice(key, preset(name), rank, 2)
+            want = full[key] if s is None else full[key].narrow(s[0], s[1], s[2] - s[1])
+            assert torch.equal(t, want), key
+            cut += s is not None
+        assert cut == 2 + 10 * preset(name).num_hidden_layers
+
+
+def test_a_meta_model_shards_to_its_shard_shapes():
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(preset("tiny"))
+    sd = shard_tensor_parallel(model, 1, 2, None).state_dict()
+    assert all(t.is_meta for t in sd.values())
+    assert sd["head.weight"].shape == (4096, 256) and sd["layers.3.ffn.experts.w2"].shape == (8, 256, 64)
