@@ -7,8 +7,9 @@ shared expert; only the routed experts' rows cross ranks, by ``dispatcher.AllToA
 a MoE layer). Every EP rank must run the same number of forwards: a rank with no rows runs ``idle_forward``, which
 joins each MoE layer's collectives with zero rows (vLLM's and SGLang's dummy batch, without the dummy token).
 
-The reference path only (``ops`` None): the kernel path (``ops.route``, ``ops.routed_experts`` on the received
-rows as top-1 picks) is the next step (docs/parallel.md). The DSpark drafter's MoE is left whole.
+With kernel ops the router is ``ops.route`` and the local experts run as ``ops.routed_experts`` on the received rows,
+each a top-1 pick (the same products; plain float experts: packing after sharding is not supported yet). The DSpark
+drafter's MoE is left whole.
 """
 
 from __future__ import annotations
@@ -42,16 +43,34 @@ class ExpertParallelMoE(nn.Module):
             {n: nn.Parameter(p.detach()[mine].clone(), requires_grad=p.requires_grad) for n, p in moe.experts.items()}
         )
         self.ep_rank, self.dispatcher = ep_rank, AllToAllDispatcher(placement, group)
+        self._plain = None  # expert_weights()'s view
 
     def forward(
         self, x: torch.Tensor, tokens: torch.Tensor, is_image: torch.Tensor | None = None, ops=None
     ) -> torch.Tensor:
-        if ops is not None:
-            raise ParallelConfigError("the expert-parallel MoE runs the reference path only (kernel ops: not yet)")
-        ids, w = self.gate(x, tokens, is_image)
+        """``ops`` (kernels.ops.KernelOps): the fused router, and the grouped routed experts on the received rows,
+        each row a top-1 pick of its local expert; None: the torch loop, as ``MoE.forward``'s oracle."""
+        g = self.gate
+        if ops is None or g.hash_routed:
+            ids, w = g(x, tokens, is_image)
+        else:
+            ids, w = ops.route(x, g.weight, g.bias, g.topk, g.temp, g.scale, g.bias_vl, is_image)
         rows, local, weights, handle = self.dispatcher.prepare(x, ids, w)
-        routed = self.dispatcher.finalize(self.run_local(rows, local, weights), handle)
-        return (routed + acc(self.shared_experts(x))).to(x.dtype)
+        if ops is None:
+            out = self.run_local(rows, local, weights)
+        else:
+            out = ops.routed_experts(rows, local[:, None], weights[:, None], self.expert_weights(), self.limit)
+        routed = self.dispatcher.finalize(out, handle)
+        return (routed + acc(self.shared_experts(x, ops))).to(x.dtype)
+
+    def expert_weights(self):
+        """This rank's experts as the grouped-MoE ops take them (a view of the parameters, built once a set)."""
+        ex, view = self.experts, self._plain
+        if view is None or view.w1 is not ex["w1"] or view.w3 is not ex["w3"] or view.w2 is not ex["w2"]:
+            from ..kernels.grouped_moe import ExpertWeights  # import here: the kernels import the layers
+
+            view = self._plain = ExpertWeights("bf16", ex["w1"], ex["w3"], ex["w2"])
+        return view
 
     def run_local(self, rows: torch.Tensor, local: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each received row through its local expert, weighted before the down projection (MoE.forward's

@@ -26,17 +26,20 @@ def vocab_shards(vocab: int, size: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-class RowParallelLinear(nn.Linear):
-    """An ``nn.Linear`` holding this rank's columns of the weight (a slice of the input features): its product on
-    this rank's slice of the input is a partial sum, completed by an all-reduce over ``group``."""
+class RowParallelLinear(nn.Module):
+    """A bias-free linear layer holding this rank's columns of the weight (a slice of the input features): its
+    product on this rank's slice of the input is a partial sum, completed by an all-reduce over ``group``. Not an
+    ``nn.Linear`` on purpose: a pass that swaps every ``nn.Linear`` (models.quantize.quantize_dense_fp8) leaves it
+    as it is, so its all-reduce cannot be dropped."""
 
     def __init__(self, weight: torch.Tensor, group: dist.ProcessGroup | None):
-        super().__init__(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=weight.requires_grad)
+        self.out_features, self.in_features = weight.shape
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce_sum(super().forward(x), self.group)
+        return all_reduce_sum(F.linear(x, self.weight), self.group)
 
 
 class VocabParallelEmbedding(nn.Embedding):

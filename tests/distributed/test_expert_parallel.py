@@ -15,11 +15,18 @@ RANK_LENGTHS = ((6, 40, 3), (19, 9, 33))
 LISTS = ((5, 0, 3, 6), (1, 2, 4, 7))  # a given placement, local order not sorted
 
 
+def _reference_ops():
+    from dsserve.kernels.ops import OPS, KernelOps
+
+    return KernelOps(frozenset(OPS))  # every kernelised op on its torch reference
+
+
 @torch.no_grad()
-def _dep2(rank: int, name: str, lists, idle_rank) -> dict:
+def _dep2(rank: int, name: str, lists, idle_rank, ops=False) -> dict:
     groups = new_groups(1, 2)
     placement = None if lists is None else ExpertPlacement(8, lists)
     model = shard_expert_parallel(tiny_model(name), groups.dp_rank, 2, groups.ep, placement)
+    model.kernel_ops = _reference_ops() if ops else None
     logits = []
     for s in sequences(10 + rank, RANK_LENGTHS[rank]):
         if rank == idle_rank:
@@ -30,8 +37,9 @@ def _dep2(rank: int, name: str, lists, idle_rank) -> dict:
     return {"logits": logits, "sent": d.rows_sent, "received": d.rows_received}
 
 
-def _check(out, name, idle_rank=None):
+def _check(out, name, idle_rank=None, ops=False):
     ref = tiny_model(name)
+    ref.kernel_ops = _reference_ops() if ops else None
     with torch.no_grad():
         for rank, o in enumerate(out):
             if rank == idle_rank:
@@ -58,6 +66,11 @@ def test_dep2_with_a_given_placement(workers):
     _check(workers.run(_dep2, "tiny", LISTS, None), "tiny")
 
 
+def test_dep2_with_kernel_ops(workers):
+    """The router and the grouped experts through kernels.ops (their torch references here), on both sides."""
+    _check(workers.run(_dep2, "tiny", None, None, True), "tiny", ops=True)
+
+
 def test_an_idle_rank_joins_every_collective(workers):
     _check(workers.run(_dep2, "tiny", None, 1), "tiny", idle_rank=1)
     _check(workers.run(_dep2, "tiny-v4", None, 0), "tiny-v4", idle_rank=0)
@@ -73,6 +86,8 @@ def test_one_rank_is_the_reference_moe_exactly(name, layer):
     with torch.no_grad():
         assert torch.equal(ep(x, tokens), moe(x, tokens))
         assert ep(x[:0], tokens[:0]).shape == (0, x.shape[1])
+        ops = _reference_ops()
+        assert (ep(x, tokens, None, ops) - moe(x, tokens, None, ops)).abs().max() < 1e-12
 
 
 def test_placements_are_checked():

@@ -16,10 +16,17 @@ LENGTHS = (5, 17, 40)
 STEPS = 3
 
 
+def _reference_ops():
+    from dsserve.kernels.ops import OPS, KernelOps
+
+    return KernelOps(frozenset(OPS))  # every kernelised op on its torch reference
+
+
 @torch.no_grad()
-def _tp2(rank: int, name: str) -> dict:
+def _tp2(rank: int, name: str, ops=False) -> dict:
     groups = new_groups(2, 1)
     model = shard_tensor_parallel(tiny_model(name), groups.tp_rank, 2, groups.tp)
+    model.kernel_ops = _reference_ops() if ops else None
     seqs = sequences(1, LENGTHS)
     return {
         "logits": [model.reference_logits(s) for s in seqs],
@@ -46,6 +53,29 @@ def test_tp2_matches_the_reference_forward(workers, name):
             assert torch.equal(out[0]["logits"][i], out[1]["logits"][i])  # every rank sees the same logits
         for i, s in enumerate(sequences(1, LENGTHS)[:2]):
             assert out[0]["greedy"][i] == out[1]["greedy"][i] == greedy(ref, s, STEPS)
+
+
+def test_tp2_with_kernel_ops(workers):
+    """The MoE (router, grouped experts), mHC and the query's norms and RoPE through kernels.ops (their torch
+    references here): the MoE's all-reduce closes the kernel path's output too."""
+    out = workers.run(_tp2, "tiny", True)
+    ref = tiny_model("tiny")
+    ref.kernel_ops = _reference_ops()
+    with torch.no_grad():
+        for i, s in enumerate(sequences(1, LENGTHS)):
+            want = ref.reference_logits(s)
+            assert max((o["logits"][i] - want).abs().max().item() for o in out) < 1e-9
+
+
+def test_quantising_after_sharding_keeps_the_all_reduce():
+    from dsserve.distributed.parallel_linear import RowParallelLinear
+    from dsserve.models.quantize import quantize_dense_fp8
+
+    model = shard_tensor_parallel(tiny_model("tiny"), 0, 2, None)
+    assert quantize_dense_fp8(model, 32) > 0
+    assert all(isinstance(b.attn.wo_b, RowParallelLinear) for b in model.layers)
+    with pytest.raises(ParallelConfigError, match="quantised or already sharded"):
+        shard_tensor_parallel(model, 0, 2, None)
 
 
 def test_sharding_checks_the_split():
