@@ -5,7 +5,11 @@ experts (an ``ExpertPlacement``: contiguous ranges or given lists). Everything e
 attention runs on the rank's own rows (its own sequences and caches: DP attention), as do the router and the
 shared expert; only the routed experts' rows cross ranks, by ``dispatcher.AllToAllDispatcher`` (three collectives
 a MoE layer). Every EP rank must run the same number of forwards: a rank with no rows runs ``idle_forward``, which
-joins each MoE layer's collectives with zero rows (vLLM's and SGLang's dummy batch, without the dummy token).
+joins each MoE layer's collectives with zero rows (vLLM's and SGLang's dummy batch, without the dummy token). A
+forward that stops early (bounded replay: no row of the step reaches the decoder, so ``forward_batch`` leaves the
+layer loop and the narrowing layer's MoE is skipped) joins the MoE layers it skipped the same way, after it: the pass
+wraps the model's ``forward_batch``. Fixed-shape runners (CUDA graphs) are not supported under EP: the dispatch
+reads its counts on the host.
 
 With kernel ops the router is ``ops.route`` and the local experts run as ``ops.routed_experts`` on the received rows,
 each a top-1 pick (the same products; plain float experts: packing after sharding is not supported yet). The DSpark
@@ -44,12 +48,14 @@ class ExpertParallelMoE(nn.Module):
         )
         self.ep_rank, self.dispatcher = ep_rank, AllToAllDispatcher(placement, group)
         self._plain = None  # expert_weights()'s view
+        self.calls = 0  # forwards run: the model's wrapper finds the layers a forward skipped
 
     def forward(
         self, x: torch.Tensor, tokens: torch.Tensor, is_image: torch.Tensor | None = None, ops=None
     ) -> torch.Tensor:
         """``ops`` (kernels.ops.KernelOps): the fused router, and the grouped routed experts on the received rows,
         each row a top-1 pick of its local expert; None: the torch loop, as ``MoE.forward``'s oracle."""
+        self.calls += 1
         g = self.gate
         if ops is None or g.hash_routed:
             ids, w = g(x, tokens, is_image)
@@ -101,14 +107,34 @@ def shard_expert_parallel(
         raise ParallelConfigError(f"the placement spans {placement.ep_size} ranks, ep_size is {ep_size}")
     for block in model.layers:
         block.ffn = ExpertParallelMoE(block.ffn, placement, ep_rank, group)
+    model.forward_batch = _JoinSkipped(model, model.forward_batch)
     return model
 
 
-def idle_forward(model: nn.Module) -> None:
-    """A forward with no rows on an expert-parallel model: joins every MoE layer's collectives with zero rows, so
-    the ranks with rows are not left waiting. Nothing is read from or written to any cache."""
+class _JoinSkipped:
+    """``forward_batch``, then zero-row calls of the MoE layers it did not run, in layer order: the collectives
+    a rank whose rows all stopped before the decoder would otherwise leave its peers waiting in."""
+
+    def __init__(self, model: nn.Module, forward_batch):
+        self.model, self.forward_batch = model, forward_batch
+
+    def __call__(self, *args, **kwargs):
+        before = [b.ffn.calls for b in self.model.layers]
+        out = self.forward_batch(*args, **kwargs)
+        ran = [b.ffn.calls > n for b, n in zip(self.model.layers, before)]
+        first = ran.index(False) if False in ran else len(ran)
+        if any(ran[first:]):  # a runner that skips leading layers (a fixed-shape encoder): no order to join in
+            raise ParallelConfigError(f"an expert-parallel forward ran MoE layers {ran}: only a skipped tail joins")
+        idle_forward(self.model, first)
+        return out
+
+
+def idle_forward(model: nn.Module, first_layer: int = 0) -> None:
+    """A forward with no rows on an expert-parallel model: joins the collectives of every MoE layer from
+    ``first_layer`` on with zero rows, so the ranks with rows are not left waiting. Nothing is read from or written
+    to any cache."""
     w = model.embed.weight
     x = w.new_zeros(0, model.cfg.hidden_size)
     tokens = torch.zeros(0, dtype=torch.long, device=w.device)
-    for block in model.layers:
+    for block in model.layers[first_layer:]:
         block.ffn(x, tokens)

@@ -100,3 +100,34 @@ def test_placements_are_checked():
         ExpertPlacement.contiguous(8, 3)
     with pytest.raises(ParallelConfigError, match="ep_rank=2"):
         shard_expert_parallel(tiny_model("tiny"), 2, 2, None)
+
+
+@torch.no_grad()
+def _replay_stop(rank: int, ep: bool) -> list:
+    """Rank 0: a 60-row prompt in two chunks under bounded replay (decoder from row 28: the first chunk's rows all
+    stop before the decoder, the forward leaves the layer loop early), then 2 decode steps. Rank 1: 4 full
+    forwards of its own sequences. ``ep`` False: the unsharded model in this process (the oracle of the calls)."""
+    model = tiny_model("tiny")
+    if ep:
+        g = new_groups(1, 2)
+        model = shard_expert_parallel(model, g.dp_rank, 2, g.ep)
+    if rank == 1:
+        return [model.reference_logits(s) for s in sequences(30, (5, 12, 8, 30))]
+    prompt, cache, out = sequences(31, (60,))[0], model.new_cache(), []
+    for rows in (prompt[:20], prompt[20:]):
+        out.append(model.logits(model(rows, cache, decoder_start=28).hidden))
+    assert out[0].shape[0] == 0  # the first chunk ran no decoder row
+    for _ in range(2):
+        out.append(model.logits(model(out[-1][-1:].argmax(-1), cache, decoder_start=28).hidden))
+    return out
+
+
+def test_a_forward_that_stops_before_the_decoder_still_joins(workers):
+    """Without the join the early-stopping rank skips layer 6..11's MoE collectives and both ranks time out."""
+    out = workers.run(_replay_stop, True)
+    for rank in range(2):
+        want = _replay_stop(rank, False)
+        assert len(out[rank]) == len(want)
+        for got, w in zip(out[rank], want):
+            assert got.shape == w.shape
+            assert got.numel() == 0 or (got - w).abs().max().item() < 1e-9
