@@ -12,8 +12,8 @@ wraps the model's ``forward_batch``. Fixed-shape runners (CUDA graphs) are not s
 reads its counts on the host.
 
 With kernel ops the router is ``ops.route`` and the local experts run as ``ops.routed_experts`` on the received rows,
-each a top-1 pick (the same products; plain float experts: packing after sharding is not supported yet). The DSpark
-drafter's MoE is left whole.
+each a top-1 pick (the same products); packed experts (FP8, MXFP4) are sliced by expert like the dense ones. The
+DSpark drafter's MoE is left whole.
 """
 
 from __future__ import annotations
@@ -35,17 +35,21 @@ class ExpertParallelMoE(nn.Module):
 
     def __init__(self, moe: nn.Module, placement: ExpertPlacement, ep_rank: int, group: dist.ProcessGroup | None):
         super().__init__()
-        if moe.experts["w1"].shape[0] != placement.n_experts:
-            raise ParallelConfigError(
-                f"the placement is for {placement.n_experts} experts, the MoE has {moe.experts['w1'].shape[0]}"
-            )
-        if getattr(moe, "packed", None) is not None:
-            raise ParallelConfigError("expert parallelism takes the plain float experts; pack them after sharding")
+        packed = getattr(moe, "packed", None)
+        n = moe.experts["w1"].shape[0] if "w1" in moe.experts else packed.w1.shape[0]
+        if n != placement.n_experts:
+            raise ParallelConfigError(f"the placement is for {placement.n_experts} experts, the MoE has {n}")
         self.limit, self.gate, self.shared_experts = moe.limit, moe.gate, moe.shared_experts
         mine = list(placement.owned[ep_rank])
         self.experts = nn.ParameterDict(
             {n: nn.Parameter(p.detach()[mine].clone(), requires_grad=p.requires_grad) for n, p in moe.experts.items()}
         )
+        # packed experts (kernels.grouped_moe.ExpertWeights, models.quantize.pack_experts: before or after this
+        # pass): this rank's, every tensor being [E, ...]
+        self.packed = None
+        if packed is not None:
+            parts = (packed.w1, packed.w3, packed.w2, packed.s1, packed.s3, packed.s2)
+            self.packed = type(packed)(packed.fmt, *(None if t is None else t[mine].clone() for t in parts))
         self.ep_rank, self.dispatcher = ep_rank, AllToAllDispatcher(placement, group)
         self._plain = None  # expert_weights()'s view
         self.calls = 0  # forwards run: the model's wrapper finds the layers a forward skipped
@@ -69,8 +73,19 @@ class ExpertParallelMoE(nn.Module):
         routed = self.dispatcher.finalize(out, handle)
         return (routed + acc(self.shared_experts(x, ops))).to(x.dtype)
 
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)  # .to(device) / .double() follow the packed experts, as in MoE._apply
+        p = self.packed
+        if p is not None:
+            tensors = (p.w1, p.w3, p.w2, p.s1, p.s3, p.s2)
+            self.packed = type(p)(p.fmt, *(None if t is None else fn(t) for t in tensors))
+        return self
+
     def expert_weights(self):
-        """This rank's experts as the grouped-MoE ops take them (a view of the parameters, built once a set)."""
+        """This rank's experts as the grouped-MoE ops take them: the packed ones, else a view of the parameters
+        (built once a set)."""
+        if self.packed is not None:
+            return self.packed
         ex, view = self.experts, self._plain
         if view is None or view.w1 is not ex["w1"] or view.w3 is not ex["w3"] or view.w2 is not ex["w2"]:
             from ..kernels.grouped_moe import ExpertWeights  # import here: the kernels import the layers
@@ -80,7 +95,12 @@ class ExpertParallelMoE(nn.Module):
 
     def run_local(self, rows: torch.Tensor, local: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each received row through its local expert, weighted before the down projection (MoE.forward's
-        arithmetic); one output row per input row, in x's dtype."""
+        arithmetic); one output row per input row, in x's dtype. Packed experts without their dense copies are
+        dequantised expert by expert (kernels.grouped_moe.routed_experts_ref), as MoE.forward does."""
+        if "w1" not in self.experts:
+            from ..kernels.grouped_moe import routed_experts_ref
+
+            return routed_experts_ref(rows, local[:, None], weights[:, None], self.packed, self.limit).to(rows.dtype)
         w1, w2, w3 = self.experts["w1"], self.experts["w2"], self.experts["w3"]
         out = torch.empty(rows.shape[0], w2.shape[1], dtype=rows.dtype, device=rows.device)
         for j in torch.unique(local).tolist():

@@ -21,11 +21,20 @@ def _reference_ops():
     return KernelOps(frozenset(OPS))  # every kernelised op on its torch reference
 
 
+def _packed(model, fmt):
+    from dsserve.models.quantize import quantize_experts
+
+    if fmt is not None:
+        quantize_experts(model, fmt, keep_dense=False)  # only the packed bytes: the reference dequantises them
+    return model
+
+
 @torch.no_grad()
-def _dep2(rank: int, name: str, lists, idle_rank, ops=False) -> dict:
+def _dep2(rank: int, name: str, lists, idle_rank, ops=False, fmt=None) -> dict:
     groups = new_groups(1, 2)
     placement = None if lists is None else ExpertPlacement(8, lists)
-    model = shard_expert_parallel(tiny_model(name), groups.dp_rank, 2, groups.ep, placement)
+    model = _packed(tiny_model(name), fmt if rank == 0 else None)  # rank 0 packs before sharding, rank 1 after
+    model = _packed(shard_expert_parallel(model, groups.dp_rank, 2, groups.ep, placement), fmt if rank else None)
     model.kernel_ops = _reference_ops() if ops else None
     logits = []
     for s in sequences(10 + rank, RANK_LENGTHS[rank]):
@@ -37,8 +46,8 @@ def _dep2(rank: int, name: str, lists, idle_rank, ops=False) -> dict:
     return {"logits": logits, "sent": d.rows_sent, "received": d.rows_received}
 
 
-def _check(out, name, idle_rank=None, ops=False):
-    ref = tiny_model(name)
+def _check(out, name, idle_rank=None, ops=False, fmt=None):
+    ref = _packed(tiny_model(name), fmt)
     ref.kernel_ops = _reference_ops() if ops else None
     with torch.no_grad():
         for rank, o in enumerate(out):
@@ -69,6 +78,14 @@ def test_dep2_with_a_given_placement(workers):
 def test_dep2_with_kernel_ops(workers):
     """The router and the grouped experts through kernels.ops (their torch references here), on both sides."""
     _check(workers.run(_dep2, "tiny", None, None, True), "tiny", ops=True)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_dep2_with_packed_experts(workers, fmt):
+    """The release's expert formats, packed before sharding on one rank and after it on the other, dense copies
+    dropped: the reference path and the kernel ops (references) dequantise this rank's experts."""
+    _check(workers.run(_dep2, "tiny", None, None, False, fmt), "tiny", fmt=fmt)
+    _check(workers.run(_dep2, "tiny", None, None, True, fmt), "tiny", ops=True, fmt=fmt)
 
 
 def test_an_idle_rank_joins_every_collective(workers):
