@@ -27,6 +27,7 @@ from ..layers.numerics import acc
 from .dispatcher import AllToAllDispatcher
 from .expert_placement import ExpertPlacement
 from .groups import ParallelConfigError
+from .handshake import agree
 
 
 class ExpertParallelMoE(nn.Module):
@@ -119,12 +120,14 @@ def shard_expert_parallel(
     placement: ExpertPlacement | None = None,
 ) -> nn.Module:
     """Replace every layer's MoE of ``model`` by an ``ExpertParallelMoE`` for EP rank ``ep_rank`` of ``ep_size``
-    (``placement`` default: contiguous ranges) in place; returns the model."""
+    (``placement`` default: contiguous ranges) in place; returns the model. Ranks that disagree on the config or
+    the placement fail here, all of them (handshake.agree)."""
     if not 0 <= ep_rank < ep_size:
         raise ParallelConfigError(f"ep_rank={ep_rank} must lie in [0, ep_size={ep_size})")
     placement = placement or ExpertPlacement.contiguous(model.cfg.n_routed_experts, ep_size)
     if placement.ep_size != ep_size:
         raise ParallelConfigError(f"the placement spans {placement.ep_size} ranks, ep_size is {ep_size}")
+    agree("the model config and expert placement", repr((model.cfg, placement)), group)
     for block in model.layers:
         block.ffn = ExpertParallelMoE(block.ffn, placement, ep_rank, group)
     model.forward_batch = _JoinSkipped(model, model.forward_batch)

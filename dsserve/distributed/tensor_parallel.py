@@ -41,6 +41,7 @@ from torch import nn
 
 from .all_reduce import all_reduce_sum
 from .groups import ParallelConfigError
+from .handshake import agree
 from .parallel_linear import RowParallelLinear, VocabParallelEmbedding, VocabParallelHead, vocab_shards
 
 
@@ -108,7 +109,8 @@ def shard_tensor_parallel(model: nn.Module, tp_rank: int, tp_size: int, group: d
     """Cut ``model`` (a built ``DeepseekForCausalLM``, on any device, the meta device included) to TP rank
     ``tp_rank`` of ``tp_size`` in place (module docstring; ``tp_slice`` per tensor) and return it. Every rank of
     ``group`` must shard the same model the same way; each then runs the unchanged forward on the same rows and
-    gets the same logits. tp_size 1 leaves the model as it is. ``group`` None: no communication (a model sharded
+    gets the same logits; ranks that disagree on the config fail here, all of them (handshake.agree). tp_size 1
+    leaves the model as it is. ``group`` None: no communication (a model sharded
     for its shapes only)."""
     if not 0 <= tp_rank < tp_size:
         raise ParallelConfigError(f"tp_rank={tp_rank} must lie in [0, tp_size={tp_size})")
@@ -118,6 +120,7 @@ def shard_tensor_parallel(model: nn.Module, tp_rank: int, tp_size: int, group: d
         return model
     check_tensor_parallel(model, tp_size)
     cfg = model.cfg
+    agree("the model config and tp_size", repr((cfg, tp_size)), group)
     with torch.no_grad():
         for name, p in list(model.named_parameters()):
             cut = tp_slice(name, cfg, tp_rank, tp_size)

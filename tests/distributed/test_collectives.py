@@ -87,6 +87,21 @@ def test_groups_of_a_two_rank_world(workers):
     assert all(t[2] == {"tp": None, "ep": 1.0, "world": 2.0} for t in dep2)
 
 
+def _agree(rank: int, same: bool) -> str:
+    from dsserve.distributed.handshake import agree
+
+    try:
+        agree("the test value", "a" if same or rank == 0 else "b", torch.distributed.group.WORLD)
+        return "agreed"
+    except ParallelConfigError as e:
+        return str(e)
+
+
+def test_ranks_that_disagree_all_fail_fast(workers):
+    assert workers.run(_agree, True) == ["agreed", "agreed"]
+    assert workers.run(_agree, False) == ["the ranks disagree on the test value: ranks [1] differ from rank 0"] * 2
+
+
 def test_group_layout_and_bad_sizes():
     tp, ep = ParallelGroups.ranks(2, 2)
     assert tp == [[0, 1], [2, 3]] and ep == [[0, 2], [1, 3]]
