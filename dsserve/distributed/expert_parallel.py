@@ -43,7 +43,7 @@ class ExpertParallelMoE(nn.Module):
         self.limit, self.gate, self.shared_experts = moe.limit, moe.gate, moe.shared_experts
         mine = list(placement.owned[ep_rank])
         self.experts = nn.ParameterDict(
-            {n: nn.Parameter(p.detach()[mine].clone(), requires_grad=p.requires_grad) for n, p in moe.experts.items()}
+            {k: nn.Parameter(p.detach()[mine].clone(), requires_grad=p.requires_grad) for k, p in moe.experts.items()}
         )
         # packed experts (kernels.grouped_moe.ExpertWeights, models.quantize.pack_experts: before or after this
         # pass): this rank's, every tensor being [E, ...]
@@ -124,6 +124,8 @@ def shard_expert_parallel(
     the placement fail here, all of them (handshake.agree)."""
     if not 0 <= ep_rank < ep_size:
         raise ParallelConfigError(f"ep_rank={ep_rank} must lie in [0, ep_size={ep_size})")
+    if any(isinstance(b.ffn, ExpertParallelMoE) for b in model.layers):
+        raise ParallelConfigError("the model is already expert-parallel: shard the single-process model once")
     placement = placement or ExpertPlacement.contiguous(model.cfg.n_routed_experts, ep_size)
     if placement.ep_size != ep_size:
         raise ParallelConfigError(f"the placement spans {placement.ep_size} ranks, ep_size is {ep_size}")

@@ -117,6 +117,8 @@ def test_placements_are_checked():
         ExpertPlacement.contiguous(8, 3)
     with pytest.raises(ParallelConfigError, match="ep_rank=2"):
         shard_expert_parallel(tiny_model("tiny"), 2, 2, None)
+    with pytest.raises(ParallelConfigError, match="already expert-parallel"):
+        shard_expert_parallel(shard_expert_parallel(tiny_model("tiny"), 0, 2, None), 0, 2, None)
 
 
 @torch.no_grad()
