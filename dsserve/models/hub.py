@@ -33,15 +33,17 @@ def resolve_model(name: str, files: list[str] = CHECKPOINT_FILES) -> str:
             f"{name!r} looks like a Hugging Face model id; resolving it needs `pip install huggingface_hub` "
             "(or pass the checkpoint directory)"
         ) from None
+    # huggingface_hub reads HF_HUB_CACHE once, when first imported; read it at each call, as a launch would
+    cache_dir = os.environ.get("HF_HUB_CACHE") or None
     try:
-        return snapshot_download(name, local_files_only=True)
+        return snapshot_download(name, local_files_only=True, cache_dir=cache_dir)
     except LocalEntryNotFoundError:
         pass
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     if offline:
         raise ConfigError(f"{name!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set")
     try:
-        return snapshot_download(name, allow_patterns=files)
+        return snapshot_download(name, allow_patterns=files, cache_dir=cache_dir)
     except Exception as e:  # network, auth, missing repo: one clear line, not a traceback
         raise ConfigError(
             f"{name!r} is not a preset, a built-in checkpoint, a directory or a Hugging Face model in the local "

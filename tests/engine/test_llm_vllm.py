@@ -44,7 +44,7 @@ def test_vllm_keyword_arguments_are_taken_with_their_meaning(llm):
     [
         (dict(tensor_parallel_size=2), "issue 54"),
         (dict(dtype="int8"), "dtype must be one of"),
-        (dict(quantization="awq"), "quantization must be fp8 or None"),
+        (dict(quantization="awq"), "quantization must be fp8, none or None"),
         (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype must be one of"),
         (dict(hf_overrides={}), "unknown engine option"),
     ],
