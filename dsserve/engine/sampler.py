@@ -232,6 +232,10 @@ class Sampler:
                 if ids:
                     logits[i, ids] = NEG_INF
 
+        for i, p in enumerate(params):  # banned tokens: never sampled, greedy or not
+            if p.banned_token_ids:
+                logits[i, [t for t in p.banned_token_ids if t < logits.shape[1]]] = NEG_INF
+
         if any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params):
             apply_penalties(
                 logits,

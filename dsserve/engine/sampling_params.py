@@ -66,6 +66,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    banned_token_ids: list[int] | None = field(default_factory=list)  # never sampled (e.g. DSML without tools)
 
     def __post_init__(self) -> None:
         # ---- normalisation (vLLM's conventions)
@@ -85,6 +86,10 @@ class SamplingParams:
                 "stop_token_ids", self.stop_token_ids, "must be a list of non-negative integer token ids"
             )
         self.stop_token_ids = list(dict.fromkeys(ids))
+        banned = self.banned_token_ids or []
+        if not isinstance(banned, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in banned):
+            raise SamplingParamsError("banned_token_ids", banned, "must be a list of non-negative integer token ids")
+        self.banned_token_ids = list(banned)
         if self.seed == -1:
             self.seed = None
         if self.logprobs is True:

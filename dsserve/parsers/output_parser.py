@@ -42,7 +42,7 @@ from typing import Iterable, Union
 log = logging.getLogger("dsserve.parsers")
 
 DIALECTS = ("v4", "v4.1")
-_ALIASES = {"v4": "v4", "v4.1": "v4.1", "v41": "v4.1", "deepseek_v4": "v4", "deepseek_v41": "v4.1"}
+DIALECT_NAMES = {"v4": "v4", "v4.1": "v4.1", "v41": "v4.1", "deepseek_v4": "v4", "deepseek_v41": "v4.1"}
 DSML = "｜DSML｜"
 THINK, END_THINK, EOS = "<think>", "</think>", "<｜end▁of▁sentence｜>"
 BLOCK_OPENERS = {"v4": f"<{DSML}tool_calls>", "v4.1": f"<{DSML} calls>", "v3.2": f"<{DSML}function_calls>"}
@@ -268,9 +268,9 @@ class OutputParser:
         start_in_block: bool = False,
         forced_tool: str | None = None,
     ):
-        if dialect not in _ALIASES:
+        if dialect not in DIALECT_NAMES:
             raise ValueError(f"dialect must be one of {list(DIALECTS)}, not {dialect!r}")
-        self.dialect = _ALIASES[dialect]
+        self.dialect = DIALECT_NAMES[dialect]
         self.thinking = thinking
         self.tools = _tool_names(tools) | ({forced_tool} if forced_tool else set())
         self.parse_calls = bool(self.tools) or start_in_block

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine.core import RequestError
 from ..engine.sampling_params import SamplingParamsError
 from . import openai_format as fmt
+from . import tool_calls as tc
 from .async_engine import AsyncEngine, EngineOverloaded
 from .chat import ChatFormatError, chat_prompt_ids
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -42,6 +43,7 @@ def build_app(
 ) -> FastAPI:
     app = FastAPI(title="dsserve", docs_url=None, redoc_url=None)
     core = engine.core
+    dialect_default = tc.model_dialect(core.tokenizer)  # the chat/DSML dialect (V4 or V4.1) of the served model
 
     def err(status: int, message: str, type_: str, param: str | None = None, headers=None) -> JSONResponse:
         return JSONResponse(fmt.error_body(message, type_, status, param), status_code=status, headers=headers)
@@ -241,8 +243,11 @@ def build_app(
                 raise ApiError(499, "the client closed the connection", "client_closed_request")
         return task.result()
 
-    def stream(sinks, chat: bool, model: str, include_usage: bool, top_n: int | None, n: int) -> StreamingResponse:
+    def stream(
+        sinks, chat: bool, model: str, include_usage: bool, top_n: int | None, n: int, tools: tc.ToolPlan | None = None
+    ) -> StreamingResponse:
         rid = fmt.new_id("chatcmpl" if chat else "cmpl")
+        shapers = [tc.ChoiceShaper(tools) for _ in sinks] if tools is not None else None
 
         async def events():
             sent_text = [0] * len(sinks)
@@ -269,7 +274,10 @@ def build_app(
                             else fmt.completion_logprobs(c, sent_tokens[i], sent_text[i], top_n)
                         )
                     sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
-                    if delta or c.finish_reason or lp:
+                    if shapers is not None:  # chat: reasoning, content and tool-call deltas from the parser
+                        for chunk in tc.stream_chunks(shapers[i], rid, model, i, delta, c.finish_reason, lp):
+                            yield _sse(chunk)
+                    elif delta or c.finish_reason or lp:
                         yield _sse(fmt.stream_chunk(rid, model, chat, i, delta, c.finish_reason, lp))
                     if out.finished:
                         finals[i] = out
@@ -312,23 +320,37 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         kwargs = dict(body.chat_template_kwargs or {})
+        try:  # ---- tools, tool_choice and thinking (server/tool_calls.py)
+            thinking, effort = tc.thinking_mode(kwargs, body.thinking, body.reasoning_effort)
+            dialect = kwargs.get("dialect", dialect_default)
+            tools = tc.plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, thinking=thinking,
+                                  dialect=dialect)  # fmt: skip
+        except tc.ToolChoiceError as e:
+            raise ApiError(400, str(e), param=e.field) from None
         try:
             ids = chat_prompt_ids(
                 core.tokenizer,
                 [m.model_dump(exclude_none=True) for m in body.messages],
-                thinking=bool(kwargs.get("thinking", kwargs.get("enable_thinking", False))),
-                tools=body.tools,
+                thinking=thinking,
+                tools=tools.prompt_tools,
+                reasoning_effort=effort,
+                version=tools.encoder_version,
             )
+            ids += core.tokenizer.encode(tools.prefill, add_bos=False) if tools.prefill else []
         except (ChatFormatError, ValueError) as e:
             raise ApiError(400, str(e), param="messages") from None
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         choices = plan([ids], body, top_n, body.max_completion_tokens)
+        if tools.ban_dsml:  # no tools to call: DSML markup cannot be sampled
+            bans = tc.dsml_bans(core.tokenizer)
+            choices = [(i, dataclasses.replace(p, banned_token_ids=[*p.banned_token_ids, *bans])) for i, p in choices]
         sinks = await run(choices, body, request.headers.get("x-session-id"))
         model = served_model_name
         if body.stream:
             inc = bool(body.stream_options and body.stream_options.include_usage)
-            return stream(sinks, True, model, inc, top_n, body.n)
-        return fmt.chat_body(fmt.new_id("chatcmpl"), model, await collect(sinks, request), top_n, body.n)
+            return stream(sinks, True, model, inc, top_n, body.n, tools)
+        outs = await collect(sinks, request)
+        return tc.shape_chat_body(fmt.chat_body(fmt.new_id("chatcmpl"), model, outs, top_n, body.n), outs, tools)
 
     return app
 

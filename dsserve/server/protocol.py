@@ -87,6 +87,10 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None
     chat_template_kwargs: dict[str, Any] | None = None  # {"thinking": true} turns DeepSeek thinking mode on
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    # ---- tool calling and reasoning (server/tool_calls.py)
+    parallel_tool_calls: bool = True
+    reasoning_effort: str | int | None = None  # low / medium / high / max ... or 1..100 (V4.1)
+    thinking: dict[str, Any] | None = None  # DeepSeek's {"type": "enabled" | "disabled"}
 
 
 class TokenizeRequest(_Body):
