@@ -56,6 +56,7 @@ _ELEMENTS = ("invoke", " invoke", "parameter", " parameter")
 _NAME = re.compile(r'[^"<>\n]{0,256}')  # a tool or parameter name, up to its closing quote
 _TAG = re.compile(r"[A-Za-z0-9_ ]{0,41}")  # an element name in <｜DSML｜NAME> / </｜DSML｜NAME>
 _WS = re.compile(r"\s*")
+_STRAY_BODY = re.compile(r"[^<>]{0,256}")
 _NEED, _FAIL = "need", "fail"
 _PLAIN_MARKERS = {EOS: "eos", END_THINK: "end_think", THINK: "think"}
 _CHANNEL_MARKERS = {
@@ -168,6 +169,20 @@ def _tag(s: str, i: int, prefix: str, final: bool):
     return (e + 1, name) if s[e] == ">" and 0 < len(name) <= 40 and name not in _ELEMENTS else _FAIL
 
 
+def _stray(s: str, k: int, final: bool):
+    """(end, "stray") of a DSML tag at s[k] (``<｜DSML｜...>`` or ``</｜DSML｜...>``) to drop as malformed markup; a
+    tag that never closes before the next '<' loses only its ``<｜DSML｜`` prefix (at the end: all of it)."""
+    r = _lit(s, k, (_OPEN, _CLOSE), final)
+    if not isinstance(r, tuple):
+        return r
+    e = _STRAY_BODY.match(s, r[0]).end()
+    if e < len(s) and s[e] == ">":
+        return e + 1, "stray"
+    if e == len(s) and e - r[0] < 256:
+        return _NEED if not final else (e, "stray")
+    return r[0], "stray"
+
+
 def _invoke_head(s: str, i: int, final: bool):
     """(end, name) of ``<｜DSML｜[ ]invoke name="NAME">`` at s[i]."""
     r = _lit(s, i, INVOKE_OPEN, final)
@@ -267,6 +282,7 @@ class OutputParser:
         *,
         start_in_block: bool = False,
         forced_tool: str | None = None,
+        drop_malformed: bool = False,
     ):
         if dialect not in DIALECT_NAMES:
             raise ValueError(f"dialect must be one of {list(DIALECTS)}, not {dialect!r}")
@@ -274,6 +290,8 @@ class OutputParser:
         self.thinking = thinking
         self.tools = _tool_names(tools) | ({forced_tool} if forced_tool else set())
         self.parse_calls = bool(self.tools) or start_in_block
+        self.drop_malformed = drop_malformed
+        self._stray_at = -1  # a released candidate's tag, dropped as stray markup (drop_malformed)
         self._buf, self._pos = "", 0
         self._mode = "reasoning" if thinking and not (start_in_block or forced_tool) else "content"
         self._cand: _Candidate | None = None
@@ -419,6 +437,8 @@ class OutputParser:
         if i >= len(s):
             return False
         k = s.find("<", i)
+        if self.drop_malformed and (b := s.find("｜", i, k if k >= 0 else len(s))) >= 0:
+            return self._bare_dsml(s, i, b, final)
         if k < 0:
             end = len(s) if final else i + len(s[i:].rstrip("\n"))
             if end > i:
@@ -438,7 +458,7 @@ class OutputParser:
             return True
         end, kind = m
         run = s[r0:k]
-        if kind == "eos":
+        if kind in ("eos", "stray"):
             self._emit(ch, run)
         elif kind == "end_think":
             if ch == "reasoning":
@@ -461,18 +481,38 @@ class OutputParser:
         self._pos = end
         return True
 
+    def _bare_dsml(self, s: str, i: int, b: int, final: bool) -> bool:
+        """drop_malformed: the DSML marker spelt outside any tag (no '<' before it) is dropped as well."""
+        ch = self._mode
+        if b > i:
+            self._emit(ch, s[i:b])
+            self._pos = b
+        r = _lit(s, b, (DSML,), final)
+        if r == _NEED:
+            return b > i
+        self._pos = r[0] if isinstance(r, tuple) else b + 1
+        if r == _FAIL:
+            self._emit(ch, "｜")
+        return True
+
     def _marker(self, s: str, k: int, final: bool):
         """(end, kind) of the marker at s[k] == '<' valid in a text channel, or _NEED / _FAIL."""
+        if k == self._stray_at:
+            return _stray(s, k, final)
         markers = _CHANNEL_MARKERS if self.parse_calls else _PLAIN_MARKERS
         r = _lit(s, k, markers, final)
         if isinstance(r, tuple):
             return r[0], markers[r[1]]
         if not self.parse_calls:
-            return r
+            x = _stray(s, k, final) if self.drop_malformed else _FAIL
+            return x if isinstance(x, tuple) else _NEED if _NEED in (r, x) else _FAIL
         u = _tag(s, k, _OPEN, final)
         if isinstance(u, tuple):
             return u[0], "unknown"
-        return _NEED if _NEED in (r, u) else _FAIL
+        x = _stray(s, k, final) if self.drop_malformed else _FAIL
+        if isinstance(x, tuple):
+            return x
+        return _NEED if _NEED in (r, u, x) else _FAIL
 
     def _candidate(self, final: bool) -> bool:
         c, s = self._cand, self._buf
@@ -495,6 +535,9 @@ class OutputParser:
             self._mode = c.channel
             if c.kind == "block" and c.body == c.at:  # the opener was in the prompt: nothing of it to release
                 self._pos = c.at
+            elif self.drop_malformed:  # its newline run stays text; its first tag is dropped as stray markup
+                self._emit(c.channel, s[c.start : c.at])
+                self._pos, self._stray_at = c.at, c.at
             else:
                 self._emit(c.channel, s[c.start : c.at + 1])
                 self._pos = c.at + 1
@@ -581,14 +624,14 @@ class OutputParser:
             r = _tag(s, j, _CLOSE, final)
             end = _lit(s, j, INVOKE_CLOSE, final)
             if isinstance(end, tuple) or isinstance(r, tuple):
-                self._emit("content", s[i:j].rstrip())
+                self._emit("content", "" if self.drop_malformed else s[i:j].rstrip())
                 self._pos, self._mode = (end[0], "block") if isinstance(end, tuple) else (r[0], "after")
                 return True
             if _NEED in (r, end):
                 break
             j = s.find(_CLOSE, j + 1)
         h = len(s) if final else j if j >= 0 else _held_closer(s, i, (_CLOSE,))
-        keep = s[i:h].rstrip()
+        keep = "" if self.drop_malformed else s[i:h].rstrip()
         if keep:
             self._emit("content", keep)
             self._pos = i + len(keep)
@@ -632,7 +675,8 @@ class OutputParser:
             elif mode == "junk":
                 self._run(final=False)
                 if self._mode == "junk":
-                    self._emit("content", s[self._pos : _held_closer(s, self._pos, (_CLOSE,))].rstrip())
+                    if not self.drop_malformed:
+                        self._emit("content", s[self._pos : _held_closer(s, self._pos, (_CLOSE,))].rstrip())
             return
         self._run(final=True)
         if self._mode == "string":

@@ -7,10 +7,11 @@ not rendered, calls not parsed, and the DSML token masked so no markup can appea
 (non-thinking only, as DeepSeek's API; named renders only that tool): the prompt ends with the block opener and
 the parser starts inside the block. ``parallel_tool_calls=false`` keeps only the first call.
 
-``ChoiceShaper`` (one per choice) feeds the engine's text deltas to an ``OutputParser`` and returns OpenAI
-deltas as vLLM streams them: ``reasoning_content`` (and ``reasoning``), ``content``, a call's start (index, id,
-type, name, empty arguments), then argument fragments; ``message`` gives the non-streaming message, built from
-the same deltas.
+``ChoiceShaper`` (one per choice) feeds the engine's text deltas to an ``OutputParser`` and returns OpenAI deltas
+as vLLM streams them: ``reasoning_content`` (and ``reasoning``), ``content``, a call's start (index, id, type,
+name, empty arguments), then argument fragments; ``message`` gives the non-streaming message, built from the same
+deltas. Malformed DSML (markup the parser cannot commit as a call) is dropped rather than released as text, so no
+DSML ever reaches ``content`` or ``reasoning_content``.
 """
 
 from __future__ import annotations
@@ -58,7 +59,11 @@ class ToolPlan:
         return "v41" if self.dialect == "v4.1" else "v4"
 
     def parser(self) -> OutputParser:
-        return OutputParser(self.dialect, self.thinking, self.names, start_in_block=bool(self.prefill))
+        # malformed markup is dropped, not shown (the parser's default keeps it as text, spec 6.2): clients must
+        # never see DSML in content or reasoning
+        return OutputParser(
+            self.dialect, self.thinking, self.names, start_in_block=bool(self.prefill), drop_malformed=True
+        )
 
 
 def model_dialect(tokenizer) -> str:
@@ -269,8 +274,13 @@ def stream_chunks(
 
     def chunk(delta, fin=None, lp=None):
         choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": fin}
-        return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-                "choices": [choice]}  # fmt: skip
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [choice],
+        }
 
     out = [chunk(d, lp=logprobs if k == 0 else None) for k, d in enumerate(deltas)]
     if finish is not None:

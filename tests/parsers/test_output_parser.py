@@ -467,3 +467,48 @@ def test_no_tools_loses_nothing(parts):
     text = "".join(parts)
     out, _ = run(text, list(text), tools=None)
     assert out.content == text.lstrip("\n") and out.tool_calls == []
+
+
+DROPPED = [  # drop_malformed (the server's setting): malformed markup is dropped, never shown
+    (
+        f'The warehouse?<{D}parameter name="item" string="true">beads</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>',
+        "The warehouse?beads\n\n",
+    ),
+    (f"The1}}</tool_result><{D}tool_calls>", "The1}</tool_result>"),
+    (f"Wrap calls in <{D} calls> tags", "Wrap calls in  tags"),
+    (f"Text\n\n<{D}tool_calls>\nhello\n</{D}tool_calls>", "Text\n\n\nhello\n"),
+    (inv("zz", par("a", "1")), "1\n"),
+    (v4(inv("f", par("a", "x"), "oops <b>")) + "\nok", "ok"),
+    (f"a <{D} and b", "a "),
+    (f"bare {D}x and ｜y", "bare x and ｜y"),
+]
+
+
+@pytest.mark.parametrize("text, content", DROPPED)
+def test_drop_malformed(text, content):
+    want = parse_output(text, tools=W, drop_malformed=True)
+    assert want.content == content
+    for pieces in splits(text):
+        out, events = run(text, pieces, drop_malformed=True)
+        assert out == want
+        check_events(out, events, clean=True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    parts=st.lists(st.sampled_from(PIECES), max_size=30),
+    cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=8),
+    thinking=st.booleans(),
+    tools=st.sampled_from([W, None]),
+    stop=st.sampled_from(["eos", "length"]),
+)
+def test_drop_malformed_never_shows_dsml(parts, cuts, thinking, tools, stop):
+    text = "".join(parts)
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    kw = dict(thinking=thinking, tools=tools, drop_malformed=True)
+    want = parse_output(text, stop_reason=stop, **kw)
+    out, events = run(text, pieces, stop_reason=stop, **kw)
+    assert out == want
+    check_events(out, events, clean=False)
+    assert D not in out.content and D not in (out.reasoning_content or "")
