@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.core import RequestError
 from ..engine.sampling_params import SamplingParamsError
+from . import anthropic
 from . import openai_format as fmt
 from . import tool_calls as tc
 from .async_engine import AsyncEngine, EngineOverloaded
@@ -59,7 +60,12 @@ def build_app(
             if scope["type"] == "http":
                 headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
                 bad = None
-                if api_key and scope["path"] not in OPEN_PATHS and headers.get("authorization") != f"Bearer {api_key}":
+                if (
+                    api_key
+                    and scope["path"] not in OPEN_PATHS
+                    and headers.get("authorization") != f"Bearer {api_key}"
+                    and headers.get("x-api-key") != api_key  # Anthropic clients' header
+                ):
                     bad = err(401, "missing or wrong API key", "authentication_error")
                 size = headers.get("content-length", "")
                 if bad is None and size.isdigit() and int(size) > max_body_bytes:
@@ -323,8 +329,9 @@ def build_app(
         try:  # ---- tools, tool_choice and thinking (server/tool_calls.py)
             thinking, effort = tc.thinking_mode(kwargs, body.thinking, body.reasoning_effort)
             dialect = kwargs.get("dialect", dialect_default)
-            tools = tc.plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, thinking=thinking,
-                                  dialect=dialect)  # fmt: skip
+            tools = tc.plan_tools(
+                body.tools, body.tool_choice, body.parallel_tool_calls, thinking=thinking, dialect=dialect
+            )
         except tc.ToolChoiceError as e:
             raise ApiError(400, str(e), param=e.field) from None
         try:
@@ -352,6 +359,10 @@ def build_app(
         outs = await collect(sinks, request)
         return tc.shape_chat_body(fmt.chat_body(fmt.new_id("chatcmpl"), model, outs, top_n, body.n), outs, tools)
 
+    # ---- the Anthropic Messages API over the same helpers (server/anthropic.py)
+    anthropic.add_routes(
+        app, engine, served_model_name, dialect_default, default_max_tokens, plan, run, collect, merged
+    )
     return app
 
 

@@ -47,8 +47,9 @@ def test_plan_tool_choice():
     assert tc.plan_tools(None, None, True, thinking=False, dialect="v4").ban_dsml
     req = tc.plan_tools([STOCK, OTHER], "required", True, thinking=False, dialect="v41")
     assert req.prefill == f"\n\n<{D} calls>\n" and req.dialect == "v4.1" and req.prompt_tools == [STOCK, OTHER]
-    named = tc.plan_tools([STOCK, OTHER], {"type": "function", "function": {"name": "other"}}, False,
-                          thinking=False, dialect="v4")  # fmt: skip
+    named = tc.plan_tools(
+        [STOCK, OTHER], {"type": "function", "function": {"name": "other"}}, False, thinking=False, dialect="v4"
+    )
     assert named.prompt_tools == [OTHER] and named.names == ("other",) and named.prefill == f"\n\n<{D}tool_calls>\n"
 
 
@@ -198,8 +199,13 @@ def test_prompt_matches_deepseek_recipe(version, thinking, choice):
     ]
     tool_choice = {"type": "function", "function": {"name": "other"}} if choice == "named" else choice
     model = "DeepSeek-V4.1-Flash" if version == "v41" else "DeepSeek-V4-Pro"
-    body = {"model": model, "messages": msgs, "tools": [STOCK, OTHER], "tool_choice": tool_choice,
-            "thinking": {"type": "enabled" if thinking else "disabled"}}  # fmt: skip
+    body = {
+        "model": model,
+        "messages": msgs,
+        "tools": [STOCK, OTHER],
+        "tool_choice": tool_choice,
+        "thinking": {"type": "enabled" if thinking else "disabled"},
+    }
     if thinking and version == "v4":  # recipe 0.2.0 adds an effort paragraph at its default effort; low has none
         body["reasoning_effort"] = "low"
     conv = dr.ChatCompletionRequest(body).convert(dr.ConversionOptions()).conversation
@@ -295,22 +301,35 @@ def test_live_tool_choice_none_masks_dsml(base):
 def test_live_required_and_errors(base):
     import openai
 
-    got = _sample(base, 4, False, tools=[STOCK], tool_choice="required")
-    assert any(c.finish_reason == "tool_calls" for c, _ in got)
-    for c, _ in got:
-        assert D not in (c.message.content or "")
+    # greedy, with the block opener prefilled: the trained model's call, parsed, streamed and not
+    named = {"type": "function", "function": {"name": "stock"}}
+    for choice in ("required", named):
+        (c, _), (finish, deltas) = (
+            _sample(base, 1, False, tools=[STOCK], tool_choice=choice, temperature=0)[0],
+            (_sample(base, 1, True, tools=[STOCK], tool_choice=choice, temperature=0)[0]),
+        )
+        assert c.finish_reason == finish == "tool_calls" and c.message.content is None
+        want = {"item": "apples", "warehouse": "north"}
+        assert json.loads(c.message.tool_calls[0].function.arguments) == want
+        content, calls = _fold(deltas)
+        assert content == "" and [json.loads(x["arguments"]) for x in calls] == [want]
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError, match="'nope'") as e:
         client.chat.completions.create(
-            model="tiny-trained", messages=ASK, tools=[STOCK],
+            model="tiny-trained",
+            messages=ASK,
+            tools=[STOCK],
             tool_choice={"type": "function", "function": {"name": "nope"}},
-        )  # fmt: skip
+        )
     assert e.value.body["param"] == "tool_choice"
     with pytest.raises(openai.BadRequestError, match="Thinking mode"):
         client.chat.completions.create(
-            model="tiny-trained", messages=ASK, tools=[STOCK], tool_choice="required",
+            model="tiny-trained",
+            messages=ASK,
+            tools=[STOCK],
+            tool_choice="required",
             extra_body={"thinking": {"type": "enabled"}},
-        )  # fmt: skip
+        )
     # reasoning: thinking on, the reply comes back in reasoning_content (the tiny model never learned </think>)
     r = client.chat.completions.create(
         model="tiny-trained", messages=ASK, max_tokens=8, temperature=0, extra_body={"thinking": {"type": "enabled"}}
