@@ -4,6 +4,8 @@
 import asyncio
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from live_server import SERVER_ARGS, live_server
 
 from dsserve.server.anthropic import MessagesError, MessagesRequest, to_chat
@@ -178,3 +180,40 @@ def test_tool_result_round_and_thinking(base):
         kinds = [e.type for e in s]
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
     assert s.get_final_message().content[0].type == "thinking"
+
+
+BLOCK = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image", "redacted_thinking"])},
+    optional={
+        "text": st.one_of(st.text(max_size=5), st.integers()),
+        "name": st.one_of(st.just("stock"), st.integers()),
+        "input": st.one_of(st.dictionaries(st.text(max_size=3), st.integers(), max_size=2), st.lists(st.integers())),
+        "id": st.text(max_size=3),
+        "tool_use_id": st.one_of(st.text(max_size=3), st.none()),
+        "content": st.one_of(
+            st.text(max_size=5), st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=3)}))
+        ),
+        "thinking": st.text(max_size=5),
+    },
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    turns=st.lists(
+        st.tuples(st.sampled_from(["user", "assistant"]), st.lists(BLOCK, max_size=3)), min_size=1, max_size=4
+    )
+)
+def test_fuzzed_blocks_convert_or_are_refused(turns):
+    """Any block mix converts to a chat the encoder renders, or is a MessagesError (a 400 naming the block)."""
+    req = MessagesRequest(model=MODEL, max_tokens=5, messages=[{"role": r, "content": b} for r, b in turns])
+    try:
+        msgs, tools = to_chat(req)
+    except MessagesError as e:
+        assert e.status == 400 and "messages[" in e.message
+        return
+    if msgs:
+        try:
+            encode_chat(msgs, tools=tools)
+        except ValueError as e:  # ChatFormatError: a 400 as well
+            assert "messages" in str(e)

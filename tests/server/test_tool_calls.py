@@ -9,6 +9,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from live_server import SERVER_ARGS, live_server
 
 from dsserve.engine.sampler import Sampler, SamplingRow
@@ -336,3 +338,24 @@ def test_live_required_and_errors(base):
     )
     extra = r.choices[0].message.model_extra
     assert extra["reasoning_content"] == extra["reasoning"] and extra["reasoning_content"]
+
+
+JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 200) | st.sampled_from(["auto", "none", "required", "stock", "high"]),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.sampled_from(["type", "function", "name", "parameters", "thinking"]), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tools=JSONISH, choice=JSONISH, parallel=JSONISH, kwargs=JSONISH, thinking=JSONISH, effort=JSONISH)
+def test_fuzzed_tool_fields_are_planned_or_refused(tools, choice, parallel, kwargs, thinking, effort):
+    """Any JSON in these fields gives a plan or a ToolChoiceError (a 400 naming the field), never another error."""
+    try:
+        on, eff = tc.thinking_mode(kwargs if isinstance(kwargs, dict) else None, thinking, effort)
+        tc.plan_tools(tools, choice, parallel, thinking=on, dialect="v4")
+    except tc.ToolChoiceError as e:
+        assert e.field in ("tools", "tool_choice", "parallel_tool_calls", "thinking", "reasoning_effort", "dialect")
