@@ -33,6 +33,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepPlan
 from .stats import EngineStats
 from .step_check import StepCheck
+from .structured_output import Grammars
 
 log = logging.getLogger("dsserve")
 CPU_KV_CACHE_MEMORY = 256 << 20
@@ -219,6 +220,7 @@ class EngineCore:
         if self.step_check:
             self.step_check.attach(self.model)
         self.sampler = Sampler(eos_token_id=self.tokenizer.eos_id)
+        self.grammars = Grammars(self.tokenizer, self.cfg.vocab_size)  # structured output: compiled on first use
         self._tracked: dict[str, _Tracked] = {}
         r = self.kv.report()
         _say(
@@ -244,6 +246,8 @@ class EngineCore:
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise RequestError(f"prompt token ids must be ints in [0, {self.cfg.vocab_size}); got {bad[:5]}")
+        if params.json_schema is not None:
+            self.grammars.compiled(params.json_schema)  # a GrammarError (ValueError) names what is wrong
         if len(ids) >= self.max_model_len:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens; this model allows at most "
@@ -276,6 +280,8 @@ class EngineCore:
         req = Request(
             request_id, ids, params, prompt=text, priority=priority, cache_salt=cache_salt, session_id=session_id
         )
+        if params.json_schema is not None:
+            req.grammar = self.grammars.grammar(params.json_schema)
         stops = StopChecker(
             self.tokenizer, ids, params, eos_token_id=self.tokenizer.eos_id, max_model_len=self.max_model_len
         )
@@ -437,7 +443,7 @@ class EngineCore:
         p, n_out = r.params, len(r.output_token_ids) + 1  # counting the pending token
         if (p.max_tokens is not None and n_out >= p.max_tokens) or r.num_tokens + 1 >= self.max_model_len:
             return False
-        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty or r.grammar is not None:
             return False
         return len(r.output_token_ids) >= p.min_tokens
 
@@ -471,6 +477,8 @@ class EngineCore:
                 continue  # aborted, or finished while this step ran ahead of reading its last token
             tok = tokens[i]
             req.output_token_ids.append(tok)
+            if req.grammar is not None:
+                req.grammar.accept(tok)
             req.metrics.record_token(now)
             if t.logprobs is not None and logprobs[i] is not None:
                 lp = logprobs[i]

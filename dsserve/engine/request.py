@@ -45,6 +45,7 @@ class Request:
     block_hashes: list = field(default_factory=list)  # hash chain of this request's full token blocks
     num_cached_tokens: int = 0  # prompt tokens whose global KV came from the prefix cache
     counted_admission: int = -1  # the admission (preemption count) the engine's stats have counted
+    grammar: object | None = None  # a JsonGrammar when params.json_schema is set (engine/structured_output.py)
 
     def __post_init__(self):
         if self.params.seed is not None:

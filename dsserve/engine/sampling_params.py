@@ -67,6 +67,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     banned_token_ids: list[int] | None = field(default_factory=list)  # never sampled (e.g. DSML without tools)
+    json_schema: str | None = None  # output constrained to JSON matching this schema (engine/structured_output.py)
 
     def __post_init__(self) -> None:
         # ---- normalisation (vLLM's conventions)
@@ -150,6 +151,7 @@ class SamplingParams:
             "logprobs",
             "must be None or an integer >= 0 (the number of top tokens to return)",
         )
+        need(self.json_schema is None or isinstance(self.json_schema, str), "json_schema", "must be a JSON text")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             need(isinstance(getattr(self, name), bool), name, "must be a bool")
 

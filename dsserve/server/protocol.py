@@ -91,6 +91,7 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool = True
     reasoning_effort: str | int | None = None  # low / medium / high / max ... or 1..100 (V4.1)
     thinking: dict[str, Any] | None = None  # DeepSeek's {"type": "enabled" | "disabled"}
+    response_format: dict[str, Any] | None = None  # text / json_object / json_schema (needs the grammar extra)
 
 
 class TokenizeRequest(_Body):

@@ -17,6 +17,7 @@ DSML ever reaches ``content`` or ``reasoning_content``.
 from __future__ import annotations
 
 import functools
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -154,6 +155,34 @@ def plan_tools(tools, tool_choice, parallel_tool_calls, *, thinking: bool, diale
     return ToolPlan(
         kept, tuple(n for n in names if forced in (None, n)), f"\n\n{opener}\n", False, True, dialect, False
     )
+
+
+def json_schema_of(response_format, plan: ToolPlan) -> str | None:
+    """The JSON schema text that constrains the reply for OpenAI's ``response_format`` (``json_object``: any
+    object), or None for ``text`` / absent. Refused with thinking on or tools callable: the grammar constrains
+    the whole output, so neither reasoning nor DSML could be written."""
+    kind = response_format.get("type") if isinstance(response_format, dict) else response_format
+    if response_format is None or kind == "text":
+        return None
+    if kind == "json_object":
+        schema = {"type": "object"}
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise ToolChoiceError(
+                "response_format json_schema needs {'json_schema': {'schema': {...}}}", "response_format"
+            )
+    else:
+        raise ToolChoiceError(
+            f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema'", "response_format"
+        )
+    if plan.thinking or plan.names:
+        raise ToolChoiceError(
+            "response_format json_object / json_schema cannot be combined with thinking mode or callable tools",
+            "response_format",
+        )
+    return json.dumps(schema)
 
 
 def dsml_bans(tokenizer) -> list[int]:
