@@ -246,8 +246,8 @@ class EngineCore:
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise RequestError(f"prompt token ids must be ints in [0, {self.cfg.vocab_size}); got {bad[:5]}")
-        if params.json_schema is not None:
-            self.grammars.compiled(params.json_schema)  # a GrammarError (ValueError) names what is wrong
+        if params.grammar is not None:
+            self.grammars.compiled(*params.grammar)  # a GrammarError (ValueError) names what is wrong
         if len(ids) >= self.max_model_len:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens; this model allows at most "
@@ -280,8 +280,8 @@ class EngineCore:
         req = Request(
             request_id, ids, params, prompt=text, priority=priority, cache_salt=cache_salt, session_id=session_id
         )
-        if params.json_schema is not None:
-            req.grammar = self.grammars.grammar(params.json_schema)
+        if params.grammar is not None:
+            req.grammar = self.grammars.grammar(*params.grammar)
         stops = StopChecker(
             self.tokenizer, ids, params, eos_token_id=self.tokenizer.eos_id, max_model_len=self.max_model_len
         )

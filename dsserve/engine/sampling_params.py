@@ -68,6 +68,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     banned_token_ids: list[int] | None = field(default_factory=list)  # never sampled (e.g. DSML without tools)
     json_schema: str | None = None  # output constrained to JSON matching this schema (engine/structured_output.py)
+    structural_tag: str | None = None  # or to an xgrammar structural tag (JSON text): DSML tool calls
 
     def __post_init__(self) -> None:
         # ---- normalisation (vLLM's conventions)
@@ -152,6 +153,11 @@ class SamplingParams:
             "must be None or an integer >= 0 (the number of top tokens to return)",
         )
         need(self.json_schema is None or isinstance(self.json_schema, str), "json_schema", "must be a JSON text")
+        need(
+            self.structural_tag is None or isinstance(self.structural_tag, str) and self.json_schema is None,
+            "structural_tag",
+            "must be a JSON text, and json_schema unset",
+        )
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             need(isinstance(getattr(self, name), bool), name, "must be a bool")
 
@@ -179,6 +185,13 @@ class SamplingParams:
         if self.temperature < SAMPLING_EPS:
             return SamplingType.GREEDY
         return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the output constraint: ("json_schema" | "structural_tag", its JSON), or None."""
+        if self.json_schema is not None:
+            return "json_schema", self.json_schema
+        return ("structural_tag", self.structural_tag) if self.structural_tag is not None else None
 
     @property
     def stop_buffer_length(self) -> int:

@@ -1,7 +1,8 @@
-"""JSON-schema-constrained sampling with xgrammar (the ``grammar`` extra), on any device.
+"""Grammar-constrained sampling with xgrammar (the ``grammar`` extra), on any device.
 
-``Grammars(tokenizer)`` compiles a request's ``SamplingParams.json_schema`` (cached per schema text; a schema it
-cannot compile is a ``GrammarError`` naming the problem, which the front end turns into a 400) and makes one
+``Grammars(tokenizer)`` compiles a request's ``SamplingParams.json_schema`` or ``structural_tag`` (xgrammar's
+DeepSeek-V4 / V4.1 tool-call tags; cached per text; one it cannot compile is a ``GrammarError`` naming the
+problem, which the front end turns into a 400) and makes one
 ``JsonGrammar`` per request: ``mask(logits, row)`` sets -inf on every token the schema does not allow next (EOS
 only once the JSON is complete), ``accept(token)`` advances it after the host reads the sampled token. A
 constrained request never runs a step ahead of that read (``EngineCore._may_run_ahead``). JSON is compact (no
@@ -67,14 +68,20 @@ class Grammars:
         return xgr.GrammarCompiler(info)
 
     @functools.lru_cache(maxsize=64)
-    def compiled(self, schema: str):
+    def compiled(self, kind: str, text: str):
+        """``kind`` "json_schema" (compact JSON) or "structural_tag" (xgrammar's, as JSON: DSML tool calls)."""
         try:
-            return self._compiler.compile_json_schema(schema, any_whitespace=False)
+            if kind == "json_schema":
+                return self._compiler.compile_json_schema(text, any_whitespace=False)
+            return self._compiler.compile_structural_tag(text)
         except GrammarError:
             raise
         except Exception as e:  # xgrammar reports a bad schema as RuntimeError / ValueError with its reason
             reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise GrammarError(f"response_format: the JSON schema cannot be compiled: {reason}") from None
+            what = "response_format: the JSON schema" if kind == "json_schema" else "tools: the parameter schemas"
+            err = GrammarError(f"{what} cannot be compiled: {reason}")
+            err.field = "response_format" if kind == "json_schema" else "tools"
+            raise err from None
 
-    def grammar(self, schema: str) -> JsonGrammar:
-        return JsonGrammar(self.compiled(schema), self.vocab_size)
+    def grammar(self, kind: str, text: str) -> JsonGrammar:
+        return JsonGrammar(self.compiled(kind, text), self.vocab_size)

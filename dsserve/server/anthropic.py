@@ -228,14 +228,17 @@ def add_routes(app, engine, served_model_name: str, dialect: str, default_max_to
             msgs, tools = to_chat(req)
             choice, parallel = _choice(req)
             try:
-                tplan = tc.plan_tools(tools, choice, parallel, thinking=thinking, dialect=dialect)
+                tplan = tc.plan_tools(
+                    tools, choice, parallel, thinking=thinking, dialect=dialect, grammar=tc.grammar_available()
+                )
                 ids = chat_prompt_ids(
                     core.tokenizer, msgs, thinking=thinking, tools=tplan.prompt_tools, version=tplan.encoder_version
                 )
             except (tc.ToolChoiceError, ChatFormatError) as e:
                 raise MessagesError(400, str(e)) from None
             ids += core.tokenizer.encode(tplan.prefill, add_bos=False) if tplan.prefill else []
-            choices = plan([ids], req, None, None)
+            grammar = {"structural_tag": tplan.structural_tag} if tplan.structural_tag else None
+            choices = plan([ids], req, None, None, grammar)
             if tplan.ban_dsml:
                 bans = tc.dsml_bans(core.tokenizer)
                 choices = [(i, _with_bans(p, bans)) for i, p in choices]

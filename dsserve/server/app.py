@@ -178,14 +178,15 @@ def build_app(
                 "model",
             )
 
-    def plan(prompts: list, body, logprobs: int | None, max_tokens: int | None, json_schema: str | None = None):
-        """Validate everything up front: [(prompt ids, params)] per choice, prompt-major."""
+    def plan(prompts: list, body, logprobs: int | None, max_tokens: int | None, constraint: dict | None = None):
+        """Validate everything up front: [(prompt ids, params)] per choice, prompt-major. ``constraint``:
+        {"json_schema" | "structural_tag": text}, compiled by the engine's validate (a 400 if it cannot be)."""
         if max_tokens is not None:
             body.max_tokens = max_tokens
         try:
             params = body.sampling_params(default_max_tokens, logprobs)
-            if json_schema is not None:  # response_format: the engine compiles it in validate (a 400 if it cannot)
-                params = dataclasses.replace(params, json_schema=json_schema)
+            if constraint:
+                params = dataclasses.replace(params, **constraint)
             return [(core.validate(p, params), params) for p in prompts for _ in range(body.n)]
         except (SamplingParamsError, RequestError, ChatFormatError, ValueError) as e:
             raise ApiError(400, str(e), param=getattr(e, "field", None)) from None
@@ -332,7 +333,12 @@ def build_app(
             thinking, effort = tc.thinking_mode(kwargs, body.thinking, body.reasoning_effort)
             dialect = kwargs.get("dialect", dialect_default)
             tools = tc.plan_tools(
-                body.tools, body.tool_choice, body.parallel_tool_calls, thinking=thinking, dialect=dialect
+                body.tools,
+                body.tool_choice,
+                body.parallel_tool_calls,
+                thinking=thinking,
+                dialect=dialect,
+                grammar=tc.grammar_available(),
             )
             schema = tc.json_schema_of(body.response_format, tools)
         except tc.ToolChoiceError as e:
@@ -350,7 +356,8 @@ def build_app(
         except (ChatFormatError, ValueError) as e:
             raise ApiError(400, str(e), param="messages") from None
         top_n = (body.top_logprobs or 0) if body.logprobs else None
-        choices = plan([ids], body, top_n, body.max_completion_tokens, schema)
+        constraint = {"json_schema": schema} if schema else {"structural_tag": tools.structural_tag}
+        choices = plan([ids], body, top_n, body.max_completion_tokens, constraint if any(constraint.values()) else None)
         if tools.ban_dsml:  # no tools to call: DSML markup cannot be sampled
             bans = tc.dsml_bans(core.tokenizer)
             choices = [(i, dataclasses.replace(p, banned_token_ids=[*p.banned_token_ids, *bans])) for i, p in choices]

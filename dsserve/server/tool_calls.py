@@ -17,6 +17,7 @@ DSML ever reaches ``content`` or ``reasoning_content``.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import time
 import uuid
@@ -54,6 +55,7 @@ class ToolPlan:
     parallel: bool
     dialect: str  # "v4" or "v4.1"
     thinking: bool
+    structural_tag: str | None = None  # required / named with the grammar extra: xgrammar's DSML grammar (JSON)
 
     @property
     def encoder_version(self) -> str:
@@ -101,7 +103,16 @@ def thinking_mode(chat_template_kwargs: dict | None, thinking: dict | None, reas
     )
 
 
-def plan_tools(tools, tool_choice, parallel_tool_calls, *, thinking: bool, dialect: str) -> ToolPlan:
+def grammar_available() -> bool:
+    """Whether the ``grammar`` extra (xgrammar) is installed: then required / named tool choices are constrained."""
+    return importlib.util.find_spec("xgrammar") is not None
+
+
+def plan_tools(
+    tools, tool_choice, parallel_tool_calls, *, thinking: bool, dialect: str, grammar: bool = False
+) -> ToolPlan:
+    """``grammar``: constrain required / named choices with xgrammar's DeepSeek tool-call grammar (arguments
+    follow each tool's parameter schema; thinking mode allowed) instead of prefilling the block opener."""
     if tools is not None and not isinstance(tools, list):
         raise ToolChoiceError("tools must be a list of function tools", "tools")
     names = []
@@ -144,17 +155,44 @@ def plan_tools(tools, tool_choice, parallel_tool_calls, *, thinking: bool, diale
         return ToolPlan(None, (), "", True, parallel_tool_calls, dialect, thinking)
     if choice == "auto":
         return ToolPlan(tools, tuple(names), "", False, parallel_tool_calls, dialect, thinking)
+    kept = [t for t in tools if t["function"]["name"] == forced] if forced else tools
+    names = tuple(n for n in names if forced in (None, n))
+    if grammar:
+        return ToolPlan(
+            kept,
+            names,
+            "",
+            False,
+            parallel_tool_calls,
+            dialect,
+            thinking,
+            _structural_tag(kept, choice, parallel_tool_calls, thinking=thinking, dialect=dialect),
+        )
     if thinking:  # DeepSeek's API and deepseek-recipe refuse it too: the opener cannot follow <think>
         raise ToolChoiceError(
             "Thinking mode does not support this tool_choice (required or a named function); turn thinking off "
             "or use tool_choice 'auto'",
             "tool_choice",
         )
-    kept = [t for t in tools if t["function"]["name"] == forced] if forced else tools
     opener = BLOCK_OPENERS["v4.1" if dialect == "v4.1" else "v4"]
-    return ToolPlan(
-        kept, tuple(n for n in names if forced in (None, n)), f"\n\n{opener}\n", False, True, dialect, False
-    )
+    return ToolPlan(kept, names, f"\n\n{opener}\n", False, True, dialect, False)
+
+
+def _structural_tag(tools, choice, parallel: bool, *, thinking: bool, dialect: str) -> str:
+    import xgrammar as xgr
+
+    try:
+        tag = xgr.get_model_structural_tag(
+            "deepseek_v4_1" if dialect == "v4.1" else "deepseek_v4",
+            tools=tools,
+            tool_choice=choice,
+            reasoning="enabled" if thinking else "disabled",
+            parallel_tool_calls=parallel,
+            max_whitespace_cnt=2,  # between tags and inside values: a model cannot pad the block forever
+        )
+    except Exception as e:  # a tool xgrammar cannot take (its parameters not a schema object, ...)
+        raise ToolChoiceError(f"tools: cannot build the tool-call grammar: {e}", "tools") from None
+    return tag.model_dump_json()
 
 
 def json_schema_of(response_format, plan: ToolPlan) -> str | None:

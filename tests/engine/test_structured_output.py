@@ -79,3 +79,21 @@ def test_chat_response_format(core):
     assert r.status_code == 400 and "thinking" in r.json()["error"]["message"]
     r = c.post("/v1/chat/completions", json={**ask, "response_format": {"type": "yaml"}})
     assert r.status_code == 400 and "'yaml'" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("dialect", ["v4", "v4.1"])
+def test_required_tool_call_follows_the_tool_schema(core, dialect):
+    """tool_choice required with the grammar: the untrained model writes a well-formed DSML block whose arguments
+    follow the tool's parameter schema; the output parser reads it back."""
+    from dsserve.parsers import parse_output
+    from dsserve.server import tool_calls as tc
+
+    tool = {"type": "function", "function": {"name": "stock", "parameters": SCHEMA}}
+    plan = tc.plan_tools([tool], "required", False, thinking=False, dialect=dialect, grammar=True)
+    params = [SamplingParams(temperature=t, seed=3, max_tokens=400, structural_tag=plan.structural_tag) for t in (0, 1)]
+    for o in run(core, params):
+        assert o.finish_reason == "stop", o
+        out = parse_output(o.text, dialect=dialect, tools=["stock"])
+        assert out.finish_reason == "tool_calls" and out.content == "" and len(out.tool_calls) == 1
+        args = out.tool_calls[0].arguments
+        assert set(args) == {"city", "n", "ok"} and args["city"] in ("Paris", "Rome", "Oslo") and args["n"] in (1, 2, 3)

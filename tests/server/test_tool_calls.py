@@ -55,6 +55,17 @@ def test_plan_tool_choice():
     assert named.prompt_tools == [OTHER] and named.names == ("other",) and named.prefill == f"\n\n<{D}tool_calls>\n"
 
 
+@pytest.mark.skipif(not tc.grammar_available(), reason="the grammar extra (xgrammar) is not installed")
+def test_plan_with_grammar_constrains_instead_of_prefilling():
+    named = {"type": "function", "function": {"name": "other"}}
+    for choice, thinking in (("required", False), ("required", True), (named, True)):
+        p = tc.plan_tools([STOCK, OTHER], choice, True, thinking=thinking, dialect="v41", grammar=True)
+        tag = json.loads(p.structural_tag)
+        assert p.prefill == "" and tag["type"] == "structural_tag" and f"<{D} calls>" in p.structural_tag
+        assert p.names == (("stock", "other") if choice == "required" else ("other",))
+    assert tc.plan_tools([STOCK], "auto", True, thinking=True, dialect="v4", grammar=True).structural_tag is None
+
+
 @pytest.mark.parametrize(
     "tools, choice, thinking, field, words",
     [
@@ -324,14 +335,17 @@ def test_live_required_and_errors(base):
             tool_choice={"type": "function", "function": {"name": "nope"}},
         )
     assert e.value.body["param"] == "tool_choice"
-    with pytest.raises(openai.BadRequestError, match="Thinking mode"):
-        client.chat.completions.create(
-            model="tiny-trained",
-            messages=ASK,
-            tools=[STOCK],
-            tool_choice="required",
-            extra_body={"thinking": {"type": "enabled"}},
-        )
+    # with the grammar extra, thinking + required is constrained, not refused: reasoning, then the block
+    r = client.chat.completions.create(
+        model="tiny-trained",
+        messages=ASK,
+        tools=[STOCK],
+        tool_choice="required",
+        max_tokens=40,
+        temperature=0,
+        extra_body={"thinking": {"type": "enabled"}},
+    )
+    assert r.choices[0].finish_reason in ("length", "tool_calls") and D not in str(r.choices[0].message)
     # reasoning: thinking on, the reply comes back in reasoning_content (the tiny model never learned </think>)
     r = client.chat.completions.create(
         model="tiny-trained", messages=ASK, max_tokens=8, temperature=0, extra_body={"thinking": {"type": "enabled"}}
