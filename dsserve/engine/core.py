@@ -37,6 +37,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepOutput, StepPlan
 from .stats import EngineStats
 from .step_check import StepCheck
+from .structured_output import Grammars
 
 log = logging.getLogger("dsserve")
 CPU_KV_CACHE_MEMORY = 256 << 20
@@ -320,6 +321,7 @@ class EngineCore:
             eos_token_id=self.tokenizer.eos_id,
             generator=None if args.seed is None else make_generator(args.seed, self.device),
         )
+        self.grammars = Grammars(self.tokenizer, self.cfg.vocab_size)  # structured output: compiled on first use
         self._tracked: dict[str, _Tracked] = {}
         r = self.kv.report()
         _say(
@@ -352,6 +354,8 @@ class EngineCore:
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise RequestError(f"prompt token ids must be ints in [0, {self.cfg.vocab_size}); got {bad[:5]}")
+        if params.grammar is not None:
+            self.grammars.compiled(*params.grammar)  # a GrammarError (ValueError) names what is wrong
         if len(ids) >= self.max_model_len:
             raise RequestError(self._too_long(len(ids)))
         need = -(
@@ -387,6 +391,8 @@ class EngineCore:
         req = Request(
             request_id, ids, params, prompt=text, priority=priority, cache_salt=cache_salt, session_id=session_id
         )
+        if params.grammar is not None:
+            req.grammar = self.grammars.grammar(*params.grammar)
         stops = StopChecker(
             self.tokenizer, ids, params, eos_token_id=self.tokenizer.eos_id, max_model_len=self.max_model_len
         )
@@ -553,7 +559,7 @@ class EngineCore:
         p, n_out = r.params, len(r.output_token_ids) + 1  # counting the pending token
         if (p.max_tokens is not None and n_out >= p.max_tokens) or r.num_tokens + 1 >= self.max_model_len:
             return False
-        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty or r.grammar is not None:
             return False
         return len(r.output_token_ids) >= p.min_tokens
 
@@ -590,6 +596,8 @@ class EngineCore:
         for req in self.scheduler.update(launched.plan, StepOutput(accepted)):
             t, i = self._tracked[req.request_id], row_of[req.request_id]
             tok = tokens[i]
+            if req.grammar is not None:  # the scheduler appended tok; the grammar follows it
+                req.grammar.accept(tok)
             req.metrics.record_token(now)
             if t.logprobs is not None and logprobs[i] is not None:
                 lp = logprobs[i]

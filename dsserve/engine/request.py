@@ -47,6 +47,7 @@ class Request:
     counted_admission: int = -1  # the admission (preemption count) the engine's stats have counted
     # prompt_logprobs: per prompt position (0 has none), (token, logprob, rank, top ids, top logprobs) on the host
     prompt_logprobs: list | None = None
+    grammar: object | None = None  # a JsonGrammar when params.json_schema is set (engine/structured_output.py)
 
     def __post_init__(self):
         if self.params.seed is not None:

@@ -252,6 +252,12 @@ class Sampler:
                 if ids:
                     logits[i, ids] = NEG_INF
 
+        for i, (r, p) in enumerate(zip(rows, params)):  # banned tokens and a grammar's: never sampled
+            if p.banned_token_ids:
+                logits[i, [t for t in p.banned_token_ids if t < logits.shape[1]]] = NEG_INF
+            if getattr(r, "grammar", None) is not None:
+                r.grammar.mask(logits, i)
+
         if any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params):
             apply_penalties(
                 logits,

@@ -75,6 +75,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     prompt_logprobs: int | None = None  # per prompt token: its logprob and the top-n (the prefill's logits)
     detokenize: bool = True  # False: token ids only, text empty
+    banned_token_ids: list[int] | None = field(default_factory=list)  # never sampled (e.g. DSML without tools)
+    json_schema: str | None = None  # output constrained to JSON matching this schema (engine/structured_output.py)
+    structural_tag: str | None = None  # or to an xgrammar structural tag (JSON text): DSML tool calls
 
     def __post_init__(self) -> None:
         # ---- normalisation (vLLM's conventions)
@@ -94,6 +97,10 @@ class SamplingParams:
                 "stop_token_ids", self.stop_token_ids, "must be a list of non-negative integer token ids"
             )
         self.stop_token_ids = list(dict.fromkeys(ids))
+        banned = self.banned_token_ids or []
+        if not isinstance(banned, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in banned):
+            raise SamplingParamsError("banned_token_ids", banned, "must be a list of non-negative integer token ids")
+        self.banned_token_ids = list(banned)
         if self.seed == -1:
             self.seed = None
         if self.logprobs is True:
@@ -174,6 +181,12 @@ class SamplingParams:
             "prompt_logprobs",
             "must be None or an integer >= 0 (the number of top tokens to return per prompt token)",
         )
+        need(self.json_schema is None or isinstance(self.json_schema, str), "json_schema", "must be a JSON text")
+        need(
+            self.structural_tag is None or isinstance(self.structural_tag, str) and self.json_schema is None,
+            "structural_tag",
+            "must be a JSON text, and json_schema unset",
+        )
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             need(isinstance(getattr(self, name), bool), name, "must be a bool")
         need(self.detokenize or not self.stop, "stop", "stop strings need detokenize=True (the text is matched)")
@@ -210,6 +223,13 @@ class SamplingParams:
         if self.temperature < SAMPLING_EPS:
             return SamplingType.GREEDY
         return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the output constraint: ("json_schema" | "structural_tag", its JSON), or None."""
+        if self.json_schema is not None:
+            return "json_schema", self.json_schema
+        return ("structural_tag", self.structural_tag) if self.structural_tag is not None else None
 
     @property
     def stop_buffer_length(self) -> int:

@@ -23,7 +23,9 @@ from .. import __version__
 from ..engine.core import RequestError
 from ..engine.sampling_params import SamplingParamsError
 from ..models.tokenizer import TooManyTokens
+from . import anthropic
 from . import openai_format as fmt
+from . import tool_calls as tc
 from .async_engine import AsyncEngine, EngineOverloaded, EngineShutdown
 from .chat import ChatFormatError, chat_prompt_ids
 from .guard import Guard
@@ -55,6 +57,7 @@ def build_app(
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     served_model_name, default_sampling = names[0], default_sampling or {}
     core = engine.core
+    dialect_default = tc.model_dialect(core.tokenizer)  # the chat/DSML dialect (V4 or V4.1) of the served model
 
     def err(status: int, message: str, type_: str, param: str | None = None, headers=None) -> JSONResponse:
         return JSONResponse(fmt.error_body(message, type_, status, param), status_code=status, headers=headers)
@@ -165,14 +168,17 @@ def build_app(
                 "model",
             )
 
-    def plan_sync(prompts: list, body, logprobs: int | None):
+    def plan_sync(prompts: list, body, logprobs: int | None, constraint: dict | None = None):
         """[(prompt ids, params)] per choice, prompt-major. A prompt that leaves no room for the asked completion
         is a 400 in vLLM's words; without an asked length, the default is cut to the room left (as vLLM does).
-        Text prompts are counted before their ids are built (TooManyTokens)."""
+        Text prompts are counted before their ids are built (TooManyTokens). ``constraint``: {"json_schema" |
+        "structural_tag": text}, compiled by the engine's validate (a 400 if it cannot be)."""
         field, asked = body.output_limit()
         params = body.sampling_params(default_max_tokens, logprobs)
         unset = {k: v for k, v in default_sampling.items() if k not in body.model_fields_set}
         params = dataclasses.replace(params, **unset) if unset else params
+        if constraint:
+            params = dataclasses.replace(params, **constraint)
         params.check_vocab(core.cfg.vocab_size)
         out = []
         for p in prompts:
@@ -195,11 +201,11 @@ def build_app(
             out += [(ids, own)] * body.n
         return out
 
-    async def plan(prompts: list, body, logprobs: int | None):
+    async def plan(prompts: list, body, logprobs: int | None, constraint: dict | None = None):
         """Validate everything up front, in a worker thread: tokenising a long prompt must not stall the event
         loop, and with it /health and every stream."""
         try:
-            return await asyncio.to_thread(plan_sync, prompts, body, logprobs)
+            return await asyncio.to_thread(plan_sync, prompts, body, logprobs, constraint)
         except (SamplingParamsError, RequestError, ChatFormatError, ValueError) as e:
             raise ApiError(400, str(e), param=getattr(e, "field", None)) from None
 
@@ -272,21 +278,27 @@ def build_app(
                 raise ApiError(499, "the client closed the connection", "client_closed_request")
         return task.result()
 
-    def stream(sinks, chat: bool, model: str, body, top_n: int | None, prompt_lens, echo=None) -> StreamingResponse:
+    def stream(
+        sinks, chat: bool, model: str, body, top_n: int | None, prompt_lens, echo=None, tools: tc.ToolPlan | None = None
+    ) -> StreamingResponse:
         """SSE chunks as tokens come. ``stream_options``: include_usage adds a last chunk with the usage; with
         continuous_usage_stats too, every chunk carries its choice's usage so far (vLLM's). ``echo``: per choice,
-        text sent before any token."""
+        text sent before any token. ``tools``: chat choices go through the output parser (reasoning, content and
+        tool-call deltas)."""
         rid = fmt.new_id("chatcmpl" if chat else "cmpl")
         opts, n = body.stream_options, body.n
         include_usage = bool(opts and opts.include_usage)
         continuous = include_usage and bool(opts.continuous_usage_stats)
         sent_tokens = [0] * len(sinks)
+        shapers = [tc.ChoiceShaper(tools) for _ in sinks] if tools is not None else None
 
-        def chunk(i, delta, finish, lp=None, role=False):
-            c = fmt.stream_chunk(rid, model, chat, i, delta, finish, lp, role=role)
+        def sse(i, c: dict) -> str:
             if continuous:
                 c["usage"] = fmt.running_usage(prompt_lens[i], sent_tokens[i])
             return _sse(c)
+
+        def chunk(i, delta, finish, lp=None, role=False):
+            return sse(i, fmt.stream_chunk(rid, model, chat, i, delta, finish, lp, role=role))
 
         async def events():
             sent_text = [0] * len(sinks)
@@ -318,7 +330,10 @@ def build_app(
                             else fmt.completion_logprobs(c, sent_tokens[i], sent_text[i], top_n)
                         )
                     sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
-                    if delta or c.finish_reason or lp:
+                    if shapers is not None:  # chat: reasoning, content and tool-call deltas from the parser
+                        for piece in tc.stream_chunks(shapers[i], rid, model, i, delta, c.finish_reason, lp):
+                            yield sse(i, piece)
+                    elif delta or c.finish_reason or lp:
                         yield chunk(i, delta, c.finish_reason, lp)
                     if out.finished:
                         finals[i] = out
@@ -370,7 +385,21 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        thinking, effort = body.thinking()
+        kwargs = dict(body.chat_template_kwargs or {})
+        try:  # ---- tools, tool_choice and thinking (server/tool_calls.py)
+            thinking, effort = tc.thinking_mode(kwargs, body.thinking, body.reasoning_effort)
+            dialect = kwargs.get("dialect", dialect_default)
+            tools = tc.plan_tools(
+                body.tools,
+                body.tool_choice,
+                body.parallel_tool_calls,
+                thinking=thinking,
+                dialect=dialect,
+                grammar=tc.grammar_available(),
+            )
+            schema = tc.json_schema_of(body.response_format, tools)
+        except tc.ToolChoiceError as e:
+            raise ApiError(400, str(e), param=e.field) from None
         try:
             ids = await asyncio.to_thread(
                 chat_prompt_ids,
@@ -378,25 +407,36 @@ def build_app(
                 [m.model_dump(exclude_none=True) for m in body.messages],
                 max_tokens=core.max_model_len - 1,
                 thinking=thinking,
-                tools=body.tools,
+                tools=tools.prompt_tools,
                 reasoning_effort=effort,
+                version=tools.encoder_version,
             )
+            ids += core.tokenizer.encode(tools.prefill, add_bos=False) if tools.prefill else []
         except TooManyTokens as e:  # counted before the ids were built
             raise ApiError(
                 400,
-                f"the prompt has {e.n} tokens; this model allows at most {e.limit} prompt tokens "
-                f"(max_model_len {core.max_model_len})",
+                fmt.context_length_message(core.max_model_len, e.n, body.output_limit()[1] or 0),
                 param="messages",
             ) from None
         except (ChatFormatError, ValueError) as e:
             raise ApiError(400, str(e), param="messages") from None
         top_n = (body.top_logprobs or 0) if body.logprobs else None
-        choices = await plan([ids], body, top_n)
+        constraint = {"json_schema": schema} if schema else {"structural_tag": tools.structural_tag}
+        choices = await plan([ids], body, top_n, constraint if any(constraint.values()) else None)
+        if tools.ban_dsml:  # no tools to call: DSML markup cannot be sampled
+            bans = tc.dsml_bans(core.tokenizer)
+            choices = [(i, dataclasses.replace(p, banned_token_ids=[*p.banned_token_ids, *bans])) for i, p in choices]
         sinks = await run(choices, body, request.headers.get("x-session-id"))
         model = served_model_name
         if body.stream:
-            return stream(sinks, True, model, body, top_n, [len(ids)] * body.n)
-        return fmt.chat_body(fmt.new_id("chatcmpl"), model, await collect(sinks, request), top_n, body.n)
+            return stream(sinks, True, model, body, top_n, [len(ids)] * body.n, tools=tools)
+        outs = await collect(sinks, request)
+        return tc.shape_chat_body(fmt.chat_body(fmt.new_id("chatcmpl"), model, outs, top_n, body.n), outs, tools)
+
+    # ---- the Anthropic Messages API over the same helpers (server/anthropic.py)
+    anthropic.add_routes(
+        app, engine, served_model_name, dialect_default, default_max_tokens, plan, run, collect, merged, check_model
+    )
 
     @app.get("/version")
     async def version():

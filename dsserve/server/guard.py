@@ -4,9 +4,9 @@ Plain ASGI, not a ``BaseHTTPMiddleware``: that would hide a client's disconnect 
 abort that frees the request's cache. In order:
 
 1. API key (vLLM's scope): every path under ``/v1`` and the admin routes (``ADMIN_PATHS``) need
-   ``Authorization: Bearer KEY``; ``/health``, ``/metrics``, ``/version``, ``/tokenize``, ``/detokenize`` and
-   ``OPTIONS`` (CORS preflight) stay open. A key is compared by its SHA-256 digest in constant time; any of several keys
-   is accepted.
+   ``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``); ``/health``, ``/metrics``, ``/version``,
+   ``/tokenize``, ``/detokenize`` and ``OPTIONS`` (CORS preflight) stay open. A key is compared by its SHA-256
+   digest in constant time; any of several keys is accepted.
 2. Body size: the body is read here, whatever its framing (``Content-Length`` or chunked), and its bytes are
    counted as they arrive. Past ``max_body_bytes`` the answer is 413 at once, the rest is never read and the
    connection is closed.
@@ -80,12 +80,14 @@ class Guard:
         await self.app(scope, replay, send)
 
     def _key_ok(self, headers) -> bool:
+        """``Authorization: Bearer KEY``, or Anthropic clients' ``x-api-key: KEY``."""
         value = next((v for k, v in headers if k == "authorization"), b"")
         scheme, _, token = value.decode("latin-1").partition(" ")
+        if scheme.lower() != "bearer":
+            token = next((v for k, v in headers if k == "x-api-key"), b"").decode("latin-1")
         digest = hashlib.sha256(token.encode("latin-1")).digest()
         # every key is compared, so the time taken does not say which one came close
-        matches = [secrets.compare_digest(digest, k) for k in self.key_digests]
-        return scheme.lower() == "bearer" and any(matches)
+        return any([secrets.compare_digest(digest, k) for k in self.key_digests]) and bool(token)
 
     async def _too_large(self, send, what: str):
         """413, then the connection closes: the unread rest of the body is never parsed."""

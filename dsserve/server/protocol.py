@@ -146,9 +146,6 @@ class ChatMessage(_Body):
     tool_calls: list[dict[str, Any]] | None = None
 
 
-ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
-
-
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
@@ -157,12 +154,15 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None
     chat_template_kwargs: dict[str, Any] | None = None  # {"thinking": true} turns DeepSeek thinking mode on
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    reasoning_effort: ReasoningEffort | None = None  # "none": no thinking; any other: thinking, at that effort
+    # ---- tool calling and reasoning (server/tool_calls.py: thinking_mode, plan_tools, json_schema_of)
+    parallel_tool_calls: bool = True
+    reasoning_effort: str | int | None = None  # "none" (off), minimal ... max, or 1..100 (V4.1)
+    thinking: dict[str, Any] | None = None  # DeepSeek's {"type": "enabled" | "disabled"}
+    response_format: dict[str, Any] | None = None  # text / json_object / json_schema (needs the grammar extra)
     # accepted no-ops (docs/openai_api.md says why each changes nothing here)
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
-    parallel_tool_calls: bool | None = None
     prediction: dict[str, Any] | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
@@ -186,19 +186,6 @@ class ChatCompletionRequest(_Sampling):
         if self.max_completion_tokens is not None:
             return "max_completion_tokens", self.max_completion_tokens
         return "max_tokens", self.max_tokens
-
-    def thinking(self) -> tuple[bool, str | None]:
-        """(thinking mode, the chat format's reasoning effort). chat_template_kwargs' own thinking switch wins;
-        else ``reasoning_effort`` other than "none" turns thinking on (vLLM's rule). OpenAI's "minimal" maps to
-        the format's "low" and "xhigh" to its "max"."""
-        kw = self.chat_template_kwargs or {}
-        effort = self.reasoning_effort
-        if "thinking" in kw or "enable_thinking" in kw:
-            on = bool(kw.get("thinking", kw.get("enable_thinking")))
-        else:
-            on = effort is not None and effort != "none"
-        mapped = {"none": None, "minimal": "low", "xhigh": "max"}.get(effort, effort) if effort else None
-        return on, mapped if on else None
 
 
 class TokenizeRequest(_Body):

@@ -196,7 +196,7 @@ def test_reasoning_effort_switches_thinking(client, monkeypatch):
     assert mode() == (False, None)
     assert mode(reasoning_effort="none") == (False, None)
     assert mode(reasoning_effort="high") == (True, "high")
-    assert mode(reasoning_effort="minimal") == (True, "low") and mode(reasoning_effort="xhigh") == (True, "max")
+    assert mode(reasoning_effort="minimal") == (True, "low") and mode(reasoning_effort="xhigh") == (True, "high")
     assert mode(reasoning_effort="high", chat_template_kwargs={"thinking": False}) == (False, None)  # kwargs win
     assert mode(chat_template_kwargs={"enable_thinking": True}) == (True, None)
     error(client.post("/v1/chat/completions", json={**CHAT, "reasoning_effort": "extreme"}), 400, "reasoning_effort")

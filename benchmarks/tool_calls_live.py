@@ -1,0 +1,138 @@
+"""Sampled tool-calling requests against a live ``dsserve serve tiny-trained`` (the issue's 200 at temperature 0.8):
+counts finish reasons, parsed calls, DSML leaks into content or any streamed delta, and invalid argument JSON.
+
+    python benchmarks/tool_calls_live.py --requests 200 --out benchmarks/results/tool-calls-live-cpu
+"""
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from live_server import SERVER_ARGS, live_server  # noqa: E402
+
+D = "｜DSML｜"
+STOCK = {
+    "type": "function",
+    "function": {
+        "name": "stock",
+        "description": "How many of an item a warehouse holds",
+        "parameters": {
+            "type": "object",
+            "properties": {"item": {"type": "string"}, "warehouse": {"type": "string"}},
+            "required": ["item", "warehouse"],
+        },
+    },
+}
+ITEMS = ("apples", "marbles", "coins", "books", "shells")
+PLACES = ("north", "south", "east", "west", "harbor", "valley")
+
+
+async def run(base: str, n: int, max_tokens: int) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
+    stats = {
+        k: 0
+        for k in (
+            "requests",
+            "streamed",
+            "tool_calls",
+            "stop",
+            "length",
+            "calls",
+            "dsml_leaks",
+            "bad_json",
+            "wrong_name",
+        )
+    }
+
+    async def one(k: int):
+        ask = f"How many {ITEMS[k % 5]} are in the {PLACES[k % 6]} warehouse?"
+        kw = dict(
+            model="tiny-trained",
+            messages=[{"role": "user", "content": ask}],
+            tools=[STOCK],
+            temperature=0.8,
+            max_tokens=max_tokens,
+            seed=k,
+        )
+        stream = k % 2 == 1
+        texts, calls = [], {}
+        if stream:
+            finish = None
+            async for chunk in await client.chat.completions.create(stream=True, **kw):
+                for ch in chunk.choices:
+                    d, finish = ch.delta, ch.finish_reason or finish
+                    texts += [d.content or "", getattr(d, "reasoning_content", None) or ""]
+                    for t in d.tool_calls or []:
+                        c = calls.setdefault(t.index, {"name": "", "arguments": ""})
+                        c["name"] += (t.function.name or "") if t.function else ""
+                        c["arguments"] += (t.function.arguments or "") if t.function else ""
+            calls = [calls[i] for i in sorted(calls)]
+        else:
+            r = await client.chat.completions.create(**kw)
+            finish, msg = r.choices[0].finish_reason, r.choices[0].message
+            texts.append(msg.content or "")
+            calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in msg.tool_calls or []]
+        stats["requests"] += 1
+        stats["streamed"] += stream
+        stats[finish] += 1
+        stats["calls"] += len(calls)
+        leak = any(D in t for t in texts) or any(D in c["arguments"] for c in calls)
+        stats["dsml_leaks"] += leak
+        if leak:
+            examples.append({"finish": finish, "text": "".join(texts), "calls": calls})
+        stats["wrong_name"] += sum(c["name"] != "stock" for c in calls)
+        if finish == "tool_calls":
+            for c in calls:
+                try:
+                    json.loads(c["arguments"])
+                except ValueError:
+                    stats["bad_json"] += 1
+
+    examples = []
+    try:
+        await asyncio.gather(*(one(k) for k in range(n)))
+    finally:
+        await client.close()
+    return dict(stats, leak_examples=examples[:10])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    args = [x if x != "float64" else "float32" for x in SERVER_ARGS]
+    args[args.index("--max-num-seqs") + 1] = "32"
+    t0 = time.time()
+    with live_server("tiny-trained", args) as base:
+        t1 = time.time()
+        stats = asyncio.run(run(base, a.requests, a.max_tokens))
+        t2 = time.time()
+    result = {
+        "command": f"python benchmarks/tool_calls_live.py --requests {a.requests} --max-tokens {a.max_tokens}",
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": f"CPU ({platform.machine()}), shared 2 cores, server float32 max-num-seqs 32",
+        "server_start_s": round(t1 - t0, 1),
+        "requests_s": round(t2 - t1, 1),
+        **stats,
+    }
+    print(json.dumps(result, indent=1))
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "result.json"), "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
