@@ -83,17 +83,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
-        help="accepted: request tools are always rendered into the prompt in DSML (server/chat.py)",
+        help="accepted, no effect: request tools are always rendered into the prompt and the model's calls parsed "
+        "(tool_choice auto is the default; docs/tool_calling.md)",
     )
     p.add_argument(
         "--tool-call-parser",
         default=None,
-        help="accepted (e.g. deepseek_v4); the DSML tool calls the model writes come back as text in content",
+        help="accepted (e.g. deepseek_v4), no effect: the model's DSML tool calls are always parsed into "
+        "tool_calls, in the served model's dialect (V4 or V4.1)",
     )
     p.add_argument(
         "--reasoning-parser",
         default=None,
-        help="accepted (e.g. deepseek_v4); the reasoning comes back as text in content, up to </think>",
+        help="accepted (e.g. deepseek_v4), no effect: in thinking mode the reasoning is always returned apart, as "
+        "reasoning_content (and vLLM's reasoning)",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -296,12 +299,12 @@ def serving_notes(ns: argparse.Namespace) -> list[str]:
     out = []
     if ns.enable_auto_tool_choice or ns.tool_call_parser:
         out.append(
-            f"tool calling (--tool-call-parser {ns.tool_call_parser}): request tools are rendered into the prompt "
-            "in DSML; the model's tool calls are returned as text in `content`, not parsed into `tool_calls`"
+            f"tool calling (--tool-call-parser {ns.tool_call_parser}): no effect, the model's DSML tool calls are "
+            "always parsed into `tool_calls` (dsserve.parsers, in the served model's dialect)"
         )
     if ns.reasoning_parser:
         out.append(
-            f"--reasoning-parser {ns.reasoning_parser}: the reasoning is returned as text in `content`, not split "
+            f"--reasoning-parser {ns.reasoning_parser}: no effect, in thinking mode the reasoning is always split "
             "into `reasoning_content`"
         )
     if ns.disable_log_stats:
