@@ -14,7 +14,7 @@ from dsserve.engine.greedy import greedy_generate
 from dsserve.engine.request import Request, RequestStatus
 from dsserve.engine.runner import ModelRunner
 from dsserve.engine.sampling_params import SamplingParams
-from dsserve.engine.scheduler import Scheduler, SchedulerConfig
+from dsserve.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
 from dsserve.kernels.ops import OPS, KernelOps
 from dsserve.kv.paged import KVLayout, PagedKVCache
 
@@ -48,7 +48,9 @@ class Serving:
         sampling, logits = self.runner.execute(plan)
         for r, row in zip(sampling, logits):
             self.logits[r.request_id].append(row)
-            r.output_token_ids.append(int(row.argmax()))
+        # the scheduler owns request progress: it advances num_computed_tokens and appends the accepted tokens
+        self.sched.update(plan, StepOutput({r.request_id: [int(row.argmax())] for r, row in zip(sampling, logits)}))
+        for r in sampling:
             if len(r.output_token_ids) == MAX_NEW:
                 self.sched.finish(r, RequestStatus.FINISHED_LENGTH)
 
