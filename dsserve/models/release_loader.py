@@ -23,10 +23,12 @@ the quantised bytes are the file's, where today's re-quantisation picks the next
 largest value rounded to half the grid's top (same values, other bytes).
 
 A ``ParallelLayout`` selects this rank's share by the parallel passes' own rules (``rank_share``: the routed
-experts ``ExpertPlacement.contiguous`` gives an EP rank, ``tensor_parallel.tp_slice`` of every other tensor), read
+experts ``ExpertPlacement.contiguous`` gives an EP rank, ``tensor_parallel.tp_slice`` of each tensor), read
 with ranged reads; ``read_rank_tensors`` yields them in stored form. With tp_size > 1 the meta model goes through
 ``shard_tensor_parallel`` before it is filled, so the result is the TP rank the pass would have cut from the whole
-model (its ``RowParallelLinear`` ``wo_b`` stays dequantised under ``quantization="fp8"``; plain experts only). With
+model (its ``RowParallelLinear`` ``wo_b`` stays dequantised under ``quantization="fp8"``); routed experts are
+read as this rank's intermediate slice of the stored form (MXFP4: rows of ``w1``/``w3``, byte columns of ``w2``
+with their scale columns), which the pass itself, taking plain weights, cannot cut from a packed model. With
 ep_size > 1 (TP 1) a rank reads its experts into the plain MoE (``local_experts``); the EP pass's module is not
 built from files yet, nor is a rank of both.
 """
@@ -314,11 +316,6 @@ def load_release(
         raise ValueError(f"engram_tables {engram_tables!r}: expected one of {ENGRAM_TABLES}")
     if layout.tp_size > 1 and layout.ep_size > 1:
         raise ParallelConfigError("a rank of both tensor and expert parallelism is not built from files yet")
-    if layout.tp_size > 1 and expert_format is not None:
-        raise ParallelConfigError(
-            f"expert_format {expert_format!r} under tensor parallelism: the TP pass splits plain experts only; "
-            "load with expert_format=None"
-        )
     device = torch.device(device)
     keep_dense = device.type == "cpu" if keep_dense is None else keep_dense
     t0 = time.perf_counter()

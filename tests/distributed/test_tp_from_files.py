@@ -10,9 +10,10 @@ from dsserve.distributed.groups import ParallelConfigError, new_groups
 from dsserve.distributed.layout import ParallelLayout
 from dsserve.distributed.tensor_parallel import tp_slice
 from dsserve.models.checkpoint import save_checkpoint
+from dsserve.models.checkpoint_files import CheckpointFiles
 from dsserve.models.checkpoint_layout import model_name_for, model_shapes, release_layout
 from dsserve.models.loader import load_model
-from dsserve.models.release_loader import load_release
+from dsserve.models.release_loader import load_release, rank_share
 from dsserve.models.tokenizer import TINY_DIR
 
 LENGTHS = (5, 17, 40)  # 40 rows: past the 32-row window, compressed entries on every compressed layer
@@ -28,18 +29,18 @@ def saved(tmp_path_factory):
 
 
 @torch.no_grad()
-def _tp2_from_files(rank: int, cfg, path: str, quantization) -> dict:
+def _tp2_from_files(rank: int, cfg, path: str, forms: dict) -> dict:
     groups = new_groups(2, 1)
     layout = ParallelLayout(tp_rank=groups.tp_rank, tp_size=2)
-    net, report = load_release(
-        cfg, path, layout=layout, dtype=torch.float64, quantization=quantization, group=groups.tp
-    )
+    net, report = load_release(cfg, path, layout=layout, dtype=torch.float64, group=groups.tp, **forms)
+    packed = net.layers[3].ffn.packed
     return {
         "logits": [net.reference_logits(s) for s in sequences(1, LENGTHS)],
         "bytes_read": report.bytes_read,
+        "forms": report.forms,
         "heads": net.layers[0].attn.attn_sink.shape[0],
-        "experts": tuple(net.layers[0].ffn.experts["w1"].shape),
-        "fp8_linear": report.forms.get("fp8_linear", 0),
+        "w1": tuple((net.layers[0].ffn.experts["w1"] if packed is None else net.layers[0].ffn.packed.w1).shape),
+        "expert5": None if packed is None else (packed.w2[5], packed.s2[5]),
     }
 
 
@@ -59,30 +60,56 @@ def _share_bytes(cfg, rank: int) -> int:
     return want
 
 
-@pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_tp2_built_from_files_matches_the_reference_and_reads_only_its_share(workers, saved, quantization):
+FORMS = [
+    {"quantization": None, "expert_format": None},
+    # the GPU's form: stored FP8 linears and this rank's slice of the stored MXFP4 experts, nothing dense
+    {"quantization": "fp8", "expert_format": "mxfp4", "keep_dense": False},
+]
+
+
+@pytest.mark.parametrize("forms", FORMS, ids=["dense", "fp8-mxfp4"])
+def test_tp2_built_from_files_matches_the_reference_and_reads_only_its_share(workers, saved, forms):
     cfg, path = saved
-    out = workers.run(_tp2_from_files, cfg, path, quantization)
-    ref, ref_report = load_release(cfg, path, dtype=torch.float64, quantization=quantization)
+    out = workers.run(_tp2_from_files, cfg, path, forms)
+    ref, ref_report = load_release(cfg, path, dtype=torch.float64, **forms)
     total = sum(s.nbytes for s in release_layout(cfg).values())
     assert ref_report.bytes_read == total
+    inter = cfg.moe_intermediate_size // 2
     for rank, o in enumerate(out):
         assert o["heads"] == cfg.num_attention_heads // 2
-        assert o["experts"] == (cfg.n_routed_experts, cfg.moe_intermediate_size // 2, cfg.hidden_size)
+        packed = forms["expert_format"] == "mxfp4"
+        assert o["w1"] == (cfg.n_routed_experts, inter, cfg.hidden_size // (2 if packed else 1))
         assert o["bytes_read"] == _share_bytes(cfg, rank) < total
-        assert (o["fp8_linear"] > 0) == (quantization == "fp8")
+        assert (o["forms"].get("fp8_linear", 0) > 0) == (forms["quantization"] == "fp8")
+        assert o["forms"].get("experts_mxfp4", 0) == (cfg.num_hidden_layers if packed else 0)
+    if forms["expert_format"] == "mxfp4":  # the stored bytes: the two ranks' columns of w2 are the file's
+        with CheckpointFiles(path) as files:
+            name = "layers.3.ffn.experts.5.w2"
+            w, s = files.read(f"{name}.weight").view(torch.uint8), files.read(f"{name}.scale").view(torch.uint8)
+        assert torch.equal(torch.cat([o["expert5"][0] for o in out], 1), w)
+        assert torch.equal(torch.cat([o["expert5"][1] for o in out], 1), s)
     with torch.no_grad():
         for i, s in enumerate(sequences(1, LENGTHS)):
             want = ref.reference_logits(s)
             for o in out:
                 err = (o["logits"][i] - want).abs().max().item()
-                assert err < 1e-9, (quantization, i, err)
+                assert err < 1e-9, (forms, i, err)
             assert torch.equal(out[0]["logits"][i], out[1]["logits"][i])
 
 
-def test_what_a_tp_rank_from_files_does_not_support_yet_is_refused(saved):
+def test_a_rank_of_both_tp_and_ep_is_refused(saved):
     cfg, path = saved
-    with pytest.raises(ParallelConfigError, match="expert_format 'mxfp4' under tensor parallelism"):
-        load_release(cfg, path, layout=ParallelLayout(tp_rank=0, tp_size=2), expert_format="mxfp4")
     with pytest.raises(ParallelConfigError, match="both tensor and expert parallelism"):
         load_release(cfg, path, layout=ParallelLayout(tp_size=2, ep_size=2))
+
+
+def test_a_share_that_cuts_a_scale_block_is_refused(saved):
+    """The pass's checks first (TP 4 of tiny: its 2 output groups do not split 4 ways), then the stored form's: a
+    TP slice must cover whole scale blocks (tiny with 128-wide FP8 blocks: wo_b's inputs split at 64)."""
+    cfg, path = saved
+    with pytest.raises(ParallelConfigError, match="o_groups=2"):
+        load_release(cfg, path, layout=ParallelLayout(tp_rank=0, tp_size=4))
+    wide = cfg.with_options(weight_block_size=128)
+    name = "layers.0.attn.wo_b.weight"
+    with pytest.raises(ParallelConfigError, match=r"\[64, 128\) of 'layers.0.attn.wo_b.weight' .* 128-wide fp8"):
+        rank_share(name, release_layout(wide)[name], wide, ParallelLayout(tp_rank=1, tp_size=2))
