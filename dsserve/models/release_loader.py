@@ -29,8 +29,9 @@ with ranged reads; ``read_rank_tensors`` yields them in stored form. With tp_siz
 model (its ``RowParallelLinear`` ``wo_b`` stays dequantised under ``quantization="fp8"``); routed experts are
 read as this rank's intermediate slice of the stored form (MXFP4: rows of ``w1``/``w3``, byte columns of ``w2``
 with their scale columns), which the pass itself, taking plain weights, cannot cut from a packed model. With
-ep_size > 1 (TP 1) a rank reads its experts into the plain MoE (``local_experts``); the EP pass's module is not
-built from files yet, nor is a rank of both.
+ep_size > 1 the meta model goes through ``shard_expert_parallel`` first: each backbone MoE becomes the pass's
+``ExpertParallelMoE`` holding this rank's experts (the DSpark drafter's MoE stays whole, as the pass keeps it). A
+rank of both TP and EP is refused (not built from files yet).
 """
 
 from __future__ import annotations
@@ -38,12 +39,14 @@ from __future__ import annotations
 import contextlib
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..distributed.expert_parallel import shard_expert_parallel
 from ..distributed.groups import ParallelConfigError
 from ..distributed.layout import ParallelLayout
 from ..distributed.tensor_parallel import shard_tensor_parallel
@@ -116,10 +119,8 @@ def rank_share(name: str, spec: TensorSpec, cfg: ModelConfig, layout: ParallelLa
     The rule is the parallel passes' (``ParallelLayout.experts``, ``ParallelLayout.tp_slice``), applied to the
     release tensor's model name; a share must cover whole scale blocks of its stored form."""
     mname, expert = model_name_for(name)
-    if expert is not None and layout.ep_size > 1:
-        n_exp = cfg.n_routed_experts if name.startswith("layers.") else cfg.dspark_n_routed_experts
-        if expert not in layout.experts(n_exp):
-            return None
+    if expert is not None and expert not in _expert_ids(cfg, layout, name):
+        return None
     cut = layout.tp_slice(mname, cfg) if layout.tp_size > 1 else None
     if cut is None:
         return ()
@@ -134,6 +135,14 @@ def rank_share(name: str, spec: TensorSpec, cfg: ModelConfig, layout: ParallelLa
     if spec.quant == "mxfp4" and dim == 1:  # two values a byte
         lo, hi = lo // 2, hi // 2
     return (dim, lo, hi)
+
+
+def _expert_ids(cfg: ModelConfig, layout: ParallelLayout, name: str) -> Sequence[int]:
+    """The routed experts of the MoE `name` lies in that this rank holds: its EP placement's in a backbone layer;
+    all of them in the DSpark drafter, which the EP pass leaves whole."""
+    if layout.ep_size > 1 and name.startswith("layers."):
+        return layout.experts(cfg.n_routed_experts)
+    return range(cfg.n_routed_experts if name.startswith("layers.") else cfg.dspark_n_routed_experts)
 
 
 def _scale_share(share: tuple, spec: TensorSpec, block: int) -> tuple:
@@ -218,8 +227,7 @@ def _load_order(src: _Source, engram_tables: str = "device"):
             if m.group(1) in done:
                 continue
             done.add(m.group(1))
-            n_exp = src.cfg.n_routed_experts if name.startswith("layers.") else src.cfg.dspark_n_routed_experts
-            ids = src.layout.experts(n_exp) if src.layout.ep_size > 1 else range(n_exp)
+            ids = _expert_ids(src.cfg, src.layout, name)
             for k in ("w1", "w3", "w2"):
                 for e in ids:
                     yield from _with_scale(src, f"{m.group(1)}.experts.{e}.{k}.weight")
@@ -305,7 +313,8 @@ def load_release(
     oracle read the dense experts there), False elsewhere. progress: a rich progress bar of the bytes read and
     their rate on stderr (None: when stderr is a terminal). threads: readers running ahead of the conversion
     (at most 16 MiB read and not yet used); 0 reads in line. group: the TP group a rank of ``layout.tp_size`` > 1
-    closes its splits over (every rank of it loads at once); None builds the shard without its collectives."""
+    closes its splits over, or the EP group a rank of ``layout.ep_size`` > 1 dispatches over (every rank of it loads at
+    once); None builds the shard without its collectives."""
     from .model import DeepseekForCausalLM
 
     if quantization not in QUANTIZATIONS:
@@ -325,7 +334,10 @@ def load_release(
         with torch.device("meta"), _no_init():
             net = DeepseekForCausalLM(cfg).eval()
         _rebuild_tables(net)
-        if layout.tp_size > 1:  # the pass's shapes and modules, on the meta device: filled below by name
+        # the passes' shapes and modules, on the meta device: filled below by name
+        if layout.ep_size > 1:
+            shard_expert_parallel(net, layout.ep_rank, layout.ep_size, group)
+        if layout.tp_size > 1:
             shard_tensor_parallel(net, layout.tp_rank, layout.tp_size, group)
         src = _Source(cfg, files, layout)
         done_moes: set[str] = set()
@@ -477,8 +489,7 @@ def _fp8_linear_fits(name: str, cfg: ModelConfig) -> bool:
 def _load_experts(net, src: _Source, ffn: str, fmt, keep_dense, device, dtype, report: LoadReport) -> None:
     """One MoE's routed experts (the ones this rank owns) into their runtime form."""
     moe = net.get_submodule(ffn)
-    n_exp = moe.experts["w1"].shape[0]
-    ids = src.layout.experts(n_exp) if src.layout.ep_size > 1 else range(n_exp)
+    ids = _expert_ids(src.cfg, src.layout, ffn)
     spec = src.specs[f"{ffn}.experts.{ids[0]}.w1.weight"]
     names = ("w1", "w3", "w2")
     if fmt == "mxfp4" and spec.quant == "mxfp4":  # the stored bytes as they are

@@ -1,6 +1,6 @@
-"""A tensor-parallel rank built from a release checkpoint (models.release_loader.load_release with a TP layout):
-each of two gloo ranks reads only its share of the files, by the TP pass's own rule (tensor_parallel.tp_slice), and
-together they give the single-process reference forward's logits within 1e-9 (fp64)."""
+"""A tensor- or expert-parallel rank built from a release checkpoint (models.release_loader.load_release with a
+layout): each of two gloo ranks reads only its share of the files, by the passes' own rules (tensor_parallel.tp_slice,
+ExpertPlacement), and they give the single-process reference forward's logits within 1e-9 (fp64)."""
 
 import pytest
 import torch
@@ -95,6 +95,47 @@ def test_tp2_built_from_files_matches_the_reference_and_reads_only_its_share(wor
                 err = (o["logits"][i] - want).abs().max().item()
                 assert err < 1e-9, (forms, i, err)
             assert torch.equal(out[0]["logits"][i], out[1]["logits"][i])
+
+
+RANK_LENGTHS = ((6, 40, 3), (19, 9, 33))  # DEP: each rank its own sequences, as many forwards on each
+
+
+@torch.no_grad()
+def _ep2_from_files(rank: int, cfg, path: str, forms: dict) -> dict:
+    groups = new_groups(1, 2)
+    layout = ParallelLayout(ep_rank=groups.dp_rank, ep_size=2)
+    net, report = load_release(cfg, path, layout=layout, dtype=torch.float64, group=groups.ep, **forms)
+    ffn = net.layers[0].ffn
+    return {
+        "logits": [net.reference_logits(s) for s in sequences(10 + rank, RANK_LENGTHS[rank])],
+        "bytes_read": report.bytes_read,
+        "kind": type(ffn).__name__,
+        "held": (ffn.experts["w1"] if ffn.packed is None else ffn.packed.w1).shape[0],
+        "drafter": net.mtp[0].ffn.experts["w1"].shape[0],
+        "received": ffn.dispatcher.rows_received,
+    }
+
+
+@pytest.mark.parametrize("forms", FORMS, ids=["dense", "fp8-mxfp4"])
+def test_ep2_built_from_files_matches_the_reference_and_reads_only_its_experts(workers, saved, forms):
+    cfg, path = saved
+    out = workers.run(_ep2_from_files, cfg, path, forms)
+    ref, _ = load_release(cfg, path, dtype=torch.float64, **forms)
+    specs = release_layout(cfg)
+    for rank, o in enumerate(out):
+        assert o["kind"] == "ExpertParallelMoE" and o["held"] == cfg.n_routed_experts // 2 and o["received"] > 0
+        assert o["drafter"] == cfg.dspark_n_routed_experts  # the EP pass leaves the drafter whole
+        mine = range(rank * cfg.n_routed_experts // 2, (rank + 1) * cfg.n_routed_experts // 2)
+        want = 0
+        for name, spec in specs.items():
+            mname, e = model_name_for(spec.owner or name)
+            want += spec.nbytes if e is None or not mname.startswith("layers.") or e in mine else 0
+        assert o["bytes_read"] == want
+    with torch.no_grad():
+        for rank, o in enumerate(out):
+            for s, got in zip(sequences(10 + rank, RANK_LENGTHS[rank]), o["logits"], strict=True):
+                err = (got - ref.reference_logits(s)).abs().max().item()
+                assert err < 1e-9, (forms, rank, err)
 
 
 def test_a_rank_of_both_tp_and_ep_is_refused(saved):
