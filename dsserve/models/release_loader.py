@@ -31,7 +31,7 @@ read as this rank's intermediate slice of the stored form (MXFP4: rows of ``w1``
 with their scale columns), which the pass itself, taking plain weights, cannot cut from a packed model. With
 ep_size > 1 the meta model goes through ``shard_expert_parallel`` first: each backbone MoE becomes the pass's
 ``ExpertParallelMoE`` holding this rank's experts (the DSpark drafter's MoE stays whole, as the pass keeps it). A
-rank of both TP and EP is refused (not built from files yet).
+rank of both runs the EP pass, then the TP pass (their order), its experts then cut by TP.
 """
 
 from __future__ import annotations
@@ -306,15 +306,16 @@ def load_release(
     huge_pages: bool = False,
     progress: bool | None = None,
     threads: int = 4,
-    group: dist.ProcessGroup | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+    ep_group: dist.ProcessGroup | None = None,
 ) -> tuple[nn.Module, LoadReport]:
     """The model of `cfg` with the checkpoint at `path` loaded as the module docstring says; returns it (eval
     mode, on `device`) and a LoadReport. keep_dense None: True on the CPU (the reference path and the tests'
     oracle read the dense experts there), False elsewhere. progress: a rich progress bar of the bytes read and
     their rate on stderr (None: when stderr is a terminal). threads: readers running ahead of the conversion
-    (at most 16 MiB read and not yet used); 0 reads in line. group: the TP group a rank of ``layout.tp_size`` > 1
-    closes its splits over, or the EP group a rank of ``layout.ep_size`` > 1 dispatches over (every rank of it loads at
-    once); None builds the shard without its collectives."""
+    (at most 16 MiB read and not yet used); 0 reads in line. tp_group / ep_group (``groups.new_groups``' ``tp`` and
+    ``ep``): the groups a rank of ``layout.tp_size`` > 1 closes its splits over and a rank of ``layout.ep_size`` > 1
+    dispatches over; every rank of them loads at once; None builds the shard without its collectives."""
     from .model import DeepseekForCausalLM
 
     if quantization not in QUANTIZATIONS:
@@ -323,8 +324,6 @@ def load_release(
         raise ValueError(f"expert format {expert_format!r}: expected one of {EXPERT_FORMATS} or None")
     if engram_tables not in ENGRAM_TABLES:
         raise ValueError(f"engram_tables {engram_tables!r}: expected one of {ENGRAM_TABLES}")
-    if layout.tp_size > 1 and layout.ep_size > 1:
-        raise ParallelConfigError("a rank of both tensor and expert parallelism is not built from files yet")
     device = torch.device(device)
     keep_dense = device.type == "cpu" if keep_dense is None else keep_dense
     t0 = time.perf_counter()
@@ -335,10 +334,10 @@ def load_release(
             net = DeepseekForCausalLM(cfg).eval()
         _rebuild_tables(net)
         # the passes' shapes and modules, on the meta device: filled below by name
-        if layout.ep_size > 1:
-            shard_expert_parallel(net, layout.ep_rank, layout.ep_size, group)
+        if layout.ep_size > 1:  # first: it replaces the MoE modules, whose experts TP then cuts
+            shard_expert_parallel(net, layout.ep_rank, layout.ep_size, ep_group)
         if layout.tp_size > 1:
-            shard_tensor_parallel(net, layout.tp_rank, layout.tp_size, group)
+            shard_tensor_parallel(net, layout.tp_rank, layout.tp_size, tp_group)
         src = _Source(cfg, files, layout)
         done_moes: set[str] = set()
         bar = _progress_bar(progress, f"loading {cfg.name}", _share_bytes(src))

@@ -32,7 +32,7 @@ def saved(tmp_path_factory):
 def _tp2_from_files(rank: int, cfg, path: str, forms: dict) -> dict:
     groups = new_groups(2, 1)
     layout = ParallelLayout(tp_rank=groups.tp_rank, tp_size=2)
-    net, report = load_release(cfg, path, layout=layout, dtype=torch.float64, group=groups.tp, **forms)
+    net, report = load_release(cfg, path, layout=layout, dtype=torch.float64, tp_group=groups.tp, **forms)
     packed = net.layers[3].ffn.packed
     return {
         "logits": [net.reference_logits(s) for s in sequences(1, LENGTHS)],
@@ -104,7 +104,7 @@ RANK_LENGTHS = ((6, 40, 3), (19, 9, 33))  # DEP: each rank its own sequences, as
 def _ep2_from_files(rank: int, cfg, path: str, forms: dict) -> dict:
     groups = new_groups(1, 2)
     layout = ParallelLayout(ep_rank=groups.dp_rank, ep_size=2)
-    net, report = load_release(cfg, path, layout=layout, dtype=torch.float64, group=groups.ep, **forms)
+    net, report = load_release(cfg, path, layout=layout, dtype=torch.float64, ep_group=groups.ep, **forms)
     ffn = net.layers[0].ffn
     return {
         "logits": [net.reference_logits(s) for s in sequences(10 + rank, RANK_LENGTHS[rank])],
@@ -136,12 +136,6 @@ def test_ep2_built_from_files_matches_the_reference_and_reads_only_its_experts(w
             for s, got in zip(sequences(10 + rank, RANK_LENGTHS[rank]), o["logits"], strict=True):
                 err = (got - ref.reference_logits(s)).abs().max().item()
                 assert err < 1e-9, (forms, rank, err)
-
-
-def test_a_rank_of_both_tp_and_ep_is_refused(saved):
-    cfg, path = saved
-    with pytest.raises(ParallelConfigError, match="both tensor and expert parallelism"):
-        load_release(cfg, path, layout=ParallelLayout(tp_size=2, ep_size=2))
 
 
 def test_a_share_that_cuts_a_scale_block_is_refused(saved):
