@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .expert_placement import ExpertPlacement
-from .tensor_parallel import tp_slice
+from .tensor_parallel import check_tp_split, tp_slice
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,9 @@ class ParallelLayout:
         return ExpertPlacement.contiguous(n_experts, self.ep_size).owned[self.ep_rank]
 
     def tp_slice(self, name: str, cfg) -> tuple[int, int, int] | None:
-        """(dim, start, end) of model tensor ``name`` this TP rank holds, or None (replicated): ``tp_slice``."""
+        """(dim, start, end) of model tensor ``name`` this TP rank holds, or None (replicated): ``tp_slice``, after
+        ``check_tp_split`` (ParallelConfigError naming the counts that do not divide)."""
+        check_tp_split(cfg, self.tp_size)
         return tp_slice(name, cfg, self.tp_rank, self.tp_size)
 
     @property

@@ -30,7 +30,7 @@ model (its ``RowParallelLinear`` ``wo_b`` stays dequantised under ``quantization
 read as this rank's intermediate slice of the stored form (MXFP4: rows of ``w1``/``w3``, byte columns of ``w2``
 with their scale columns), which the pass itself, taking plain weights, cannot cut from a packed model. With
 ep_size > 1 the meta model goes through ``shard_expert_parallel`` first: each backbone MoE becomes the pass's
-``ExpertParallelMoE`` holding this rank's experts (the DSpark drafter's MoE stays whole, as the pass keeps it). A
+``ExpertParallelMoE`` holding this rank's experts (the DSpark drafter's MoE too, over its own experts). A
 rank of both runs the EP pass, then the TP pass (their order), its experts then cut by TP.
 """
 
@@ -138,11 +138,10 @@ def rank_share(name: str, spec: TensorSpec, cfg: ModelConfig, layout: ParallelLa
 
 
 def _expert_ids(cfg: ModelConfig, layout: ParallelLayout, name: str) -> Sequence[int]:
-    """The routed experts of the MoE `name` lies in that this rank holds: its EP placement's in a backbone layer;
-    all of them in the DSpark drafter, which the EP pass leaves whole."""
-    if layout.ep_size > 1 and name.startswith("layers."):
-        return layout.experts(cfg.n_routed_experts)
-    return range(cfg.n_routed_experts if name.startswith("layers.") else cfg.dspark_n_routed_experts)
+    """The routed experts of the MoE `name` lies in (a backbone layer's, or a DSpark stage's: its own count) that
+    this rank holds."""
+    n = cfg.n_routed_experts if name.startswith("layers.") else cfg.dspark_n_routed_experts
+    return layout.experts(n) if layout.ep_size > 1 else range(n)
 
 
 def _scale_share(share: tuple, spec: TensorSpec, block: int) -> tuple:

@@ -36,12 +36,29 @@ def _tp2_from_files(rank: int, cfg, path: str, forms: dict) -> dict:
     packed = net.layers[3].ffn.packed
     return {
         "logits": [net.reference_logits(s) for s in sequences(1, LENGTHS)],
+        "draft": _draft(net, sequences(1, LENGTHS)[2]),
         "bytes_read": report.bytes_read,
         "forms": report.forms,
         "heads": net.layers[0].attn.attn_sink.shape[0],
         "w1": tuple((net.layers[0].ffn.experts["w1"] if packed is None else net.layers[0].ffn.packed.w1).shape),
         "expert5": None if packed is None else (packed.w2[5], packed.s2[5]),
     }
+
+
+def _draft(model, seq: torch.Tensor):
+    """A DSpark block after ``seq`` (its MoE split by the pass like the backbone's): (draft ids, confidence,
+    logits)."""
+    out = model(seq)
+    y = int(model.logits(out.hidden[-1:]).argmax())
+    state = model.mtp.new_state()
+    model.mtp.ingest(out.taps, out.positions, state)
+    return model.mtp.propose(y, seq.shape[0] - 1, state, model.embed, model.head)
+
+
+def _same_draft(got, want) -> None:
+    assert torch.equal(got[0], want[0])
+    for a, b in zip(got[1:], want[1:]):
+        assert (a - b).abs().max().item() < 1e-9
 
 
 def _share_bytes(cfg, rank: int) -> int:
@@ -95,6 +112,9 @@ def test_tp2_built_from_files_matches_the_reference_and_reads_only_its_share(wor
                 err = (o["logits"][i] - want).abs().max().item()
                 assert err < 1e-9, (forms, i, err)
             assert torch.equal(out[0]["logits"][i], out[1]["logits"][i])
+        want = _draft(ref, sequences(1, LENGTHS)[2])
+        for o in out:
+            _same_draft(o["draft"], want)
 
 
 RANK_LENGTHS = ((6, 40, 3), (19, 9, 33))  # DEP: each rank its own sequences, as many forwards on each
@@ -108,10 +128,11 @@ def _ep2_from_files(rank: int, cfg, path: str, forms: dict) -> dict:
     ffn = net.layers[0].ffn
     return {
         "logits": [net.reference_logits(s) for s in sequences(10 + rank, RANK_LENGTHS[rank])],
+        "draft": _draft(net, sequences(10 + rank, RANK_LENGTHS[rank])[1]),  # each rank its own
         "bytes_read": report.bytes_read,
         "kind": type(ffn).__name__,
         "held": (ffn.experts["w1"] if ffn.packed is None else ffn.packed.w1).shape[0],
-        "drafter": net.mtp[0].ffn.experts["w1"].shape[0],
+        "drafter": net.mtp[0].ffn.experts["w1"].shape[0],  # the drafter's experts stay dense
         "received": ffn.dispatcher.rows_received,
     }
 
@@ -124,18 +145,19 @@ def test_ep2_built_from_files_matches_the_reference_and_reads_only_its_experts(w
     specs = release_layout(cfg)
     for rank, o in enumerate(out):
         assert o["kind"] == "ExpertParallelMoE" and o["held"] == cfg.n_routed_experts // 2 and o["received"] > 0
-        assert o["drafter"] == cfg.dspark_n_routed_experts  # the EP pass leaves the drafter whole
-        mine = range(rank * cfg.n_routed_experts // 2, (rank + 1) * cfg.n_routed_experts // 2)
+        assert o["drafter"] == cfg.dspark_n_routed_experts // 2  # the drafter's MoE over its own experts
         want = 0
         for name, spec in specs.items():
             mname, e = model_name_for(spec.owner or name)
-            want += spec.nbytes if e is None or not mname.startswith("layers.") or e in mine else 0
+            n = cfg.n_routed_experts if mname.startswith("layers.") else cfg.dspark_n_routed_experts
+            want += spec.nbytes if e is None or e // (n // 2) == rank else 0
         assert o["bytes_read"] == want
     with torch.no_grad():
         for rank, o in enumerate(out):
             for s, got in zip(sequences(10 + rank, RANK_LENGTHS[rank]), o["logits"], strict=True):
                 err = (got - ref.reference_logits(s)).abs().max().item()
                 assert err < 1e-9, (forms, rank, err)
+            _same_draft(o["draft"], _draft(ref, sequences(10 + rank, RANK_LENGTHS[rank])[1]))
 
 
 def test_a_share_that_cuts_a_scale_block_is_refused(saved):

@@ -84,7 +84,8 @@ def _tp2_dp2_from_files(rank: int, cfg, path: str) -> dict:
 
 def test_tp2_dp2_built_from_files(workers, saved):
     """EP over the replicas, then TP within each, FP8 linears and MXFP4 experts as stored: a rank reads the TP
-    slices of its 4 backbone experts, tp_slice of every other tensor (the drafter whole: neither pass cuts it)."""
+    slices of its 4 of 8 backbone experts, its 2 of 4 drafter experts whole (TP leaves the drafter whole),
+    tp_slice of every other tensor."""
     cfg, path = saved
     out = workers.run(_tp2_dp2_from_files, cfg, path)
     ref, _ = load_release(cfg, path, dtype=torch.float64, quantization="fp8", expert_format="mxfp4", keep_dense=False)
@@ -93,7 +94,8 @@ def test_tp2_dp2_built_from_files(workers, saved):
         want = 0
         for name, spec in release_layout(cfg).items():
             mname, e = model_name_for(spec.owner or name)
-            if e is not None and mname.startswith("layers.") and e // (cfg.n_routed_experts // 2) != o["dp"]:
+            n = cfg.n_routed_experts if mname.startswith("layers.") else cfg.dspark_n_routed_experts
+            if e is not None and e // (n // 2) != o["dp"]:
                 continue
             cut = tp_slice(mname, cfg, o["tp"], 2)
             want += spec.nbytes if cut is None else spec.nbytes * (cut[2] - cut[1]) // shapes[mname][0][cut[0]]

@@ -155,13 +155,13 @@ def test_two_expert_parallel_ranks_read_only_their_experts(saved):
     for rank in range(2):
         lay = ParallelLayout(ep_rank=rank, ep_size=2)
         net, report = load_release(cfg, path, layout=lay, expert_format="mxfp4", keep_dense=False)
-        want = 0  # every non-expert tensor, the backbone's experts of this rank, the DSpark drafter's all (the EP
-        # pass keeps the drafter's MoE whole)
+        want = 0  # every non-expert tensor, and the experts of this rank (backbone and DSpark stages alike)
         for name, spec in layout_specs.items():
             owner = spec.owner or name
             m = owner.split(".experts.")
-            if len(m) == 2 and owner.startswith("layers."):
-                want += spec.nbytes if int(m[1].split(".")[0]) in lay.experts(cfg.n_routed_experts) else 0
+            if len(m) == 2:
+                n_exp = cfg.n_routed_experts if owner.startswith("layers.") else cfg.dspark_n_routed_experts
+                want += spec.nbytes if int(m[1].split(".")[0]) in lay.experts(n_exp) else 0
             else:
                 want += spec.nbytes
         assert report.bytes_read == want
