@@ -13,7 +13,8 @@ reads its counts on the host.
 
 With kernel ops the router is ``ops.route`` and the local experts run as ``ops.routed_experts`` on the received rows,
 each a top-1 pick (the same products); packed experts (FP8, MXFP4) are sliced by expert like the dense ones. The
-DSpark drafter's MoE is left whole.
+DSpark drafter's MoE is spread the same way over its own experts (the spec's P_d, contiguous by the same rule), so a
+draft pass is a collective too: every EP rank runs as many as its peers, ``idle_draft`` where it has nothing to draft.
 """
 
 from __future__ import annotations
@@ -132,6 +133,10 @@ def shard_expert_parallel(
     agree("the model config and expert placement", repr((model.cfg, placement)), group)
     for block in model.layers:
         block.ffn = ExpertParallelMoE(block.ffn, placement, ep_rank, group)
+    if getattr(model, "mtp", None) is not None:  # the drafter's MoE: its own experts, the contiguous rule
+        draft = ExpertPlacement.contiguous(model.cfg.dspark_n_routed_experts, ep_size)
+        for stage in model.mtp:
+            stage.ffn = ExpertParallelMoE(stage.ffn, draft, ep_rank, group)
     model.forward_batch = _JoinSkipped(model, model.forward_batch)
     return model
 
@@ -152,6 +157,16 @@ class _JoinSkipped:
             raise ParallelConfigError(f"an expert-parallel forward ran MoE layers {ran}: only a skipped tail joins")
         idle_forward(self.model, first)
         return out
+
+
+def idle_draft(model: nn.Module) -> None:
+    """A draft pass with no rows on an expert-parallel model: joins the collectives of each DSpark stage's MoE with
+    zero rows (for a rank with nothing to draft while its peers draft)."""
+    w = model.embed.weight
+    x = w.new_zeros(0, model.cfg.hidden_size)
+    tokens = torch.zeros(0, dtype=torch.long, device=w.device)
+    for stage in model.mtp:
+        stage.ffn(x, tokens)
 
 
 def idle_forward(model: nn.Module, first_layer: int = 0) -> None:

@@ -1,13 +1,17 @@
 """Which share of the model one rank holds: its tensor-parallel and expert-parallel coordinates (spec parallel 2-3).
 
-TP splits attention heads, ``wo_a`` by group, ``wo_b``'s and the shared expert's inputs, the routed experts'
-intermediate (when not EP) and the vocabulary; EP gives each rank a contiguous block of routed experts. The
-loader reads only the slices a layout owns (models.release_loader); the parallel-execution issue builds on it.
+The share rules are the parallel passes' own: a TP rank holds ``tensor_parallel.tp_slice`` of each tensor (what
+``shard_tensor_parallel`` cuts), an EP rank the routed experts ``ExpertPlacement.contiguous`` gives it (what
+``shard_expert_parallel`` keeps). The loader reads a rank's share by these methods (models.release_loader), so a
+rank built from files holds exactly what the passes would have cut.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .expert_placement import ExpertPlacement
+from .tensor_parallel import check_tp_split, tp_slice
 
 
 @dataclass(frozen=True)
@@ -22,24 +26,15 @@ class ParallelLayout:
             if size < 1 or not 0 <= rank < size:
                 raise ValueError(f"{what}_rank must lie in [0, {what}_size) with {what}_size >= 1, got {rank}/{size}")
 
-    def experts(self, n_experts: int) -> range:
-        """The routed experts this rank holds: expert-parallel ranks take contiguous equal blocks."""
-        if n_experts % self.ep_size:
-            raise ValueError(
-                f"{n_experts} routed experts do not split evenly over {self.ep_size} expert-parallel ranks"
-            )
-        per = n_experts // self.ep_size
-        return range(self.ep_rank * per, (self.ep_rank + 1) * per)
+    def experts(self, n_experts: int) -> tuple[int, ...]:
+        """The routed experts this rank holds, in its local order (the EP pass's contiguous placement)."""
+        return ExpertPlacement.contiguous(n_experts, self.ep_size).owned[self.ep_rank]
 
-    def tp_part(self, n: int, what: str, align: int = 1) -> tuple[int, int]:
-        """This TP rank's [lo, hi) of `n` indices split evenly (each share a multiple of `align`)."""
-        if n % self.tp_size or (n // self.tp_size) % align:
-            raise ValueError(
-                f"{what}: {n} does not split over {self.tp_size} tensor-parallel ranks"
-                + (f" in multiples of {align}" if align > 1 else "")
-            )
-        per = n // self.tp_size
-        return self.tp_rank * per, (self.tp_rank + 1) * per
+    def tp_slice(self, name: str, cfg) -> tuple[int, int, int] | None:
+        """(dim, start, end) of model tensor ``name`` this TP rank holds, or None (replicated): ``tp_slice``, after
+        ``check_tp_split`` (ParallelConfigError naming the counts that do not divide)."""
+        check_tp_split(cfg, self.tp_size)
+        return tp_slice(name, cfg, self.tp_rank, self.tp_size)
 
     @property
     def is_single(self) -> bool:

@@ -14,10 +14,12 @@ What is split (docs/parallel.md, the spec's section 2; vLLM and SGLang do the sa
 | ``embed`` | vocabulary rows | all-reduce (``VocabParallelEmbedding``) |
 | ``head`` | vocabulary rows | all-gather of the logits (``VocabParallelHead``) |
 
-Replicated: ``wq_a`` and ``q_norm`` (the norm needs the whole latent), ``wkv`` and ``kv_norm`` (one K = V latent a
-token: every rank keeps the full window rows and global KV, as vLLM does), compressors, indexers, routers, mHC,
-norms, Engram, the DSpark drafter. The attention module gets a config with its local head and group counts, so every
-path that reads ``attn.cfg`` (the reference loop, the paged kernels) sees its own shapes.
+The DSpark drafter's MoE (shared and routed experts) is split the same way, closing with its own all-reduce; the
+rest of the drafter is replicated. Replicated: ``wq_a`` and ``q_norm`` (the norm needs the whole latent), ``wkv``
+and ``kv_norm`` (one K = V latent a token: every rank keeps the full window rows and global KV, as vLLM does),
+compressors, indexers, routers, mHC, norms, Engram, the drafter's attention and heads. The attention module gets a
+config with its local head and group counts, so every path that reads ``attn.cfg`` (the reference loop, the paged
+kernels) sees its own shapes.
 
 Routed experts are split on the intermediate dimension, not replicated: the routed and shared partial sums then
 close with one all-reduce per MoE layer; each rank holds 1/T of every expert (replicating would hold all of them
@@ -53,9 +55,9 @@ def _span(n: int, rank: int, size: int) -> tuple[int, int]:
     return n // size * rank, n // size * (rank + 1)
 
 
-def check_tensor_parallel(model: nn.Module, tp_size: int) -> None:
-    """Raise ParallelConfigError unless ``model`` splits ``tp_size`` ways (every count divides, plain weights)."""
-    cfg = model.cfg
+def check_tp_split(cfg, tp_size: int) -> None:
+    """Raise ParallelConfigError unless every count ``tp_slice`` splits divides by ``tp_size`` (the vocabulary need
+    not: ``vocab_shards``)."""
     need = {
         "num_attention_heads": cfg.num_attention_heads,
         "o_groups": cfg.o_groups,
@@ -64,6 +66,11 @@ def check_tensor_parallel(model: nn.Module, tp_size: int) -> None:
     bad = [f"{k}={v}" for k, v in need.items() if v % tp_size]
     if bad:
         raise ParallelConfigError(f"tensor parallel size {tp_size} must divide {', '.join(bad)}")
+
+
+def check_tensor_parallel(model: nn.Module, tp_size: int) -> None:
+    """Raise ParallelConfigError unless ``model`` splits ``tp_size`` ways (every count divides, plain weights)."""
+    check_tp_split(model.cfg, tp_size)
     for block in model.layers:
         linears = (block.attn.wq_b, block.attn.wo_a, block.attn.wo_b, block.ffn.shared_experts.w1)
         if any(type(m) is not nn.Linear for m in linears) or getattr(block.ffn, "packed", None) is not None:
@@ -75,6 +82,7 @@ def check_tensor_parallel(model: nn.Module, tp_size: int) -> None:
 
 _LAYER = re.compile(
     r"layers\.\d+\.(attn\.(wq_b\.weight|attn_sink|wo_a\.weight|wo_b\.weight)|ffn\.(shared_experts\.w[123]\.weight|experts\.w[123]))"
+    r"|mtp\.\d+\.(ffn\.(shared_experts\.w[123]\.weight|experts\.w[123]))"  # the drafter: its MoE only
 )
 
 
@@ -87,7 +95,7 @@ def tp_slice(name: str, cfg, tp_rank: int, tp_size: int) -> tuple[int, int, int]
     m = _LAYER.fullmatch(name)
     if m is None:
         return None
-    part = m.group(1)
+    part = m.group(1) or m.group(4)
     if part.startswith("attn."):
         h0, h1 = _span(cfg.num_attention_heads, tp_rank, tp_size)
         g0, g1 = _span(cfg.o_groups, tp_rank, tp_size)
@@ -128,7 +136,7 @@ def shard_tensor_parallel(model: nn.Module, tp_rank: int, tp_size: int, group: d
                 owner, leaf = name.rsplit(".", 1)
                 setattr(model.get_submodule(owner), leaf, _keep(p, *cut))
         for block in model.layers:
-            attn, shared = block.attn, block.ffn.shared_experts
+            attn = block.attn
             attn.wq_b.out_features, attn.wo_a.out_features = attn.wq_b.weight.shape[0], attn.wo_a.weight.shape[0]
             attn.wo_b = RowParallelLinear(attn.wo_b.weight, group)
             # the local shapes, for every path that reads them from attn.cfg
@@ -137,6 +145,8 @@ def shard_tensor_parallel(model: nn.Module, tp_rank: int, tp_size: int, group: d
                 num_attention_heads=attn.cfg.num_attention_heads // tp_size,
                 o_groups=attn.cfg.o_groups // tp_size,
             )
+        for block in list(model.layers) + list(getattr(model, "mtp", None) or ()):
+            shared = block.ffn.shared_experts
             shared.w1.out_features = shared.w3.out_features = shared.w2.in_features = shared.w1.weight.shape[0]
             block.ffn.register_forward_hook(_SumOver(group))  # routed and shared partials: one sum
         shards = vocab_shards(cfg.vocab_size, tp_size)

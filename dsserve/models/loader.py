@@ -54,6 +54,8 @@ def load_model(
     quantization: str | None = None,
     engram_tables: str = "device",
     layout: ParallelLayout = ParallelLayout(),
+    tp_group=None,
+    ep_group=None,
 ) -> LoadedModel:
     """``auto`` reads safetensors from a checkpoint directory; a preset has no weights, so it gets ``dummy``
     (seeded random weights), as vLLM's ``--load-format dummy``.
@@ -69,7 +71,8 @@ def load_model(
     A checkpoint streams through ``release_loader.load_release`` straight onto ``device`` in its runtime form:
     ``quantization="fp8"`` keeps the stored FP8 dense weights as Fp8Linear, ``expert_format`` the stored MXFP4
     experts packed, ``engram_tables`` (device | host | host-fp8) places the Engram tables; ``layout`` is this
-    rank's share."""
+    rank's share, built as the parallel passes cut it, closing over ``tp_group`` / ``ep_group``
+    (``load_release``)."""
     if load_format not in LOAD_FORMATS:
         raise ConfigError(f"load format {load_format!r} is not one of {LOAD_FORMATS}")
     if dtype not in DTYPES:
@@ -100,6 +103,8 @@ def load_model(
             expert_format=expert_format,
             engram_tables=engram_tables,
             keep_dense=keep_dense,
+            tp_group=tp_group,
+            ep_group=ep_group,
         )
     elif expert_format is not None:
         net = build_dummy_model(cfg, seed, expert_format, device, keep_dense)

@@ -22,9 +22,16 @@ The result equals today's path (``checkpoint.load_checkpoint`` into a dense mode
 the quantised bytes are the file's, where today's re-quantisation picks the next smaller scale for a block whose
 largest value rounded to half the grid's top (same values, other bytes).
 
-A ``ParallelLayout`` selects this rank's share: its routed experts (EP) and its TP slices (``rank_share``), read
-with ranged reads; ``read_rank_tensors`` yields them in stored form. A model is built for tp_size 1 only: TP
-execution is the parallel-execution issue's.
+A ``ParallelLayout`` selects this rank's share by the parallel passes' own rules (``rank_share``: the routed
+experts ``ExpertPlacement.contiguous`` gives an EP rank, ``tensor_parallel.tp_slice`` of each tensor), read
+with ranged reads; ``read_rank_tensors`` yields them in stored form. With tp_size > 1 the meta model goes through
+``shard_tensor_parallel`` before it is filled, so the result is the TP rank the pass would have cut from the whole
+model (its ``RowParallelLinear`` ``wo_b`` stays dequantised under ``quantization="fp8"``); routed experts are
+read as this rank's intermediate slice of the stored form (MXFP4: rows of ``w1``/``w3``, byte columns of ``w2``
+with their scale columns), which the pass itself, taking plain weights, cannot cut from a packed model. With
+ep_size > 1 the meta model goes through ``shard_expert_parallel`` first: each backbone MoE becomes the pass's
+``ExpertParallelMoE`` holding this rank's experts (the DSpark drafter's MoE too, over its own experts). A
+rank of both runs the EP pass, then the TP pass (their order), its experts then cut by TP.
 """
 
 from __future__ import annotations
@@ -32,12 +39,17 @@ from __future__ import annotations
 import contextlib
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from ..distributed.expert_parallel import shard_expert_parallel
+from ..distributed.groups import ParallelConfigError
 from ..distributed.layout import ParallelLayout
+from ..distributed.tensor_parallel import shard_tensor_parallel
 from ..kernels.fp8_linear import Fp8Linear
 from ..kernels.grouped_moe import ExpertWeights
 from ..layers.engram_table import EngramTable, allocate_host
@@ -56,12 +68,6 @@ _FP8_LINEAR = re.compile(
     r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]|engram\.wkv)"
     r"\.weight$"
 )
-# TP shares (spec parallel 2): rows of wq_b (heads), wo_a (groups), shared w1/w3, attn_sink, embed/head (vocab);
-# columns of wo_b and shared w2; routed experts' intermediate when the layout is not expert-parallel.
-_P = r"^(layers|mtp)\.\d+\."
-_TP_ROWS = re.compile(_P + r"(attn\.wq_b|attn\.wo_a|ffn\.shared_experts\.w[13])\.weight$|^(embed|head)\.weight$")
-_TP_COLS = re.compile(_P + r"(attn\.wo_b|ffn\.shared_experts\.w2)\.weight$")
-_SINK = re.compile(_P + r"attn\.attn_sink$")
 _EXPERT = re.compile(r"^(.*\.ffn)\.experts\.(\d+)\.(w[123])\.weight$")
 
 
@@ -108,38 +114,34 @@ def check_files(cfg: ModelConfig, files: CheckpointFiles) -> None:
 # ------------------------------------------------------------------------------------------------ rank shares
 def rank_share(name: str, spec: TensorSpec, cfg: ModelConfig, layout: ParallelLayout) -> tuple | None:
     """What of release tensor `name` (a weight, not a scale) this rank reads: None (nothing: another rank's
-    expert), () (all of it), or (dim, lo, hi) along dim 0 or 1 of the stored tensor (MXFP4 columns are bytes)."""
-    m = _EXPERT.match(name)
-    if m:
-        n_exp = cfg.n_routed_experts if name.startswith("layers.") else cfg.dspark_n_routed_experts
-        if layout.ep_size > 1:
-            return () if int(m.group(2)) in layout.experts(n_exp) else None
-        if layout.tp_size == 1:
-            return ()
-        inter = cfg.moe_intermediate_size
-        if m.group(3) == "w2":  # [d, inter] stored [d, inter/2] in MXFP4: whole scale blocks per rank
-            lo, hi = layout.tp_part(inter, f"{name} intermediate", MX_BLOCK)
-            pack = 2 if spec.quant == "mxfp4" else 1
-            return (1, lo // pack, hi // pack)
-        return (0, *layout.tp_part(inter, f"{name} intermediate", MX_BLOCK))
-    if layout.tp_size == 1:
+    expert), () (all of it), or (dim, lo, hi) along dim 0 or 1 of the stored tensor (MXFP4 columns are bytes).
+
+    The rule is the parallel passes' (``ParallelLayout.experts``, ``ParallelLayout.tp_slice``), applied to the
+    release tensor's model name; a share must cover whole scale blocks of its stored form."""
+    mname, expert = model_name_for(name)
+    if expert is not None and expert not in _expert_ids(cfg, layout, name):
+        return None
+    cut = layout.tp_slice(mname, cfg) if layout.tp_size > 1 else None
+    if cut is None:
         return ()
-    block = cfg.weight_block_size if spec.quant == "fp8" else 1
-    if _TP_ROWS.match(name):
-        unit = cfg.head_dim if ".wq_b." in name else cfg.o_lora_rank if ".wo_a." in name else 1
-        return (0, *layout.tp_part(spec.shape[0], name, _lcm(unit, block)))
-    if _TP_COLS.match(name):
-        unit = cfg.o_lora_rank if ".wo_b." in name else 1
-        return (1, *layout.tp_part(spec.shape[1], name, _lcm(unit, block)))
-    if _SINK.match(name):
-        return (0, *layout.tp_part(spec.shape[0], name))
-    return ()
+    dim, lo, hi = cut
+    dim -= expert is not None  # the model stacks the experts [E, ...]; the release stores each one
+    block = cfg.weight_block_size if spec.quant == "fp8" else MX_BLOCK if spec.quant == "mxfp4" and dim == 1 else 1
+    if lo % block or hi % block:
+        raise ParallelConfigError(
+            f"tensor parallel size {layout.tp_size}: rank {layout.tp_rank}'s share [{lo}, {hi}) of {name!r} "
+            f"(dim {dim}) does not cover whole {block}-wide {spec.quant} scale blocks"
+        )
+    if spec.quant == "mxfp4" and dim == 1:  # two values a byte
+        lo, hi = lo // 2, hi // 2
+    return (dim, lo, hi)
 
 
-def _lcm(a: int, b: int) -> int:
-    import math
-
-    return a * b // math.gcd(a, b)
+def _expert_ids(cfg: ModelConfig, layout: ParallelLayout, name: str) -> Sequence[int]:
+    """The routed experts of the MoE `name` lies in (a backbone layer's, or a DSpark stage's: its own count) that
+    this rank holds."""
+    n = cfg.n_routed_experts if name.startswith("layers.") else cfg.dspark_n_routed_experts
+    return layout.experts(n) if layout.ep_size > 1 else range(n)
 
 
 def _scale_share(share: tuple, spec: TensorSpec, block: int) -> tuple:
@@ -224,14 +226,10 @@ def _load_order(src: _Source, engram_tables: str = "device"):
             if m.group(1) in done:
                 continue
             done.add(m.group(1))
-            n_exp = src.cfg.n_routed_experts if name.startswith("layers.") else src.cfg.dspark_n_routed_experts
-            ids = src.layout.experts(n_exp) if src.layout.ep_size > 1 else range(n_exp)
+            ids = _expert_ids(src.cfg, src.layout, name)
             for k in ("w1", "w3", "w2"):
                 for e in ids:
-                    w = f"{m.group(1)}.experts.{e}.{k}.weight"
-                    yield (w, ())
-                    if scale_name(w) in src.specs:
-                        yield (scale_name(w), ())
+                    yield from _with_scale(src, f"{m.group(1)}.experts.{e}.{k}.weight")
         elif name.endswith("engram.embed.weight"):
             if engram_tables == "host-mmap":  # mapped, not read
                 continue
@@ -242,9 +240,14 @@ def _load_order(src: _Source, engram_tables: str = "device"):
                 if spec.quant == "engram_fp8":
                     yield (scale_name(name), (0, r, min(rows, r + step)))
         else:
-            yield (name, ())
-            if scale_name(name) in src.specs:
-                yield (scale_name(name), ())
+            yield from _with_scale(src, name)
+
+
+def _with_scale(src: _Source, name: str):
+    share = src.share(name)
+    yield (name, share)
+    if scale_name(name) in src.specs:
+        yield (scale_name(name), _scale_share(share, src.specs[name], src.cfg.weight_block_size))
 
 
 def read_rank_tensors(cfg: ModelConfig, files: CheckpointFiles, layout: ParallelLayout):
@@ -302,12 +305,16 @@ def load_release(
     huge_pages: bool = False,
     progress: bool | None = None,
     threads: int = 4,
+    tp_group: dist.ProcessGroup | None = None,
+    ep_group: dist.ProcessGroup | None = None,
 ) -> tuple[nn.Module, LoadReport]:
     """The model of `cfg` with the checkpoint at `path` loaded as the module docstring says; returns it (eval
     mode, on `device`) and a LoadReport. keep_dense None: True on the CPU (the reference path and the tests'
     oracle read the dense experts there), False elsewhere. progress: a rich progress bar of the bytes read and
     their rate on stderr (None: when stderr is a terminal). threads: readers running ahead of the conversion
-    (at most 16 MiB read and not yet used); 0 reads in line."""
+    (at most 16 MiB read and not yet used); 0 reads in line. tp_group / ep_group (``groups.new_groups``' ``tp`` and
+    ``ep``): the groups a rank of ``layout.tp_size`` > 1 closes its splits over and a rank of ``layout.ep_size`` > 1
+    dispatches over; every rank of them loads at once; None builds the shard without its collectives."""
     from .model import DeepseekForCausalLM
 
     if quantization not in QUANTIZATIONS:
@@ -316,8 +323,6 @@ def load_release(
         raise ValueError(f"expert format {expert_format!r}: expected one of {EXPERT_FORMATS} or None")
     if engram_tables not in ENGRAM_TABLES:
         raise ValueError(f"engram_tables {engram_tables!r}: expected one of {ENGRAM_TABLES}")
-    if layout.tp_size > 1:
-        raise ValueError("a model is built for tp_size 1 only; read_rank_tensors gives a TP rank's slices")
     device = torch.device(device)
     keep_dense = device.type == "cpu" if keep_dense is None else keep_dense
     t0 = time.perf_counter()
@@ -327,6 +332,11 @@ def load_release(
         with torch.device("meta"), _no_init():
             net = DeepseekForCausalLM(cfg).eval()
         _rebuild_tables(net)
+        # the passes' shapes and modules, on the meta device: filled below by name
+        if layout.ep_size > 1:  # first: it replaces the MoE modules, whose experts TP then cuts
+            shard_expert_parallel(net, layout.ep_rank, layout.ep_size, ep_group)
+        if layout.tp_size > 1:
+            shard_tensor_parallel(net, layout.tp_rank, layout.tp_size, tp_group)
         src = _Source(cfg, files, layout)
         done_moes: set[str] = set()
         bar = _progress_bar(progress, f"loading {cfg.name}", _share_bytes(src))
@@ -344,11 +354,13 @@ def load_release(
                         _load_experts(net, src, m.group(1), fmt, keep_dense, device, dtype, report)
                     continue
                 mname, _ = model_name_for(name)
+                share = src.share(name)
                 if spec.quant == "fp8":
-                    w, s = src.read(name), src.read_scale(name)
-                    if quantization == "fp8" and _fp8_linear_fits(name, cfg):
-                        groups = cfg.o_groups if name.endswith("wo_a.weight") else 1
-                        owner, _, attr = mname.removesuffix(".weight").rpartition(".")
+                    w, s = src.read(name, share), src.read_scale(name, share)
+                    owner, _, attr = mname.removesuffix(".weight").rpartition(".")
+                    # wo_b under TP is a RowParallelLinear (its all-reduce): kept dequantised
+                    if quantization == "fp8" and _fp8_linear_fits(name, cfg) and _is_linear(net, owner, attr):
+                        groups = net.get_submodule(owner).cfg.o_groups if name.endswith("wo_a.weight") else 1
                         lin = Fp8Linear(w.to(device), s.to(device), cfg.weight_block_size, groups)
                         setattr(net.get_submodule(owner), attr, lin)
                         report.count("fp8_linear")
@@ -359,7 +371,7 @@ def load_release(
                     _load_engram(net, src, name, spec, engram_tables, device, dtype, huge_pages)
                     report.count(f"engram_{engram_tables}")
                 else:
-                    t = src.read(name)
+                    t = src.read(name, share)
                     _set(net, mname, t.to(device, dtype if t.is_floating_point() else t.dtype))
                     report.count("plain")
             if quantization == "fp8":
@@ -462,6 +474,10 @@ def _rebuild_tables(net: nn.Module) -> None:
                     Rope.__init__(v, v.spec)
 
 
+def _is_linear(net: nn.Module, owner: str, attr: str) -> bool:
+    return type(getattr(net.get_submodule(owner), attr)) is nn.Linear
+
+
 def _fp8_linear_fits(name: str, cfg: ModelConfig) -> bool:
     if not _FP8_LINEAR.match(name):
         return False
@@ -471,36 +487,34 @@ def _fp8_linear_fits(name: str, cfg: ModelConfig) -> bool:
 def _load_experts(net, src: _Source, ffn: str, fmt, keep_dense, device, dtype, report: LoadReport) -> None:
     """One MoE's routed experts (the ones this rank owns) into their runtime form."""
     moe = net.get_submodule(ffn)
-    n_exp = moe.experts["w1"].shape[0]
-    ids = src.layout.experts(n_exp) if src.layout.ep_size > 1 else range(n_exp)
+    ids = _expert_ids(src.cfg, src.layout, ffn)
     spec = src.specs[f"{ffn}.experts.{ids[0]}.w1.weight"]
     names = ("w1", "w3", "w2")
     if fmt == "mxfp4" and spec.quant == "mxfp4":  # the stored bytes as they are
         ws, ss = {}, {}
         for k in names:
-            shape, sshape = (
-                src.specs[f"{ffn}.experts.{ids[0]}.{k}.weight"].shape,
-                src.specs[f"{ffn}.experts.{ids[0]}.{k}.scale"].shape,
-            )
-            ws[k] = torch.empty(len(ids), *shape, dtype=torch.uint8, device=device)
-            ss[k] = torch.empty(len(ids), *sshape, dtype=torch.uint8, device=device)
             for i, e in enumerate(ids):
                 name = f"{ffn}.experts.{e}.{k}.weight"
-                ws[k][i].copy_(src.read(name).view(torch.uint8))
-                ss[k][i].copy_(src.read_scale(name).view(torch.uint8))
+                share = src.share(name)
+                w, s = src.read(name, share).view(torch.uint8), src.read_scale(name, share).view(torch.uint8)
+                if i == 0:
+                    ws[k] = torch.empty(len(ids), *w.shape, dtype=torch.uint8, device=device)
+                    ss[k] = torch.empty(len(ids), *s.shape, dtype=torch.uint8, device=device)
+                ws[k][i].copy_(w)
+                ss[k][i].copy_(s)
         packed = ExpertWeights("mxfp4", ws["w1"], ws["w3"], ws["w2"], ss["w1"], ss["w3"], ss["w2"])
         report.count("experts_mxfp4")
     else:
         dense = {}
         for k in names:
-            fshape = src.specs[f"{ffn}.experts.{ids[0]}.{k}.weight"].float_shape
-            # fp32 when packing: today's path packs from the float32 model, before the cast to `dtype`
-            dense[k] = torch.empty(len(ids), *fshape, dtype=torch.float32 if fmt else dtype, device=device)
             for i, e in enumerate(ids):
                 name = f"{ffn}.experts.{e}.{k}.weight"
-                w = src.read(name)
+                share = src.share(name)
+                w = src.read(name, share)
                 if spec.quant == "mxfp4":
-                    w = dequant_mxfp4(w, src.read_scale(name))
+                    w = dequant_mxfp4(w, src.read_scale(name, share))
+                if i == 0:  # fp32 when packing: today's path packs from the float32 model, before the cast
+                    dense[k] = torch.empty(len(ids), *w.shape, dtype=torch.float32 if fmt else dtype, device=device)
                 dense[k][i].copy_(w)
         if fmt is None:
             for k in names:

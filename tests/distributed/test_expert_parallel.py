@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny import sequences, tiny_model
 
-from dsserve.distributed.expert_parallel import ExpertParallelMoE, idle_forward, shard_expert_parallel
+from dsserve.distributed.expert_parallel import ExpertParallelMoE, idle_draft, idle_forward, shard_expert_parallel
 from dsserve.distributed.expert_placement import ExpertPlacement
 from dsserve.distributed.groups import ParallelConfigError, new_groups
 
@@ -150,3 +150,36 @@ def test_a_forward_that_stops_before_the_decoder_still_joins(workers):
         for got, w in zip(out[rank], want):
             assert got.shape == w.shape
             assert got.numel() == 0 or (got - w).abs().max().item() < 1e-9
+
+
+def _draft(model, seq):
+    out = model(seq)
+    y = int(model.logits(out.hidden[-1:]).argmax())
+    state = model.mtp.new_state()
+    model.mtp.ingest(out.taps, out.positions, state)
+    return model.mtp.propose(y, seq.shape[0] - 1, state, model.embed, model.head)
+
+
+@torch.no_grad()
+def _dep2_draft(rank: int) -> dict:
+    groups = new_groups(1, 2)
+    model = shard_expert_parallel(tiny_model("tiny"), groups.dp_rank, 2, groups.ep)
+    held = model.mtp[0].ffn.experts["w1"].shape[0]
+    if rank == 1:  # a target forward of its own, then nothing to draft: it joins rank 0's draft pass
+        model(sequences(31, (9,))[0])
+        idle_draft(model)
+        return {"held": held, "draft": None}
+    return {"held": held, "draft": _draft(model, sequences(30, (24,))[0])}
+
+
+def test_a_draft_pass_is_expert_parallel_and_an_idle_rank_joins_it(workers):
+    """The DSpark drafter's MoE is spread over the EP ranks like a layer's (its own 4 experts, 2 a rank); a rank
+    with nothing to draft joins the draft pass with idle_draft (without it rank 0 would time out)."""
+    out = workers.run(_dep2_draft)
+    assert [o["held"] for o in out] == [2, 2]
+    ref = tiny_model("tiny")
+    with torch.no_grad():
+        want = _draft(ref, sequences(30, (24,))[0])
+    got = out[0]["draft"]
+    assert torch.equal(got[0], want[0])
+    assert max((a - b).abs().max().item() for a, b in zip(got[1:], want[1:])) < 1e-9

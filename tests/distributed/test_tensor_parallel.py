@@ -105,7 +105,9 @@ def test_each_rank_holds_the_tp_slice_of_every_tensor(name):
             want = full[key] if s is None else full[key].narrow(s[0], s[1], s[2] - s[1])
             assert torch.equal(t, want), key
             cut += s is not None
-        assert cut == 2 + 10 * preset(name).num_hidden_layers
+        stages = sum(k.startswith("mtp.") and k.endswith(".ffn.experts.w1") for k in full)  # DSpark (V4.1)
+        # embed, head; 10 a layer (4 attention, 6 MoE); 6 a DSpark stage (its MoE)
+        assert cut == 2 + 10 * preset(name).num_hidden_layers + 6 * stages
 
 
 def test_a_meta_model_shards_to_its_shard_shapes():
