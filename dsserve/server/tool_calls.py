@@ -121,7 +121,9 @@ def plan_tools(
     tools, tool_choice, parallel_tool_calls, *, thinking: bool, dialect: str, grammar: bool = False
 ) -> ToolPlan:
     """``grammar``: constrain required / named choices with xgrammar's DeepSeek tool-call grammar (arguments
-    follow each tool's parameter schema; thinking mode allowed) instead of prefilling the block opener."""
+    follow each tool's parameter schema; thinking mode allowed) instead of prefilling the block opener; under
+    ``auto``, when a tool has ``strict: true``, the same grammar constrains any call the model opens (free text
+    before it), every tool's arguments then following its schema."""
     if tools is not None and not isinstance(tools, list):
         raise ToolChoiceError("tools must be a list of function tools", "tools")
     names = []
@@ -162,8 +164,11 @@ def plan_tools(
         raise ToolChoiceError("tool_choice 'required' needs at least one tool in tools", "tool_choice")
     if choice == "none" or not names:
         return ToolPlan(None, (), "", True, parallel_tool_calls, dialect, thinking)
-    if choice == "auto":
-        return ToolPlan(tools, tuple(names), "", False, parallel_tool_calls, dialect, thinking)
+    if choice == "auto":  # vLLM's: a strict tool puts calls under the grammar, which the block opener triggers
+        tag = None
+        if grammar and any(t["function"].get("strict") is True for t in tools):
+            tag = _structural_tag(tools, "auto", parallel_tool_calls, thinking=thinking, dialect=dialect)
+        return ToolPlan(tools, tuple(names), "", False, parallel_tool_calls, dialect, thinking, tag)
     kept = [t for t in tools if t["function"]["name"] == forced] if forced else tools
     names = tuple(n for n in names if forced in (None, n))
     if grammar:

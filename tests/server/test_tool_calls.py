@@ -6,6 +6,7 @@ V4 tool calls for a ``stock`` tool) and samples many requests concurrently at te
 import asyncio
 import importlib.util
 import json
+import os
 
 import pytest
 import torch
@@ -64,6 +65,21 @@ def test_plan_with_grammar_constrains_instead_of_prefilling():
         assert p.prefill == "" and tag["type"] == "structural_tag" and f"<{D} calls>" in p.structural_tag
         assert p.names == (("stock", "other") if choice == "required" else ("other",))
     assert tc.plan_tools([STOCK], "auto", True, thinking=True, dialect="v4", grammar=True).structural_tag is None
+
+
+STRICT = {"type": "function", "function": dict(STOCK["function"], strict=True)}
+
+
+@pytest.mark.skipif(not tc.grammar_available(), reason="the grammar extra (xgrammar) is not installed")
+def test_plan_strict_tools_under_auto_are_constrained_once_triggered():
+    for thinking in (False, True):
+        p = tc.plan_tools([STRICT, OTHER], "auto", True, thinking=thinking, dialect="v4", grammar=True)
+        tag = json.loads(p.structural_tag)
+        assert p.prefill == "" and p.names == ("stock", "other") and not p.ban_dsml
+        assert f"<{D}tool_calls>" in p.structural_tag and "triggered_tags" in p.structural_tag, tag
+    loose = {"type": "function", "function": dict(STOCK["function"], strict="yes")}  # only true counts, as OpenAI
+    assert tc.plan_tools([loose], "auto", True, thinking=False, dialect="v4", grammar=True).structural_tag is None
+    assert tc.plan_tools([STRICT], "auto", True, thinking=False, dialect="v4", grammar=False).structural_tag is None
 
 
 @pytest.mark.parametrize(
@@ -432,6 +448,36 @@ def test_live_stop_strings_apply_to_content_only(base):
     assert cut.usage.completion_tokens < free.usage.completion_tokens, "aborted once the content hit the stop"
     finish, deltas = _sample(base, 1, True, tools=[STOCK], stop=["warehouse"], temperature=0, max_tokens=40)[0]
     assert finish == "stop" and _fold(deltas) == (text.split("warehouse")[0], [])
+
+
+@pytest.mark.skipif(not tc.grammar_available(), reason="the grammar extra (xgrammar) not installed")
+def test_live_constrained_outputs_are_valid(base):
+    """8 sampled requests (temperature 0.8) each for tool_choice required, a named function and a json_schema
+    response_format, streamed and not, all concurrent: every one a call to an allowed tool with arguments valid
+    against its schema, or JSON valid against the response schema (benchmarks/tool_choice_validity.py runs 50)."""
+    pytest.importorskip("jsonschema")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "tool_choice_validity.py")
+    spec = importlib.util.spec_from_file_location("tool_choice_validity", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    res = asyncio.run(bench.run(base, 8, 200, 48))
+    assert res["failures"] == [] and all(c == {"requests": 8, "valid": 8} for c in res["counts"].values()), res
+    assert bench.check("named", "tool_calls", None, [{"name": "stock", "arguments": "{}"}])  # the check can fail
+    assert bench.check("json_schema", "stop", '{"item": "a", "count": -1, "sure": true}', [])
+
+
+@pytest.mark.skipif(not tc.grammar_available(), reason="the grammar extra (xgrammar) not installed")
+def test_live_strict_tool_under_auto_follows_its_schema(base):
+    """A strict tool whose item must be "pears" (the trained model calls it for the asked item, apples): sampled
+    under auto, the model still answers in text or calls, and every call it opens follows the schema."""
+    fn = dict(STOCK["function"], strict=True)
+    fn["parameters"] = dict(fn["parameters"], properties={"item": {"enum": ["pears"]}, "warehouse": {"type": "string"}})
+    strict = {"type": "function", "function": fn}
+    got = _sample(base, 24, False, tools=[strict])
+    calls = [c for choice, _ in got for c in choice.message.tool_calls or []]
+    assert calls, f"the trained model should call its tool in some samples: {[c.finish_reason for c, _ in got]}"
+    assert all(json.loads(c.function.arguments)["item"] == "pears" for c in calls)
+    assert all(D not in (c.message.content or "") for c, _ in got)
 
 
 JSONISH = st.recursive(
