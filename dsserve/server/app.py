@@ -254,8 +254,9 @@ def build_app(
             for t in tasks:
                 t.cancel()
 
-    async def collect(sinks, request: Request) -> list:
-        """Final outputs of every choice; a client that hangs up first gets its requests aborted."""
+    async def collect(sinks, request: Request, watch=None) -> list:
+        """Final outputs of every choice; a client that hangs up first gets its requests aborted. ``watch(i,
+        output)``, called on every output, returns True to end choice i now (its request is aborted)."""
 
         async def gather():
             last: dict[int, object] = {}
@@ -266,6 +267,8 @@ def build_app(
                     raise ApiError(500, str(item), "internal_error")
                 if item is not None:
                     last[i] = item
+                    if watch is not None and watch(i, item) and not item.finished:
+                        engine.abort(sinks[i][0])
             return [last[i] for i in range(len(sinks))]
 
         task = asyncio.create_task(gather())
@@ -279,18 +282,17 @@ def build_app(
         return task.result()
 
     def stream(
-        sinks, chat: bool, model: str, body, top_n: int | None, prompt_lens, echo=None, tools: tc.ToolPlan | None = None
+        sinks, chat: bool, model: str, body, top_n: int | None, prompt_lens, echo=None, shapers=None
     ) -> StreamingResponse:
         """SSE chunks as tokens come. ``stream_options``: include_usage adds a last chunk with the usage; with
         continuous_usage_stats too, every chunk carries its choice's usage so far (vLLM's). ``echo``: per choice,
-        text sent before any token. ``tools``: chat choices go through the output parser (reasoning, content and
-        tool-call deltas)."""
+        text sent before any token. ``shapers``: per chat choice, its output parser (reasoning, content and tool-call
+        deltas); a choice whose content channel hit a stop string is aborted at once."""
         rid = fmt.new_id("chatcmpl" if chat else "cmpl")
         opts, n = body.stream_options, body.n
         include_usage = bool(opts and opts.include_usage)
         continuous = include_usage and bool(opts.continuous_usage_stats)
         sent_tokens = [0] * len(sinks)
-        shapers = [tc.ChoiceShaper(tools) for _ in sinks] if tools is not None else None
 
         def sse(i, c: dict) -> str:
             if continuous:
@@ -333,6 +335,8 @@ def build_app(
                     if shapers is not None:  # chat: reasoning, content and tool-call deltas from the parser
                         for piece in tc.stream_chunks(shapers[i], rid, model, i, delta, c.finish_reason, lp):
                             yield sse(i, piece)
+                        if shapers[i].stopped and not out.finished:
+                            engine.abort(sinks[i][0])
                     elif delta or c.finish_reason or lp:
                         yield chunk(i, delta, c.finish_reason, lp)
                     if out.finished:
@@ -426,12 +430,26 @@ def build_app(
         if tools.ban_dsml:  # no tools to call: DSML markup cannot be sampled
             bans = tc.dsml_bans(core.tokenizer)
             choices = [(i, dataclasses.replace(p, banned_token_ids=[*p.banned_token_ids, *bans])) for i, p in choices]
+        stops, include = (), False
+        if tc.content_stops(tools, choices[0][1]):  # stop strings end the content channel only (spec 6.9)
+            stops, include = tuple(choices[0][1].stop), choices[0][1].include_stop_str_in_output
+            choices = [(i, dataclasses.replace(p, stop=[])) for i, p in choices]
         sinks = await run(choices, body, request.headers.get("x-session-id"))
+        shapers = [tc.ChoiceShaper(tools, stops, include) for _ in sinks]
         model = served_model_name
         if body.stream:
-            return stream(sinks, True, model, body, top_n, [len(ids)] * body.n, tools=tools)
-        outs = await collect(sinks, request)
-        return tc.shape_chat_body(fmt.chat_body(fmt.new_id("chatcmpl"), model, outs, top_n, body.n), outs, tools)
+            return stream(sinks, True, model, body, top_n, [len(ids)] * body.n, shapers=shapers)
+        sent = [0] * len(sinks)
+
+        def watch(i, out):
+            text = out.outputs[0].text
+            shapers[i].feed(text[sent[i] :])
+            sent[i] = len(text)
+            return shapers[i].stopped
+
+        outs = await collect(sinks, request, watch)
+        body_ = fmt.chat_body(fmt.new_id("chatcmpl"), model, outs, top_n, body.n)
+        return tc.shape_chat_body(body_, outs, tools, shapers)
 
     # ---- the Anthropic Messages API over the same helpers (server/anthropic.py)
     anthropic.add_routes(

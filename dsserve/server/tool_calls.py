@@ -22,6 +22,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Sequence
 
 from ..parsers import CallArgs, CallStart, OutputParser, TextDelta
 from ..parsers.output_parser import BLOCK_OPENERS, DIALECT_NAMES, DSML
@@ -120,7 +121,9 @@ def plan_tools(
     tools, tool_choice, parallel_tool_calls, *, thinking: bool, dialect: str, grammar: bool = False
 ) -> ToolPlan:
     """``grammar``: constrain required / named choices with xgrammar's DeepSeek tool-call grammar (arguments
-    follow each tool's parameter schema; thinking mode allowed) instead of prefilling the block opener."""
+    follow each tool's parameter schema; thinking mode allowed) instead of prefilling the block opener; under
+    ``auto``, when a tool has ``strict: true``, the same grammar constrains any call the model opens (free text
+    before it), every tool's arguments then following its schema."""
     if tools is not None and not isinstance(tools, list):
         raise ToolChoiceError("tools must be a list of function tools", "tools")
     names = []
@@ -161,8 +164,11 @@ def plan_tools(
         raise ToolChoiceError("tool_choice 'required' needs at least one tool in tools", "tool_choice")
     if choice == "none" or not names:
         return ToolPlan(None, (), "", True, parallel_tool_calls, dialect, thinking)
-    if choice == "auto":
-        return ToolPlan(tools, tuple(names), "", False, parallel_tool_calls, dialect, thinking)
+    if choice == "auto":  # vLLM's: a strict tool puts calls under the grammar, which the block opener triggers
+        tag = None
+        if grammar and any(t["function"].get("strict") is True for t in tools):
+            tag = _structural_tag(tools, "auto", parallel_tool_calls, thinking=thinking, dialect=dialect)
+        return ToolPlan(tools, tuple(names), "", False, parallel_tool_calls, dialect, thinking, tag)
     kept = [t for t in tools if t["function"]["name"] == forced] if forced else tools
     names = tuple(n for n in names if forced in (None, n))
     if grammar:
@@ -275,34 +281,82 @@ def call_id() -> str:
 class ChoiceShaper:
     """One choice's parser and the OpenAI deltas of its output; ``message`` folds the same deltas."""
 
-    def __init__(self, plan: ToolPlan):
+    def __init__(self, plan: ToolPlan, stop: Sequence[str] = (), include_stop: bool = False):
         self.plan = plan
         self.parser = plan.parser()
         self.content, self.reasoning = [], []
         self.calls: list[dict] = []
         self.finish_reason: str | None = None
+        self.stop, self.include_stop = tuple(stop), include_stop
+        self.stop_reason: str | None = None  # the stop string that ended the content channel
+        self._held = ""  # content not yet released: it may be the start of a stop string
+        self._keep = max((len(s) for s in self.stop), default=1) - 1
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string ended the content channel: the rest of the output is ignored (the caller aborts it)."""
+        return self.stop_reason is not None
 
     def feed(self, text: str) -> list[dict]:
-        return self._deltas(self.parser.feed(text)) if text else []
+        if self.stopped or not text:
+            return []
+        deltas = self._deltas(self.parser.feed(text))
+        if self.stopped:  # calls committed before the stop keep their closing fragments; nothing else is read
+            deltas += self._deltas(self.parser.close("eos"))
+            self.finish_reason = "tool_calls" if self.calls else "stop"
+        return deltas
 
     def close(self, engine_finish: str | None) -> list[dict]:
         """The last deltas; sets ``finish_reason``: the engine's ``length`` / ``abort``, else ``tool_calls`` if a
-        call was kept, else the engine's reason."""
+        call was kept, else the engine's reason. After a stop string: nothing (``finish_reason`` is set)."""
+        if self.stopped:
+            return []
         cut = engine_finish in ("length", "abort")
-        deltas = self._deltas(self.parser.close("length" if cut else "eos"))
+        deltas = self._deltas(self.parser.close("length" if cut else "eos")) + self._release()
         self.finish_reason = engine_finish if cut or not self.calls else "tool_calls"
         return deltas
+
+    def _content(self, text: str) -> list[dict]:
+        """Content through the stop strings (spec 6.9: they apply to this channel only): the text up to the
+        earliest stop (with it if ``include_stop``), else all but the tail that could start one."""
+        if not self.stop:
+            return self._emit(text)
+        buf = self._held + text
+        hits = [(i, s) for s in self.stop if (i := buf.find(s)) != -1]
+        if hits:
+            i, s = min(hits, key=lambda h: (h[0], -len(h[1])))
+            self._held, self.stop_reason = "", s
+            return self._emit(buf[: i + len(s) if self.include_stop else i])
+        cut = len(buf) - self._keep
+        self._held = buf[max(cut, 0) :]
+        return self._emit(buf[:cut]) if cut > 0 else []
+
+    def _release(self) -> list[dict]:
+        """The held content, before any other delta: a stop string cannot span a block or reasoning."""
+        held, self._held = self._held, ""
+        return self._emit(held)
+
+    def _emit(self, text: str) -> list[dict]:
+        if not text:
+            return []
+        self.content.append(text)
+        return [{"content": text}]
 
     def _deltas(self, events) -> list[dict]:
         out = []
         for e in events:
+            if self.stopped:
+                if isinstance(e, CallArgs) and e.index < len(self.calls):
+                    self.calls[e.index]["function"]["arguments"] += e.text
+                    out.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]})
+                continue
+            if isinstance(e, TextDelta) and e.channel == "content":
+                out += self._content(e.text)
+                continue
+            out += self._release()
             if isinstance(e, TextDelta):
-                if e.channel == "content":
-                    self.content.append(e.text)
-                    out.append({"content": e.text})
-                else:
-                    self.reasoning.append(e.text)
-                    out.append({"reasoning_content": e.text, "reasoning": e.text})
+                self.reasoning.append(e.text)
+                out.append({"reasoning_content": e.text, "reasoning": e.text})
             elif e.index > 0 and not self.plan.parallel:
                 continue
             elif isinstance(e, CallStart):
@@ -326,26 +380,35 @@ class ChoiceShaper:
         return msg
 
 
-def shape_chat_body(body: dict, outs: list, plan: ToolPlan) -> dict:
-    """Rewrite a plain ``chat.completion`` body's messages through the parser (the non-streaming path)."""
-    for choice, out in zip(body["choices"], outs):
+def shape_chat_body(body: dict, outs: list, plan: ToolPlan, shapers: list[ChoiceShaper] | None = None) -> dict:
+    """Rewrite a plain ``chat.completion`` body's messages through the parser (the non-streaming path).
+    ``shapers``: per choice, already fed the output as it came (stop strings on the content channel)."""
+    for k, (choice, out) in enumerate(zip(body["choices"], outs)):
         c = out.outputs[0]
-        shaper = ChoiceShaper(plan)
-        shaper.feed(c.text)
+        if shapers is None:
+            shaper = ChoiceShaper(plan)
+            shaper.feed(c.text)
+        else:
+            shaper = shapers[k]
         shaper.close(c.finish_reason)
         choice["message"] = shaper.message()
         choice["finish_reason"] = shaper.finish_reason
+        if shaper.stopped:
+            choice["stop_reason"] = shaper.stop_reason
     return body
 
 
 def stream_chunks(
     shaper: ChoiceShaper, rid: str, model: str, index: int, text: str, finish: str | None, logprobs
 ) -> list[dict]:
-    """The ``chat.completion.chunk`` objects for one engine output of a choice: one per delta, then (at the end)
-    an empty delta carrying ``finish_reason``."""
+    """The ``chat.completion.chunk`` objects for one engine output of a choice: one per delta, then (at the end,
+    or where a stop string ended the content channel) an empty delta carrying ``finish_reason``; nothing after."""
+    if shaper.finish_reason is not None:
+        return []
     deltas = shaper.feed(text)
     if finish is not None:
         deltas += shaper.close(finish)
+    end = shaper.finish_reason is not None
 
     def chunk(delta, fin=None, lp=None):
         choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": fin}
@@ -358,8 +421,14 @@ def stream_chunks(
         }
 
     out = [chunk(d, lp=logprobs if k == 0 else None) for k, d in enumerate(deltas)]
-    if finish is not None:
+    if end:
         out.append(chunk({}, shaper.finish_reason, None if deltas else logprobs))
     elif logprobs and not deltas:
         out.append(chunk({}, lp=logprobs))
     return out
+
+
+def content_stops(plan: ToolPlan, params) -> bool:
+    """Whether the request's stop strings go to the shaper (the content channel) instead of the engine: when the
+    output has other channels (reasoning, parsed tool calls) a stop string must not cut."""
+    return bool(params.stop) and (plan.thinking or bool(plan.names))

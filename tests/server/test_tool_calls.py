@@ -6,6 +6,7 @@ V4 tool calls for a ``stock`` tool) and samples many requests concurrently at te
 import asyncio
 import importlib.util
 import json
+import os
 
 import pytest
 import torch
@@ -64,6 +65,21 @@ def test_plan_with_grammar_constrains_instead_of_prefilling():
         assert p.prefill == "" and tag["type"] == "structural_tag" and f"<{D} calls>" in p.structural_tag
         assert p.names == (("stock", "other") if choice == "required" else ("other",))
     assert tc.plan_tools([STOCK], "auto", True, thinking=True, dialect="v4", grammar=True).structural_tag is None
+
+
+STRICT = {"type": "function", "function": dict(STOCK["function"], strict=True)}
+
+
+@pytest.mark.skipif(not tc.grammar_available(), reason="the grammar extra (xgrammar) is not installed")
+def test_plan_strict_tools_under_auto_are_constrained_once_triggered():
+    for thinking in (False, True):
+        p = tc.plan_tools([STRICT, OTHER], "auto", True, thinking=thinking, dialect="v4", grammar=True)
+        tag = json.loads(p.structural_tag)
+        assert p.prefill == "" and p.names == ("stock", "other") and not p.ban_dsml
+        assert f"<{D}tool_calls>" in p.structural_tag and "triggered_tags" in p.structural_tag, tag
+    loose = {"type": "function", "function": dict(STOCK["function"], strict="yes")}  # only true counts, as OpenAI
+    assert tc.plan_tools([loose], "auto", True, thinking=False, dialect="v4", grammar=True).structural_tag is None
+    assert tc.plan_tools([STRICT], "auto", True, thinking=False, dialect="v4", grammar=False).structural_tag is None
 
 
 @pytest.mark.parametrize(
@@ -182,6 +198,60 @@ def test_length_is_reported_even_with_calls():
     s.feed(OUT.split("</think>")[1][:-20])
     s.close("length")
     assert s.finish_reason == "length" and len(s.message()["tool_calls"]) == 2
+
+
+# ---------------------------------------------------------------- stop strings: the content channel only (spec 6.9)
+BLOCK_NN = (
+    f'<{D}tool_calls>\n<{D}invoke name="stock">\n<{D}parameter name="item" string="true">a\n\nb</{D}parameter>'
+    f"\n</{D}invoke>\n</{D}tool_calls>"
+)
+STOP_CASES = [  # (output after the thinking prompt, stops, include, content, finish, stop_reason, calls)
+    ("R1\n\nR2</think>Call.\n\n" + BLOCK_NN, ["\n\n"], False, "Call.", "tool_calls", None, 1),
+    ("R1\n\nR2</think>Hello\n\nWorld", ["\n\n"], False, "Hello", "stop", "\n\n", 0),
+    ("R1\n\nR2</think>" + BLOCK_NN + "\n\nDone.\n\nMore", ["\n\n"], False, "Done.", "tool_calls", "\n\n", 1),
+    ("R1 END R2</think>Go END now END", ["END", "\n\n"], True, "Go END", "stop", "END", 0),
+    ("R1\n\nR2</think>no stop here", ["\n\n"], False, "no stop here", "stop", None, 0),
+]
+
+
+def _run_shaper(plan, pieces, stops, include):
+    s, deltas = tc.ChoiceShaper(plan, stops, include), []
+    for piece in pieces:
+        chunks = tc.stream_chunks(s, "r", "m", 0, piece, None, None)
+        deltas += [c["choices"][0] for c in chunks]
+        if s.stopped:
+            break
+    deltas += [c["choices"][0] for c in tc.stream_chunks(s, "r", "m", 0, "", "abort" if s.stopped else "stop", None)]
+    return s, deltas
+
+
+@pytest.mark.parametrize("case", range(len(STOP_CASES)))
+def test_stop_strings_cut_content_only_at_every_split(case):
+    """A stop string inside reasoning or inside a DSML parameter value does not cut; in content it ends the reply
+    (the request is then aborted: the engine's "abort" that follows changes nothing). Whole, split in two at every
+    boundary, and one character at a time, streamed and folded into the message alike."""
+    out, stops, include, content, finish, reason, n_calls = STOP_CASES[case]
+    plan = tc.plan_tools([STOCK], "auto", True, thinking=True, dialect="v4")
+    splits = [[out], list(out), *([out[:k], out[k:]] for k in range(1, len(out)))]
+    for pieces in splits:
+        s, deltas = _run_shaper(plan, pieces, stops, include)
+        msg = s.message()
+        assert (msg["content"] or "", msg["reasoning_content"]) == (content, out.split("</think>")[0]), pieces
+        assert (s.finish_reason, s.stop_reason) == (finish, reason), pieces
+        assert [json.loads(c["function"]["arguments"]) for c in msg.get("tool_calls", [])] == [
+            {"item": "a\n\nb"}
+        ] * n_calls
+        assert "".join(d["delta"].get("content", "") for d in deltas) == content
+        assert [d["finish_reason"] for d in deltas if d["finish_reason"]] == [finish]
+
+
+def test_stop_strings_go_to_the_shaper_only_with_other_channels():
+    params = SamplingParams(stop=["\n\n"])
+    plain = tc.plan_tools(None, None, True, thinking=False, dialect="v4")
+    assert not tc.content_stops(plain, params)  # no reasoning, no calls: the engine's stop check, unchanged
+    assert tc.content_stops(tc.plan_tools(None, None, True, thinking=True, dialect="v4"), params)
+    assert tc.content_stops(tc.plan_tools([STOCK], "auto", True, thinking=False, dialect="v4"), params)
+    assert not tc.content_stops(tc.plan_tools([STOCK], "auto", True, thinking=False, dialect="v4"), SamplingParams())
 
 
 # ---------------------------------------------------------------- the prompt, against DeepSeek's own renderer
@@ -353,6 +423,61 @@ def test_live_required_and_errors(base):
     )
     extra = r.choices[0].message.model_extra
     assert extra["reasoning_content"] == extra["reasoning"] and extra["reasoning_content"]
+
+
+def test_live_stop_strings_apply_to_content_only(base):
+    """Greedy: the trained model reasons and answers "The river warehouse has N things.\nAnswer: N\n". With
+    thinking, a stop "\n" leaves the reasoning whole; with tools, a stop "warehouse" cuts the content, ends with
+    "stop" and aborts the request at once (fewer completion tokens than without the stop)."""
+    import openai
+
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+    def ask(**kw):
+        return client.chat.completions.create(model="tiny-trained", messages=ASK, temperature=0, max_tokens=40, **kw)
+
+    think = dict(extra_body={"thinking": {"type": "enabled"}})
+    free, cut = ask(**think), ask(stop=["\n"], **think)
+    reasoning = free.choices[0].message.model_extra["reasoning_content"]
+    assert "\n" in reasoning.strip() and cut.choices[0].message.model_extra["reasoning_content"] == reasoning
+    assert cut.choices[0].finish_reason == free.choices[0].finish_reason
+    free, cut = ask(tools=[STOCK]), ask(tools=[STOCK], stop=["warehouse"])
+    text = free.choices[0].message.content
+    assert "warehouse" in text and cut.choices[0].message.content == text.split("warehouse")[0]
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].model_extra["stop_reason"] == "warehouse"
+    assert cut.usage.completion_tokens < free.usage.completion_tokens, "aborted once the content hit the stop"
+    finish, deltas = _sample(base, 1, True, tools=[STOCK], stop=["warehouse"], temperature=0, max_tokens=40)[0]
+    assert finish == "stop" and _fold(deltas) == (text.split("warehouse")[0], [])
+
+
+@pytest.mark.skipif(not tc.grammar_available(), reason="the grammar extra (xgrammar) not installed")
+def test_live_constrained_outputs_are_valid(base):
+    """8 sampled requests (temperature 0.8) each for tool_choice required, a named function and a json_schema
+    response_format, streamed and not, all concurrent: every one a call to an allowed tool with arguments valid
+    against its schema, or JSON valid against the response schema (benchmarks/tool_choice_validity.py runs 50)."""
+    pytest.importorskip("jsonschema")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "tool_choice_validity.py")
+    spec = importlib.util.spec_from_file_location("tool_choice_validity", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    res = asyncio.run(bench.run(base, 8, 200, 48))
+    assert res["failures"] == [] and all(c == {"requests": 8, "valid": 8} for c in res["counts"].values()), res
+    assert bench.check("named", "tool_calls", None, [{"name": "stock", "arguments": "{}"}])  # the check can fail
+    assert bench.check("json_schema", "stop", '{"item": "a", "count": -1, "sure": true}', [])
+
+
+@pytest.mark.skipif(not tc.grammar_available(), reason="the grammar extra (xgrammar) not installed")
+def test_live_strict_tool_under_auto_follows_its_schema(base):
+    """A strict tool whose item must be "pears" (the trained model calls it for the asked item, apples): sampled
+    under auto, the model still answers in text or calls, and every call it opens follows the schema."""
+    fn = dict(STOCK["function"], strict=True)
+    fn["parameters"] = dict(fn["parameters"], properties={"item": {"enum": ["pears"]}, "warehouse": {"type": "string"}})
+    strict = {"type": "function", "function": fn}
+    got = _sample(base, 24, False, tools=[strict])
+    calls = [c for choice, _ in got for c in choice.message.tool_calls or []]
+    assert calls, f"the trained model should call its tool in some samples: {[c.finish_reason for c, _ in got]}"
+    assert all(json.loads(c.function.arguments)["item"] == "pears" for c in calls)
+    assert all(D not in (c.message.content or "") for c, _ in got)
 
 
 JSONISH = st.recursive(
