@@ -5,6 +5,8 @@ A request's ``system``, ``messages`` (text, ``tool_use``, ``tool_result`` and ``
 become the OpenAI-shaped chat the DeepSeek encoder renders (``tool_choice`` any = required, tool = named). The
 reply's blocks come from the output parser: ``thinking`` (when thinking is on), ``text``, ``tool_use`` (``input``
 the parsed arguments); ``stop_reason`` is ``tool_use``, ``max_tokens``, ``stop_sequence`` or ``end_turn``.
+With thinking or tools, ``stop_sequences`` end the text only (spec 6.9): the output parser's shaper matches them,
+never inside thinking or a tool call, and the request is aborted once one ends the text.
 Streaming sends Anthropic's events: ``message_start``, per block ``content_block_start`` / ``_delta``
 (``thinking_delta``, ``text_delta``, ``input_json_delta``) / ``_stop``, then ``message_delta`` and
 ``message_stop``. Errors have Anthropic's shape ``{"type": "error", "error": {"type", "message"}}``. Auth:
@@ -13,6 +15,7 @@ Streaming sends Anthropic's events: ``message_start``, per block ``content_block
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from typing import Any, Literal
@@ -22,7 +25,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..engine.sampling_params import SamplingParams
-from ..parsers import CallArgs, CallStart, TextDelta
 from . import tool_calls as tc
 from .chat import ChatFormatError, chat_prompt_ids
 
@@ -191,11 +193,15 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
 
 
-def _stop_reason(finish: str, out) -> tuple[str, str | None]:
-    if finish == "tool_calls":
+def _stop_reason(shaper: tc.ChoiceShaper, out) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence): a kept tool call wins, then a cut, then the stop sequence that ended the text
+    (the shaper's, else the engine's when the stops went to the engine)."""
+    if shaper.finish_reason == "tool_calls":
         return "tool_use", None
-    if finish in ("length", "abort"):
+    if shaper.finish_reason in ("length", "abort"):
         return "max_tokens", None
+    if shaper.stopped:
+        return "stop_sequence", shaper.stop_reason
     stop = out.outputs[0].stop_reason
     return ("stop_sequence", stop) if isinstance(stop, str) else ("end_turn", None)
 
@@ -245,19 +251,31 @@ def add_routes(
             if tplan.ban_dsml:
                 bans = tc.dsml_bans(core.tokenizer)
                 choices = [(i, _with_bans(p, bans)) for i, p in choices]
+            stops: tuple[str, ...] = ()
+            if tc.content_stops(tplan, choices[0][1]):  # stop sequences end the text only (spec 6.9)
+                stops = tuple(choices[0][1].stop)
+                choices = [(i, dataclasses.replace(p, stop=[])) for i, p in choices]
             sinks = await run(choices, req, request.headers.get("x-session-id"))
+            shaper = tc.ChoiceShaper(tplan, stops)
             mid = "msg_" + uuid.uuid4().hex[:24]
             if req.stream:
-                return StreamingResponse(_events(sinks, mid, tplan), media_type="text/event-stream")
-            out = (await collect(sinks, request))[0]
+                return StreamingResponse(_events(sinks, mid, shaper), media_type="text/event-stream")
+            sent = 0
+
+            def watch(i, out):
+                nonlocal sent
+                text = out.outputs[0].text
+                shaper.feed(text[sent:])
+                sent = len(text)
+                return shaper.stopped
+
+            out = (await collect(sinks, request, watch))[0]
         except MessagesError as e:
             return _error(e.status, e.message)
         except Exception as e:  # the OpenAI helpers' ApiError (400 / 503 / 499), in Anthropic's shape
             if hasattr(e, "status") and hasattr(e, "message"):
                 return _error(e.status, e.message)
             raise
-        shaper = tc.ChoiceShaper(tplan)
-        shaper.feed(out.outputs[0].text)
         shaper.close(out.outputs[0].finish_reason)
         msg = shaper.message()
         blocks = []
@@ -268,7 +286,7 @@ def add_routes(
         parsed = shaper.parser.finish()  # its calls' arguments as objects (a cut call: its complete parameters)
         for c, call in zip(msg.get("tool_calls", []), parsed.tool_calls):
             blocks.append({"type": "tool_use", "id": _tool_id(c["id"]), "name": call.name, "input": call.arguments})
-        stop, seq = _stop_reason(shaper.finish_reason, out)
+        stop, seq = _stop_reason(shaper, out)
         return {
             "id": mid,
             "type": "message",
@@ -280,9 +298,7 @@ def add_routes(
             "usage": _usage(out),
         }
 
-    async def _events(sinks, mid: str, tplan: tc.ToolPlan):
-        shaper = tc.ChoiceShaper(tplan)
-        parser = shaper.parser
+    async def _events(sinks, mid: str, shaper: tc.ChoiceShaper):
         sent, done, started = 0, False, False
         state = {"open": None, "index": -1}  # the open block: "thinking", "text" or ("tool", call index)
 
@@ -302,24 +318,25 @@ def add_routes(
         def delta(d: dict):
             return _sse("content_block_delta", {"type": "content_block_delta", "index": state["index"], "delta": d})
 
-        def events_of(evs):
+        def events_of(deltas: list[dict]):
+            """The shaper's OpenAI deltas (stop sequences already applied to the text) as Anthropic events."""
             out = []
-            for e in evs:
-                if isinstance(e, TextDelta) and e.channel == "reasoning":
+            for d in deltas:
+                if "reasoning_content" in d:
                     if state["open"] != "thinking":
                         out += block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-                    out.append(delta({"type": "thinking_delta", "thinking": e.text}))
-                elif isinstance(e, TextDelta):
+                    out.append(delta({"type": "thinking_delta", "thinking": d["reasoning_content"]}))
+                elif "content" in d:
                     if state["open"] != "text":
                         out += block("text", {"type": "text", "text": ""})
-                    out.append(delta({"type": "text_delta", "text": e.text}))
-                elif e.index > 0 and not tplan.parallel:
-                    continue
-                elif isinstance(e, CallStart):
-                    start = {"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24], "name": e.name, "input": {}}
-                    out += block(("tool", e.index), start)
-                elif isinstance(e, CallArgs):
-                    out.append(delta({"type": "input_json_delta", "partial_json": e.text}))
+                    out.append(delta({"type": "text_delta", "text": d["content"]}))
+                else:
+                    call = d["tool_calls"][0]
+                    if "id" in call:
+                        start = {"type": "tool_use", "id": _tool_id(call["id"]), "name": call["function"]["name"]}
+                        out += block(("tool", call["index"]), dict(start, input={}))
+                    elif call["function"]["arguments"]:
+                        out.append(delta({"type": "input_json_delta", "partial_json": call["function"]["arguments"]}))
             return out
 
         try:
@@ -345,16 +362,18 @@ def add_routes(
                     }
                     yield _sse("message_start", {"type": "message_start", "message": msg})
                 text, sent = c.text[sent:], len(c.text)
-                for ev in events_of(parser.feed(text) if text else []):
-                    yield ev
+                deltas = shaper.feed(text)
                 if c.finish_reason is not None:
-                    cut = c.finish_reason in ("length", "abort")
-                    for ev in events_of(parser.close("length" if cut else "eos")):
-                        yield ev
+                    deltas += shaper.close(c.finish_reason)
+                for ev in events_of(deltas):
+                    yield ev
+                if shaper.finish_reason is not None:  # the end, or a stop sequence ended the text
+                    if shaper.stopped and not out.finished:
+                        for sid, _ in sinks:
+                            engine.abort(sid)
                     if state["open"] is not None:
                         yield _sse("content_block_stop", {"type": "content_block_stop", "index": state["index"]})
-                    finish = c.finish_reason if cut or not parser.num_calls else "tool_calls"
-                    stop, seq = _stop_reason(finish, out)
+                    stop, seq = _stop_reason(shaper, out)
                     yield _sse(
                         "message_delta",
                         {
@@ -364,6 +383,8 @@ def add_routes(
                         },
                     )
                     yield _sse("message_stop", {"type": "message_stop"})
+                    done = True
+                    return
             done = True
         finally:
             if not done:  # the client went away: free its cache now
@@ -372,8 +393,6 @@ def add_routes(
 
 
 def _with_bans(params: SamplingParams, bans: list[int]) -> SamplingParams:
-    import dataclasses
-
     return dataclasses.replace(params, banned_token_ids=[*params.banned_token_ids, *bans])
 
 

@@ -182,6 +182,37 @@ def test_tool_result_round_and_thinking(base):
     assert s.get_final_message().content[0].type == "thinking"
 
 
+def test_stop_sequences_end_the_text_only(base):
+    """Spec 6.9, greedy: the trained model reasons and answers "The river warehouse has N things.\nAnswer: N\n".
+    With thinking, a stop "\n" leaves the thinking whole; with tools, a stop "warehouse" cuts the text, ends with
+    stop_reason stop_sequence naming it, and aborts the request at once (fewer output tokens); streamed the same."""
+    client = anthropic.Anthropic(base_url=base, api_key="sekret", max_retries=0)
+
+    def ask(stream=False, **kw):
+        kw = dict(model=MODEL, max_tokens=40, messages=[{"role": "user", "content": ASK}], **kw)
+        kw["extra_body"] = {"temperature": 0}
+        if not stream:
+            return client.messages.create(**kw)
+        with client.messages.stream(**kw) as s:
+            return s.get_final_message()
+
+    think = dict(thinking={"type": "enabled", "budget_tokens": 1024})
+    free = ask(**think)
+    reasoning = free.content[0].thinking
+    assert free.content[0].type == "thinking" and "\n" in reasoning.strip()
+    for stream in (False, True):
+        cut = ask(stream, stop_sequences=["\n"], **think)
+        assert cut.content[0].thinking == reasoning and cut.stop_reason == free.stop_reason, (stream, cut)
+    free = ask(tools=[STOCK])
+    text = free.content[0].text
+    assert "warehouse" in text and free.stop_reason != "stop_sequence"
+    for stream in (False, True):
+        cut = ask(stream, tools=[STOCK], stop_sequences=["warehouse"])
+        assert [b.type for b in cut.content] == ["text"] and cut.content[0].text == text.split("warehouse")[0]
+        assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == "warehouse", (stream, cut)
+        assert cut.usage.output_tokens < free.usage.output_tokens, "aborted once the text hit the stop"
+
+
 BLOCK = st.fixed_dictionaries(
     {"type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image", "redacted_thinking"])},
     optional={
