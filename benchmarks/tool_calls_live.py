@@ -19,22 +19,13 @@ import subprocess
 import sys
 import time
 
+from dsserve.train.tasks import STOCK_TOOL
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from live_server import SERVER_ARGS, live_server  # noqa: E402
 
 D = "｜DSML｜"
-STOCK = {
-    "type": "function",
-    "function": {
-        "name": "stock",
-        "description": "How many of an item a warehouse holds",
-        "parameters": {
-            "type": "object",
-            "properties": {"item": {"type": "string"}, "warehouse": {"type": "string"}},
-            "required": ["item", "warehouse"],
-        },
-    },
-}
+STOCK = STOCK_TOOL  # the tool the built-in model was trained to call
 ITEMS = ("apples", "marbles", "coins", "books", "shells")
 PLACES = ("north", "south", "east", "west", "harbor", "valley")
 

@@ -19,18 +19,9 @@ import os
 import sys
 import time
 
-STOCK = {
-    "type": "function",
-    "function": {
-        "name": "stock",
-        "description": "How many of an item a warehouse holds",
-        "parameters": {
-            "type": "object",
-            "properties": {"item": {"type": "string"}, "warehouse": {"type": "string"}},
-            "required": ["item", "warehouse"],
-        },
-    },
-}
+from dsserve.train.tasks import STOCK_TOOL
+
+STOCK = STOCK_TOOL  # the tool the built-in model was trained to call
 MOVE = {
     "type": "function",
     "function": {

@@ -220,21 +220,25 @@ def _far_facts(lines: list[str], line_tokens: list[int], count_tokens, min_back:
     return [i for i in range(len(lines)) if count_tokens("".join(lines[i + 1 :])) >= min_back]
 
 
+# The one tool of the chat task (OpenAI's function-tool form): the built-in model was trained to call it.
+STOCK_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "stock",
+        "description": "How many of an item a warehouse holds",
+        "parameters": {
+            "type": "object",
+            "properties": {"item": {"type": "string"}, "warehouse": {"type": "string"}},
+            "required": ["item", "warehouse"],
+        },
+    },
+}
+
+
 def _chat(rng: random.Random, count_tokens, min_back) -> Problem:
     from ..server.chat import encode_chat
 
-    tool = {
-        "type": "function",
-        "function": {
-            "name": "stock",
-            "description": "How many of an item a warehouse holds",
-            "parameters": {
-                "type": "object",
-                "properties": {"item": {"type": "string"}, "warehouse": {"type": "string"}},
-                "required": ["item", "warehouse"],
-            },
-        },
-    }
+    tool = STOCK_TOOL
     msgs, context, turns = [], "", rng.randint(2, 3)
     for turn in range(turns):
         item, place, n = rng.choice(_ITEMS), rng.choice(_PLACES), rng.randint(0, 500)

@@ -19,20 +19,10 @@ from dsserve.engine.sampling_params import SamplingParams
 from dsserve.models.tokenizer import Tokenizer
 from dsserve.server import tool_calls as tc
 from dsserve.server.chat import encode_chat
+from dsserve.train.tasks import STOCK_TOOL
 
 D = "｜DSML｜"
-STOCK = {
-    "type": "function",
-    "function": {
-        "name": "stock",
-        "description": "How many of an item a warehouse holds",
-        "parameters": {
-            "type": "object",
-            "properties": {"item": {"type": "string"}, "warehouse": {"type": "string"}},
-            "required": ["item", "warehouse"],
-        },
-    },
-}
+STOCK = STOCK_TOOL  # the tool the built-in model was trained to call
 OTHER = {
     "type": "function",
     "function": {"name": "other", "description": "d", "parameters": {"type": "object", "properties": {}}},
