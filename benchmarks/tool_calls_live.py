@@ -30,6 +30,26 @@ ITEMS = ("apples", "marbles", "coins", "books", "shells")
 PLACES = ("north", "south", "east", "west", "harbor", "valley")
 
 
+async def chat_reply(client, kw: dict, stream: bool) -> tuple[list[str], list[dict], str | None]:
+    """One chat completion through the openai client: (its texts: content and reasoning, or each streamed delta's;
+    its calls as {"name", "arguments"}, streamed deltas joined by index; its finish_reason)."""
+    if not stream:
+        r = await client.chat.completions.create(**kw)
+        finish, msg = r.choices[0].finish_reason, r.choices[0].message
+        calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in msg.tool_calls or []]
+        return [msg.content or "", getattr(msg, "reasoning_content", None) or ""], calls, finish
+    texts, calls, finish = [], {}, None
+    async for chunk in await client.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            d, finish = ch.delta, ch.finish_reason or finish
+            texts += [d.content or "", getattr(d, "reasoning_content", None) or ""]
+            for t in d.tool_calls or []:
+                c = calls.setdefault(t.index, {"name": "", "arguments": ""})
+                c["name"] += (t.function.name or "") if t.function else ""
+                c["arguments"] += (t.function.arguments or "") if t.function else ""
+    return texts, [calls[i] for i in sorted(calls)], finish
+
+
 async def run(base: str, n: int, max_tokens: int) -> dict:
     import openai
 
@@ -60,23 +80,7 @@ async def run(base: str, n: int, max_tokens: int) -> dict:
             seed=k,
         )
         stream = k % 2 == 1
-        texts, calls = [], {}
-        if stream:
-            finish = None
-            async for chunk in await client.chat.completions.create(stream=True, **kw):
-                for ch in chunk.choices:
-                    d, finish = ch.delta, ch.finish_reason or finish
-                    texts += [d.content or "", getattr(d, "reasoning_content", None) or ""]
-                    for t in d.tool_calls or []:
-                        c = calls.setdefault(t.index, {"name": "", "arguments": ""})
-                        c["name"] += (t.function.name or "") if t.function else ""
-                        c["arguments"] += (t.function.arguments or "") if t.function else ""
-            calls = [calls[i] for i in sorted(calls)]
-        else:
-            r = await client.chat.completions.create(**kw)
-            finish, msg = r.choices[0].finish_reason, r.choices[0].message
-            texts.append(msg.content or "")
-            calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in msg.tool_calls or []]
+        texts, calls, finish = await chat_reply(client, kw, stream)
         stats["requests"] += 1
         stats["streamed"] += stream
         stats[finish] += 1

@@ -21,6 +21,9 @@ import time
 
 from dsserve.train.tasks import STOCK_TOOL
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tool_calls_live import chat_reply  # noqa: E402
+
 STOCK = STOCK_TOOL  # the tool the built-in model was trained to call
 MOVE = {
     "type": "function",
@@ -101,22 +104,8 @@ async def run(base: str, n: int, max_tokens: int, concurrency: int) -> dict:
         kw = dict(model="tiny-trained", messages=[{"role": "user", "content": ask}], temperature=0.8, seed=k)
         kw.update(max_tokens=max_tokens, **MODES[mode])
         async with gate:
-            if stream:
-                content, calls, finish = "", {}, None
-                async for chunk in await client.chat.completions.create(stream=True, **kw):
-                    for ch in chunk.choices:
-                        d, finish = ch.delta, ch.finish_reason or finish
-                        content += d.content or ""
-                        for t in d.tool_calls or []:
-                            c = calls.setdefault(t.index, {"name": "", "arguments": ""})
-                            c["name"] += (t.function.name or "") if t.function else ""
-                            c["arguments"] += (t.function.arguments or "") if t.function else ""
-                calls = [calls[i] for i in sorted(calls)]
-            else:
-                r = await client.chat.completions.create(**kw)
-                finish, msg = r.choices[0].finish_reason, r.choices[0].message
-                content = msg.content
-                calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in msg.tool_calls or []]
+            texts, calls, finish = await chat_reply(client, kw, stream)
+        content = "".join(texts[0::2])  # the content of the reply or of its deltas (reasoning is off here)
         key = f"{mode}/{'stream' if stream else 'plain'}"
         counts[key]["requests"] += 1
         why = check(mode, finish, content, calls)
