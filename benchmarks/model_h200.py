@@ -32,6 +32,7 @@ import gc
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -369,20 +370,29 @@ def peer(plan: dict, ceil: dict, res: dict) -> dict:
     except ImportError as e:
         return {"skipped": f"transformers lacks DeepseekV4ForCausalLM: {e}"}
     core, info = build_core(plan["peer_model"], plan["peer_kv_tokens"], release=False, smoke=SMOKE)
-    out = {"model": info, "dsserve": {}, "transformers": {}}
+    out = {"model": info, "repeats": plan["peer_repeats"], "dsserve_runs": [], "transformers_runs": []}
     try:
-        for b in (1, 16):
-            r = fwd.bench_forward(core, b, plan["peer_ctx"], 1, plan["repeats"])
-            out["dsserve"][f"decode_B{b}_tokens_per_s"] = r.tokens_per_s
-        r = fwd.bench_forward(core, 1, 0, plan["peer_prefill"], plan["prefill_repeats"])
-        out["dsserve"]["prefill_tokens_per_s"] = r.tokens_per_s
+        for _ in range(plan["peer_repeats"]):
+            run = {}
+            for b in (1, 16):
+                r = fwd.bench_forward(core, b, plan["peer_ctx"], 1, plan["repeats"])
+                run[f"decode_B{b}_tokens_per_s"] = r.tokens_per_s
+            r = fwd.bench_forward(core, 1, 0, plan["peer_prefill"], plan["prefill_repeats"])
+            run["prefill_tokens_per_s"] = r.tokens_per_s
+            out["dsserve_runs"].append(run)
         hf = hf_from_core(core)
     finally:
         free_core(core)
-    out["transformers"] = hf_tokens_per_s(hf, plan["peer_ctx"], plan["peer_prefill"], plan["peer_steps"])
+    for _ in range(plan["peer_repeats"]):  # each run times its own decode steps and prefill: the spread is the point
+        out["transformers_runs"].append(hf_tokens_per_s(hf, plan["peer_ctx"], plan["peer_prefill"], plan["peer_steps"]))
     del hf
     gc.collect()
-    for k in ("decode_B1_tokens_per_s", "decode_B16_tokens_per_s", "prefill_tokens_per_s"):
+    keys = ("decode_B1_tokens_per_s", "decode_B16_tokens_per_s", "prefill_tokens_per_s")
+    for side in ("dsserve", "transformers"):
+        runs = out[f"{side}_runs"]
+        out[side] = {k: statistics.median(r[k] for r in runs) for k in keys}
+        out[f"{side}_spread"] = {k: [min(r[k] for r in runs), max(r[k] for r in runs)] for k in keys}
+    for k in keys:  # ratios of medians; the spreads above bound how far each could move
         out[f"{k}_ratio"] = out["dsserve"][k] / out["transformers"][k]
     return out
 
@@ -581,12 +591,14 @@ def main() -> None:
         "--batches", default="", help="decode batch sizes, comma list (default 1,8,32,128; none: prefill only)"
     )
     p.add_argument("--contexts", default="", help="decode contexts, comma list (default 8192,131072)")
+    p.add_argument("--peer-repeats", type=int, default=5, help="timed runs of each peer side (median and spread)")
     p.add_argument("--engram-tables", default="host-fp8", help="where the proxy's Engram tables live (EngineArgs)")
     a = p.parse_args()
     skip = set(a.skip.split(",")) - {""}
     torch.manual_seed(0)
     plan = plans(a.smoke)
     plan["engram_tables"] = a.engram_tables
+    plan["peer_repeats"] = 1 if a.smoke else a.peer_repeats
     for key, val in (("batches", a.batches), ("contexts", a.contexts)):
         if val:
             plan[key] = () if val == "none" else tuple(int(v) for v in val.split(","))
@@ -632,7 +644,8 @@ def main() -> None:
         print(f"kernel {name}: " + (r["error"] if "error" in r else json.dumps(r["result"], default=str)[:300]))
     peer_res = res.get("peer", {})
     for k, v in peer_res.get("dsserve", {}).items():
-        print(f"peer {k}: dsserve {v:,.1f}  transformers {peer_res['transformers'].get(k, float('nan')):,.1f}")
+        lo, hi = peer_res["transformers_spread"][k]
+        print(f"peer {k}: dsserve {v:,.1f}  transformers {peer_res['transformers'][k]:,.1f} (runs {lo:,.1f}-{hi:,.1f})")
     if "decode" in res:
         plot(res, os.path.join(a.out, "model.png"))
     save(res)
