@@ -101,7 +101,7 @@ def choose_forms(
         host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         machine = mp.Machine(1, total, host)
         opts = mp.PlanOptions(
-            dtype=args.dtype,
+            dtype=args.torch_dtype_name(device.type),
             gpu_memory_utilization=args.gpu_memory_utilization,
             context=args.max_model_len or cfg.max_position_embeddings,
             max_num_batched_tokens=args.max_num_batched_tokens,

@@ -36,6 +36,15 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float64": 8, "float16": 2}
 KINDS = ("routed experts", "dense FP8 projections", "other weights", "DSpark", "Engram tables")
 
 
+def plan_dtype(name: str) -> str:
+    """The dtype name a plan counts in: vLLM's spellings (``half``, ``bf16``, ...) as the engine reads them, and
+    ``auto`` as the GPU resolves it (bfloat16): a plan is of GPUs."""
+    from ..engine.args import DTYPE_NAMES
+
+    name = DTYPE_NAMES.get(name, name)
+    return "bfloat16" if name == "auto" else name
+
+
 def parse_bytes(text: str | int) -> int:
     """'141GiB', '141G', '2TiB', '80GB' (decimal GB is taken as GiB, as GPU vendors' sizes are meant), or a number."""
     if isinstance(text, int):
@@ -153,7 +162,7 @@ def weight_bytes(cfg: ModelConfig, layout: ParallelLayout, opts: PlanOptions) ->
     from .release_loader import _fp8_linear_fits, rank_share
 
     specs = release_layout(cfg)
-    item = DTYPE_BYTES[opts.dtype]
+    item = DTYPE_BYTES[plan_dtype(opts.dtype)]
     kinds = dict.fromkeys(KINDS[:-1], 0.0)
     engram_fp8 = engram_float = 0
     for name, spec in specs.items():

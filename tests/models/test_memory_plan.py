@@ -157,5 +157,8 @@ def test_the_engine_refuses_a_model_that_cannot_fit_before_loading_anything(monk
     assert (args.quantization, args.expert_format, args.engram_tables) == (None, None, "device")  # dummy weights
     args = choose_forms(EngineArgs(model="tiny-trained", dtype="bfloat16"), torch.device("cuda"))
     assert (args.quantization, args.expert_format, args.engram_tables) == ("fp8", "mxfp4", "device")
+    for dtype in ("auto", "half"):  # the default and a vLLM spelling: the plan counts what the GPU will hold
+        args = choose_forms(EngineArgs(model="tiny-trained", dtype=dtype), torch.device("cuda"))
+        assert (args.quantization, args.expert_format) == ("fp8", "mxfp4")
     args = choose_forms(EngineArgs(model="tiny-trained"), torch.device("cpu"))
     assert (args.quantization, args.expert_format, args.engram_tables) == (None, None, "device")
