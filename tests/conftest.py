@@ -28,6 +28,10 @@ def tiny_models():
     return out
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "interpreter: runs Triton kernels on CPU tensors (skipped where CUDA compiles)")
+
+
 def pytest_collection_modifyitems(config, items):
     """On a GPU machine the kernels compile for CUDA, so the interpreter tests (CPU tensors) cannot run there;
     the GPU tests beside them cover the same kernels."""
@@ -36,5 +40,29 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="a CPU-interpreter kernel test; this machine compiles kernels for CUDA")
     for item in items:
         gpu = any(m.name == "skipif" and "CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers())
-        if not gpu and ("tests/kernels/" in item.nodeid or "interpreted" in item.name):
+        interpreted = (
+            "tests/kernels/" in item.nodeid or "interpreted" in item.name or item.get_closest_marker("interpreter")
+        )
+        if not gpu and interpreted:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_kv_cache_share(monkeypatch):
+    """Test processes share one GPU (xdist workers): an engine built without a KV size gets 2 GiB of KV cache, not
+    --gpu-memory-utilization's share of the whole card, which the first worker would take from the others. The
+    sizing itself is tested with faked memory (tests/models/test_memory_plan.py) and on the H200 by
+    benchmarks/gpu_start_h200.py."""
+    if not torch.cuda.is_available():
+        return
+    from dsserve.engine import core
+
+    sized = core.kv_cache_budget
+
+    def budget(args, device=torch.device("cpu"), cfg=None, graphs=False):
+        explicit = args.kv_cache_memory_bytes or args.kv_cache_memory or args.kv_cache_memory_fraction
+        if device.type == "cuda" and not explicit:
+            return 2 << 30
+        return sized(args, device, cfg, graphs)
+
+    monkeypatch.setattr(core, "kv_cache_budget", budget)

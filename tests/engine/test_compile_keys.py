@@ -14,6 +14,7 @@ from dsserve.kernels.entry_rows import entry_rows
 from dsserve.kernels.launch_census import CensusOps, LaunchCensus
 
 pytest.importorskip("triton.runtime.interpreter")
+pytestmark = pytest.mark.interpreter  # the census runs the kernels on CPU tensors
 
 
 def test_keys_follow_tritons_specialisation():
