@@ -352,3 +352,27 @@ def test_agentx_summary_reads_agg_files_of_several_runs(tmp_path):
     assert off["tier"]["best_conc"] == 1 and off["tier"]["best_tput_per_gpu"] == 350
     assert (out / "agentx-frontier.png").read_bytes()[:4] == b"\x89PNG"
     assert S.main(["--out", str(out), str(tmp_path / "nothing-here")]) == 1
+
+
+def test_ttft_is_compared_at_matched_throughput_along_each_curve():
+    """Issue 59.5: TTFT read at the same throughput on both curves (linear between points, never extrapolated), the
+    reduction at the highest throughput both reach; a curve's falling tail names no operating point."""
+    from dsserve.bench import agentx_summary as S
+
+    def pts(*xy):
+        return [{"conc": 2**i, "tput_per_gpu": x, "p90_ttft": y} for i, (x, y) in enumerate(xy)]
+
+    configs = {
+        "off": {"points": pts((100, 1.0), (300, 3.0), (500, 9.0))},
+        "on": {"points": pts((200, 0.5), (400, 1.0), (800, 2.0), (700, 5.0))},  # 700 after 800: the tail is cut
+    }
+    assert S.rising_curve(configs["on"]["points"]) == [(200, 0.5), (400, 1.0), (800, 2.0)]
+    assert S.ttft_at([(100, 1.0), (300, 3.0)], 200) == 2.0 and S.ttft_at([(100, 1.0), (300, 3.0)], 301) is None
+    m = S.matched_ttft(configs, "off")["on"]
+    assert [a["tput_per_gpu"] for a in m["at"]] == [200, 300, 400, 500]  # both curves' points in [200, 500]
+    h = m["at_highest_common"]
+    # off at 500: 9.0 s; on at 500: 1.0 + (2.0 - 1.0) * 100 / 400 = 1.25 s
+    assert h["tput_per_gpu"] == 500 and h["baseline_p90_ttft"] == 9.0 and abs(h["p90_ttft"] - 1.25) < 1e-12
+    assert abs(h["reduction"] - (1 - 1.25 / 9.0)) < 1e-12
+    apart = {"a": {"points": pts((100, 1.0), (200, 2.0))}, "b": {"points": pts((300, 1.0), (400, 2.0))}}
+    assert S.matched_ttft(apart, "a")["b"] == {"baseline": "a", "at": [], "at_highest_common": None}
