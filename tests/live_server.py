@@ -34,6 +34,8 @@ def free_port() -> int:
 def spawn(model: str = "tiny", args=SERVER_ARGS, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """A `dsserve serve` process (output on its stdout pipe) and its base URL, once /health answers 200."""
     port = free_port()
+    if "--device" not in args:  # the tests compare with fp64 oracles, which the GPU's kernels do not take
+        args = [*args, "--device", "cpu"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "dsserve", "serve", model, "--port", str(port), *args],
         cwd=ROOT,

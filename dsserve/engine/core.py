@@ -20,7 +20,7 @@ from ..models.hub import TOKENIZER_FILES, resolve_model
 from ..models.loader import DTYPES, LoadedModel, load_model
 from ..models.presets import model_dir
 from ..models.quantize import quantize_dense_fp8, quantize_experts, use_fp8_kernels
-from ..models.tokenizer import Tokenizer, TooManyTokens
+from ..models.tokenizer import TooManyTokens
 from . import graph_scratch, jit_compiles
 from .args import EngineArgs, EngineArgsError
 from .decode_graphs import DecodeGraphs
@@ -196,6 +196,7 @@ class EngineCore:
             device=self.device,
             quantization=args.quantization,  # a checkpoint loads straight into these forms (release_loader)
             engram_tables=args.engram_tables,
+            tokenizer=None if args.tokenizer is None else resolve_model(args.tokenizer, TOKENIZER_FILES),
         )
         if lm.report is not None:  # a checkpoint: what was read, how fast, and into which runtime forms
             r = lm.report
@@ -219,7 +220,6 @@ class EngineCore:
                         raise EngineArgsError(f"engram_tables={args.engram_tables!r}: {e}") from None
         self.model, self.cfg, self.tokenizer = lm.model.to(self.device), lm.cfg, lm.tokenizer
         if args.tokenizer is not None:
-            self.tokenizer = Tokenizer.load(resolve_model(args.tokenizer, TOKENIZER_FILES))
             if self.tokenizer.vocab_size > self.cfg.vocab_size:
                 raise EngineArgsError(
                     f"tokenizer {args.tokenizer!r} has {self.tokenizer.vocab_size} ids; the model's vocabulary has "

@@ -56,6 +56,7 @@ def load_model(
     layout: ParallelLayout = ParallelLayout(),
     tp_group=None,
     ep_group=None,
+    tokenizer: str | None = None,
 ) -> LoadedModel:
     """``auto`` reads safetensors from a checkpoint directory; a preset has no weights, so it gets ``dummy``
     (seeded random weights), as vLLM's ``--load-format dummy``.
@@ -72,7 +73,8 @@ def load_model(
     ``quantization="fp8"`` keeps the stored FP8 dense weights as Fp8Linear, ``expert_format`` the stored MXFP4
     experts packed, ``engram_tables`` (device | host | host-fp8) places the Engram tables; ``layout`` is this
     rank's share, built as the parallel passes cut it, closing over ``tp_group`` / ``ep_group``
-    (``load_release``)."""
+    (``load_release``). ``tokenizer``: a tokenizer directory or model name used instead of the checkpoint's own
+    (which then need not exist: vLLM's ``--tokenizer``)."""
     if load_format not in LOAD_FORMATS:
         raise ConfigError(f"load format {load_format!r} is not one of {LOAD_FORMATS}")
     if dtype not in DTYPES:
@@ -88,7 +90,10 @@ def load_model(
         raise ConfigError(f"{model!r} is a preset with no weights; use --load-format dummy or a checkpoint directory")
     if expert_format is not None and expert_format not in EXPERT_FORMATS:
         raise ConfigError(f"expert format {expert_format!r} is not one of {EXPERT_FORMATS} (or None)")
-    tokenizer = Tokenizer.from_dir(model) if is_dir else Tokenizer.for_preset(model)
+    if tokenizer is not None:
+        tokenizer = Tokenizer.load(tokenizer)
+    else:
+        tokenizer = Tokenizer.from_dir(model) if is_dir else Tokenizer.for_preset(model)
     device = torch.device(device or "cpu")
     keep_dense = device.type == "cpu"
     report = None

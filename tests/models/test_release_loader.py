@@ -332,3 +332,18 @@ def test_engram_tables_mapped_from_the_file_read_nothing_and_gather_the_same_row
             assert torch.equal(a.engram.table.gather(every), b.engram.table.gather(every))
     prompt = [0, 17, 300, 4095, 52, 9]
     assert greedy_generate(mapped, prompt, 4) == greedy_generate(copied, prompt, 4)
+
+
+def test_a_checkpoint_without_a_tokenizer_runs_with_tokenizer_given(saved, tmp_path):
+    """vLLM's --tokenizer: a checkpoint directory with weights only (as benchmarks write them) starts with a
+    tokenizer named beside it; without one the error names the missing file."""
+    from dsserve.engine.args import EngineArgs
+    from dsserve.engine.core import EngineCore
+
+    _, path = saved
+    dst = _copy(path, tmp_path)
+    os.remove(dst / "tokenizer.json")
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json in"):
+        EngineCore(EngineArgs(model=str(dst), warmup=False))
+    core = EngineCore(EngineArgs(model=str(dst), tokenizer="tiny", warmup=False))
+    assert core.tokenizer.vocab_size <= core.cfg.vocab_size and core.tokenizer.encode("hi")
