@@ -4,7 +4,9 @@ A MoE with E logical experts runs on P = E + R physical slots, rank r holding sl
 (the spec's contiguous rule). Given a layer's recorded load (tokens per logical expert over the window):
 
 1. **Replicas by load**: every expert one slot, then each of the R redundant slots, one at a time, to the expert
-   whose load per replica is highest (at most one replica a rank: a second on the same rank halves nothing).
+   whose load per replica is highest (at most one replica a rank: a second on the same rank halves nothing). Counts
+   capped at 2, 3 and 4 replicas an expert are packed too and the best packing wins: with few slots a rank, the
+   light experts are the fillers that even the ranks out.
 2. **Packing**: replicas (each carrying load / replicas, as the replica choice shares an expert's rows evenly) into
    nodes, then into each node's ranks, heaviest first into the lightest pack with room that does not already hold
    the expert; then pairwise swaps out of the heaviest pack while they lower it (equal slot counts a pack).
@@ -119,28 +121,15 @@ def _match(packs: list[list[int]], held: list[list[int]]) -> list[int]:
     return rank_of
 
 
-def place_layer(
-    load: Sequence[float],
-    ep_size: int,
-    n_slots: int,
-    n_nodes: int = 1,
-    old: Sequence[int] | None = None,
-) -> list[int]:
-    """phy2log [P] for one layer: the logical expert each physical slot holds. ``old``: the layer's current phy2log
-    (kept where it balances as well: fewer moves)."""
+def _rank_packs(
+    load: list[float], ep_size: int, n_slots: int, n_nodes: int, held: list[list[int]], cap: int
+) -> list[list[int]]:
+    """The experts of each rank (with repeats; at most ``cap`` replicas an expert while others have fewer), packs
+    matched to the ranks holding most of them (``held``)."""
     e = len(load)
-    check_slots(e, n_slots - e, ep_size, n_nodes)
     per_rank, ranks_per_node = n_slots // ep_size, ep_size // n_nodes
-    load = [max(float(x), 0.0) for x in load]
-    if sum(load) == 0:
-        load = [1.0] * e  # nothing recorded: balance the slots
-    counts = replica_counts(load, n_slots, ep_size)
+    counts = replica_counts(load, n_slots, cap)
     items = [(load[i] / counts[i], i) for i in range(e) for _ in range(counts[i])]
-    held = (
-        [[] for _ in range(ep_size)]
-        if old is None
-        else [list(old[r * per_rank : (r + 1) * per_rank]) for r in range(ep_size)]
-    )
     ranks: list[list[int]] = [[] for _ in range(ep_size)]
     node_packs = _pack(items, n_nodes, per_rank * ranks_per_node) if n_nodes > 1 else [items]
     node_held = [sum(held[n * ranks_per_node : (n + 1) * ranks_per_node], []) for n in range(n_nodes)]
@@ -150,15 +139,61 @@ def place_layer(
         base = node * ranks_per_node
         for p, r in enumerate(_match(rank_packs, held[base : base + ranks_per_node])):
             ranks[base + r] = rank_packs[p]
+    return ranks
+
+
+def _max_rank(load: list[float], ranks: list[list[int]]) -> float:
+    counts = [0] * len(load)
+    for r in ranks:
+        for x in r:
+            counts[x] += 1
+    return max(sum(load[x] / counts[x] for x in r) for r in ranks)
+
+
+def place_layer(
+    load: Sequence[float],
+    ep_size: int,
+    n_slots: int,
+    n_nodes: int = 1,
+    old: Sequence[int] | None = None,
+) -> list[int]:
+    """phy2log [P] for one layer: the logical expert each physical slot holds. ``old``: the layer's current phy2log
+    (its experts keep their ranks and slots where the packing allows).
+
+    Never worse than no redundancy: where E and R both split evenly over the ranks, the packing without redundant
+    slots, each rank's extra slots repeating its own experts (a replica on the same rank changes no rank's load),
+    is a candidate too, and the lower most-loaded rank wins."""
+    e = len(load)
+    check_slots(e, n_slots - e, ep_size, n_nodes)
+    per_rank = n_slots // ep_size
+    load = [max(float(x), 0.0) for x in load]
+    if sum(load) == 0:
+        load = [1.0] * e  # nothing recorded: balance the slots
+    held = (
+        [[] for _ in range(ep_size)]
+        if old is None
+        else [list(old[r * per_rank : (r + 1) * per_rank]) for r in range(ep_size)]
+    )
+    # replicas by load alone can starve the light experts a rank's last slots need: capped counts are candidates too
+    caps = sorted({c for c in (2, 3, 4, ep_size) if c <= ep_size and c * e >= n_slots} or {ep_size}, reverse=True)
+    ranks = None
+    for cap in caps:
+        got = _rank_packs(load, ep_size, n_slots, n_nodes, held, cap)
+        if ranks is None or _max_rank(load, got) < _max_rank(load, ranks) - 1e-12:
+            ranks = got
+    if n_slots > e and e % ep_size == 0 and n_slots % ep_size == 0:
+        plain = _rank_packs(load, ep_size, e, n_nodes, held, 1)
+        plain = [r + sorted(r, key=lambda x: (-load[x], x))[: per_rank - len(r)] for r in plain]
+        if _max_rank(load, plain) < _max_rank(load, ranks) - 1e-12:
+            ranks = plain
     out = []
     for r in range(ep_size):
         mine = sorted(ranks[r])
         slots: list[int | None] = [None] * per_rank
-        if old is not None:  # an expert keeps its slot on this rank
-            for s, ex in enumerate(held[r]):
-                if ex in mine:
-                    slots[s] = ex
-                    mine.remove(ex)
+        for s, ex in enumerate(held[r]):  # an expert keeps its slot on this rank
+            if ex in mine:
+                slots[s] = ex
+                mine.remove(ex)
         it = iter(mine)
         out.extend(ex if ex is not None else next(it) for ex in slots)
     return out
