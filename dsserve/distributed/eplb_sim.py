@@ -6,8 +6,8 @@ and keeps every row's routed experts per MoE layer (forward hooks on the gates: 
 hash of the row's token and the layer: the trained router's skew over experts, and the tokens' skew within one),
 so the release's expert counts, scaled down, can be simulated from the built-in model. ``simulate`` replays steps
 (``steps_of``: ``slots`` streams at a time, ``chunk`` rows each, the streams dealt round robin to the ranks as DP
-attention deals requests), routes each pair to a physical slot with ``ReplicaMap.route`` (the live path's replica choice) and
-returns the tokens each rank's experts run, per step and layer: the balance figures' input.
+attention deals requests), routes each pair to a physical slot with ``ReplicaMap.route`` (the live path's replica
+choice) and returns the tokens each rank's experts run, per step and layer: the balance figures' input.
 """
 
 from __future__ import annotations
