@@ -34,6 +34,7 @@ from dsserve.distributed.eplb_transfer import plan_layer
 RELEASE_EXPERT_BYTES = int(3 * 5120 * 2304 * 0.53125)  # one MXFP4 expert with its scales: 18.8 MB
 SCALE = {"target": 12, "draft": 8}  # 8 -> 96 (384 / 4), 4 -> 32 (128 / 4)
 EP_SIZES = (2, 8, 32)
+MIN_GAINS = (0.0, 0.005, 0.02)  # a steady rebalance's moves with each --eplb-min-gain
 MAX_TOKENS = 256  # a chat problem is ~1000 tokens: its first 256 (the CPU budget)
 
 
@@ -62,9 +63,12 @@ def run_case(name, train, evalr, ep, redundant, slots, chunk, n_window, n_eval):
     eplb = place(load, ep, redundant, old=start)
     eplb_r0 = place(load, ep, 0)
     none = [initial_layer(e, 0, ep)] * n_layers
-    half = len(win) // 2
-    a = place(expert_load(win[:half], e).tolist(), ep, redundant, old=start)
-    b = place(expert_load(win[half:], e).tolist(), ep, redundant, old=a)
+    first_half, second_half = win.split(len(win) // 2)
+    a = place(expert_load(first_half, e).tolist(), ep, redundant, old=start)
+    steady = {
+        str(g): moves(a, place(expert_load(second_half, e).tolist(), ep, redundant, old=a, min_gain=g), ep)
+        for g in MIN_GAINS
+    }
     runs = {
         "none": simulate(ev, none, e, ep),
         "eplb": simulate(ev, eplb, e, ep),
@@ -79,7 +83,7 @@ def run_case(name, train, evalr, ep, redundant, slots, chunk, n_window, n_eval):
         d = f["uniform"] - f["none"]
         return None if d <= 0 else (f["eplb"] - f["none"]) / d
 
-    first, steady = moves(start, eplb, ep), moves(a, b, ep)
+    first = moves(start, eplb, ep)
     return {
         "moe": name,
         "experts": e,
@@ -96,9 +100,9 @@ def run_case(name, train, evalr, ep, redundant, slots, chunk, n_window, n_eval):
         "gap_recovered_window": gap(window),
         "balance_window_per_layer": per_layer,
         "moves_first_rebalance": first,
-        "moves_steady_rebalance": steady,
+        "moves_steady_rebalance_by_min_gain": steady,
         "bytes_first_rebalance_release_expert": first * RELEASE_EXPERT_BYTES,
-        "bytes_steady_rebalance_release_expert": steady * RELEASE_EXPERT_BYTES,
+        "bytes_steady_rebalance_release_expert_by_min_gain": {g: m * RELEASE_EXPERT_BYTES for g, m in steady.items()},
         "staging_bound_bytes_release_expert": (e + redundant) // ep * RELEASE_EXPERT_BYTES,
     }
 
@@ -135,7 +139,7 @@ def plot(results, path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--problems", type=int, default=6, help="problems per task and split")
-    ap.add_argument("--draft-every", type=int, default=32, help="a draft block every that many positions")
+    ap.add_argument("--draft-every", type=int, default=8, help="a draft block every that many positions")
     ap.add_argument("--out", default="benchmarks/results/eplb-balance-cpu")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -166,7 +170,7 @@ def main():
                 f"{r['balance_step']['none']:.3f} eplb {r['balance_step']['eplb']:.3f} (r0 "
                 f"{r['balance_step']['eplb_r0']:.3f}) uniform {r['balance_step']['uniform']:.3f} -> "
                 f"{100 * r['gap_recovered_step']:.1f}% of the gap; window {100 * r['gap_recovered_window']:.1f}%; "
-                f"moves {r['moves_first_rebalance']} first, {r['moves_steady_rebalance']} steady",
+                f"moves {r['moves_first_rebalance']} first, steady {r['moves_steady_rebalance_by_min_gain']}",
                 flush=True,
             )
     tokens = {s: {k: sum(x.shape[1] for x in v.ids) for k, v in routing[s].items()} for s in routing}

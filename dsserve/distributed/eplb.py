@@ -42,6 +42,7 @@ class EplbConfig:
     num_redundant_draft_experts: int = 0  # the drafter's
     transfer_chunk: int = 32  # expert moves (over the group) in one chunk: one chunk a step boundary at most
     n_nodes: int = 1  # EP ranks split evenly over nodes; > 1: replicas pack into nodes, then ranks
+    min_gain: float = 0.02  # a layer moves only if its expected most-loaded rank drops by more than this fraction
     figures_interval: int = 0  # steps between balance figures (an all-reduce of the window's rank loads); 0: at
     # each rebalance only
 
@@ -49,6 +50,8 @@ class EplbConfig:
         for name in ("window_size", "step_interval", "transfer_chunk", "n_nodes"):
             if getattr(self, name) < 1:
                 raise ParallelConfigError(f"eplb {name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.min_gain < 1:
+            raise ParallelConfigError(f"eplb min_gain must be in [0, 1), got {self.min_gain}")
         for name in ("num_redundant_experts", "num_redundant_draft_experts", "figures_interval"):
             if getattr(self, name) < 0:
                 raise ParallelConfigError(f"eplb {name} must be >= 0, got {getattr(self, name)}")
@@ -194,7 +197,7 @@ class Eplb:
 
         def policy():
             return [
-                eplb_policy.place(load, self.ep_size, r, cfg.n_nodes, old)
+                eplb_policy.place(load, self.ep_size, r, cfg.n_nodes, old, cfg.min_gain)
                 for load, r, old in zip(loads, redundant, olds)
             ]
 

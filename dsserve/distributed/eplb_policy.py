@@ -205,16 +205,18 @@ def place(
     n_redundant: int,
     n_nodes: int = 1,
     old: Sequence[Sequence[int]] | None = None,
+    min_gain: float = 0.0,
 ) -> list[list[int]]:
     """phy2log [L][P] for every layer of one MoE model from its load [L][E]. With ``old`` (the current placement), a
-    layer keeps it where nothing was recorded or the new one would not lower the expected most loaded rank."""
+    layer keeps it where nothing was recorded or the new one would not lower the expected most loaded rank by more
+    than the fraction ``min_gain`` (0: any gain moves; SGLang's utilisation threshold, per layer)."""
     n_slots = check_slots(len(load[0]), n_redundant, ep_size, n_nodes)
     out = []
     for i, row in enumerate(load):
         was = None if old is None else list(old[i])
         new = place_layer(row, ep_size, n_slots, n_nodes, was)
         if was is not None and (
-            sum(row) <= 0 or max(rank_loads(row, was, ep_size)) <= max(rank_loads(row, new, ep_size))
+            sum(row) <= 0 or max(rank_loads(row, new, ep_size)) >= max(rank_loads(row, was, ep_size)) * (1 - min_gain)
         ):
             new = was  # nothing recorded, or no better: no moves
         out.append(new)

@@ -82,53 +82,70 @@ def scale_experts(r: Routing, m: int) -> Routing:
     return Routing(r.n_experts * m, out, r.tokens)
 
 
-def steps_of(r: Routing, slots: int, chunk: int, n_steps: int) -> list[list[tuple[int, torch.Tensor]]]:
+@dataclass
+class Steps:
+    """``ids`` [L, n_steps, rows, k]: each step's rows (stream by stream, ``chunk`` rows a stream); ``stream`` [rows]:
+    the stream each row belongs to."""
+
+    ids: torch.Tensor
+    stream: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.ids.shape[1]
+
+    def split(self, at: int) -> tuple[Steps, Steps]:
+        return Steps(self.ids[:, :at], self.stream), Steps(self.ids[:, at:], self.stream)
+
+
+def steps_of(r: Routing, slots: int, chunk: int, n_steps: int) -> Steps:
     """Steps of ``slots`` streams side by side, ``chunk`` rows each a step: the sequences concatenated, stream s
     reading from s / slots of the way in (wrapping), so a step's rows come from different places, as a decode batch's
-    requests do. Each step: per stream (stream, [L, chunk, k] ids)."""
+    requests do."""
     ids = torch.cat(r.ids, dim=1)
     n = ids.shape[1]
-    starts = [s * n // slots for s in range(slots)]
-    out = []
-    for i in range(n_steps):
-        step = []
-        for s, start in enumerate(starts):
-            at = (start + i * chunk + torch.arange(chunk)) % n
-            step.append((s, ids[:, at]))
-        out.append(step)
-    return out
+    starts = torch.arange(slots) * n // slots
+    at = starts[None, :, None] + torch.arange(n_steps)[:, None, None] * chunk + torch.arange(chunk)[None, None, :]
+    return Steps(ids[:, (at % n).reshape(n_steps, -1)], torch.arange(slots).repeat_interleave(chunk))
 
 
 def simulate(
-    steps: list[list[tuple[int, torch.Tensor]]],
-    phy2log: list[tuple[int, ...]],
-    n_experts: int,
-    ep_size: int,
-    uniform_seed: int | None = None,
+    steps: Steps, phy2log: list[tuple[int, ...]], n_experts: int, ep_size: int, uniform_seed: int | None = None
 ) -> torch.Tensor:
-    """[n_steps, L, EP] tokens each rank's experts run, with layer l's placement ``phy2log[l]``; ``uniform_seed``:
-    every pair's expert drawn uniformly instead (k distinct a row), the same rows (the --uniform-routing reference)."""
-    maps = [ReplicaMap(p, n_experts) for p in phy2log]
+    """[n_steps, L, EP] tokens each rank's experts run, with layer l's placement ``phy2log[l]``: stream s's rows on
+    rank s % EP, each pair on replica (row in its rank's batch + k + rank) % replicas, as ``ReplicaMap.route``;
+    ``uniform_seed``: every pair's expert drawn uniformly instead (k distinct a row), the same rows (the
+    --uniform-routing reference)."""
+    n_layers, n_steps, rows, k = steps.ids.shape
+    rank = steps.stream % ep_size
+    local = torch.zeros(rows, dtype=torch.long)  # a row's index in its rank's batch (streams in order)
+    for r in range(ep_size):
+        mine = rank == r
+        local[mine] = torch.arange(int(mine.sum()))
+    turn = (local + rank)[:, None] + torch.arange(k)[None, :]  # [rows, k]
     per = len(phy2log[0]) // ep_size
     gen = None if uniform_seed is None else torch.Generator().manual_seed(uniform_seed)
-    n_layers = len(phy2log)
-    out = torch.zeros(len(steps), n_layers, ep_size, dtype=torch.long)
-    for i, step in enumerate(steps):
-        for rank in range(ep_size):
-            mine = [ids for s, ids in step if s % ep_size == rank]
-            if not mine:
-                continue
-            ids = torch.cat(mine, dim=1)  # [L, rows, k]
-            for layer in range(n_layers):
-                x = ids[layer]
-                if gen is not None:
-                    x = torch.rand(x.shape[0], n_experts, generator=gen).argsort(dim=1)[:, : x.shape[1]]
-                slots = maps[layer].route(x, rank)
-                out[i, layer] += torch.bincount((slots // per).reshape(-1), minlength=ep_size)
+    out = torch.zeros(n_steps, n_layers, ep_size, dtype=torch.long)
+    for layer in range(n_layers):
+        ids = steps.ids[layer]
+        if gen is not None:
+            ids = _uniform(n_steps, rows, n_experts, k, gen)
+        m = ReplicaMap(phy2log[layer], n_experts)
+        table, counts = m._tables(ids.device)
+        dest = table[ids, turn % counts[ids]] // per  # [n_steps, rows, k]
+        dest = dest.reshape(n_steps, -1) + torch.arange(n_steps)[:, None] * ep_size
+        out[:, layer] = torch.bincount(dest.reshape(-1), minlength=n_steps * ep_size).view(n_steps, ep_size)
     return out
 
 
-def expert_load(steps: list[list[tuple[int, torch.Tensor]]], n_experts: int) -> torch.Tensor:
+def _uniform(n_steps: int, rows: int, n_experts: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """[n_steps, rows, k] distinct experts a row, uniform (k = 2: a first pick and a distinct second one)."""
+    if k != 2:
+        return torch.rand(n_steps, rows, n_experts, generator=gen).topk(k, dim=-1).indices
+    first = torch.randint(0, n_experts, (n_steps, rows), generator=gen)
+    second = (first + 1 + torch.randint(0, n_experts - 1, (n_steps, rows), generator=gen)) % n_experts
+    return torch.stack((first, second), dim=-1)
+
+
+def expert_load(steps: Steps, n_experts: int) -> torch.Tensor:
     """[L, E] tokens per logical expert over the steps (what the recorder's window holds)."""
-    ids = torch.cat([x for step in steps for _, x in step], dim=1)
-    return torch.stack([torch.bincount(row.reshape(-1), minlength=n_experts) for row in ids])
+    return torch.stack([torch.bincount(row.reshape(-1), minlength=n_experts) for row in steps.ids])

@@ -98,6 +98,10 @@ class EngineArgs:
     eplb_transfer_chunk: int = field(
         default=32, metadata=_h("EPLB: expert moves in one chunk of weight transfers; one chunk a step boundary")
     )
+    eplb_min_gain: float = field(
+        default=0.02,
+        metadata=_h("EPLB: a layer's experts move only if its expected most-loaded rank drops by more than this share"),
+    )
     uniform_routing: bool = field(
         default=False,
         metadata=_h("benchmark reference: every MoE routes uniformly at random (changes outputs; never for serving)"),
@@ -311,6 +315,7 @@ class EngineArgs:
             num_redundant_experts=self.num_redundant_experts,
             num_redundant_draft_experts=self.num_redundant_draft_experts,
             transfer_chunk=self.eplb_transfer_chunk,
+            min_gain=self.eplb_min_gain,
         )
 
     def torch_dtype_name(self, device_type: str) -> str:

@@ -14,7 +14,12 @@ from dsserve.distributed.groups import new_groups
 from dsserve.distributed.step_sync import StepSummary, StepSync
 
 CFG = EplbConfig(
-    window_size=3, step_interval=2, num_redundant_experts=2, num_redundant_draft_experts=2, transfer_chunk=16
+    window_size=3,
+    step_interval=2,
+    num_redundant_experts=2,
+    num_redundant_draft_experts=2,
+    transfer_chunk=16,
+    min_gain=0.0,
 )
 DRAFT_STEPS = 8
 

@@ -205,3 +205,25 @@ def test_recorded_loads_of_the_built_in_model(recorded, which, ep, r):
             assert got >= min(0.9, best) - 1e-9 and got >= 0.95 * best, (which, ep, r, row, got, best)
         else:
             assert got >= 0.9, (which, ep, r, row, got)
+
+
+def test_the_simulation_routes_like_the_live_replica_map():
+    from dsserve.distributed.eplb_sim import Routing, scale_experts, simulate, steps_of
+
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, 4, (3, n, 2), generator=g) for n in (30, 17)]
+    r = scale_experts(Routing(4, ids, [torch.randint(0, 100, (x.shape[1],), generator=g) for x in ids]), 2)
+    assert all(int(x.max()) < 8 for x in r.ids)
+    steps = steps_of(r, slots=6, chunk=2, n_steps=5)
+    phy2log = [place_layer([float(i + 1) for i in range(8)], 3, 12)] * 3
+    got = simulate(steps, phy2log, 8, 3)
+    maps = [ReplicaMap(p, 8) for p in phy2log]
+    for i in range(5):
+        for layer in range(3):
+            want = torch.zeros(3, dtype=torch.long)
+            for rank in range(3):  # each source rank's rows in stream order, routed as the live MoE routes them
+                rows = [j for j in range(12) if int(steps.stream[j]) % 3 == rank]
+                slots = maps[layer].route(steps.ids[layer, i, rows], rank)
+                want += torch.bincount((slots // 4).reshape(-1), minlength=3)
+            assert torch.equal(got[i, layer], want)
+    assert got.sum() == 5 * 3 * 12 * 2
