@@ -8,7 +8,7 @@ from test_expert_parallel import _draft
 from test_paged_parallel import RANK_PROMPTS, Serving, _check
 from tiny import sequences, tiny_model
 
-from dsserve.distributed.eplb import Eplb, EplbConfig
+from dsserve.distributed.eplb import Eplb, EplbConfig, UniformRouting
 from dsserve.distributed.expert_parallel import idle_draft, idle_forward, shard_expert_parallel
 from dsserve.distributed.groups import new_groups
 from dsserve.distributed.step_sync import StepSummary, StepSync
@@ -119,3 +119,54 @@ def test_rebalancing_mid_run_changes_no_output(workers):
     assert any(a["served"] < step < a["served"] + DRAFT_STEPS for _, step in a["switched"]["draft"])
     names = {g[0] for g in a["gauges"]}
     assert {"eplb_balance_step", "eplb_balance_window", "eplb_steps_waited", "eplb_staging_peak_bytes"} <= names
+
+
+@torch.no_grad()
+def _packed(rank: int, fmt: str) -> dict:
+    """Reference forwards of this rank's sequences with packed experts only (no dense copies), a rebalance forced
+    before each: the packed bytes and scales are what moves."""
+    from dsserve.models.quantize import quantize_experts
+
+    g = new_groups(1, 2)
+    model = tiny_model("tiny")
+    quantize_experts(model, fmt, keep_dense=False)
+    cfg = EplbConfig(num_redundant_experts=2, num_redundant_draft_experts=2, transfer_chunk=4, min_gain=0.0)
+    model, eplb = Eplb.shard(model, g.dp_rank, 2, g.ep, cfg)
+    logits = []
+    for s in sequences(50 + rank, (12, 30, 7, 21, 16)):
+        logits.append(model.reference_logits(s))
+        eplb.rebalance_next()
+        eplb.step()
+    while eplb.transfers or eplb._policy is not None:
+        eplb.step()
+    eplb.close()
+    return {"logits": logits, "switched": len(eplb.models[0].switched), "moved": eplb.models[0].last_bytes_moved}
+
+
+def test_packed_experts_move_too(workers):
+    out = workers.run(_packed, "mxfp4")
+    from dsserve.models.quantize import quantize_experts
+
+    ref = tiny_model("tiny")
+    quantize_experts(ref, "mxfp4", keep_dense=False)
+    with torch.no_grad():
+        for rank, o in enumerate(out):
+            assert o["switched"] > 0 and o["moved"] > 0
+            for s, got in zip(sequences(50 + rank, (12, 30, 7, 21, 16)), o["logits"]):
+                assert (got - ref.reference_logits(s)).abs().max().item() < 1e-9
+
+
+def test_uniform_routing_draws_distinct_experts_evenly():
+    model, eplb = Eplb.shard(tiny_model("tiny"), 0, 1, None, EplbConfig(window_size=2))
+    eplb.uniform_routing(seed=1)
+    with torch.no_grad():
+        model(sequences(60, (400,))[0])
+    eplb.step()
+    eplb.close()
+    load = eplb.models[0].load.window_load()  # [12, 8]: 400 rows x top-2 a layer
+    assert load.sum(1).tolist() == [800] * 12
+    assert load.min() > 60 and load.max() < 140  # ~100 each (uniform); the router's own: 0 to ~400 an expert
+    picks = UniformRouting(8, seed=2)(torch.zeros(500, 3, dtype=torch.long))
+    assert (
+        (picks[:, 0] != picks[:, 1]).all() and (picks[:, 1] != picks[:, 2]).all() and (picks[:, 0] != picks[:, 2]).all()
+    )
