@@ -9,8 +9,8 @@ by 4 (target 384 -> 96, draft 128 -> 32: each expert split into sub-experts by a
 ``eplb_sim.scale_experts``) and replayed on simulated ranks (``eplb_sim.simulate``: DP attention's rows per rank, the
 live replica choice). Per EP size: balance (mean / max tokens per rank, summed over layers) per step (mean over the
 steps) and over the whole evaluation, for the contiguous placement without redundancy ("none"), EPLB's placement
-from the window with one redundant slot a rank ("eplb"; also without redundancy, "eplb_r0"), and the same steps with
-uniformly random routing ("uniform", the balanced reference); the share of the gap recovered is
+from the window with one (and two) redundant slots a rank ("eplb"; also without redundancy, "eplb_r0"), and the
+same steps with uniformly random routing ("uniform", the balanced reference); the share of the gap recovered is
 (eplb - none) / (uniform - none). Transfer bytes per rebalance: the moves' count times one expert's bytes at the
 release's size (MXFP4, 3 x 5120 x 2304 x 0.53125 B), the first rebalance (from the initial placement) and a
 steady-state one (window A -> window B).
@@ -34,7 +34,11 @@ from dsserve.distributed.eplb_transfer import plan_layer
 RELEASE_EXPERT_BYTES = int(3 * 5120 * 2304 * 0.53125)  # one MXFP4 expert with its scales: 18.8 MB
 SCALE = {"target": 12, "draft": 8}  # 8 -> 96 (384 / 4), 4 -> 32 (128 / 4)
 EP_SIZES = (2, 8, 32)
-MIN_GAINS = (0.0, 0.005, 0.02)  # a steady rebalance's moves with each --eplb-min-gain
+MIN_GAINS = (0.0, 0.005, 0.02)
+REDUNDANT_PER_RANK = (
+    1,
+    2,
+)  # redundant slots a rank (the figure shows 1)  # a steady rebalance's moves with each --eplb-min-gain
 MAX_TOKENS = 256  # a chat problem is ~1000 tokens: its first 256 (the CPU budget)
 
 
@@ -115,7 +119,7 @@ def plot(results, path):
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, name in zip(axes[:2], ("target", "draft")):
-        rows = [r for r in results if r["moe"] == name]
+        rows = [r for r in results if r["moe"] == name and r["redundant"] == r["ep"]]
         x = range(len(rows))
         for j, (k, c) in enumerate((("none", "tab:red"), ("eplb", "tab:green"), ("uniform", "tab:gray"))):
             ax.bar([i + 0.27 * (j - 1) for i in x], [r["balance_step"][k] for r in rows], 0.27, label=k, color=c)
@@ -125,7 +129,7 @@ def plot(results, path):
         for i, r in enumerate(rows):
             ax.text(i, 1.0, f"{100 * r['gap_recovered_step']:.0f}%", ha="center", fontsize=9)
         ax.legend(loc="lower left", fontsize=8)
-    r8 = next(r for r in results if r["moe"] == "target" and r["ep"] == 8)
+    r8 = next(r for r in results if r["moe"] == "target" and r["ep"] == 8 and r["redundant"] == 8)
     for k, c in (("none", "tab:red"), ("eplb", "tab:green"), ("uniform", "tab:gray")):
         axes[2].plot(r8["balance_window_per_layer"][k], marker="o", color=c, label=k)
     axes[2].set_title("target EP8: balance per layer over the evaluation")
@@ -158,11 +162,11 @@ def main():
     recorded_s = time.perf_counter() - t0
     results = []
     for name in ("target", "draft"):
-        for ep in EP_SIZES:
+        for ep, per_rank in ((ep, n) for ep in EP_SIZES for n in REDUNDANT_PER_RANK):
             # a decode step: one row a request (target), one 5-row block a request (draft); 64 requests a rank
             slots, chunk = 64 * ep, 1 if name == "target" else 5
             results.append(
-                run_case(name, routing["train"][name], routing["eval"][name], ep, ep, slots, chunk, 120, 120)
+                run_case(name, routing["train"][name], routing["eval"][name], ep, per_rank * ep, slots, chunk, 120, 120)
             )
             r = results[-1]
             print(
