@@ -26,6 +26,7 @@ from torch import nn
 from ..layers.moe import clamped_swiglu
 from ..layers.numerics import acc
 from .dispatcher import AllToAllDispatcher
+from .eplb_replicas import ReplicaMap
 from .expert_placement import ExpertPlacement
 from .groups import ParallelConfigError
 from .handshake import agree
@@ -49,8 +50,10 @@ class ExpertParallelMoE(nn.Module):
         packed = getattr(moe, "packed", None)
         n = moe.experts["w1"].shape[0] if "w1" in moe.experts else packed.w1.shape[0]
         slots = n if phy2log is None else len(phy2log)
-        if slots != placement.n_experts or (phy2log is not None and sorted(set(phy2log)) != list(range(n))):
-            raise ParallelConfigError(f"the placement is for {placement.n_experts} experts, the MoE has {n}")
+        if slots != placement.n_experts:
+            raise ParallelConfigError(f"the placement is for {placement.n_experts} experts, the MoE has {slots}")
+        if phy2log is not None and sorted(set(phy2log)) != list(range(n)):
+            raise ParallelConfigError(f"phy2log must hold each of the MoE's {n} experts at least once; got {phy2log}")
         self.limit, self.gate, self.shared_experts = moe.limit, moe.gate, moe.shared_experts
         mine = list(placement.owned[ep_rank])
         if phy2log is not None:
@@ -68,7 +71,7 @@ class ExpertParallelMoE(nn.Module):
         self._plain = None  # expert_weights()'s view
         # EPLB (distributed.eplb): the layer's ReplicaMap (logical -> physical slot per pair; swapped whole between
         # steps), its load recorder (eplb_load.LayerLoad) and the --uniform-routing reference router; None: off
-        self.replicas = None if phy2log is None else _replica_map(phy2log, n)
+        self.replicas = None if phy2log is None else ReplicaMap(phy2log, n)
         self.load = None
         self.uniform = None
         self.calls = 0  # forwards run: the model's wrapper finds the layers a forward skipped
@@ -133,12 +136,6 @@ class ExpertParallelMoE(nn.Module):
             he = clamped_swiglu(xe @ w1[j].t(), xe @ w3[j].t(), self.limit)
             out[sel] = (acc(he) * weights[sel, None]).to(rows.dtype) @ w2[j].t()
         return out
-
-
-def _replica_map(phy2log, n_experts):
-    from .eplb_replicas import ReplicaMap
-
-    return ReplicaMap(phy2log, n_experts)
 
 
 def shard_expert_parallel(
