@@ -51,15 +51,17 @@ class AllToAllDispatcher:
         self._owner, self._local = placement.owner(), placement.local_index()
         self.rows_sent = self.rows_received = 0  # pairs this rank sent / experts' rows it ran, over its lifetime
 
-    def prepare(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor):
+    def prepare(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, slots: torch.Tensor | None = None):
         """x [T, d]; ids, w [T, k] (the router's). Returns (rows [n, d], their local expert [n], their weights [n],
-        a Dispatch): the rows this rank's experts run, grouped by source rank, then by local expert."""
+        a Dispatch): the rows this rank's experts run, grouped by source rank, then by local expert. ``slots``
+        [T, k]: the placement's expert each pair runs on (EPLB's physical slots; None: ``ids``); the combine still
+        sums in ascending ``ids`` order."""
         t, k = ids.shape
         ep, m = self.placement.ep_size, self.placement.max_local
         world = 1 if self.group is None else dist.get_world_size(self.group)
         if world != ep:
             raise ValueError(f"the EP group has {world} ranks, the expert placement {ep}")
-        flat = ids.reshape(-1)
+        flat = (ids if slots is None else slots).reshape(-1)
         key = self._owner.to(flat.device)[flat] * m + self._local.to(flat.device)[flat]
         order = torch.sort(key, stable=True).indices
         counts = torch.bincount(key, minlength=ep * m).view(ep, m)

@@ -26,6 +26,7 @@ from torch import nn
 from ..layers.moe import clamped_swiglu
 from ..layers.numerics import acc
 from .dispatcher import AllToAllDispatcher
+from .eplb_replicas import ReplicaMap
 from .expert_placement import ExpertPlacement
 from .groups import ParallelConfigError
 from .handshake import agree
@@ -35,14 +36,28 @@ class ExpertParallelMoE(nn.Module):
     """A ``layers.moe.MoE`` whose routed experts are spread over an EP group: same call, same parameter names
     (``gate``, ``shared_experts``, ``experts`` holding this rank's experts in the placement's local order)."""
 
-    def __init__(self, moe: nn.Module, placement: ExpertPlacement, ep_rank: int, group: dist.ProcessGroup | None):
+    def __init__(
+        self,
+        moe: nn.Module,
+        placement: ExpertPlacement,
+        ep_rank: int,
+        group: dist.ProcessGroup | None,
+        phy2log: tuple[int, ...] | None = None,
+    ):
+        """``phy2log`` (EPLB): the placement is over physical slots, slot s holding logical expert phy2log[s]
+        (redundant replicas: an expert in several slots); None: slot = logical expert."""
         super().__init__()
         packed = getattr(moe, "packed", None)
         n = moe.experts["w1"].shape[0] if "w1" in moe.experts else packed.w1.shape[0]
-        if n != placement.n_experts:
-            raise ParallelConfigError(f"the placement is for {placement.n_experts} experts, the MoE has {n}")
+        slots = n if phy2log is None else len(phy2log)
+        if slots != placement.n_experts:
+            raise ParallelConfigError(f"the placement is for {placement.n_experts} experts, the MoE has {slots}")
+        if phy2log is not None and sorted(set(phy2log)) != list(range(n)):
+            raise ParallelConfigError(f"phy2log must hold each of the MoE's {n} experts at least once; got {phy2log}")
         self.limit, self.gate, self.shared_experts = moe.limit, moe.gate, moe.shared_experts
         mine = list(placement.owned[ep_rank])
+        if phy2log is not None:
+            mine = [phy2log[s] for s in mine]
         self.experts = nn.ParameterDict(
             {k: nn.Parameter(p.detach()[mine].clone(), requires_grad=p.requires_grad) for k, p in moe.experts.items()}
         )
@@ -54,6 +69,11 @@ class ExpertParallelMoE(nn.Module):
             self.packed = type(packed)(packed.fmt, *(None if t is None else t[mine].clone() for t in parts))
         self.ep_rank, self.dispatcher = ep_rank, AllToAllDispatcher(placement, group)
         self._plain = None  # expert_weights()'s view
+        # EPLB (distributed.eplb): the layer's ReplicaMap (logical -> physical slot per pair; swapped whole between
+        # steps), its load recorder (eplb_load.LayerLoad) and the --uniform-routing reference router; None: off
+        self.replicas = None if phy2log is None else ReplicaMap(phy2log, n)
+        self.load = None
+        self.uniform = None
         self.calls = 0  # forwards run: the model's wrapper finds the layers a forward skipped
 
     def forward(
@@ -67,7 +87,12 @@ class ExpertParallelMoE(nn.Module):
             ids, w = g(x, tokens, is_image)
         else:
             ids, w = ops.route(x, g.weight, g.bias, g.topk, g.temp, g.scale, g.bias_vl, is_image)
-        rows, local, weights, handle = self.dispatcher.prepare(x, ids, w)
+        if self.uniform is not None:
+            ids = self.uniform(ids)
+        slots = None if self.replicas is None else self.replicas.route(ids, self.ep_rank)
+        if self.load is not None:
+            self.load(ids, ids if slots is None else slots)
+        rows, local, weights, handle = self.dispatcher.prepare(x, ids, w, slots)
         if ops is None:
             out = self.run_local(rows, local, weights)
         else:
@@ -119,10 +144,15 @@ def shard_expert_parallel(
     ep_size: int,
     group: dist.ProcessGroup | None,
     placement: ExpertPlacement | None = None,
+    phy2log: tuple[int, ...] | None = None,
+    draft_phy2log: tuple[int, ...] | None = None,
 ) -> nn.Module:
     """Replace every layer's MoE of ``model`` by an ``ExpertParallelMoE`` for EP rank ``ep_rank`` of ``ep_size``
     (``placement`` default: contiguous ranges) in place; returns the model. Ranks that disagree on the config or
-    the placement fail here, all of them (handshake.agree)."""
+    the placement fail here, all of them (handshake.agree). ``phy2log`` / ``draft_phy2log`` (EPLB, with redundant
+    slots: distributed.eplb): every layer's / the drafter's physical slots, contiguous over the ranks."""
+    if phy2log is not None:
+        placement = ExpertPlacement.contiguous(len(phy2log), ep_size)
     if not 0 <= ep_rank < ep_size:
         raise ParallelConfigError(f"ep_rank={ep_rank} must lie in [0, ep_size={ep_size})")
     if any(isinstance(b.ffn, ExpertParallelMoE) for b in model.layers):
@@ -130,13 +160,14 @@ def shard_expert_parallel(
     placement = placement or ExpertPlacement.contiguous(model.cfg.n_routed_experts, ep_size)
     if placement.ep_size != ep_size:
         raise ParallelConfigError(f"the placement spans {placement.ep_size} ranks, ep_size is {ep_size}")
-    agree("the model config and expert placement", repr((model.cfg, placement)), group)
+    agree("the model config and expert placement", repr((model.cfg, placement, phy2log, draft_phy2log)), group)
     for block in model.layers:
-        block.ffn = ExpertParallelMoE(block.ffn, placement, ep_rank, group)
+        block.ffn = ExpertParallelMoE(block.ffn, placement, ep_rank, group, phy2log)
     if getattr(model, "mtp", None) is not None:  # the drafter's MoE: its own experts, the contiguous rule
-        draft = ExpertPlacement.contiguous(model.cfg.dspark_n_routed_experts, ep_size)
+        n = model.cfg.dspark_n_routed_experts if draft_phy2log is None else len(draft_phy2log)
+        draft = ExpertPlacement.contiguous(n, ep_size)
         for stage in model.mtp:
-            stage.ffn = ExpertParallelMoE(stage.ffn, draft, ep_rank, group)
+            stage.ffn = ExpertParallelMoE(stage.ffn, draft, ep_rank, group, draft_phy2log)
     model.forward_batch = _JoinSkipped(model, model.forward_batch)
     return model
 

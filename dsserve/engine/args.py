@@ -84,6 +84,28 @@ class EngineArgs:
     enable_expert_parallel: bool = field(
         default=False, metadata=_h("accepted; with one device every expert is local, so it changes nothing")
     )
+    enable_eplb: bool = field(
+        default=False,
+        metadata=_h(
+            "expert-parallel load balancing (docs/eplb.md): redundant expert slots, placed by the recorded load and "
+            "rebalanced live; takes effect with expert parallelism over several ranks"
+        ),
+    )
+    num_redundant_experts: int = field(default=0, metadata=_h("EPLB: the target's extra expert slots (E + R over EP)"))
+    num_redundant_draft_experts: int = field(default=0, metadata=_h("EPLB: the DSpark drafter's extra expert slots"))
+    eplb_window_size: int = field(default=1000, metadata=_h("EPLB: steps of recorded load a placement is made from"))
+    eplb_step_interval: int = field(default=3000, metadata=_h("EPLB: steps between rebalances"))
+    eplb_transfer_chunk: int = field(
+        default=32, metadata=_h("EPLB: expert moves in one chunk of weight transfers; one chunk a step boundary")
+    )
+    eplb_min_gain: float = field(
+        default=0.02,
+        metadata=_h("EPLB: a layer's experts move only if its expected most-loaded rank drops by more than this share"),
+    )
+    uniform_routing: bool = field(
+        default=False,
+        metadata=_h("benchmark reference: every MoE routes uniformly at random (changes outputs; never for serving)"),
+    )
     speculative_config: str | None = field(
         default=None,
         metadata=_h("JSON (vLLM's); speculative decoding (DSpark, MTP) is not yet implemented: setting it is an error"),
@@ -232,6 +254,10 @@ class EngineArgs:
                 f"speculative_config {self.speculative_config!r}: speculative decoding (method {method or 'dspark'}) "
                 "is not yet implemented in dsserve; leave it unset"
             )
+        try:
+            self.eplb_config()
+        except ValueError as e:
+            raise EngineArgsError(str(e)) from None
         if self.swap_space < 0:
             raise EngineArgsError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.quantization not in (None, "fp8", "none"):
@@ -279,6 +305,19 @@ class EngineArgs:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise EngineArgsError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
+    def eplb_config(self):
+        """The EPLB settings as ``distributed.eplb.EplbConfig`` (checked there)."""
+        from ..distributed.eplb import EplbConfig
+
+        return EplbConfig(
+            window_size=self.eplb_window_size,
+            step_interval=self.eplb_step_interval,
+            num_redundant_experts=self.num_redundant_experts,
+            num_redundant_draft_experts=self.num_redundant_draft_experts,
+            transfer_chunk=self.eplb_transfer_chunk,
+            min_gain=self.eplb_min_gain,
+        )
+
     def torch_dtype_name(self, device_type: str) -> str:
         """The loader's dtype name on a device of this type: ``auto`` is bfloat16 on a GPU, float32 on the CPU."""
         name = DTYPE_NAMES[self.dtype]
@@ -295,6 +334,10 @@ class EngineArgs:
             out.append("trust_remote_code: no effect, no remote code is run (the model code is built in)")
         if self.enable_expert_parallel:
             out.append("enable_expert_parallel: no effect on one device (every expert is local)")
+        if self.enable_eplb or self.num_redundant_experts or self.num_redundant_draft_experts:
+            out.append("enable_eplb / num_redundant_*experts: no effect on one device (every expert is local)")
+        if self.uniform_routing:
+            out.append("uniform_routing: not wired into the single-device engine; a balance reference under EP only")
         if self.swap_space != 4.0:
             out.append(f"swap_space {self.swap_space} GiB: no effect, a preempted request is recomputed")
         return out
