@@ -232,13 +232,11 @@ class TPExecutor:
             raise self._fail_step(f"TP rank 0's step failed: {type(e).__name__}: {e}") from e
 
     def _fail_step(self, why: str) -> EngineDeadError:
-        """A TP step failed: a worker's death (the watchdog's words, when it sees one within a second) or ``why``."""
+        """A TP step failed: a worker's death (the watchdog's words, when it sees one within a second: a killed
+        peer's sockets close just before its exit is visible) or ``why``."""
         deadline = time.monotonic() + 1.0
         while self.failure is None and time.monotonic() < deadline:
-            if any(not p.is_alive() for p in self.procs.procs.values()):
-                time.sleep(0.05)  # the watchdog names it
-                continue
-            break
+            time.sleep(0.02)
         self._set_failure(self.failure or why)
         self.close()
         return EngineDeadError(self.failure)
