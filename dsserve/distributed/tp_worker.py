@@ -35,6 +35,7 @@ class TPRank:
     conns: list[Connection]  # rank 0: the control pipes to ranks 1..T-1; a worker: none
     procs: RankProcesses | None = None  # rank 0: the workers
     threads_before: int = 0  # rank 0: this process's torch threads before it took its share of the CPU
+    env_before: dict | None = None  # rank 0: the rendezvous variables before it set its own
 
     def leave(self) -> None:
         """Rank 0, after its workers are reaped: leave the world (a later engine in this process may start
@@ -45,6 +46,11 @@ class TPRank:
             dist.destroy_process_group()
         if self.threads_before:
             torch.set_num_threads(self.threads_before)
+        for k, v in (self.env_before or {}).items():  # a later world must not meet at this one's port
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
     @property
     def rank(self) -> int:
@@ -94,12 +100,14 @@ def start_tensor_parallel(args) -> TPRank:
     from ..engine.executor import dist_timeout_s
 
     tp = args.tensor_parallel_size
-    rdv = Rendezvous.from_env(args.master_addr, args.master_port, args.nnodes, args.node_rank).resolved()
+    rdv = Rendezvous.from_env(args.master_addr, args.master_port, args.nnodes, args.node_rank)
     if rdv.nnodes > 1:
         raise NotImplementedError(
             "tensor parallel across nodes: the step messages travel on pipes of one host; run TP within a node "
             "(--nnodes is for data-parallel replicas)"
         )
+    # one node: the flags' address and port, else a free loopback port (never an earlier world's, left in the env)
+    rdv = Rendezvous(args.master_addr or "127.0.0.1", args.master_port or 0).resolved()
     ctx = torch.multiprocessing.get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(1, tp)]
     procs = RankProcesses.spawn(run_worker, list(range(1, tp)), tp, rdv, [(args, r) for r, _ in pipes])
@@ -108,7 +116,9 @@ def start_tensor_parallel(args) -> TPRank:
         r.close()
         conns.append(w)
     try:
-        os.environ.update(rdv.env(0, tp, 0))
+        env = rdv.env(0, tp, 0)
+        env_before = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         before = _threads(args, tp)
         init_world(_world_backend(args), timeout_s=max(RENDEZVOUS_TIMEOUT_S, dist_timeout_s()))
         groups = new_groups(tp, 1, timeout_s=dist_timeout_s())
@@ -116,7 +126,7 @@ def start_tensor_parallel(args) -> TPRank:
         procs.reap(0)
         raise
     log.info("tensor parallel: %d ranks, workers %s", tp, procs.pids)
-    return TPRank(groups, conns, procs, before)
+    return TPRank(groups, conns, procs, before, env_before)
 
 
 def run_worker(rank: int, args, conn: Connection) -> None:

@@ -58,7 +58,8 @@ def serve(llm: LLM, batch: list[list[int]]) -> dict:
     core.executor.execute = recorded
     try:
         params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
-        reqs = [core.add_request(f"r{i}", p, params) for i, p in enumerate(batch)]
+        exact = SamplingParams(temperature=0, max_tokens=MAX_NEW, prompt_logprobs=2)  # every prompt row's logits
+        reqs = [core.add_request(f"r{i}", p, exact if i == 5 else params) for i, p in enumerate(batch)]
         done = {}
         while core.has_unfinished_requests():
             for out in core.step():
@@ -71,6 +72,7 @@ def serve(llm: LLM, batch: list[list[int]]) -> dict:
         "logits": {k: torch.stack(v) for k, v in logits.items()},
         "cached": sum(o.num_cached_tokens for o in done.values()),
         "preempted": sum(r.num_preemptions for r in reqs),
+        "prompt_logprobs": [(lp and {t: x.logprob for t, x in lp.items()}) for lp in done["r5"].prompt_logprobs],
     }
 
 
@@ -98,6 +100,9 @@ def test_engine_core_tokens_and_logits_match_over_a_busy_batch(engines):
     skipped = two.engine.runner.decoder_rows_skipped
     want, got = serve(one, prompts(model)), serve(two, prompts(model))
     assert got["tokens"] == want["tokens"] and len(got["tokens"]) == 16
+    assert len(got["prompt_logprobs"]) == len(prompts(model)[5])
+    for a, b in zip(got["prompt_logprobs"][1:], want["prompt_logprobs"][1:]):
+        assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-9
     assert all(len(t) == MAX_NEW for t in got["tokens"].values())
     for rid, rows in want["logits"].items():
         assert rows.shape == got["logits"][rid].shape
