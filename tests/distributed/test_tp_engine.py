@@ -4,10 +4,14 @@ against the single-process engine with the same options: the same greedy tokens 
 replay a bounded window (V4.1) and get preempted (a KV cache of a few blocks). One TP engine per model at a time."""
 
 import os
+import signal
+import threading
+import time
 
 import pytest
 import torch
 
+from dsserve.engine.executor import EngineDeadError
 from dsserve.engine.llm import LLM
 from dsserve.engine.sampling_params import SamplingParams
 from dsserve.kv.layout import KVLayout
@@ -114,3 +118,22 @@ def test_engine_core_tokens_and_logits_match_over_a_busy_batch(engines):
         assert two.engine.runner.decoder_rows_skipped > skipped
     stats = two.engine.executor.stats
     assert stats.max_bytes < 4096, stats  # a step message is small: ids, positions, a few tokens and blocks
+
+
+def test_a_killed_worker_ends_generate_with_a_clear_error(engines):
+    """Last in the module for its engine (it kills its worker): LLM.generate raises within seconds, the worker is
+    reaped, later calls fail at once."""
+    model, _, two = engines
+    if model != "tiny":
+        pytest.skip("once is enough")
+    pid = two.engine.executor.procs.pids[1]
+    killer = threading.Timer(0.5, os.kill, (pid, signal.SIGKILL))
+    killer.start()
+    t = time.monotonic()
+    batch = [{"prompt_token_ids": p} for p in prompts(model)[:4]]
+    with pytest.raises(EngineDeadError, match=f"TP worker rank 1 \\(pid {pid}\\)"):
+        two.generate(batch, SamplingParams(temperature=0, max_tokens=150, ignore_eos=True), use_tqdm=False)
+    assert time.monotonic() - t < 0.5 + 10  # generous on a shared host: the failure itself is milliseconds
+    assert not two.engine.executor.procs.procs[1].is_alive()
+    with pytest.raises(EngineDeadError):
+        two.generate(batch[:1], SamplingParams(max_tokens=1), use_tqdm=False)
