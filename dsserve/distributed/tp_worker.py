@@ -151,6 +151,7 @@ def run_worker(rank: int, args, conn: Connection) -> None:
 
 @torch.no_grad()
 def serve_steps(core, conn: Connection) -> None:
+    from ..engine import warmup
     from ..engine.executor import StepMessage
 
     mirror = Mirror(core.kv)
@@ -162,7 +163,11 @@ def serve_steps(core, conn: Connection) -> None:
         msg: StepMessage = pickle.loads(data)
         if msg.stop:
             return
-        core.runner.execute(mirror.apply(msg))
+        r = core.runner
+        warmup.ahead(
+            r.decode_graphs, [g for g in (r.decoder_row_graphs, r.encoder_graphs) if g is not None], msg.ahead_rows
+        )
+        r.execute(mirror.apply(msg))
 
 
 class Mirror:

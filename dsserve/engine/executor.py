@@ -24,7 +24,7 @@ import os
 import pickle
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -133,6 +133,7 @@ class StepMessage:
     new: tuple[NewRequest, ...] = ()
     released: tuple[str, ...] = ()  # preempted: their sequence is gone, their tokens stay
     forgotten: tuple[str, ...] = ()  # finished or aborted
+    ahead_rows: bool = False  # the fixed-shape runners also build their other buckets (the warm-up: engine.warmup)
     stop: bool = False
 
 
@@ -217,7 +218,10 @@ class TPExecutor:
         if self.failure is not None:
             raise EngineDeadError(self.failure)
         t0 = time.perf_counter()
-        data = pickle.dumps(step_message(plan, self._sent), protocol=pickle.HIGHEST_PROTOCOL)
+        msg = step_message(plan, self._sent)
+        if any(g is not None and g.ahead_rows for g in self._graphs()):  # every rank captures the same graphs
+            msg = replace(msg, ahead_rows=True)
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for conn in self.conns:
                 conn.send_bytes(data)
@@ -230,6 +234,10 @@ class TPExecutor:
             return self.runner.execute(plan)
         except Exception as e:
             raise self._fail_step(f"TP rank 0's step failed: {type(e).__name__}: {e}") from e
+
+    def _graphs(self) -> tuple:
+        r = self.runner
+        return r.decode_graphs, r.decoder_row_graphs, r.encoder_graphs
 
     def _fail_step(self, why: str) -> EngineDeadError:
         """A TP step failed: a worker's death (the watchdog's words, when it sees one within a second: a killed
