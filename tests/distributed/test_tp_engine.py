@@ -10,8 +10,10 @@ import time
 
 import pytest
 import torch
+from tiny import tiny_model
 
 from dsserve.engine.executor import EngineDeadError
+from dsserve.engine.greedy import greedy_generate
 from dsserve.engine.llm import LLM
 from dsserve.engine.sampling_params import SamplingParams
 from dsserve.kv.layout import KVLayout
@@ -137,3 +139,30 @@ def test_a_killed_worker_ends_generate_with_a_clear_error(engines):
     assert not two.engine.executor.procs.procs[1].is_alive()
     with pytest.raises(EngineDeadError):
         two.generate(batch[:1], SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+def test_warm_up_and_fixed_shape_decode_steps_run_alike_on_every_rank():
+    """The warm-up (engine.warmup, through the executor) and decode steps in fixed shapes (async_scheduling=True on
+    the CPU; under TP without the step ahead) on the paged backend, the ops on their torch references: the oracle's
+    tokens. (The warm-up's extra buckets, ``ahead_rows``, which the message carries to the workers, run forwards
+    only when CUDA graphs capture: on the CPU both ranks build them without a forward, so this cannot check them.)"""
+    llm = LLM(
+        model="tiny",
+        device="cpu",
+        dtype="float64",
+        tensor_parallel_size=2,
+        attention_backend="paged",
+        reference_ops="all",
+        async_scheduling=True,
+        warmup=True,
+        max_model_len=128,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+    )
+    try:
+        prompt = list(range(5, 25))  # inside the replay window: the full forward is the oracle
+        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+        assert llm.engine.runner.graph_steps > 0
+        assert out[0].outputs[0].token_ids == greedy_generate(tiny_model("tiny"), prompt, 6, bounded_replay=False)
+    finally:
+        llm.engine.close()
