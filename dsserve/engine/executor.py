@@ -265,8 +265,8 @@ class TPExecutor:
         """Stop the workers (a stop message, then their pipes closed) and reap them; idempotent."""
         if self._closed:
             return
-        self._closed = True
-        if self.failure is None:
+        self._closed, clean = True, self.failure is None
+        if clean:
             self.failure = "the engine was closed"
             stop = pickle.dumps(StepMessage(stop=True))
             for conn in self.conns:
@@ -276,5 +276,5 @@ class TPExecutor:
                     pass
         for conn in self.conns:
             conn.close()
-        self.procs.reap(timeout=10.0)
+        self.procs.reap(timeout=10.0 if clean else 1.0)  # a failed rank may be stuck: no use waiting long
         self.tp.leave()

@@ -21,6 +21,9 @@ from ..engine.executor import EngineDeadError
 from ..engine.sampling_params import SamplingParams
 
 log = logging.getLogger("dsserve.server")
+# After the engine is lost, its loop gets this long to come back from the step it is in (a gloo collective fails at
+# once; an NCCL one may wait for its timeout) before the requests are ended without it.
+LOST_GRACE_S = 5.0
 
 
 class EngineOverloaded(RuntimeError):
@@ -57,6 +60,7 @@ class AsyncEngine:
         self._drain_timeout: float | None = None
         self.death: str | None = None  # why the engine was lost
         self.died = threading.Event()
+        self._ending = threading.Lock()
         core.executor.on_failure(self._lost)  # from the executor's watchdog: /health turns at once
         self._thread = threading.Thread(target=self._loop, name="dsserve-engine", daemon=True)
         self._thread.start()
@@ -136,23 +140,31 @@ class AsyncEngine:
         if self.death is None:
             self.death = why
         self._inbox.put(("lost", why))
+        timer = threading.Timer(LOST_GRACE_S, self._end_all)  # the loop may be stuck in the step
+        timer.daemon = True
+        timer.start()
 
     def _end_all(self) -> None:
-        """Every request in flight (queued ones too) ends with a 503; then the loop ends."""
-        cut = EngineShutdown(f"the engine stopped: {self.death}; retry on another server")
-        for rid in list(self._sinks):
-            sub = self._sinks.pop(rid)
-            self._deliver(sub, cut)
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, _Submit):
-                self._deliver(item, cut)
-        if self.metrics is not None:
-            self.metrics.observe_error("internal")
-        self.died.set()
+        """Every request in flight (queued ones too) ends with a 503; then ``died`` is set. Once (the loop's end or
+        the grace timer, whichever comes first)."""
+        with self._ending:
+            if self.died.is_set():
+                return
+            cut = EngineShutdown(f"the engine stopped: {self.death}; retry on another server")
+            for rid in list(self._sinks):
+                sub = self._sinks.pop(rid, None)
+                if sub is not None:
+                    self._deliver(sub, cut)
+            while True:
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, _Submit):
+                    self._deliver(item, cut)
+            if self.metrics is not None:
+                self.metrics.observe_error("internal")
+            self.died.set()
 
     def _loop(self) -> None:
         try:
