@@ -49,14 +49,16 @@ class Rendezvous:
 
     @classmethod
     def from_env(cls, master_addr: str | None, master_port: int | None, nnodes: int, node_rank: int) -> "Rendezvous":
-        """The flags, else torchrun's variables (MASTER_ADDR, MASTER_PORT, NNODES / GROUP_RANK), else one node on a
-        free loopback port."""
+        """The flags, else torchrun's variables (MASTER_ADDR, MASTER_PORT; nodes: WORLD_SIZE / LOCAL_WORLD_SIZE; this
+        node: GROUP_RANK), else one node on a free loopback port."""
         env = os.environ
+        if nnodes == 1 and "LOCAL_WORLD_SIZE" in env and "WORLD_SIZE" in env:
+            nnodes = int(env["WORLD_SIZE"]) // int(env["LOCAL_WORLD_SIZE"])
         return cls(
             master_addr or env.get("MASTER_ADDR", "127.0.0.1"),
             master_port or int(env.get("MASTER_PORT", 0)),
-            nnodes if nnodes != 1 else int(env.get("NNODES", 1)),
-            node_rank if node_rank else int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))),
+            nnodes,
+            node_rank or int(env.get("GROUP_RANK", 0)),
         )
 
     def resolved(self) -> "Rendezvous":

@@ -91,7 +91,9 @@ class EngineArgs:
     distributed_executor_backend: str = field(
         default="mp", metadata=_h("mp: one spawned process per TP rank (the only backend; ray is not supported)")
     )
-    nnodes: int = field(default=1, metadata=_h("nodes of a multi-node run (torchrun's NNODES when unset)"))
+    nnodes: int = field(
+        default=1, metadata=_h("nodes of a multi-node run (unset under torchrun: WORLD_SIZE / LOCAL_WORLD_SIZE)")
+    )
     node_rank: int = field(default=0, metadata=_h("this node's index (torchrun's GROUP_RANK when unset)"))
     master_addr: str | None = field(
         default=None, metadata=_h("the rendezvous host (torchrun's MASTER_ADDR; one node: 127.0.0.1)")

@@ -74,7 +74,8 @@ def test_tensor_parallel_options_are_taken_and_the_others_refused():
 
 
 def test_the_rendezvous_takes_the_flags_else_torchruns_variables(monkeypatch):
-    for k, v in dict(MASTER_ADDR="10.0.0.1", MASTER_PORT="29500", NNODES="2", GROUP_RANK="1").items():
+    env = dict(MASTER_ADDR="10.0.0.1", MASTER_PORT="29500", WORLD_SIZE="8", LOCAL_WORLD_SIZE="4", GROUP_RANK="1")
+    for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert Rendezvous.from_env(None, None, 1, 0) == Rendezvous("10.0.0.1", 29500, 2, 1)
     assert Rendezvous.from_env("h", 1234, 4, 3) == Rendezvous("h", 1234, 4, 3)
