@@ -88,7 +88,7 @@ def test_kv_cache_dtype_refused_names_the_choices():
         EngineArgs(kv_cache_dtype="fp8_e5m2")
 
 
-@pytest.mark.parametrize("flag", ["-tp", "--tensor-parallel-size", "-dp", "--data-parallel-size", "-pp"])
+@pytest.mark.parametrize("flag", ["-dp", "--data-parallel-size", "-pp"])  # -tp runs (tests/distributed/test_tp_engine*)
 def test_parallel_sizes_above_one_are_refused_not_ignored(flag, capsys):
     assert main(["generate", "--model", "tiny", flag, "2"]) == 2
     err = capsys.readouterr().err

@@ -4,8 +4,11 @@ A batch is B requests, each with C tokens already in the cache and N new rows (N
 N > 1: a prefill chunk on top of a cached prefix). The caches are filled with synthetic values, so no
 prefill is needed to reach context C. Time is wall time, on a GPU from a synchronised start to a
 synchronised end; the breakdown comes from hooks on the modules of each stage (host time: on a GPU it
-shows where launches are issued, not where the device spends its time). FLOP/s counts 2 x active
-parameters per row; bandwidth counts the active weights read once per step plus the KV rows the step reads.
+shows where launches are issued, not where the device spends its time). With ``--tensor-parallel-size T`` the
+step goes through the engine's executor: TP rank 0 sends it to the T - 1 workers (which mirror the synthetic
+caches' shapes) and times it on its side; its collectives wait for every rank, so the time is the slowest
+rank's. FLOP/s counts 2 x active parameters per row; bandwidth counts the active weights read once per step
+plus the KV rows the step reads.
 """
 
 from __future__ import annotations
@@ -146,7 +149,7 @@ def bench_forward(core: EngineCore, batch: int, context: int, new_tokens: int, r
             timer.total.clear()
             _sync(core.device)
             t0 = time.perf_counter()
-            sampling, logits = core.runner.execute(plan)
+            sampling, logits = core.executor.execute(plan)  # under TP: every rank runs it, rank 0 times it
             core.scheduler.update(plan, StepOutput())  # the rows are in the cache: the next repeat decodes on
             with timer.around("sampler"):
                 core.sampler(logits.float(), sampling)
@@ -202,10 +205,14 @@ def run_bench_forward(ns) -> int:
         }
     )
     core = EngineCore(args)
-    results = [bench_forward(core, ns.batch, c, ns.new_tokens, ns.repeats) for c in ns.context]
+    try:
+        results = [bench_forward(core, ns.batch, c, ns.new_tokens, ns.repeats) for c in ns.context]
+    finally:
+        core.close()
+    tp = f", TP {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     t = Table(
         title=f"bench forward: {core.cfg.name}, batch {ns.batch}, new tokens {ns.new_tokens}, "
-        f"{args.dtype}, {'CPU' if not torch.cuda.is_available() else 'CUDA'}"
+        f"{args.dtype}, {'CPU' if not torch.cuda.is_available() else 'CUDA'}{tp}"
     )
     # stage columns are ms per step; the side columns (encoder, boundary layer, decoder) and the op columns
     # (attention, indexer, moe) are two cuts of the same time

@@ -28,7 +28,7 @@ KV_CACHE_DTYPE_NAMES = {
     "bf16": "bf16",
     "bfloat16": "bf16",
 }
-PARALLEL_ISSUE = "not yet supported: parallel execution is issue 54; dsserve runs one engine on one device"
+PARALLEL_ISSUE = "not yet supported: parallel execution is issue 54; dsserve runs tensor parallel (-tp) only"
 CLI_ALIASES = {  # vLLM's short flags
     "tensor_parallel_size": ("-tp",),
     "data_parallel_size": ("-dp",),
@@ -78,9 +78,29 @@ class EngineArgs:
             "SamplingParams' own) | a directory holding a generation_config.json"
         ),
     )
-    tensor_parallel_size: int = field(default=1, metadata=_h(f"1 ({PARALLEL_ISSUE})"))
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=_h(
+            "tensor-parallel ranks: this process is rank 0 and spawns the others (one process each, "
+            "--distributed-executor-backend mp), which run the same model cut by the TP pass on their own GPU, or "
+            "their share of the CPU's cores (docs/parallel.md)"
+        ),
+    )
     data_parallel_size: int = field(default=1, metadata=_h(f"1 ({PARALLEL_ISSUE})"))
     pipeline_parallel_size: int = field(default=1, metadata=_h(f"1 ({PARALLEL_ISSUE})"))
+    distributed_executor_backend: str = field(
+        default="mp", metadata=_h("mp: one spawned process per TP rank (the only backend; ray is not supported)")
+    )
+    nnodes: int = field(
+        default=1, metadata=_h("nodes of a multi-node run (unset under torchrun: WORLD_SIZE / LOCAL_WORLD_SIZE)")
+    )
+    node_rank: int = field(default=0, metadata=_h("this node's index (torchrun's GROUP_RANK when unset)"))
+    master_addr: str | None = field(
+        default=None, metadata=_h("the rendezvous host (torchrun's MASTER_ADDR; one node: 127.0.0.1)")
+    )
+    master_port: int | None = field(
+        default=None, metadata=_h("the rendezvous port (torchrun's MASTER_PORT; one node: a free port)")
+    )
     enable_expert_parallel: bool = field(
         default=False, metadata=_h("accepted; with one device every expert is local, so it changes nothing")
     )
@@ -239,9 +259,18 @@ class EngineArgs:
                 f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPE_NAMES)}, got {self.kv_cache_dtype!r}"
             )
         object.__setattr__(self, "kv_cache_dtype", KV_CACHE_DTYPE_NAMES[self.kv_cache_dtype])
-        for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
+        for name in ("data_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) != 1:
                 raise EngineArgsError(f"{name}={getattr(self, name)}: {PARALLEL_ISSUE} (use 1)")
+        if self.tensor_parallel_size < 1:
+            raise EngineArgsError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend != "mp":
+            raise EngineArgsError(
+                f"distributed_executor_backend {self.distributed_executor_backend!r}: only 'mp' (one spawned process "
+                "per rank) is supported"
+            )
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise EngineArgsError(f"node_rank must lie in [0, nnodes={self.nnodes}), got {self.node_rank}")
         if self.speculative_config is not None:
             spec = self.speculative_config
             if isinstance(spec, str):

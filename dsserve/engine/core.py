@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..distributed.tp_worker import TPRank, start_tensor_parallel
 from ..kernels.ops import KernelOps
 from ..kv.paged import KVLayout, PagedKVCache
 from ..models.hub import TOKENIZER_FILES, resolve_model
@@ -27,6 +28,7 @@ from .decode_graphs import DecodeGraphs
 from .decoder_row_graphs import DecoderRowGraphs
 from .detokenizer import StopChecker
 from .encoder_graphs import EncoderGraphs
+from .executor import LocalExecutor, TPExecutor
 from .generation_config import default_sampling
 from .graph_capture import GraphCapture
 from .outputs import CompletionOutput, RequestOutput, make_logprob_dict
@@ -176,10 +178,15 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 class EngineCore:
-    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None):
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None, tp_rank: TPRank | None = None):
         """``loaded``: a model already built (benchmarks build dummy-weight proxies straight on the device);
-        None loads ``args.model``."""
+        None loads ``args.model``. ``tp_rank``: this process's place in a TP group (a worker's engine,
+        distributed.tp_worker); None with ``tensor_parallel_size`` > 1: this engine is TP rank 0 and starts the
+        workers."""
         self.args = args
+        if tp_rank is None and args.tensor_parallel_size > 1:
+            tp_rank = start_tensor_parallel(args)
+        self.tp = tp_rank
         jit_compiles.watch()  # process-wide; this engine counts the compiles from here on (its model's build too)
         self._jit_base = jit_compiles.COMPILES.snapshot()
         self.device = resolve_device(args.device)  # first: a dummy model with packed experts is built there
@@ -197,7 +204,10 @@ class EngineCore:
             quantization=args.quantization,  # a checkpoint loads straight into these forms (release_loader)
             engram_tables=args.engram_tables,
             tokenizer=None if args.tokenizer is None else resolve_model(args.tokenizer, TOKENIZER_FILES),
+            **({} if self.tp is None else {"layout": self.tp.layout(), "tp_group": self.tp.groups.tp}),
         )
+        if self.tp is not None and lm.load_format != "safetensors":  # a checkpoint was read as this rank's share
+            lm.model = self.tp.shard(lm.model)
         if lm.report is not None:  # a checkpoint: what was read, how fast, and into which runtime forms
             r = lm.report
             _say(
@@ -264,6 +274,8 @@ class EngineCore:
         if self.device.type == "cuda" and not (args.kv_cache_memory_bytes or args.kv_cache_memory) and budget > most:
             _say("KV cache: %.2f GiB left for it, capped at %.2f GiB", budget / 2**30, most / 2**30)
             budget = most
+        if self.tp is not None:  # every TP rank's cache has the same blocks: rank 0 sends block ids
+            budget = self.tp.smallest(budget)
         blocks, slots = layout.plan(budget, args.max_num_seqs)
         self.kv = PagedKVCache(
             layout,
@@ -303,7 +315,8 @@ class EngineCore:
         elif backend == "paged" and args.async_scheduling:  # fixed shapes, eager (the CPU)
             graphs = DecodeGraphs(self.model, self.kv, args.max_num_seqs, None, min_context=min_context)
         # Asynchronous scheduling runs only fixed-shape decode steps ahead: they take their tokens from the device.
-        self.async_scheduling = graphs is not None and args.async_scheduling is not False
+        # (under TP the step ahead would take rank 0's device tokens, which the workers do not have)
+        self.async_scheduling = graphs is not None and args.async_scheduling is not False and self.tp is None
         if args.async_scheduling and not self.async_scheduling:
             _say(
                 "async scheduling is off: it needs fixed-shape decode steps (the paged attention backend; this engine "
@@ -313,6 +326,11 @@ class EngineCore:
             )
         self._in_flight: _Launched | None = None  # a step whose tokens the host has not read yet
         self.runner = ModelRunner(self.model, args.replay_form, graphs, decoder_row_graphs, encoder_graphs)
+        self.executor = (
+            TPExecutor(self.runner, self.tp)
+            if self.tp is not None and self.tp.rank == 0
+            else LocalExecutor(self.runner)
+        )
         self.step_check = StepCheck.from_env(self.device)  # a diagnostic: waits for the device after every step
         if self.step_check:
             self.step_check.attach(self.model)
@@ -439,7 +457,7 @@ class EngineCore:
         self.stats.admitted(plan)
         before = self.step_check and self._runner_runs()
         starts = [c.request.num_computed_tokens for c in plan.chunks]
-        sampling, logits = self.runner.execute(plan)
+        sampling, logits = self.executor.execute(plan)
         if self.step_check:
             self._check_step("scheduled", logits, plan, starts, before)
         self._count_runs()
@@ -456,6 +474,10 @@ class EngineCore:
             results, wait = results + out, wait + w
         self.stats.step_done(time.perf_counter() - t0 - wait, wait)
         return results
+
+    def close(self) -> None:
+        """Stops the TP workers, if any (idempotent); the engine runs no step after this."""
+        self.executor.close()
 
     def reset_counts(self) -> None:
         """Counts start again from zero (after the warm-up: engine.warmup); captured graphs and their pools stay."""

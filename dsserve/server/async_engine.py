@@ -2,7 +2,9 @@
 
 Requests and aborts cross into the loop through a queue; each request's outputs come back to the event
 loop through its own ``asyncio.Queue``. A fault in one step aborts that step's requests with an error
-and the loop keeps serving the rest.
+and the loop keeps serving the rest. When the engine itself is lost (a tensor-parallel worker died: the executor's
+``EngineDeadError``) every request in flight ends with an ``EngineShutdown`` (HTTP 503), ``alive`` turns False at
+once and the loop ends; ``died`` is set for the server to exit.
 """
 
 from __future__ import annotations
@@ -15,9 +17,13 @@ import time
 from dataclasses import dataclass
 
 from ..engine.core import EngineCore
+from ..engine.executor import EngineDeadError
 from ..engine.sampling_params import SamplingParams
 
 log = logging.getLogger("dsserve.server")
+# After the engine is lost, its loop gets this long to come back from the step it is in (a gloo collective fails at
+# once; an NCCL one may wait for its timeout) before the requests are ended without it.
+LOST_GRACE_S = 5.0
 
 
 class EngineOverloaded(RuntimeError):
@@ -52,6 +58,10 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._intake_open = True
         self._drain_timeout: float | None = None
+        self.death: str | None = None  # why the engine was lost
+        self.died = threading.Event()
+        self._ending = threading.Lock()
+        core.executor.on_failure(self._lost)  # from the executor's watchdog: /health turns at once
         self._thread = threading.Thread(target=self._loop, name="dsserve-engine", daemon=True)
         self._thread.start()
 
@@ -67,6 +77,8 @@ class AsyncEngine:
     ) -> asyncio.Queue:
         """Queue a request; its outputs (then None at the end, or an exception) arrive on the returned queue.
         The request is validated synchronously by the caller through ``validate`` first."""
+        if self.death is not None:
+            raise EngineOverloaded(f"the engine has stopped: {self.death}")
         if not self._intake_open:
             raise EngineOverloaded("the server is shutting down")
         if self.num_in_flight() >= self.max_waiting + self.core.args.max_num_seqs:
@@ -97,7 +109,7 @@ class AsyncEngine:
             return False
 
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and self.death is None
 
     def num_in_flight(self) -> int:
         return len(self._sinks) + self._inbox.qsize()
@@ -123,15 +135,55 @@ class AsyncEngine:
     def _deliver(self, sub: _Submit, item) -> None:
         sub.loop.call_soon_threadsafe(sub.sink.put_nowait, item)
 
+    def _lost(self, why: str) -> None:
+        """The engine cannot step again (any thread): refuse new work now, wake the loop to end the rest."""
+        if self.death is None:
+            self.death = why
+        self._inbox.put(("lost", why))
+        timer = threading.Timer(LOST_GRACE_S, self._end_all)  # the loop may be stuck in the step
+        timer.daemon = True
+        timer.start()
+
+    def _end_all(self) -> None:
+        """Every request in flight (queued ones too) ends with a 503; then ``died`` is set. Once (the loop's end or
+        the grace timer, whichever comes first)."""
+        with self._ending:
+            if self.died.is_set():
+                return
+            cut = EngineShutdown(f"the engine stopped: {self.death}; retry on another server")
+            for rid in list(self._sinks):
+                sub = self._sinks.pop(rid, None)
+                if sub is not None:
+                    self._deliver(sub, cut)
+            while True:
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, _Submit):
+                    self._deliver(item, cut)
+            if self.metrics is not None:
+                self.metrics.observe_error("internal")
+            self.died.set()
+
     def _loop(self) -> None:
+        try:
+            self._serve()
+        finally:
+            if self.death is not None:
+                self._end_all()
+
+    def _serve(self) -> None:
         deadline = None  # set by a drain: finish in-flight work until then, then abort the rest
-        while True:
+        while self.death is None:
             idle = not self.core.has_unfinished_requests() and deadline is None
             try:
                 item = self._inbox.get() if idle else self._inbox.get_nowait()
             except queue.Empty:
                 item = None
             while item is not None:
+                if isinstance(item, tuple) and item[0] == "lost":
+                    return
                 if isinstance(item, tuple) and item[0] == "drain":
                     deadline = time.monotonic() + item[1]
                 else:
@@ -183,6 +235,9 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outs = self.core.step()
+        except EngineDeadError as e:  # the engine itself is lost: _loop ends every request
+            self._lost(str(e))
+            return
         except Exception as e:  # a real fault: fail the requests of this step, keep the engine alive
             log.exception("engine step failed")
             running = [r.request_id for r in self.core.scheduler.running]

@@ -15,6 +15,7 @@ import gc
 import logging
 import os
 import socket
+import threading
 import time
 
 from ..engine.args import EngineArgs
@@ -289,8 +290,21 @@ def _serve(ns: argparse.Namespace, sock: socket.socket, t0: float) -> int:
         log.info("shutting down: in-flight requests get %g s (--shutdown-timeout), then are cut", ns.shutdown_timeout)
         engine.begin_drain(ns.shutdown_timeout)
 
-    _GracefulServer(config, ready, stopping).run(sockets=[sock])
+    server = _GracefulServer(config, ready, stopping)
+
+    def stop_when_lost():  # a lost engine (a TP worker died): requests got their 503s; the server exits non-zero
+        engine.died.wait()
+        server.should_exit = True
+
+    threading.Thread(target=stop_when_lost, name="dsserve-engine-lost", daemon=True).start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        core.close()  # the TP workers, if any: stopped and reaped
     gc.freeze()  # the interpreter's exit then skips a last collection over every object: 0.4 s instead of 1.2-2 s
+    if engine.death is not None:
+        log.error("exiting with status 1: %s", engine.death)
+        return 1
     return 0
 
 

@@ -42,7 +42,7 @@ def test_vllm_keyword_arguments_are_taken_with_their_meaning(llm):
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (dict(tensor_parallel_size=2), "issue 54"),
+        (dict(pipeline_parallel_size=2), "issue 54"),
         (dict(dtype="int8"), "dtype must be one of"),
         (dict(quantization="awq"), "quantization must be fp8, none or None"),
         (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype must be one of"),

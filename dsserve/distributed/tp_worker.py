@@ -1,0 +1,207 @@
+"""The tensor-parallel process model of one engine: TP rank 0 is the engine's own process, ranks 1..T-1 are workers.
+
+``start_tensor_parallel(args)`` (rank 0, from ``EngineCore``) spawns the workers (``launch.RankProcesses``), joins the
+world as rank 0 and builds the TP group. Each worker (``run_worker``) joins the same world, builds the same
+``EngineCore`` on its ``TPRank`` (the same model with the TP pass, or its share of a checkpoint through
+``load_release``'s ``ParallelLayout``; the same ``ModelRunner``, its own paged KV of the same shape), then loops:
+receive a ``StepMessage`` on its pipe, apply it to its mirror of the requests, run the step, until ``stop`` or its
+parent's end. Its logits are dropped: rank 0 samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+
+import torch
+
+from .groups import ParallelGroups, init_world, new_groups
+from .launch import RankProcesses, Rendezvous, report_and_exit
+
+log = logging.getLogger("dsserve")
+# Joining the world waits for every rank's start (a spawned interpreter importing torch: seconds, minutes on a busy
+# host); the collectives then run on the TP group with the executor's shorter timeout.
+RENDEZVOUS_TIMEOUT_S = 600.0
+
+
+@dataclass
+class TPRank:
+    """This process's place in its engine's TP group."""
+
+    groups: ParallelGroups
+    conns: list[Connection]  # rank 0: the control pipes to ranks 1..T-1; a worker: none
+    procs: RankProcesses | None = None  # rank 0: the workers
+    threads_before: int = 0  # rank 0: this process's torch threads before it took its share of the CPU
+    env_before: dict | None = None  # rank 0: the rendezvous variables before it set its own
+
+    def leave(self) -> None:
+        """Rank 0, after its workers are reaped: leave the world (a later engine in this process may start
+        another) and take back the CPU threads."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if self.threads_before:
+            torch.set_num_threads(self.threads_before)
+        for k, v in (self.env_before or {}).items():  # a later world must not meet at this one's port
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    @property
+    def rank(self) -> int:
+        return self.groups.tp_rank
+
+    @property
+    def size(self) -> int:
+        return self.groups.tp_size
+
+    def layout(self):
+        from .layout import ParallelLayout
+
+        return ParallelLayout(tp_rank=self.rank, tp_size=self.size)
+
+    def shard(self, model):
+        from .tensor_parallel import shard_tensor_parallel
+
+        return shard_tensor_parallel(model, self.rank, self.size, self.groups.tp)
+
+    def smallest(self, n: int) -> int:
+        """The least ``n`` over the TP ranks (a collective): every rank sizes its cache alike."""
+        import torch.distributed as dist
+
+        t = torch.tensor([n], dtype=torch.long)
+        if dist.get_backend(self.groups.tp) == "nccl":
+            t = t.cuda()
+        dist.all_reduce(t, dist.ReduceOp.MIN, group=self.groups.tp)
+        return int(t.item())
+
+
+def _world_backend(args) -> str:
+    return "gloo" if args.device == "cpu" or not torch.cuda.is_available() else "auto"
+
+
+def _threads(args, world: int) -> int:
+    """On the CPU the ranks share the host's cores: each takes its share (oversubscribed ranks slow every
+    collective's slowest member). Returns the threads before (0: unchanged)."""
+    before = torch.get_num_threads()
+    if args.device == "cpu" or not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        return before
+    return 0
+
+
+def start_tensor_parallel(args) -> TPRank:
+    """Rank 0's side: spawn TP ranks 1..T-1 of this node, join the world, build the TP group."""
+    from ..engine.executor import dist_timeout_s
+
+    tp = args.tensor_parallel_size
+    rdv = Rendezvous.from_env(args.master_addr, args.master_port, args.nnodes, args.node_rank)
+    if rdv.nnodes > 1:
+        raise NotImplementedError(
+            "tensor parallel across nodes: the step messages travel on pipes of one host; run TP within a node "
+            "(--nnodes is for data-parallel replicas)"
+        )
+    # one node: the flags' address and port, else a free loopback port (never an earlier world's, left in the env)
+    rdv = Rendezvous(args.master_addr or "127.0.0.1", args.master_port or 0).resolved()
+    ctx = torch.multiprocessing.get_context("spawn")
+    pipes = [ctx.Pipe(duplex=False) for _ in range(1, tp)]
+    procs = RankProcesses.spawn(run_worker, list(range(1, tp)), tp, rdv, [(args, r) for r, _ in pipes])
+    conns = []
+    for r, w in pipes:
+        r.close()
+        conns.append(w)
+    try:
+        env = rdv.env(0, tp, 0)
+        env_before = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        before = _threads(args, tp)
+        init_world(_world_backend(args), timeout_s=max(RENDEZVOUS_TIMEOUT_S, dist_timeout_s()))
+        groups = new_groups(tp, 1, timeout_s=dist_timeout_s())
+    except BaseException:
+        procs.reap(0)
+        raise
+    log.info("tensor parallel: %d ranks, workers %s", tp, procs.pids)
+    return TPRank(groups, conns, procs, before, env_before)
+
+
+def run_worker(rank: int, args, conn: Connection) -> None:
+    """A TP worker (a spawned process; its environment holds the rendezvous): the engine's model and cache on this
+    rank, stepped by rank 0's messages. Any error ends the process with status 1 and its traceback on stderr."""
+    try:
+        from ..engine.core import EngineCore
+        from ..engine.executor import dist_timeout_s
+
+        tp = args.tensor_parallel_size
+        _threads(args, tp)
+        init_world(_world_backend(args), timeout_s=max(RENDEZVOUS_TIMEOUT_S, dist_timeout_s()))
+        groups = new_groups(tp, 1, timeout_s=dist_timeout_s())
+        if args.device != "cpu" and torch.cuda.is_available():
+            args = replace(args, device=f"cuda:{torch.cuda.current_device()}")
+        core = EngineCore(replace(args, warmup=False), tp_rank=TPRank(groups, []))
+        serve_steps(core, conn)
+    except BaseException:
+        report_and_exit(f"TP worker rank {rank} failed")
+    os._exit(0)  # no teardown of a world whose rank 0 may be gone
+
+
+@torch.no_grad()
+def serve_steps(core, conn: Connection) -> None:
+    from ..engine import warmup
+    from ..engine.executor import StepMessage
+
+    mirror = Mirror(core.kv)
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except EOFError:  # rank 0 is gone
+            return
+        msg: StepMessage = pickle.loads(data)
+        if msg.stop:
+            return
+        r = core.runner
+        warmup.ahead(
+            r.decode_graphs, [g for g in (r.decoder_row_graphs, r.encoder_graphs) if g is not None], msg.ahead_rows
+        )
+        r.execute(mirror.apply(msg))
+
+
+class Mirror:
+    """A worker's copy of rank 0's requests: tokens, progress, sequences over this rank's cache."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.requests = {}
+
+    def apply(self, msg):
+        from ..engine.request import Request
+        from ..engine.sampling_params import SamplingParams
+        from ..engine.scheduler import ScheduledChunk, StepPlan
+
+        for rid in msg.forgotten:
+            self.requests.pop(rid, None)
+        for rid in msg.released:
+            r = self.requests[rid]
+            r.kv, r.decoder_start = None, None
+        for n in msg.new:
+            params = SamplingParams(max_tokens=1, prompt_logprobs=n.prompt_logprobs)
+            self.requests[n.request_id] = Request(n.request_id, list(n.prompt_token_ids), params)
+        chunks = []
+        for c in msg.chunks:
+            r = self.requests[c.request_id]
+            r.output_token_ids.extend(c.output_tokens)
+            if c.seq is not None:
+                r.kv, r.decoder_start = c.seq.build(self.cache), c.seq.decoder_start
+            r.kv.block_table.extend(c.new_blocks)
+            if r.kv.num_tokens != c.start:
+                raise RuntimeError(
+                    f"request {c.request_id}: this rank's sequence is at {r.kv.num_tokens} tokens, rank 0 runs it "
+                    f"from {c.start} (the mirror is out of step)"
+                )
+            r.num_computed_tokens = c.start
+            chunks.append(ScheduledChunk(r, c.rows))
+        return StepPlan(chunks, [])
