@@ -79,10 +79,20 @@ class EngineArgs:
         ),
     )
     tensor_parallel_size: int = field(default=1, metadata=_h(f"1 ({PARALLEL_ISSUE})"))
-    data_parallel_size: int = field(default=1, metadata=_h(f"1 ({PARALLEL_ISSUE})"))
+    data_parallel_size: int = field(
+        default=1,
+        metadata=_h(
+            "engine cores, one process each with its own scheduler and KV cache; requests are routed to the least "
+            "loaded, keeping a session on one rank (distributed.dp_client)"
+        ),
+    )
     pipeline_parallel_size: int = field(default=1, metadata=_h(f"1 ({PARALLEL_ISSUE})"))
     enable_expert_parallel: bool = field(
-        default=False, metadata=_h("accepted; with one device every expert is local, so it changes nothing")
+        default=False,
+        metadata=_h(
+            "with data_parallel_size > 1: spread the routed experts over the DP ranks (DEP: DP attention + expert "
+            "parallel, the ranks stepping in lockstep); with one rank every expert is local, so it changes nothing"
+        ),
     )
     speculative_config: str | None = field(
         default=None,
@@ -217,7 +227,9 @@ class EngineArgs:
                 f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPE_NAMES)}, got {self.kv_cache_dtype!r}"
             )
         object.__setattr__(self, "kv_cache_dtype", KV_CACHE_DTYPE_NAMES[self.kv_cache_dtype])
-        for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
+        if self.data_parallel_size < 1:
+            raise EngineArgsError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) != 1:
                 raise EngineArgsError(f"{name}={getattr(self, name)}: {PARALLEL_ISSUE} (use 1)")
         if self.speculative_config is not None:
@@ -293,7 +305,7 @@ class EngineArgs:
             out.append(f"tokenizer_mode {self.tokenizer_mode!r}: no effect, this family has one tokenizer")
         if self.trust_remote_code:
             out.append("trust_remote_code: no effect, no remote code is run (the model code is built in)")
-        if self.enable_expert_parallel:
+        if self.enable_expert_parallel and self.data_parallel_size == 1:
             out.append("enable_expert_parallel: no effect on one device (every expert is local)")
         if self.swap_space != 4.0:
             out.append(f"swap_space {self.swap_space} GiB: no effect, a preempted request is recomputed")

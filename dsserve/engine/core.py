@@ -176,9 +176,10 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 class EngineCore:
-    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None):
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None, model_pass=None):
         """``loaded``: a model already built (benchmarks build dummy-weight proxies straight on the device);
-        None loads ``args.model``."""
+        None loads ``args.model``. ``model_pass``: model -> model, run on the loaded model before it moves to the
+        device (a DP rank's expert-parallel pass: distributed.dp_rank)."""
         self.args = args
         jit_compiles.watch()  # process-wide; this engine counts the compiles from here on (its model's build too)
         self._jit_base = jit_compiles.COMPILES.snapshot()
@@ -207,6 +208,8 @@ class EngineCore:
                 r.bytes_read / max(r.seconds, 1e-9) / 1e6,
                 ", ".join(f"{k} {v}" for k, v in r.forms.items()),
             )
+        if model_pass is not None:
+            lm.model = model_pass(lm.model)
         if loaded is not None and args.expert_format:  # layers already packed in that format are left alone
             quantize_experts(lm.model, args.expert_format, keep_dense=self.device.type == "cpu")
         if args.engram_tables != "device":  # before .to(device): the real tables are hundreds of GB
@@ -312,6 +315,9 @@ class EngineCore:
                 self.cfg.name,
             )
         self._in_flight: _Launched | None = None  # a step whose tokens the host has not read yet
+        # DP ranks in lockstep (distributed.dp_rank.Lockstep): sees every plan before its forward, so that a rank
+        # with an empty plan joins its peers' forward; None: a lone engine
+        self.lockstep = None
         self.runner = ModelRunner(self.model, args.replay_form, graphs, decoder_row_graphs, encoder_graphs)
         self.step_check = StepCheck.from_env(self.device)  # a diagnostic: waits for the device after every step
         if self.step_check:
@@ -434,6 +440,8 @@ class EngineCore:
                 return out
             results = out  # the next step depends on what the host just read: run it the synchronous way
         plan = self.scheduler.schedule()
+        if self.lockstep is not None:
+            self.lockstep.before_forward(plan)
         if not plan.chunks:
             return results
         self.stats.admitted(plan)

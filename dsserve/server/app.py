@@ -98,7 +98,10 @@ def build_app(
     @app.get("/health")
     async def health():
         if not engine.alive():
-            return err(503, "the engine loop is not running", "service_unavailable")
+            why = getattr(engine, "fatal", None)
+            return err(
+                503, f"the engine died: {why}" if why else "the engine loop is not running", "service_unavailable"
+            )
         return {"status": "ok", "in_flight": engine.num_in_flight()}
 
     @app.get("/metrics")

@@ -3,6 +3,11 @@
 Requests and aborts cross into the loop through a queue; each request's outputs come back to the event
 loop through its own ``asyncio.Queue``. A fault in one step aborts that step's requests with an error
 and the loop keeps serving the rest.
+
+With data parallelism ``core`` is a ``distributed.dp_client.DPClient`` (the same calls over one engine core a rank
+process). A rank that dies takes the whole group down (``EngineDeadError``): every request in flight gets an
+``EngineShutdown`` (HTTP 503), the loop ends (``/health`` answers 503) and ``dead`` is set for the server to exit
+non-zero.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ..distributed.dp_client import EngineDeadError
 from ..engine.core import EngineCore
 from ..engine.sampling_params import SamplingParams
 
@@ -52,6 +58,8 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._intake_open = True
         self._drain_timeout: float | None = None
+        self.fatal: str | None = None  # why the engine died (a DP rank), else None
+        self.dead = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dsserve-engine", daemon=True)
         self._thread.start()
 
@@ -67,9 +75,11 @@ class AsyncEngine:
     ) -> asyncio.Queue:
         """Queue a request; its outputs (then None at the end, or an exception) arrive on the returned queue.
         The request is validated synchronously by the caller through ``validate`` first."""
+        if self.fatal is not None:
+            raise EngineShutdown(f"the engine died: {self.fatal.splitlines()[0]}")
         if not self._intake_open:
             raise EngineOverloaded("the server is shutting down")
-        if self.num_in_flight() >= self.max_waiting + self.core.args.max_num_seqs:
+        if self.num_in_flight() >= self.max_waiting + self.core.args.max_num_seqs * self.core.args.data_parallel_size:
             raise EngineOverloaded(
                 f"{self.num_in_flight()} requests in flight; the waiting queue is full "
                 f"({self.max_waiting}); retry later"
@@ -97,7 +107,7 @@ class AsyncEngine:
             return False
 
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and self.fatal is None
 
     def num_in_flight(self) -> int:
         return len(self._sinks) + self._inbox.qsize()
@@ -153,6 +163,29 @@ class AsyncEngine:
                 return
             if busy:
                 self._step()
+            if self.fatal is not None:
+                return
+
+    def _die(self, why: str) -> None:
+        """The engine is gone: every request in flight or queued ends with an ``EngineShutdown`` (503)."""
+        log.error("the engine died; failing %d requests in flight: %s", len(self._sinks), why)
+        self.fatal, self._intake_open = why, False
+        cut = EngineShutdown(f"the engine died ({why.splitlines()[0]}); retry on another server")
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Submit):
+                self._deliver(item, cut)
+            elif item[0] == "reset_prefix_cache":
+                item[2].call_soon_threadsafe(item[1].set_result, False)
+        for sub in self._sinks.values():
+            self._deliver(sub, cut)
+        self._sinks.clear()
+        if self.metrics is not None:
+            self.metrics.observe_error("unavailable")
+        self.dead.set()
 
     def _handle(self, item) -> None:
         if isinstance(item, _Submit):
@@ -183,6 +216,9 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outs = self.core.step()
+        except EngineDeadError as e:
+            self._die(str(e))
+            return
         except Exception as e:  # a real fault: fail the requests of this step, keep the engine alive
             log.exception("engine step failed")
             running = [r.request_id for r in self.core.scheduler.running]
@@ -199,6 +235,10 @@ class AsyncEngine:
             for out in outs:
                 self.metrics.observe_output(out)
             self.metrics.end_step()  # before delivering: a client that reads /metrics after its reply sees it
+        for rid, why in getattr(self.core, "pop_failures", list)():  # a DP rank refused them
+            sub = self._sinks.pop(rid, None)
+            if sub is not None:
+                self._deliver(sub, EngineFault(f"the engine refused the request: {why}"))
         for out in outs:
             sub = self._sinks.get(out.request_id)
             if sub is None:

@@ -15,6 +15,7 @@ import gc
 import logging
 import os
 import socket
+import threading
 import time
 
 from ..engine.args import EngineArgs
@@ -236,9 +237,14 @@ def _serve(ns: argparse.Namespace, sock: socket.socket, t0: float) -> int:
             )
         except (ValueError, OSError) as e:
             raise SystemExit(f"--kernel-manifest {ns.kernel_manifest}: {e}") from None
-    core = EngineCore(args)
-    if warmup.wanted(args.warmup, core.device):
-        warmup.warm_up(core)  # before the port opens: /health answers once the first shapes are compiled and captured
+    if args.data_parallel_size > 1:  # one engine core per rank, each in its own process (they warm up alone)
+        from ..distributed.dp_client import DPClient
+
+        core = DPClient(args)
+    else:
+        core = EngineCore(args)
+        if warmup.wanted(args.warmup, core.device):
+            warmup.warm_up(core)  # before the port opens: /health answers once the first shapes are compiled
     if ns.kernel_manifest:
         log.info("kernel manifest %s: %d kernels listed", ns.kernel_manifest, kernel_manifest.save(ns.kernel_manifest))
     names = served_names(args.model, ns.served_model_name)
@@ -270,6 +276,8 @@ def _serve(ns: argparse.Namespace, sock: socket.socket, t0: float) -> int:
     async def lifespan(_):
         yield
         engine.shutdown(ns.shutdown_timeout)  # uvicorn has stopped accepting; drain, then abort the rest
+        if hasattr(core, "close"):  # DP ranks: stopped, none left behind
+            core.close()
         if ns.kernel_manifest:  # with what serving compiled besides the warm-up
             kernel_manifest.save(ns.kernel_manifest)
 
@@ -289,9 +297,17 @@ def _serve(ns: argparse.Namespace, sock: socket.socket, t0: float) -> int:
         log.info("shutting down: in-flight requests get %g s (--shutdown-timeout), then are cut", ns.shutdown_timeout)
         engine.begin_drain(ns.shutdown_timeout)
 
-    _GracefulServer(config, ready, stopping).run(sockets=[sock])
+    server = _GracefulServer(config, ready, stopping)
+
+    def stop_when_dead():  # a dead engine (a DP rank) stops the server: its requests got their 503s already
+        engine.dead.wait()
+        log.error("the engine died: the server stops with a non-zero exit status")
+        server.should_exit = True
+
+    threading.Thread(target=stop_when_dead, name="dsserve-engine-watch", daemon=True).start()
+    server.run(sockets=[sock])
     gc.freeze()  # the interpreter's exit then skips a last collection over every object: 0.4 s instead of 1.2-2 s
-    return 0
+    return 1 if engine.fatal else 0
 
 
 def serving_notes(ns: argparse.Namespace) -> list[str]:
