@@ -45,7 +45,9 @@ def waves(rank: int, name: str) -> list[list[tuple[str, list[int]]]]:
     """Three waves of (request id, prompt): 16 concurrent requests over both ranks (rank 0 holds 10), then 8 that
     extend wave 1's prompts on the rank that served them (prefix hits), then 3 on rank 0 alone (rank 1 idle)."""
     g = torch.Generator().manual_seed(7)
-    first = [torch.randint(3, 8000, (n,), generator=g).tolist() for n in (LONG[name], 33, 47, LONG[name], 5, 64, 18, 71)]
+    first = [
+        torch.randint(3, 8000, (n,), generator=g).tolist() for n in (LONG[name], 33, 47, LONG[name], 5, 64, 18, 71)
+    ]
     first += [torch.randint(3, 8000, (n,), generator=g).tolist() for n in (9, 40, 12, 55, 26, 3, 60, 31)]
     owner = [0, 1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 0, 0, 1, 0, 1]
     ext = [p + torch.randint(3, 8000, (10,), generator=g).tolist() for p in first[:8]]
