@@ -101,8 +101,6 @@ class EPBalance:
             "step_balance_p10": ratios[len(ratios) // 10] if ratios else 1.0,
         }
 
-    def reset(self) -> None:
-        self.window, self.steps, self.step_ratios, self.last = None, 0, [], None
 
 
 class DPClient:

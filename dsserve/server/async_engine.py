@@ -48,6 +48,7 @@ class _Submit:
     session_id: str | None
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    rank: int | None = None  # a pinned DP rank (DPClient only)
 
 
 class AsyncEngine:
@@ -72,6 +73,7 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         session_id: str | None = None,
+        rank: int | None = None,
     ) -> asyncio.Queue:
         """Queue a request; its outputs (then None at the end, or an exception) arrive on the returned queue.
         The request is validated synchronously by the caller through ``validate`` first."""
@@ -86,7 +88,9 @@ class AsyncEngine:
             )
         sink: asyncio.Queue = asyncio.Queue()
         self._inbox.put(
-            _Submit(request_id, prompt, params, priority, cache_salt, session_id, sink, asyncio.get_running_loop())
+            _Submit(
+                request_id, prompt, params, priority, cache_salt, session_id, sink, asyncio.get_running_loop(), rank
+            )
         )
         return sink
 
@@ -190,8 +194,9 @@ class AsyncEngine:
     def _handle(self, item) -> None:
         if isinstance(item, _Submit):
             try:
+                pin = {} if item.rank is None else {"rank": item.rank}
                 self.core.add_request(
-                    item.request_id, item.prompt, item.params, item.priority, item.cache_salt, item.session_id
+                    item.request_id, item.prompt, item.params, item.priority, item.cache_salt, item.session_id, **pin
                 )
                 self._sinks[item.request_id] = item
             except Exception as e:  # validated before, so this is a race or a fault: report, keep serving

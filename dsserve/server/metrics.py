@@ -328,7 +328,18 @@ class EngineMetrics:
         self.ep_rows_per_rank = gauge(
             "ep_rows_per_rank_per_step", "Expert rows an EP rank ran per MoE layer and step, over the window.", own=True
         ).labels(model_name)
+        self.ep_rows = counter(
+            "ep_expert_rows",
+            "Rows the routed experts of an EP rank ran in a MoE layer (lockstep steps every rank reported): a "
+            "window's balance per layer is mean over ranks / max over ranks of its increase.",
+            ["layer", "rank"],
+            own=True,
+        )
+        self.ep_steps = counter(
+            "ep_steps", "Lockstep steps of the EP ranks counted in ep_expert_rows.", own=True
+        ).labels(model_name)
         self._rank_stats: dict[int, tuple[int, int]] = {}
+        self._ep_seen: tuple[int, list] = (0, [])
 
         tok = build_1_2_5_buckets(max_model_len)
         self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
@@ -457,8 +468,16 @@ class EngineMetrics:
                 self._rank_stats[r] = (q, h)
             bal = client.ep_balance
             if bal.steps:
-                for layer, b in enumerate(bal.layer_balance()):
+                steps, seen = self._ep_seen
+                for layer, (b, rows) in enumerate(zip(bal.layer_balance(), bal.window)):
                     self.ep_balance.labels(m, str(layer)).set(b)
+                    for r, n in enumerate(rows):
+                        before = seen[layer][r] if layer < len(seen) else 0
+                        if n > before:
+                            self.ep_rows.labels(m, str(layer), str(r)).inc(n - before)
+                if bal.steps > steps:
+                    self.ep_steps.inc(bal.steps - steps)
+                self._ep_seen = (bal.steps, [list(v) for v in bal.window])
                 self.ep_step_balance.set(bal.step_ratios[-1] if bal.step_ratios else 1.0)
                 self.ep_rows_per_rank.set(bal.summary()["rows_per_rank_per_step"])
 

@@ -100,6 +100,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "reasoning_content (and vLLM's reasoning)",
     )
     p.add_argument(
+        "--uniform-routing",
+        action="store_true",
+        help="with -dp > 1 and --enable-expert-parallel: every MoE layer routes each row to top-k experts drawn "
+        "uniformly, the balanced reference of the EP balance metrics (the outputs are not the model's)",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -240,8 +246,10 @@ def _serve(ns: argparse.Namespace, sock: socket.socket, t0: float) -> int:
     if args.data_parallel_size > 1:  # one engine core per rank, each in its own process (they warm up alone)
         from ..distributed.dp_client import DPClient
 
-        core = DPClient(args)
+        core = DPClient(args, uniform_routing=ns.uniform_routing)
     else:
+        if ns.uniform_routing:
+            raise SystemExit("--uniform-routing needs -dp > 1 and --enable-expert-parallel")
         core = EngineCore(args)
         if warmup.wanted(args.warmup, core.device):
             warmup.warm_up(core)  # before the port opens: /health answers once the first shapes are compiled

@@ -1,6 +1,6 @@
-"""`dsserve serve -dp 2 --enable-expert-parallel` as a process: it serves, exports each rank's load with a `rank`
-label, and when a DP rank is killed mid-request the request gets a 503 within seconds, /health is unhealthy, the
-server exits non-zero and none of its processes is left (checked by pid)."""
+"""`dsserve serve -dp 2 --enable-expert-parallel` as a process: it serves, pins a request by X-data-parallel-rank,
+exports each rank's load with a `rank` label, and when a DP rank is killed mid-request the request gets a 503 within
+seconds, /health is unhealthy, the server exits non-zero and none of its processes is left (checked by pid)."""
 
 import os
 import signal
@@ -57,7 +57,13 @@ def test_dp_server_serves_then_a_killed_rank_ends_it_cleanly():
             base + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 3}, timeout=60
         )
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+        pinned = {"model": "tiny", "prompt": "pinned", "max_tokens": 2}
+        r = httpx.post(base + "/v1/completions", json=pinned, headers={"X-data-parallel-rank": "1"}, timeout=60)
+        assert r.status_code == 200
+        bad = httpx.post(base + "/v1/completions", json=pinned, headers={"X-data-parallel-rank": "2"}, timeout=60)
+        assert bad.status_code == 400 and "ranks are 0..1" in bad.json()["error"]["message"]
         metrics = httpx.get(base + "/metrics", timeout=10).text
+        assert 'dsserve:dp_rank_requests_routed{model_name="tiny",rank="1"} 1.0' in metrics
         assert 'dsserve:dp_rank_requests_routed{model_name="tiny",rank="0"}' in metrics
         assert 'rank="1"' in metrics and "dsserve:dp_rank_prefix_cache_hit_rate" in metrics
         procs = descendants(proc.pid)
