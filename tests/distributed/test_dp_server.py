@@ -2,6 +2,7 @@
 exports each rank's load with a `rank` label, and when a DP rank is killed mid-request the request gets a 503 within
 seconds, /health is unhealthy, the server exits non-zero and none of its processes is left (checked by pid)."""
 
+import json
 import os
 import signal
 import sys
@@ -9,6 +10,9 @@ import threading
 import time
 
 import httpx
+
+from dsserve.cli import main
+from dsserve.models.presets import preset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from live_server import SERVER_ARGS, spawn  # noqa: E402
@@ -50,7 +54,22 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def test_dp_server_serves_then_a_killed_rank_ends_it_cleanly():
+def bench_replay(base: str, tmp_path) -> None:
+    """`dsserve bench agentx --dp-replay lag`: the same requests on both ranks, rank 1's a second later; each rank's
+    output tokens, and the EP balance of the window from the server's per-layer, per-rank expert rows."""
+    argv = ["bench", "agentx", "--base-url", base, "--preset", "small", "--seed", "1", "--concurrency", "1"]
+    argv += ["--duration", "3", "--fast", "--num-sessions", "2", "--scale", "0.02", "--output-dir", str(tmp_path)]
+    assert main([*argv, "--dp-replay", "lag", "--lag", "1"]) == 0
+    (pt,) = json.loads((tmp_path / "summary.json").read_text())["points"]
+    assert pt["errors"] == 0 and pt["dp_replay"] == "lag"
+    tokens = pt["dp_rank_tokens"]["tokens"]
+    assert set(tokens) == {"0", "1"} and 0 < pt["dp_rank_tokens"]["imbalance"] <= 1
+    ep = pt["ep_balance"]
+    assert ep["ep_ranks"] == 2 and 0.5 <= ep["overall"] <= 1 and ep["steps"] > 0
+    assert ep["rows_per_rank_per_layer_step"] > 0 and len(ep["per_layer"]) == preset("tiny").num_hidden_layers
+
+
+def test_dp_server_serves_then_a_killed_rank_ends_it_cleanly(tmp_path):
     proc, base = spawn("tiny", [*SERVER_ARGS, "-dp", "2", "--enable-expert-parallel"])
     try:
         ok = httpx.post(
@@ -66,6 +85,7 @@ def test_dp_server_serves_then_a_killed_rank_ends_it_cleanly():
         assert 'dsserve:dp_rank_requests_routed{model_name="tiny",rank="1"} 1.0' in metrics
         assert 'dsserve:dp_rank_requests_routed{model_name="tiny",rank="0"}' in metrics
         assert 'rank="1"' in metrics and "dsserve:dp_rank_prefix_cache_hit_rate" in metrics
+        bench_replay(base, tmp_path)
         procs = descendants(proc.pid)
         ranks = [p for p in procs if "spawn_main" in cmdline(p) and "resource_tracker" not in cmdline(p)]
         assert len(ranks) == 2, [cmdline(p) for p in procs]
