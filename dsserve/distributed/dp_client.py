@@ -102,7 +102,6 @@ class EPBalance:
         }
 
 
-
 class DPClient:
     def __init__(
         self,
@@ -114,10 +113,12 @@ class DPClient:
         ready_timeout_s: float = 600.0,
         poll_s: float = 0.005,
         kill_after_s: float = 2.0,
+        rank_threads: int | None = None,
     ):
         """Spawn ``args.data_parallel_size`` ranks and wait until each has built its engine. ``policy``, ``slack``:
         the router's (``dp_router.DPRouter``). ``uniform_routing``: EP ranks route uniformly (a balance reference:
-        changes the outputs). ``group_timeout_s``: a collective waiting longer fails its rank (and so the group)."""
+        changes the outputs). ``group_timeout_s``: a collective waiting longer fails its rank (and so the group).
+        ``rank_threads``: each rank's torch threads (None: the CPUs shared out)."""
         self.args = args
         self.dp_size = args.data_parallel_size
         self.expert_parallel = args.enable_expert_parallel and self.dp_size > 1
@@ -125,7 +126,7 @@ class DPClient:
         self.dead: str | None = None
         ctx = mp.get_context("spawn")
         port = _free_port()
-        threads = max(1, (os.cpu_count() or 1) // self.dp_size)
+        threads = rank_threads or max(1, (os.cpu_count() or 1) // self.dp_size)
         self.conns, self.procs = [], []
         for r in range(self.dp_size):
             ours, theirs = ctx.Pipe()

@@ -75,6 +75,9 @@ class RankLoad:
     prefix_hit_tokens: int = 0
     steps: int = 0  # forwards in lockstep (real or idle); with EP the same count on every rank
     idle_steps: int = 0  # of those, idle ones (expert_parallel.idle_forward)
+    step_seconds: float = 0.0  # in EngineCore.step's scheduled steps (EngineStats: host work + device wait)
+    sync_seconds: float = 0.0  # in the lockstep gathers
+    idle_seconds: float = 0.0  # in idle forwards
 
 
 @dataclass(frozen=True)

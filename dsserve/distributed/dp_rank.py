@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import traceback
 from dataclasses import replace
 
@@ -50,6 +51,7 @@ class Lockstep:
         self.seen = 0  # requests announced to this rank and drained from its pipe
         self.awake = False
         self.steps = self.idle_steps = 0  # forwards joined (real or idle), and of those idle ones
+        self.sync_seconds = self.idle_seconds = 0.0  # in the summaries' gather, and in idle forwards
         self.moes = [b.ffn for b in core.model.layers if isinstance(b.ffn, ExpertParallelMoE)]
         self._rows = [m.dispatcher.rows_received for m in self.moes]
         if uniform_routing:
@@ -60,7 +62,9 @@ class Lockstep:
         sched = self.core.scheduler
         prefill = any(c.num_tokens > 1 or not c.samples for c in plan.chunks)
         mine = StepSummary(plan.num_tokens, len(plan.chunks), int(sched.has_unfinished()), int(prefill), self.seen)
+        t0 = time.perf_counter()
         peers = self.sync.gather(mine)
+        self.sync_seconds += time.perf_counter() - t0
         if StepSync.wave_done(peers):
             self.awake = False
             return
@@ -68,7 +72,9 @@ class Lockstep:
             return
         self.steps += 1
         if not plan.chunks:
+            t0 = time.perf_counter()
             idle_forward(self.core.model)
+            self.idle_seconds += time.perf_counter() - t0
             self.idle_steps += 1
 
     def expert_rows(self) -> tuple[int, ...]:
@@ -181,6 +187,9 @@ class RankLoop:
             stats.prefix_hit_tokens,
             ls.steps if ls is not None else stats.steps,
             ls.idle_steps if ls is not None else 0,
+            stats.step_host_seconds + stats.step_wait_seconds,
+            ls.sync_seconds if ls is not None else 0.0,
+            ls.idle_seconds if ls is not None else 0.0,
         )
 
 
