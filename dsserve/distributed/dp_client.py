@@ -25,6 +25,7 @@ from types import SimpleNamespace
 
 from ..engine.args import EngineArgs
 from ..engine.core import EngineCore, RequestError
+from ..engine.sampling_params import SamplingParams
 from ..engine.structured_output import Grammars
 from .dp_protocol import (
     Abort,
@@ -237,8 +238,6 @@ class DPClient:
         rank: int | None = None,
     ) -> int:
         """Validate, route and send a request; returns its rank. ``rank``: pinned there."""
-        from ..engine.sampling_params import SamplingParams
-
         if self.dead:
             raise EngineDeadError(self.dead)
         params = params if params is not None else SamplingParams()

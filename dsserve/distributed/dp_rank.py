@@ -221,6 +221,8 @@ def rank_main(
         os._exit(1)
     try:
         torch.set_num_threads(threads)
+        if torch.cuda.is_available():  # a GPU a rank ("auto" and "cuda" then mean this one)
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         ep_group = ctrl_group = None
         if args.enable_expert_parallel and dp_size > 1:
             from .groups import init_world, new_groups
@@ -238,6 +240,11 @@ def rank_main(
             if torch.distributed.get_backend(g.ep) != "gloo":  # host-side control on a gloo twin (vLLM's CPU group)
                 ctrl_group = new_groups(1, dp_size, backend="gloo", timeout_s=group_timeout_s).ep
         core = build_rank_core(args, rank, dp_size, ep_group, ctrl_group, uniform_routing)
+        if ep_group is None:  # an independent replica warms up as a lone engine does (EP ranks: no forward alone)
+            from ..engine import warmup
+
+            if warmup.wanted(core.args.warmup, core.device):
+                warmup.warm_up(core)
         conn.send(
             RankReady(
                 rank,
