@@ -243,13 +243,13 @@ def _serve(ns: argparse.Namespace, sock: socket.socket, t0: float) -> int:
             )
         except (ValueError, OSError) as e:
             raise SystemExit(f"--kernel-manifest {ns.kernel_manifest}: {e}") from None
+    if ns.uniform_routing and not (args.data_parallel_size > 1 and args.enable_expert_parallel):
+        raise SystemExit("--uniform-routing needs -dp > 1 and --enable-expert-parallel (it routes the EP ranks' rows)")
     if args.data_parallel_size > 1:  # one engine core per rank, each in its own process (they warm up alone)
         from ..distributed.dp_client import DPClient
 
         core = DPClient(args, uniform_routing=ns.uniform_routing)
     else:
-        if ns.uniform_routing:
-            raise SystemExit("--uniform-routing needs -dp > 1 and --enable-expert-parallel")
         core = EngineCore(args)
         if warmup.wanted(args.warmup, core.device):
             warmup.warm_up(core)  # before the port opens: /health answers once the first shapes are compiled
