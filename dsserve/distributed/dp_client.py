@@ -3,9 +3,9 @@ to one (``dp_router``), streams their outputs back, routes aborts by request id 
 
 It answers ``EngineCore``'s calls (``add_request``, ``abort_request``, ``step``, ``has_unfinished_requests``,
 ``reset_prefix_cache``, ``validate``, and the ``tokenizer`` / ``cfg`` / ``args`` / ``max_model_len`` /
-``default_sampling`` a front end reads), so the offline ``LLM`` and the server's ``AsyncEngine`` drive it as they
-drive one engine. ``step`` waits (at most ``poll_s``) for the ranks' next messages and returns the outputs they
-carried; requests are validated here, with the ranks' tokenizer and limits, before any rank sees them.
+``default_sampling`` / ``model_path`` a front end reads), so the offline ``LLM`` and the server's ``AsyncEngine``
+drive it as they drive one engine. ``step`` waits (at most ``poll_s``) for the ranks' next messages and returns the
+outputs they carried; requests are validated here, with the ranks' tokenizer and limits, before any rank sees them.
 
 Failure is fail-stop for the whole group: a rank that exits or reports an exception (a collective that timed out
 included) makes ``step`` stop every rank (SIGTERM, then SIGKILL after ``kill_after_s``) and raise
@@ -146,7 +146,7 @@ class DPClient:
         first = ready[0]
         self.tokenizer, self.cfg, self.max_model_len = first.tokenizer, first.cfg, first.max_model_len
         self.default_sampling = first.default_sampling
-        self.rank_args = first.args
+        self.rank_args, self.model_path = first.args, first.model_path
         # validate()'s view of the cache: the smallest rank's (a request must fit wherever it is routed)
         layout = SimpleNamespace(block_size=first.block_size)
         self.kv = SimpleNamespace(layout=layout, blocks=SimpleNamespace(num_blocks=min(r.num_blocks for r in ready)))
@@ -249,7 +249,8 @@ class DPClient:
         except ValueError as e:
             raise RequestError(str(e)) from None
         self._seq += 1
-        msg = AddRequest(self._seq, request_id, ids, params, priority, cache_salt, session_id)
+        text = prompt if isinstance(prompt, str) else None
+        msg = AddRequest(self._seq, request_id, ids, params, priority, cache_salt, session_id, text)
         for r, c in enumerate(self.conns):
             if r == chosen:
                 c.send(msg)

@@ -19,11 +19,12 @@ from ..engine.sampling_params import SamplingParams
 class AddRequest:
     seq: int  # the announcement number (1, 2, ...: every routed request, whatever its rank)
     request_id: str
-    prompt: list[int]
+    prompt: list[int]  # token ids, from the front end's validation
     params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None
     session_id: str | None = None
+    text: str | None = None  # the prompt as given, when it was text (outputs carry it back)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class RankReady:
     default_sampling: dict
     block_size: int
     num_blocks: int
+    model_path: str = ""  # where the model's files are (EngineCore.model_path)
 
 
 @dataclass(frozen=True)

@@ -159,9 +159,10 @@ class RankLoop:
             self.lockstep.seen, self.lockstep.awake = msg.seq, True
         if isinstance(msg, AddRequest):
             try:
-                self.core.add_request(
+                req = self.core.add_request(
                     msg.request_id, msg.prompt, msg.params, msg.priority, msg.cache_salt, msg.session_id
                 )
+                req.prompt = msg.text
             except RequestError as e:  # validated by the front end: a race or a limit only this rank knows
                 failed.append((msg.request_id, str(e)))
         elif isinstance(msg, Abort):
@@ -255,6 +256,7 @@ def rank_main(
                 dict(core.default_sampling),
                 core.kv.layout.block_size,
                 core.kv.blocks.num_blocks,
+                core.model_path,
             )
         )
         RankLoop(rank, core, conn).run()

@@ -84,6 +84,12 @@ def test_one_rank_idle_while_the_other_serves(client, single):
     assert client.rank_loads[1].idle_steps > idle and client.rank_loads[1].running == 0
 
 
+def test_a_text_prompt_is_tokenised_once_and_comes_back_as_text(client, single):
+    got, want = run(client, {"t": "hello there"}), run(single, {"t": "hello there"})
+    same_outputs(got, want)
+    assert got["t"].prompt == "hello there" and got["t"].prompt_token_ids == want["t"].prompt_token_ids
+
+
 def test_bad_requests_are_refused_before_any_rank_sees_them(client):
     with pytest.raises(RequestError, match="prompt token ids must be ints"):
         client.add_request("bad", [10**9], PARAMS)
