@@ -139,10 +139,12 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         deadline = None  # set by a drain: finish in-flight work until then, then abort the rest
+        # DP ranks report load and die on their own: an idle loop still reads them twice a second
+        watch = 0.5 if hasattr(self.core, "rank_loads") else None
         while True:
             idle = not self.core.has_unfinished_requests() and deadline is None
             try:
-                item = self._inbox.get() if idle else self._inbox.get_nowait()
+                item = self._inbox.get(timeout=watch) if idle else self._inbox.get_nowait()
             except queue.Empty:
                 item = None
             while item is not None:
@@ -165,7 +167,7 @@ class AsyncEngine:
                 for rid in list(self._sinks):
                     self._abort(rid, cut)
                 return
-            if busy:
+            if busy or watch is not None:
                 self._step()
             if self.fatal is not None:
                 return
