@@ -88,11 +88,16 @@ def test_kv_cache_dtype_refused_names_the_choices():
         EngineArgs(kv_cache_dtype="fp8_e5m2")
 
 
-@pytest.mark.parametrize("flag", ["-dp", "--data-parallel-size", "-pp"])  # -tp runs (tests/distributed/test_tp_engine*)
+@pytest.mark.parametrize("flag", ["-pp"])  # -tp and -dp run (tests/distributed)
 def test_parallel_sizes_above_one_are_refused_not_ignored(flag, capsys):
     assert main(["generate", "--model", "tiny", flag, "2"]) == 2
     err = capsys.readouterr().err
     assert "not yet supported: parallel execution is issue 54" in err and "Traceback" not in err
+
+
+def test_data_parallel_size_below_one_is_refused():
+    with pytest.raises(EngineArgsError, match="data_parallel_size must be >= 1, got 0"):
+        EngineArgs(data_parallel_size=0)
 
 
 def test_speculative_config_is_refused_clearly():

@@ -10,12 +10,17 @@ play; streaming, max_tokens = trace output, ignore_eos, include_usage, X-Session
 round(64*scale) tokens per 64-token block (prefix sharing kept) and scales outputs (min 2), for tiny models.
 Before each point the server's prefix cache is emptied (``--[no-]reset-cache``: POST /reset_prefix_cache, vLLM's
 route too), the spec's fresh server or cache flush per point; ``cache_reset`` in the point's JSON says if it was.
+``--dp-replay mirror|lag`` (a server with -dp D): the same replay runs once per DP rank, each copy pinned to its rank
+(``X-data-parallel-rank``), all at once (mirror) or rank r's started r x ``--lag`` s later (lag), the seeds' way of
+isolating DP imbalance; the point reports each rank's output tokens and their mean / max. Every point reports the
+EP balance from the server's ``ep_expert_rows_total`` counters (per MoE layer, mean / max rows over the EP ranks).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import time
@@ -31,7 +36,17 @@ from . import metrics as M
 from .agentx_chat import ChatBuilder, mismatches
 from .agentx_presets import PRESETS, stream
 from .agentx_trace import BLOCK, VERSION, generate, request_token_ids
-from .agentx_warmup import WarmupError, parse_prom, resumed, sample_metrics, scrape, warm_up, write_series  # noqa
+from .agentx_warmup import (  # noqa
+    _LABEL,
+    _PROM,
+    WarmupError,
+    parse_prom,
+    resumed,
+    sample_metrics,
+    scrape,
+    warm_up,
+    write_series,
+)
 from .provenance import run_meta
 
 
@@ -42,8 +57,11 @@ def _table(title: str, cols) -> Table:
 class Replayer:
     """One concurrency point: lanes, sampler, timers, records."""
 
-    def __init__(self, a, trace, client, conc: int, tag: str):
+    def __init__(self, a, trace, client, conc: int, tag: str, rank: int | None = None, delay: float = 0.0):
+        """``rank``: every request pinned to that DP rank; ``delay``: seconds before the warm-up starts."""
         self.a, self.trace, self.client, self.conc, self.tag = a, trace, client, conc, tag
+        self.rank, self.delay = rank, delay
+        self.raw_before = self.raw_after = ""  # /metrics texts at the profile's start and end
         self.p = PRESETS[a.preset]
         self.reserved = tuple(sorted({0, 1, 2, *a.reserved_ids}))
         self.k = max(1, min(BLOCK, round(BLOCK * a.scale)))
@@ -136,6 +154,7 @@ class Replayer:
             total_blocks=r.blocks,
             max_tokens=osl,
             conc=self.conc,
+            dp_rank=self.rank,
             error=None,
         )
         try:
@@ -146,9 +165,10 @@ class Replayer:
             )
             rec["start_ns"] = t0 = time.time_ns()
             ttft, chunks, url = None, 0, "/v1/completions" if self.a.api == "completions" else "/v1/chat/completions"
-            async with self.client.stream(
-                "POST", url, json=body, headers={"X-Session-ID": conv, "X-Correlation-ID": conv}
-            ) as resp:
+            headers = {"X-Session-ID": conv, "X-Correlation-ID": conv}
+            if self.rank is not None:
+                headers["X-data-parallel-rank"] = str(self.rank)
+            async with self.client.stream("POST", url, json=body, headers=headers) as resp:
                 if resp.status_code != 200:
                     rec["error"] = f"HTTP {resp.status_code}: {(await resp.aread())[:300].decode(errors='replace')}"
                 async for line in resp.aiter_lines():
@@ -202,12 +222,18 @@ class Replayer:
         )
         return t
 
-    async def run(self, con: Console):
-        """Warm-up, then ``duration`` s of closed-loop profiling; returns (window ns, counters before, after)."""
+    async def run(self, con: Console, live_panel: bool = True):
+        """Warm-up, then ``duration`` s of closed-loop profiling; returns (window ns, counters before, after).
+        ``live_panel``: False for all but one of the replays run at once (rich shows one live display)."""
+        await asyncio.sleep(self.delay)
         series = asyncio.create_task(sample_metrics(self, self.series))
         guard, lanes = None, []
         try:
-            with Live(self.panel(math.inf), console=con, refresh_per_second=4, transient=False) as live:
+            with (
+                Live(self.panel(math.inf), console=con, refresh_per_second=4, transient=False)
+                if live_panel
+                else (contextlib.nullcontext(_NoLive())) as live
+            ):
 
                 async def watch(tasks):
                     while not all(t.done() for t in tasks):
@@ -216,7 +242,8 @@ class Replayer:
                     return [t.result() for t in tasks]
 
                 (firsts,) = await watch([asyncio.create_task(warm_up(self))])
-                before, now = await scrape(self.client), time.time_ns()
+                self.raw_before, now = await scrape(self.client, raw=True), time.time_ns()
+                before = parse_prom(self.raw_before)
                 self.t_profile = time.monotonic()
                 self.deadline = self.t_profile + self.a.duration
                 guard = asyncio.create_task(self.guard())
@@ -224,7 +251,72 @@ class Replayer:
                 await watch(lanes)
         finally:
             [t.cancel() for t in (series, guard, *lanes) if t]
-        return (now, now + int(self.a.duration * 1e9)), before, await scrape(self.client)
+        self.raw_after = await scrape(self.client, raw=True)
+        return (now, now + int(self.a.duration * 1e9)), before, parse_prom(self.raw_after)
+
+
+class _NoLive:
+    def update(self, _) -> None:
+        pass
+
+
+def ep_balance(before: str, after: str) -> dict | None:
+    """The EP balance over a window from two /metrics texts: per MoE layer, mean over EP ranks / max over EP ranks
+    of the rows their routed experts ran (``dsserve:ep_expert_rows_total{layer, rank}``); ``overall`` = sum over
+    layers of the means / sum of the maxes; rows per rank per layer and step beside it (the figure depends on it).
+    None: the server exports no EP rows (no expert parallelism) or none ran in the window."""
+
+    def rows(text: str) -> dict:
+        out = {}
+        for m in _PROM.finditer(text):
+            if m[1].endswith("ep_expert_rows_total"):
+                lab = dict(_LABEL.findall(m[2] or ""))
+                out[int(lab["layer"]), int(lab["rank"])] = float(m[3])
+        return out
+
+    r0, r1 = rows(before), rows(after)
+    if not r1:
+        return None
+    layers = sorted({k[0] for k in r1})
+    ranks = sorted({k[1] for k in r1})
+    per = {layer: [r1.get((layer, r), 0.0) - r0.get((layer, r), 0.0) for r in ranks] for layer in layers}
+    steps = (_delta(parse_prom(before), parse_prom(after), "ep_steps_total") or 0.0) if before else None
+    total_max = sum(max(v) for v in per.values())
+    if not total_max:
+        return None
+    return {
+        "ep_ranks": len(ranks),
+        "overall": sum(sum(v) / len(v) for v in per.values()) / total_max,
+        "worst_layer": min(((sum(v) / len(v)) / max(v), layer) for layer, v in per.items() if max(v))[1],
+        "per_layer": {str(layer): (sum(v) / len(v)) / max(v) if max(v) else 1.0 for layer, v in per.items()},
+        "steps": steps,
+        "rows_per_rank_per_layer_step": (sum(map(sum, per.values())) / len(layers) / len(ranks) / steps)
+        if steps
+        else None,
+    }
+
+
+def dp_ranks(raw: str) -> int:
+    """The DP ranks a server exports (``dsserve:dp_rank_requests_routed{rank}``); 1 when none."""
+    ranks = {
+        dict(_LABEL.findall(m[2] or "")).get("rank") for m in _PROM.finditer(raw) if "dp_rank_requests_routed" in m[1]
+    }
+    return max(1, len(ranks - {None}))
+
+
+def rank_tokens(records: list[dict]) -> dict | None:
+    """Output tokens of the profiled requests per pinned DP rank, and mean / max over the ranks (1: even)."""
+    per: dict = {}
+    for r in records:
+        if r["phase"] == "profile" and not r["error"] and r.get("dp_rank") is not None:
+            per[r["dp_rank"]] = per.get(r["dp_rank"], 0) + r["osl"]
+    if not per:
+        return None
+    v = list(per.values())
+    return {
+        "tokens": {str(k): n for k, n in sorted(per.items())},
+        "imbalance": (sum(v) / len(v)) / max(v) if max(v) else 1.0,
+    }
 
 
 def _delta(before: dict, after: dict, name: str) -> float | None:
@@ -279,17 +371,30 @@ async def _main(a) -> int:
             "entries": len(trace.sessions),
             "scale": a.scale,
         }
+        n_dp = 1
+        if a.dp_replay:
+            n_dp = a.data_parallel_size or dp_ranks(await scrape(client, raw=True))
+            if n_dp < 2:
+                return print("dsserve: error: --dp-replay needs a server with -dp > 1 (none found in /metrics)") or 2
         for c in a.concurrency:
             cache_reset = await reset_cache(client, err) if a.reset_cache else None
-            rp = Replayer(a, trace, client, c, tag)
+            if a.dp_replay:
+                lag = a.lag if a.dp_replay == "lag" else 0.0
+                rps = [Replayer(a, trace, client, c, tag, rank=r, delay=r * lag) for r in range(n_dp)]  # the same ids
+            else:
+                rps = [Replayer(a, trace, client, c, tag)]
             try:
-                window, before, after = await rp.run(err)
+                runs = await asyncio.gather(*(rp.run(err, live_panel=i == 0) for i, rp in enumerate(rps)))
             except WarmupError as e:
                 err.print(f"dsserve: error: aborting at concurrency {c}: {e}")
                 rc = 1
                 break
             finally:
-                records.extend(rp.records), series.extend(rp.series)
+                for rp in rps:
+                    records.extend(rp.records), series.extend(rp.series)
+            window = (min(w[0] for w, _, _ in runs), max(w[1] for w, _, _ in runs))
+            before, after = runs[0][1], runs[-1][2]  # the first copy's start, the last one's end
+            point_records = [rec for rp in rps for rec in rp.records]
             meta = {
                 "config": a.config or f"{a.model}_{a.preset}",
                 "conc": c,
@@ -299,7 +404,7 @@ async def _main(a) -> int:
                 "tp": a.num_gpus,
             }
             agg = M.aggregate(
-                rp.records,
+                point_records,
                 window,
                 a.num_gpus,
                 meta=meta,
@@ -314,16 +419,19 @@ async def _main(a) -> int:
                     "conc": c,
                     "cache_reset": cache_reset,
                     "requests": agg["num_requests_successful"],
-                    "all_requests": len(rp.records),
-                    "errors": sum(bool(r["error"]) for r in rp.records),
-                    "skipped": rp.skipped,
+                    "all_requests": len(point_records),
+                    "errors": sum(bool(r["error"]) for r in point_records),
+                    "skipped": sum(rp.skipped for rp in rps),
+                    "dp_replay": a.dp_replay,
+                    "dp_rank_tokens": rank_tokens(point_records),
+                    "ep_balance": ep_balance(rps[0].raw_before, rps[-1].raw_after),
                     **{k: agg[k] for k in ("p90_ttft", "p90_intvty", "tput_per_gpu")},
                     "theoretical_hit": agg["request_metrics"]["cache"]["theoretical_cache_hit_rate"],
                     "server_hit": agg["server_metrics"]["cache"]["gpu_hit_rate"],
                     "warmup_requests": sum(r["phase"] == "warmup" for r in rp.records),
                     "usage_cached_tokens": sum(
                         r.get("cached") or 0
-                        for r in rp.records  # profiling phase
+                        for r in point_records  # profiling phase
                         if r["phase"] == "profile"
                     ),
                     "server_hits_delta": _delta(before, after, "prefix_cache_hits_total"),
@@ -335,7 +443,7 @@ async def _main(a) -> int:
                     "triton_cache_loads_delta": _delta(before, after, "triton_cache_loads_total"),
                     "nonfinite_logit_rows_delta": _delta(before, after, "nonfinite_logit_rows_total"),
                     "preemptions_delta": _delta(before, after, "num_preemptions_total"),
-                    "chat_token_mismatch": mismatches(rp.records) if a.api == "chat" else None,
+                    "chat_token_mismatch": mismatches(point_records) if a.api == "chat" else None,
                 }
             )
     M.write_requests_jsonl(out / "requests.jsonl", records)
@@ -375,6 +483,21 @@ async def _main(a) -> int:
             f(p["server_hit"]),
         )
     con.print(t)
+    for p in points:
+        if p["dp_rank_tokens"]:
+            d = p["dp_rank_tokens"]
+            con.print(
+                f"conc {p['conc']} DP replay {p['dp_replay']}: output tokens per rank {d['tokens']}, "
+                f"mean/max {d['imbalance']:.3f}"
+            )
+        if p["ep_balance"]:
+            e = p["ep_balance"]
+            rows = e["rows_per_rank_per_layer_step"]
+            con.print(
+                f"conc {p['conc']} EP balance over {e['ep_ranks']} ranks: {e['overall']:.3f} (sum of layer means / "
+                f"sum of maxes), worst layer {e['worst_layer']} at {e['per_layer'][str(e['worst_layer'])]:.3f}, "
+                f"{'-' if rows is None else f'{rows:.1f}'} rows per rank, layer and step"
+            )
     tier = M.tier_summary(aggs, a.tier_tok_s)
     con.print(
         f"tier {a.tier_tok_s:g} tok/s/user (P90 interactivity): "
@@ -412,6 +535,17 @@ def run_bench_agentx(a) -> int:
 
 def add_bench_agentx_args(p) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    p.add_argument(
+        "--dp-replay",
+        choices=("mirror", "lag"),
+        default=None,
+        help="replay the same requests once per DP rank of the server, pinned (X-data-parallel-rank): all at once "
+        "(mirror) or rank r's copy r x --lag s later (lag)",
+    )
+    p.add_argument("--lag", type=float, default=5.0, help="--dp-replay lag: seconds between ranks' copies")
+    p.add_argument(
+        "--data-parallel-size", type=int, default=None, help="--dp-replay: DP ranks (default: from /metrics)"
+    )
     p.add_argument("--api", choices=("completions", "chat"), default="completions")
     p.add_argument("--concurrency", type=int, nargs="+", default=None, help="points (default: the preset's)")
     p.add_argument("--fast", action="store_true", help="1 warm-up request per lane (default duration <= 1200 s)")

@@ -24,6 +24,7 @@ class StepSummary:
     num_reqs: int  # sequences in its plan
     unfinished: int  # requests it still holds (running or waiting)
     is_prefill: int  # 1 if its plan has a prefill chunk
+    requests_seen: int = 0  # requests the DP front end had announced to it when it drained its inbox (dp_rank)
 
 
 class StepSync:
@@ -39,5 +40,6 @@ class StepSync:
 
     @staticmethod
     def wave_done(summaries: list[StepSummary]) -> bool:
-        """No rank holds a request: every rank stops stepping at once."""
-        return all(s.unfinished == 0 for s in summaries)
+        """No rank holds a request, and every rank has seen the same announced requests (none is on its way to a
+        rank that would then step alone): every rank stops stepping at once."""
+        return all(s.unfinished == 0 for s in summaries) and len({s.requests_seen for s in summaries}) == 1

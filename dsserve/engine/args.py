@@ -86,7 +86,13 @@ class EngineArgs:
             "their share of the CPU's cores (docs/parallel.md)"
         ),
     )
-    data_parallel_size: int = field(default=1, metadata=_h(f"1 ({PARALLEL_ISSUE})"))
+    data_parallel_size: int = field(
+        default=1,
+        metadata=_h(
+            "engine cores, one process each with its own scheduler and KV cache; requests are routed to the least "
+            "loaded, keeping a session on one rank (distributed.dp_client)"
+        ),
+    )
     pipeline_parallel_size: int = field(default=1, metadata=_h(f"1 ({PARALLEL_ISSUE})"))
     distributed_executor_backend: str = field(
         default="mp", metadata=_h("mp: one spawned process per TP rank (the only backend; ray is not supported)")
@@ -102,7 +108,11 @@ class EngineArgs:
         default=None, metadata=_h("the rendezvous port (torchrun's MASTER_PORT; one node: a free port)")
     )
     enable_expert_parallel: bool = field(
-        default=False, metadata=_h("accepted; with one device every expert is local, so it changes nothing")
+        default=False,
+        metadata=_h(
+            "with data_parallel_size > 1: spread the routed experts over the DP ranks (DEP: DP attention + expert "
+            "parallel, the ranks stepping in lockstep); with one rank every expert is local, so it changes nothing"
+        ),
     )
     enable_eplb: bool = field(
         default=False,
@@ -259,7 +269,14 @@ class EngineArgs:
                 f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPE_NAMES)}, got {self.kv_cache_dtype!r}"
             )
         object.__setattr__(self, "kv_cache_dtype", KV_CACHE_DTYPE_NAMES[self.kv_cache_dtype])
-        for name in ("data_parallel_size", "pipeline_parallel_size"):
+        if self.data_parallel_size < 1:
+            raise EngineArgsError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.data_parallel_size > 1:
+            raise EngineArgsError(
+                f"tensor_parallel_size={self.tensor_parallel_size} with data_parallel_size={self.data_parallel_size}: "
+                "TP inside DP ranks is not built yet (issue 54); use one of them"
+            )
+        for name in ("pipeline_parallel_size",):
             if getattr(self, name) != 1:
                 raise EngineArgsError(f"{name}={getattr(self, name)}: {PARALLEL_ISSUE} (use 1)")
         if self.tensor_parallel_size < 1:
@@ -361,7 +378,7 @@ class EngineArgs:
             out.append(f"tokenizer_mode {self.tokenizer_mode!r}: no effect, this family has one tokenizer")
         if self.trust_remote_code:
             out.append("trust_remote_code: no effect, no remote code is run (the model code is built in)")
-        if self.enable_expert_parallel:
+        if self.enable_expert_parallel and self.data_parallel_size == 1:
             out.append("enable_expert_parallel: no effect on one device (every expert is local)")
         if self.enable_eplb or self.num_redundant_experts or self.num_redundant_draft_experts:
             out.append("enable_eplb / num_redundant_*experts: no effect on one device (every expert is local)")

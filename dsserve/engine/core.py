@@ -178,11 +178,14 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 class EngineCore:
-    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None, tp_rank: TPRank | None = None):
+    def __init__(
+        self, args: EngineArgs, loaded: LoadedModel | None = None, tp_rank: TPRank | None = None, model_pass=None
+    ):
         """``loaded``: a model already built (benchmarks build dummy-weight proxies straight on the device);
         None loads ``args.model``. ``tp_rank``: this process's place in a TP group (a worker's engine,
         distributed.tp_worker); None with ``tensor_parallel_size`` > 1: this engine is TP rank 0 and starts the
-        workers."""
+        workers. ``model_pass``: model -> model, run on the loaded model before it moves to the device (a DP
+        rank's expert-parallel pass: distributed.dp_rank)."""
         self.args = args
         if tp_rank is None and args.tensor_parallel_size > 1:
             tp_rank = start_tensor_parallel(args)
@@ -218,6 +221,8 @@ class EngineCore:
                 r.bytes_read / max(r.seconds, 1e-9) / 1e6,
                 ", ".join(f"{k} {v}" for k, v in r.forms.items()),
             )
+        if model_pass is not None:
+            lm.model = model_pass(lm.model)
         if loaded is not None and args.expert_format:  # layers already packed in that format are left alone
             quantize_experts(lm.model, args.expert_format, keep_dense=self.device.type == "cpu")
         if args.engram_tables != "device":  # before .to(device): the real tables are hundreds of GB
@@ -325,6 +330,9 @@ class EngineCore:
                 self.cfg.name,
             )
         self._in_flight: _Launched | None = None  # a step whose tokens the host has not read yet
+        # DP ranks in lockstep (distributed.dp_rank.Lockstep): sees every plan before its forward, so that a rank
+        # with an empty plan joins its peers' forward; None: a lone engine
+        self.lockstep = None
         self.runner = ModelRunner(self.model, args.replay_form, graphs, decoder_row_graphs, encoder_graphs)
         self.executor = (
             TPExecutor(self.runner, self.tp)
@@ -452,6 +460,8 @@ class EngineCore:
                 return out
             results = out  # the next step depends on what the host just read: run it the synchronous way
         plan = self.scheduler.schedule()
+        if self.lockstep is not None:
+            self.lockstep.before_forward(plan)
         if not plan.chunks:
             return results
         self.stats.admitted(plan)

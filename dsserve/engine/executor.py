@@ -44,7 +44,8 @@ def dist_timeout_s() -> float:
 
 
 class EngineDeadError(RuntimeError):
-    """The engine's parallel workers are gone or out of step; it cannot run another step (HTTP 503)."""
+    """The engine's parallel workers (TP workers, DP ranks) are gone or out of step; it cannot run another step (HTTP
+    503). A DP rank that dies stops every rank: nothing in flight will finish."""
 
 
 class LocalExecutor:

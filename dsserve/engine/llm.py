@@ -19,13 +19,20 @@ PromptType = str | list[int] | dict
 class LLM:
     """``LLM(max_num_seqs=8)`` (the built-in trained model) or ``LLM(model="tiny")``: a preset name, a built-in
     checkpoint, a checkpoint directory or a Hugging Face id, plus engine options named like the CLI flags (vLLM's:
-    ``tensor_parallel_size``, ``dtype``, ``max_model_len``, ``seed``, ...). An option that does not exist, or a
-    value this engine cannot honour, is an ``EngineArgsError`` naming it and what is allowed."""
+    ``data_parallel_size``, ``enable_expert_parallel``, ``dtype``, ``max_model_len``, ``seed``, ...). An option that
+    does not exist, or a value this engine cannot honour, is an ``EngineArgsError`` naming it and what is allowed.
+    With ``data_parallel_size`` > 1 the engine is a ``distributed.dp_client.DPClient`` (one process per rank)."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_options):
-        self.engine = EngineCore(EngineArgs.from_kwargs(model=model, **engine_options))
-        if self.engine.args.warmup:
-            warm_up(self.engine)
+        args = EngineArgs.from_kwargs(model=model, **engine_options)
+        if args.data_parallel_size > 1:  # one engine core per rank, each in its own process
+            from ..distributed.dp_client import DPClient
+
+            self.engine = DPClient(args)
+        else:
+            self.engine = EngineCore(args)
+            if self.engine.args.warmup:
+                warm_up(self.engine)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

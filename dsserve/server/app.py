@@ -98,7 +98,10 @@ def build_app(
     @app.get("/health")
     async def health():
         if not engine.alive():
-            return err(503, "the engine loop is not running", "service_unavailable")
+            why = getattr(engine, "death", None)
+            return err(
+                503, f"the engine stopped: {why}" if why else "the engine loop is not running", "service_unavailable"
+            )
         return {"status": "ok", "in_flight": engine.num_in_flight()}
 
     @app.get("/metrics")
@@ -209,7 +212,19 @@ def build_app(
         except (SamplingParamsError, RequestError, ChatFormatError, ValueError) as e:
             raise ApiError(400, str(e), param=getattr(e, "field", None)) from None
 
-    async def run(choices, body, session_id: str | None):
+    def routing(request: Request, body) -> tuple[str | None, int | None]:
+        """(session id, pinned DP rank) of a request: ``X-Session-ID`` else the body's ``user`` keeps a
+        conversation on one DP rank (``user``: with DP only); ``X-data-parallel-rank`` (vLLM's header) pins one."""
+        dp = core.args.data_parallel_size
+        session = request.headers.get("x-session-id") or (getattr(body, "user", None) if dp > 1 else None)
+        pin = request.headers.get("x-data-parallel-rank")
+        if pin is None:
+            return session, None
+        if not pin.strip().isdigit() or int(pin) >= dp:
+            raise ApiError(400, f"X-data-parallel-rank {pin!r}: ranks are 0..{dp - 1}", param="X-data-parallel-rank")
+        return session, int(pin) if dp > 1 else None
+
+    async def run(choices, body, session_id: str | None, rank: int | None = None):
         rid = fmt.new_id("req")
         sinks = []
         if engine.metrics is not None:  # per prompt: its n requests (vLLM's parent request)
@@ -221,7 +236,10 @@ def build_app(
                 if params.seed is not None and body.n > 1:  # n samples, not n copies of one
                     params = dataclasses.replace(params, seed=params.seed + i % body.n)
                 sinks.append(
-                    (f"{rid}-{i}", engine.submit(f"{rid}-{i}", ids, params, body.priority, body.cache_salt, session_id))
+                    (
+                        f"{rid}-{i}",
+                        engine.submit(f"{rid}-{i}", ids, params, body.priority, body.cache_salt, session_id, rank),
+                    )
                 )
         except EngineOverloaded as e:
             for sid, _ in sinks:
@@ -375,7 +393,7 @@ def build_app(
         echo = None
         if body.echo:
             echo = [p if isinstance(p, str) else core.tokenizer.decode(p) for p in prompts for _ in range(body.n)]
-        sinks = await run(choices, body, request.headers.get("x-session-id"))
+        sinks = await run(choices, body, *routing(request, body))
         model = served_model_name
         if body.stream:
             lens = [len(ids) for ids, _ in choices]
@@ -434,7 +452,7 @@ def build_app(
         if tc.content_stops(tools, choices[0][1]):  # stop strings end the content channel only (spec 6.9)
             stops, include = tuple(choices[0][1].stop), choices[0][1].include_stop_str_in_output
             choices = [(i, dataclasses.replace(p, stop=[])) for i, p in choices]
-        sinks = await run(choices, body, request.headers.get("x-session-id"))
+        sinks = await run(choices, body, *routing(request, body))
         shapers = [tc.ChoiceShaper(tools, stops, include) for _ in sinks]
         model = served_model_name
         if body.stream:

@@ -2,9 +2,10 @@
 
 Requests and aborts cross into the loop through a queue; each request's outputs come back to the event
 loop through its own ``asyncio.Queue``. A fault in one step aborts that step's requests with an error
-and the loop keeps serving the rest. When the engine itself is lost (a tensor-parallel worker died: the executor's
-``EngineDeadError``) every request in flight ends with an ``EngineShutdown`` (HTTP 503), ``alive`` turns False at
-once and the loop ends; ``died`` is set for the server to exit.
+and the loop keeps serving the rest. When the engine itself is lost (a tensor-parallel worker or a data-parallel
+rank died: ``EngineDeadError``) every request in flight ends with an ``EngineShutdown`` (HTTP 503), ``alive`` turns
+False at once and the loop ends; ``died`` is set for the server to exit non-zero. With data parallelism ``core`` is a
+``distributed.dp_client.DPClient`` (the same calls over one engine core a rank process).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class _Submit:
     session_id: str | None
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    rank: int | None = None  # a pinned DP rank (DPClient only)
 
 
 class AsyncEngine:
@@ -61,7 +63,9 @@ class AsyncEngine:
         self.death: str | None = None  # why the engine was lost
         self.died = threading.Event()
         self._ending = threading.Lock()
-        core.executor.on_failure(self._lost)  # from the executor's watchdog: /health turns at once
+        executor = getattr(core, "executor", None)  # a DPClient watches its ranks itself (EngineDeadError in step)
+        if executor is not None:
+            executor.on_failure(self._lost)  # from the executor's watchdog: /health turns at once
         self._thread = threading.Thread(target=self._loop, name="dsserve-engine", daemon=True)
         self._thread.start()
 
@@ -74,6 +78,7 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         session_id: str | None = None,
+        rank: int | None = None,
     ) -> asyncio.Queue:
         """Queue a request; its outputs (then None at the end, or an exception) arrive on the returned queue.
         The request is validated synchronously by the caller through ``validate`` first."""
@@ -81,14 +86,16 @@ class AsyncEngine:
             raise EngineOverloaded(f"the engine has stopped: {self.death}")
         if not self._intake_open:
             raise EngineOverloaded("the server is shutting down")
-        if self.num_in_flight() >= self.max_waiting + self.core.args.max_num_seqs:
+        if self.num_in_flight() >= self.max_waiting + self.core.args.max_num_seqs * self.core.args.data_parallel_size:
             raise EngineOverloaded(
                 f"{self.num_in_flight()} requests in flight; the waiting queue is full "
                 f"({self.max_waiting}); retry later"
             )
         sink: asyncio.Queue = asyncio.Queue()
         self._inbox.put(
-            _Submit(request_id, prompt, params, priority, cache_salt, session_id, sink, asyncio.get_running_loop())
+            _Submit(
+                request_id, prompt, params, priority, cache_salt, session_id, sink, asyncio.get_running_loop(), rank
+            )
         )
         return sink
 
@@ -162,6 +169,8 @@ class AsyncEngine:
                     break
                 if isinstance(item, _Submit):
                     self._deliver(item, cut)
+                elif item[0] == "reset_prefix_cache":
+                    item[2].call_soon_threadsafe(item[1].set_result, False)
             if self.metrics is not None:
                 self.metrics.observe_error("internal")
             self.died.set()
@@ -175,10 +184,12 @@ class AsyncEngine:
 
     def _serve(self) -> None:
         deadline = None  # set by a drain: finish in-flight work until then, then abort the rest
+        # DP ranks report load and die on their own: an idle loop still reads them twice a second
+        watch = 0.5 if hasattr(self.core, "rank_loads") else None
         while self.death is None:
             idle = not self.core.has_unfinished_requests() and deadline is None
             try:
-                item = self._inbox.get() if idle else self._inbox.get_nowait()
+                item = self._inbox.get(timeout=watch) if idle else self._inbox.get_nowait()
             except queue.Empty:
                 item = None
             while item is not None:
@@ -203,14 +214,15 @@ class AsyncEngine:
                 for rid in list(self._sinks):
                     self._abort(rid, cut)
                 return
-            if busy:
+            if busy or watch is not None:
                 self._step()
 
     def _handle(self, item) -> None:
         if isinstance(item, _Submit):
             try:
+                pin = {} if item.rank is None else {"rank": item.rank}
                 self.core.add_request(
-                    item.request_id, item.prompt, item.params, item.priority, item.cache_salt, item.session_id
+                    item.request_id, item.prompt, item.params, item.priority, item.cache_salt, item.session_id, **pin
                 )
                 self._sinks[item.request_id] = item
             except Exception as e:  # validated before, so this is a race or a fault: report, keep serving
@@ -254,6 +266,10 @@ class AsyncEngine:
             for out in outs:
                 self.metrics.observe_output(out)
             self.metrics.end_step()  # before delivering: a client that reads /metrics after its reply sees it
+        for rid, why in getattr(self.core, "pop_failures", list)():  # a DP rank refused them
+            sub = self._sinks.pop(rid, None)
+            if sub is not None:
+                self._deliver(sub, EngineFault(f"the engine refused the request: {why}"))
         for out in outs:
             sub = self._sinks.get(out.request_id)
             if sub is None:

@@ -295,6 +295,52 @@ class EngineMetrics:
                 ).labels(*self._shared),
             ]
 
+        # data parallelism (distributed.dp_client): each rank's load and cache, and the EP balance
+        self.rank_requests = gauge(
+            "dp_rank_requests", "Requests of a DP rank, running or waiting.", ["rank", "state"], own=True
+        )
+        self.rank_kv_usage = gauge(
+            "dp_rank_kv_cache_usage_perc", "A DP rank's global KV blocks in use.", ["rank"], own=True
+        )
+        self.rank_hit_rate = gauge(
+            "dp_rank_prefix_cache_hit_rate",
+            "A DP rank's prefix cache hits / queries, in tokens, since the start.",
+            ["rank"],
+            own=True,
+        )
+        self.rank_routed = gauge(
+            "dp_rank_requests_routed", "Requests the front end routed to a DP rank.", ["rank"], own=True
+        )
+        self.rank_idle_steps = gauge(
+            "dp_rank_idle_steps", "Lockstep forwards a DEP rank joined with no rows of its own.", ["rank"], own=True
+        )
+        self.ep_balance = gauge(
+            "ep_balance",
+            "Per MoE layer over the window: mean / max over EP ranks of the rows their routed experts ran (1: even).",
+            ["layer"],
+            own=True,
+        )
+        self.ep_step_balance = gauge(
+            "ep_step_balance",
+            "The last lockstep step: sum over MoE layers of mean rows per EP rank / sum of max rows per EP rank.",
+            own=True,
+        ).labels(model_name)
+        self.ep_rows_per_rank = gauge(
+            "ep_rows_per_rank_per_step", "Expert rows an EP rank ran per MoE layer and step, over the window.", own=True
+        ).labels(model_name)
+        self.ep_rows = counter(
+            "ep_expert_rows",
+            "Rows the routed experts of an EP rank ran in a MoE layer (lockstep steps every rank reported): a "
+            "window's balance per layer is mean over ranks / max over ranks of its increase.",
+            ["layer", "rank"],
+            own=True,
+        )
+        self.ep_steps = counter(
+            "ep_steps", "Lockstep steps of the EP ranks counted in ep_expert_rows.", own=True
+        ).labels(model_name)
+        self._rank_stats: dict[int, tuple[int, int]] = {}
+        self._ep_seen: tuple[int, list] = (0, [])
+
         tok = build_1_2_5_buckets(max_model_len)
         self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
@@ -356,6 +402,9 @@ class EngineMetrics:
         live requests' preemption counts since the last call (call it after every step, and once at start so
         that every gauge has its value from the start). The tokens the outputs observed since the previous
         call carried make one ``iteration_tokens_total`` sample (``end_step``)."""
+        if hasattr(engine, "rank_loads"):  # a DP front end: the ranks' reported loads
+            self._observe_ranks(engine)
+            return
         sched, kv, m = engine.scheduler, engine.kv, self.model_name
         self.num_running.set(len(sched.running))
         self.num_waiting.set(len(sched.waiting))
@@ -386,6 +435,51 @@ class EngineMetrics:
             if d:
                 self.num_preemptions.inc(d)
             self._preemptions = now
+
+    def _observe_ranks(self, client) -> None:
+        """The DP front end's view: totals over the ranks in the shared gauges and counters, each rank's load with
+        a ``rank`` label, and the EP balance of the lockstep steps."""
+        m, loads = self.model_name, client.rank_loads
+        self.num_running.set(sum(x.running for x in loads))
+        self.num_waiting.set(sum(x.waiting for x in loads))
+        used, total = sum(x.kv_used for x in loads), sum(x.kv_total for x in loads)
+        self.kv_usage.labels(m, "global").set(used / total if total else 0.0)
+        self.kv_blocks.labels(m, "global", "used").set(used)
+        self.kv_blocks.labels(m, "global", "total").set(total)
+        for g in self.vllm_kv_usage:
+            g.set(used / total if total else 0.0)
+        self.end_step()
+        with self._lock:
+            for r, x in enumerate(loads):
+                rank = str(r)
+                self.rank_requests.labels(m, rank, "running").set(x.running)
+                self.rank_requests.labels(m, rank, "waiting").set(x.waiting)
+                self.rank_kv_usage.labels(m, rank).set(x.kv_used / x.kv_total if x.kv_total else 0.0)
+                q, h = x.prefix_query_tokens, x.prefix_hit_tokens
+                self.rank_hit_rate.labels(m, rank).set(h / q if q else 0.0)
+                self.rank_routed.labels(m, rank).set(client.router.routed[r])
+                self.rank_idle_steps.labels(m, rank).set(x.idle_steps)
+                q0, h0 = self._rank_stats.get(r, (0, 0))
+                for field, d in (("prefix_query_tokens", q - q0), ("prefix_hit_tokens", h - h0)):
+                    if d > 0:
+                        self.stat_counters[field].inc(d)
+                        if field in self.deprecated_counters:
+                            self.deprecated_counters[field].inc(d)
+                self._rank_stats[r] = (q, h)
+            bal = client.ep_balance
+            if bal.steps:
+                steps, seen = self._ep_seen
+                for layer, (b, rows) in enumerate(zip(bal.layer_balance(), bal.window)):
+                    self.ep_balance.labels(m, str(layer)).set(b)
+                    for r, n in enumerate(rows):
+                        before = seen[layer][r] if layer < len(seen) else 0
+                        if n > before:
+                            self.ep_rows.labels(m, str(layer), str(r)).inc(n - before)
+                if bal.steps > steps:
+                    self.ep_steps.inc(bal.steps - steps)
+                self._ep_seen = (bal.steps, [list(v) for v in bal.window])
+                self.ep_step_balance.set(bal.step_ratios[-1] if bal.step_ratios else 1.0)
+                self.ep_rows_per_rank.set(bal.summary()["rows_per_rank_per_step"])
 
     def end_step(self) -> None:
         """The outputs observed since the last call make one step: one ``iteration_tokens_total`` sample of their

@@ -100,6 +100,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "reasoning_content (and vLLM's reasoning)",
     )
     p.add_argument(
+        "--uniform-routing",
+        action="store_true",
+        help="with -dp > 1 and --enable-expert-parallel: every MoE layer routes each row to top-k experts drawn "
+        "uniformly, the balanced reference of the EP balance metrics (the outputs are not the model's)",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -237,9 +243,16 @@ def _serve(ns: argparse.Namespace, sock: socket.socket, t0: float) -> int:
             )
         except (ValueError, OSError) as e:
             raise SystemExit(f"--kernel-manifest {ns.kernel_manifest}: {e}") from None
-    core = EngineCore(args)
-    if warmup.wanted(args.warmup, core.device):
-        warmup.warm_up(core)  # before the port opens: /health answers once the first shapes are compiled and captured
+    if ns.uniform_routing and not (args.data_parallel_size > 1 and args.enable_expert_parallel):
+        raise SystemExit("--uniform-routing needs -dp > 1 and --enable-expert-parallel (it routes the EP ranks' rows)")
+    if args.data_parallel_size > 1:  # one engine core per rank, each in its own process (they warm up alone)
+        from ..distributed.dp_client import DPClient
+
+        core = DPClient(args, uniform_routing=ns.uniform_routing)
+    else:
+        core = EngineCore(args)
+        if warmup.wanted(args.warmup, core.device):
+            warmup.warm_up(core)  # before the port opens: /health answers once the first shapes are compiled
     if ns.kernel_manifest:
         log.info("kernel manifest %s: %d kernels listed", ns.kernel_manifest, kernel_manifest.save(ns.kernel_manifest))
     names = served_names(args.model, ns.served_model_name)
@@ -271,6 +284,8 @@ def _serve(ns: argparse.Namespace, sock: socket.socket, t0: float) -> int:
     async def lifespan(_):
         yield
         engine.shutdown(ns.shutdown_timeout)  # uvicorn has stopped accepting; drain, then abort the rest
+        if hasattr(core, "close"):  # DP ranks: stopped, none left behind
+            core.close()
         if ns.kernel_manifest:  # with what serving compiled besides the warm-up
             kernel_manifest.save(ns.kernel_manifest)
 
@@ -292,7 +307,7 @@ def _serve(ns: argparse.Namespace, sock: socket.socket, t0: float) -> int:
 
     server = _GracefulServer(config, ready, stopping)
 
-    def stop_when_lost():  # a lost engine (a TP worker died): requests got their 503s; the server exits non-zero
+    def stop_when_lost():  # a TP worker or a DP rank died: requests got their 503s; the server exits non-zero
         engine.died.wait()
         server.should_exit = True
 

@@ -1,0 +1,272 @@
+"""A data-parallel rank: one ``EngineCore`` in its own process, with its own scheduler, paged KV and prefix cache,
+serving the requests the DP front end (``dp_client.DPClient``) routes to it over one pipe.
+
+With expert parallelism (DEP: DP attention, the routed experts spread over the DP ranks by
+``expert_parallel.shard_expert_parallel``) every MoE layer is a collective over the ranks, so the engine cores step
+in lockstep: before each forward ``Lockstep`` all-gathers one ``StepSummary`` a rank on a gloo group; a rank with
+an empty plan runs ``idle_forward`` while a peer has rows; when no rank holds a request and every rank has seen the
+same announced requests, the wave ends on every rank at once and each blocks on its pipe (no collective spins while
+all are idle). Without expert parallelism the ranks share nothing and step on their own.
+
+A rank dies with its front end (``PR_SET_PDEATHSIG``, and EOF on its pipe); an exception in its engine is sent as
+``RankFailed`` and the process exits non-zero (fail-stop: with EP its peers would wait in the next collective).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import traceback
+from dataclasses import replace
+
+import torch
+
+from ..engine.args import EngineArgs
+from ..engine.core import EngineCore, RequestError
+from ..engine.scheduler import StepPlan
+from .dp_protocol import (
+    Abort,
+    AddRequest,
+    Announce,
+    RankFailed,
+    RankLoad,
+    RankOutputs,
+    RankReady,
+    ResetDone,
+    ResetPrefixCache,
+    Shutdown,
+)
+from .expert_parallel import ExpertParallelMoE, idle_forward, shard_expert_parallel
+from .step_sync import StepSummary, StepSync
+
+
+class Lockstep:
+    """``EngineCore.lockstep`` of a DEP rank: one gather of the ranks' step summaries before every forward
+    (``StepSync``), and an idle forward where this rank's plan is empty and a peer's is not. ``awake``: the wave is
+    on (set by the rank loop when a request is announced; cleared here when the wave ends on every rank)."""
+
+    def __init__(self, core: EngineCore, sync: StepSync, uniform_routing: bool = False):
+        self.core, self.sync = core, sync
+        self.seen = 0  # requests announced to this rank and drained from its pipe
+        self.awake = False
+        self.steps = self.idle_steps = 0  # forwards joined (real or idle), and of those idle ones
+        self.sync_seconds = self.idle_seconds = 0.0  # in the summaries' gather, and in idle forwards
+        self.moes = [b.ffn for b in core.model.layers if isinstance(b.ffn, ExpertParallelMoE)]
+        self._rows = [m.dispatcher.rows_received for m in self.moes]
+        if uniform_routing:
+            for m in self.moes:
+                _route_uniformly(m)
+
+    def before_forward(self, plan: StepPlan) -> None:
+        sched = self.core.scheduler
+        prefill = any(c.num_tokens > 1 or not c.samples for c in plan.chunks)
+        mine = StepSummary(plan.num_tokens, len(plan.chunks), int(sched.has_unfinished()), int(prefill), self.seen)
+        t0 = time.perf_counter()
+        peers = self.sync.gather(mine)
+        self.sync_seconds += time.perf_counter() - t0
+        if StepSync.wave_done(peers):
+            self.awake = False
+            return
+        if not any(p.num_tokens for p in peers):  # nobody forwards this step (e.g. every queue blocked on KV)
+            return
+        self.steps += 1
+        if not plan.chunks:
+            t0 = time.perf_counter()
+            idle_forward(self.core.model)
+            self.idle_seconds += time.perf_counter() - t0
+            self.idle_steps += 1
+
+    def expert_rows(self) -> tuple[int, ...]:
+        """Rows this rank's experts ran in each MoE layer since the last call."""
+        now = [m.dispatcher.rows_received for m in self.moes]
+        out, self._rows = tuple(a - b for a, b in zip(now, self._rows)), now
+        return out
+
+
+def _route_uniformly(moe: ExpertParallelMoE) -> None:
+    """Replace the router's picks by top-k distinct experts drawn uniformly (the EP balance figure's reference:
+    the same rows a step, perfectly spread in expectation). Changes the model's output: a measurement run only."""
+    prepare = moe.dispatcher.prepare
+    n = moe.dispatcher.placement.n_experts
+    gen = torch.Generator().manual_seed(moe.ep_rank)
+
+    def uniform(x, ids, w):
+        t, k = ids.shape
+        picks = torch.rand(t, n, generator=gen).argsort(1)[:, :k].to(ids.device)
+        return prepare(x, picks, w)
+
+    moe.dispatcher.prepare = uniform
+
+
+def rank_args(args: EngineArgs, expert_parallel: bool) -> EngineArgs:
+    """One rank's engine arguments: a single-device engine; under EP every forward must be one the ranks agreed on,
+    so no fixed-shape runner (their dispatch would read counts inside a graph), no asynchronous step ahead and no
+    warm-up forwards of its own."""
+    one = replace(args, data_parallel_size=1, enable_expert_parallel=False)
+    if expert_parallel:
+        one = replace(one, async_scheduling=False, enforce_eager=True, warmup=False)
+    return one
+
+
+def build_rank_core(
+    args: EngineArgs, dp_rank: int, dp_size: int, ep_group=None, ctrl_group=None, uniform_routing: bool = False
+) -> EngineCore:
+    """The engine core of DP rank ``dp_rank``; with ``ep_group`` (an initialised world's EP group) its MoE layers
+    expert-parallel over it and its steps in lockstep over ``ctrl_group`` (a gloo group; default ``ep_group``)."""
+    ep = ep_group is not None
+    model_pass = (lambda m: shard_expert_parallel(m, dp_rank, dp_size, ep_group)) if ep else None
+    core = EngineCore(rank_args(args, ep), model_pass=model_pass)
+    if ep:
+        core.lockstep = Lockstep(core, StepSync(ctrl_group or ep_group), uniform_routing)
+    return core
+
+
+class RankLoop:
+    """Serve the pipe: drain messages, step while there is work (with EP: while the wave is on), send outputs."""
+
+    def __init__(self, rank: int, core: EngineCore, conn):
+        self.rank, self.core, self.conn = rank, core, conn
+        self.lockstep: Lockstep | None = core.lockstep
+
+    def active(self) -> bool:
+        return self.lockstep.awake if self.lockstep is not None else self.core.has_unfinished_requests()
+
+    def run(self) -> None:
+        failed: list = []
+        while True:
+            if not self.active() and not self.handle(self.conn.recv(), failed):  # blocks; EOFError: front end gone
+                return
+            while self.conn.poll():
+                if not self.handle(self.conn.recv(), failed):
+                    return
+            if not self.active():
+                if failed:
+                    self.send([], failed)
+                    failed = []
+                continue
+            steps = self.lockstep.steps if self.lockstep is not None else 0
+            outs = self.core.step()
+            rows = []
+            if self.lockstep is not None and self.lockstep.steps > steps:
+                rows.append((self.lockstep.steps, self.lockstep.expert_rows()))
+            self.send(outs, failed, rows)
+            failed = []
+
+    def handle(self, msg, failed: list) -> bool:
+        """Apply one message; False: stop."""
+        if isinstance(msg, (AddRequest, Announce)) and self.lockstep is not None:
+            self.lockstep.seen, self.lockstep.awake = msg.seq, True
+        if isinstance(msg, AddRequest):
+            try:
+                req = self.core.add_request(
+                    msg.request_id, msg.prompt, msg.params, msg.priority, msg.cache_salt, msg.session_id
+                )
+                req.prompt = msg.text
+            except RequestError as e:  # validated by the front end: a race or a limit only this rank knows
+                failed.append((msg.request_id, str(e)))
+        elif isinstance(msg, Abort):
+            self.core.abort_request(msg.request_id)
+        elif isinstance(msg, ResetPrefixCache):
+            self.conn.send(ResetDone(self.rank, self.core.reset_prefix_cache()))
+        elif isinstance(msg, Shutdown):
+            return False
+        return True
+
+    def send(self, outs: list, failed: list, expert_rows: list = ()) -> None:
+        self.conn.send(RankOutputs(self.rank, outs, self.load(), failed, list(expert_rows)))
+
+    def load(self) -> RankLoad:
+        core, ls = self.core, self.lockstep
+        sched, blocks, stats = core.scheduler, core.kv.blocks, core.stats
+        return RankLoad(
+            len(sched.running),
+            len(sched.waiting),
+            blocks.num_used,
+            blocks.num_blocks,
+            stats.prefix_query_tokens,
+            stats.prefix_hit_tokens,
+            ls.steps if ls is not None else stats.steps,
+            ls.idle_steps if ls is not None else 0,
+            stats.step_host_seconds + stats.step_wait_seconds,
+            ls.sync_seconds if ls is not None else 0.0,
+            ls.idle_seconds if ls is not None else 0.0,
+        )
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when the process that spawned it dies (Linux; elsewhere the pipe's EOF ends it)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def rank_main(
+    rank: int,
+    dp_size: int,
+    args: EngineArgs,
+    conn,
+    master_port: int,
+    parent_pid: int,
+    uniform_routing: bool = False,
+    group_timeout_s: float = 60.0,
+    threads: int = 1,
+) -> None:
+    """The process target ``dp_client.DPClient`` spawns for DP rank ``rank`` of ``dp_size``."""
+    _die_with_parent()
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+    try:
+        torch.set_num_threads(threads)
+        if torch.cuda.is_available():  # a GPU a rank ("auto" and "cuda" then mean this one)
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        ep_group = ctrl_group = None
+        if args.enable_expert_parallel and dp_size > 1:
+            from .groups import init_world, new_groups
+
+            os.environ.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(dp_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(master_port),
+            )
+            init_world(timeout_s=group_timeout_s)
+            g = new_groups(1, dp_size, timeout_s=group_timeout_s)
+            ep_group = ctrl_group = g.ep
+            if torch.distributed.get_backend(g.ep) != "gloo":  # host-side control on a gloo twin (vLLM's CPU group)
+                ctrl_group = new_groups(1, dp_size, backend="gloo", timeout_s=group_timeout_s).ep
+        core = build_rank_core(args, rank, dp_size, ep_group, ctrl_group, uniform_routing)
+        if ep_group is None:  # an independent replica warms up as a lone engine does (EP ranks: no forward alone)
+            from ..engine import warmup
+
+            if warmup.wanted(core.args.warmup, core.device):
+                warmup.warm_up(core)
+        conn.send(
+            RankReady(
+                rank,
+                core.tokenizer,
+                core.cfg,
+                core.args,
+                core.max_model_len,
+                dict(core.default_sampling),
+                core.kv.layout.block_size,
+                core.kv.blocks.num_blocks,
+                core.model_path,
+            )
+        )
+        RankLoop(rank, core, conn).run()
+    except EOFError:  # the front end closed the pipe: nothing left to serve
+        os._exit(0)
+    except BaseException:
+        try:
+            conn.send(RankFailed(rank, traceback.format_exc()))
+        except Exception:
+            pass
+        os._exit(1)
+    # The front end asked to stop: leave without the process group's teardown (it waits on the peers).
+    os._exit(0)
