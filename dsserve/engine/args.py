@@ -134,7 +134,11 @@ class EngineArgs:
     )
     uniform_routing: bool = field(
         default=False,
-        metadata=_h("benchmark reference: every MoE routes uniformly at random (changes outputs; never for serving)"),
+        metadata=_h(
+            "benchmark reference with -dp > 1 and --enable-expert-parallel: every MoE layer routes each row to top-k "
+            "experts drawn uniformly, the balanced reference of the EP balance figures (changes outputs; never for "
+            "serving)"
+        ),
     )
     speculative_config: str | None = field(
         default=None,
@@ -382,8 +386,8 @@ class EngineArgs:
             out.append("enable_expert_parallel: no effect on one device (every expert is local)")
         if self.enable_eplb or self.num_redundant_experts or self.num_redundant_draft_experts:
             out.append("enable_eplb / num_redundant_*experts: no effect on one device (every expert is local)")
-        if self.uniform_routing:
-            out.append("uniform_routing: not wired into the single-device engine; a balance reference under EP only")
+        if self.uniform_routing and not (self.data_parallel_size > 1 and self.enable_expert_parallel):
+            out.append("uniform_routing: no effect without -dp > 1 and --enable-expert-parallel (a balance reference)")
         if self.swap_space != 4.0:
             out.append(f"swap_space {self.swap_space} GiB: no effect, a preempted request is recomputed")
         return out

@@ -100,12 +100,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "reasoning_content (and vLLM's reasoning)",
     )
     p.add_argument(
-        "--uniform-routing",
-        action="store_true",
-        help="with -dp > 1 and --enable-expert-parallel: every MoE layer routes each row to top-k experts drawn "
-        "uniformly, the balanced reference of the EP balance metrics (the outputs are not the model's)",
-    )
-    p.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -243,12 +237,12 @@ def _serve(ns: argparse.Namespace, sock: socket.socket, t0: float) -> int:
             )
         except (ValueError, OSError) as e:
             raise SystemExit(f"--kernel-manifest {ns.kernel_manifest}: {e}") from None
-    if ns.uniform_routing and not (args.data_parallel_size > 1 and args.enable_expert_parallel):
+    if args.uniform_routing and not (args.data_parallel_size > 1 and args.enable_expert_parallel):
         raise SystemExit("--uniform-routing needs -dp > 1 and --enable-expert-parallel (it routes the EP ranks' rows)")
     if args.data_parallel_size > 1:  # one engine core per rank, each in its own process (they warm up alone)
         from ..distributed.dp_client import DPClient
 
-        core = DPClient(args, uniform_routing=ns.uniform_routing)
+        core = DPClient(args, uniform_routing=args.uniform_routing)
     else:
         core = EngineCore(args)
         if warmup.wanted(args.warmup, core.device):
