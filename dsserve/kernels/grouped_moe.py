@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ..layers.moe import clamped_swiglu
 from ..layers.numerics import acc
-from ..layers.quant import MX_BLOCK, dequant_fp8_block, dequant_mxfp4, pack_mxfp4, quant_fp8_block
+from ..layers.quant import MX_BLOCK, dequant_fp8_block, dequant_mxfp4, fake_quant_fp8_pow2, pack_mxfp4, quant_fp8_block
 from .dequant import MXFP4_FAST_MAX_SCALE, dequant_fp8, mxfp4_tile_bf16, weight_tile
 from .dequant import dequant_mxfp4 as dequant_mxfp4_rows
 from .moe_permute import MAX_KERNEL_PAIRS, expert_tiles, run_constexprs
@@ -304,20 +304,25 @@ def routed_experts_ref(
     *,
     accumulate_into: torch.Tensor | None = None,
     accumulate_after=None,
+    act_quant: bool = False,
 ) -> torch.Tensor:
     """MoE.forward's per-expert loop on the dequantised weights (cast to x's dtype), without the shared expert.
     ``accumulate_into`` ([T, d], x's dtype; the shared expert's output): the routed sum is added to it in place, in
     fp32 with one rounding (as the oracle adds the two), and it is returned. ``accumulate_after``: a CUDA event
-    (accumulate_into made on another stream) the current stream waits for before the add."""
+    (accumulate_into made on another stream) the current stream waits for before the add. ``act_quant``: the
+    release's W4A8 / W8A8 numerics (spec 2.12): x and the down projection's input h fake-quantised to e4m3 per 32
+    channels with pow2 scales (quant.fake_quant_fp8_pow2) before their products."""
     _check(x, ids, weights, experts, kernel=False)
     _check_into(x, accumulate_into)
     out = torch.zeros(x.shape, dtype=acc(x).dtype, device=x.device)
+    xq = fake_quant_fp8_pow2(x) if act_quant else x
     for e in torch.unique(ids).tolist():
         rows, slot = torch.nonzero(ids == e, as_tuple=True)
         w1, w3, w2 = (w.to(x.dtype) for w in experts.dequant(e))
-        xe = x[rows]
+        xe = xq[rows]
         he = clamped_swiglu(xe @ w1.t(), xe @ w3.t(), limit)
-        ye = (acc(he) * weights[rows, slot, None]).to(x.dtype) @ w2.t()
+        he = (acc(he) * weights[rows, slot, None]).to(x.dtype)
+        ye = (fake_quant_fp8_pow2(he) if act_quant else he) @ w2.t()
         out.index_add_(0, rows, acc(ye))
     if accumulate_into is not None:
         _wait(accumulate_after, x)
@@ -423,8 +428,10 @@ def routed_experts(
     accumulate_into: torch.Tensor | None = None,
     accumulate_after=None,
     config: dict | None = None,
+    act_quant: bool = False,
 ):
-    """Triton grouped GEMMs, same semantics as routed_experts_ref. Ids must lie in [0, E) (not checked: that would
+    """Triton grouped GEMMs, same semantics as routed_experts_ref. act_quant: W4A8 / W8A8 on FP8 tensor cores
+    (grouped_moe_a8; config keys as its routed_experts_a8). Ids must lie in [0, E) (not checked: that would
     need a host sync); a pick outside leaves its row undefined. config overrides BM, BN, BK, GROUP_M, num_warps,
     num_stages, decode and tma (tests and benchmarks only). decode (MXFP4 with bf16 rows; _mxfp4_decode): "asm"
     (the default on CUDA for decode-sized calls: 1.3-1.4x tl.dot_scaled's speed on the H200, 2026-12-02:
@@ -434,6 +441,19 @@ def routed_experts(
     (True / False; default: bf16 rows, >= DEQUANT_MIN_ROWS_PER_EXPERT pairs an expert, within DEQUANT_MAX_BYTES):
     run quantised experts as bf16 ones, dequantised first. accumulate_into: see the reference (one launch where a
     separate add would take three)."""
+    if act_quant:
+        from .grouped_moe_a8 import routed_experts_a8
+
+        return routed_experts_a8(
+            x,
+            ids,
+            weights,
+            experts,
+            limit,
+            accumulate_into=accumulate_into,
+            accumulate_after=accumulate_after,
+            config=config,
+        )
     _check(x, ids, weights, experts, kernel=True)
     _check_into(x, accumulate_into)
     (t, k), (n_exp, d, inter) = ids.shape, experts.shape
