@@ -123,7 +123,9 @@ def _w8a16_kernel(
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, sxm, sqm, ssm, ssg, G: tl.constexpr, BM: tl.constexpr):
+def _act_quant_kernel(
+    x_ptr, q_ptr, s_ptr, M, sxm, sqm, ssm, ssg, G: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr = False
+):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     kk = tl.program_id(1) * G + tl.arange(0, G)
     x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=rm[:, None] < M, other=0.0).to(tl.float32)
@@ -138,6 +140,8 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, sxm, sqm, ssm, ssg, G: tl.constexp
     y = v * ((254 - ue) << 23).to(tl.float32, bitcast=True)
     v = ((y + 12582912.0) - 12582912.0) * (ue << 23).to(tl.float32, bitcast=True)  # 1.5 * 2^23: rint for |y| < 2^22
     q = v.to(tl.float8e4nv)
+    if SPLIT:  # channel c of the group at (c % 2) * G/2 + c // 2: even channels first, then odd ones
+        kk = tl.program_id(1) * G + (kk % 2) * (G // 2) + (kk % G) // 2
     tl.store(q_ptr + rm[:, None] * sqm + kk[None, :], q.to(tl.uint8, bitcast=True), mask=rm[:, None] < M)
     tl.store(s_ptr + rm * ssm + tl.program_id(1) * ssg, (e << 23).to(tl.float32, bitcast=True), mask=rm < M)
 
@@ -426,14 +430,15 @@ def _w8a8(x, w_q, w_s, block, act_group, groups, group_n, cfg):
     return out
 
 
-def act_quant_rows(x, group: int = 32, m_major: bool = False):
+def act_quant_rows(x, group: int = 32, m_major: bool = False, split: bool = False):
     """The release's act_quant: x [M, K] -> (e4m3 bytes uint8 [M, K], fp32 pow2 scales [M, K/group]; M-major
-    storage if m_major); bytes x scales = quant.fake_quant_fp8_pow2(x, group) exactly."""
+    storage if m_major); bytes x scales = quant.fake_quant_fp8_pow2(x, group) exactly. split: each group's
+    channels stored even ones first, then odd ones (the K order of grouped_moe_a8's MXFP4 weights)."""
     (m, k), dev = x.shape, x.device
     q = torch.empty(m, k, dtype=torch.uint8, device=dev)
     qs = torch.empty(k // group, m, device=dev).t() if m_major else torch.empty(m, k // group, device=dev)
     _act_quant_kernel[(triton.cdiv(m, 16), k // group)](
-        x, q, qs, m, x.stride(0), q.stride(0), qs.stride(0), qs.stride(1), G=group, BM=16
+        x, q, qs, m, x.stride(0), q.stride(0), qs.stride(0), qs.stride(1), G=group, BM=16, SPLIT=split
     )
     return q, qs
 

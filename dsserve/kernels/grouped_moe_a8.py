@@ -11,11 +11,12 @@ The release quantises the input of every FP8 / FP4-weight linear to e4m3 per 32 
 The reference is grouped_moe.routed_experts_ref(..., act_quant=True): fake-quantised x and h, exact weights.
 
 In the K loop, one 32-wide K group at a time: the weight group is turned into e4m3 in registers (MXFP4: each byte's
-two e2m1 nibbles become e4m3 bytes `s 0 0 e e m 0 0`, which is the e2m1 value times 2^-6 exactly, 7 integer ops per
-8 weights by inline PTX on CUDA; FP8 experts are e4m3 already), an fp8 x fp8 -> fp32 tl.dot of K = 32 gives the
-group's partial, and `acc += partial * (a_scale x w_scale)` applies both pow2 scales (2^6 folded into the weight
-scale) on the fp32 accumulator. Products of e4m3 values are exact; only the fp32 sums round (order differs from
-the reference: tests compare to a tolerance). SWAP (the decode default): the weight rows are the dot's M side and
+two e2m1 nibbles become e4m3 bytes `s 0 0 e e m 0 0`, the e2m1 value times 2^-6 exactly, 7 integer ops per 8 weights
+by inline PTX on CUDA, low nibbles first, so the activation bytes are stored in that order: each group's even
+channels, then its odd ones; FP8 experts are e4m3 already), an fp8 x fp8 -> fp32 tl.dot of K = 32 gives the group's
+partial, and `acc += partial * (a_scale x w_scale)` applies both pow2 scales (2^6 folded into the weight scale) on
+the fp32 accumulator. Products of e4m3 values are exact; only the fp32 sums round (order differs from the
+reference: tests compare to a tolerance). SWAP (the decode default): the weight rows are the dot's M side and
 the tokens its N side (wgmma needs M = 64; an expert holds 1-32 tokens at decode).
 """
 
@@ -106,13 +107,9 @@ def _w_group(
 
 
 @triton.jit
-def _a_group(q_ptr, qs_ptr, rows, rm, g, K: tl.constexpr, SPLIT: tl.constexpr):
-    """K group g of the quantised activation rows: (e4m3 [BM, 32], fp32 scale [BM]); 0 where ~rm. SPLIT: columns
-    in the order of e2m1x2_to_e4m3(SPLIT=True), even channels then odd ones."""
-    j = tl.arange(0, 32)
-    if SPLIT:
-        j = (j % 16) * 2 + j // 16
-    kk = g * 32 + j
+def _a_group(q_ptr, qs_ptr, rows, rm, g, K: tl.constexpr):
+    """K group g of the quantised activation rows: (e4m3 [BM, 32], fp32 scale [BM]); 0 where ~rm."""
+    kk = g * 32 + tl.arange(0, 32)
     a = tl.load(q_ptr + rows[:, None] * K + kk[None, :], mask=rm[:, None], other=0).to(tl.float8e4nv, bitcast=True)
     return a, tl.load(qs_ptr + rows * (K // 32) + g, mask=rm, other=0.0)
 
@@ -173,7 +170,7 @@ def _up_a8_kernel(
     for t in range(D // BK):
         for j in tl.static_range(BK // 32):
             g = t * (BK // 32) + j
-            a, sa = _a_group(q_ptr, qs_ptr, tok, pm, g, D, FMT == 2)
+            a, sa = _a_group(q_ptr, qs_ptr, tok, pm, g, D)
             w, sw = _w_group(w1_ptr, s1_ptr, e, rn, g, I, D, FMT, BN, ASM)
             acc1 = group_dot(acc1, a, sa, w, sw, SWAP)
             w, sw = _w_group(w3_ptr, s3_ptr, e, rn, g, I, D, FMT, BN, ASM)
@@ -189,7 +186,10 @@ def _up_a8_kernel(
     h = _round_to(_round_to(s * u, DT) * tl.load(rw_ptr + pair, mask=pm, other=0.0)[:, None], DT)
     # then the down projection's act_quant, one 32-column group at a time (BN is a multiple of 32)
     hq, hs = quant_e4m3_pow2(tl.reshape(h, (BM * (BN // 32), 32)), BM * (BN // 32))
-    tl.store(hq_ptr + p[:, None] * I + rn[None, :], tl.reshape(hq, (BM, BN)), mask=pm[:, None] & (rn[None, :] < I))
+    cq = rn
+    if FMT == 2:  # in the K order of the MXFP4 conversion (act_quant_rows split): even channels first, then odd
+        cq = (rn // 32) * 32 + (rn % 2) * 16 + (rn % 32) // 2
+    tl.store(hq_ptr + p[:, None] * I + cq[None, :], tl.reshape(hq, (BM, BN)), mask=pm[:, None] & (rn[None, :] < I))
     gc = n0 // 32 + tl.arange(0, BN // 32)
     tl.store(
         hs_ptr + p[:, None] * (I // 32) + gc[None, :],
@@ -230,7 +230,7 @@ def _down_a8_kernel(
     for t in range(I // BK):
         for j in tl.static_range(BK // 32):
             g = t * (BK // 32) + j
-            a, sa = _a_group(hq_ptr, hs_ptr, p, pm, g, I, FMT == 2)
+            a, sa = _a_group(hq_ptr, hs_ptr, p, pm, g, I)
             w, sw = _w_group(w2_ptr, s2_ptr, e, rn, g, D, I, FMT, BN, ASM)
             acc = group_dot(acc, a, sa, w, sw, SWAP)
     if SWAP:
@@ -295,7 +295,7 @@ def routed_experts_a8(
     if asm and (_INTERPRET or not x.is_cuda):
         raise ValueError("config asm=True needs CUDA (the interpreter runs no PTX)")
     c = config_a8(t * k, n_exp, d, inter, cfg)
-    q, qs = act_quant_rows(x, GROUP)
+    q, qs = act_quant_rows(x, GROUP, split=experts.fmt == "mxfp4")
     order, tiles = expert_tiles(ids, n_exp, c["BM"])
     nt, fmt = tiles.shape[1], 2 if experts.fmt == "mxfp4" else 1
     hq = _empty((t * k, inter), dtype=torch.uint8, device=x.device)

@@ -88,6 +88,9 @@ def test_act_quant_is_the_fake_quant_exactly():
     deq = q.view(torch.float8_e4m3fn).float() * s.repeat_interleave(32, 1)
     assert torch.equal(deq, fake_quant_fp8_pow2(x, 32))
     assert s[2, 0] == 2.0**-3
+    qs, ss = F.act_quant_rows(x, 32, split=True)  # each group's even channels first, then its odd ones
+    assert torch.equal(ss, s)
+    assert torch.equal(qs.view(5, 3, 2, 16), q.view(5, 3, 16, 2).transpose(2, 3))
 
 
 @pytest.mark.parametrize(
