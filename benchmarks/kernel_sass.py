@@ -158,21 +158,21 @@ def main():
             f"{decode:6s} BN={bn:3d} BK={bk} stages={stages}: {n:5d} instructions a K step, {per:.2f} a weight, {top}",
             flush=True,
         )
-    # W4A8 (grouped_moe_a8): its default decode tile (config_a8: BM 16, BN 64, BK 256, swapped, 4 warps, 4 stages),
-    # a wider one, and the unswapped orientation
-    for bn, bk, swap in ((64, 256, True), (128, 256, True), (64, 128, True), (64, 256, False)):
-        ops = k_loop(sass_lines(compile_up_a8(16, bn, bk, 4, 4, swap)))
+    # W4A8 (grouped_moe_a8): its default decode tile (config_a8: BM 8 up to 8 rows an expert, BN 64, BK 256,
+    # swapped, 4 warps, 4 stages), wider and taller ones, and the unswapped orientation (BM >= 16 there)
+    for bm, bn, bk, swap in ((8, 64, 256, True), (8, 128, 256, True), (16, 64, 256, True), (16, 64, 256, False)):
+        ops = k_loop(sass_lines(compile_up_a8(bm, bn, bk, 4, 4, swap)))
         n = sum(ops.values())
         per = n / (2 * bn * bk / 128)
         top = dict(sorted(ops.items(), key=lambda kv: -kv[1])[:10])
-        key = f"w4a8 BN={bn} BK={bk} swap={swap}"
+        key = f"w4a8 BM={bm} BN={bn} BK={bk} swap={swap}"
         rows[key] = {"loop_instructions": n, "per_weight": per, "top": top, "fp8_mma": ops.get("QGMMA", 0)}
         print(f"{key}: {n:5d} instructions a K step, {per:.2f} a weight, {top}", flush=True)
     builds = {}  # the other new kernels: does each build for sm_90, and does it use fp8 wgmma (QGMMA)?
     for key, fn in (
-        ("w4a8 down BM=16 BN=64 BK=256 swap", lambda: compile_down_a8(16, 64, 256, 4, 4, True)),
+        ("w4a8 down BM=8 BN=64 BK=256 swap", lambda: compile_down_a8(8, 64, 256, 4, 4, True)),
         ("w4a8 up BM=64 BN=128 BK=128", lambda: compile_up_a8(64, 128, 128, 8, 3, False)),
-        ("w8a8 wq_a M<=16 split swap", lambda: compile_w8a8((1280, 5120), 16, 64, 128, 4, 10, True, 4, 4)),
+        ("w8a8 wq_a M<=8 split swap", lambda: compile_w8a8((1280, 5120), 8, 64, 128, 4, 10, True, 4, 4)),
         ("w8a8 wo_b M=64 no split", lambda: compile_w8a8((5120, 8192), 64, 64, 128, 64, 1, False, 4, 4)),
     ):
         lines = sass_lines(fn())

@@ -43,11 +43,13 @@ DENSE = (
 )
 MOE_TOKENS = (1, 8, 32, 64, 128, 256)  # T; T * 6 / 48 = 1/8 (B = 1), then 1, 4, 8, 16, 32 tokens an expert
 DENSE_M = (1, 8, 32, 8192)
-W4A8_VARIANTS = {  # tile variants timed beside the default (config overrides of routed_experts_a8)
+W4A8_VARIANTS = {  # tile variants timed beside the default (config overrides of routed_experts_a8; offline SASS:
+    # BN 128 spends fewer instructions a weight, BN 64 runs twice the programs)
     "BN128": {"BN": 128},
+    "BN128_stages3": {"BN": 128, "num_stages": 3},
     "BK128": {"BK": 128},
     "stages2": {"num_stages": 2},
-    "unswapped": {"SWAP": False},
+    "BM16": {"BM": 16},
 }
 GOAL_TBPS = 3.2
 

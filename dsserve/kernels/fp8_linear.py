@@ -376,11 +376,11 @@ def _w8a8(x, w_q, w_s, block, act_group, groups, group_n, cfg):
         return _product(fq(x, act_group), dequant_fp8(w_q, w_s, block, x.dtype), groups)
     q, qs = act_quant_rows(x, act_group)
     small = m <= 64
-    bm = cfg.get("BM", min(128, max(16, triton.next_power_of_2(m))))
+    swap = cfg.get("SWAP", m < 64)
+    bm = cfg.get("BM", min(128, max(8 if swap else 16, triton.next_power_of_2(m))))  # rows: the MMA's N if swapped
     bn, bk = _bn(cfg, 64 if small else 128, group_n), cfg.get("BK", 128)
-    if bk < 32 or bk & (bk - 1):
-        raise ValueError(f"config BK={bk} must be a power of two >= 32")
-    swap = cfg.get("SWAP", bm < 64)
+    if bk < 32 or bk & (bk - 1) or bm < (8 if swap else 16) or bm & (bm - 1):
+        raise ValueError(f"config BK={bk} / BM={bm} must be powers of two, BK >= 32, BM >= 8 swapped else 16")
     tiles, k_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn), triton.cdiv(k, bk)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
     split = min(k_tiles, cfg.get("SPLIT_K", max(1, 2 * sms // tiles) if small else 1))

@@ -255,18 +255,20 @@ def _bk(k: int, want: int) -> int:
 
 
 def config_a8(n_pairs: int, n_exp: int, d: int, inter: int, cfg: dict | None = None) -> dict:
-    """Tiles for n_pairs (token, expert) pairs: BM covers an expert's rows under even routing (16..64), BN 64 (decode)
-    or 128, BK 256 / 128 (unrolled 32-wide groups), SWAP for decode-sized tiles; cfg overrides any key."""
+    """Tiles for n_pairs (token, expert) pairs: BM covers an expert's rows under even routing (8..64; 8 and 16 only
+    swapped, where the tokens are the MMA's N side), BN 64 (decode) or 128, BK 256 / 128 (unrolled 32-wide groups),
+    SWAP below 64 rows; cfg overrides any key."""
     cfg = dict(cfg or {})
     rows = -(-n_pairs // max(1, min(n_pairs, n_exp)))
-    bm = cfg.pop("BM", min(64, max(16, triton.next_power_of_2(rows))))
+    swap = cfg.get("SWAP", rows < 64)
+    bm = cfg.pop("BM", min(64, max(8 if swap else 16, triton.next_power_of_2(rows))))
     big = bm >= 64
-    c = {"BM": bm, "BN": 128 if big else 64, "BK": 128 if big else 256, "GROUP_M": 8, "SWAP": not big}
+    c = {"BM": bm, "BN": 128 if big else 64, "BK": 128 if big else 256, "GROUP_M": 8, "SWAP": swap}
     c.update(num_warps=8 if big else 4, num_stages=3 if big else 4)
     c.update(cfg)
-    for key, low in (("BM", 16), ("BN", 32), ("BK", 32)):
+    for key, low in (("BM", 8 if c["SWAP"] else 16), ("BN", 32), ("BK", 32)):
         if c[key] < low or c[key] & (c[key] - 1):
-            raise ValueError(f"config {key}={c[key]} must be a power of two >= {low}")
+            raise ValueError(f"config {key}={c[key]} must be a power of two >= {low} (SWAP={c['SWAP']})")
     c["BN_UP"], c["BN_DOWN"] = (max(32, min(c["BN"], triton.next_power_of_2(m))) for m in (inter, d))
     c["BK_UP"], c["BK_DOWN"] = _bk(d, c["BK"]), _bk(inter, c["BK"])
     return c
