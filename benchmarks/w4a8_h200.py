@@ -43,8 +43,9 @@ DENSE = (
 )
 MOE_TOKENS = (1, 8, 32, 64, 128, 256)  # T; T * 6 / 48 = 1/8 (B = 1), then 1, 4, 8, 16, 32 tokens an expert
 DENSE_M = (1, 8, 32, 8192)
-W4A8_VARIANTS = {  # tile variants timed beside the default (config overrides of routed_experts_a8; offline SASS:
-    # BN 128 spends fewer instructions a weight, BN 64 runs twice the programs)
+W4A8_VARIANTS = {  # tile variants timed beside the default (config overrides of routed_experts_a8; the default BN
+    # is 128 where the up kernel still has two programs an SM, else 64: offline SASS favours 128, occupancy 64)
+    "BN64": {"BN": 64},
     "BN128": {"BN": 128},
     "BN128_stages3": {"BN": 128, "num_stages": 3},
     "BK128": {"BK": 128},

@@ -145,6 +145,14 @@ class EngineArgs:
             "H200); the dense copies are kept, rounded, only on the CPU"
         ),
     )
+    act_quant: bool = field(
+        default=False,
+        metadata=_h(
+            "the release's activation rounding (spec 2.12, act_quant): inputs of the FP8 projections (--quantization "
+            "fp8) and of the packed routed experts quantised to e4m3 per 32 channels with power-of-two scales, in "
+            "every path; on a GPU they then run as W8A8 / W4A8 on FP8 tensor cores"
+        ),
+    )
     engram_tables: str = field(
         default="auto",
         metadata=_h(

@@ -254,16 +254,20 @@ def _bk(k: int, want: int) -> int:
     return bk
 
 
-def config_a8(n_pairs: int, n_exp: int, d: int, inter: int, cfg: dict | None = None) -> dict:
-    """Tiles for n_pairs (token, expert) pairs: BM covers an expert's rows under even routing (8..64; 8 and 16 only
-    swapped, where the tokens are the MMA's N side), BN 64 (decode) or 128, BK 256 / 128 (unrolled 32-wide groups),
-    SWAP below 64 rows; cfg overrides any key."""
+def config_a8(n_pairs: int, n_exp: int, d: int, inter: int, cfg: dict | None = None, sms: int = 132) -> dict:
+    """Tiles for n_pairs (token, expert) pairs on `sms` SMs: BM covers an expert's rows under even routing (8..64;
+    8 and 16 only swapped, where the tokens are the MMA's N side), BK 256 / 128 (unrolled 32-wide groups), SWAP
+    below 64 rows, BN 128 (fewer instructions a weight: offline SASS, benchmarks/kernel_sass.py) unless the up
+    kernel would then run fewer than two programs an SM (B = 1 decode: 6 experts x 18 column tiles), then 64;
+    cfg overrides any key."""
     cfg = dict(cfg or {})
-    rows = -(-n_pairs // max(1, min(n_pairs, n_exp)))
+    used = max(1, min(n_pairs, n_exp))
+    rows = -(-n_pairs // used)
     swap = cfg.get("SWAP", rows < 64)
     bm = cfg.pop("BM", min(64, max(8 if swap else 16, triton.next_power_of_2(rows))))
     big = bm >= 64
-    c = {"BM": bm, "BN": 128 if big else 64, "BK": 128 if big else 256, "GROUP_M": 8, "SWAP": swap}
+    bn = 128 if big or used * triton.cdiv(inter, 128) >= 2 * sms else 64
+    c = {"BM": bm, "BN": bn, "BK": 128 if big else 256, "GROUP_M": 8, "SWAP": swap}
     c.update(num_warps=8 if big else 4, num_stages=3 if big else 4)
     c.update(cfg)
     for key, low in (("BM", 8 if c["SWAP"] else 16), ("BN", 32), ("BK", 32)):
@@ -296,7 +300,8 @@ def routed_experts_a8(
     asm = cfg.pop("asm", x.is_cuda and not _INTERPRET)
     if asm and (_INTERPRET or not x.is_cuda):
         raise ValueError("config asm=True needs CUDA (the interpreter runs no PTX)")
-    c = config_a8(t * k, n_exp, d, inter, cfg)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+    c = config_a8(t * k, n_exp, d, inter, cfg, sms)
     q, qs = act_quant_rows(x, GROUP, split=experts.fmt == "mxfp4")
     order, tiles = expert_tiles(ids, n_exp, c["BM"])
     nt, fmt = tiles.shape[1], 2 if experts.fmt == "mxfp4" else 1
