@@ -43,14 +43,12 @@ DENSE = (
 )
 MOE_TOKENS = (1, 8, 32, 64, 128, 256)  # T; T * 6 / 48 = 1/8 (B = 1), then 1, 4, 8, 16, 32 tokens an expert
 DENSE_M = (1, 8, 32, 8192)
-W4A8_VARIANTS = {  # tile variants timed beside the default (config overrides of routed_experts_a8; the default BN
+W4A8_VARIANTS = {  # tile variants timed after the defaults (config overrides of routed_experts_a8; the default BN
     # is 128 where the up kernel still has two programs an SM, else 64: offline SASS favours 128, occupancy 64)
     "BN64": {"BN": 64},
     "BN128": {"BN": 128},
-    "BN128_stages3": {"BN": 128, "num_stages": 3},
-    "BK128": {"BK": 128},
     "stages2": {"num_stages": 2},
-    "BM16": {"BM": 16},
+    "BK128": {"BK": 128},
 }
 GOAL_TBPS = 3.2
 
@@ -141,7 +139,8 @@ def expert_set(torch, G, dev, d, inter, n_exp, copies, seed=0):
     ]
 
 
-def moe_part(run: Run, torch, dev, smoke: bool) -> None:
+def moe_part(run: Run, torch, dev, smoke: bool):
+    """Checks and the default variants' timings; returns a function that times the tile variants."""
     from dsserve.kernels import grouped_moe as G
     from dsserve.kernels import grouped_moe_a8 as A
 
@@ -189,6 +188,7 @@ def moe_part(run: Run, torch, dev, smoke: bool) -> None:
         out["checks"][f"T={t}"] = run.attempt(f"moe check T={t}", check, {"ok": False})
         print(f"check w4a8 T={t}: {out['checks'][f'T={t}']}", flush=True)
 
+    later = []  # (T, row, timer) for the variants' pass
     for t in (1, 8) if smoke else MOE_TOKENS:
         if run.over(f"moe T={t}"):
             continue
@@ -200,7 +200,7 @@ def moe_part(run: Run, torch, dev, smoke: bool) -> None:
         wbytes = used * per_expert
         row = out["rows"][f"T={t}"] = {"tokens_an_expert": t * k / n_exp, "experts_touched": used, "bytes": wbytes}
 
-        def timed(name, aq, cfg=None):
+        def timed(name, aq, cfg=None, t=t, xs=xs, ids=ids, ws=ws, row=row, wbytes=wbytes):  # bound now: run later too
             def go():
                 fn = lambda i: G.routed_experts(  # noqa: E731
                     xs[i % sets], ids[i % sets], ws[i % sets], exs[i % copies], 10.0, act_quant=aq, config=cfg
@@ -213,19 +213,31 @@ def moe_part(run: Run, torch, dev, smoke: bool) -> None:
 
         timed("weight_only", False)
         timed("w4a8", True)
-        if not smoke:
+        _best(row)
+        print(f"moe T={t}: " + _fmt_row(row), flush=True)
+        later.append((t, row, timed))
+
+    def variants():
+        """The W4A8 tile variants, after every default number is in (they compile more kernels)."""
+        for t, row, timed in later:
             for name, cfg in W4A8_VARIANTS.items():
                 if not run.over(f"moe T={t} w4a8 {name}"):
                     timed(f"w4a8_{name}", True, cfg)
-        best = min(
-            ((n, v) for n, v in row.items() if n.startswith("w4a8") and isinstance(v, dict)),
-            key=lambda nv: nv[1]["ms"],
-            default=(None, None),
-        )
-        row["w4a8_best"] = best[0]
-        if best[1] and isinstance(row.get("weight_only"), dict):
-            row["w4a8_speedup"] = row["weight_only"]["ms"] / best[1]["ms"]
-        print(f"moe T={t}: " + _fmt_row(row), flush=True)
+            _best(row)
+            print(f"moe T={t} with variants: " + _fmt_row(row), flush=True)
+
+    return variants
+
+
+def _best(row: dict) -> None:
+    best = min(
+        ((n, v) for n, v in row.items() if n.startswith("w4a8") and isinstance(v, dict)),
+        key=lambda nv: nv[1]["ms"],
+        default=(None, None),
+    )
+    row["w4a8_best"] = best[0]
+    if best[1] and isinstance(row.get("weight_only"), dict):
+        row["w4a8_speedup"] = row["weight_only"]["ms"] / best[1]["ms"]
 
 
 def _fmt_row(row: dict) -> str:
@@ -234,7 +246,8 @@ def _fmt_row(row: dict) -> str:
     )
 
 
-def dense_part(run: Run, torch, dev, smoke: bool, ceil: dict) -> None:
+def dense_part(run: Run, torch, dev, smoke: bool, ceil: dict):
+    """Checks and W8A16 / W8A8 timings; returns a function that times the W8A8 FP8 kernel at prefill."""
     from dsserve.kernels import fp8_linear as F
     from dsserve.layers.quant import quant_fp8_block
 
@@ -242,6 +255,7 @@ def dense_part(run: Run, torch, dev, smoke: bool, ceil: dict) -> None:
     ms_of = timer(torch, smoke)
     g = torch.Generator(device=dev).manual_seed(2)
     out = run.res["dense"] = {"rows": {}, "checks": {}}
+    later = []  # (key, row, timer) of the FP8 kernel at prefill, for the variants' pass
     for name, n, k, groups in shapes:
         nbytes = n * k + math.ceil(n / 32) * math.ceil(k / 32)
         copies = 1 if smoke else max(2, min(64, math.ceil((160 << 20) / nbytes)))  # > L2 (50 MB) in all
@@ -271,31 +285,55 @@ def dense_part(run: Run, torch, dev, smoke: bool, ceil: dict) -> None:
             row = out["rows"][key] = {"N": n, "K": k, "groups": groups, "M": m, "weight_bytes": nbytes}
             flops = 2 * m * n * k
 
-            def timed(label, fn, wb=nbytes, row=row, flops=flops, copies=copies):
+            def timed(label, fn, wb=nbytes, row=row, flops=flops, copies=copies, key=key):  # bound: run later too
                 def go():
                     ms = ms_of(fn, copies)
                     row[label] = {"ms": ms, "TBps": wb / ms / 1e9, "TFLOPs": flops / ms / 1e9}
 
                 run.attempt(f"dense {key} {label}", go)
 
-            timed("w8a16", lambda i, x=x, ws=ws: F.fp8_linear(x, *ws[i % len(ws)], 32, groups=groups))
-            timed("w8a8", lambda i, x=x, ws=ws: F.fp8_linear(x, *ws[i % len(ws)], 32, act_quant=True, groups=groups))
+            timed("w8a16", lambda i, x=x, ws=ws, g=groups: F.fp8_linear(x, *ws[i % len(ws)], 32, groups=g))
+            timed(
+                "w8a8", lambda i, x=x, ws=ws, g=groups: F.fp8_linear(x, *ws[i % len(ws)], 32, act_quant=True, groups=g)
+            )
             if m >= 1024 and not smoke:
-                timed(
-                    "w8a8_fp8_kernel",
-                    lambda i, x=x, ws=ws: F.fp8_linear(
-                        x, *ws[i % len(ws)], 32, act_quant=True, groups=groups, config={"dequant": False}
-                    ),
-                )
                 wb16 = torch.randn(n, k, device=dev, dtype=torch.bfloat16)  # the same product on bf16 weights
-                timed("bf16_matmul", lambda i, x=x, wb16=wb16: F._product(x, wb16, groups), 2 * n * k)
-            for label in ("w8a16", "w8a8", "w8a8_fp8_kernel"):
-                v = row.get(label)
-                if isinstance(v, dict) and ceil.get("copy_GBps"):
-                    v["of_copy_bw"] = v["TBps"] * 1e3 / ceil["copy_GBps"]
-                    if ceil.get("bf16_TFLOPs"):
-                        v["of_bf16_rate"] = v["TFLOPs"] / ceil["bf16_TFLOPs"]
+                timed("bf16_matmul", lambda i, x=x, wb16=wb16, g=groups: F._product(x, wb16, g), 2 * n * k)
+                later.append(
+                    (
+                        key,
+                        row,
+                        lambda timed=timed, x=x, ws=ws, groups=groups: timed(
+                            "w8a8_fp8_kernel",
+                            lambda i: F.fp8_linear(
+                                x, *ws[i % len(ws)], 32, act_quant=True, groups=groups, config={"dequant": False}
+                            ),
+                        ),
+                    )
+                )
+            _rates(row, ceil)
             print(f"dense {key}: " + _fmt_row(row), flush=True)
+
+    def variants():
+        """Prefill on the W8A8 FP8 kernel (the default there dequantises and runs cuBLAS)."""
+        for key, row, go in later:
+            if not run.over(f"dense {key} w8a8_fp8_kernel"):
+                go()
+                _rates(row, ceil)
+                print(f"dense {key} with the FP8 kernel: " + _fmt_row(row), flush=True)
+
+    return variants
+
+
+def _rates(row: dict, ceil: dict) -> None:
+    for label in ("w8a16", "w8a8", "w8a8_fp8_kernel", "bf16_matmul"):
+        v = row.get(label)
+        if isinstance(v, dict) and ceil.get("copy_GBps"):
+            v["of_copy_bw"] = v["TBps"] * 1e3 / ceil["copy_GBps"]
+            if ceil.get("bf16_TFLOPs"):
+                v["of_bf16_rate"] = v["TFLOPs"] / ceil["bf16_TFLOPs"]
+        if isinstance(v, dict) and isinstance(row.get("bf16_matmul"), dict):
+            v["of_bf16_matmul_same_shape"] = row["bf16_matmul"]["ms"] / v["ms"]
 
 
 def table(res: dict) -> str:
@@ -340,7 +378,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="benchmarks/results/w4a8-h200")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes (checks the script)")
-    p.add_argument("--budget-s", type=float, default=190, help="skip the timings left after this many seconds")
+    p.add_argument("--budget-s", type=float, default=170, help="skip the timings left after this many seconds")
     a = p.parse_args()
     if a.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
@@ -366,10 +404,15 @@ def main():
         with open(path, "w") as f:
             json.dump(run.res, f, indent=1)
 
-    run.attempt("moe", lambda: moe_part(run, torch, dev, a.smoke))
+    # the default paths first (the goals' numbers), then the variants with what is left of the budget
+    moe_variants = run.attempt("moe", lambda: moe_part(run, torch, dev, a.smoke))
     save()
-    run.attempt("dense", lambda: dense_part(run, torch, dev, a.smoke, ceil))
+    dense_variants = run.attempt("dense", lambda: dense_part(run, torch, dev, a.smoke, ceil))
     save()
+    for what, fn in (("moe variants", moe_variants), ("dense variants", dense_variants)):
+        if fn is not None:
+            run.attempt(what, fn)
+            save()
     print(table(run.res))
     print(json.dumps(summary(run.res)))
 
