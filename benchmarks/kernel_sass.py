@@ -168,6 +168,13 @@ def main():
         key = f"w4a8 BM={bm} BN={bn} BK={bk} swap={swap}"
         rows[key] = {"loop_instructions": n, "per_weight": per, "top": top, "fp8_mma": ops.get("QGMMA", 0)}
         print(f"{key}: {n:5d} instructions a K step, {per:.2f} a weight, {top}", flush=True)
+    # W8A8 dense (fp8_linear): decode tile on wq_a (BM 8 swapped, BN 64, BK 128, split K); 1 byte a weight, no
+    # conversion: the loop is loads, wgmma and the per-32 rescale
+    ops = k_loop(sass_lines(compile_w8a8((1280, 5120), 8, 64, 128, 4, 10, True, 4, 4)))
+    n = sum(ops.values())
+    top = dict(sorted(ops.items(), key=lambda kv: -kv[1])[:10])
+    rows["w8a8 BM=8 BN=64 BK=128 swap=True"] = {"loop_instructions": n, "per_weight": n / (64 * 128 / 128), "top": top}
+    print(f"w8a8 BM=8 BN=64 BK=128 swap: {n:5d} instructions a K step, {n / 64:.2f} a weight, {top}", flush=True)
     builds = {}  # the other new kernels: does each build for sm_90, and does it use fp8 wgmma (QGMMA)?
     for key, fn in (
         ("w4a8 down BM=8 BN=64 BK=256 swap", lambda: compile_down_a8(8, 64, 256, 4, 4, True)),

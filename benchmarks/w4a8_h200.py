@@ -5,8 +5,9 @@ In one go, with the ceilings measured in the same run:
 2. checks, fresh random inputs on CUDA: each new kernel against its torch reference with the same activation
    rounding (rel err, NaN-poisoned outputs, the PTX nibble conversion bit-equal to the Triton byte ops);
 3. routed experts on one EP rank of the release proxy (hidden 5120, intermediate 2304, 48 MXFP4 experts, top-6) at
-   T = 1 and 8..256 tokens (1-32 tokens an expert): weight-only MXFP4 (today's default) against W4A8, and a few W4A8
-   tile variants; achieved TB/s over the weight bytes of the experts touched (goal >= 3.2 TB/s);
+   T = 1 and 8..256 tokens (1-32 tokens an expert) and a prefill T = 8192: weight-only MXFP4 (today's default)
+   against W4A8, and a few W4A8 tile variants; achieved TB/s over the weight bytes of the experts touched (goal
+   >= 3.2 TB/s);
 4. the dense FP8 projections of the release (wq_a, wq_b, wkv, wo_a grouped over 8, wo_b; shared expert w13, w2)
    at M = 1, 8, 32 and a prefill M = 8192: W8A16 against W8A8 (and at 8192 the W8A8 FP8 kernel and a bf16 cuBLAS
    matmul of the same shape), TB/s and TFLOP/s against the ceilings.
@@ -41,7 +42,9 @@ DENSE = (
     ("shared_w13", 4608, 5120, 1),
     ("shared_w2", 5120, 2304, 1),
 )
-MOE_TOKENS = (1, 8, 32, 64, 128, 256)  # T; T * 6 / 48 = 1/8 (B = 1), then 1, 4, 8, 16, 32 tokens an expert
+# T; T * 6 / 48 = 1/8 (B = 1), then 1, 4, 8, 16, 32 tokens an expert; 8192 a prefill chunk (1024 an expert: the
+# weight-only default dequantises to bf16 there, W4A8 runs 64-row FP8 tiles)
+MOE_TOKENS = (1, 8, 32, 64, 128, 256, 8192)
 DENSE_M = (1, 8, 32, 8192)
 W4A8_VARIANTS = {  # tile variants timed after the defaults (config overrides of routed_experts_a8; the default BN
     # is 128 where the up kernel still has two programs an SM, else 64: offline SASS favours 128, occupancy 64)
@@ -154,7 +157,7 @@ def moe_part(run: Run, torch, dev, smoke: bool):
     out["per_expert_bytes"] = per_expert
 
     # checks on fresh inputs: W4A8 against routed_experts_ref(act_quant=True) with fp32 rows (the same rounding)
-    for t in (1, 8) if smoke else (1, 8, 64, 256):
+    for t in (1, 8) if smoke else (1, 8, 64, 256, 2048):  # BM 8, 8, 8, 32, 64 (unswapped)
 
         def check(t=t):
             x = torch.randn(t, d, device=dev, generator=g).bfloat16()

@@ -196,14 +196,21 @@ def _w8a8_kernel(
         acc = tl.zeros((BN, BM), tl.float32)
     else:
         acc = tl.zeros((BM, BN), tl.float32)
-    for t in range(K_TILES):
+    # this split's K tiles that start inside K (the last split may have fewer); EVEN: every one is whole, so the
+    # loads need no K masks
+    EVEN: tl.constexpr = K % BK == 0
+    for t in range(tl.minimum(K_TILES, (K + BK - 1) // BK - tl.program_id(2) * K_TILES)):
         for j in tl.static_range(BK // 32):  # 32 = the finest scale granularity (act group or weight block)
             k0 = (tl.program_id(2) * K_TILES + t) * BK + j * 32
             kk = k0 + tl.arange(0, 32)
-            a = tl.load(q_ptr + rm[:, None] * sqm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0)
-            b = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0)
-            sa = tl.load(qs_ptr + rm * ssm + (k0 // G) * ssg, mask=(rm < M) & (rm * 0 + k0 < K), other=0.0)
-            sb = _e8m0(tl.load(s_ptr + (rn // BLOCK) * KS + k0 // BLOCK, mask=(rn < N) & (rn * 0 + k0 < K), other=127))
+            am, bm_, sam, sbm = rm[:, None] < M, rn[:, None] < N, rm < M, rn < N
+            if not EVEN:
+                am, bm_ = am & (kk[None, :] < K), bm_ & (kk[None, :] < K)
+                sam, sbm = sam & (rm * 0 + k0 < K), sbm & (rn * 0 + k0 < K)
+            a = tl.load(q_ptr + rm[:, None] * sqm + kk[None, :], mask=am, other=0)
+            b = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=bm_, other=0)
+            sa = tl.load(qs_ptr + rm * ssm + (k0 // G) * ssg, mask=sam, other=0.0)
+            sb = _e8m0(tl.load(s_ptr + (rn // BLOCK) * KS + k0 // BLOCK, mask=sbm, other=127))
             acc = group_dot(acc, a.to(tl.float8e4nv, bitcast=True), sa, b.to(tl.float8e4nv, bitcast=True), sb, SWAP)
     if SWAP:
         acc = tl.trans(acc)

@@ -118,6 +118,7 @@ def test_w8a8_matches_its_ref(m, n, k, block, group, dtype):
         (3, 80, 96, 1, {"SPLIT_K": 3, "BK": 32, "SWAP": False}),  # unswapped, ragged N, 3 splits
         (20, 64, 128, 1, {"SPLIT_K": 2, "BK": 32}),  # 17-64 rows, narrow: torch sums the stored splits
         (2, 128, 64, 2, {"SPLIT_K": 2, "BK": 32}),  # grouped, swapped, split
+        (4, 64, 160, 1, {"SPLIT_K": 2, "BK": 64}),  # K tiles 2 + 1, the last one partial (K masks)
         (70, 96, 64, 1, {"BK": 64}),  # > 64 rows: 128-row tiles, no split
     ],
 )
