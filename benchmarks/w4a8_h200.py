@@ -180,7 +180,7 @@ def moe_part(run: Run, torch, dev, smoke: bool):
                     G.routed_experts_ref(x.float(), ids, w, exs[0], 10.0, act_quant=True),
                     G.routed_experts_ref(x.float(), ids, w, exs[0], 10.0),
                 )
-                if not smoke:
+                if not smoke and t == 8:  # (one T: each asm=False tile compiles its own kernels)
                     plain = G.routed_experts(x, ids, w, exs[0], 10.0, act_quant=True, config={"asm": False})
                     row["asm_equals_triton_ops"] = bool(torch.equal(got, plain))
             finally:
@@ -282,9 +282,9 @@ def dense_part(run: Run, torch, dev, smoke: bool, ceil: dict):
                 return r
 
             key = f"{name} M={m}"
-            out["checks"][key] = run.attempt(f"dense check {key}", check, {"ok": False})
             if run.over(f"dense {key}"):
                 continue
+            out["checks"][key] = run.attempt(f"dense check {key}", check, {"ok": False})
             row = out["rows"][key] = {"N": n, "K": k, "groups": groups, "M": m, "weight_bytes": nbytes}
             flops = 2 * m * n * k
 
