@@ -408,12 +408,15 @@ def _weight_desc(w: torch.Tensor, bn: int, bk: int):
 
 def expert_run_rows(n_exp: int, k: int, d: int, inter: int) -> list[int]:
     """The fewest tokens of each launch variant of the expert-run kernel (moe_permute.run_constexprs: its sizes and
-    _config's BM follow from the token count), with packed MXFP4 tiles and without. A warm-up that runs these row
-    counts builds every variant traffic can meet (engine.warmup); past MAX_KERNEL_PAIRS pairs torch sorts."""
+    _config's BM follow from the token count), with packed MXFP4 tiles and without, and W4A8's (config_a8). A
+    warm-up that runs these row counts builds every variant traffic can meet (engine.warmup); past MAX_KERNEL_PAIRS
+    pairs torch sorts."""
+    from .grouped_moe_a8 import config_a8
+
     first = {}
     for t in range(1, MAX_KERNEL_PAIRS // k + 1):
-        for packed in (False, True):
-            bm = _config(t * k, n_exp, d, inter, {}, scaled=packed)["BM"]
+        bms = [_config(t * k, n_exp, d, inter, {}, scaled=packed)["BM"] for packed in (False, True)]
+        for bm in bms + [config_a8(t * k, n_exp, d, inter)["BM"]]:  # and W4A8's tiles (act_quant)
             first.setdefault(tuple(sorted(run_constexprs(t * k, n_exp, bm).items())), t)
     return sorted(set(first.values()))
 
