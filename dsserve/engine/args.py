@@ -305,6 +305,8 @@ class EngineArgs:
             out.append("enable_expert_parallel: no effect on one device (every expert is local)")
         if self.swap_space != 4.0:
             out.append(f"swap_space {self.swap_space} GiB: no effect, a preempted request is recomputed")
+        if self.act_quant and self.quantization != "fp8" and self.expert_format in (None, "none"):
+            out.append("act_quant: no effect, nothing is stored in FP8 / FP4 (see --quantization, --expert-format)")
         return out
 
     @classmethod

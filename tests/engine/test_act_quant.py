@@ -107,3 +107,5 @@ def test_act_quant_option():
     EngineArgs.add_cli_args(p)
     assert EngineArgs.from_cli(p.parse_args(["--act-quant"])).act_quant is True
     assert EngineArgs.from_cli(p.parse_args([])).act_quant is False
+    assert any("act_quant: no effect" in n for n in EngineArgs(act_quant=True).notes())
+    assert not EngineArgs(act_quant=True, quantization="fp8", expert_format="mxfp4").notes()
