@@ -35,7 +35,7 @@ D, INTER = 5120, 2304
 POINTERS = ("x_ptr", "tiles_ptr", "order_ptr", "rw_ptr", "w1_ptr", "s1_ptr", "w3_ptr", "s3_ptr", "h_ptr")
 
 
-def compile_up(decode: str, bm: int, bn: int, bk: int, warps: int, stages: int):
+def compile_up(decode: str, bm: int, bn: int, bk: int, warps: int, stages: int, aq_h: bool = False):
     w = "*i32" if decode == "asm" else "*u8"
     sig = {
         "x_ptr": "*bf16",
@@ -65,6 +65,7 @@ def compile_up(decode: str, bm: int, bn: int, bk: int, warps: int, stages: int):
         "SCALED": decode == "scaled",
         "TMA": False,
         "ASM": decode == "asm",
+        "AQ_H": aq_h,
     }
     sig.update({k: "constexpr" for k in const})
     names = list(sig)
@@ -179,6 +180,10 @@ def main():
     for key, fn in (
         ("w4a8 down BM=8 BN=64 BK=256 swap", lambda: compile_down_a8(8, 64, 256, 4, 4, True)),
         ("w4a8 up BM=64 BN=128 BK=128", lambda: compile_up_a8(64, 128, 128, 8, 3, False)),
+        (
+            "grouped up with act_quant_h (W4A8 prefill on bf16 tiles)",
+            lambda: compile_up("scaled", 128, 128, 128, 8, 3, True),
+        ),
         ("w8a8 wq_a M<=8 split swap", lambda: compile_w8a8((1280, 5120), 8, 64, 128, 4, 10, True, 4, 4)),
         ("w8a8 wo_b M=64 no split", lambda: compile_w8a8((5120, 8192), 64, 64, 128, 64, 1, False, 4, 4)),
     ):

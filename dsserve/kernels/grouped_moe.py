@@ -36,6 +36,7 @@ from ..layers.numerics import acc
 from ..layers.quant import MX_BLOCK, dequant_fp8_block, dequant_mxfp4, fake_quant_fp8_pow2, pack_mxfp4, quant_fp8_block
 from .dequant import MXFP4_FAST_MAX_SCALE, dequant_fp8, mxfp4_tile_bf16, weight_tile
 from .dequant import dequant_mxfp4 as dequant_mxfp4_rows
+from .grouped_moe_a8 import quant_e4m3_pow2
 from .moe_permute import MAX_KERNEL_PAIRS, expert_tiles, run_constexprs
 
 FMTS = ("bf16", "fp8", "mxfp4")
@@ -205,6 +206,7 @@ def _up_kernel(
     SCALED: tl.constexpr,
     TMA: tl.constexpr = False,
     ASM: tl.constexpr = False,
+    AQ_H: tl.constexpr = False,
 ):
     e, p, pm, rn = _tile(tiles_ptr, n_tiles, I, BM, BN, GROUP_M)
     if e >= n_experts:  # past the last real tile
@@ -231,6 +233,9 @@ def _up_kernel(
     u = tl.minimum(tl.maximum(acc3.to(dt).to(tl.float32), -limit), limit)
     s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
     a = (s * u).to(dt).to(tl.float32) * tl.load(rw_ptr + pair, mask=pm, other=0.0)[:, None]
+    if AQ_H:  # the down projection's act_quant (W4A8 numerics on bf16 tiles): h in x's dtype, e4m3 x pow2 per 32
+        hq, hs = quant_e4m3_pow2(tl.reshape(a.to(dt).to(tl.float32), (BM * (BN // 32), 32)), BM * (BN // 32))
+        a = tl.reshape(hq.to(tl.float8e4nv, bitcast=True).to(tl.float32) * hs[:, None], (BM, BN))
     tl.store(h_ptr + p.to(tl.int64)[:, None] * I + rn[None, :], a.to(dt), mask=pm[:, None] & (rn[None, :] < I))
 
 
@@ -464,6 +469,7 @@ def routed_experts(
         _wait(accumulate_after, x)
         return accumulate_into if accumulate_into is not None else torch.zeros(t, d, dtype=x.dtype, device=x.device)
     cfg = dict(config or {})
+    aq_h = cfg.pop("act_quant_h", False)  # grouped_moe_a8's prefill path: h fake-quantised in the up epilogue
     dense = cfg.pop("dequant", None)
     if dense is None:
         dense = (
@@ -487,6 +493,8 @@ def routed_experts(
         scaled,
         asm,
     )
+    if aq_h and c["BN_UP"] % 32:
+        raise ValueError(f"act_quant_h quantises h per 32 columns: BN_UP={c['BN_UP']} must be a multiple of 32")
     order, tiles = expert_tiles(ids, n_exp, c["BM"])
     nt, fmt = tiles.shape[1], FMTS.index("bf16" if dense else experts.fmt)
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -533,6 +541,7 @@ def routed_experts(
         BK=c["BK_UP"],
         num_stages=up_stages,
         TMA=tma,
+        AQ_H=aq_h,
         **common,
     )
     if dense:

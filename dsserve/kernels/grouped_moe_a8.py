@@ -283,7 +283,10 @@ def routed_experts_a8(
 ):
     """grouped_moe.routed_experts with act_quant=True (the module docstring); experts in fmt "mxfp4" or "fp8", d and
     inter multiples of 32. config overrides BM, BN, BK, GROUP_M, SWAP, num_warps, num_stages, asm (the PTX nibble
-    conversion: default on CUDA; False runs the byte-wise Triton ops, the interpreter's path)."""
+    conversion: default on CUDA; False runs the byte-wise Triton ops, the interpreter's path) and dequant (default:
+    grouped_moe's prefill threshold, bf16 rows): the experts dequantised to x's dtype and run on grouped_moe's
+    bf16 tiles with x and h fake-quantised, the same numbers where the FP8 tiles would rescale every 32 K."""
+    from . import grouped_moe as G
     from .grouped_moe import _check, _check_into, _wait
 
     _check(x, ids, weights, experts, kernel=True)
@@ -297,6 +300,27 @@ def routed_experts_a8(
         _wait(accumulate_after, x)
         return accumulate_into if accumulate_into is not None else torch.zeros(t, d, dtype=x.dtype, device=x.device)
     cfg = dict(config or {})
+    dense = cfg.pop("dequant", None)
+    if dense is None:  # prefill-sized calls, as grouped_moe's own threshold
+        dense = (
+            x.dtype == torch.bfloat16
+            and t * k >= G.DEQUANT_MIN_ROWS_PER_EXPERT * n_exp
+            and 2 * experts.w1.shape[0] * inter * d * 2 <= G.DEQUANT_MAX_BYTES
+        )
+    if dense:  # the same numbers on bf16 tiles: x fake-quantised in its dtype, h in the up kernel's epilogue
+        from .rowwise import fake_quant_fp8_pow2
+
+        own = {key: v for key, v in cfg.items() if key not in ("asm", "SWAP")}
+        return G.routed_experts(
+            fake_quant_fp8_pow2(x, GROUP),
+            ids,
+            weights,
+            experts,
+            limit,
+            accumulate_into=accumulate_into,
+            accumulate_after=accumulate_after,
+            config={**own, "dequant": True, "act_quant_h": True},
+        )
     asm = cfg.pop("asm", x.is_cuda and not _INTERPRET)
     if asm and (_INTERPRET or not x.is_cuda):
         raise ValueError("config asm=True needs CUDA (the interpreter runs no PTX)")

@@ -83,6 +83,22 @@ def test_bf16_rows_swap_and_accumulate_into(tiny):
     assert rel(got, want) < 5e-3
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+def test_prefill_sized_calls_run_bf16_tiles_with_the_same_rounding(tiny, monkeypatch, fmt):
+    """From grouped_moe's prefill threshold (bf16 rows; forced here by config dequant, fp32 rows) x is fake-quantised
+    in its dtype, the experts dequantised, and h fake-quantised in the up kernel's epilogue: the reference's numbers
+    on grouped_moe's bf16 tiles."""
+    calls, real = [], G._up_kernel
+    ex = tiny[(fmt, 64, 64)]
+    ids, w = routing(17, 2, 8, seed=9)
+    x = torch.randn(17, 64, generator=torch.Generator().manual_seed(9)) * 3
+    ref = G.routed_experts_ref(x, ids, w, ex, LIMIT, act_quant=True)
+    monkeypatch.setattr(G, "_up_kernel", type("Spy", (), {"__getitem__": lambda _, g: calls.append(g) or real[g]})())
+    out = G.routed_experts(x, ids, w, ex, LIMIT, act_quant=True, config={"dequant": True})
+    assert calls and out.isfinite().all() and rel(out, ref) < 1e-5
+    assert rel(ref, G.routed_experts_ref(x, ids, w, ex, LIMIT)) > 1e-3
+
+
 @triton.jit
 def _convert_kernel(b_ptr, o_ptr, N: tl.constexpr, H: tl.constexpr, SPLIT: tl.constexpr):
     r = tl.arange(0, N)[:, None]
