@@ -17,7 +17,9 @@ channels, then its odd ones; FP8 experts are e4m3 already), an fp8 x fp8 -> fp32
 partial, and `acc += partial * (a_scale x w_scale)` applies both pow2 scales (2^6 folded into the weight scale) on
 the fp32 accumulator. Products of e4m3 values are exact; only the fp32 sums round (order differs from the
 reference: tests compare to a tolerance). SWAP (the decode default): the weight rows are the dot's M side and
-the tokens its N side (wgmma needs M = 64; an expert holds 1-32 tokens at decode).
+the tokens its N side (wgmma needs M = 64; an expert holds 1-32 tokens at decode). Prefill-sized calls take
+grouped_moe's bf16 tiles instead (dequantised experts, x fake-quantised in its dtype, h in the up kernel's
+epilogue): the same numbers, without rescaling the accumulator every 32 K.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ _empty = torch.empty  # scratch and output allocation; tests swap in a NaN fill 
 
 
 @triton.jit
-def quant_e4m3_pow2(x, R: tl.constexpr):
+def quant_e4m3_pow2(x):
     """fp32 [R, 32] -> (e4m3 bytes uint8 [R, 32], fp32 scale [R]): s = 2^ceil(log2(max(amax, 1e-4) / 448)) per row,
     byte = e4m3(clamp(x / s, +-448)) RNE (quant.fake_quant_fp8_pow2; by bits, as the interpreter's cast mis-rounds)."""
     ex = _pow2_ceil_exp(tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4), 448.0))
@@ -185,7 +187,7 @@ def _up_a8_kernel(
     s = _round_to(g1 / (1.0 + tl.exp(-g1)), DT)
     h = _round_to(_round_to(s * u, DT) * tl.load(rw_ptr + pair, mask=pm, other=0.0)[:, None], DT)
     # then the down projection's act_quant, one 32-column group at a time (BN is a multiple of 32)
-    hq, hs = quant_e4m3_pow2(tl.reshape(h, (BM * (BN // 32), 32)), BM * (BN // 32))
+    hq, hs = quant_e4m3_pow2(tl.reshape(h, (BM * (BN // 32), 32)))
     cq = rn
     if FMT == 2:  # in the K order of the MXFP4 conversion (act_quant_rows split): even channels first, then odd
         cq = (rn // 32) * 32 + (rn % 2) * 16 + (rn % 32) // 2
