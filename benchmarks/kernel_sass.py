@@ -188,7 +188,7 @@ def main():
         ("w8a8 wo_b M=64 no split", lambda: compile_w8a8((5120, 8192), 64, 64, 128, 64, 1, False, 4, 4)),
     ):
         lines = sass_lines(fn())
-        builds[key] = {"QGMMA": sum("QGMMA" in ln for ln in lines), "HMMA": sum("HMMA" in ln for ln in lines)}
+        builds[key] = {op: sum(op in ln for ln in lines) for op in ("QGMMA", "HGMMA", "HMMA")}
         print(f"{key}: builds, {builds[key]}", flush=True)
     res = {
         "meta": run_meta(target="sm_90 (offline)", device_note="SASS compiled offline, no GPU ran"),
