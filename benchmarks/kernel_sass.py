@@ -84,12 +84,12 @@ def _compile(fn, sig: dict, const: dict, warps: int, stages: int):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 
-def compile_up_a8(bm: int, bn: int, bk: int, warps: int, stages: int, swap: bool, asm: bool = True):
-    """grouped_moe_a8's W4A8 up kernel (MXFP4 experts, bf16 rows)."""
+def compile_up_a8(bm: int, bn: int, bk: int, warps: int, stages: int, swap: bool, asm: bool = True, fmt: int = 2):
+    """grouped_moe_a8's up kernel, bf16 rows: W4A8 (fmt 2, MXFP4 experts) or W8A8 (fmt 1, FP8 experts)."""
     sig = {f"{n}_ptr": t for n, t in (("q", "*u8"), ("qs", "*fp32"), ("tiles", "*i32"), ("order", "*i64"))}
     sig.update({"rw_ptr": "*fp32", "w1_ptr": "*u8", "s1_ptr": "*u8", "w3_ptr": "*u8", "s3_ptr": "*u8"})
     sig.update({"hq_ptr": "*u8", "hs_ptr": "*fp32", "n_tiles": "i32", "n_experts": "i32", "limit": "fp32"})
-    const = {"KSLOT": 6, "D": D, "I": INTER, "FMT": 2, "DT": triton.language.bfloat16, "BM": bm, "BN": bn}
+    const = {"KSLOT": 6, "D": D, "I": INTER, "FMT": fmt, "DT": triton.language.bfloat16, "BM": bm, "BN": bn}
     const.update({"BK": bk, "GROUP_M": 8, "SWAP": swap, "ASM": asm})
     return _compile(A._up_a8_kernel, sig, const, warps, stages)
 
@@ -180,6 +180,7 @@ def main():
     for key, fn in (
         ("w4a8 down BM=8 BN=64 BK=256 swap", lambda: compile_down_a8(8, 64, 256, 4, 4, True)),
         ("w4a8 up BM=64 BN=128 BK=128", lambda: compile_up_a8(64, 128, 128, 8, 3, False)),
+        ("w8a8 experts (FP8) up BM=8 BN=128 BK=256", lambda: compile_up_a8(8, 128, 256, 4, 4, True, fmt=1)),
         (
             "grouped up with act_quant_h (W4A8 prefill on bf16 tiles)",
             lambda: compile_up("scaled", 128, 128, 128, 8, 3, True),
