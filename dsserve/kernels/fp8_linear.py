@@ -54,6 +54,7 @@ DEQUANT_MIN_ROWS = 1024
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The Triton 3.9 interpreter gets bf16 dots wrong; fp32 dots of the same (exact) products stand in there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_empty = torch.empty  # the W8A8 path's scratch and outputs; tests swap in a NaN fill so that unwritten ones show
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -425,11 +426,11 @@ def _w8a8(x, w_q, w_s, block, act_group, groups, group_n, cfg):
             num_stages=cfg.get("num_stages", 4 if small else 3),
         )
 
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else None
+    part = _empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else None
     if split > 1 and m > (IN_KERNEL_SPLIT_ROWS_WIDE if n >= WIDE_N else IN_KERNEL_SPLIT_ROWS):
         launch(part, part, part, m * n, 1)
         return part.sum(0).to(x.dtype)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = _empty((m, n), dtype=x.dtype, device=x.device)
     if split == 1:
         launch(out, out, out, 0, 1)
     else:
@@ -442,8 +443,9 @@ def act_quant_rows(x, group: int = 32, m_major: bool = False, split: bool = Fals
     storage if m_major); bytes x scales = quant.fake_quant_fp8_pow2(x, group) exactly. split: each group's
     channels stored even ones first, then odd ones (the K order of grouped_moe_a8's MXFP4 weights)."""
     (m, k), dev = x.shape, x.device
-    q = torch.empty(m, k, dtype=torch.uint8, device=dev)
-    qs = torch.empty(k // group, m, device=dev).t() if m_major else torch.empty(m, k // group, device=dev)
+    q = _empty((m, k), dtype=torch.uint8, device=dev)
+    qs = _empty((k // group, m), dtype=torch.float32, device=dev)
+    qs = qs.t() if m_major else qs.view(m, k // group)
     _act_quant_kernel[(triton.cdiv(m, 16), k // group)](
         x, q, qs, m, x.stride(0), q.stride(0), qs.stride(0), qs.stride(1), G=group, BM=16, SPLIT=split
     )
