@@ -401,7 +401,8 @@ def main():
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     run = Run(a.budget_s)
     t0 = time.time()
-    ceil = {} if a.smoke else run.attempt("ceilings", lambda: ceilings(torch), {})
+    smoke_note = {"smoke": "CPU, Triton interpreter: no ceilings; times are the interpreter's wall clock"}
+    ceil = smoke_note if a.smoke else run.attempt("ceilings", lambda: ceilings(torch), {})
     run.res["ceilings"] = ceil
     run.res["meta"] = run_meta(ceilings=ceil, smoke=a.smoke, goal_TBps=GOAL_TBPS)
     print(f"ceilings: {json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in ceil.items()})}")
