@@ -377,7 +377,7 @@ def summary(res: dict) -> dict:
         if isinstance(row.get("w8a8"), dict):
             s[f"dense {key}"] = {
                 lbl: round(row[lbl]["TBps" if row["M"] < 1024 else "TFLOPs"], 3)
-                for lbl in ("w8a16", "w8a8", "w8a8_fp8_kernel")
+                for lbl in ("w8a16", "w8a8", "w8a8_fp8_kernel", "bf16_matmul")
                 if isinstance(row.get(lbl), dict)
             }
     return s
