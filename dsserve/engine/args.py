@@ -201,6 +201,14 @@ class EngineArgs:
             "H200); the dense copies are kept, rounded, only on the CPU"
         ),
     )
+    act_quant: bool = field(
+        default=False,
+        metadata=_h(
+            "the release's activation rounding (spec 2.12, act_quant): inputs of the FP8 projections (--quantization "
+            "fp8) and of the packed routed experts quantised to e4m3 per 32 channels with power-of-two scales, in "
+            "every path; on a GPU they then run as W8A8 / W4A8 on FP8 tensor cores"
+        ),
+    )
     engram_tables: str = field(
         default="auto",
         metadata=_h(
@@ -390,6 +398,8 @@ class EngineArgs:
             out.append("uniform_routing: no effect without -dp > 1 and --enable-expert-parallel (a balance reference)")
         if self.swap_space != 4.0:
             out.append(f"swap_space {self.swap_space} GiB: no effect, a preempted request is recomputed")
+        if self.act_quant and self.quantization != "fp8" and self.expert_format in (None, "none"):
+            out.append("act_quant: no effect, nothing is stored in FP8 / FP4 (see --quantization, --expert-format)")
         return out
 
     @classmethod

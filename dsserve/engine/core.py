@@ -20,7 +20,7 @@ from ..kv.paged import KVLayout, PagedKVCache
 from ..models.hub import TOKENIZER_FILES, resolve_model
 from ..models.loader import DTYPES, LoadedModel, load_model
 from ..models.presets import model_dir
-from ..models.quantize import quantize_dense_fp8, quantize_experts, use_fp8_kernels
+from ..models.quantize import quantize_dense_fp8, quantize_experts, use_act_quant, use_fp8_kernels
 from ..models.tokenizer import TooManyTokens
 from . import graph_scratch, jit_compiles
 from .args import EngineArgs, EngineArgsError
@@ -252,6 +252,8 @@ class EngineCore:
         if args.quantization == "fp8":
             quantize_dense_fp8(self.model, self.cfg.weight_block_size)
             use_fp8_kernels(self.model, ops.uses_triton("linear"))
+        if args.act_quant:
+            use_act_quant(self.model, True)
         dtype = DTYPES[args.torch_dtype_name(self.device.type)]
         replay = args.swa_bounded_replay and self.cfg.is_v41
         # Exact mode keeps window rows with the cached blocks, so a hit restores the window exactly.

@@ -16,7 +16,10 @@ sums the fp32 partials in split order (kernels.split_k: deterministic, no extra 
 From DEQUANT_MIN_ROWS rows on (prefill chunks) the weight is dequantised to x's dtype (kernels.dequant) and cuBLAS
 multiplies: the reference's computation exactly, at cuBLAS's rate.
 W8A8 (act_quant=True; fp8_linear_w8a8_ref): x -> e4m3 with a pow2 scale per (row, act_group columns), the
-reference act_quant (quant.fake_quant_fp8_pow2); e4m3 dots per 32-wide K step, both scales on each fp32 partial.
+release's act_quant (act_quant_rows = quant.fake_quant_fp8_pow2 as bytes + scales); e4m3 x e4m3 -> fp32 dots per
+32-wide K group on FP8 tensor cores, both scales on each fp32 partial (group_dot); decode-sized calls swap the
+operands (weight rows on the MMA's M side) and split K like W8A16. Prefill-sized calls fake-quantise x in its dtype
+and take the dequantise-then-cuBLAS path: the same numbers (exact operands, fp32 sums), at cuBLAS's rate.
 
 torch._scaled_mm does not fit: it takes per-tensor / per-row fp32 scales and, on sm90, blockwise 1x128 activation x
 128x128 weight scales (1x32 is MXFP8, sm100 only); nothing describes 32x32 weight blocks, and its fp8 activations
@@ -51,6 +54,7 @@ DEQUANT_MIN_ROWS = 1024
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The Triton 3.9 interpreter gets bf16 dots wrong; fp32 dots of the same (exact) products stand in there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_empty = torch.empty  # the W8A8 path's scratch and outputs; tests swap in a NaN fill so that unwritten ones show
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -120,7 +124,9 @@ def _w8a16_kernel(
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, sxm, sqm, ssm, ssg, G: tl.constexpr, BM: tl.constexpr):
+def _act_quant_kernel(
+    x_ptr, q_ptr, s_ptr, M, sxm, sqm, ssm, ssg, G: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr = False
+):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     kk = tl.program_id(1) * G + tl.arange(0, G)
     x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=rm[:, None] < M, other=0.0).to(tl.float32)
@@ -135,28 +141,49 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, sxm, sqm, ssm, ssg, G: tl.constexp
     y = v * ((254 - ue) << 23).to(tl.float32, bitcast=True)
     v = ((y + 12582912.0) - 12582912.0) * (ue << 23).to(tl.float32, bitcast=True)  # 1.5 * 2^23: rint for |y| < 2^22
     q = v.to(tl.float8e4nv)
+    if SPLIT:  # channel c of the group at (c % 2) * G/2 + c // 2: even channels first, then odd ones
+        kk = tl.program_id(1) * G + (kk % 2) * (G // 2) + (kk % G) // 2
     tl.store(q_ptr + rm[:, None] * sqm + kk[None, :], q.to(tl.uint8, bitcast=True), mask=rm[:, None] < M)
     tl.store(s_ptr + rm * ssm + tl.program_id(1) * ssg, (e << 23).to(tl.float32, bitcast=True), mask=rm < M)
 
 
 @triton.jit
+def group_dot(acc, a, sa, w, sw, SWAP: tl.constexpr):
+    """One 32-wide K group on FP8 tensor cores: acc + (a @ w^T) * (sa x sw), a e4m3 [BM, 32] with fp32 scales
+    sa [BM], w e4m3 [BN, 32] with sw [BN]; acc [BM, BN], or its transpose [BN, BM] if SWAP (the weight rows on
+    the MMA's M side: wgmma needs M = 64, decode has 1-32 rows). The e4m3 products are exact in fp32."""
+    if SWAP:
+        acc += tl.dot(w, tl.trans(a)) * (sw[:, None] * sa[None, :])
+    else:
+        acc += tl.dot(a, tl.trans(w)) * (sa[:, None] * sw[None, :])
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
 def _w8a8_kernel(
     q_ptr,
     qs_ptr,
     w_ptr,
     s_ptr,
     o_ptr,
+    part_ptr,
+    cnt_ptr,
     M,
     N,
     sqm,
     ssm,
     ssg,
     som,
+    sos,
     K: tl.constexpr,
     BLOCK: tl.constexpr,
     G: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
+    BK: tl.constexpr,
+    K_TILES: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SWAP: tl.constexpr,
     GROUP_N: tl.constexpr = 0,
 ):
     KS: tl.constexpr = (K + BLOCK - 1) // BLOCK
@@ -166,20 +193,37 @@ def _w8a8_kernel(
         grp = tl.program_id(1) * BN // GROUP_N
         q_ptr = q_ptr + grp * K
         qs_ptr = qs_ptr + grp * (K // G) * ssg
-    acc = tl.zeros((BM, BN), tl.float32)
-    for t in range(K // 32):  # 32 = the finest scale granularity (act group or weight block) on either side
-        kk = t * 32 + tl.arange(0, 32)
-        a = tl.load(q_ptr + rm[:, None] * sqm + kk[None, :], mask=rm[:, None] < M, other=0)
-        b = tl.load(w_ptr + rn[None, :] * K + kk[:, None], mask=rn[None, :] < N, other=0)
-        p = tl.dot(a.to(tl.float8e4nv, bitcast=True), b.to(tl.float8e4nv, bitcast=True))
-        sa = tl.load(qs_ptr + rm * ssm + (t * 32 // G) * ssg, mask=rm < M, other=0.0)
-        sb = _e8m0(tl.load(s_ptr + (rn // BLOCK) * KS + t * 32 // BLOCK, mask=rn < N, other=127))
-        acc += p * sa[:, None] * sb[None, :]
-    tl.store(
-        o_ptr + rm[:, None] * som + rn[None, :],
-        acc.to(o_ptr.dtype.element_ty),
-        mask=(rm[:, None] < M) & (rn[None, :] < N),
-    )
+    if SWAP:
+        acc = tl.zeros((BN, BM), tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), tl.float32)
+    # this split's K tiles that start inside K (the last split may have fewer); EVEN: every one is whole, so the
+    # loads need no K masks
+    EVEN: tl.constexpr = K % BK == 0
+    for t in range(tl.minimum(K_TILES, (K + BK - 1) // BK - tl.program_id(2) * K_TILES)):
+        for j in tl.static_range(BK // 32):  # 32 = the finest scale granularity (act group or weight block)
+            k0 = (tl.program_id(2) * K_TILES + t) * BK + j * 32
+            kk = k0 + tl.arange(0, 32)
+            am, bm_, sam, sbm = rm[:, None] < M, rn[:, None] < N, rm < M, rn < N
+            if not EVEN:
+                am, bm_ = am & (kk[None, :] < K), bm_ & (kk[None, :] < K)
+                sam, sbm = sam & (rm * 0 + k0 < K), sbm & (rn * 0 + k0 < K)
+            a = tl.load(q_ptr + rm[:, None] * sqm + kk[None, :], mask=am, other=0)
+            b = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=bm_, other=0)
+            sa = tl.load(qs_ptr + rm * ssm + (k0 // G) * ssg, mask=sam, other=0.0)
+            sb = _e8m0(tl.load(s_ptr + (rn // BLOCK) * KS + k0 // BLOCK, mask=sbm, other=127))
+            acc = group_dot(acc, a.to(tl.float8e4nv, bitcast=True), sa, b.to(tl.float8e4nv, bitcast=True), sb, SWAP)
+    if SWAP:
+        acc = tl.trans(acc)
+    if SPLIT == 1:  # the output, or (sos > 0) this program's split of partials that torch sums afterwards
+        tl.store(
+            o_ptr + tl.program_id(2) * sos + rm[:, None] * som + rn[None, :],
+            acc.to(o_ptr.dtype.element_ty),
+            mask=(rm[:, None] < M) & (rn[None, :] < N),
+        )
+    else:
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        store_split(acc, rm, rn, M, N, part_ptr, N, M * N, o_ptr, som, cnt_ptr, tile, tl.program_id(2), SPLIT)
 
 
 def _check(x, w_q, w_s, block, act_quant, act_group, kernel, groups=1):
@@ -266,31 +310,7 @@ def fp8_linear(
     if m == 0:  # an empty grid is not launchable
         return x.new_empty(0, n)
     if act_quant:
-        q, qs = _act_quant(x, act_group, m_major=False)
-        bm, bn = cfg.get("BM", min(128, max(16, triton.next_power_of_2(m)))), _bn(cfg, 128, group_n)
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        _w8a8_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-            q,
-            qs,
-            w_q.view(torch.uint8),
-            w_s,
-            out,
-            m,
-            n,
-            q.stride(0),
-            qs.stride(0),
-            qs.stride(1),
-            out.stride(0),
-            K=k,
-            BLOCK=block,
-            G=act_group,
-            BM=bm,
-            BN=bn,
-            GROUP_N=group_n,
-            num_warps=cfg.get("num_warps", 8 if bm >= 128 else 4),
-            num_stages=cfg.get("num_stages", 4),
-        )
-        return out
+        return _w8a8(x, w_q, w_s, block, act_group, groups, group_n, cfg)
     if cfg.get("dequant", m >= DEQUANT_MIN_ROWS):  # compute-bound: bf16 weights once, then cuBLAS
         return _product(x, dequant_fp8(w_q, w_s, block, x.dtype), groups)
     small = m <= 64  # decode: weight-bandwidth bound, small BM, split K; else 128x128 tiles
@@ -352,13 +372,82 @@ def fp8_linear(
     return out
 
 
-def _act_quant(x, group, m_major):
-    """x [M, K] -> (e4m3 bytes uint8 [M, K], fp32 pow2 scales [M, K/group]; M-major storage if m_major)."""
+def _w8a8(x, w_q, w_s, block, act_group, groups, group_n, cfg):
+    """fp8_linear(act_quant=True). From DEQUANT_MIN_ROWS rows (compute-bound): x fake-quantised in its dtype
+    (rowwise) and the weight dequantised (both exact), then cuBLAS: the reference's computation exactly, where
+    the FP8 kernel would rescale its fp32 accumulator every 32 K (an FP-pipe bound). Below: act_quant_rows, then
+    _w8a8_kernel; up to 64 rows swapped (weights on the MMA's M side) with split K as W8A16 (split_k)."""
+    (m, _), (n, k) = x.shape, w_q.shape
+    if cfg.get("dequant", m >= DEQUANT_MIN_ROWS):
+        from .rowwise import fake_quant_fp8_pow2 as fq
+
+        return _product(fq(x, act_group), dequant_fp8(w_q, w_s, block, x.dtype), groups)
+    q, qs = act_quant_rows(x, act_group)
+    small = m <= 64
+    swap = cfg.get("SWAP", m < 64)
+    bm = cfg.get("BM", min(128, max(8 if swap else 16, triton.next_power_of_2(m))))  # rows: the MMA's N if swapped
+    bn, bk = _bn(cfg, 64 if small else 128, group_n), cfg.get("BK", 128)
+    if bk < 32 or bk & (bk - 1) or bm < (8 if swap else 16) or bm & (bm - 1):
+        raise ValueError(f"config BK={bk} / BM={bm} must be powers of two, BK >= 32, BM >= 8 swapped else 16")
+    tiles, k_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn), triton.cdiv(k, bk)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+    split = min(k_tiles, cfg.get("SPLIT_K", max(1, 2 * sms // tiles) if small else 1))
+    per = triton.cdiv(k_tiles, split)
+    split = triton.cdiv(k_tiles, per)  # no empty programs
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
+
+    def launch(o, part, cnt, sos, in_kernel_split):
+        _w8a8_kernel[grid](
+            q,
+            qs,
+            w_q.view(torch.uint8),
+            w_s,
+            o,
+            part,
+            cnt,
+            m,
+            n,
+            q.stride(0),
+            qs.stride(0),
+            qs.stride(1),
+            n,
+            sos,
+            K=k,
+            BLOCK=block,
+            G=act_group,
+            BM=bm,
+            BN=bn,
+            BK=bk,
+            K_TILES=per,
+            SPLIT=in_kernel_split,
+            SWAP=swap,
+            GROUP_N=group_n,
+            num_warps=cfg.get("num_warps", 4 if bm * bn <= 64 * 64 else 8),
+            num_stages=cfg.get("num_stages", 4 if small else 3),
+        )
+
+    part = _empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else None
+    if split > 1 and m > (IN_KERNEL_SPLIT_ROWS_WIDE if n >= WIDE_N else IN_KERNEL_SPLIT_ROWS):
+        launch(part, part, part, m * n, 1)
+        return part.sum(0).to(x.dtype)
+    out = _empty((m, n), dtype=x.dtype, device=x.device)
+    if split == 1:
+        launch(out, out, out, 0, 1)
+    else:
+        launch(out, part, tile_counters(x.device, grid[0] * grid[1]), 0, split)
+    return out
+
+
+def act_quant_rows(x, group: int = 32, m_major: bool = False, split: bool = False):
+    """The release's act_quant: x [M, K] -> (e4m3 bytes uint8 [M, K], fp32 pow2 scales [M, K/group]; M-major
+    storage if m_major); bytes x scales = quant.fake_quant_fp8_pow2(x, group) exactly. split: each group's
+    channels stored even ones first, then odd ones (the K order of grouped_moe_a8's MXFP4 weights)."""
     (m, k), dev = x.shape, x.device
-    q = torch.empty(m, k, dtype=torch.uint8, device=dev)
-    qs = torch.empty(k // group, m, device=dev).t() if m_major else torch.empty(m, k // group, device=dev)
+    q = _empty((m, k), dtype=torch.uint8, device=dev)
+    qs = _empty((k // group, m), dtype=torch.float32, device=dev)
+    qs = qs.t() if m_major else qs.view(m, k // group)
     _act_quant_kernel[(triton.cdiv(m, 16), k // group)](
-        x, q, qs, m, x.stride(0), q.stride(0), qs.stride(0), qs.stride(1), G=group, BM=16
+        x, q, qs, m, x.stride(0), q.stride(0), qs.stride(0), qs.stride(1), G=group, BM=16, SPLIT=split
     )
     return q, qs
 

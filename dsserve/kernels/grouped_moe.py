@@ -33,9 +33,10 @@ import triton.language as tl
 
 from ..layers.moe import clamped_swiglu
 from ..layers.numerics import acc
-from ..layers.quant import MX_BLOCK, dequant_fp8_block, dequant_mxfp4, pack_mxfp4, quant_fp8_block
+from ..layers.quant import MX_BLOCK, dequant_fp8_block, dequant_mxfp4, fake_quant_fp8_pow2, pack_mxfp4, quant_fp8_block
 from .dequant import MXFP4_FAST_MAX_SCALE, dequant_fp8, mxfp4_tile_bf16, weight_tile
 from .dequant import dequant_mxfp4 as dequant_mxfp4_rows
+from .grouped_moe_a8 import quant_e4m3_pow2
 from .moe_permute import MAX_KERNEL_PAIRS, expert_tiles, run_constexprs
 
 FMTS = ("bf16", "fp8", "mxfp4")
@@ -205,6 +206,7 @@ def _up_kernel(
     SCALED: tl.constexpr,
     TMA: tl.constexpr = False,
     ASM: tl.constexpr = False,
+    AQ_H: tl.constexpr = False,
 ):
     e, p, pm, rn = _tile(tiles_ptr, n_tiles, I, BM, BN, GROUP_M)
     if e >= n_experts:  # past the last real tile
@@ -231,6 +233,9 @@ def _up_kernel(
     u = tl.minimum(tl.maximum(acc3.to(dt).to(tl.float32), -limit), limit)
     s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
     a = (s * u).to(dt).to(tl.float32) * tl.load(rw_ptr + pair, mask=pm, other=0.0)[:, None]
+    if AQ_H:  # the down projection's act_quant (W4A8 numerics on bf16 tiles): h in x's dtype, e4m3 x pow2 per 32
+        hq, hs = quant_e4m3_pow2(tl.reshape(a.to(dt).to(tl.float32), (BM * (BN // 32), 32)))
+        a = tl.reshape(hq.to(tl.float8e4nv, bitcast=True).to(tl.float32) * hs[:, None], (BM, BN))
     tl.store(h_ptr + p.to(tl.int64)[:, None] * I + rn[None, :], a.to(dt), mask=pm[:, None] & (rn[None, :] < I))
 
 
@@ -304,20 +309,25 @@ def routed_experts_ref(
     *,
     accumulate_into: torch.Tensor | None = None,
     accumulate_after=None,
+    act_quant: bool = False,
 ) -> torch.Tensor:
     """MoE.forward's per-expert loop on the dequantised weights (cast to x's dtype), without the shared expert.
     ``accumulate_into`` ([T, d], x's dtype; the shared expert's output): the routed sum is added to it in place, in
     fp32 with one rounding (as the oracle adds the two), and it is returned. ``accumulate_after``: a CUDA event
-    (accumulate_into made on another stream) the current stream waits for before the add."""
+    (accumulate_into made on another stream) the current stream waits for before the add. ``act_quant``: the
+    release's W4A8 / W8A8 numerics (spec 2.12): x and the down projection's input h fake-quantised to e4m3 per 32
+    channels with pow2 scales (quant.fake_quant_fp8_pow2) before their products."""
     _check(x, ids, weights, experts, kernel=False)
     _check_into(x, accumulate_into)
     out = torch.zeros(x.shape, dtype=acc(x).dtype, device=x.device)
+    xq = fake_quant_fp8_pow2(x) if act_quant else x
     for e in torch.unique(ids).tolist():
         rows, slot = torch.nonzero(ids == e, as_tuple=True)
         w1, w3, w2 = (w.to(x.dtype) for w in experts.dequant(e))
-        xe = x[rows]
+        xe = xq[rows]
         he = clamped_swiglu(xe @ w1.t(), xe @ w3.t(), limit)
-        ye = (acc(he) * weights[rows, slot, None]).to(x.dtype) @ w2.t()
+        he = (acc(he) * weights[rows, slot, None]).to(x.dtype)
+        ye = (fake_quant_fp8_pow2(he) if act_quant else he) @ w2.t()
         out.index_add_(0, rows, acc(ye))
     if accumulate_into is not None:
         _wait(accumulate_after, x)
@@ -403,12 +413,15 @@ def _weight_desc(w: torch.Tensor, bn: int, bk: int):
 
 def expert_run_rows(n_exp: int, k: int, d: int, inter: int) -> list[int]:
     """The fewest tokens of each launch variant of the expert-run kernel (moe_permute.run_constexprs: its sizes and
-    _config's BM follow from the token count), with packed MXFP4 tiles and without. A warm-up that runs these row
-    counts builds every variant traffic can meet (engine.warmup); past MAX_KERNEL_PAIRS pairs torch sorts."""
+    _config's BM follow from the token count), with packed MXFP4 tiles and without, and W4A8's (config_a8). A
+    warm-up that runs these row counts builds every variant traffic can meet (engine.warmup); past MAX_KERNEL_PAIRS
+    pairs torch sorts."""
+    from .grouped_moe_a8 import config_a8
+
     first = {}
     for t in range(1, MAX_KERNEL_PAIRS // k + 1):
-        for packed in (False, True):
-            bm = _config(t * k, n_exp, d, inter, {}, scaled=packed)["BM"]
+        bms = [_config(t * k, n_exp, d, inter, {}, scaled=packed)["BM"] for packed in (False, True)]
+        for bm in bms + [config_a8(t * k, n_exp, d, inter)["BM"]]:  # and W4A8's tiles (act_quant)
             first.setdefault(tuple(sorted(run_constexprs(t * k, n_exp, bm).items())), t)
     return sorted(set(first.values()))
 
@@ -423,8 +436,10 @@ def routed_experts(
     accumulate_into: torch.Tensor | None = None,
     accumulate_after=None,
     config: dict | None = None,
+    act_quant: bool = False,
 ):
-    """Triton grouped GEMMs, same semantics as routed_experts_ref. Ids must lie in [0, E) (not checked: that would
+    """Triton grouped GEMMs, same semantics as routed_experts_ref. act_quant: W4A8 / W8A8 on FP8 tensor cores
+    (grouped_moe_a8; config keys as its routed_experts_a8). Ids must lie in [0, E) (not checked: that would
     need a host sync); a pick outside leaves its row undefined. config overrides BM, BN, BK, GROUP_M, num_warps,
     num_stages, decode and tma (tests and benchmarks only). decode (MXFP4 with bf16 rows; _mxfp4_decode): "asm"
     (the default on CUDA for decode-sized calls: 1.3-1.4x tl.dot_scaled's speed on the H200, 2026-12-02:
@@ -434,6 +449,19 @@ def routed_experts(
     (True / False; default: bf16 rows, >= DEQUANT_MIN_ROWS_PER_EXPERT pairs an expert, within DEQUANT_MAX_BYTES):
     run quantised experts as bf16 ones, dequantised first. accumulate_into: see the reference (one launch where a
     separate add would take three)."""
+    if act_quant:
+        from .grouped_moe_a8 import routed_experts_a8
+
+        return routed_experts_a8(
+            x,
+            ids,
+            weights,
+            experts,
+            limit,
+            accumulate_into=accumulate_into,
+            accumulate_after=accumulate_after,
+            config=config,
+        )
     _check(x, ids, weights, experts, kernel=True)
     _check_into(x, accumulate_into)
     (t, k), (n_exp, d, inter) = ids.shape, experts.shape
@@ -441,6 +469,7 @@ def routed_experts(
         _wait(accumulate_after, x)
         return accumulate_into if accumulate_into is not None else torch.zeros(t, d, dtype=x.dtype, device=x.device)
     cfg = dict(config or {})
+    aq_h = cfg.pop("act_quant_h", False)  # grouped_moe_a8's prefill path: h fake-quantised in the up epilogue
     dense = cfg.pop("dequant", None)
     if dense is None:
         dense = (
@@ -464,6 +493,8 @@ def routed_experts(
         scaled,
         asm,
     )
+    if aq_h and c["BN_UP"] % 32:
+        raise ValueError(f"act_quant_h quantises h per 32 columns: BN_UP={c['BN_UP']} must be a multiple of 32")
     order, tiles = expert_tiles(ids, n_exp, c["BM"])
     nt, fmt = tiles.shape[1], FMTS.index("bf16" if dense else experts.fmt)
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -510,6 +541,7 @@ def routed_experts(
         BK=c["BK_UP"],
         num_stages=up_stages,
         TMA=tma,
+        AQ_H=aq_h,
         **common,
     )
     if dense:

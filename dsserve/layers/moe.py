@@ -12,6 +12,7 @@ from torch import nn
 
 from ..models.config import ModelConfig
 from .numerics import acc
+from .quant import fake_quant_fp8_pow2
 from .side_stream import fork, side_stream
 
 
@@ -128,6 +129,9 @@ class MoE(nn.Module):
         # weights multiply before the down projection), in ~10 launches and no host sync, where the loop below
         # takes ~6 a present expert plus a read-back; E / top-k times the FLOPs, nothing for a tiny model.
         self.every_expert = False
+        # The release's act_quant (spec 2.12) on the packed experts' inputs x and h, reference and kernels alike:
+        # models.quantize.use_act_quant; dense (unpacked) experts are not FP4/FP8-weight linears and keep x as is.
+        self.act_quant = False
 
     def expert_weights(self):
         """The routed experts as the grouped-MoE ops take them."""
@@ -151,6 +155,9 @@ class MoE(nn.Module):
             self.packed = type(p)(p.fmt, *(None if t is None else fn(t) for t in tensors))
         return self
 
+    def _act_quant(self) -> bool:
+        return self.act_quant and self.packed is not None
+
     def _shared(self, x: torch.Tensor, ops):
         """The shared expert's output, and the event it is ready at when it runs on a side stream (else None)."""
         side = _side_stream(x)
@@ -171,29 +178,31 @@ class MoE(nn.Module):
             else:
                 ids, w = ops.route(x, g.weight, g.bias, g.topk, g.temp, g.scale, g.bias_vl, is_image)
             # the routed sum lands on the shared expert's output in place: fp32, rounded once, as below
+            kw = {"act_quant": True} if self._act_quant() else {}
             return ops.routed_experts(
-                x, ids, w, self.expert_weights(), self.limit, accumulate_into=shared, accumulate_after=ready
+                x, ids, w, self.expert_weights(), self.limit, accumulate_into=shared, accumulate_after=ready, **kw
             )
         ids, w = self.gate(x, tokens, is_image)
         if self.packed is not None and "w1" not in self.experts:  # packed only: dequantise expert by expert
             from ..kernels.grouped_moe import routed_experts_ref
 
-            return (acc(routed_experts_ref(x, ids, w, self.packed, self.limit)) + acc(self.shared_experts(x))).to(
-                x.dtype
-            )
+            routed = routed_experts_ref(x, ids, w, self.packed, self.limit, act_quant=self._act_quant())
+            return (acc(routed) + acc(self.shared_experts(x))).to(x.dtype)
         w1, w2, w3 = self.experts["w1"], self.experts["w2"], self.experts["w3"]
+        aq = fake_quant_fp8_pow2 if self._act_quant() else (lambda t: t)
+        xq = aq(x)
         if self.every_expert:
-            h = clamped_swiglu(torch.einsum("td,eid->eti", x, w1), torch.einsum("td,eid->eti", x, w3), self.limit)
+            h = clamped_swiglu(torch.einsum("td,eid->eti", xq, w1), torch.einsum("td,eid->eti", xq, w3), self.limit)
             # added, not set: a hash-routed row may name an expert twice, which the loop counts twice
             chosen = torch.zeros(x.shape[0], w1.shape[0], dtype=w.dtype, device=x.device).scatter_add(1, ids, w)
-            ye = torch.bmm((acc(h) * chosen.t()[:, :, None]).to(x.dtype), w2.transpose(1, 2))  # [E, T, d]
+            ye = torch.bmm(aq((acc(h) * chosen.t()[:, :, None]).to(x.dtype)), w2.transpose(1, 2))  # [E, T, d]
             return (acc(ye).sum(0) + acc(self.shared_experts(x))).to(x.dtype)
         out = torch.zeros(x.shape, dtype=acc(x).dtype, device=x.device)
         for e in torch.unique(ids).tolist():
             rows, slot = torch.nonzero(ids == e, as_tuple=True)
-            xe = x[rows]
+            xe = xq[rows]
             he = clamped_swiglu(xe @ w1[e].t(), xe @ w3[e].t(), self.limit)
             # The routing weight multiplies the activation before the down projection, as the release does.
-            ye = (acc(he) * w[rows, slot, None]).to(x.dtype) @ w2[e].t()
+            ye = aq((acc(he) * w[rows, slot, None]).to(x.dtype)) @ w2[e].t()
             out.index_add_(0, rows, acc(ye))
         return (out + acc(self.shared_experts(x))).to(x.dtype)

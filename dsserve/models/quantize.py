@@ -17,6 +17,7 @@ from torch import nn
 
 from ..kernels.fp8_linear import Fp8Linear
 from ..kernels.grouped_moe import ExpertWeights
+from ..layers.moe import MoE
 
 QUANTIZATIONS = (None, "fp8")
 EXPERT_FORMATS = ("fp8", "mxfp4")  # the routed experts: FP8 32x32 blocks, or MXFP4 as the release ships them
@@ -73,6 +74,20 @@ def fuse_gate_up(expert: nn.Module) -> bool:
     expert.w3 = Fp8Linear(w13.weight[i:], w13.weight_scale[i // b :], b)
     expert.w13 = w13
     return True
+
+
+def use_act_quant(model: nn.Module, on: bool) -> int:
+    """The release's activation rounding (spec 2.12, its act_quant): the inputs of every FP8-weight projection
+    (Fp8Linear) and of the packed routed experts quantised to e4m3 per 32 channels with power-of-two scales, in the
+    reference forward and the kernels alike (on a GPU: W8A8 / W4A8 on FP8 tensor cores). Returns how many modules
+    it set."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Fp8Linear):
+            m.act_quant_min_m, n = (0 if on else None), n + 1
+        elif isinstance(m, MoE):
+            m.act_quant, n = on, n + 1
+    return n
 
 
 def use_fp8_kernels(model: nn.Module, on: bool) -> None:

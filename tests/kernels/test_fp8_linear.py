@@ -84,10 +84,13 @@ def test_act_quant_is_the_fake_quant_exactly():
     x[1] = 0.0  # amax floor 1e-4
     x[2, :32] = 448.0 * 2.0**-3  # amax exactly 448 * 2^k: scale 2^k, not 2^(k+1)
     x[3, 32:64] *= 1e6
-    q, s = F._act_quant(x, 32, m_major=False)
+    q, s = F.act_quant_rows(x, 32)
     deq = q.view(torch.float8_e4m3fn).float() * s.repeat_interleave(32, 1)
     assert torch.equal(deq, fake_quant_fp8_pow2(x, 32))
     assert s[2, 0] == 2.0**-3
+    qs, ss = F.act_quant_rows(x, 32, split=True)  # each group's even channels first, then its odd ones
+    assert torch.equal(ss, s)
+    assert torch.equal(qs.view(5, 3, 2, 16), q.view(5, 3, 16, 2).transpose(2, 3))
 
 
 @pytest.mark.parametrize(
@@ -106,6 +109,41 @@ def test_w8a8_matches_its_ref(m, n, k, block, group, dtype):
     assert rel(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
     # the activation rounding is visible: W8A8 is not the W8A16 result
     assert rel(ref, F.fp8_linear_ref(x, w_q, w_s, block)) > 1e-4
+
+
+@pytest.mark.parametrize(
+    "m,n,k,groups,config",
+    [
+        (1, 96, 256, 1, {"SPLIT_K": 2, "BK": 64}),  # decode: swapped, 4 K tiles over 2 programs, summed in-kernel
+        (3, 80, 96, 1, {"SPLIT_K": 3, "BK": 32, "SWAP": False}),  # unswapped, ragged N, 3 splits
+        (20, 64, 128, 1, {"SPLIT_K": 2, "BK": 32}),  # 17-64 rows, narrow: torch sums the stored splits
+        (2, 128, 64, 2, {"SPLIT_K": 2, "BK": 32}),  # grouped, swapped, split
+        (4, 64, 160, 1, {"SPLIT_K": 2, "BK": 64}),  # K tiles 2 + 1, the last one partial (K masks)
+        (70, 96, 64, 1, {"BK": 64}),  # > 64 rows: 128-row tiles, no split
+    ],
+)
+def test_w8a8_split_k_and_swap_match_ref(monkeypatch, m, n, k, groups, config):
+    # scratch, quantised rows and outputs start as NaN (bytes 0xFF: e4m3 NaN), so anything left unwritten shows
+    nan = lambda shape, dtype, device: torch.full(  # noqa: E731
+        shape, float("nan") if dtype.is_floating_point else 0xFF, dtype=dtype, device=device
+    )
+    monkeypatch.setattr(F, "_empty", nan)
+    w_q, w_s = make(n, k, 32, seed=m)
+    x = torch.randn(m, groups * k, generator=torch.Generator().manual_seed(m))
+    out = F.fp8_linear(x, w_q, w_s, 32, act_quant=True, groups=groups, config=config)
+    assert out.shape == (m, n) and out.isfinite().all()
+    assert rel(out, F.fp8_linear_w8a8_ref(x, w_q, w_s, 32, groups=groups)) < 1e-5
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_w8a8_many_rows_fake_quantise_then_matmul_the_reference_exactly(monkeypatch, groups):
+    monkeypatch.setattr(F, "DEQUANT_MIN_ROWS", 8)
+    w_q, w_s = make(groups * 64, 96, 32)
+    x = torch.randn(9, groups * 96, generator=torch.Generator().manual_seed(3)).bfloat16()
+    ref = F.fp8_linear_w8a8_ref(x, w_q, w_s, 32, groups=groups)
+    assert torch.equal(F.fp8_linear(x, w_q, w_s, 32, act_quant=True, groups=groups), ref)
+    out = F.fp8_linear(x.float(), w_q, w_s, 32, act_quant=True, groups=groups, config={"dequant": False})
+    assert rel(out, F.fp8_linear_w8a8_ref(x.float(), w_q, w_s, 32, groups=groups)) < 1e-5
 
 
 def test_module_round_trip_and_dispatch():
