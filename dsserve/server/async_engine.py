@@ -28,6 +28,15 @@ class EngineFault(RuntimeError):
     """A step failed for this request; the engine itself keeps running (HTTP 500)."""
 
 
+class KVLoadFailed(RuntimeError):
+    """A decode instance could not load the request's prompt KV from its prefill instance (P/D disaggregation);
+    ``status``: the HTTP status to answer with (502, 504)."""
+
+    def __init__(self, message: str, status: int = 502):
+        super().__init__(message)
+        self.status = status
+
+
 class EngineShutdown(RuntimeError):
     """The server shut down before the request finished: its sink gets this after its "abort" output (HTTP 503)."""
 
@@ -42,6 +51,7 @@ class _Submit:
     session_id: str | None
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    kv_transfer: dict | None = None
 
 
 class AsyncEngine:
@@ -64,6 +74,7 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         session_id: str | None = None,
+        kv_transfer: dict | None = None,
     ) -> asyncio.Queue:
         """Queue a request; its outputs (then None at the end, or an exception) arrive on the returned queue.
         The request is validated synchronously by the caller through ``validate`` first."""
@@ -76,7 +87,17 @@ class AsyncEngine:
             )
         sink: asyncio.Queue = asyncio.Queue()
         self._inbox.put(
-            _Submit(request_id, prompt, params, priority, cache_salt, session_id, sink, asyncio.get_running_loop())
+            _Submit(
+                request_id,
+                prompt,
+                params,
+                priority,
+                cache_salt,
+                session_id,
+                sink,
+                asyncio.get_running_loop(),
+                kv_transfer,
+            )
         )
         return sink
 
@@ -158,7 +179,13 @@ class AsyncEngine:
         if isinstance(item, _Submit):
             try:
                 self.core.add_request(
-                    item.request_id, item.prompt, item.params, item.priority, item.cache_salt, item.session_id
+                    item.request_id,
+                    item.prompt,
+                    item.params,
+                    item.priority,
+                    item.cache_salt,
+                    item.session_id,
+                    item.kv_transfer,
                 )
                 self._sinks[item.request_id] = item
             except Exception as e:  # validated before, so this is a race or a fault: report, keep serving
@@ -202,6 +229,10 @@ class AsyncEngine:
         for out in outs:
             sub = self._sinks.get(out.request_id)
             if sub is None:
+                continue
+            if out.error is not None:  # its remote KV could not be loaded: it holds nothing any more
+                self._sinks.pop(out.request_id, None)
+                self._deliver(sub, KVLoadFailed(out.error[1], out.error[0]))
                 continue
             self._deliver(sub, out)
             if out.finished:
