@@ -24,14 +24,16 @@ def start(cmd: list[str], port: int, env: dict | None = None) -> subprocess.Pope
     return proc
 
 
-def server(role: str, extra=(), env=None, port=None) -> tuple[subprocess.Popen, str]:
-    """A tiny `dsserve serve --kv-role ROLE` (fp64, block 16, no warm-up), once /health answers."""
+def launch(role: str, extra=(), env=None, port=None) -> tuple[subprocess.Popen, str]:
+    """A tiny `dsserve serve --kv-role ROLE` (fp64, block 16, no warm-up) starting; ``up`` waits for it."""
     port = port or free_port()
     args = ["serve", "tiny", *SERVER_ARGS, "--kv-role", role, "--no-warmup", "--shutdown-timeout", "2", *extra]
-    proc = start(args, port, env)
-    base = f"http://127.0.0.1:{port}"
-    _wait(proc, base)
-    return proc, base
+    return start(args, port, env), f"http://127.0.0.1:{port}"
+
+
+def up(*servers: tuple[subprocess.Popen, str]) -> None:
+    for proc, base in servers:
+        _wait(proc, base)
 
 
 def router(prefill: list[str], decode: list[str], extra=()) -> tuple[subprocess.Popen, str]:
