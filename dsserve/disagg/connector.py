@@ -87,6 +87,8 @@ class _Load:
     held: list[int]
     first: int  # first block pulled (the ones before were local prefix hits)
     future: Future | None
+    url: str | None = None
+    transfer_id: str | None = None
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -194,7 +196,7 @@ class KVConnector:
         local = self.kv.prefix.lookup(hashes)
         self.kv.blocks.touch(local)  # held: an eviction before admission would break the chain
         first = len(local)
-        load = _Load(req, hashes, list(local), first, None)
+        load = _Load(req, hashes, list(local), first, None, url, tid)
         if first < n:
             load.future = self._pool.submit(
                 fetch_blocks, url, tid, first, n - first, (n - first) * self.codec.block_bytes, self.transfer_timeout
@@ -266,6 +268,8 @@ class KVConnector:
         ld = self._loads.pop(rid)
         self.kv.blocks.free(ld.held)
         ld.held = []
+        if ld.url and ld.transfer_id:  # P may drop its staged copy now rather than at its lease's end
+            self._pool.submit(release_remote, ld.url, ld.transfer_id)
         self.failed.append((ld.req, status, reason))
 
     def has_arrivals(self) -> bool:
@@ -279,6 +283,8 @@ class KVConnector:
             if ld.future is not None:
                 ld.future.cancel()
             self.kv.blocks.free(ld.held)
+            if ld.url and ld.transfer_id:
+                self._pool.submit(release_remote, ld.url, ld.transfer_id)
 
     def held_blocks(self) -> list[int]:
         """Blocks held by loads under way (for the cache's invariant check)."""
