@@ -13,7 +13,23 @@ hand-off's blocks F..F+N-1, one block after another (``accounting.BlockCodec``'s
 
 from __future__ import annotations
 
+import threading
 import time
+
+_client = None
+_client_lock = threading.Lock()
+
+
+def _shared_client():
+    """One keep-alive client for every pull of this process (httpx.Client is thread-safe): a pull then costs no
+    connection set-up."""
+    global _client
+    import httpx
+
+    with _client_lock:
+        if _client is None:
+            _client = httpx.Client(limits=httpx.Limits(max_connections=64, max_keepalive_connections=16))
+        return _client
 
 
 class KVTransferError(RuntimeError):
@@ -35,7 +51,7 @@ def fetch_blocks(url: str, transfer_id: str, first: int, count: int, expect_byte
     where = f"{url}/kv_transfer/{transfer_id}"
     buf = bytearray()
     try:
-        with httpx.stream(
+        with _shared_client().stream(
             "GET", where, params={"first": first, "count": count}, timeout=httpx.Timeout(timeout)
         ) as resp:
             if resp.status_code != 200:
