@@ -110,7 +110,7 @@ def tiny_points(lengths: list[int], rounds: int) -> list[dict]:
                         "transfer_s": best["transfer_s"],
                         "replay_s": best["replay_s"],
                         "import_s": best.get("import_s", 0.0),
-                        "loopback_MBps": best["bytes"] / max(best["transfer_s"], 1e-9) / 1e6,
+                        "loopback_megabytes_per_s": best["bytes"] / max(best["transfer_s"], 1e-9) / 1e6,
                     }
                 )
                 print(json.dumps(out[-1]))
@@ -203,7 +203,7 @@ def main() -> None:
     connector_mod.release_remote = lambda url, tid: None  # the small server drops nothing; the copies expire
     tiny = tiny_points(a.lengths, a.rounds)
     release = release_points(a.release_lengths, a.link_gbps)
-    result = {"meta": run_meta(assumed_link_GBps=a.link_gbps), "tiny": tiny, "release": release}
+    result = {"meta": run_meta(link_gigabytes_per_s_assumed=a.link_gbps), "tiny": tiny, "release": release}
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "result.json"), "w") as f:
