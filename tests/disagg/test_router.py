@@ -141,6 +141,13 @@ def test_agentx_small_through_the_router(cluster, tmp_path, capsys):
     assert rc == 0, text[-2000:]
     (pt,) = json.loads(text.strip().splitlines()[-1])["points"]
     assert pt["all_requests"] > 0 and pt["errors"] == 0
+    # what the hand-offs moved against the window-carrying alternatives, as the router counts them
+    m = {
+        line.split('kind="')[1].split('"')[0]: float(line.split()[-1])
+        for line in httpx.get(cluster["router"] + "/metrics").text.splitlines()
+        if line.startswith("dsserve_router:kv_transfer_bytes_total{")
+    }
+    assert 0 < m["moved"] < m["with_window_ring"] < m["with_window_rows"]
 
 
 def test_a_decode_instance_restart_is_survived(cluster):
