@@ -210,6 +210,10 @@ def build_app(
             raise ApiError(400, str(e), param=getattr(e, "field", None)) from None
 
     async def run(choices, body, session_id: str | None):
+        if body.kv_transfer_params and len(choices) > 1:
+            raise ApiError(
+                400, "kv_transfer_params take one prompt and n=1 (a hand-off is one request's KV)", param="n"
+            )
         rid = fmt.new_id("req")
         sinks = []
         if engine.metrics is not None:  # per prompt: its n requests (vLLM's parent request)
