@@ -268,6 +268,13 @@ def _add_bench_throughput(p):
     p.set_defaults(func=run_bench_throughput)
 
 
+def _add_router(p):
+    from .disagg.router import add_router_args, run_router
+
+    add_router_args(p)
+    p.set_defaults(func=run_router)
+
+
 def _add_bench_serve(p):
     from .bench.serve import add_bench_serve_args, run_bench_serve
 
@@ -312,6 +319,10 @@ COMMANDS = {
     "plan": ("per-GPU weight, KV and host bytes of a model on a machine and layout, and whether it fits", _add_plan),
     "generate": ("generate text for one or more prompts with the batched engine", _add_generate),
     "serve": ("serve the model over an OpenAI-compatible HTTP API", _add_serve),
+    "router": (
+        "an OpenAI-compatible front over prefill and decode instances (P/D disaggregation, docs/disaggregation.md)",
+        _add_router,
+    ),
     "bench": ("benchmarks", BENCH_KINDS),
     "eval": (
         "accuracy on held-out synthetic problems (arithmetic, retrieval, chat), "

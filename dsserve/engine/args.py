@@ -183,6 +183,16 @@ class EngineArgs:
     session_retention: float = field(
         default=0.0, metadata=_h("seconds a finished session request's blocks stay ahead of LRU (0: off)")
     )
+    kv_role: str = field(
+        default="both",
+        metadata=_h(
+            "P/D disaggregation (docs/disaggregation.md): prefill (run prompts, hand their KV to a decode instance) "
+            "| decode (continue requests whose prompt KV a prefill instance ran) | both"
+        ),
+    )
+    kv_transfer_timeout: float = field(
+        default=30.0, metadata=_h("seconds a decode instance waits for a hand-off's KV before failing the request")
+    )
     quantization: str | None = field(
         default=None,
         metadata=_h(
@@ -342,6 +352,15 @@ class EngineArgs:
             raise EngineArgsError(f"replay_form must be 'report' or 'vllm', got {self.replay_form!r}")
         if self.replay_window is not None and self.replay_window < 1:
             raise EngineArgsError(f"replay_window must be >= 1, got {self.replay_window}")
+        if self.kv_role not in ("prefill", "decode", "both"):
+            raise EngineArgsError(f"kv_role must be prefill, decode or both, got {self.kv_role!r}")
+        if self.kv_role != "both" and not self.enable_prefix_caching:
+            raise EngineArgsError(
+                f"kv_role {self.kv_role!r} needs prefix caching (a hand-off's blocks are prefix-cache blocks); "
+                "drop --no-enable-prefix-caching"
+            )
+        if self.kv_transfer_timeout <= 0:
+            raise EngineArgsError(f"kv_transfer_timeout must be > 0 seconds, got {self.kv_transfer_timeout}")
         if self.session_retention < 0:
             raise EngineArgsError(f"session_retention must be >= 0 seconds, got {self.session_retention}")
         for name in ("max_num_batched_tokens", "max_num_seqs"):

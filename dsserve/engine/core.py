@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from ..disagg.transport import KVTransferError
 from ..distributed.tp_worker import TPRank, start_tensor_parallel
 from ..kernels.ops import KernelOps
 from ..kv.paged import KVLayout, PagedKVCache
@@ -293,6 +294,12 @@ class EngineCore:
             engram_token_map=self.model.engram_token_map,
             device=self.device,
         )
+        # P/D disaggregation: a hand-off's blocks are prefix-cache blocks, so the connector needs the prefix cache
+        from ..disagg.connector import KVConnector
+
+        self.kv_connector = (
+            KVConnector(self.kv, self.cfg.name, args.kv_transfer_timeout) if args.enable_prefix_caching else None
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=args.max_num_batched_tokens,
@@ -307,6 +314,7 @@ class EngineCore:
                 session_retention_s=args.session_retention,
             ),
             self.kv,
+            self.kv_connector,
         )
         self.stats = EngineStats(layout, self.cfg)
         graphs = decoder_row_graphs = encoder_graphs = self.graph_capture = None
@@ -410,7 +418,11 @@ class EngineCore:
         priority: int = 0,
         cache_salt: str | None = None,
         session_id: str | None = None,
+        kv_transfer: dict | None = None,
     ) -> Request:
+        """``kv_transfer``: P/D hand-off parameters (``{"do_remote_decode": true}`` on a prefill instance: the
+        request stops after its first token and its prompt's KV is staged for a decode instance; on a decode
+        instance the ``kv_transfer_params`` a prefill instance returned, with ``remote_url``)."""
         params = params if params is not None else SamplingParams()
         if request_id in self._tracked:
             raise RequestError(f"request id {request_id!r} is already in the engine")
@@ -419,15 +431,32 @@ class EngineCore:
         req = Request(
             request_id, ids, params, prompt=text, priority=priority, cache_salt=cache_salt, session_id=session_id
         )
+        if kv_transfer:
+            self._check_kv_transfer(kv_transfer)
+            req.kv_transfer = dict(kv_transfer)
+            if kv_transfer.get("do_remote_decode"):  # P runs the prompt and one token; D samples from its replay
+                params = req.params = replace(params, max_tokens=1, min_tokens=0)
         if params.grammar is not None:
             req.grammar = self.grammars.grammar(*params.grammar)
         stops = StopChecker(
             self.tokenizer, ids, params, eos_token_id=self.tokenizer.eos_id, max_model_len=self.max_model_len
         )
         want_lp = params.logprobs is not None
+        try:
+            self.scheduler.add(req)
+        except KVTransferError as e:
+            raise RequestError(str(e)) from None
         self._tracked[request_id] = _Tracked(req, stops, [] if want_lp else None, 0.0 if want_lp else None)
-        self.scheduler.add(req)
         return req
+
+    def _check_kv_transfer(self, kt: dict) -> None:
+        role = self.args.kv_role
+        if self.kv_connector is None:
+            raise RequestError("kv_transfer_params need prefix caching on this instance (--enable-prefix-caching)")
+        if kt.get("do_remote_decode") and role == "decode":
+            raise RequestError("this is a decode instance (--kv-role decode): it takes no do_remote_decode request")
+        if kt.get("transfer_id") and role == "prefill":
+            raise RequestError("this is a prefill instance (--kv-role prefill): it loads no remote KV")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         t = self._tracked.pop(request_id, None)
@@ -462,6 +491,12 @@ class EngineCore:
                 return out
             results = out  # the next step depends on what the host just read: run it the synchronous way
         plan = self.scheduler.schedule()
+        for req, status, reason in self.scheduler.take_failed():  # remote KV that could not be loaded
+            t = self._tracked.pop(req.request_id, None)
+            if t is not None:
+                out = self._output(t, "abort")
+                out.error = (status, reason)
+                results.append(out)
         if self.lockstep is not None:
             self.lockstep.before_forward(plan)
         if not plan.chunks:
@@ -539,6 +574,8 @@ class EngineCore:
         first. ``prev``'s progress is not applied yet: each request's pending token goes at ``num_tokens``."""
         sched, graphs = self.scheduler, self.runner.decode_graphs
         if len(sched.running) != len(prev.requests):  # e.g. a prompt still has chunks to run
+            return None
+        if sched.remote and self.kv_connector.has_arrivals():  # a P/D hand-off's KV arrived: admit it now
             return None
         if sched.waiting and len(sched.running) < sched.config.max_num_seqs:  # full: none would be admitted
             return None
@@ -669,7 +706,7 @@ class EngineCore:
             finish_reason,
             t.stops.stop_reason,
         )
-        return RequestOutput(
+        out = RequestOutput(
             req.request_id,
             req.prompt,
             req.prompt_token_ids,
@@ -679,6 +716,13 @@ class EngineCore:
             prompt_logprobs=self._prompt_logprobs(t),
             num_cached_tokens=req.num_cached_tokens,
         )
+        if req.kv_transfer is not None:
+            out.kv_transfer_params = self.scheduler.kv_transfer_params.pop(req.request_id, None)
+            st = req.kv_transfer_stats
+            if st is not None and req.metrics.first_token_time is not None and req.metrics.first_scheduled_time:
+                st["replay_s"] = req.metrics.first_token_time - req.metrics.first_scheduled_time
+            out.kv_transfer_stats = st
+        return out
 
     def _prompt_logprobs(self, t: _Tracked) -> list | None:
         """vLLM's shape: None for the first prompt token, then per token a ``{token_id: Logprob}`` dict."""

@@ -115,6 +115,11 @@ class RequestOutput:
     metrics: Optional[RequestMetrics] = None
     prompt_logprobs: Optional[list] = None  # not computed by dsserve; kept for vLLM-shaped user code
     num_cached_tokens: int = 0
+    # P/D disaggregation (dsserve/disagg): a prefill instance's hand-off for the decode instance; what a decode
+    # instance's load moved and took (bytes, transfer_s, replay_s); a failed load's (HTTP status, reason)
+    kv_transfer_params: Optional[dict] = None
+    kv_transfer_stats: Optional[dict] = None
+    error: Optional[tuple] = None
 
     def __repr__(self) -> str:
         return (

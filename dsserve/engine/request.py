@@ -14,6 +14,7 @@ from .sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # a decode instance pulls its prompt's KV (disagg.connector)
     RUNNING = "running"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
@@ -21,7 +22,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KVS)
 
 
 @dataclass(eq=False)
@@ -48,6 +49,11 @@ class Request:
     # prompt_logprobs: per prompt position (0 has none), (token, logprob, rank, top ids, top logprobs) on the host
     prompt_logprobs: list | None = None
     grammar: object | None = None  # a JsonGrammar when params.json_schema is set (engine/structured_output.py)
+    # P/D disaggregation (dsserve/disagg): the request's kv_transfer_params (P: {"do_remote_decode": true}; D: where
+    # to pull its prompt's KV from), the blocks D holds for it until admission, and what its hand-off moved
+    kv_transfer: dict | None = None
+    kv_held: list = field(default_factory=list)
+    kv_transfer_stats: dict | None = None
 
     def __post_init__(self):
         if self.params.seed is not None:

@@ -7,6 +7,12 @@ When the global KV pool runs out, the lowest-priority running request is preempt
 cache is freed and it goes back to the front of the queue with its tokens so far, so nothing is lost.
 After a step ran, ``update`` moves each request on: its computed tokens by the step's rows, its output by the tokens
 the step accepted for it (a list per request: one sampled token today, a verify step's accepted drafts later).
+
+With a KV connector (P/D disaggregation, ``dsserve.disagg.connector``), a request whose prompt KV is on a prefill
+instance waits in ``remote`` (``WAITING_FOR_REMOTE_KVS``) until its blocks arrived and joined the prefix cache; it
+then queues like any request and is admitted as a prefix hit (bounded replay rebuilds its windows). A failed pull
+finishes it with the reason (``take_failed``). On a prefill instance, a request handed off to a decode instance has
+its prompt blocks staged by the connector as it finishes (``kv_transfer_params``).
 """
 
 from __future__ import annotations
@@ -71,14 +77,25 @@ class StepOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: PagedKVCache):
-        self.config, self.kv = config, kv
+    def __init__(self, config: SchedulerConfig, kv: PagedKVCache, connector=None):
+        self.config, self.kv, self.connector = config, kv, connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KVS
+        self.kv_transfer_params: dict[str, dict] = {}  # P: request id -> its hand-off, read once by the engine
 
     # ------------------------------------------------------------------------- queue
     def add(self, req: Request) -> None:
+        """Queue ``req``; with a hand-off to load, start its pull (``KVTransferError`` for one this instance cannot
+        take: nothing is queued then)."""
+        kt = req.kv_transfer
+        if kt and kt.get("transfer_id") and self.connector is not None and req.params.prompt_logprobs is None:
+            if self.connector.start_load(req):
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                self.requests[req.request_id] = req
+                self.remote[req.request_id] = req
+                return
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -92,17 +109,48 @@ class Scheduler:
     def finish(self, req: Request, status: RequestStatus) -> None:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self.remote.pop(req.request_id, None)
+            self.connector.cancel(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if req.kv_held:  # arrived remote KV not admitted yet
+            self.kv.blocks.free(req.kv_held)
+            req.kv_held = []
+        kt = req.kv_transfer
+        if kt and kt.get("do_remote_decode") and self.connector is not None and req.kv is not None:
+            if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+                self.kv_transfer_params[req.request_id] = self.connector.request_finished(req)
         self._release(req, finished=True)
         req.status = status
         self.requests.pop(req.request_id, None)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.remote)
+
+    def take_failed(self) -> list[tuple[Request, int, str]]:
+        """Requests whose remote KV could not be loaded since the last call, finished (aborted) and holding nothing,
+        with an HTTP status and the reason."""
+        if self.connector is None or not self.connector.failed:
+            return []
+        out, self.connector.failed = self.connector.failed, []
+        for req, _, _ in out:
+            self.remote.pop(req.request_id, None)
+            self.requests.pop(req.request_id, None)
+            req.status = RequestStatus.FINISHED_ABORTED
+        return out
+
+    def _poll_remote(self) -> None:
+        idle = not (self.waiting or self.running)
+        for req in self.connector.poll(wait_s=0.005 if idle else 0.0):
+            del self.remote[req.request_id]
+            req.status = RequestStatus.WAITING
+            self.waiting.append(req)
 
     # ------------------------------------------------------------------------- one step
     def schedule(self) -> StepPlan:
+        if self.remote:
+            self._poll_remote()
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
@@ -180,6 +228,9 @@ class Scheduler:
                     req.kv, hit, req.all_token_ids, start if self.config.swa_bounded_replay else None
                 )
                 req.num_cached_tokens = hit_len
+            if req.kv_held:  # the blocks a remote load held until now: the sequence holds its own references
+                self.kv.blocks.free(req.kv_held)
+                req.kv_held = []
             req.status = RequestStatus.RUNNING
             if self.config.swa_bounded_replay and not exact:
                 req.decoder_start = max(0, req.num_tokens - self.config.replay_window)
@@ -238,7 +289,9 @@ class Scheduler:
     # ------------------------------------------------------------------------- invariants
     def check(self) -> None:
         """The cache holds exactly the running requests' blocks and window slots."""
-        self.kv.check([r.kv for r in self.running])
+        held = [b for r in self.waiting for b in r.kv_held]
+        held += self.connector.held_blocks() if self.connector is not None else []
+        self.kv.check([r.kv for r in self.running], held)
         for r in self.waiting:
             if r.kv is not None or r.num_computed_tokens:
                 raise RuntimeError(f"waiting request {r.request_id} still holds KV")

@@ -170,9 +170,10 @@ class PagedKVCache:
         self.slots.free([seq.slot])
         seq.block_table, seq.slot, seq._table, seq._host_table = [], None, None, None
 
-    def check(self, live: list["SequenceKV"]) -> None:
-        """After every step: each live request's blocks and slot are owned once, nothing else is used."""
-        self.blocks.check([b for s in live for b in s.block_table])
+    def check(self, live: list["SequenceKV"], held: list[int] = ()) -> None:
+        """After every step: each live request's blocks and slot are owned once, nothing else is used. ``held``:
+        block references taken outside any sequence (a P/D load's blocks before admission)."""
+        self.blocks.check([b for s in live for b in s.block_table] + list(held))
         self.slots.check([s.slot for s in live])
         for s in live:
             if len(s.block_table) * self.layout.block_size < s.num_tokens:

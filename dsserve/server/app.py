@@ -26,7 +26,7 @@ from ..models.tokenizer import TooManyTokens
 from . import anthropic
 from . import openai_format as fmt
 from . import tool_calls as tc
-from .async_engine import AsyncEngine, EngineOverloaded, EngineShutdown
+from .async_engine import AsyncEngine, EngineOverloaded, EngineShutdown, KVLoadFailed
 from .chat import ChatFormatError, chat_prompt_ids
 from .guard import Guard
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -225,6 +225,10 @@ def build_app(
         return session, int(pin) if dp > 1 else None
 
     async def run(choices, body, session_id: str | None, rank: int | None = None):
+        if body.kv_transfer_params and len(choices) > 1:
+            raise ApiError(
+                400, "kv_transfer_params take one prompt and n=1 (a hand-off is one request's KV)", param="n"
+            )
         rid = fmt.new_id("req")
         sinks = []
         if engine.metrics is not None:  # per prompt: its n requests (vLLM's parent request)
@@ -235,19 +239,47 @@ def build_app(
             for i, (ids, params) in enumerate(choices):
                 if params.seed is not None and body.n > 1:  # n samples, not n copies of one
                     params = dataclasses.replace(params, seed=params.seed + i % body.n)
-                sinks.append(
-                    (
-                        f"{rid}-{i}",
-                        engine.submit(f"{rid}-{i}", ids, params, body.priority, body.cache_salt, session_id, rank),
-                    )
+                kt = body.kv_transfer_params
+                sink = engine.submit(
+                    f"{rid}-{i}", ids, params, body.priority, body.cache_salt, session_id, rank=rank, kv_transfer=kt
                 )
+                sinks.append((f"{rid}-{i}", sink))
         except EngineOverloaded as e:
             for sid, _ in sinks:
                 engine.abort(sid)
             if engine.metrics is not None:
                 engine.metrics.forget_requests([f"{rid}-{i}" for i in range(len(sinks), len(choices))])
             raise ApiError(503, str(e), "service_unavailable") from None
+        if (body.kv_transfer_params or {}).get("transfer_id"):
+            sinks = await loaded(sinks)
         return sinks
+
+    async def loaded(sinks):
+        """A decode instance's hand-off: wait for each choice's first output (its KV pulled and replayed) before any
+        response starts, so a failed load is an error status with its reason, not a broken stream."""
+        out = []
+        for sid, sink in sinks:
+            first = await sink.get()
+            if isinstance(first, Exception):
+                for other, _ in sinks:
+                    engine.abort(other)
+                raise_for(first)
+            out.append((sid, _Peeked(first, sink)))
+        return out
+
+    def raise_for(item: Exception):
+        if isinstance(item, EngineShutdown):
+            raise ApiError(503, str(item), "service_unavailable")
+        if isinstance(item, KVLoadFailed):
+            if engine.metrics is not None:
+                engine.metrics.observe_error("kv_transfer")
+                engine.metrics.kv_transfer.failed()
+            raise ApiError(
+                item.status, str(item), "kv_transfer_error" if item.status >= 500 else "invalid_request_error"
+            )
+        if isinstance(item, RequestError):
+            raise ApiError(400, str(item))
+        raise ApiError(500, str(item), "internal_error")
 
     async def merged(sinks) -> AsyncIterator[tuple[int, object]]:
         """(choice index, output) from every choice as they come; ends when all have ended."""
@@ -279,10 +311,8 @@ def build_app(
         async def gather():
             last: dict[int, object] = {}
             async for i, item in merged(sinks):
-                if isinstance(item, EngineShutdown):
-                    raise ApiError(503, str(item), "service_unavailable")
                 if isinstance(item, Exception):
-                    raise ApiError(500, str(item), "internal_error")
+                    raise_for(item)
                 if item is not None:
                     last[i] = item
                     if watch is not None and watch(i, item) and not item.finished:
@@ -397,8 +427,9 @@ def build_app(
         model = served_model_name
         if body.stream:
             lens = [len(ids) for ids, _ in choices]
-            return stream(sinks, False, model, body, body.logprobs, lens, echo)
-        out = fmt.completion_body(fmt.new_id("cmpl"), model, await collect(sinks, request), body.logprobs, body.n)
+            return kv_header(stream(sinks, False, model, body, body.logprobs, lens, echo), sinks)
+        outs = await collect(sinks, request)
+        out = with_kv_transfer(fmt.completion_body(fmt.new_id("cmpl"), model, outs, body.logprobs, body.n), outs)
         if echo:
             for c, text in zip(out["choices"], echo):
                 c["text"] = text + c["text"]
@@ -456,7 +487,7 @@ def build_app(
         shapers = [tc.ChoiceShaper(tools, stops, include) for _ in sinks]
         model = served_model_name
         if body.stream:
-            return stream(sinks, True, model, body, top_n, [len(ids)] * body.n, shapers=shapers)
+            return kv_header(stream(sinks, True, model, body, top_n, [len(ids)] * body.n, shapers=shapers), sinks)
         sent = [0] * len(sinks)
 
         def watch(i, out):
@@ -467,7 +498,61 @@ def build_app(
 
         outs = await collect(sinks, request, watch)
         body_ = fmt.chat_body(fmt.new_id("chatcmpl"), model, outs, top_n, body.n)
-        return tc.shape_chat_body(body_, outs, tools, shapers)
+        return with_kv_transfer(tc.shape_chat_body(body_, outs, tools, shapers), outs)
+
+    def kv_header(resp: StreamingResponse, sinks) -> StreamingResponse:
+        """A decode instance's streamed hand-off: what its load moved and took, as the ``x-dsserve-kv-transfer``
+        header (JSON), known before the stream starts (``loaded``)."""
+        first = sinks[0][1].first[0] if sinks and isinstance(sinks[0][1], _Peeked) and sinks[0][1].first else None
+        st = getattr(first, "kv_transfer_stats", None)
+        if st:
+            resp.headers["x-dsserve-kv-transfer"] = json.dumps(st)
+        return resp
+
+    def with_kv_transfer(body_: dict, outs) -> dict:
+        """P/D: a prefill instance's hand-off (``kv_transfer_params``, vLLM's field) and what a decode instance's
+        load moved (``kv_transfer``: bytes, transfer and replay seconds) in the response body."""
+        params = [o.kv_transfer_params for o in outs if o.kv_transfer_params is not None]
+        stats = [o.kv_transfer_stats for o in outs if o.kv_transfer_stats is not None]
+        if params:
+            body_["kv_transfer_params"] = params[0]
+        if stats:
+            body_["kv_transfer"] = stats[0]
+        return body_
+
+    # ---- P/D: a decode instance pulls a hand-off's blocks from here (disagg/transport.py). Outside /v1 (no API
+    # key): the transfer id, 128 random bits the router got from this instance, is the capability.
+    @app.get("/kv_transfer/{transfer_id}")
+    async def kv_transfer_pull(transfer_id: str, first: int = 0, count: int = 0):
+        conn = core.kv_connector
+        if conn is None:
+            raise ApiError(404, "this instance has no KV connector (prefix caching is off)", "not_found_error")
+        try:
+            chunks = conn.export_chunks(transfer_id, first, count)
+        except KeyError as e:
+            raise ApiError(404, str(e.args[0]), "not_found_error") from None
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        return StreamingResponse(chunks, media_type="application/octet-stream")
+
+    @app.delete("/kv_transfer/{transfer_id}")
+    async def kv_transfer_drop(transfer_id: str):
+        conn = core.kv_connector
+        return {"dropped": bool(conn is not None and conn.drop(transfer_id))}
+
+    @app.get("/kv_transfer")
+    async def kv_transfer_state():
+        """What this instance holds for hand-offs: staged exports (P) and loads under way (D), and the cache's
+        used blocks (a test checks that a failed hand-off leaves none behind)."""
+        conn = core.kv_connector
+        return {
+            "role": core.args.kv_role,
+            "exports": 0 if conn is None else conn.num_exports(),
+            "loading": 0 if conn is None else conn.num_loading,
+            "blocks_used": core.kv.blocks.num_used,
+            "blocks_referenced": sum(1 for r in core.kv.blocks.ref if r > 0),
+            "in_flight": engine.num_in_flight(),
+        }
 
     # ---- the Anthropic Messages API over the same helpers (server/anthropic.py)
     anthropic.add_routes(
@@ -486,6 +571,16 @@ def build_app(
         engine.metrics.install_http(app)
         engine.metrics.observe_step(core)  # every gauge has its value from the start, before any request
     return app
+
+
+class _Peeked:
+    """A sink whose first item was already taken (``loaded``): gives it back first."""
+
+    def __init__(self, first, sink: asyncio.Queue):
+        self.first, self.sink = [first], sink
+
+    async def get(self):
+        return self.first.pop() if self.first else await self.sink.get()
 
 
 def _sse(obj: dict) -> str:

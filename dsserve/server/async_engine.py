@@ -35,6 +35,15 @@ class EngineFault(RuntimeError):
     """A step failed for this request; the engine itself keeps running (HTTP 500)."""
 
 
+class KVLoadFailed(RuntimeError):
+    """A decode instance could not load the request's prompt KV from its prefill instance (P/D disaggregation);
+    ``status``: the HTTP status to answer with (502, 504)."""
+
+    def __init__(self, message: str, status: int = 502):
+        super().__init__(message)
+        self.status = status
+
+
 class EngineShutdown(RuntimeError):
     """The server shut down before the request finished: its sink gets this after its "abort" output (HTTP 503)."""
 
@@ -50,6 +59,7 @@ class _Submit:
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     rank: int | None = None  # a pinned DP rank (DPClient only)
+    kv_transfer: dict | None = None  # kv_transfer_params of a P/D hand-off (disagg)
 
 
 class AsyncEngine:
@@ -79,6 +89,7 @@ class AsyncEngine:
         cache_salt: str | None = None,
         session_id: str | None = None,
         rank: int | None = None,
+        kv_transfer: dict | None = None,
     ) -> asyncio.Queue:
         """Queue a request; its outputs (then None at the end, or an exception) arrive on the returned queue.
         The request is validated synchronously by the caller through ``validate`` first."""
@@ -94,7 +105,16 @@ class AsyncEngine:
         sink: asyncio.Queue = asyncio.Queue()
         self._inbox.put(
             _Submit(
-                request_id, prompt, params, priority, cache_salt, session_id, sink, asyncio.get_running_loop(), rank
+                request_id,
+                prompt,
+                params,
+                priority,
+                cache_salt,
+                session_id,
+                sink,
+                asyncio.get_running_loop(),
+                rank,
+                kv_transfer,
             )
         )
         return sink
@@ -220,9 +240,17 @@ class AsyncEngine:
     def _handle(self, item) -> None:
         if isinstance(item, _Submit):
             try:
-                pin = {} if item.rank is None else {"rank": item.rank}
+                pin = {} if item.rank is None else {"rank": item.rank}  # DPClient's
+                if item.kv_transfer is not None:  # a P/D hand-off (EngineCore's)
+                    pin["kv_transfer"] = item.kv_transfer
                 self.core.add_request(
-                    item.request_id, item.prompt, item.params, item.priority, item.cache_salt, item.session_id, **pin
+                    item.request_id,
+                    item.prompt,
+                    item.params,
+                    item.priority,
+                    item.cache_salt,
+                    item.session_id,
+                    **pin,
                 )
                 self._sinks[item.request_id] = item
             except Exception as e:  # validated before, so this is a race or a fault: report, keep serving
@@ -273,6 +301,10 @@ class AsyncEngine:
         for out in outs:
             sub = self._sinks.get(out.request_id)
             if sub is None:
+                continue
+            if out.error is not None:  # its remote KV could not be loaded: it holds nothing any more
+                self._sinks.pop(out.request_id, None)
+                self._deliver(sub, KVLoadFailed(out.error[1], out.error[0]))
                 continue
             self._deliver(sub, out)
             if out.finished:

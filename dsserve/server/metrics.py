@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 FINISH_REASONS = ("stop", "length", "abort")
-ERROR_KINDS = ("bad_request", "unavailable", "internal")  # exported at 0 from the start
+ERROR_KINDS = ("bad_request", "unavailable", "internal", "kv_transfer")  # exported at 0 from the start
 REJECTION_STATUSES = (400, 401, 404, 413, 499, 500, 503)  # exported at 0 from the start; others as they come
 KV_KINDS = ("global", "window")
 VLLM_STAT_COUNTERS = ("prefix_query_tokens", "prefix_hit_tokens")  # the engine stats vLLM also exports
@@ -383,6 +383,9 @@ class EngineMetrics:
             "Time spent per token during prefill phase in seconds.",
             PREFILL_TOKEN_BUCKETS,
         )
+        from ..disagg.metrics import KVTransferMetrics
+
+        self.kv_transfer = KVTransferMetrics(reg, model_name)  # P/D hand-offs (docs/disaggregation.md)
         self.req_prompt_tokens = hist("request_prompt_tokens", "Number of prefill tokens processed.", tok)
         self.req_generation_tokens = hist("request_generation_tokens", "Number of generation tokens processed.", tok)
         self.iteration_tokens = hist(
@@ -517,6 +520,8 @@ class EngineMetrics:
             if not out.finished:
                 return
             self._requests.pop(rid, None)
+            if getattr(out, "kv_transfer_stats", None) or getattr(out, "kv_transfer_params", None):
+                self.kv_transfer.observe(out)
             group = self._groups.pop(rid, None) or _Group(1, None)
             group.left -= 1
             group.longest = max(group.longest, len(comp.token_ids))

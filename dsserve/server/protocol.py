@@ -59,6 +59,9 @@ class _Sampling(_Body):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     priority: int = 0
+    # P/D disaggregation (docs/disaggregation.md), vLLM's field: {"do_remote_decode": true} to a prefill instance; to
+    # a decode instance, the kv_transfer_params the prefill instance returned plus its "remote_url"
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("seed", "priority")
     @classmethod
