@@ -63,10 +63,10 @@ class GrammarMask:
         """-inf in ``logits`` [B, V] on every token a constrained row's grammar does not allow next, in place."""
         import xgrammar as xgr
 
-        bitmask = self.bitmask
-        if logits.device.type != "cpu":  # the kernel wants the mask on the logits' device; pinned: not waited for
-            bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=self.rows)
+        if logits.device.type == "cpu":
+            xgr.apply_token_bitmask_inplace(logits, self.bitmask, indices=self.rows)
+        else:  # one pinned upload, not waited for; every row (unconstrained ones allow all): no index upload
+            xgr.apply_token_bitmask_inplace(logits, self.bitmask.pin_memory().to(logits.device, non_blocking=True))
 
 
 class Grammars:

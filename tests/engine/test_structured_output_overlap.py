@@ -10,6 +10,7 @@ on the CPU), as tests/engine/test_async_scheduling.py, so their logits agree to 
 import json
 
 import pytest
+import torch
 
 from dsserve.engine.args import EngineArgs
 from dsserve.engine.core import EngineCore
@@ -123,8 +124,6 @@ def test_constrained_requests_run_ahead(cores):
 def test_mask_fill_then_apply(cores):
     """GrammarMask.fill writes only constrained rows (not one whose grammar has terminated), apply sets -inf on
     exactly the tokens a row's bitmask clears, and the sampler given no mask fills the same one itself."""
-    import torch
-
     from dsserve.engine.sampler import Sampler
     from dsserve.engine.structured_output import GrammarMask
 
@@ -154,3 +153,25 @@ def test_mask_fill_then_apply(cores):
     assert first.startswith("{")
     sampler = Sampler(eos_token_id=core.tokenizer.eos_id)
     assert torch.equal(sampler(logits, rows).sampled_token_ids, sampler(logits, rows, mask).sampled_token_ids)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_overlap_on_gpu_graphs():
+    """CUDA graphs, the same engine both ways: overlapped constrained steps (the mask uploaded and applied on the
+    device) give the tokens of the engine holding them back, and run ahead."""
+    core = EngineCore(
+        EngineArgs(
+            model="tiny",
+            dtype="bfloat16",
+            device="cuda",
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            async_scheduling=True,
+            kv_cache_memory=64 << 20,
+        )
+    )
+    outs, ahead = {}, {}
+    for on in (False, True):
+        core.grammar_ahead, before = on, core.stats.ahead_steps
+        outs[on], ahead[on] = _run(core, _mixed()), core.stats.ahead_steps - before
+    assert outs[True] == outs[False] and ahead[True] > ahead[False]
