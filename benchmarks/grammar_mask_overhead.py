@@ -16,8 +16,9 @@ step takes: the forward's compute on the CPU, only its launch on a GPU).
 On the CPU the "device" is the same cores: a forward launched ahead has finished when the launch returns, so the
 overlap cannot hide the grammar's time there; what the CPU shows is that constrained steps now run ahead and that
 sampling them after the read costs nothing. On a GPU the fill runs while the device computes the forward, so up to
-the grammar's host time per step (and the read's) leaves the step. Ratios are within one run; the CPU is shared,
-so absolute times move between runs.
+the grammar's host time per step (and the read's) leaves the step. On the CPU every time is this process's CPU
+time with one torch thread (``time.process_time``): the cores are shared, so wall-clock steps there move many-fold
+with the load of other processes; on a GPU it is wall-clock.
 
     python benchmarks/grammar_mask_overhead.py --out benchmarks/results/grammar-mask-overhead-cpu
     python benchmarks/grammar_mask_overhead.py --device cuda --out $OUT/grammar-mask-overhead-gpu   # ~1 min
@@ -63,6 +64,7 @@ def constraint(kind: str) -> dict:
 
 
 SPENT = {"grammar": 0.0, "model": 0.0}  # seconds in the wrapped calls below, since the last reset
+CLOCK = [time.perf_counter]  # the CPU: this process's CPU time (one torch thread), which the shared cores do not move
 
 
 def count_time() -> None:
@@ -73,11 +75,11 @@ def count_time() -> None:
         inner = getattr(owner, name)
 
         def timed(*a, **kw):
-            t0 = time.perf_counter()
+            t0 = CLOCK[0]()
             try:
                 return inner(*a, **kw)
             finally:
-                SPENT[what] += time.perf_counter() - t0
+                SPENT[what] += CLOCK[0]() - t0
 
         setattr(owner, name, staticmethod(timed) if static else timed)
 
@@ -100,9 +102,9 @@ def time_case(core, batch: int, kind: str, steps: int, tag: str) -> dict:
     times, ahead0 = [], core.stats.ahead_steps
     SPENT.update(grammar=0.0, model=0.0)
     while len(times) < steps and len(core.scheduler.running) == batch:
-        t0 = time.perf_counter()
+        t0 = CLOCK[0]()
         core.step()
-        times.append(time.perf_counter() - t0)
+        times.append(CLOCK[0]() - t0)
     n = max(len(times), 1)
     grammar_ms, model_ms, ahead = 1e3 * SPENT["grammar"] / n, 1e3 * SPENT["model"] / n, core.stats.ahead_steps - ahead0
     while core.has_unfinished_requests():
@@ -131,6 +133,9 @@ def main() -> None:
     from dsserve.engine.llm import LLM
 
     torch.manual_seed(0)
+    if a.device == "cpu":
+        torch.set_num_threads(1)
+        CLOCK[0] = time.process_time
     count_time()
     core = LLM(
         model="tiny-trained",
@@ -162,7 +167,10 @@ def main() -> None:
             f"{r['mean_ms']:>9.2f}{r['ratio']:>7.2f}{r['ahead_share']:>7.2f}{r['grammar_ms_per_step']:>11.2f}"
             f"{r['model_ms_per_step']:>9.2f}"
         )
-    meta = run_meta(model="tiny-trained float32, max_num_seqs 32, paged", async_scheduling=core.async_scheduling)
+    clock = "process CPU time, 1 torch thread" if a.device == "cpu" else "wall"
+    meta = run_meta(
+        model="tiny-trained float32, max_num_seqs 32, paged", async_scheduling=core.async_scheduling, clock=clock
+    )
     result = {**meta, "rows": rows}
     if a.out:
         os.makedirs(a.out, exist_ok=True)
