@@ -40,7 +40,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepOutput, StepPlan
 from .stats import EngineStats
 from .step_check import StepCheck
-from .structured_output import Grammars
+from .structured_output import GrammarMask, Grammars
 
 log = logging.getLogger("dsserve")
 CPU_KV_CACHE_MEMORY = 256 << 20
@@ -170,6 +170,17 @@ class _Launched:
     logprobs: tuple | None  # the sampler's logprob tensors, copied like the tokens (None: no row asked)
     want: tuple  # per row: the top-n logprobs it asked for, or None
     nonfinite: torch.Tensor  # how many rows' logits had a NaN or inf (a scalar, copied like the tokens)
+
+
+@dataclass
+class _Unsampled:
+    """A decode step launched ahead with constrained rows: sampled once the host has read the previous step's
+    tokens, which their grammars accept before the masks are filled (the forward runs meanwhile; SGLang's overlap
+    scheduler delays a constrained batch's sampling the same way)."""
+
+    plan: StepPlan
+    requests: list[Request]  # the rows that sample, in order
+    logits: torch.Tensor
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -343,6 +354,7 @@ class EngineCore:
         # DP ranks in lockstep (distributed.dp_rank.Lockstep): sees every plan before its forward, so that a rank
         # with an empty plan joins its peers' forward; None: a lone engine
         self.lockstep = None
+        self.grammar_ahead = True  # constrained requests run ahead too (False: they wait for the read, as before)
         self.runner = ModelRunner(self.model, args.replay_form, graphs, decoder_row_graphs, encoder_graphs)
         self.executor = (
             TPExecutor(self.runner, self.tp)
@@ -485,6 +497,8 @@ class EngineCore:
         if prev is not None:
             ahead = self._launch_ahead(prev)
             out, wait = self._read(prev, ahead)
+            if isinstance(ahead, _Unsampled):  # its grammars have accepted prev's tokens in the read
+                ahead = self._sample(ahead.plan, ahead.requests, ahead.logits)
             if ahead is not None:
                 self._in_flight = ahead
                 self.stats.step_done(time.perf_counter() - t0 - wait, wait)
@@ -553,7 +567,8 @@ class EngineCore:
         # the model's own logits (before the sampler masks any), counted on the device and read with the tokens:
         # a fault shows in the metrics without a wait per step
         nonfinite = torch.isfinite(logits).all(1).logical_not().sum()  # one pass over [B, V], then B values
-        out = self.sampler(logits, sampling)
+        # the grammar masks are filled on the host while the device runs the forward, and applied in the sampler
+        out = self.sampler(logits, sampling, GrammarMask.fill(sampling, self.cfg.vocab_size))
         ids, lps = out.sampled_token_ids, out.logprob_tensors
         ready = None
         if ids.device.type == "cuda":  # the step's one copy back: tokens and logprobs, waited for in _read
@@ -566,12 +581,13 @@ class EngineCore:
             host = ids
         return _Launched(plan, sampling, ids, host, ready, lps, out.want, nonfinite)
 
-    def _launch_ahead(self, prev: _Launched) -> _Launched | None:
+    def _launch_ahead(self, prev: _Launched) -> _Launched | _Unsampled | None:
         """The next decode step of ``prev``'s requests, launched before the host reads ``prev``'s tokens (they
         are its inputs, taken on the device), when that step is certain to be what the scheduler would plan:
         nobody waits (or the batch is full), every running request is one of ``prev``'s and will not finish by
         length, its sampling needs no host history, and the cache has room. None: the caller reads ``prev``
-        first. ``prev``'s progress is not applied yet: each request's pending token goes at ``num_tokens``."""
+        first. ``prev``'s progress is not applied yet: each request's pending token goes at ``num_tokens``. With a
+        constrained row the step is returned unsampled: the caller samples it after reading ``prev``."""
         sched, graphs = self.scheduler, self.runner.decode_graphs
         if len(sched.running) != len(prev.requests):  # e.g. a prompt still has chunks to run
             return None
@@ -605,6 +621,8 @@ class EngineCore:
         self.runner.graph_steps += 1
         self.stats.ahead_steps += 1
         self._count_runs()
+        if any(r.grammar is not None for r in order):
+            return _Unsampled(plan, order, logits)
         return self._sample(plan, order, logits)
 
     def _runner_runs(self) -> dict:
@@ -626,11 +644,14 @@ class EngineCore:
 
     def _may_run_ahead(self, r: Request) -> bool:
         """Whether r's next step can run before the host reads its pending token: that token cannot end it by
-        length, and its sampling reads no token history (penalties, min_tokens still banning stops)."""
+        length, and its sampling reads no token history (penalties, min_tokens still banning stops). A grammar's
+        matcher is history too, but a step with constrained rows samples after the read (``_Unsampled``)."""
         p, n_out = r.params, len(r.output_token_ids) + 1  # counting the pending token
         if (p.max_tokens is not None and n_out >= p.max_tokens) or r.num_tokens + 1 >= self.max_model_len:
             return False
-        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty or r.grammar is not None:
+        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+            return False
+        if r.grammar is not None and not self.grammar_ahead:
             return False
         return len(r.output_token_ids) >= p.min_tokens
 

@@ -5,7 +5,8 @@ Per step, for logits [B, V] (cast to fp32; the caller's tensor is not modified):
 1. logprobs, when any row asks: ``log_softmax`` of the *raw* logits, before penalties and temperature
    (vLLM v1's default ``logprobs_mode="raw_logprobs"``).
 2. logit_bias: each row's bias is added to its logits (after the raw logprobs, before everything below).
-3. min_tokens: while a row has fewer than ``min_tokens`` outputs, its stop_token_ids and EOS get -inf.
+3. min_tokens: while a row has fewer than ``min_tokens`` outputs, its stop_token_ids and EOS get -inf; so do
+   banned tokens, and those a row's grammar does not allow next (``grammar_mask``, filled on the host).
 4. penalties: repetition (tokens seen in prompt or output: positive logits divided, the rest multiplied),
    then frequency (minus penalty * count in output) and presence (minus penalty if in output).
 5. greedy rows (temperature < 1e-5) take the argmax here; ties go to the lowest id.
@@ -28,6 +29,7 @@ from typing import Sequence
 import torch
 
 from .sampling_params import SAMPLING_EPS, SamplingParams
+from .structured_output import GrammarMask
 
 NEG_INF = float("-inf")
 
@@ -224,11 +226,13 @@ class Sampler:
         self.eos_token_id = eos_token_id
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        return self.forward(logits, rows)
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow], grammar_mask=None) -> SamplerOutput:
+        return self.forward(logits, rows, grammar_mask)
 
     @torch.no_grad()
-    def forward(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def forward(self, logits: torch.Tensor, rows: Sequence[SamplingRow], grammar_mask=None) -> SamplerOutput:
+        """``grammar_mask``: the rows' ``structured_output.GrammarMask``, filled by the caller (the engine fills it
+        while the step's forward runs); None fills it here from rows that carry a ``grammar``."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [B, V] with B = {len(rows)} rows, got {tuple(logits.shape)}")
         logits = logits.to(torch.float32, copy=True)
@@ -256,9 +260,10 @@ class Sampler:
         bans = [(i, t) for i, p in enumerate(params) for t in p.banned_token_ids or () if t < logits.shape[1]]
         if bans:
             logits[vec([i for i, _ in bans], torch.long), vec([t for _, t in bans], torch.long)] = NEG_INF
-        for i, r in enumerate(rows):  # a grammar's mask: never sampled
-            if getattr(r, "grammar", None) is not None:
-                r.grammar.mask(logits, i)
+        if grammar_mask is None and any(getattr(r, "grammar", None) is not None for r in rows):
+            grammar_mask = GrammarMask.fill(rows, logits.shape[1])
+        if grammar_mask is not None:  # tokens the grammar does not allow next: never sampled
+            grammar_mask.apply(logits)
 
         if any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params):
             apply_penalties(

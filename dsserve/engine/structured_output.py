@@ -2,11 +2,14 @@
 
 ``Grammars(tokenizer)`` compiles a request's ``SamplingParams.json_schema`` or ``structural_tag`` (xgrammar's
 DeepSeek-V4 / V4.1 tool-call tags; cached per text; one it cannot compile is a ``GrammarError`` naming the
-problem, which the front end turns into a 400) and makes one
-``JsonGrammar`` per request: ``mask(logits, row)`` sets -inf on every token the schema does not allow next (EOS
-only once the JSON is complete), ``accept(token)`` advances it after the host reads the sampled token. A
-constrained request never runs a step ahead of that read (``EngineCore._may_run_ahead``). JSON is compact (no
-free whitespace), so a model cannot pad it forever.
+problem, which the front end turns into a 400) and makes one ``JsonGrammar`` per request, whose matcher
+``accept(token)`` advances after the host reads the sampled token. A step's masks are two halves, as vLLM's and
+SGLang's: ``GrammarMask.fill(rows)`` writes every constrained row's bitmask on the host from its matcher as it
+stands, and the sampler's ``GrammarMask.apply(logits)`` sets -inf on every token the grammar does not allow next
+(EOS only once the JSON is complete). The engine fills after launching the step's forward, so the fill runs while
+the device computes; a step launched ahead of the host's read of the previous tokens (async scheduling) is
+sampled only after that read (``EngineCore.step``). JSON is compact (no free whitespace), so a model cannot pad it
+forever.
 """
 
 from __future__ import annotations
@@ -23,25 +26,47 @@ class GrammarError(ValueError):
 
 
 class JsonGrammar:
-    def __init__(self, compiled, vocab_size: int):
+    def __init__(self, compiled):
         import xgrammar as xgr
 
-        self._xgr = xgr
         self.matcher = xgr.GrammarMatcher(compiled)
-        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-
-    def mask(self, logits: torch.Tensor, row: int) -> None:
-        self.matcher.fill_next_token_bitmask(self.bitmask)
-        line = logits[row : row + 1]
-        if line.device.type == "cpu":
-            self._xgr.apply_token_bitmask_inplace(line, self.bitmask)
-        else:  # the kernel wants the mask on the logits' device
-            self._xgr.apply_token_bitmask_inplace(line, self.bitmask.to(line.device, non_blocking=True))
-        logits[row : row + 1] = line
 
     def accept(self, token: int) -> None:
         if not self.matcher.is_terminated():
             self.matcher.accept_token(int(token))
+
+
+class GrammarMask:
+    """The next-token masks of one step's constrained rows: ``bitmask`` [B, ceil(V / 32)] int32 on the host (a set
+    bit allows a token) and ``rows``, the rows it constrains. A row whose grammar has terminated (it accepted EOS:
+    the request continues only under ``ignore_eos``, or finished and its row of a step run ahead is dropped) is
+    left unconstrained, as vLLM leaves it."""
+
+    def __init__(self, bitmask: torch.Tensor, rows: list[int]):
+        self.bitmask, self.rows = bitmask, rows
+
+    @classmethod
+    def fill(cls, rows, vocab_size: int) -> GrammarMask | None:
+        """From each row's ``grammar`` (None: unconstrained) as it stands; None when no row is constrained."""
+        live = [i for i, r in enumerate(rows) if getattr(r, "grammar", None) is not None]
+        live = [i for i in live if not rows[i].grammar.matcher.is_terminated()]
+        if not live:
+            return None
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(rows), vocab_size)
+        for i in live:
+            rows[i].grammar.matcher.fill_next_token_bitmask(bitmask, i)
+        return cls(bitmask, live)
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """-inf in ``logits`` [B, V] on every token a constrained row's grammar does not allow next, in place."""
+        import xgrammar as xgr
+
+        if logits.device.type == "cpu":
+            xgr.apply_token_bitmask_inplace(logits, self.bitmask, indices=self.rows)
+        else:  # one pinned upload, not waited for; every row (unconstrained ones allow all): no index upload
+            xgr.apply_token_bitmask_inplace(logits, self.bitmask.pin_memory().to(logits.device, non_blocking=True))
 
 
 class Grammars:
@@ -84,4 +109,4 @@ class Grammars:
             raise err from None
 
     def grammar(self, kind: str, text: str) -> JsonGrammar:
-        return JsonGrammar(self.compiled(kind, text), self.vocab_size)
+        return JsonGrammar(self.compiled(kind, text))
