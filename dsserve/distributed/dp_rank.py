@@ -37,6 +37,7 @@ from .dp_protocol import (
     ResetPrefixCache,
     Shutdown,
 )
+from .eplb import Eplb
 from .expert_parallel import ExpertParallelMoE, idle_forward, shard_expert_parallel
 from .step_sync import StepSummary, StepSync
 
@@ -46,8 +47,9 @@ class Lockstep:
     (``StepSync``), and an idle forward where this rank's plan is empty and a peer's is not. ``awake``: the wave is
     on (set by the rank loop when a request is announced; cleared here when the wave ends on every rank)."""
 
-    def __init__(self, core: EngineCore, sync: StepSync, uniform_routing: bool = False):
+    def __init__(self, core: EngineCore, sync: StepSync, uniform_routing: bool = False, eplb=None):
         self.core, self.sync = core, sync
+        self.eplb = eplb  # distributed.eplb.Eplb (--enable-eplb): its step boundary is every joined forward's start
         self.seen = 0  # requests announced to this rank and drained from its pipe
         self.awake = False
         self.steps = self.idle_steps = 0  # forwards joined (real or idle), and of those idle ones
@@ -71,6 +73,8 @@ class Lockstep:
         if not any(p.num_tokens for p in peers):  # nobody forwards this step (e.g. every queue blocked on KV)
             return
         self.steps += 1
+        if self.eplb is not None:  # every rank at the same boundary: load window, policy, one transfer chunk
+            self.eplb.step()
         if not plan.chunks:
             t0 = time.perf_counter()
             idle_forward(self.core.model)
@@ -103,7 +107,7 @@ def rank_args(args: EngineArgs, expert_parallel: bool) -> EngineArgs:
     """One rank's engine arguments: a single-device engine; under EP every forward must be one the ranks agreed on,
     so no fixed-shape runner (their dispatch would read counts inside a graph), no asynchronous step ahead and no
     warm-up forwards of its own."""
-    one = replace(args, data_parallel_size=1, enable_expert_parallel=False)
+    one = replace(args, data_parallel_size=1, enable_expert_parallel=False, enable_eplb=False)
     if expert_parallel:
         one = replace(one, async_scheduling=False, enforce_eager=True, warmup=False)
     return one
@@ -115,10 +119,19 @@ def build_rank_core(
     """The engine core of DP rank ``dp_rank``; with ``ep_group`` (an initialised world's EP group) its MoE layers
     expert-parallel over it and its steps in lockstep over ``ctrl_group`` (a gloo group; default ``ep_group``)."""
     ep = ep_group is not None
-    model_pass = (lambda m: shard_expert_parallel(m, dp_rank, dp_size, ep_group)) if ep else None
-    core = EngineCore(rank_args(args, ep), model_pass=model_pass)
+    balancer = []
+
+    def model_pass(m):
+        if not args.enable_eplb:
+            return shard_expert_parallel(m, dp_rank, dp_size, ep_group)
+        m, eplb = Eplb.shard(m, dp_rank, dp_size, ep_group, args.eplb_config())  # redundant slots, load recorders
+        balancer.append(eplb)
+        return m
+
+    core = EngineCore(rank_args(args, ep), model_pass=model_pass if ep else None)
     if ep:
-        core.lockstep = Lockstep(core, StepSync(ctrl_group or ep_group), uniform_routing)
+        eplb = balancer[0] if balancer else None
+        core.lockstep = Lockstep(core, StepSync(ctrl_group or ep_group), uniform_routing, eplb)
     return core
 
 

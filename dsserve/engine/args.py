@@ -411,8 +411,11 @@ class EngineArgs:
             out.append("trust_remote_code: no effect, no remote code is run (the model code is built in)")
         if self.enable_expert_parallel and self.data_parallel_size == 1:
             out.append("enable_expert_parallel: no effect on one device (every expert is local)")
-        if self.enable_eplb or self.num_redundant_experts or self.num_redundant_draft_experts:
-            out.append("enable_eplb / num_redundant_*experts: no effect on one device (every expert is local)")
+        ep = self.data_parallel_size > 1 and self.enable_expert_parallel
+        if (self.enable_eplb or self.num_redundant_experts or self.num_redundant_draft_experts) and not ep:
+            out.append("enable_eplb / num_redundant_*experts: no effect without -dp > 1 and --enable-expert-parallel")
+        elif (self.num_redundant_experts or self.num_redundant_draft_experts) and not self.enable_eplb:
+            out.append("num_redundant_*experts: no effect without --enable-eplb")
         if self.uniform_routing and not (self.data_parallel_size > 1 and self.enable_expert_parallel):
             out.append("uniform_routing: no effect without -dp > 1 and --enable-expert-parallel (a balance reference)")
         if self.swap_space != 4.0:

@@ -120,3 +120,37 @@ def test_dep2_engine_equals_single_process(workers, name):
     if name == "tiny":
         assert sum(o["dep"]["replayed"] for o in out) > 0  # V4.1: the hits rebuilt their windows by bounded replay
     assert out[1]["dep"]["idle_steps"] > 0  # rank 1 joined wave 3 (and its own tails) with idle forwards
+
+
+@torch.no_grad()
+def _dep2_eplb(rank: int, name: str) -> dict:
+    from dataclasses import replace
+
+    g = new_groups(1, 2)
+    args = replace(
+        engine_args(name),
+        enable_eplb=True,
+        num_redundant_experts=2,
+        eplb_window_size=3,
+        eplb_step_interval=2,
+        eplb_transfer_chunk=4,
+        eplb_min_gain=0.0,
+    )
+    core = build_rank_core(args, g.dp_rank, 2, g.ep)
+    dep = serve(core, waves(rank, name))
+    eplb = core.lockstep.eplb
+    dep["switched"] = len(eplb.models[0].switched)  # the target's layer switches: experts really moved
+    dep["boundaries"] = eplb.steps
+    return {"dep": dep, "ref": serve(EngineCore(rank_args(args, expert_parallel=True)), waves(rank, name))}
+
+
+def test_dep2_engine_with_eplb_rebalancing_equals_single_process(workers):
+    """--enable-eplb in the DP rank's core: redundant slots, a rebalance due every 2 steps, experts moved between
+    the ranks mid-run; the tokens and logits stay the single-process engine's."""
+    out = workers.run(_dep2_eplb, "tiny")
+    for o in out:
+        dep, ref = o["dep"], o["ref"]
+        assert dep["tokens"] == ref["tokens"]
+        for rid, want in ref["logits"].items():
+            assert (dep["logits"][rid] - want).abs().max().item() < 1e-9
+        assert dep["boundaries"] > 2 and dep["switched"] > 0
