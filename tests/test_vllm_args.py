@@ -95,14 +95,23 @@ def test_parallel_sizes_above_one_are_refused_not_ignored(flag, capsys):
     assert "not yet supported: parallel execution is issue 54" in err and "Traceback" not in err
 
 
-def test_speculative_config_is_refused_clearly():
+def test_speculative_config_parses_vllms_form_and_refuses_bad_values_clearly():
     ns = parse(["serve", "tiny", "--speculative-config", '{"method": "dspark", "num_speculative_tokens": 4}'])
-    with pytest.raises(EngineArgsError, match="method dspark.*not yet implemented"):
-        EngineArgs.from_cli(ns)
+    spec = EngineArgs.from_cli(ns).speculative_config
+    assert (spec.method, spec.num_speculative_tokens) == ("dspark", 4)
+    assert EngineArgs(speculative_config={"method": "mtp", "num_speculative_tokens": 2}).speculative_config.method == (
+        "dspark"
+    )  # LLM(speculative_config={...}); vLLM's name for a model's own draft layers
     with pytest.raises(EngineArgsError, match="JSON object"):
         EngineArgs(speculative_config="{method")
-    with pytest.raises(EngineArgsError, match="not yet implemented"):
-        EngineArgs(speculative_config={"method": "mtp"})  # LLM(speculative_config={...})
+    with pytest.raises(EngineArgsError, match="num_speculative_tokens must be an int in 1..5"):
+        EngineArgs(speculative_config={"method": "dspark", "num_speculative_tokens": 6})
+    with pytest.raises(EngineArgsError, match="num_speculative_tokens must be an int in 1..5"):
+        EngineArgs(speculative_config={"method": "dspark"})
+    with pytest.raises(EngineArgsError, match="use 'dspark'"):
+        EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(EngineArgsError, match="unknown key"):
+        EngineArgs(speculative_config={"method": "dspark", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
 
 
 def test_hugging_face_id_resolves_from_the_local_cache(tmp_path, monkeypatch):

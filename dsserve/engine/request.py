@@ -48,6 +48,9 @@ class Request:
     # prompt_logprobs: per prompt position (0 has none), (token, logprob, rank, top ids, top logprobs) on the host
     prompt_logprobs: list | None = None
     grammar: object | None = None  # a JsonGrammar when params.json_schema is set (engine/structured_output.py)
+    # speculative decoding (engine/drafter.py): the drafts the next step verifies, and the DSpark rings
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_state: object | None = None
 
     def __post_init__(self):
         if self.params.seed is not None:

@@ -84,7 +84,7 @@ class DraftAttention(CSA2Attention):
         # Ring rows are kept by count; the position test makes stale rows (after a gap) invisible anyway.
         ring_ok = (ring_p >= max(0, p - cfg.sliding_window + 1)) & (ring_p <= p)
         keys = torch.cat((ring_k, own))
-        mask = torch.cat((ring_ok, torch.ones(t, dtype=torch.bool)))[None, :].expand(t, -1)
+        mask = torch.cat((ring_ok, torch.ones(t, dtype=torch.bool, device=x.device)))[None, :].expand(t, -1)
         o = sparse_attention_with_sink(q, keys, mask, None, None, self.attn_sink, cfg.head_dim**-0.5)
         return self.output(o, pos, x.dtype)
 
@@ -128,7 +128,7 @@ class DSpark(nn.ModuleList):
         over copies of the stream entering each target layer); positions [T], increasing, after the ring's."""
         cfg = self.cfg
         qat = cfg.qat if qat is None else qat
-        positions = torch.as_tensor(positions).long()
+        positions = torch.as_tensor(positions).long().cpu()
         if positions.numel() == 0:
             return
         if bool((positions[1:] <= positions[:-1]).any()) or int(positions[0]) <= state.last_position:
@@ -142,8 +142,9 @@ class DSpark(nn.ModuleList):
             raise ValueError("every DSpark tap needs one row per ingested position")
         x = torch.cat([taps[layer][keep] for layer in cfg.dspark_target_layer_ids], dim=-1)
         m = self[0].main_norm(self[0].main_proj(x))
+        kept = positions[keep].to(m.device)
         for stage in self:
-            state.push(stage.attn.stage, stage.attn.window_entry(m, positions[keep], qat), positions[keep])
+            state.push(stage.attn.stage, stage.attn.window_entry(m, kept, qat), kept)
 
     def propose(
         self,
@@ -167,20 +168,21 @@ class DSpark(nn.ModuleList):
         if state.last_position != p:
             raise ValueError(f"propose at p={p} but the draft state was ingested up to {state.last_position}")
         b, n = cfg.dspark_block_size, cfg.hc_mult
-        ids = torch.full((b,), cfg.dspark_noise_token_id, dtype=torch.long)
+        dev = embed.weight.device
+        ids = torch.full((b,), cfg.dspark_noise_token_id, dtype=torch.long, device=dev)
         ids[0] = last_token_y
-        positions = torch.arange(p + 1, p + 1 + b)
+        positions = torch.arange(p + 1, p + 1 + b, device=dev)
         # The ring state rides in the sequence's cache slot; DraftAttention only reads it.
         ctx = ForwardContext(tokens=ids, positions=positions, seqs=[SeqRows(slice(0, b), state)], qat=qat)
         x = embed(ids)[:, None, :].expand(-1, n, -1).contiguous()
-        pre = torch.zeros(b, n)
+        pre = torch.zeros(b, n, device=dev)
         pre[:, 0] = 1.0  # identical copies: collapsing with copy 0 gives the embedding (spec 2.1)
         for stage in self:
             x, pre, ctx = stage(x, pre, ctx)
         h = collapse(x, pre)
         logits = head(last.norm(h)).float()
         # Markov head: each row's correction depends on the previous row's draft, so it runs sequentially.
-        rows, drafts, conf, prev = [], [], [], torch.tensor([last_token_y])
+        rows, drafts, conf, prev = [], [], [], torch.tensor([last_token_y], device=dev)
         for i in range(b):
             e = last.markov_head.embed(prev)  # [1, r]: E_m[prev_i]
             rows.append(logits[i] + last.markov_head.head(e)[0].float())
