@@ -17,6 +17,7 @@ not depend on the rest of the batch; unseeded rows share the engine's generator.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -79,14 +80,22 @@ def accept(
     dist = torch.where(has.unsqueeze(1), (target - q).clamp_min(0.0), target)
     uniform = torch.zeros(target.shape[0], device=device)
     expo = torch.ones_like(target)
-    row = 0
+    starts = [0, *itertools.accumulate(k + 1 for k in counts)][:-1]
+    shared_rows = []  # the unseeded random requests' rows take one draw of each kind from ``shared``
     for b, k in enumerate(counts):
-        if random is None or random[b]:
-            g = generators[b] if generators[b] is not None else shared
-            uniform[row : row + k] = _draw(lambda t, g=g: t.uniform_(generator=g), k, None, g, device)
-            expo[row : row + k + 1] = _draw(lambda t, g=g: t.exponential_(generator=g), k + 1, vocab, g, device)
-        row += k + 1
-    ok = (uniform * q_d < p_d) & has  # u < p/q without dividing: q_d = 0 never reaches here (q one-hot or sampled)
+        if random is not None and not random[b]:
+            continue
+        if generators[b] is None:
+            shared_rows.extend(range(starts[b], starts[b] + k + 1))
+            continue
+        g, at = generators[b], starts[b]
+        uniform[at : at + k] = _draw(lambda t, g=g: t.uniform_(generator=g), k, None, g, device)
+        expo[at : at + k + 1] = _draw(lambda t, g=g: t.exponential_(generator=g), k + 1, vocab, g, device)
+    if shared_rows:
+        idx = torch.tensor(shared_rows, dtype=torch.long).to(device)
+        uniform[idx] = torch.empty(len(shared_rows), device=device).uniform_(generator=shared)
+        expo[idx] = torch.empty(len(shared_rows), vocab, device=device).exponential_(generator=shared)
+    ok = (uniform * q_d < p_d) & has  # u < p/q without dividing (a draft row's q_d > 0: the draft drew it)
     raced = (dist / expo.clamp_min_(torch.finfo(expo.dtype).tiny)).argmax(dim=-1)
     ok_h, raced_h = ok.tolist(), raced.tolist()  # the host reads the step's verdict here
     tokens, accepted, row = [], [], 0
