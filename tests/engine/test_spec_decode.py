@@ -74,8 +74,9 @@ def run(eng: EngineCore, ps, params, abort: dict | None = None, check=True) -> d
     return out
 
 
-def oracle(eng: EngineCore, reference: dict, k: int) -> None:
-    """Replaces the drafts of each block by the reference continuation, one draft wrong at a cycling position."""
+def oracle(eng: EngineCore, reference: dict, k: int, wrong: bool = True) -> None:
+    """Replaces the drafts of each block by the reference continuation, one draft wrong at a cycling position
+    (``wrong`` False: every draft right)."""
     real, count = eng.drafter.propose, [0]
 
     def propose(requests):
@@ -84,7 +85,7 @@ def oracle(eng: EngineCore, reference: dict, k: int) -> None:
             ref = reference[r.request_id].token_ids
             n = len(r.output_token_ids)
             drafts = list(ref[n : n + k])
-            bad = count[0] % (k + 2)  # k or k + 1: no wrong draft (whole-block acceptance)
+            bad = count[0] % (k + 2) if wrong else k  # k or k + 1: no wrong draft (whole-block acceptance)
             count[0] += 1
             if bad < len(drafts):
                 drafts[bad] = (drafts[bad] + 1) % eng.cfg.vocab_size
@@ -139,3 +140,118 @@ def test_preemption_and_aborts_mid_block(drafts_off):
     assert "0" not in got or got["0"].finish_reason == "abort" or "0" in ref
     assert {k: v.token_ids for k, v in got.items() if k != "0"} == {k: v.token_ids for k, v in ref.items() if k != "0"}
     assert ids(got)["1"] == ids(drafts_off)["1"] and ids(got)["2"] == ids(drafts_off)["2"]
+
+
+def test_stops_and_max_tokens_inside_an_accepted_block(drafts_off):
+    """Every draft right (blocks of 1 + 5 tokens): a stop token, a stop string and max_tokens each end a request
+    inside a block; the tokens after the stop are dropped, text and finish reasons as with drafts off."""
+    tok = engine(None).tokenizer
+    ref = ids(drafts_off)
+    first_new = next(i for i in range(3, MAX_NEW) if ref["0"][i] not in ref["0"][:i])
+    text = [tok.decode(ref["1"][:i]) for i in range(MAX_NEW + 1)]
+    cut = next(
+        i
+        for i in range(4, MAX_NEW)
+        if text[i + 1][len(text[i]) :].strip() and text[i + 1][len(text[i]) :] not in text[i]
+    )
+    stop_str = text[cut + 1][len(text[cut]) :]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, stop_token_ids=[ref["0"][first_new]]),
+        SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, stop=[stop_str]),
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+    ]
+    off = run(engine(None, long_prefill_token_threshold=16), prompts(), params, check=False)
+    eng = engine(5, long_prefill_token_threshold=16)
+    oracle(eng, drafts_off, 5, wrong=False)
+    on = run(eng, prompts(), params)
+    for k in off:
+        a, b = on[k], off[k]
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (
+            b.token_ids,
+            b.text,
+            b.finish_reason,
+            b.stop_reason,
+        )
+    assert len(on["0"].token_ids) == first_new + 1 and on["0"].finish_reason == "stop"
+    assert on["1"].finish_reason == "stop" and len(on["2"].token_ids) == 9
+    assert eng.stats.spec_accepted_per_pos[4] > 0
+
+
+def test_prefix_hit_with_bounded_replay_and_logprobs():
+    """A second request on the first's prompt hits the prefix cache and replays the window; with drafts its tokens and
+    logprobs are drafts off's."""
+    kw = dict(long_prefill_token_threshold=32, block_size=16)
+    base = prompts(seed=3, lens=(70,))[0]
+    second = base + prompts(seed=4, lens=(9,))[0]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
+    off_eng = engine(None, **kw)
+    off = [run(off_eng, [base], params, check=False)["0"], run(off_eng, [second], params, check=False)["0"]]
+    eng = engine(4, **kw)
+    oracle(eng, {"0": off[0]}, 4)
+    first = run(eng, [base], params)["0"]
+    oracle(eng, {"0": off[1]}, 4)
+    hit = run(eng, [second], params)["0"]
+    assert eng.scheduler.config.swa_bounded_replay
+    for a, b in ((first, off[0]), (hit, off[1])):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert la.keys() == lb.keys()
+            assert all(abs(la[t].logprob - lb[t].logprob) < 1e-9 and la[t].rank == lb[t].rank for t in la)
+    assert eng.stats.prefix_hit_tokens >= 64 and eng.stats.replayed_rows > 0
+    assert eng.stats.spec_num_accepted_tokens > 0
+
+
+def test_sampling_with_drafts_keeps_the_targets_distribution():
+    """Engine level: temperature 1 with top-k 3 (three live tokens), the second token verified against a draft (the
+    target's argmax, so accepted often, rejected often): the empirical (t1, t2) over many requests matches the
+    target's p(t1) p(t2 | t1), computed from the reference forward and the sampler's own processing."""
+    from test_spec_decode_sampler import chi2_pvalue
+
+    from dsserve.engine.sampler import Sampler, SamplingRow
+
+    n_req = 360
+    eng = engine(1, dtype="float32", max_num_seqs=180, max_num_batched_tokens=1024, enable_prefix_caching=False, seed=5)
+    prompt = prompts(seed=9, lens=(4,))[0]
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+    model, sampler = eng.model, Sampler()
+    with torch.no_grad():
+        p1 = sampler.target_probs(model.reference_logits(torch.tensor(prompt))[-1:], [SamplingRow(params, prompt)])[0][
+            0
+        ]
+        firsts = p1.nonzero().squeeze(1).tolist()
+        p2 = {
+            t: sampler.target_probs(
+                model.reference_logits(torch.tensor(prompt + [t]))[-1:], [SamplingRow(params, prompt, [t])]
+            )[0][0]
+            for t in firsts
+        }
+    best = {t: int(p.argmax()) for t, p in p2.items()}
+
+    def propose(requests):  # the oracle alone (the DSpark stages' proposals would be thrown away)
+        for r in requests:
+            if len(r.output_token_ids) == 1 and r.draft_state.last_position == r.num_tokens - 2:
+                r.draft_token_ids = [best[r.output_token_ids[0]]]
+
+    eng.drafter.propose = propose
+    out = run(eng, [prompt] * n_req, params, check=False)
+    assert eng.stats.spec_num_drafts == n_req and 0 < eng.stats.spec_num_accepted_tokens < n_req
+    cells = [(a, b) for a in firsts for b in p2[a].nonzero().squeeze(1).tolist()]
+    expected = torch.tensor([float(p1[a] * p2[a][b]) for a, b in cells])
+    seen = [tuple(o.token_ids[:2]) for o in out.values()]
+    counts = torch.tensor([seen.count(c) for c in cells], dtype=torch.float64)
+    assert counts.sum() == n_req
+    assert chi2_pvalue(counts, expected / expected.sum()) > 1e-3
+
+
+def test_trained_model_greedy_equals_drafts_off():
+    """The built-in model with its checkpoint's draft stages (real acceptance when they are trained)."""
+    from dsserve.train.tasks import problem, prompt_ids
+
+    kw = dict(model="tiny-trained", long_prefill_token_threshold=32)
+    tok = engine(None, **kw).tokenizer
+    ps = [prompt_ids(tok, problem("arithmetic", "eval", i).prompt) for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    off = run(engine(None, **kw), ps, params, check=False)
+    eng = engine(4, **kw)
+    assert ids(run(eng, ps, params)) == ids(off)
+    assert eng.stats.spec_num_drafts > 0
