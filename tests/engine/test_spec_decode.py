@@ -40,6 +40,9 @@ def check_caches(eng: EngineCore) -> None:
         assert len(s.block_table) == -(-max(n, s.published_until) // lay.block_size), "blocks past the kept rows"
         for src, (ratio, _) in lay.sources.items():
             assert s.num_entries(src) == max(n, s.published_until) // ratio, f"entries of source {src}"
+            if eng.model.kernel_ops is not None:  # the batched paged path: carried rows in PagedKVCache.carry
+                assert ratio == 1 or s.carried.get(src, 0) == n % ratio
+                continue
             pend = s.pending(src) if ratio > 1 else None
             if n % ratio == 0:
                 assert pend is None or pend[0].shape[0] == 0
@@ -122,6 +125,16 @@ def test_oracle_drafts_every_acceptance_length_greedy_equals_drafts_off(drafts_o
     st = eng.stats
     assert st.spec_num_accepted_tokens > 0 and st.spec_accepted_per_pos[4] > 0  # whole blocks accepted too
     assert st.spec_num_accepted_tokens < st.spec_num_draft_tokens  # and drafts rejected
+
+
+def test_paged_backend_oracle_drafts_greedy_equals_drafts_off(drafts_off):
+    """The batched paged attention path (the GPU's, here with the torch references): carried compressor rows in the
+    cache's device buffer, window rows written by the fused store."""
+    eng = engine(5, long_prefill_token_threshold=16, attention_backend="paged", reference_ops="all")
+    assert eng.model.kernel_ops is not None
+    oracle(eng, drafts_off, 5)
+    assert ids(run(eng, prompts(), GREEDY)) == ids(drafts_off)
+    assert 0 < eng.stats.spec_num_accepted_tokens < eng.stats.spec_num_draft_tokens
 
 
 def test_preemption_and_aborts_mid_block(drafts_off):
