@@ -12,7 +12,7 @@ with prefill chunks and plain decodes in the eager batched forward). Around it:
   past it would need the compressor's carried half-group rebuilt, so it is run again with the next step's rows
   instead (one more row, never a wrong state). Returns the rows each chunk gave back (``StepOutput.rolled_back``);
 * ``propose``: each request that got tokens and is still running drafts its next block from its rings, at its last
-  committed position, with the target's token y after it (``DSpark.propose``), one request at a time.
+  committed position, with the target's token y after it (``DSpark.propose_batch``: every request's block at once).
 
 Requests with a grammar do not draft (a grammar's mask follows accepted tokens only).
 """
@@ -82,15 +82,24 @@ class Drafter:
     @torch.no_grad()
     def propose(self, requests: list[Request]) -> None:
         """Drafts for each running request's next step (``Request.draft_token_ids``), from its last committed
-        position; a request whose rings do not reach it (or with a grammar) drafts nothing."""
-        cfg = self.model.cfg
+        position, every request's block in one batched pass; a request whose rings do not reach it (or with a
+        grammar) drafts nothing."""
+        cfg, ready = self.model.cfg, []
         for r in requests:
             r.draft_token_ids = []
             p = r.num_tokens - 2  # the last position through the model; the token after it is the target's
             if r.grammar is not None or r.draft_state is None or r.draft_state.last_position != p:
                 continue
-            if p + 1 + cfg.dspark_block_size > cfg.max_position_embeddings:
-                continue
-            y = r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
-            drafts, _, _ = self.mtp.propose(y, p, r.draft_state, self.model.embed, self.model.head)
-            r.draft_token_ids = drafts[: self.k].tolist()
+            if p + 1 + cfg.dspark_block_size <= cfg.max_position_embeddings:
+                ready.append(r)
+        if not ready:
+            return
+        drafts, _ = self.mtp.propose_batch(
+            [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in ready],
+            [r.num_tokens - 2 for r in ready],
+            [r.draft_state for r in ready],
+            self.model.embed,
+            self.model.head,
+        )
+        for r, d in zip(ready, drafts[:, : self.k].tolist()):  # the host reads the drafts: they feed the next plan
+            r.draft_token_ids = d

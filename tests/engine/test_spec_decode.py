@@ -268,3 +268,28 @@ def test_trained_model_greedy_equals_drafts_off():
     eng = engine(4, **kw)
     assert ids(run(eng, ps, params)) == ids(off)
     assert eng.stats.spec_num_drafts > 0
+
+
+def test_batched_proposal_equals_one_block_at_a_time(tiny_models):
+    """DSpark.propose_batch (the drafter's) gives each sequence the drafts and confidences DSpark.propose gives it
+    alone, on rings ingested to different positions."""
+    model = tiny_models["tiny"]
+    cfg = model.cfg
+    gen = torch.Generator().manual_seed(0)
+    states, ys, ps = [], [], []
+    for n in (3, 40, 17):
+        st = model.mtp.new_state()
+        taps = {
+            layer: torch.randn(n, cfg.hidden_size, generator=gen, dtype=torch.float64)
+            for layer in cfg.dspark_target_layer_ids
+        }
+        model.mtp.ingest(taps, torch.arange(n), st)
+        states.append(st)
+        ys.append(int(torch.randint(3, cfg.vocab_size, (1,), generator=gen)))
+        ps.append(n - 1)
+    with torch.no_grad():
+        drafts, conf = model.mtp.propose_batch(ys, ps, states, model.embed, model.head)
+        for i in range(3):
+            d, c, _ = model.mtp.propose(ys[i], ps[i], states[i], model.embed, model.head)
+            assert drafts[i].tolist() == d.tolist()
+            assert torch.allclose(conf[i], c, atol=1e-9)
