@@ -186,3 +186,13 @@ def test_bench_serve_metrics_add_up():
     assert res["mean_ttft_ms"] == pytest.approx(200) and res["mean_e2el_ms"] == pytest.approx(600)
     assert res["mean_tpot_ms"] == pytest.approx((100 + 200) / 2)  # (0.5-0.1)/4 and (0.7-0.3)/2
     assert res["mean_itl_ms"] == pytest.approx(800 / 6) and res["p50_itl_ms"] == pytest.approx(100)
+
+
+def test_bench_throughput_reports_spec_decode_counts(capsys):
+    argv = "bench throughput --model tiny --num-prompts 2 --input-len 8 --output-len 6"
+    spec = '{"method": "dspark", "num_speculative_tokens": 2}'
+    assert main(argv.split() + ["--speculative-config", spec]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    s = res["spec_decode"]
+    assert s["num_speculative_tokens"] == 2 and s["num_drafts"] > 0 and s["num_draft_tokens"] <= 2 * s["num_drafts"]
+    assert s["mean_acceptance_length"] == 1 + s["num_accepted_tokens"] / s["num_drafts"]
