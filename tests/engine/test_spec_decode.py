@@ -118,10 +118,19 @@ def test_dspark_drafts_random_weights_greedy_equals_drafts_off(drafts_off):
     assert st.spec_num_drafts > 0 and st.spec_num_draft_tokens == 3 * st.spec_num_drafts or st.spec_num_drafts > 0
 
 
-def test_oracle_drafts_every_acceptance_length_greedy_equals_drafts_off(drafts_off):
-    eng = engine(5, long_prefill_token_threshold=16)
-    oracle(eng, drafts_off, 5)
-    assert ids(run(eng, prompts(), GREEDY)) == ids(drafts_off)
+@pytest.mark.parametrize("replay", [True, False], ids=["bounded-replay", "exact-window-in-blocks"])
+def test_oracle_drafts_every_acceptance_length_greedy_equals_drafts_off(drafts_off, replay):
+    """With bounded replay the window is a ring per request (rolled back from the saved rows); in exact mode
+    (prefix caching without replay) it lives in the blocks by position."""
+    ref = (
+        drafts_off
+        if replay
+        else run(engine(long_prefill_token_threshold=16, swa_bounded_replay=False), prompts(), GREEDY)
+    )
+    eng = engine(5, long_prefill_token_threshold=16, swa_bounded_replay=replay)
+    assert eng.kv.layout.window_in_blocks is not replay
+    oracle(eng, ref, 5)
+    assert ids(run(eng, prompts(), GREEDY)) == ids(ref)
     st = eng.stats
     assert st.spec_num_accepted_tokens > 0 and st.spec_accepted_per_pos[4] > 0  # whole blocks accepted too
     assert st.spec_num_accepted_tokens < st.spec_num_draft_tokens  # and drafts rejected
