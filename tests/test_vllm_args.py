@@ -100,14 +100,23 @@ def test_data_parallel_size_below_one_is_refused():
         EngineArgs(data_parallel_size=0)
 
 
-def test_speculative_config_is_refused_clearly():
+def test_speculative_config_parses_vllms_form_and_refuses_bad_values_clearly():
     ns = parse(["serve", "tiny", "--speculative-config", '{"method": "dspark", "num_speculative_tokens": 4}'])
-    with pytest.raises(EngineArgsError, match="method dspark.*not yet implemented"):
-        EngineArgs.from_cli(ns)
+    spec = EngineArgs.from_cli(ns).speculative_config
+    assert (spec.method, spec.num_speculative_tokens) == ("dspark", 4)
+    assert EngineArgs(speculative_config={"method": "mtp", "num_speculative_tokens": 2}).speculative_config.method == (
+        "dspark"
+    )  # LLM(speculative_config={...}); vLLM's name for a model's own draft layers
     with pytest.raises(EngineArgsError, match="JSON object"):
         EngineArgs(speculative_config="{method")
-    with pytest.raises(EngineArgsError, match="not yet implemented"):
-        EngineArgs(speculative_config={"method": "mtp"})  # LLM(speculative_config={...})
+    with pytest.raises(EngineArgsError, match="num_speculative_tokens must be an int in 1..5"):
+        EngineArgs(speculative_config={"method": "dspark", "num_speculative_tokens": 6})
+    with pytest.raises(EngineArgsError, match="num_speculative_tokens must be an int in 1..5"):
+        EngineArgs(speculative_config={"method": "dspark"})
+    with pytest.raises(EngineArgsError, match="use 'dspark'"):
+        EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(EngineArgsError, match="unknown key"):
+        EngineArgs(speculative_config={"method": "dspark", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
 
 
 def test_hugging_face_id_resolves_from_the_local_cache(tmp_path, monkeypatch):
@@ -182,3 +191,13 @@ def test_bench_serve_metrics_add_up():
     assert res["mean_ttft_ms"] == pytest.approx(200) and res["mean_e2el_ms"] == pytest.approx(600)
     assert res["mean_tpot_ms"] == pytest.approx((100 + 200) / 2)  # (0.5-0.1)/4 and (0.7-0.3)/2
     assert res["mean_itl_ms"] == pytest.approx(800 / 6) and res["p50_itl_ms"] == pytest.approx(100)
+
+
+def test_bench_throughput_reports_spec_decode_counts(capsys):
+    argv = "bench throughput --model tiny --num-prompts 2 --input-len 8 --output-len 6"
+    spec = '{"method": "dspark", "num_speculative_tokens": 2}'
+    assert main(argv.split() + ["--speculative-config", spec]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    s = res["spec_decode"]
+    assert s["num_speculative_tokens"] == 2 and s["num_drafts"] > 0 and s["num_draft_tokens"] <= 2 * s["num_drafts"]
+    assert s["mean_acceptance_length"] == 1 + s["num_accepted_tokens"] / s["num_drafts"]

@@ -29,6 +29,43 @@ def _llm_and_prompts(ns, n: int, **overrides):
     return llm, prompts, SamplingParams(max_tokens=ns.output_len, ignore_eos=True, temperature=0.0)
 
 
+def _spec_counts(llm) -> dict:
+    st = llm.engine.stats
+    return {
+        "num_drafts": st.spec_num_drafts,
+        "num_draft_tokens": st.spec_num_draft_tokens,
+        "num_accepted_tokens": st.spec_num_accepted_tokens,
+        "num_accepted_tokens_per_pos": list(st.spec_accepted_per_pos),
+    }
+
+
+def _spec_decode(llm, before: dict) -> dict:
+    """vLLM's speculative decoding counts since ``before`` (``_spec_counts``), with the mean acceptance length;
+    empty when drafts are off."""
+    spec = llm.engine.args.speculative_config
+    if spec is None:
+        return {}
+    now = _spec_counts(llm)
+    d = {k: now[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    old = before["num_accepted_tokens_per_pos"]
+    d["num_accepted_tokens_per_pos"] = [
+        v - (old[i] if i < len(old) else 0) for i, v in enumerate(now["num_accepted_tokens_per_pos"])
+    ]
+    d["mean_acceptance_length"] = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else 0.0
+    return {"spec_decode": {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens, **d}}
+
+
+def _spec_rows(res: dict) -> dict:
+    spec = res.get("spec_decode")
+    if not spec:
+        return {}
+    return {
+        "spec_decode_drafts": spec["num_drafts"],
+        "spec_decode_accepted_tokens": spec["num_accepted_tokens"],
+        "spec_decode_mean_acceptance_length": spec["mean_acceptance_length"],
+    }
+
+
 def _table(title: str, rows: dict) -> None:
     t = Table(title=title)
     t.add_column("metric")
@@ -43,7 +80,7 @@ def run_bench_latency(ns) -> int:
     llm, prompts, sp = _llm_and_prompts(ns, ns.batch_size, enable_prefix_caching=False)
     for _ in range(ns.num_iters_warmup):
         llm.generate(prompts, sp, use_tqdm=False)
-    times = []
+    times, before = [], _spec_counts(llm)
     for _ in range(ns.num_iters):
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
@@ -64,10 +101,11 @@ def run_bench_latency(ns) -> int:
         "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs),  # 0: prefix caching is off
         "output_tokens_per_s": n_out / float(np.mean(times)),
         "total_tokens_per_s": (n_out + ns.batch_size * ns.input_len) / float(np.mean(times)),
+        **_spec_decode(llm, before),
     }
     _table(
         f"bench latency: {ns.model}, batch {ns.batch_size}, in {ns.input_len}, out {ns.output_len}",
-        {k: v for k, v in res.items() if k != "bench"},
+        {k: v for k, v in res.items() if k not in ("bench", "spec_decode")} | _spec_rows(res),
     )
     print(json.dumps(res))
     return 0
@@ -75,6 +113,7 @@ def run_bench_latency(ns) -> int:
 
 def run_bench_throughput(ns) -> int:
     llm, prompts, sp = _llm_and_prompts(ns, ns.num_prompts)
+    before = _spec_counts(llm)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     dt = time.perf_counter() - t0
@@ -92,10 +131,11 @@ def run_bench_throughput(ns) -> int:
         "output_tokens": n_out,
         "tokens_per_s": (n_in + n_out) / dt,
         "output_tokens_per_s": n_out / dt,
+        **_spec_decode(llm, before),
     }
     _table(
         f"bench throughput: {ns.model}, {ns.num_prompts} prompts, in {ns.input_len}, out {ns.output_len}",
-        {k: v for k, v in res.items() if k != "bench"},
+        {k: v for k, v in res.items() if k not in ("bench", "spec_decode")} | _spec_rows(res),
     )
     print(json.dumps(res))
     return 0

@@ -41,6 +41,50 @@ def _h(text: str) -> dict:
     return {"help": text}
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``speculative_config`` as this engine takes it: the model's own DSpark drafter (spec 1.6), K drafts a
+    request a step. Whether the model has the stages and K fits its block is checked when the engine loads it."""
+
+    method: str = "dspark"
+    num_speculative_tokens: int = 3
+
+    METHODS = ("dspark", "mtp", "deepseek_mtp")  # vLLM's names for a model's own draft layers: DSpark here
+    MAX_TOKENS = 5  # the DSpark block (spec 1.6)
+
+    @classmethod
+    def parse(cls, spec) -> "SpeculativeConfig":
+        """From a JSON string, a dict, or an instance; an ``EngineArgsError`` names what is wrong."""
+        if isinstance(spec, cls):
+            return spec
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise EngineArgsError(f"speculative_config must be a JSON object: {e}") from None
+        if not isinstance(spec, dict):
+            raise EngineArgsError(f"speculative_config must be a JSON object, got {type(spec).__name__}")
+        unknown = sorted(set(spec) - {"method", "num_speculative_tokens", "model"})
+        if unknown:
+            raise EngineArgsError(
+                f"speculative_config: unknown key(s) {unknown}; dsserve takes method and num_speculative_tokens"
+            )
+        method = spec.get("method", "dspark")
+        if method not in cls.METHODS:
+            raise EngineArgsError(
+                f"speculative_config method {method!r}: dsserve drafts with the model's DSpark stages; use 'dspark'"
+            )
+        if spec.get("model") is not None:
+            raise EngineArgsError("speculative_config model: DSpark drafts with the target's own stages; leave it out")
+        k = spec.get("num_speculative_tokens")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= cls.MAX_TOKENS:
+            raise EngineArgsError(
+                f"speculative_config num_speculative_tokens must be an int in 1..{cls.MAX_TOKENS} (the DSpark "
+                f"block), got {k!r}"
+            )
+        return cls("dspark", k)
+
+
 class EngineArgsError(ValueError):
     """An engine option that does not exist or has a value it cannot take."""
 
@@ -140,9 +184,12 @@ class EngineArgs:
             "serving)"
         ),
     )
-    speculative_config: str | None = field(
+    speculative_config: str | dict | None = field(
         default=None,
-        metadata=_h("JSON (vLLM's); speculative decoding (DSpark, MTP) is not yet implemented: setting it is an error"),
+        metadata=_h(
+            'JSON (vLLM\'s form): {"method": "dspark", "num_speculative_tokens": K}, K in 1..the draft block size '
+            "(5); the model's DSpark stages draft K tokens a request a step and the target verifies them exactly"
+        ),
     )
     swap_space: float = field(
         default=4.0, metadata=_h("GiB, accepted; no effect: a preempted request is recomputed, never swapped")
@@ -311,17 +358,12 @@ class EngineArgs:
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise EngineArgsError(f"node_rank must lie in [0, nnodes={self.nnodes}), got {self.node_rank}")
         if self.speculative_config is not None:
-            spec = self.speculative_config
-            if isinstance(spec, str):
-                try:
-                    spec = json.loads(spec)
-                except json.JSONDecodeError as e:
-                    raise EngineArgsError(f"speculative_config must be a JSON object: {e}") from None
-            method = spec.get("method") if isinstance(spec, dict) else None
-            raise EngineArgsError(
-                f"speculative_config {self.speculative_config!r}: speculative decoding (method {method or 'dspark'}) "
-                "is not yet implemented in dsserve; leave it unset"
-            )
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+            if self.tensor_parallel_size > 1 or self.data_parallel_size > 1:
+                raise EngineArgsError(
+                    "speculative_config with tensor_parallel_size or data_parallel_size > 1: drafts are not carried to "
+                    "parallel ranks yet (issue 56); use one of them"
+                )
         try:
             self.eplb_config()
         except ValueError as e:

@@ -28,11 +28,13 @@ from .args import EngineArgs, EngineArgsError
 from .decode_graphs import DecodeGraphs
 from .decoder_row_graphs import DecoderRowGraphs
 from .detokenizer import StopChecker
+from .drafter import Drafter
 from .encoder_graphs import EncoderGraphs
 from .executor import LocalExecutor, TPExecutor
 from .generation_config import default_sampling
 from .graph_capture import GraphCapture
 from .outputs import CompletionOutput, RequestOutput, make_logprob_dict
+from .rejection_sampler import RejectionSampler
 from .request import Request, RequestStatus
 from .runner import ModelRunner
 from .sampler import Sampler, make_generator, row_logprobs
@@ -340,6 +342,17 @@ class EngineCore:
                     encoder_graphs = EncoderGraphs(*rows, min_context=min_context)
         elif backend == "paged" and args.async_scheduling:  # fixed shapes, eager (the CPU)
             graphs = DecodeGraphs(self.model, self.kv, args.max_num_seqs, None, min_context=min_context)
+        self.drafter = None
+        if args.speculative_config is not None:
+            try:
+                self.drafter = Drafter(self.model, args.speculative_config.num_speculative_tokens, self.stats)
+            except ValueError as e:
+                raise EngineArgsError(f"speculative_config: {e}") from None
+            if self.cfg.sliding_window < self.drafter.k + 2:
+                raise EngineArgsError(f"speculative_config: {self.cfg.name}'s window is shorter than a verify chunk")
+            # Verify steps run the eager forward (it returns the DSpark taps); the fixed-shape runners do not yet.
+            graphs = decoder_row_graphs = encoder_graphs = None
+            _say("speculative decoding: DSpark, %d drafts a request a step", self.drafter.k)
         # Asynchronous scheduling runs only fixed-shape decode steps ahead: they take their tokens from the device.
         # (under TP the step ahead would take rank 0's device tokens, which the workers do not have)
         self.async_scheduling = graphs is not None and args.async_scheduling is not False and self.tp is None
@@ -369,6 +382,7 @@ class EngineCore:
             eos_token_id=self.tokenizer.eos_id,
             generator=None if args.seed is None else make_generator(args.seed, self.device),
         )
+        self.rejection_sampler = RejectionSampler(self.sampler)
         self.grammars = Grammars(self.tokenizer, self.cfg.vocab_size)  # structured output: compiled on first use
         self._tracked: dict[str, _Tracked] = {}
         r = self.kv.report()
@@ -492,6 +506,10 @@ class EngineCore:
         them on the device when it could (``_launch_ahead``)."""
         t0 = time.perf_counter()
         self.kv.blocks.expire_holds(time.monotonic())
+        if self.drafter is not None:
+            results = self._step_speculative()
+            self.stats.step_done(time.perf_counter() - t0, 0.0)
+            return results
         results, wait = [], 0.0
         prev, self._in_flight = self._in_flight, None
         if prev is not None:
@@ -505,12 +523,7 @@ class EngineCore:
                 return out
             results = out  # the next step depends on what the host just read: run it the synchronous way
         plan = self.scheduler.schedule()
-        for req, status, reason in self.scheduler.take_failed():  # remote KV that could not be loaded
-            t = self._tracked.pop(req.request_id, None)
-            if t is not None:
-                out = self._output(t, "abort")
-                out.error = (status, reason)
-                results.append(out)
+        results += self._remote_kv_failures()
         if self.lockstep is not None:
             self.lockstep.before_forward(plan)
         if not plan.chunks:
@@ -543,6 +556,8 @@ class EngineCore:
     def reset_counts(self) -> None:
         """Counts start again from zero (after the warm-up: engine.warmup); captured graphs and their pools stay."""
         self.stats = EngineStats(self.stats.layout, self.cfg)
+        if self.drafter is not None:
+            self.drafter.stats = self.stats
         self._jit_base = jit_compiles.COMPILES.snapshot()
         self.runner.reset_counts()
         self._count_runs()
@@ -686,13 +701,22 @@ class EngineCore:
                 continue  # aborted, or finished while this step ran ahead of reading its last token
             accepted[req.request_id], row_of[req.request_id] = [tokens[i]], i
         for req in self.scheduler.update(launched.plan, StepOutput(accepted)):
-            t, i = self._tracked[req.request_id], row_of[req.request_id]
-            tok = tokens[i]
+            i = row_of[req.request_id]
+            results.append(self._commit(self._tracked[req.request_id], [tokens[i]], [logprobs[i]], now))
+        if ahead is not None:
+            self.scheduler.register_full_blocks([r for r in ahead.requests if not r.status.finished])
+        return results, wait
+
+    def _commit(self, t: _Tracked, tokens: list[int], logprobs: list, now: float) -> RequestOutput:
+        """The tokens a step accepted for ``t``'s request (the scheduler appended them), in order: its grammar,
+        metrics, logprobs and stop checks follow each; a stop (or length) inside them finishes the request there
+        and drops the tokens after it. Returns its output."""
+        req = t.request
+        for n, (tok, lp) in enumerate(zip(tokens, logprobs)):
             if req.grammar is not None:  # the scheduler appended tok; the grammar follows it
                 req.grammar.accept(tok)
             req.metrics.record_token(now)
-            if t.logprobs is not None and logprobs[i] is not None:
-                lp = logprobs[i]
+            if t.logprobs is not None and lp is not None:
                 detok = self.tokenizer if req.params.detokenize else None
                 t.logprobs.append(
                     make_logprob_dict(
@@ -702,16 +726,63 @@ class EngineCore:
                 t.cumulative_logprob += lp.sampled_logprob
             t.stops.append(tok)
             if t.stops.finished:
+                if n + 1 < len(tokens):
+                    del req.output_token_ids[n + 1 - len(tokens) :]
                 status = (
                     RequestStatus.FINISHED_STOPPED if t.stops.finish_reason == "stop" else RequestStatus.FINISHED_LENGTH
                 )
                 self.scheduler.finish(req, status)
                 req.metrics.finished_time = now
                 self._tracked.pop(req.request_id)
-            results.append(self._output(t, t.stops.finish_reason))
-        if ahead is not None:
-            self.scheduler.register_full_blocks([r for r in ahead.requests if not r.status.finished])
-        return results, wait
+                break
+        return self._output(t, t.stops.finish_reason)
+
+    def _step_speculative(self) -> list[RequestOutput]:
+        """One synchronous step with DSpark drafts (engine.drafter): the scheduled rows (verify chunks carry their
+        drafts) in one eager forward, the rejection sampler's verdict, the drafter's ingestion and rollback, the
+        accepted tokens applied, then the next drafts proposed."""
+        plan = self.scheduler.schedule()
+        failed = self._remote_kv_failures()
+        if not plan.chunks:
+            return failed
+        self.stats.admitted(plan)
+        self.drafter.before(plan)
+        sampling, logits = self.runner.execute(plan)
+        self._count_runs()
+        drafts = [c.draft_token_ids for c in plan.chunks if c.samples]
+        verdict = self.rejection_sampler(logits.float(), sampling, drafts) if sampling else None
+        accepted = {} if verdict is None else {r.request_id: t for r, t in zip(sampling, verdict.token_ids)}
+        if sampling:
+            self.stats.nonfinite_logit_rows += int(torch.isfinite(logits).all(1).logical_not().sum())
+        rolled = self.drafter.after(plan, self.runner.last_forward, accepted)
+        self.scheduler.register_full_blocks([c.request for c in plan.chunks])
+        lps = [] if verdict is None else self._verify_logprobs(verdict, sampling, drafts)
+        now, results = time.monotonic(), []
+        for req in self.scheduler.update(plan, StepOutput(accepted, rolled)):
+            results.append(self._commit(self._tracked[req.request_id], accepted[req.request_id], lps[req], now))
+        self.drafter.propose([r for r in sampling if not r.status.finished])
+        return failed + results
+
+    def _remote_kv_failures(self) -> list[RequestOutput]:
+        """Aborted outputs, with their HTTP status and reason, of requests whose remote KV (P/D) could not be loaded."""
+        out = []
+        for req, status, reason in self.scheduler.take_failed():
+            t = self._tracked.pop(req.request_id, None)
+            if t is not None:
+                o = self._output(t, "abort")
+                o.error = (status, reason)
+                out.append(o)
+        return out
+
+    @staticmethod
+    def _verify_logprobs(verdict, sampling: list[Request], drafts: list[list[int]]) -> dict:
+        """Request -> per accepted token its ``RowLogprobs`` (or None), from the verdict's rows."""
+        want = [r.params.logprobs for r, d in zip(sampling, drafts) for _ in range(len(d) + 1)]
+        rows, out, at = row_logprobs(verdict.logprobs, want), {}, 0
+        for r, d, toks in zip(sampling, drafts, verdict.token_ids):
+            out[r] = rows[at : at + len(toks)]
+            at += len(d) + 1
+        return out
 
     def _output(self, t: _Tracked, finish_reason: str | None) -> RequestOutput:
         req = t.request

@@ -54,6 +54,9 @@ class Request:
     kv_transfer: dict | None = None
     kv_held: list = field(default_factory=list)
     kv_transfer_stats: dict | None = None
+    # speculative decoding (engine/drafter.py): the drafts the next step verifies, and the DSpark rings
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_state: object | None = None
 
     def __post_init__(self):
         if self.params.seed is not None:

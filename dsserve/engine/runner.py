@@ -26,6 +26,7 @@ class ModelRunner:
         through it; ``encoder_graphs`` (engine.encoder_graphs.EncoderGraphs): their encoder rows before it."""
         self.model, self.replay_form, self.decode_graphs = model, replay_form, decode_graphs
         self.decoder_row_graphs, self.encoder_graphs = decoder_row_graphs, encoder_graphs
+        self.last_forward = None
         self.reset_counts()
 
     def reset_counts(self) -> None:
@@ -38,7 +39,10 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> tuple[list[Request], torch.Tensor]:
-        """Runs the plan's rows; returns the requests that sample this step and their logits [B, V]."""
+        """Runs the plan's rows; returns the requests that sample this step and their logits: one row each, or
+        1 + k for a chunk verifying k drafts (its draft rows' and its last row's, in order). The eager forward's output
+        (hidden rows, DSpark taps) stays on ``last_forward`` until the next step."""
+        self.last_forward = None
         key = None if self.decode_graphs is None else self.decode_graphs.key(plan)
         if key is not None:
             logits = self.decode_graphs.run(plan, key)
@@ -48,7 +52,8 @@ class ModelRunner:
         for c in plan.chunks:
             r, start = c.request, c.request.num_computed_tokens
             starts.append(start)
-            ids.extend(r.token_ids(start, start + c.num_tokens))
+            ids.extend(r.token_ids(start, start + c.num_tokens - c.num_drafts))
+            ids.extend(c.draft_token_ids)
             seqs.append(SeqRows(slice(row, row + c.num_tokens), r.kv, r.decoder_start))
             row += c.num_tokens
         tokens = torch.tensor(ids, dtype=torch.long)  # on the host: forward_batch checks, then moves them
@@ -59,9 +64,14 @@ class ModelRunner:
             decoder_rows=self.decoder_row_graphs,
             encoder_rows=self.encoder_graphs,
         )
-        out = self.model.forward_batch(step)
+        out = self.last_forward = self.model.forward_batch(step)
         self.decoder_rows_skipped += len(ids) - out.hidden.shape[0]
-        last_rows = [s.rows.stop - 1 for c, s in zip(plan.chunks, out.seqs) if c.samples]
+        last_rows = [
+            i
+            for c, s in zip(plan.chunks, out.seqs)
+            if c.samples
+            for i in range(s.rows.stop - 1 - c.num_drafts, s.rows.stop)
+        ]
         sampling = [c.request for c in plan.chunks if c.samples]
         logits = self.model.logits(out.hidden[last_rows]) if last_rows else torch.empty(0)
         for c, s, start in zip(plan.chunks, out.seqs, starts):

@@ -233,6 +233,36 @@ class Sampler:
     def forward(self, logits: torch.Tensor, rows: Sequence[SamplingRow], grammar_mask=None) -> SamplerOutput:
         """``grammar_mask``: the rows' ``structured_output.GrammarMask``, filled by the caller (the engine fills it
         while the step's forward runs); None fills it here from rows that carry a ``grammar``."""
+        logits, probs, rnd, raw_logprobs, want = self._processed(logits, rows, grammar_mask)
+        sampled = logits.argmax(dim=-1)  # greedy rows keep this
+        if rnd:
+            drawn = random_sample(probs, [rows[i].generator for i in rnd], self.generator)
+            if len(rnd) == len(rows):
+                sampled = drawn
+            else:
+                sampled[_index(rnd, logits.device)] = drawn
+        tensors = None if raw_logprobs is None else logprob_tensors(raw_logprobs, sampled, want)
+        return SamplerOutput(sampled, tensors, tuple(want))
+
+    @torch.no_grad()
+    def target_probs(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], grammar_mask=None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The distribution ``forward`` draws each row's token from, [B, V] fp32: one-hot at the argmax for greedy
+        rows, the processed (bias, bans, penalties, temperature, min-p, top-k, top-p) softmax for random rows; and
+        the raw logprobs when a row asks for logprobs (else None). The rejection sampler's target."""
+        logits, probs, rnd, raw_logprobs, _ = self._processed(logits, rows, grammar_mask)
+        target = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        if rnd:
+            if len(rnd) == len(rows):
+                target = probs
+            else:
+                target[_index(rnd, logits.device)] = probs
+        return target, raw_logprobs
+
+    def _processed(self, logits: torch.Tensor, rows: Sequence[SamplingRow], grammar_mask=None):
+        """Steps 1-4 and 6 up to the draw: (processed logits [B, V], the random rows' probabilities [R, V] or None,
+        the random rows' indices, raw logprobs or None, per row the top-n logprobs asked for)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [B, V] with B = {len(rows)} rows, got {tuple(logits.shape)}")
         logits = logits.to(torch.float32, copy=True)
@@ -275,12 +305,13 @@ class Sampler:
                 vec([p.presence_penalty for p in params]),
             )
 
-        sampled = logits.argmax(dim=-1)  # greedy rows keep this
         rnd = [i for i, p in enumerate(params) if p.temperature >= SAMPLING_EPS]
-        every = len(rnd) == len(params)
+        probs = None
         if rnd:
-            rows_rnd = None if every else _index(rnd, device)
-            sub = (logits if every else logits[rows_rnd]) / vec([params[i].temperature for i in rnd]).unsqueeze(1)
+            every = len(rnd) == len(params)
+            sub = (logits if every else logits[_index(rnd, device)]) / vec(
+                [params[i].temperature for i in rnd]
+            ).unsqueeze(1)
             if any(params[i].min_p > 0 for i in rnd):
                 apply_min_p(sub, vec([params[i].min_p for i in rnd]))
             ks = [params[i].top_k if 0 < params[i].top_k < logits.shape[1] else 0 for i in rnd]
@@ -288,17 +319,14 @@ class Sampler:
                 apply_top_k(sub, vec(ks, torch.long), max(ks))
             if any(params[i].top_p < 1.0 for i in rnd):
                 apply_top_p(sub, vec([params[i].top_p for i in rnd]))
-            drawn = random_sample(sub.softmax(dim=-1), [rows[i].generator for i in rnd], self.generator)
-            if every:
-                sampled = drawn
-            else:
-                sampled[rows_rnd] = drawn
+            probs = sub.softmax(dim=-1)
+        return logits, probs, rnd, raw_logprobs, want
 
-        tensors = None
-        if raw_logprobs is not None:
-            n_max = min(max(n for n in want if n is not None), logits.shape[1])
-            top_lp, top_ids = raw_logprobs.topk(n_max, dim=-1) if n_max else (None, None)
-            chosen = raw_logprobs.gather(1, sampled.unsqueeze(1))
-            ranks = (raw_logprobs >= chosen).sum(dim=-1)  # vLLM: count of logprobs >= the chosen one
-            tensors = (chosen.squeeze(1), ranks, top_ids, top_lp)
-        return SamplerOutput(sampled, tensors, tuple(want))
+
+def logprob_tensors(raw_logprobs: torch.Tensor, sampled: torch.Tensor, want) -> tuple:
+    """``SamplerOutput.logprob_tensors`` for the ``sampled`` ids [B] of rows with these raw logprobs."""
+    n_max = min(max(n for n in want if n is not None), raw_logprobs.shape[1])
+    top_lp, top_ids = raw_logprobs.topk(n_max, dim=-1) if n_max else (None, None)
+    chosen = raw_logprobs.gather(1, sampled.unsqueeze(1))
+    ranks = (raw_logprobs >= chosen).sum(dim=-1)  # vLLM: count of logprobs >= the chosen one
+    return chosen.squeeze(1), ranks, top_ids, top_lp

@@ -49,13 +49,18 @@ class SchedulerConfig:
 @dataclass
 class ScheduledChunk:
     request: Request
-    num_tokens: int  # rows of this request in the step, starting at request.num_computed_tokens
+    num_tokens: int  # rows of this request in the step, starting at request.num_computed_tokens (drafts included)
+    draft_token_ids: list[int] = field(default_factory=list)  # the last rows: drafts the step verifies
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.draft_token_ids)
 
     @property
     def samples(self) -> bool:
-        """The chunk reaches the request's last known token, so the step samples from its last row. Valid until the
-        step's ``Scheduler.update``."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+        """The chunk reaches the request's last known token, so the step samples from its last row (and its draft
+        rows). Valid until the step's ``Scheduler.update``."""
+        return self.request.num_computed_tokens + self.num_tokens - self.num_drafts == self.request.num_tokens
 
 
 @dataclass
@@ -71,9 +76,12 @@ class StepPlan:
 @dataclass(frozen=True)
 class StepOutput:
     """What a step gave its requests: request id -> the token ids it accepted, in order. A chunk that samples accepts
-    one token; a prefill chunk short of its prompt's end, none (it may be left out)."""
+    one token, a verify chunk (drafts) one to 1 + its drafts; a prefill chunk short of its prompt's end, none (it may
+    be left out). ``rolled_back``: request id -> how many of its chunk's last rows the step took back out of the cache
+    (rejected drafts, engine.drafter)."""
 
     token_ids: dict[str, list[int]] = field(default_factory=dict)
+    rolled_back: dict[str, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -160,6 +168,9 @@ class Scheduler:
             n = self._chunk(req, budget)
             if n == 0:
                 continue
+            k = self._num_drafts(req, n, budget)
+            if self.kv.blocks_needed(req.kv, req.num_computed_tokens + n + k) > self.kv.blocks.num_free:
+                k = 0  # drafts never preempt anyone
             while self.kv.blocks_needed(req.kv, req.num_computed_tokens + n) > self.kv.blocks.num_free:
                 victim = self._by_priority(self.running)[-1]
                 self._preempt(victim)
@@ -168,9 +179,9 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue
-            self.kv.grow(req.kv, req.num_computed_tokens + n)
-            chunks.append(ScheduledChunk(req, n))
-            budget -= n
+            self.kv.grow(req.kv, req.num_computed_tokens + n + k)
+            chunks.append(ScheduledChunk(req, n + k, req.draft_token_ids[:k]))
+            budget -= n + k
         if not preempted:  # admitting new work right after a preemption would only thrash
             self._admit(chunks, budget)
         now = time.monotonic()
@@ -189,7 +200,8 @@ class Scheduler:
             r = c.request
             if r.status.finished:
                 continue
-            r.num_computed_tokens += c.num_tokens
+            r.num_computed_tokens += c.num_tokens - output.rolled_back.get(r.request_id, 0)
+            r.draft_token_ids = []
             accepted = output.token_ids.get(r.request_id)
             if accepted:
                 r.output_token_ids.extend(accepted)
@@ -239,6 +251,16 @@ class Scheduler:
             chunks.append(ScheduledChunk(req, n))
             budget -= n
 
+    def _num_drafts(self, req: Request, n: int, budget: int) -> int:
+        """How many of ``req``'s drafts ride on its chunk of ``n`` rows: only a chunk that samples verifies drafts,
+        within the budget, the context (max_model_len) and its max_tokens (the bonus token is one more)."""
+        if not req.draft_token_ids or n != req.num_pending_tokens:
+            return 0
+        left = self.config.max_model_len - req.num_tokens
+        if req.params.max_tokens is not None:
+            left = min(left, req.params.max_tokens - len(req.output_token_ids) - 1)
+        return max(0, min(len(req.draft_token_ids), budget - n, left))
+
     def _chunk(self, req: Request, budget: int) -> int:
         return self._chunk_size(req.num_pending_tokens, budget)
 
@@ -270,6 +292,7 @@ class Scheduler:
             req.kv = None
         req.num_computed_tokens = 0
         req.decoder_start = None
+        req.draft_token_ids, req.draft_state = [], None
 
     def register_full_blocks(self, reqs: list[Request]) -> None:
         """After a step: the requests' newly full blocks join the prefix cache (decode blocks too)."""

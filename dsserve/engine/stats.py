@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..kv.paged import KVLayout
 from ..models.accounting import layer_parts
@@ -30,6 +30,12 @@ class EngineStats:
     triton_cache_loads: int = 0  # kernels loaded from Triton's disk cache instead (a few ms each)
     ahead_steps: int = 0  # decode steps launched before the host read the previous step's tokens (async)
     nonfinite_logit_rows: int = 0  # sampled rows whose logits had a NaN or inf: a fault, 0 in a sound run
+    # speculative decoding (engine.drafter), vLLM's counters: verify blocks, drafts in them, drafts accepted, and
+    # accepted drafts by position in the block (position i counts blocks whose first i + 1 drafts were accepted)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list = field(default_factory=list)
     steps: int = 0
     # A step's wall time split at its one copy back of the sampled tokens: host work (scheduling, launching or
     # refilling and replaying, sampling's launches, detokenising, stop checks) and the wait for the device there.
@@ -49,8 +55,23 @@ class EngineStats:
                 self.prefix_query_tokens += r.num_tokens
                 self.prefix_hit_tokens += r.num_cached_tokens
                 self.replayed_rows += max(0, min(r.num_cached_tokens, r.num_tokens) - r.num_computed_tokens)
-            if not c.samples or c.num_tokens > 1:
-                self.prefill_rows += c.num_tokens
+            if not c.samples or c.num_tokens - c.num_drafts > 1:
+                self.prefill_rows += c.num_tokens - c.num_drafts
+
+    def spec_counted(self, drafted: int, accepted: int) -> None:
+        """One verified block: ``drafted`` drafts, of which the first ``accepted`` were accepted."""
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += drafted
+        self.spec_num_accepted_tokens += accepted
+        if len(self.spec_accepted_per_pos) < drafted:
+            self.spec_accepted_per_pos += [0] * (drafted - len(self.spec_accepted_per_pos))
+        for i in range(accepted):
+            self.spec_accepted_per_pos[i] += 1
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens a verify block gave on average: 1 (the target's own) + accepted drafts (vLLM's definition)."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
     @property
     def decoder_flops_saved(self) -> float:
@@ -85,6 +106,11 @@ class EngineStats:
             "triton_cache_loads": self.triton_cache_loads,
             "ahead_steps": self.ahead_steps,
             "nonfinite_logit_rows": self.nonfinite_logit_rows,
+            "spec_num_drafts": self.spec_num_drafts,
+            "spec_num_draft_tokens": self.spec_num_draft_tokens,
+            "spec_num_accepted_tokens": self.spec_num_accepted_tokens,
+            "spec_accepted_per_pos": list(self.spec_accepted_per_pos),
+            "spec_mean_acceptance_length": self.spec_mean_acceptance_length,
             "steps": self.steps,
             "step_host_seconds": self.step_host_seconds,
             "step_wait_seconds": self.step_wait_seconds,

@@ -17,6 +17,8 @@ unchanged.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .block_pool import BlockPool, InvariantError
@@ -158,6 +160,12 @@ class PagedKVCache:
             self.prefix.register(seq.block_table[b], hashes[b])
         seq.num_registered = max(seq.num_registered, full)
 
+    @property
+    def rollback_multiple(self) -> int:
+        """A speculative step's rows are kept up to a multiple of this (every source ratio divides it): there no
+        compressor carries a part group, so a rollback rebuilds no carried rows (``SequenceKV.rollback``)."""
+        return math.lcm(1, *(r for r, _ in self.layout.sources.values()))
+
     def blocks_needed(self, seq: "SequenceKV", total_tokens: int) -> int:
         return max(0, -(-total_tokens // self.layout.block_size) - len(seq.block_table))
 
@@ -226,6 +234,7 @@ class SequenceKV:
         self.carried: dict[int, int] = {}  # batched path: source -> carried rows in PagedKVCache.carry (0: none)
         self.rings_live = False  # every V4 compressor's pending rows are in the rings (see pending_to_ring)
         self.engram_history = torch.empty(0, dtype=torch.long)  # host, see PagedKVCache
+        self._saved = None  # a speculative step's window rows, see save_rows
 
     def table(self) -> torch.Tensor:
         """The block table as a LongTensor on the cache's device, rebuilt only when it grew (tables only
@@ -347,6 +356,58 @@ class SequenceKV:
             self._pending.pop(source, None)
         else:
             self._pending[source] = state
+
+    # speculative steps -------------------------------------------------------------------
+    def save_rows(self, first: int, n: int) -> None:
+        """Before a step whose rows at positions first..first+n-1 may be rolled back: the window ring rows they will
+        overwrite (positions W before them) are copied aside, with their tags, for ``rollback``."""
+        c, w = self.cache, self.cache.layout.window
+        saved = {}
+        if not c.layout.window_in_blocks:
+            if n > w:
+                raise InvariantError(f"a speculative step of {n} rows overwrites more than the window's {w}")
+            ring = torch.arange(first, first + n, device=c.device) % w
+            saved = {
+                i: (c.window[i][self.slot, ring].clone(), c.window_pos[i][self.slot, ring].clone()) for i in c.window
+            }
+        self._saved = (first, n, saved)
+
+    def rollback(self, keep: int, token_ids: list[int]) -> None:
+        """After the step ``save_rows`` announced: forget every row at or after position ``keep`` (a multiple of
+        ``PagedKVCache.rollback_multiple``, not before the step's first row). The window ring gets its overwritten
+        rows back; global entries past ``keep`` are dropped from the counts (their pool rows are written again before
+        they are read); no compressor carries rows; the Engram lookback is rebuilt from ``token_ids`` (the sequence's
+        tokens, at least ``keep`` of them); blocks past ``keep`` go back to the pool (never registered: registration
+        follows this)."""
+        c, (first, n, saved) = self.cache, self._saved
+        self._saved = None
+        if not first <= keep <= first + n or keep % c.rollback_multiple:
+            raise InvariantError(f"rollback to {keep}: the step ran rows {first}..{first + n - 1}")
+        if keep == first + n:
+            return
+        if saved:
+            back = slice(keep - first, n)
+            ring = torch.arange(keep, first + n, device=c.device) % c.layout.window
+            for i, (rows, tags) in saved.items():
+                c.window[i][self.slot, ring] = rows[back]
+                c.window_pos[i][self.slot, ring] = tags[back]
+        for source, (ratio, _) in c.layout.sources.items():
+            self._entries[source] = min(self._entries.get(source, 0), keep // ratio)
+        self.carried = dict.fromkeys(self.carried, 0)
+        self._pending.clear()
+        self.rings_live = False
+        self._unpacked = None
+        self.num_tokens = keep
+        if c.engram_token_map is not None:
+            lb = c.layout.engram_lookback
+            self.engram_history = c.engram_token_map[
+                torch.tensor(token_ids[max(0, keep - lb) : keep], dtype=torch.long)
+            ]
+        need = -(-keep // c.layout.block_size)
+        if len(self.block_table) > need:
+            c.blocks.free(self.block_table[need:])
+            del self.block_table[need:]
+            self._table = self._host_table = None
 
     def push_engram_history(self, compressed_ids: torch.Tensor) -> None:
         k = self.cache.layout.engram_lookback

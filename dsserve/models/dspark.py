@@ -73,20 +73,25 @@ class DraftAttention(CSA2Attention):
         self.stage = role.index - cfg.num_hidden_layers
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        cfg, pos, state = self.cfg, ctx.positions, ctx.seqs[0].cache
-        t = x.shape[0]
+        """Each sequence of ``ctx.seqs`` is one block (its rows, its ``DSparkCache``, ``first``: the block's first
+        position on the host, or read from the positions)."""
+        cfg, pos = self.cfg, ctx.positions
         _, q = self.query(x, pos)
         own = self.window_entry(x, pos, ctx.qat)
-        p = int(pos[0]) - 1
-        ring_k, ring_p = state.keys[self.stage], state.positions[self.stage]
-        if ring_k is None:
-            ring_k, ring_p = own[:0], pos[:0]
-        # Ring rows are kept by count; the position test makes stale rows (after a gap) invisible anyway.
-        ring_ok = (ring_p >= max(0, p - cfg.sliding_window + 1)) & (ring_p <= p)
-        keys = torch.cat((ring_k, own))
-        mask = torch.cat((ring_ok, torch.ones(t, dtype=torch.bool)))[None, :].expand(t, -1)
-        o = sparse_attention_with_sink(q, keys, mask, None, None, self.attn_sink, cfg.head_dim**-0.5)
-        return self.output(o, pos, x.dtype)
+        outs = []
+        for s in ctx.seqs:
+            rows, state = s.rows, s.cache
+            t = rows.stop - rows.start
+            p = (int(pos[rows.start]) if s.first is None else s.first) - 1
+            ring_k, ring_p = state.keys[self.stage], state.positions[self.stage]
+            if ring_k is None:
+                ring_k, ring_p = own[:0], pos[:0]
+            # Ring rows are kept by count; the position test makes stale rows (after a gap) invisible anyway.
+            ring_ok = (ring_p >= max(0, p - cfg.sliding_window + 1)) & (ring_p <= p)
+            keys = torch.cat((ring_k, own[rows]))
+            mask = torch.cat((ring_ok, torch.ones(t, dtype=torch.bool, device=x.device)))[None, :].expand(t, -1)
+            outs.append(sparse_attention_with_sink(q[rows], keys, mask, None, None, self.attn_sink, cfg.head_dim**-0.5))
+        return self.output(torch.cat(outs), pos, x.dtype)
 
 
 class DSparkStage(Block):
@@ -128,7 +133,7 @@ class DSpark(nn.ModuleList):
         over copies of the stream entering each target layer); positions [T], increasing, after the ring's."""
         cfg = self.cfg
         qat = cfg.qat if qat is None else qat
-        positions = torch.as_tensor(positions).long()
+        positions = torch.as_tensor(positions).long().cpu()
         if positions.numel() == 0:
             return
         if bool((positions[1:] <= positions[:-1]).any()) or int(positions[0]) <= state.last_position:
@@ -142,8 +147,53 @@ class DSpark(nn.ModuleList):
             raise ValueError("every DSpark tap needs one row per ingested position")
         x = torch.cat([taps[layer][keep] for layer in cfg.dspark_target_layer_ids], dim=-1)
         m = self[0].main_norm(self[0].main_proj(x))
+        kept = positions[keep].to(m.device)
         for stage in self:
-            state.push(stage.attn.stage, stage.attn.window_entry(m, positions[keep], qat), positions[keep])
+            state.push(stage.attn.stage, stage.attn.window_entry(m, kept, qat), kept)
+
+    @torch.no_grad()
+    def propose_batch(
+        self,
+        last_tokens: list[int],
+        positions: list[int],
+        states: list[DSparkCache],
+        embed: nn.Module,
+        head: nn.Module,
+        qat: bool | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``propose`` for several sequences in one pass (greedy): sequence b drafts after its committed position
+        ``positions[b]`` with ``last_tokens[b]`` the target's token after it. The stages, heads and Markov steps run
+        on every block's rows at once; only attention reads each block's own rings. Returns (drafts [B, block],
+        confidence logits [B, block]); reads the states, never writes them."""
+        cfg, last = self.cfg, self[-1]
+        qat = cfg.qat if qat is None else qat
+        for p, state in zip(positions, states):
+            if state.last_position != p:
+                raise ValueError(f"propose at p={p} but the draft state was ingested up to {state.last_position}")
+        b, n, dev = cfg.dspark_block_size, cfg.hc_mult, embed.weight.device
+        nb = len(states)
+        ids = torch.full((nb, b), cfg.dspark_noise_token_id, dtype=torch.long)
+        ids[:, 0] = torch.tensor(last_tokens, dtype=torch.long)
+        ids = ids.flatten().to(dev)
+        pos = (torch.tensor(positions, dtype=torch.long)[:, None] + torch.arange(1, b + 1)).flatten().to(dev)
+        seqs = [SeqRows(slice(i * b, (i + 1) * b), st, first=p + 1) for i, (st, p) in enumerate(zip(states, positions))]
+        ctx = ForwardContext(tokens=ids, positions=pos, seqs=seqs, qat=qat)
+        x = embed(ids)[:, None, :].expand(-1, n, -1).contiguous()
+        pre = torch.zeros(nb * b, n, device=dev)
+        pre[:, 0] = 1.0
+        for stage in self:
+            x, pre, ctx = stage(x, pre, ctx)
+        h = collapse(x, pre)
+        logits = head(last.norm(h)).float().view(nb, b, -1)
+        h = h.view(nb, b, -1)
+        drafts, conf, prev = [], [], ids.view(nb, b)[:, 0]
+        for i in range(b):
+            e = last.markov_head.embed(prev)  # [B, r]
+            row = logits[:, i] + last.markov_head.head(e).float()
+            conf.append(last.confidence_head.proj(torch.cat((h[:, i], e.to(h.dtype)), dim=-1))[:, 0].float())
+            prev = row.argmax(dim=-1)
+            drafts.append(prev)
+        return torch.stack(drafts, 1), torch.stack(conf, 1)
 
     def propose(
         self,
@@ -167,20 +217,21 @@ class DSpark(nn.ModuleList):
         if state.last_position != p:
             raise ValueError(f"propose at p={p} but the draft state was ingested up to {state.last_position}")
         b, n = cfg.dspark_block_size, cfg.hc_mult
-        ids = torch.full((b,), cfg.dspark_noise_token_id, dtype=torch.long)
+        dev = embed.weight.device
+        ids = torch.full((b,), cfg.dspark_noise_token_id, dtype=torch.long, device=dev)
         ids[0] = last_token_y
-        positions = torch.arange(p + 1, p + 1 + b)
+        positions = torch.arange(p + 1, p + 1 + b, device=dev)
         # The ring state rides in the sequence's cache slot; DraftAttention only reads it.
-        ctx = ForwardContext(tokens=ids, positions=positions, seqs=[SeqRows(slice(0, b), state)], qat=qat)
+        ctx = ForwardContext(tokens=ids, positions=positions, seqs=[SeqRows(slice(0, b), state, first=p + 1)], qat=qat)
         x = embed(ids)[:, None, :].expand(-1, n, -1).contiguous()
-        pre = torch.zeros(b, n)
+        pre = torch.zeros(b, n, device=dev)
         pre[:, 0] = 1.0  # identical copies: collapsing with copy 0 gives the embedding (spec 2.1)
         for stage in self:
             x, pre, ctx = stage(x, pre, ctx)
         h = collapse(x, pre)
         logits = head(last.norm(h)).float()
         # Markov head: each row's correction depends on the previous row's draft, so it runs sequentially.
-        rows, drafts, conf, prev = [], [], [], torch.tensor([last_token_y])
+        rows, drafts, conf, prev = [], [], [], torch.tensor([last_token_y], device=dev)
         for i in range(b):
             e = last.markov_head.embed(prev)  # [1, r]: E_m[prev_i]
             rows.append(logits[i] + last.markov_head.head(e)[0].float())

@@ -20,7 +20,15 @@ FINISH_REASONS = ("stop", "length", "abort")
 ERROR_KINDS = ("bad_request", "unavailable", "internal", "kv_transfer")  # exported at 0 from the start
 REJECTION_STATUSES = (400, 401, 404, 413, 499, 500, 503)  # exported at 0 from the start; others as they come
 KV_KINDS = ("global", "window")
-VLLM_STAT_COUNTERS = ("prefix_query_tokens", "prefix_hit_tokens")  # the engine stats vLLM also exports
+# the engine stats vLLM also exports (the first two also under vLLM's deprecated gpu_ names)
+VLLM_STAT_COUNTERS = (
+    "prefix_query_tokens",
+    "prefix_hit_tokens",
+    "spec_num_drafts",
+    "spec_num_draft_tokens",
+    "spec_num_accepted_tokens",
+)
+GPU_PREFIXED = ("prefix_query_tokens", "prefix_hit_tokens")
 # Buckets as in vLLM's v1 PrometheusStatLogger.
 TTFT_BUCKETS = (
     0.001,
@@ -94,6 +102,9 @@ REQUEST_LATENCY_BUCKETS = (
 STAT_COUNTERS = {
     "prefix_query_tokens": ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
     "prefix_hit_tokens": ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
+    "spec_num_drafts": ("spec_decode_num_drafts", "Number of spec decoding drafts."),
+    "spec_num_draft_tokens": ("spec_decode_num_draft_tokens", "Number of draft tokens."),
+    "spec_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Number of accepted tokens."),
     "replayed_rows": ("replayed_rows", "Rows run again through the encoder to rebuild windows after a hit."),
     "prefill_rows": ("prefill_rows", "Prefill rows run through the model."),
     "decoder_rows_skipped": ("decoder_rows_skipped", "Prefill rows that did not run the decoder (bounded replay)."),
@@ -263,8 +274,17 @@ class EngineMetrics:
             self.deprecated_counters = {
                 f: counter(f"gpu_{n}", f"{d} DEPRECATED: Use vllm:{n} instead.").labels(*self._shared)
                 for f, (n, d) in STAT_COUNTERS.items()
-                if f in VLLM_STAT_COUNTERS
+                if f in GPU_PREFIXED
             }
+        self.spec_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.", ["position"]
+        )
+        self._spec_per_pos_seen: list[int] = []
+        self.spec_mean_len = gauge(
+            "spec_decode_mean_acceptance_length",
+            "Tokens a verified draft block gave on average since the start: 1 + accepted drafts (0: no block yet).",
+            own=True,
+        ).labels(model_name)
 
         self.num_running = gauge("num_requests_running", "Number of requests in model execution batches.").labels(
             *self._shared
@@ -423,7 +443,7 @@ class EngineMetrics:
         with self._lock:
             stats = engine.stats
             if stats is not self._stats_obj:  # a new engine: its counts start from zero
-                self._stats_obj, self._last_stats = stats, {}
+                self._stats_obj, self._last_stats, self._spec_per_pos_seen = stats, {}, []
             for field, c in self.stat_counters.items():
                 v = getattr(stats, field)
                 d = v - self._last_stats.get(field, 0)
@@ -432,6 +452,13 @@ class EngineMetrics:
                     if field in self.deprecated_counters:
                         self.deprecated_counters[field].inc(d)
                 self._last_stats[field] = v
+            per_pos = list(getattr(stats, "spec_accepted_per_pos", ()))
+            for i, v in enumerate(per_pos):
+                d = v - (self._spec_per_pos_seen[i] if i < len(self._spec_per_pos_seen) else 0)
+                if d > 0:
+                    self.spec_per_pos.labels(*self._shared, str(i)).inc(d)
+            self._spec_per_pos_seen = per_pos
+            self.spec_mean_len.set(getattr(stats, "spec_mean_acceptance_length", 0.0))
             # A preempted request goes back to the waiting queue, so it is still live at the next call.
             now = {rid: r.num_preemptions for rid, r in sched.requests.items()}
             d = sum(max(0, n - self._preemptions.get(rid, 0)) for rid, n in now.items())

@@ -176,6 +176,11 @@ def test_stat_deltas_and_preemptions_from_a_fake_engine():
         triton_compiles=9,
         triton_compile_seconds=3.5,
         triton_cache_loads=11,
+        spec_num_drafts=4,
+        spec_num_draft_tokens=12,
+        spec_num_accepted_tokens=7,
+        spec_accepted_per_pos=[3, 2, 2],
+        spec_mean_acceptance_length=2.75,
     )
     eng = SimpleNamespace(
         scheduler=SimpleNamespace(running=[req], waiting=[], requests={"r": req}),
@@ -203,6 +208,15 @@ def test_stat_deltas_and_preemptions_from_a_fake_engine():
     assert value(s, "dsserve:triton_compile_seconds_total") == 3.5
     assert value(s, "dsserve:triton_cache_loads_total") == 11
     assert value(s, "dsserve:num_preemptions_total") == 1
+    assert value(s, "dsserve:spec_decode_num_drafts_total") == 4
+    assert value(s, "dsserve:spec_decode_num_draft_tokens_total") == 12
+    assert value(s, "dsserve:spec_decode_num_accepted_tokens_total") == 7
+    assert [value(s, "dsserve:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(3)] == [
+        3,
+        2,
+        2,
+    ]
+    assert value(s, "dsserve:spec_decode_mean_acceptance_length") == 2.75
     assert value(s, "dsserve:kv_cache_usage_perc", kind="global") == pytest.approx(0.3)
     assert value(s, "dsserve:kv_cache_usage_perc", kind="window") == pytest.approx(0.25)
     assert value(s, "dsserve:kv_cache_blocks", kind="global", state="used") == 3
@@ -224,9 +238,15 @@ def test_stat_deltas_and_preemptions_from_a_fake_engine():
         triton_compiles=0,
         triton_compile_seconds=0.0,
         triton_cache_loads=0,
+        spec_num_drafts=1,
+        spec_num_draft_tokens=3,
+        spec_num_accepted_tokens=1,
+        spec_accepted_per_pos=[1, 0, 0],
+        spec_mean_acceptance_length=2.0,
     )
     m.observe_step(eng)
     assert value(parse(m)[1], "dsserve:prefix_cache_queries_total") == 150
+    assert value(parse(m)[1], "dsserve:spec_decode_num_accepted_tokens_per_pos_total", position="0") == 4
 
 
 def test_render_from_another_thread_while_the_loop_observes(engine):
@@ -251,3 +271,28 @@ def test_render_from_another_thread_while_the_loop_observes(engine):
     th.join()
     assert not errors
     assert value(parse(m)[1], "dsserve:generation_tokens_total") == 24
+
+
+def test_spec_decode_counters_under_vllms_names():
+    from dsserve.engine.stats import EngineStats
+
+    stats = EngineStats.__new__(EngineStats)
+    stats.__dict__.update({f: 0 for f in EngineStats.__dataclass_fields__ if f not in ("layout", "cfg")})
+    stats.spec_accepted_per_pos = []
+    stats.spec_counted(3, 2)
+    stats.spec_counted(3, 0)
+    pool = SimpleNamespace(num_blocks=10, num_used=0)
+    eng = SimpleNamespace(
+        scheduler=SimpleNamespace(running=[], waiting=[], requests={}),
+        kv=SimpleNamespace(blocks=pool, slots=pool),
+        stats=stats,
+    )
+    m = EngineMetrics(names="vllm")
+    m.observe_step(eng)
+    s = parse(m)[1]
+    v = lambda name, **kw: s[(name, frozenset({"model_name": "tiny", "engine": "0", **kw}.items()))]  # noqa: E731
+    assert v("vllm:spec_decode_num_drafts_total") == 2
+    assert v("vllm:spec_decode_num_draft_tokens_total") == 6
+    assert v("vllm:spec_decode_num_accepted_tokens_total") == 2
+    assert [v("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in (0, 1)] == [1, 1]
+    assert value(s, "dsserve:spec_decode_mean_acceptance_length") == 2.0  # (2 blocks, 2 accepted): 1 + 2 / 2

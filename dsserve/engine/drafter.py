@@ -1,0 +1,105 @@
+"""The drafter: DSpark speculative decoding's side of a step (spec 1.6, 2.10), around the target's verify forward.
+
+A step with drafts runs, for a request that drafted k tokens, its pending rows then the k drafts as one chunk (mixed
+with prefill chunks and plain decodes in the eager batched forward). Around it:
+
+* ``before``: each verifying request's cache saves the window ring rows its chunk will overwrite
+  (``SequenceKV.save_rows``);
+* (the forward, then the rejection sampler decides how many drafts each request accepts);
+* ``after``: committed rows only (prefill rows, a verify chunk's rows up to its last accepted draft) feed the
+  request's DSpark rings (``DSpark.ingest``, from the forward's taps); each verify chunk's cache is rolled back to
+  its accepted rows (``SequenceKV.rollback``), down to a multiple of the compressors' ratio (2 on V4.1): a kept row
+  past it would need the compressor's carried half-group rebuilt, so it is run again with the next step's rows
+  instead (one more row, never a wrong state). Returns the rows each chunk gave back (``StepOutput.rolled_back``);
+* ``propose``: each request that got tokens and is still running drafts its next block from its rings, at its last
+  committed position, with the target's token y after it (``DSpark.propose_batch``: every request's block at once).
+
+Requests with a grammar do not draft (a grammar's mask follows accepted tokens only).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.model import DeepseekForCausalLM, ForwardOutput
+from .request import Request
+from .scheduler import StepPlan
+from .stats import EngineStats
+
+
+class Drafter:
+    def __init__(self, model: DeepseekForCausalLM, num_speculative_tokens: int, stats: EngineStats):
+        if model.mtp is None:
+            raise ValueError(f"{model.cfg.name} has no DSpark stages (num_draft_layers 0, or a V4 model)")
+        if not 1 <= num_speculative_tokens <= model.cfg.dspark_block_size:
+            raise ValueError(
+                f"num_speculative_tokens {num_speculative_tokens}: DSpark drafts 1..{model.cfg.dspark_block_size}"
+            )
+        self.model, self.mtp, self.k, self.stats = model, model.mtp, num_speculative_tokens, stats
+
+    def before(self, plan: StepPlan) -> None:
+        for c in plan.chunks:
+            if c.num_drafts:
+                c.request.kv.save_rows(c.request.num_computed_tokens, c.num_tokens)
+
+    def after(self, plan: StepPlan, forward: ForwardOutput, accepted: dict[str, list[int]]) -> dict[str, int]:
+        """``accepted``: request id -> the tokens the step accepted for it (its accepted drafts, then the target's
+        token). Ingests committed rows, rolls back rejected ones, counts; returns request id -> rows rolled back."""
+        rolled = {}
+        multiple = None
+        for c, rows in zip(plan.chunks, forward.seqs):
+            r = c.request
+            end = r.num_computed_tokens + c.num_tokens  # one past the position of the chunk's last row
+            committed = end
+            if c.num_drafts:
+                n_acc = len(accepted[r.request_id]) - 1
+                committed = end - c.num_drafts + n_acc
+                self.stats.spec_counted(c.num_drafts, n_acc)
+            self._ingest(r, forward, rows.rows, end, committed)
+            if c.num_drafts:
+                multiple = multiple or r.kv.cache.rollback_multiple
+                keep = committed - committed % multiple
+                r.kv.rollback(keep, r.all_token_ids + accepted[r.request_id])
+                rolled[r.request_id] = end - keep
+        return rolled
+
+    def _ingest(self, r: Request, forward: ForwardOutput, rows: slice, end: int, committed: int) -> None:
+        """The rows of ``r``'s chunk (``rows`` of the forward's output: its last ones, ending at position
+        ``end`` - 1) at positions before ``committed`` and after what the rings hold."""
+        if not forward.taps:
+            return
+        if r.draft_state is None:
+            r.draft_state = self.mtp.new_state()
+        n = rows.stop - rows.start
+        first = end - n
+        lo = max(first, r.draft_state.last_position + 1)
+        if lo >= committed:
+            return
+        pick = slice(rows.start + lo - first, rows.start + committed - first)
+        taps = {layer: forward.taps[layer][pick] for layer in self.model.cfg.dspark_target_layer_ids}
+        self.mtp.ingest(taps, torch.arange(lo, committed), r.draft_state)
+
+    @torch.no_grad()
+    def propose(self, requests: list[Request]) -> None:
+        """Drafts for each running request's next step (``Request.draft_token_ids``), from its last committed
+        position, every request's block in one batched pass; a request whose rings do not reach it (or with a
+        grammar) drafts nothing."""
+        cfg, ready = self.model.cfg, []
+        for r in requests:
+            r.draft_token_ids = []
+            p = r.num_tokens - 2  # the last position through the model; the token after it is the target's
+            if r.grammar is not None or r.draft_state is None or r.draft_state.last_position != p:
+                continue
+            if p + 1 + cfg.dspark_block_size <= cfg.max_position_embeddings:
+                ready.append(r)
+        if not ready:
+            return
+        drafts, _ = self.mtp.propose_batch(
+            [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in ready],
+            [r.num_tokens - 2 for r in ready],
+            [r.draft_state for r in ready],
+            self.model.embed,
+            self.model.head,
+        )
+        for r, d in zip(ready, drafts[:, : self.k].tolist()):  # the host reads the drafts: they feed the next plan
+            r.draft_token_ids = d
