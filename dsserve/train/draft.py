@@ -456,10 +456,20 @@ def _save_state(path: str, model, opt, curve: list, step: int) -> None:
     os.replace(path + ".tmp", path)
 
 
-def train_draft(cfg: DraftConfig, out_dir: str | None, resume: str = "", eval_only: bool = False, log=print) -> dict:
+def train_draft(
+    cfg: DraftConfig,
+    out_dir: str | None,
+    resume: str = "",
+    eval_only: bool = False,
+    examples_path: str = "",
+    pass_only: bool = False,
+    log=print,
+) -> dict:
     """Train (module docstring), then under ``out_dir``: draft_state.pt (resumable), checkpoint/ (``ship``),
     draft.json (this summary) and draft_loss.png, and the held-out ``acceptance`` of the shipped checkpoint.
-    ``eval_only``: no training; with ``resume`` ship that state's drafter, else measure ``cfg.init``'s own."""
+    ``eval_only``: no training; with ``resume`` ship that state's drafter, else measure ``cfg.init``'s own.
+    ``examples_path``: the backbone pass's output, read if it exists, else written there (``pass_only``: then
+    stop); a pass depends only on the backbone, the seed and the problem settings."""
     from ..models.loader import load_model, resolve_config
     from ..models.presets import model_dir
     from .tasks import retrieval_distance
@@ -482,19 +492,28 @@ def train_draft(cfg: DraftConfig, out_dir: str | None, resume: str = "", eval_on
     if not eval_only:
         model.train()
         t0 = time.perf_counter()
-        examples = training_examples(model, tokenizer, cfg, min_back, log)
+        if examples_path and os.path.exists(examples_path):
+            examples = torch.load(examples_path, weights_only=False)
+            log(f"backbone pass: {len(examples)} problems read from {examples_path}")
+        else:
+            examples = training_examples(model, tokenizer, cfg, min_back, log)
+            if examples_path:
+                torch.save(examples, examples_path)
+        if pass_only:
+            return {"examples": len(examples), "path": examples_path}
         backbone_s = time.perf_counter() - t0
         blocks = sum(int(e.anchors.numel()) for e in examples)
         log(f"backbone pass: {len(examples)} problems, {blocks} blocks, {backbone_s:.0f} s")
         rng = random.Random(f"draft-batches/{cfg.seed}/{step0}")
+        # a resumed run starts its own schedule (warm-up, cosine over its steps or clock); its curve goes on
         order, t1, seconds0 = [], time.perf_counter(), curve[-1]["seconds"] if curve else 0.0
-        for step in range(step0, cfg.steps):
-            elapsed = time.perf_counter() - t1 + seconds0
-            progress = max(step / cfg.steps, elapsed / cfg.time_limit if cfg.time_limit else 0.0)
+        for step in range(step0, step0 + cfg.steps):
+            elapsed = time.perf_counter() - t1
+            progress = max((step - step0) / cfg.steps, elapsed / cfg.time_limit if cfg.time_limit else 0.0)
             if progress >= 1:
                 step -= 1
                 break
-            lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * progress))
+            lr = cfg.lr * min(1.0, (step - step0 + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * progress))
             for g in opt.param_groups:
                 g["lr"] = lr
             if len(order) < cfg.batch:
@@ -515,13 +534,13 @@ def train_draft(cfg: DraftConfig, out_dir: str | None, resume: str = "", eval_on
                         "conf_bce": float(out["conf_bce"].detach()),
                         "agree": [round(float(a), 4) for a in out["agree"]],
                         "lr": lr,
-                        "seconds": elapsed,
+                        "seconds": seconds0 + elapsed,
                     }
                 )
                 log(
                     f"step {step}  ce {curve[-1]['ce']:.3f}  conf {curve[-1]['conf_bce']:.3f}  agree "
                     + " ".join(f"{a:.2f}" for a in curve[-1]["agree"])
-                    + f"  {elapsed:.0f} s"
+                    + f"  {seconds0 + elapsed:.0f} s"
                 )
             if out_dir and cfg.save_every and (step + 1) % cfg.save_every == 0:
                 _save_state(os.path.join(out_dir, "draft_state.pt"), model, opt, curve, step + 1)
@@ -533,7 +552,8 @@ def train_draft(cfg: DraftConfig, out_dir: str | None, resume: str = "", eval_on
         "resumed_from": resume or None,
         "backbone_pass_seconds": backbone_s,
         "train_seconds": (curve[-1]["seconds"] if curve else 0.0) if eval_only else time.perf_counter() - t1,
-        "steps_run": step + 1,
+        "steps_run": 0 if eval_only else step + 1 - step0,
+        "steps_total": step0 if eval_only else step + 1,
         "blocks": sum(int(e.anchors.numel()) for e in examples) if examples else None,
         "min_back": min_back,
         "curve": curve,
@@ -601,6 +621,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mix", default=",".join(f"{t}={w}" for t, w in d.mix))
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--resume", default="", help="a draft_state.pt to go on from (same data, same seed)")
+    p.add_argument("--examples", default="", help="the backbone pass's output: read if present, else written")
+    p.add_argument("--pass-only", action="store_true", help="only the backbone pass (to --examples)")
     p.add_argument(
         "--eval-only",
         action="store_true",
@@ -613,11 +635,17 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     try:
-        args = {k: v for k, v in vars(a).items() if k not in ("out", "mix", "threads", "resume", "eval_only")}
+        args = {
+            k: v
+            for k, v in vars(a).items()
+            if k not in ("out", "mix", "threads", "resume", "eval_only", "examples", "pass_only")
+        }
         cfg = DraftConfig(**args, mix=parse_mix(a.mix))
         if cfg.problems < 1 or cfg.batch < 1 or cfg.steps < 1 or cfg.warmup < 1 or not cfg.lr > 0:
             raise ValueError("problems, batch, steps and warmup must be >= 1 and lr > 0")
-        summary = train_draft(cfg, a.out, a.resume, a.eval_only, log=lambda s: print(s, flush=True))
+        summary = train_draft(
+            cfg, a.out, a.resume, a.eval_only, a.examples, a.pass_only, log=lambda s: print(s, flush=True)
+        )
     except ValueError as e:
         print(f"dsserve.train.draft: error: {e}", file=sys.stderr)
         return 2

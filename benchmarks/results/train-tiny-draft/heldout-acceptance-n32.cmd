@@ -1,0 +1,1 @@
+python -m dsserve.train.draft --eval-only --heldout-n 32 --threads 1 --out /tmp/st_runs/builtin-eval32

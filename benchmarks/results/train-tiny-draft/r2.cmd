@@ -1,0 +1,1 @@
+python -m dsserve.train.draft --seed 1 --problems 400 --examples /tmp/st_runs/examples-s1.pt --resume /tmp/st_runs/draft-r1/draft_state.pt --lr 1e-3 --warmup 10 --steps 100000 --time-limit 1080 --heldout-n 16 --threads 1 --save-every 50 --out /tmp/st_runs/draft-r2
