@@ -5,6 +5,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 
@@ -31,8 +32,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(model: str = "tiny", args=SERVER_ARGS, env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    """A `dsserve serve` process (output on its stdout pipe) and its base URL, once /health answers 200."""
+def spawn(
+    model: str = "tiny", args=SERVER_ARGS, env: dict | None = None, drain: bool = True
+) -> tuple[subprocess.Popen, str]:
+    """A `dsserve serve` process and its base URL, once /health answers 200. ``drain``: a thread reads the server's
+    output into ``proc.lines`` as it comes (a full pipe would block a server that logs a traceback, and the test
+    waiting on it would hang instead of failing); False leaves it on ``proc.stdout`` for the caller to read."""
     port = free_port()
     if "--device" not in args:  # the tests compare with fp64 oracles, which the GPU's kernels do not take
         args = [*args, "--device", "cpu"]
@@ -45,6 +50,10 @@ def spawn(model: str = "tiny", args=SERVER_ARGS, env: dict | None = None) -> tup
         env={**os.environ, **(env or {})},
     )
     base = f"http://127.0.0.1:{port}"
+    if drain:
+        proc.lines = []
+        proc.reader = threading.Thread(target=lambda: proc.lines.extend(proc.stdout), daemon=True)
+        proc.reader.start()
     try:
         wait_up(proc, base)
     except BaseException:
@@ -63,9 +72,17 @@ def wait_up(proc: subprocess.Popen, base: str, timeout: float = 600) -> None:
         except httpx.HTTPError:
             pass
         if proc.poll() is not None:
-            raise RuntimeError("server died:\n" + proc.stdout.read())
+            raise RuntimeError("server died:\n" + output(proc))
         time.sleep(0.1)
     raise RuntimeError("server did not come up")
+
+
+def output(proc: subprocess.Popen) -> str:
+    """Everything the server wrote, once it has exited."""
+    if hasattr(proc, "reader"):
+        proc.reader.join(10)
+        return "".join(proc.lines)
+    return proc.stdout.read()
 
 
 @contextmanager
@@ -84,7 +101,7 @@ def live_server(model: str = "tiny", args=SERVER_ARGS, log: list | None = None):
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
-    out = proc.stdout.read()
+    out = output(proc)
     if code != 0:
         raise RuntimeError(f"server exited {code} after SIGTERM:\n" + out)
     if log is not None:

@@ -225,7 +225,8 @@ def build_app(
         return session, int(pin) if dp > 1 else None
 
     async def run(choices, body, session_id: str | None, rank: int | None = None):
-        if body.kv_transfer_params and len(choices) > 1:
+        kt = getattr(body, "kv_transfer_params", None)  # a P/D hand-off (OpenAI routes; /v1/messages has none)
+        if kt and len(choices) > 1:
             raise ApiError(
                 400, "kv_transfer_params take one prompt and n=1 (a hand-off is one request's KV)", param="n"
             )
@@ -239,7 +240,6 @@ def build_app(
             for i, (ids, params) in enumerate(choices):
                 if params.seed is not None and body.n > 1:  # n samples, not n copies of one
                     params = dataclasses.replace(params, seed=params.seed + i % body.n)
-                kt = body.kv_transfer_params
                 sink = engine.submit(
                     f"{rid}-{i}", ids, params, body.priority, body.cache_salt, session_id, rank=rank, kv_transfer=kt
                 )

@@ -27,7 +27,9 @@ SHUTDOWN_TIMEOUT = 2
 @pytest.fixture(scope="module")
 def keyed():
     """A server with its key in $DSSERVE_API_KEY and --shutdown-timeout 2; its log lines up to "ready"."""
-    proc, base = spawn(args=[*SERVER_ARGS, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)], env={"DSSERVE_API_KEY": KEY})
+    proc, base = spawn(
+        args=[*SERVER_ARGS, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)], env={"DSSERVE_API_KEY": KEY}, drain=False
+    )
     log = []
     while not log or "ready:" not in log[-1]:
         log.append(proc.stdout.readline())
