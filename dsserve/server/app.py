@@ -250,7 +250,7 @@ def build_app(
             if engine.metrics is not None:
                 engine.metrics.forget_requests([f"{rid}-{i}" for i in range(len(sinks), len(choices))])
             raise ApiError(503, str(e), "service_unavailable") from None
-        if (body.kv_transfer_params or {}).get("transfer_id"):
+        if (kt or {}).get("transfer_id"):
             sinks = await loaded(sinks)
         return sinks
 
