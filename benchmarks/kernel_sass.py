@@ -101,13 +101,17 @@ def compile_down_a8(bm: int, bn: int, bk: int, warps: int, stages: int, swap: bo
     return _compile(A._down_a8_kernel, sig, const, warps, stages)
 
 
-def compile_w8a8(n_k: tuple, bm: int, bn: int, bk: int, k_tiles: int, split: int, swap: bool, warps: int, stages: int):
-    """fp8_linear's W8A8 kernel on a [N, K] = n_k weight (32x32 blocks, act groups of 32)."""
-    sig = {"q_ptr": "*u8", "qs_ptr": "*fp32", "w_ptr": "*u8", "s_ptr": "*u8", "o_ptr": "*bf16", "part_ptr": "*fp32"}
+def compile_w8a8(
+    n_k: tuple, bm: int, bn: int, bk: int, k_tiles: int, split: int, swap: bool, warps: int, stages: int, fuse=False
+):
+    """fp8_linear's W8A8 kernel on a [N, K] = n_k weight (32x32 blocks, act groups of 32); fuse: the activation
+    quantisation inside (bf16 rows in)."""
+    sig = {"q_ptr": "*bf16" if fuse else "*u8", "qs_ptr": "*bf16" if fuse else "*fp32", "w_ptr": "*u8"}
+    sig.update({"s_ptr": "*u8", "o_ptr": "*bf16", "part_ptr": "*fp32"})
     sig.update({"cnt_ptr": "*i32", "M": "i32", "N": "i32", "sqm": "i32", "ssm": "i32", "ssg": "i32", "som": "i32"})
     sig["sos"] = "i32"
     const = {"K": n_k[1], "BLOCK": 32, "G": 32, "BM": bm, "BN": bn, "BK": bk, "K_TILES": k_tiles, "SPLIT": split}
-    const.update({"SWAP": swap, "GROUP_N": 0})
+    const.update({"SWAP": swap, "GROUP_N": 0, "FUSE_Q": fuse})
     return _compile(F._w8a8_kernel, sig, const, warps, stages)
 
 
@@ -171,11 +175,13 @@ def main():
         print(f"{key}: {n:5d} instructions a K step, {per:.2f} a weight, {top}", flush=True)
     # W8A8 dense (fp8_linear): decode tile on wq_a (BM 8 swapped, BN 64, BK 128, split K); 1 byte a weight, no
     # conversion: the loop is loads, wgmma and the per-32 rescale
-    ops = k_loop(sass_lines(compile_w8a8((1280, 5120), 8, 64, 128, 4, 10, True, 4, 4)))
-    n = sum(ops.values())
-    top = dict(sorted(ops.items(), key=lambda kv: -kv[1])[:10])
-    rows["w8a8 BM=8 BN=64 BK=128 swap=True"] = {"loop_instructions": n, "per_weight": n / (64 * 128 / 128), "top": top}
-    print(f"w8a8 BM=8 BN=64 BK=128 swap: {n:5d} instructions a K step, {n / 64:.2f} a weight, {top}", flush=True)
+    for fuse in (False, True):
+        ops = k_loop(sass_lines(compile_w8a8((1280, 5120), 8, 64, 128, 4, 10, True, 4, 4, fuse)))
+        n = sum(ops.values())
+        top = dict(sorted(ops.items(), key=lambda kv: -kv[1])[:10])
+        key = f"w8a8 BM=8 BN=64 BK=128 swap=True{' fused quant' if fuse else ''}"
+        rows[key] = {"loop_instructions": n, "per_weight": n / (64 * 128 / 128), "top": top}
+        print(f"{key}: {n:5d} instructions a K step, {n / 64:.2f} a weight, {top}", flush=True)
     builds = {}  # the other new kernels: does each build for sm_90, and does it use fp8 wgmma (QGMMA)?
     for key, fn in (
         ("w4a8 down BM=8 BN=64 BK=256 swap", lambda: compile_down_a8(8, 64, 256, 4, 4, True)),

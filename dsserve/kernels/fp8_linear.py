@@ -41,6 +41,10 @@ from ..layers.quant import dequant_fp8_block, fake_quant_fp8_pow2, quant_fp8_blo
 from .dequant import _e8m0, dequant_fp8
 from .split_k import store_split, tile_counters
 
+# W8A8 with config fuse_quant (<= 8 rows): each program quantises the activation groups it reads, one launch fewer a
+# projection but 9.1 instead of 4.1 instructions a weight byte in the K loop (offline sm_90 SASS, wq_a decode tile:
+# the row maxima cross threads). Off by default (0 rows) until the H200 says which wins (benchmarks/w4a8_h200.py).
+FUSE_QUANT_ROWS = 0
 IN_KERNEL_SPLIT_ROWS = 16  # split-K partials summed in the kernel up to this many rows (see fp8_linear),
 # and up to 64 rows for weights of >= 2048 output columns: at 24-64 rows the decode step's projections took 5-10%
 # less in all (131.9 vs 147.1 us at 32 rows), the wide ones up to 22% less, the narrow (wkv, wq_a) up to 30% more
@@ -124,27 +128,34 @@ def _w8a16_kernel(
 
 
 @triton.jit
+def _quant_group(x):
+    """fp32 [R, G] -> (e4m3 [R, G], fp32 scales [R]): the release's act_quant of each row,
+    s = 2^ceil(log2(max(amax, 1e-4) / 448)) (from the bits of the correctly rounded quotient, as pow2_ceil does),
+    q = e4m3(clamp(x / s, +-448)) with RNE onto the e4m3 grid by hand (ulp 2^(exp-3), 2^-9 for subnormals): the
+    Triton interpreter's fp32->e4m3 cast drops a rounding carry into the exponent (7.99 -> 4); on the grid every
+    cast is exact."""
+    bits = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4), 448.0).to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1/s, exact: x * inv == x / s
+    v = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
+    ue = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121) - 3
+    y = v * ((254 - ue) << 23).to(tl.float32, bitcast=True)
+    v = ((y + 12582912.0) - 12582912.0) * (ue << 23).to(tl.float32, bitcast=True)  # 1.5 * 2^23: rint for |y| < 2^22
+    return v.to(tl.float8e4nv), (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _act_quant_kernel(
     x_ptr, q_ptr, s_ptr, M, sxm, sqm, ssm, ssg, G: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr = False
 ):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     kk = tl.program_id(1) * G + tl.arange(0, G)
     x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=rm[:, None] < M, other=0.0).to(tl.float32)
-    # s = 2^ceil(log2(max(amax, 1e-4) / 448)) from the bits of the correctly rounded quotient, as pow2_ceil does
-    bits = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4), 448.0).to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1/s, exact: x * inv == x / s
-    v = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
-    # RNE onto the e4m3 grid by hand (ulp 2^(exp-3), 2^-9 for subnormals): the Triton interpreter's fp32->e4m3
-    # cast drops a rounding carry into the exponent (7.99 -> 4); on the grid every cast is exact.
-    ue = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121) - 3
-    y = v * ((254 - ue) << 23).to(tl.float32, bitcast=True)
-    v = ((y + 12582912.0) - 12582912.0) * (ue << 23).to(tl.float32, bitcast=True)  # 1.5 * 2^23: rint for |y| < 2^22
-    q = v.to(tl.float8e4nv)
+    q, s = _quant_group(x)
     if SPLIT:  # channel c of the group at (c % 2) * G/2 + c // 2: even channels first, then odd ones
         kk = tl.program_id(1) * G + (kk % 2) * (G // 2) + (kk % G) // 2
     tl.store(q_ptr + rm[:, None] * sqm + kk[None, :], q.to(tl.uint8, bitcast=True), mask=rm[:, None] < M)
-    tl.store(s_ptr + rm * ssm + tl.program_id(1) * ssg, (e << 23).to(tl.float32, bitcast=True), mask=rm < M)
+    tl.store(s_ptr + rm * ssm + tl.program_id(1) * ssg, s, mask=rm < M)
 
 
 @triton.jit
@@ -185,7 +196,10 @@ def _w8a8_kernel(
     SPLIT: tl.constexpr,
     SWAP: tl.constexpr,
     GROUP_N: tl.constexpr = 0,
+    FUSE_Q: tl.constexpr = False,
 ):
+    """FUSE_Q: q_ptr holds the float rows x themselves (row stride sqm) and each program quantises the 32-wide
+    groups it reads (G = 32): no act_quant launch, at a few instructions a row element (decode: <= 8 rows)."""
     KS: tl.constexpr = (K + BLOCK - 1) // BLOCK
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -208,11 +222,16 @@ def _w8a8_kernel(
             if not EVEN:
                 am, bm_ = am & (kk[None, :] < K), bm_ & (kk[None, :] < K)
                 sam, sbm = sam & (rm * 0 + k0 < K), sbm & (rn * 0 + k0 < K)
-            a = tl.load(q_ptr + rm[:, None] * sqm + kk[None, :], mask=am, other=0)
+            if FUSE_Q:
+                a, sa = _quant_group(
+                    tl.load(q_ptr + rm[:, None] * sqm + kk[None, :], mask=am, other=0.0).to(tl.float32)
+                )
+            else:
+                a = tl.load(q_ptr + rm[:, None] * sqm + kk[None, :], mask=am, other=0).to(tl.float8e4nv, bitcast=True)
+                sa = tl.load(qs_ptr + rm * ssm + (k0 // G) * ssg, mask=sam, other=0.0)
             b = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=bm_, other=0)
-            sa = tl.load(qs_ptr + rm * ssm + (k0 // G) * ssg, mask=sam, other=0.0)
             sb = _e8m0(tl.load(s_ptr + (rn // BLOCK) * KS + k0 // BLOCK, mask=sbm, other=127))
-            acc = group_dot(acc, a.to(tl.float8e4nv, bitcast=True), sa, b.to(tl.float8e4nv, bitcast=True), sb, SWAP)
+            acc = group_dot(acc, a, sa, b.to(tl.float8e4nv, bitcast=True), sb, SWAP)
     if SWAP:
         acc = tl.trans(acc)
     if SPLIT == 1:  # the output, or (sos > 0) this program's split of partials that torch sums afterwards
@@ -382,7 +401,8 @@ def _w8a8(x, w_q, w_s, block, act_group, groups, group_n, cfg):
         from .rowwise import fake_quant_fp8_pow2 as fq
 
         return _product(fq(x, act_group), dequant_fp8(w_q, w_s, block, x.dtype), groups)
-    q, qs = act_quant_rows(x, act_group)
+    fuse = cfg.get("fuse_quant", m <= FUSE_QUANT_ROWS) and act_group == 32 and m <= 8
+    q, qs = (x, x) if fuse else act_quant_rows(x, act_group)
     small = m <= 64
     swap = cfg.get("SWAP", m < 64)
     bm = cfg.get("BM", min(128, max(8 if swap else 16, triton.next_power_of_2(m))))  # rows: the MMA's N if swapped
@@ -422,6 +442,7 @@ def _w8a8(x, w_q, w_s, block, act_group, groups, group_n, cfg):
             SPLIT=in_kernel_split,
             SWAP=swap,
             GROUP_N=group_n,
+            FUSE_Q=fuse,
             num_warps=cfg.get("num_warps", 4 if bm * bn <= 64 * 64 else 8),
             num_stages=cfg.get("num_stages", 4 if small else 3),
         )

@@ -133,6 +133,10 @@ def test_w8a8_split_k_and_swap_match_ref(monkeypatch, m, n, k, groups, config):
     out = F.fp8_linear(x, w_q, w_s, 32, act_quant=True, groups=groups, config=config)
     assert out.shape == (m, n) and out.isfinite().all()
     assert rel(out, F.fp8_linear_w8a8_ref(x, w_q, w_s, 32, groups=groups)) < 1e-5
+    # the quantisation inside the product kernel (<= 8 rows) or by its own launch: the same bytes, the same sums
+    for fuse in (True, False):
+        cfg = dict(config or {}, fuse_quant=fuse)
+        assert torch.equal(F.fp8_linear(x, w_q, w_s, 32, act_quant=True, groups=groups, config=cfg), out)
 
 
 @pytest.mark.parametrize("groups", [1, 2])
