@@ -747,7 +747,7 @@ class EngineCore:
             return failed
         self.stats.admitted(plan)
         self.drafter.before(plan)
-        sampling, logits = self.runner.execute(plan)
+        sampling, logits = self.executor.execute(plan)  # a LocalExecutor: drafts are refused with TP / DP
         self._count_runs()
         drafts = [c.draft_token_ids for c in plan.chunks if c.samples]
         verdict = self.rejection_sampler(logits.float(), sampling, drafts) if sampling else None
