@@ -141,6 +141,7 @@ class RankLoop:
     def __init__(self, rank: int, core: EngineCore, conn):
         self.rank, self.core, self.conn = rank, core, conn
         self.lockstep: Lockstep | None = core.lockstep
+        self.eplb_version = -1  # of the last EplbReport sent
 
     def active(self) -> bool:
         return self.lockstep.awake if self.lockstep is not None else self.core.has_unfinished_requests()
@@ -187,7 +188,15 @@ class RankLoop:
         return True
 
     def send(self, outs: list, failed: list, expert_rows: list = ()) -> None:
-        self.conn.send(RankOutputs(self.rank, outs, self.load(), failed, list(expert_rows)))
+        self.conn.send(RankOutputs(self.rank, outs, self.load(), failed, list(expert_rows), self.eplb_report()))
+
+    def eplb_report(self):
+        """The EPLB figures (``eplb.EplbReport``) when they changed since the last message; None otherwise."""
+        eplb = self.lockstep.eplb if self.lockstep is not None else None
+        if eplb is None or eplb.version == self.eplb_version:
+            return None
+        self.eplb_version = eplb.version
+        return eplb.report()
 
     def load(self) -> RankLoad:
         core, ls = self.core, self.lockstep
