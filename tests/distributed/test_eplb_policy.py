@@ -146,6 +146,21 @@ def test_replicas_share_a_hot_expert_and_the_choice_is_deterministic():
     assert torch.equal(torch.tensor(m.phy2log)[slots], ids)  # every pair runs on a replica of its own expert
 
 
+def test_each_rank_splits_every_expert_exactly_over_its_replicas():
+    g = torch.Generator().manual_seed(1)
+    phy2log = [0, 1, 2, 0, 3, 0, 1, 4]  # expert 0 on three slots, 1 on two
+    m = ReplicaMap(phy2log, 5)
+    for rank in range(4):
+        ids = torch.randint(0, 5, (37, 2), generator=g)
+        slots = m.route(ids, ep_rank=rank)
+        assert torch.equal(torch.tensor(phy2log)[slots], ids)
+        per_slot = torch.bincount(slots.reshape(-1), minlength=8)
+        for ex, replicas in ((0, [0, 3, 5]), (1, [1, 6])):
+            got = per_slot[replicas]
+            assert got.sum() == (ids == ex).sum() and got.max() - got.min() <= 1, (rank, ex, got)
+    assert m.route(torch.zeros(0, 2, dtype=torch.long)).shape == (0, 2)  # an idle forward
+
+
 def test_the_recorder_counts_per_step_in_a_ring():
     rec = ExpertLoad(n_layers=2, n_experts=4, n_slots=6, ep_size=2, window=3)
     for step in range(5):
