@@ -56,7 +56,9 @@ class Lockstep:
         self.sync_seconds = self.idle_seconds = 0.0  # in the summaries' gather, and in idle forwards
         self.moes = [b.ffn for b in core.model.layers if isinstance(b.ffn, ExpertParallelMoE)]
         self._rows = [m.dispatcher.rows_received for m in self.moes]
-        if uniform_routing:
+        if uniform_routing and eplb is not None:  # before the replica map and the load recorder: EPLB's own hook
+            eplb.uniform_routing(seed=100_000 * eplb.rank)
+        elif uniform_routing:
             for m in self.moes:
                 _route_uniformly(m)
 
