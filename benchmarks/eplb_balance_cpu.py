@@ -1,6 +1,6 @@
 """EPLB balance on the built-in model's routing at simulated EP sizes 2, 8 and 32, target and DSpark draft (CPU).
 
-    python benchmarks/eplb_balance_cpu.py [--problems 14] [--out benchmarks/results/eplb-balance-cpu]
+    python benchmarks/eplb_balance_cpu.py [--problems 12] [--out benchmarks/results/eplb-balance-cpu]
 
 The built-in model (tiny-trained: 8 experts top-2, drafter 4 experts top-2) routes problems of its tasks
 (arithmetic, retrieval, chat; ``train`` split for the load window, ``eval`` split for the measured steps, so the
@@ -11,9 +11,11 @@ live replica choice). Per EP size: balance (mean / max tokens per rank, summed o
 steps) and over the whole evaluation, for the contiguous placement without redundancy ("none"), EPLB's placement
 from the window with one (and two) redundant slots a rank ("eplb"; also without redundancy, "eplb_r0"), and the
 same steps with uniformly random routing ("uniform", the balanced reference); the share of the gap recovered is
-(eplb - none) / (uniform - none). Transfer bytes per rebalance: the moves' count times one expert's bytes at the
-release's size (MXFP4, 3 x 5120 x 2304 x 0.53125 B), the first rebalance (from the initial placement) and a
-steady-state one (window A -> window B).
+(eplb - none) / (uniform - none). "oracle": the policy given the evaluation's own load (what a window that predicted
+it exactly would reach); ``eplb_expected_balance``: EPLB's placement's expected balance on the window's load and on
+the evaluation's (their difference is the window's prediction error, not the packing's). Transfer bytes per
+rebalance: the moves' count times one expert's bytes at the release's size (MXFP4, 3 x 5120 x 2304 x 0.53125 B),
+the first rebalance (from the initial placement) and a steady-state one (window A -> window B).
 """
 
 from __future__ import annotations
@@ -27,18 +29,15 @@ import torch
 
 from dsserve.bench.provenance import run_meta
 from dsserve.distributed.eplb import layer_balance
-from dsserve.distributed.eplb_policy import initial_layer, place
+from dsserve.distributed.eplb_policy import initial_layer, place, rank_loads
 from dsserve.distributed.eplb_sim import expert_load, record_routing, scale_experts, simulate, steps_of
 from dsserve.distributed.eplb_transfer import plan_layer
 
 RELEASE_EXPERT_BYTES = int(3 * 5120 * 2304 * 0.53125)  # one MXFP4 expert with its scales: 18.8 MB
 SCALE = {"target": 12, "draft": 8}  # 8 -> 96 (384 / 4), 4 -> 32 (128 / 4)
 EP_SIZES = (2, 8, 32)
-MIN_GAINS = (0.0, 0.005, 0.02)
-REDUNDANT_PER_RANK = (
-    1,
-    2,
-)  # redundant slots a rank (the figure shows 1)  # a steady rebalance's moves with each --eplb-min-gain
+MIN_GAINS = (0.0, 0.005, 0.02)  # a steady rebalance's moves with each --eplb-min-gain
+REDUNDANT_PER_RANK = (1, 2)  # redundant slots a rank (the figure shows 1)
 MAX_TOKENS = 256  # a chat problem is ~1000 tokens: its first 256 (the CPU budget)
 
 
@@ -73,11 +72,19 @@ def run_case(name, train, evalr, ep, redundant, slots, chunk, n_window, n_eval):
         str(g): moves(a, place(expert_load(second_half, e).tolist(), ep, redundant, old=a, min_gain=g), ep)
         for g in MIN_GAINS
     }
+    eval_load = expert_load(ev, e).tolist()
     runs = {
         "none": simulate(ev, none, e, ep),
         "eplb": simulate(ev, eplb, e, ep),
         "eplb_r0": simulate(ev, eplb_r0, e, ep),
+        "oracle": simulate(ev, place(eval_load, ep, redundant), e, ep),
         "uniform": simulate(ev, none, e, ep, uniform_seed=0),
+    }
+    # the placement's expected balance (each expert's load split evenly over its replicas) on the window's load,
+    # which it was made for, and on the evaluation's: the difference is what the window does not predict
+    expected = {
+        name: float(layer_balance(torch.tensor([rank_loads(row, p, ep) for row, p in zip(ld, eplb)])))
+        for name, ld in (("window_load", load), ("eval_load", eval_load))
     }
     step = {k: float(layer_balance(v).mean()) for k, v in runs.items()}
     window = {k: float(layer_balance(v.sum(0))) for k, v in runs.items()}
@@ -102,6 +109,8 @@ def run_case(name, train, evalr, ep, redundant, slots, chunk, n_window, n_eval):
         "balance_window": window,
         "gap_recovered_step": gap(step),
         "gap_recovered_window": gap(window),
+        "gap_recovered_step_oracle": (step["oracle"] - step["none"]) / (step["uniform"] - step["none"]),
+        "eplb_expected_balance": expected,
         "balance_window_per_layer": per_layer,
         "moves_first_rebalance": first,
         "moves_steady_rebalance_by_min_gain": steady,
@@ -142,7 +151,7 @@ def plot(results, path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--problems", type=int, default=6, help="problems per task and split")
+    ap.add_argument("--problems", type=int, default=12, help="problems per task and split")
     ap.add_argument("--draft-every", type=int, default=8, help="a draft block every that many positions")
     ap.add_argument("--out", default="benchmarks/results/eplb-balance-cpu")
     args = ap.parse_args()
@@ -173,7 +182,10 @@ def main():
                 f"{name:6s} EP{ep:<3d} {r['experts']}+{r['redundant']} slots: per step none "
                 f"{r['balance_step']['none']:.3f} eplb {r['balance_step']['eplb']:.3f} (r0 "
                 f"{r['balance_step']['eplb_r0']:.3f}) uniform {r['balance_step']['uniform']:.3f} -> "
-                f"{100 * r['gap_recovered_step']:.1f}% of the gap; window {100 * r['gap_recovered_window']:.1f}%; "
+                f"{100 * r['gap_recovered_step']:.1f}% of the gap (oracle {r['balance_step']['oracle']:.3f}, "
+                f"{100 * r['gap_recovered_step_oracle']:.1f}%); window {100 * r['gap_recovered_window']:.1f}%; "
+                f"expected on the window's load {r['eplb_expected_balance']['window_load']:.3f}, on the evaluation's "
+                f"{r['eplb_expected_balance']['eval_load']:.3f}; "
                 f"moves {r['moves_first_rebalance']} first, steady {r['moves_steady_rebalance_by_min_gain']}",
                 flush=True,
             )

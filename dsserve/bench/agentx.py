@@ -47,6 +47,7 @@ from .agentx_warmup import (  # noqa
     warm_up,
     write_series,
 )
+from .eplb_figures import eplb_figures, eplb_lines
 from .provenance import run_meta
 
 
@@ -425,6 +426,7 @@ async def _main(a) -> int:
                     "dp_replay": a.dp_replay,
                     "dp_rank_tokens": rank_tokens(point_records),
                     "ep_balance": ep_balance(rps[0].raw_before, rps[-1].raw_after),
+                    "eplb": eplb_figures(rps[0].raw_before, rps[-1].raw_after),
                     **{k: agg[k] for k in ("p90_ttft", "p90_intvty", "tput_per_gpu")},
                     "theoretical_hit": agg["request_metrics"]["cache"]["theoretical_cache_hit_rate"],
                     "server_hit": agg["server_metrics"]["cache"]["gpu_hit_rate"],
@@ -498,6 +500,8 @@ async def _main(a) -> int:
                 f"sum of maxes), worst layer {e['worst_layer']} at {e['per_layer'][str(e['worst_layer'])]:.3f}, "
                 f"{'-' if rows is None else f'{rows:.1f}'} rows per rank, layer and step"
             )
+        for line in eplb_lines(p["eplb"], f"conc {p['conc']} ") if p["eplb"] else ():
+            con.print(line)
     tier = M.tier_summary(aggs, a.tier_tok_s)
     con.print(
         f"tier {a.tier_tok_s:g} tok/s/user (P90 interactivity): "

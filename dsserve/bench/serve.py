@@ -22,6 +22,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from .eplb_figures import eplb_figures, eplb_lines
+
 METRICS = ("ttft", "tpot", "itl", "e2el")
 NAMES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)"}
 NAMES.update(itl="Inter-token Latency", e2el="End-to-end Latency")
@@ -247,6 +249,17 @@ def _print_table(res: dict, percentiles: list[float], shown: list[str]) -> None:
     Console(width=100, stderr=False).print(t)
 
 
+def _metrics_text(base: str, headers: dict) -> str:
+    """The server's /metrics text; empty when it has none."""
+    import httpx
+
+    try:
+        r = httpx.get(base + "/metrics", headers=headers, timeout=30)
+    except httpx.HTTPError:
+        return ""
+    return r.text if r.status_code == 200 else ""
+
+
 def run_bench_serve(ns) -> int:
     base = (ns.base_url or f"http://{ns.host}:{ns.port}").rstrip("/")
     chat = ns.backend == "openai-chat"
@@ -274,7 +287,9 @@ def run_bench_serve(ns) -> int:
         f"max concurrency {ns.max_concurrency}",
         file=sys.stderr,
     )
+    metrics_before = _metrics_text(base, headers)
     results, duration = asyncio.run(run_all(ns, url, chat, model, reqs, headers))
+    eplb = eplb_figures(metrics_before, _metrics_text(base, headers))
     res = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "backend": ns.backend,
@@ -285,6 +300,8 @@ def run_bench_serve(ns) -> int:
         "max_concurrency": ns.max_concurrency,
     }
     res.update(summarize(results, duration, percentiles))
+    if eplb is not None:  # a server with --enable-eplb: its balance figures over the run
+        res["eplb"] = eplb
     res.update(
         input_lens=[r.prompt_len for r in results],
         output_lens=[r.output_tokens for r in results],
@@ -293,6 +310,8 @@ def run_bench_serve(ns) -> int:
         errors=[r.error for r in results],
     )
     _print_table(res, percentiles, shown)
+    for line in eplb_lines(eplb) if eplb else ():
+        print(line)
     errors = [e for e in res["errors"] if e]
     if errors:
         print(f"{len(errors)} requests failed; first: {errors[0]}", file=sys.stderr)

@@ -151,6 +151,7 @@ class DPClient:
         self.router = DPRouter(self.dp_size, first.block_size, policy, slack)
         self.rank_loads = [RankLoad() for _ in range(self.dp_size)]
         self.ep_balance = EPBalance(self.dp_size)
+        self.eplb: dict[int, object] = {}  # rank -> its last eplb.EplbReport (--enable-eplb)
         self._owner: dict[str, int] = {}  # request id -> rank, while in flight
         self._failures: list[tuple[str, str]] = []
         self._resets: dict[int, bool] = {}
@@ -297,6 +298,8 @@ class DPClient:
                 self.rank_loads[msg.rank] = msg.load
                 for step, rows in msg.expert_rows:
                     self.ep_balance.add(msg.rank, step, rows)
+                if msg.eplb is not None:
+                    self.eplb[msg.rank] = msg.eplb
                 for rid, why in msg.failed:
                     if self._owner.pop(rid, None) is not None:
                         self.router.finished(msg.rank)

@@ -91,6 +91,7 @@ class RankOutputs:
     # EP: (lockstep step index, rows this rank's experts ran in each MoE layer at that step) for the forwards
     # since the last message
     expert_rows: list = field(default_factory=list)
+    eplb: object = None  # eplb.EplbReport (--enable-eplb) when it changed since this rank's last message, else None
 
 
 @dataclass(frozen=True)

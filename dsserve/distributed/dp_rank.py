@@ -56,7 +56,9 @@ class Lockstep:
         self.sync_seconds = self.idle_seconds = 0.0  # in the summaries' gather, and in idle forwards
         self.moes = [b.ffn for b in core.model.layers if isinstance(b.ffn, ExpertParallelMoE)]
         self._rows = [m.dispatcher.rows_received for m in self.moes]
-        if uniform_routing:
+        if uniform_routing and eplb is not None:  # before the replica map and the load recorder: EPLB's own hook
+            eplb.uniform_routing(seed=100_000 * eplb.rank)
+        elif uniform_routing:
             for m in self.moes:
                 _route_uniformly(m)
 
@@ -141,6 +143,7 @@ class RankLoop:
     def __init__(self, rank: int, core: EngineCore, conn):
         self.rank, self.core, self.conn = rank, core, conn
         self.lockstep: Lockstep | None = core.lockstep
+        self.eplb_version = -1  # of the last EplbReport sent
 
     def active(self) -> bool:
         return self.lockstep.awake if self.lockstep is not None else self.core.has_unfinished_requests()
@@ -187,7 +190,15 @@ class RankLoop:
         return True
 
     def send(self, outs: list, failed: list, expert_rows: list = ()) -> None:
-        self.conn.send(RankOutputs(self.rank, outs, self.load(), failed, list(expert_rows)))
+        self.conn.send(RankOutputs(self.rank, outs, self.load(), failed, list(expert_rows), self.eplb_report()))
+
+    def eplb_report(self):
+        """The EPLB figures (``eplb.EplbReport``) when they changed since the last message; None otherwise."""
+        eplb = self.lockstep.eplb if self.lockstep is not None else None
+        if eplb is None or eplb.version == self.eplb_version:
+            return None
+        self.eplb_version = eplb.version
+        return eplb.report()
 
     def load(self) -> RankLoad:
         core, ls = self.core, self.lockstep

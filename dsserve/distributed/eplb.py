@@ -13,8 +13,11 @@ they share the step counter, the trigger and the transfer queue (one chunk a bou
 taking turns).
 
 Balance is ``mean / max`` of the tokens each rank's experts run, per layer, aggregated over layers as
-``sum mean / sum max`` (vLLM's); ``figures`` holds it per step (the mean over the window's steps) and over the
-window, measured under the placement that ran, and the policy's prediction for the new placement on the same load.
+``sum mean / sum max`` (vLLM's). ``report()`` gives them per layer and over all layers (``EplbReport``, what the DP
+ranks send their front end for ``/metrics`` and the bench): per step (the mean over the window's steps) and over the
+window under the placement that ran, and at each rebalance the window before it (measured, and the old placement's
+expectation on its load), the new placement's expectation on the same load, and the first full window after its
+layers switched (measured).
 """
 
 from __future__ import annotations
@@ -57,6 +60,41 @@ class EplbConfig:
                 raise ParallelConfigError(f"eplb {name} must be >= 0, got {getattr(self, name)}")
 
 
+BALANCE_KINDS = {
+    "step": "per step, the mean over the window's steps, under the placement that ran",
+    "window": "over the window's steps summed, under the placement that ran",
+    "before": "the window that triggered the last rebalance, under the placement it replaced (measured)",
+    "before_predicted": "the placement the last rebalance replaced: its expected balance on that window's load",
+    "after_predicted": "the last rebalance's new placement: its expected balance on the same load",
+    "after": "the first full window after the last rebalance's layers switched (measured)",
+}
+
+
+@dataclass(frozen=True)
+class EplbFigures:
+    """One MoE model's figures (``model``: target or draft). ``balance``: kind (``BALANCE_KINDS``, those measured
+    so far) -> (all layers: sum mean / sum max, per layer: mean / max). Every rank holds the same values (they come
+    from all-reduced loads) but ``staging_peak``, its own."""
+
+    model: str
+    balance: dict[str, tuple[float, tuple[float, ...]]]
+    rebalances: int  # policy results that moved experts
+    bytes_moved_last: int  # over the group, by the last of them
+    bytes_moved_total: int
+    staging_peak: int  # the moved-weight buffer's peak on this rank
+    staging_bound: int  # its bound: one layer's slots of a rank
+
+
+@dataclass(frozen=True)
+class EplbReport:
+    """What an EP rank reports of its EPLB (``dp_protocol.RankOutputs.eplb``); ``version`` grows when it changes."""
+
+    version: int
+    steps: int  # step boundaries so far
+    steps_waited: int  # of those, the ones that ran a weight transfer chunk
+    models: tuple[EplbFigures, ...]
+
+
 def layer_balance(rank_load: torch.Tensor) -> torch.Tensor:
     """[..., L, EP] tokens per rank -> [...] balance over layers: sum_l mean_r / sum_l max_r (1 when empty)."""
     rank_load = rank_load.double()
@@ -75,10 +113,11 @@ class EplbModel:
         self.load = ExpertLoad(len(moes), n_experts, self.n_slots, ep_size, window, device)
         for i, moe in enumerate(moes):
             moe.load = self.load.layer(i)
-        self.figures: dict[str, float] = {}
+        self.balance: dict[str, tuple[float, tuple[float, ...]]] = {}  # EplbFigures.balance
+        self.after_from: int | None = None  # load steps from this index on ran the last rebalance's placement
         self.rebalances = 0
         self.switched: list[tuple[int, int]] = []  # (layer, step boundary) of every layer switch so far
-        self.last_bytes_moved = 0
+        self.last_bytes_moved = self.bytes_moved_total = 0
         self.staging_peak = 0
         self.staging_bound = self.n_slots // ep_size * expert_bytes(moes[0])
 
@@ -86,9 +125,35 @@ class EplbModel:
     def phy2log(self) -> list[tuple[int, ...]]:
         return [m.replicas.phy2log for m in self.moes]
 
-    def predicted(self, load: list[list[float]], phy2log: list[tuple[int, ...]]) -> float:
-        ranks = [eplb_policy.rank_loads(row, p, self.ep_size) for row, p in zip(load, phy2log)]
-        return float(layer_balance(torch.tensor(ranks)))
+    def predicted_layers(self, load, phy2log) -> tuple[float, tuple[float, ...]]:
+        """The expected balance (all layers, per layer) of placement ``phy2log`` on load ``[L, E]``."""
+        ranks = torch.tensor([eplb_policy.rank_loads(row, p, self.ep_size) for row, p in zip(load, phy2log)])
+        return float(layer_balance(ranks)), tuple(layer_balance(ranks[:, None, :]).tolist())
+
+    def measured(self, ranks: torch.Tensor) -> None:
+        """Refresh the measured kinds from the window's all-reduced ``[n, L, EP]`` rows (steps with none skipped)."""
+        ranks = ranks[ranks.sum((1, 2)) > 0]
+        if not ranks.shape[0]:
+            return
+        total = ranks.sum(0)
+        self.balance["step"] = (
+            float(layer_balance(ranks).mean()),
+            tuple(layer_balance(ranks[:, :, None]).mean(0).tolist()),
+        )
+        self.balance["window"] = float(layer_balance(total)), tuple(layer_balance(total[:, None]).tolist())
+        if self.after_from is not None and self.load.steps - self.load.filled() >= self.after_from:
+            self.balance["after"], self.after_from = self.balance["window"], None
+
+    def report(self) -> EplbFigures:
+        return EplbFigures(
+            self.name,
+            dict(self.balance),
+            self.rebalances,
+            self.last_bytes_moved,
+            self.bytes_moved_total,
+            self.staging_peak,
+            self.staging_bound,
+        )
 
 
 class Eplb:
@@ -112,6 +177,7 @@ class Eplb:
         self.policy_wait_s = 0.0  # time boundaries spent waiting for the policy thread
         self.skipped = 0  # triggers that found a rebalance still in flight
         self.chunks_total = 0  # transfer chunks queued over all rebalances
+        self.version = 0  # grows whenever report() would change
         self._force = False
 
     @classmethod
@@ -155,8 +221,10 @@ class Eplb:
                 break
             m.staging_peak = max(m.staging_peak, t.staging_peak)
             m.switched += t.switched
+            m.after_from = self.steps  # the steps ended after this boundary run the new placement everywhere
             self.transfers.pop(0)
         self.steps_waited += chunks > 0
+        self.version += chunks > 0
         self.max_chunks_per_step = max(self.max_chunks_per_step, chunks)
         due = self._force or self.steps % self.cfg.step_interval == 0
         if due:
@@ -178,20 +246,19 @@ class Eplb:
         loads = []
         for m in self.models:
             load = self._all_reduce(m.load.window_load().clone())
-            ranks = self._all_reduce(m.load.window_rank_load().clone())  # [n, L, EP]: rows each rank ran
-            if ranks.shape[0]:
-                m.figures["balance_step"] = float(layer_balance(ranks).mean())
-                m.figures["balance_window"] = float(layer_balance(ranks.sum(0)))
-                per_layer = layer_balance(ranks.sum(0)[:, None, :])
-                m.figures.update({f"balance_window_layer{i}": float(b) for i, b in enumerate(per_layer)})
+            m.measured(self._all_reduce(m.load.window_rank_load().clone()))  # [n, L, EP]: rows each rank ran
             loads.append(load.tolist())
+        self.version += 1
         return loads
 
     def _trigger(self) -> None:
         loads = self._measure()
         olds = [m.phy2log for m in self.models]
         for m, load, old in zip(self.models, loads, olds):
-            m.figures["predicted_before"] = m.predicted(load, old)
+            if any(map(any, load)):  # a model that ran no rows (a drafter not drafting) has no expectation
+                m.balance["before_predicted"] = m.predicted_layers(load, old)
+            if "window" in m.balance:
+                m.balance["before"] = m.balance["window"]
         cfg = self.cfg
         redundant = [cfg.num_redundant_experts, cfg.num_redundant_draft_experts]
 
@@ -210,8 +277,12 @@ class Eplb:
         self.policy_wait_s += time.perf_counter() - t0
         self._policy = None
         agree("the EPLB placement", repr(new), self.group)
+        self.version += 1
         for m, placement, load in zip(self.models, new, self._loads):
-            m.figures["predicted_after"] = m.predicted(load, placement)
+            if any(map(any, load)):
+                m.balance["after_predicted"] = m.predicted_layers(load, placement)
+            m.balance.pop("after", None)
+            m.after_from = self.steps  # no move: the next full window; else set again when the last layer switched
             plans = [
                 plan_layer(i, old, tuple(p), self.ep_size)
                 for i, (old, p) in enumerate(zip(m.phy2log, placement))
@@ -223,29 +294,13 @@ class Eplb:
             m.rebalances += 1
             self.chunks_total += t.chunks
             m.last_bytes_moved = t.bytes_moved
-            m.figures["bytes_moved_last"] = float(t.bytes_moved)
+            m.bytes_moved_total += t.bytes_moved
+            m.after_from = None
             self.transfers.append((m, t))
 
-    def gauges(self) -> list[tuple[str, dict[str, str], float, str]]:
-        """The figures as (name, labels, value, help) for the server's /metrics (no collective: the values of the
-        last refresh)."""
-        out = []
-        docs = {
-            "balance_step": "mean/max tokens per EP rank, per step, mean over the window (sum over layers)",
-            "balance_window": "mean/max tokens per EP rank over the window (sum over layers)",
-            "predicted_before": "the placement that ran: its expected balance on the window's load",
-            "predicted_after": "the new placement: its expected balance on the same load",
-            "bytes_moved_last": "expert weight bytes moved over the group by the last rebalance",
-        }
-        for m in self.models:
-            for key, doc in docs.items():
-                if key in m.figures:
-                    out.append((f"eplb_{key}", {"moe": m.name}, m.figures[key], doc))
-            out.append(("eplb_rebalances", {"moe": m.name}, float(m.rebalances), "rebalances started"))
-            out.append(("eplb_staging_peak_bytes", {"moe": m.name}, float(m.staging_peak), "moved-weight buffer peak"))
-            out.append(("eplb_staging_bound_bytes", {"moe": m.name}, float(m.staging_bound), "its bound: one layer"))
-        out.append(("eplb_steps_waited", {}, float(self.steps_waited), "step boundaries that ran a transfer chunk"))
-        return out
+    def report(self) -> EplbReport:
+        """The figures as of the last refresh (no collective: the HTTP or messaging side may call it any time)."""
+        return EplbReport(self.version, self.steps, self.steps_waited, tuple(m.report() for m in self.models))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

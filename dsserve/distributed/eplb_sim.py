@@ -6,8 +6,8 @@ and keeps every row's routed experts per MoE layer (forward hooks on the gates: 
 hash of the row's token and the layer: the trained router's skew over experts, and the tokens' skew within one),
 so the release's expert counts, scaled down, can be simulated from the built-in model. ``simulate`` replays steps
 (``steps_of``: ``slots`` streams at a time, ``chunk`` rows each, the streams dealt round robin to the ranks as DP
-attention deals requests), routes each pair to a physical slot with ``ReplicaMap.route`` (the live path's replica
-choice) and returns the tokens each rank's experts run, per step and layer: the balance figures' input.
+attention deals requests), routes each pair to a physical slot as ``ReplicaMap.route`` does (the live path's
+replica choice) and returns the tokens each rank's experts run, per step and layer: the balance figures' input.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .eplb_replicas import ReplicaMap
+from .eplb_replicas import ReplicaMap, occurrence
 
 
 @dataclass
@@ -112,16 +112,11 @@ def simulate(
     steps: Steps, phy2log: list[tuple[int, ...]], n_experts: int, ep_size: int, uniform_seed: int | None = None
 ) -> torch.Tensor:
     """[n_steps, L, EP] tokens each rank's experts run, with layer l's placement ``phy2log[l]``: stream s's rows on
-    rank s % EP, each pair on replica (row in its rank's batch + k + rank) % replicas, as ``ReplicaMap.route``;
-    ``uniform_seed``: every pair's expert drawn uniformly instead (k distinct a row), the same rows (the
-    --uniform-routing reference)."""
+    rank s % EP (in stream order), each pair on a replica as ``ReplicaMap.route`` picks it on that rank (the j-th
+    pair of an expert in the rank's batch: replica (j + rank) % replicas); ``uniform_seed``: every pair's expert
+    drawn uniformly instead (k distinct a row), the same rows (the --uniform-routing reference)."""
     n_layers, n_steps, rows, k = steps.ids.shape
-    rank = steps.stream % ep_size
-    local = torch.zeros(rows, dtype=torch.long)  # a row's index in its rank's batch (streams in order)
-    for r in range(ep_size):
-        mine = rank == r
-        local[mine] = torch.arange(int(mine.sum()))
-    turn = (local + rank)[:, None] + torch.arange(k)[None, :]  # [rows, k]
+    rank = (steps.stream % ep_size)[:, None].expand(rows, k)  # [rows, k]
     per = len(phy2log[0]) // ep_size
     gen = None if uniform_seed is None else torch.Generator().manual_seed(uniform_seed)
     out = torch.zeros(n_steps, n_layers, ep_size, dtype=torch.long)
@@ -129,8 +124,9 @@ def simulate(
         ids = steps.ids[layer]
         if gen is not None:
             ids = _uniform(n_steps, rows, n_experts, k, gen)
-        m = ReplicaMap(phy2log[layer], n_experts)
-        table, counts = m._tables(ids.device)
+        table, counts = ReplicaMap(phy2log[layer], n_experts)._tables(ids.device)
+        # a pair's occurrence among its rank's pairs of the same expert, in (row, k) order
+        turn = occurrence((rank * n_experts + ids).reshape(n_steps, -1), ep_size * n_experts).view(ids.shape) + rank
         dest = table[ids, turn % counts[ids]] // per  # [n_steps, rows, k]
         dest = dest.reshape(n_steps, -1) + torch.arange(n_steps)[:, None] * ep_size
         out[:, layer] = torch.bincount(dest.reshape(-1), minlength=n_steps * ep_size).view(n_steps, ep_size)

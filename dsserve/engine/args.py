@@ -176,6 +176,13 @@ class EngineArgs:
         default=0.02,
         metadata=_h("EPLB: a layer's experts move only if its expected most-loaded rank drops by more than this share"),
     )
+    eplb_figures_interval: int = field(
+        default=100,
+        metadata=_h(
+            "EPLB: steps between refreshes of the balance figures in /metrics (one all-reduce of the window's "
+            "per-rank rows); 0: at each rebalance only"
+        ),
+    )
     uniform_routing: bool = field(
         default=False,
         metadata=_h(
@@ -435,6 +442,7 @@ class EngineArgs:
             num_redundant_draft_experts=self.num_redundant_draft_experts,
             transfer_chunk=self.eplb_transfer_chunk,
             min_gain=self.eplb_min_gain,
+            figures_interval=self.eplb_figures_interval,
         )
 
     def torch_dtype_name(self, device_type: str) -> str:

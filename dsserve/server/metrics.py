@@ -361,6 +361,39 @@ class EngineMetrics:
         self._rank_stats: dict[int, tuple[int, int]] = {}
         self._ep_seen: tuple[int, list] = (0, [])
 
+        # EPLB (--enable-eplb, distributed.eplb): the ranks' figures, per MoE model (target | draft) and layer
+        from ..distributed.eplb import BALANCE_KINDS
+
+        self.eplb_balance = {
+            kind: gauge(
+                f"eplb_balance_{kind}",
+                f"EP balance, mean / max over EP ranks of the rows their experts ran ({doc}); layer 'all': sum over "
+                "layers of the means / sum of the maxes.",
+                ["model", "layer"],
+                own=True,
+            )
+            for kind, doc in BALANCE_KINDS.items()
+        }
+        self.eplb_rebalances = counter("eplb_rebalances", "EPLB rebalances that moved experts.", ["model"], own=True)
+        self.eplb_bytes_moved = counter(
+            "eplb_bytes_moved", "Expert weight bytes EPLB moved over the EP group.", ["model"], own=True
+        )
+        self.eplb_bytes_moved_last = gauge(
+            "eplb_bytes_moved_last_rebalance", "Expert weight bytes the last EPLB rebalance moved.", ["model"], own=True
+        )
+        self.eplb_steps_waited = counter(
+            "eplb_steps_waited", "Lockstep steps that waited for one EPLB weight transfer chunk.", own=True
+        ).labels(model_name)
+        self.eplb_buffer_bytes = gauge(
+            "eplb_transfer_buffer_bytes",
+            "The EPLB transfer buffer for moved expert weights: its peak so far (the largest over the ranks) and "
+            "its bound (one layer's slots of a rank).",
+            ["model", "kind"],
+            own=True,
+        )
+        self._eplb_seen: dict[str, int] = {}  # counters' totals already exported
+        self._eplb_set: set[tuple[str, str, str]] = set()  # (kind, model, layer) balance gauges set
+
         tok = build_1_2_5_buckets(max_model_len)
         self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
@@ -510,6 +543,39 @@ class EngineMetrics:
                 self._ep_seen = (bal.steps, [list(v) for v in bal.window])
                 self.ep_step_balance.set(bal.step_ratios[-1] if bal.step_ratios else 1.0)
                 self.ep_rows_per_rank.set(bal.summary()["rows_per_rank_per_step"])
+            if client.eplb:
+                self._observe_eplb(client.eplb)
+
+    def _observe_eplb(self, reports: dict) -> None:
+        """The ranks' last ``eplb.EplbReport``s: rank 0's figures (every rank holds the same), the buffer's peak
+        over the ranks; a balance kind a rank no longer reports (the last rebalance's ``after`` not yet measured)
+        is removed."""
+        m, first = self.model_name, reports[min(reports)]
+        now = set()
+        for fig in first.models:
+            for kind, (overall, layers) in fig.balance.items():
+                for layer, b in (("all", overall), *((str(i), x) for i, x in enumerate(layers))):
+                    self.eplb_balance[kind].labels(m, fig.model, layer).set(b)
+                    now.add((kind, fig.model, layer))
+            peak = max(f.staging_peak for r in reports.values() for f in r.models if f.model == fig.model)
+            self.eplb_buffer_bytes.labels(m, fig.model, "peak").set(peak)
+            self.eplb_buffer_bytes.labels(m, fig.model, "bound").set(fig.staging_bound)
+            self.eplb_bytes_moved_last.labels(m, fig.model).set(fig.bytes_moved_last)
+            for name, counter, total in (
+                ("rebalances", self.eplb_rebalances, fig.rebalances),
+                ("bytes", self.eplb_bytes_moved, fig.bytes_moved_total),
+            ):
+                key = f"{name}/{fig.model}"
+                child = counter.labels(m, fig.model)  # exported at 0 before the first rebalance
+                if total > self._eplb_seen.get(key, 0):
+                    child.inc(total - self._eplb_seen.get(key, 0))
+                    self._eplb_seen[key] = total
+        if first.steps_waited > self._eplb_seen.get("waited", 0):
+            self.eplb_steps_waited.inc(first.steps_waited - self._eplb_seen.get("waited", 0))
+            self._eplb_seen["waited"] = first.steps_waited
+        for kind, model, layer in self._eplb_set - now:
+            self.eplb_balance[kind].remove(m, model, layer)
+        self._eplb_set = now
 
     def end_step(self) -> None:
         """The outputs observed since the last call make one step: one ``iteration_tokens_total`` sample of their

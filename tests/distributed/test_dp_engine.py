@@ -154,3 +154,26 @@ def test_dep2_engine_with_eplb_rebalancing_equals_single_process(workers):
         for rid, want in ref["logits"].items():
             assert (dep["logits"][rid] - want).abs().max().item() < 1e-9
         assert dep["boundaries"] > 2 and dep["switched"] > 0
+
+
+@torch.no_grad()
+def _dep2_eplb_uniform(rank: int) -> dict:
+    from dataclasses import replace
+
+    g = new_groups(1, 2)
+    args = replace(engine_args("tiny"), enable_eplb=True, num_redundant_experts=2, eplb_window_size=64)
+    core = build_rank_core(args, g.dp_rank, 2, g.ep, uniform_routing=True)
+    dep = serve(core, waves(rank, "tiny")[:1])
+    load = core.lockstep.eplb.models[0].load.window_load()  # this rank's picks per (layer, expert)
+    return {"tokens": dep["tokens"], "load": load}
+
+
+def test_dep2_engine_with_eplb_and_uniform_routing(workers):
+    """--uniform-routing with --enable-eplb: the picks are replaced before EPLB's replica map and load recorder (the
+    balanced reference of the EPLB figures); each rank draws its own."""
+    out = workers.run(_dep2_eplb_uniform)
+    for rank, o in enumerate(out):
+        assert len(o["tokens"]) == len(waves(rank, "tiny")[0])
+        load = o["load"].double()
+        assert load.min() > 0 and (load.max(1).values / load.mean(1)).max() < 1.6, load  # even, not the router's
+    assert not torch.equal(out[0]["load"], out[1]["load"])

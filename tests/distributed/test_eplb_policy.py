@@ -146,6 +146,21 @@ def test_replicas_share_a_hot_expert_and_the_choice_is_deterministic():
     assert torch.equal(torch.tensor(m.phy2log)[slots], ids)  # every pair runs on a replica of its own expert
 
 
+def test_each_rank_splits_every_expert_exactly_over_its_replicas():
+    g = torch.Generator().manual_seed(1)
+    phy2log = [0, 1, 2, 0, 3, 0, 1, 4]  # expert 0 on three slots, 1 on two
+    m = ReplicaMap(phy2log, 5)
+    for rank in range(4):
+        ids = torch.randint(0, 5, (37, 2), generator=g)
+        slots = m.route(ids, ep_rank=rank)
+        assert torch.equal(torch.tensor(phy2log)[slots], ids)
+        per_slot = torch.bincount(slots.reshape(-1), minlength=8)
+        for ex, replicas in ((0, [0, 3, 5]), (1, [1, 6])):
+            got = per_slot[replicas]
+            assert got.sum() == (ids == ex).sum() and got.max() - got.min() <= 1, (rank, ex, got)
+    assert m.route(torch.zeros(0, 2, dtype=torch.long)).shape == (0, 2)  # an idle forward
+
+
 def test_the_recorder_counts_per_step_in_a_ring():
     rec = ExpertLoad(n_layers=2, n_experts=4, n_slots=6, ep_size=2, window=3)
     for step in range(5):
@@ -227,3 +242,34 @@ def test_the_simulation_routes_like_the_live_replica_map():
                 want += torch.bincount((slots // 4).reshape(-1), minlength=3)
             assert torch.equal(got[i, layer], want)
     assert got.sum() == 5 * 3 * 12 * 2
+
+
+def test_the_report_follows_the_window_and_each_rebalance():
+    """One rank, loads recorded by hand: the measured kinds from the first figures refresh; at a rebalance the
+    window before it and both expectations; ``after`` once a full window ran the new placement, gone when the next
+    rebalance starts; a model that ran nothing (the drafter here) reports no balance at all."""
+    from tiny import tiny_model
+
+    from dsserve.distributed.eplb import Eplb, EplbConfig
+
+    cfg = EplbConfig(window_size=2, step_interval=6, figures_interval=1, min_gain=0.0)
+    _, eplb = Eplb.shard(tiny_model("tiny"), 0, 1, None, cfg)
+    target = eplb.models[0]
+    gen = torch.Generator().manual_seed(0)
+    seen, versions = {}, []
+    for step in range(1, 14):
+        for moe in target.moes:
+            ids = torch.randint(0, target.n_experts, (6, 2), generator=gen)
+            moe.load(ids, ids)  # no redundancy: slot = expert
+        eplb.step()
+        report = eplb.report()
+        versions.append(report.version)
+        seen[step] = dict(next(f for f in report.models if f.model == "target").balance)
+        assert next(f for f in report.models if f.model == "draft").balance == {}
+    assert versions == sorted(versions) and versions[-1] > versions[0]
+    assert set(seen[1]) == {"step", "window"} and seen[1]["step"][0] == 1.0  # one rank: always even
+    assert set(seen[6]) == {"step", "window", "before", "before_predicted"}  # the trigger
+    assert set(seen[7]) == set(seen[6]) | {"after_predicted"}  # the policy's result taken
+    assert "after" not in seen[8] and seen[9]["after"] == seen[9]["window"]  # window = steps 7, 8: all after
+    assert "after" in seen[12] and "after" not in seen[13]  # the next rebalance's result: its after is to come
+    assert len(seen[9]["window"][1]) == len(target.moes)
