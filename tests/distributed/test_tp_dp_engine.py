@@ -101,3 +101,23 @@ def test_tp2_dp2_engine_equals_single_process(runs, name):
     if cfg.is_v41:
         assert sum(o[name]["tp2dp2"]["replayed"] for o in runs) > 0  # the hits rebuilt their windows by replay
     assert runs[1][name]["tp2dp2"]["idle_steps"] > 0  # rank 1 and its TP worker joined wave 3 idle
+
+
+def test_llm_with_tp2_dp2_replicas_gives_the_single_engines_tokens():
+    """The offline ``LLM`` with ``tensor_parallel_size=2, data_parallel_size=2`` (no EP: two independent TP2
+    replicas behind the front end, 4 processes): the single-process engine's greedy tokens, both ranks serving."""
+    from dsserve.engine.llm import LLM
+    from dsserve.engine.sampling_params import SamplingParams
+
+    opts = dict(model="tiny", device="cpu", dtype="float64", max_num_seqs=4, block_size=16)
+    batch = [{"prompt_token_ids": list(range(5 + i, 25 + 7 * i))} for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    llm = LLM(tensor_parallel_size=2, data_parallel_size=2, **opts)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+        routed = list(llm.engine.router.routed)
+    finally:
+        llm.engine.close()
+    want = [o.outputs[0].token_ids for o in LLM(**opts).generate(batch, params, use_tqdm=False)]
+    assert got == want
+    assert min(routed) > 0, routed  # both replicas served
