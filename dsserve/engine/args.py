@@ -28,7 +28,7 @@ KV_CACHE_DTYPE_NAMES = {
     "bf16": "bf16",
     "bfloat16": "bf16",
 }
-PARALLEL_ISSUE = "not yet supported: parallel execution is issue 54; dsserve runs tensor parallel (-tp) only"
+PARALLEL_ISSUE = "not yet supported: parallel execution is issue 54; dsserve runs tensor (-tp) and data (-dp) parallel"
 CLI_ALIASES = {  # vLLM's short flags
     "tensor_parallel_size": ("-tp",),
     "data_parallel_size": ("-dp",),
