@@ -4,8 +4,9 @@ The same B greedy requests decode N tokens (a) on an in-process ``EngineCore``, 
 ``DPClient`` (the pipe each way, pickled outputs, the front end's wait), (c) on both ranks of a DEP2 group (each rank
 the same B requests, pinned: the lockstep gather and the EP all-to-alls on top), and with ``--tp T`` (d) on a DEP2
 group whose ranks are each tensor parallel over T processes (TP x DEP2: the step messages to the TP workers and the
-TP all-reduces on top). Per step: the front end's wall time, the rank's own step time (EngineStats), and for DEP2
-the gather's share. Prints one JSON line.
+TP all-reduces on top), (e) on two independent replicas (DP2, no EP) without and with TP inside. Per step: the front
+end's wall time, the rank's own step time (EngineStats), for DEP2 the gather's share, under TP the step messages'.
+Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ def measure(model: str, batch: int, tokens: int, prompt_len: int, tp: int = 1) -
         outs = core.step() or outs
     out["outputs_pickle_bytes"] = len(pickle.dumps(outs))
 
-    runs = [("dp1", 1, False, 1), ("dep2", 2, True, 1)] + ([(f"dep2_tp{tp}", 2, True, tp)] if tp > 1 else [])
+    runs = [("dp1", 1, False, 1), ("dep2", 2, True, 1)]
+    if tp > 1:  # and the same with TP inside each rank, with EP and without (two independent replicas)
+        runs += [(f"dep2_tp{tp}", 2, True, tp), ("dp2", 2, False, 1), (f"dp2_tp{tp}", 2, False, tp)]
     for label, dp, ep, t in runs:
         one = replace(args, data_parallel_size=dp, enable_expert_parallel=ep, tensor_parallel_size=t)
         client = DPClient(one, rank_threads=1)
@@ -73,6 +76,9 @@ def measure(model: str, batch: int, tokens: int, prompt_len: int, tp: int = 1) -
             out[f"{label}_ms_per_step"] = 1e3 * wall / steps
             out[f"{label}_rank_step_ms"] = 1e3 * (r1.step_seconds - r0.step_seconds) / steps
             out[f"{label}_messages_per_step"] = (client.messages - m0) / steps
+            if t > 1:
+                tp_s = r1.tp_message_seconds - r0.tp_message_seconds
+                out[f"{label}_tp_message_ms_per_step"] = 1e3 * tp_s / steps
             if ep:
                 out[f"{label}_gather_ms_per_step"] = 1e3 * (r1.sync_seconds - r0.sync_seconds) / steps
                 out[f"{label}_ep_balance"] = client.ep_balance.summary()["step_balance_p50"]
@@ -81,6 +87,7 @@ def measure(model: str, batch: int, tokens: int, prompt_len: int, tp: int = 1) -
     out["dp1_boundary_ms_per_step"] = out["dp1_ms_per_step"] - out["in_process_ms_per_step"]
     if tp > 1:
         out[f"dep2_tp{tp}_minus_dep2_ms_per_step"] = out[f"dep2_tp{tp}_ms_per_step"] - out["dep2_ms_per_step"]
+        out[f"dp2_tp{tp}_minus_dp2_ms_per_step"] = out[f"dp2_tp{tp}_ms_per_step"] - out["dp2_ms_per_step"]
     return out
 
 

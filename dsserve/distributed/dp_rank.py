@@ -239,6 +239,7 @@ class RankLoop:
             stats.step_host_seconds + stats.step_wait_seconds,
             ls.sync_seconds if ls is not None else 0.0,
             ls.idle_seconds if ls is not None else 0.0,
+            tp.seconds if (tp := getattr(core.executor, "stats", None)) is not None else 0.0,
         )
 
 
