@@ -2,8 +2,11 @@
 
 The same B greedy requests decode N tokens (a) on an in-process ``EngineCore``, (b) on one rank behind a
 ``DPClient`` (the pipe each way, pickled outputs, the front end's wait), (c) on both ranks of a DEP2 group (each rank
-the same B requests, pinned: the lockstep gather and the EP all-to-alls on top). Per step: the front end's wall
-time, the rank's own step time (EngineStats), and for DEP2 the gather's share. Prints one JSON line.
+the same B requests, pinned: the lockstep gather and the EP all-to-alls on top), and with ``--tp T`` (d) on a DEP2
+group whose ranks are each tensor parallel over T processes (TP x DEP2: the step messages to the TP workers and the
+TP all-reduces on top), (e) on two independent replicas (DP2, no EP) without and with TP inside. Per step: the front
+end's wall time, the rank's own step time (EngineStats), for DEP2 the gather's share, under TP the step messages'.
+Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -31,14 +34,14 @@ def _run(engine, prompts, params, pin=None) -> float:
     return time.perf_counter() - t0
 
 
-def measure(model: str, batch: int, tokens: int, prompt_len: int) -> dict:
+def measure(model: str, batch: int, tokens: int, prompt_len: int, tp: int = 1) -> dict:
     torch.set_num_threads(1)  # as each rank: one thread a process
     from ..distributed.dp_client import DPClient
 
     args = EngineArgs(model=model, dtype="float32", device="cpu", max_num_seqs=2 * batch, seed=0, max_model_len=512)
     prompts = [[3 + (i * 97 + j * 13) % 5000 for j in range(prompt_len)] for i in range(batch)]
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    out = {"model": model, "batch_per_rank": batch, "decode_tokens": tokens, "prompt_len": prompt_len}
+    out = {"model": model, "batch_per_rank": batch, "decode_tokens": tokens, "prompt_len": prompt_len, "tp": tp}
 
     core = EngineCore(args)
     _run(core, prompts, params)  # first shapes
@@ -56,8 +59,12 @@ def measure(model: str, batch: int, tokens: int, prompt_len: int) -> dict:
         outs = core.step() or outs
     out["outputs_pickle_bytes"] = len(pickle.dumps(outs))
 
-    for label, dp, ep in (("dp1", 1, False), ("dep2", 2, True)):
-        client = DPClient(replace(args, data_parallel_size=dp, enable_expert_parallel=ep), rank_threads=1)
+    runs = [("dp1", 1, False, 1), ("dep2", 2, True, 1)]
+    if tp > 1:  # and the same with TP inside each rank, with EP and without (two independent replicas)
+        runs += [(f"dep2_tp{tp}", 2, True, tp), ("dp2", 2, False, 1), (f"dp2_tp{tp}", 2, False, tp)]
+    for label, dp, ep, t in runs:
+        one = replace(args, data_parallel_size=dp, enable_expert_parallel=ep, tensor_parallel_size=t)
+        client = DPClient(one, rank_threads=1)
         try:
             both = prompts * dp
             _run(client, both, params, pin=lambda i: i // batch)
@@ -69,12 +76,18 @@ def measure(model: str, batch: int, tokens: int, prompt_len: int) -> dict:
             out[f"{label}_ms_per_step"] = 1e3 * wall / steps
             out[f"{label}_rank_step_ms"] = 1e3 * (r1.step_seconds - r0.step_seconds) / steps
             out[f"{label}_messages_per_step"] = (client.messages - m0) / steps
+            if t > 1:
+                tp_s = r1.tp_message_seconds - r0.tp_message_seconds
+                out[f"{label}_tp_message_ms_per_step"] = 1e3 * tp_s / steps
             if ep:
                 out[f"{label}_gather_ms_per_step"] = 1e3 * (r1.sync_seconds - r0.sync_seconds) / steps
                 out[f"{label}_ep_balance"] = client.ep_balance.summary()["step_balance_p50"]
         finally:
             client.close()
     out["dp1_boundary_ms_per_step"] = out["dp1_ms_per_step"] - out["in_process_ms_per_step"]
+    if tp > 1:
+        out[f"dep2_tp{tp}_minus_dep2_ms_per_step"] = out[f"dep2_tp{tp}_ms_per_step"] - out["dep2_ms_per_step"]
+        out[f"dp2_tp{tp}_minus_dp2_ms_per_step"] = out[f"dp2_tp{tp}_ms_per_step"] - out["dp2_ms_per_step"]
     return out
 
 
@@ -84,8 +97,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8, help="requests per rank")
     p.add_argument("--tokens", type=int, default=32, help="tokens each decodes")
     p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--tp", type=int, default=1, help="also run DEP2 with each rank tensor parallel over this many")
     a = p.parse_args(argv)
-    print(json.dumps(measure(a.model, a.batch, a.tokens, a.prompt_len)))
+    print(json.dumps(measure(a.model, a.batch, a.tokens, a.prompt_len, a.tp)))
     return 0
 
 

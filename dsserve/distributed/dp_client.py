@@ -1,5 +1,7 @@
-"""The DP front end: ``DPClient`` spawns one engine core per data-parallel rank (``dp_rank``), routes each request
-to one (``dp_router``), streams their outputs back, routes aborts by request id and keeps each rank's last load.
+"""The DP front end: ``DPClient`` spawns one engine core per data-parallel rank (``dp_rank``, through
+``launch.RankProcesses``: the TP workers' spawner, death pipes and reaper), routes each request to one
+(``dp_router``), streams their outputs back, routes aborts by request id and keeps each rank's last load. With
+``tensor_parallel_size`` T > 1 each rank's core drives its own T - 1 TP workers (dp_size x T processes in all).
 
 It answers ``EngineCore``'s calls (``add_request``, ``abort_request``, ``step``, ``has_unfinished_requests``,
 ``reset_prefix_cache``, ``validate``, and the ``tokenizer`` / ``cfg`` / ``args`` / ``max_model_len`` /
@@ -8,8 +10,9 @@ drive it as they drive one engine. ``step`` waits (at most ``poll_s``) for the r
 outputs they carried; requests are validated here, with the ranks' tokenizer and limits, before any rank sees them.
 
 Failure is fail-stop for the whole group: a rank that exits or reports an exception (a collective that timed out
-included) makes ``step`` stop every rank (SIGTERM, then SIGKILL after ``kill_after_s``) and raise
-``EngineDeadError``; the front end fails its in-flight requests with it (the server: 503, then exit non-zero).
+included; a TP worker's death fails its rank) makes ``step`` stop every rank (their death pipes closed, SIGKILL after
+``kill_after_s``; their TP workers follow through their own) and raise ``EngineDeadError``; the front end fails its
+in-flight requests with it (the server: 503, then exit non-zero).
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from __future__ import annotations
 import atexit
 import multiprocessing as mp
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
@@ -42,12 +44,7 @@ from .dp_protocol import (
 )
 from .dp_rank import rank_main
 from .dp_router import DPRouter
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .launch import RankProcesses, Rendezvous
 
 
 @dataclass
@@ -122,22 +119,21 @@ class DPClient:
         self.expert_parallel = args.enable_expert_parallel and self.dp_size > 1
         self.poll_s, self.kill_after_s = poll_s, kill_after_s
         self.dead: str | None = None
-        ctx = mp.get_context("spawn")
-        port = _free_port()
-        threads = rank_threads or max(1, (os.cpu_count() or 1) // self.dp_size)
-        self.conns, self.procs = [], []
-        for r in range(self.dp_size):
-            ours, theirs = ctx.Pipe()
-            p = ctx.Process(
-                target=rank_main,
-                args=(r, self.dp_size, args, theirs, port, os.getpid(), uniform_routing, group_timeout_s, threads),
-                name=f"dsserve-dp{r}",
-                daemon=True,
-            )
-            p.start()
+        tp = args.tensor_parallel_size
+        world = self.dp_size * tp
+        threads = rank_threads or max(1, (os.cpu_count() or 1) // world)
+        # one node: the flags' address and port, else a free loopback port (the world of every rank, TP workers too)
+        rdv = Rendezvous(args.master_addr or "127.0.0.1", args.master_port or 0).resolved()
+        pipes = [mp.get_context("spawn").Pipe() for _ in range(self.dp_size)]
+        per_rank = [(self.dp_size, args, theirs, uniform_routing, group_timeout_s, threads) for _, theirs in pipes]
+        # not daemonic: a rank with TP workers spawns them (its death pipe, not the daemon flag, ends it with us)
+        self.ranks = RankProcesses.spawn(
+            rank_main, [d * tp for d in range(self.dp_size)], world, rdv, per_rank, daemon=False
+        )
+        self.conns = [ours for ours, _ in pipes]
+        for _, theirs in pipes:
             theirs.close()
-            self.conns.append(ours)
-            self.procs.append(p)
+        self.procs = [self.ranks.procs[d * tp] for d in range(self.dp_size)]
         atexit.register(self.close)
         ready = self._wait_ready(ready_timeout_s)
         first = ready[0]
@@ -188,15 +184,9 @@ class DPClient:
         return [ready[r] for r in range(self.dp_size)]
 
     def _stop_all(self) -> None:
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-        deadline = time.monotonic() + self.kill_after_s
-        for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        """Close the ranks' death pipes (each exits at once, its TP workers after it), SIGKILL what is left after
+        ``kill_after_s``."""
+        self.ranks.reap(self.kill_after_s)
 
     def close(self) -> None:
         """Ask every rank to stop, then make sure: nothing is left running. Idempotent."""
@@ -207,7 +197,7 @@ class DPClient:
                 pass
         deadline = time.monotonic() + self.kill_after_s
         for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+            p.join(max(0.0, deadline - time.monotonic()))  # a clean exit first: a rank stops its TP workers
         self._stop_all()
         for c in self.conns:
             c.close()

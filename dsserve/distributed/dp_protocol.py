@@ -80,6 +80,7 @@ class RankLoad:
     step_seconds: float = 0.0  # in EngineCore.step's scheduled steps (EngineStats: host work + device wait)
     sync_seconds: float = 0.0  # in the lockstep gathers
     idle_seconds: float = 0.0  # in idle forwards
+    tp_message_seconds: float = 0.0  # building, pickling and sending the TP workers' step messages (TPExecutor)
 
 
 @dataclass(frozen=True)

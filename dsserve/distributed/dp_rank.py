@@ -8,14 +8,19 @@ an empty plan runs ``idle_forward`` while a peer has rows; when no rank holds a 
 same announced requests, the wave ends on every rank at once and each blocks on its pipe (no collective spins while
 all are idle). Without expert parallelism the ranks share nothing and step on their own.
 
-A rank dies with its front end (``PR_SET_PDEATHSIG``, and EOF on its pipe); an exception in its engine is sent as
-``RankFailed`` and the process exits non-zero (fail-stop: with EP its peers would wait in the next collective).
+With ``tensor_parallel_size`` T > 1 a rank's core is TP rank 0 of its replica and drives T - 1 TP workers of its own
+(``tp_worker.start_tensor_parallel``, the ``-tp`` engine's path): the world is dp_size x T ranks, DP rank d's core is
+global rank d * T, and an idle forward goes to its workers too (``TPExecutor.idle_forward``).
+
+A rank is spawned by ``launch.RankProcesses`` and dies with its front end (the death pipe, and EOF on its pipe); an
+exception in its engine, or a TP worker's death, is sent as ``RankFailed`` and the process exits non-zero (fail-stop:
+with EP its peers would wait in the next collective).
 """
 
 from __future__ import annotations
 
 import os
-import signal
+import threading
 import time
 import traceback
 from dataclasses import replace
@@ -38,7 +43,7 @@ from .dp_protocol import (
     Shutdown,
 )
 from .eplb import Eplb
-from .expert_parallel import ExpertParallelMoE, idle_forward, shard_expert_parallel
+from .expert_parallel import ExpertParallelMoE, shard_expert_parallel
 from .step_sync import StepSummary, StepSync
 
 
@@ -79,7 +84,7 @@ class Lockstep:
             self.eplb.step()
         if not plan.chunks:
             t0 = time.perf_counter()
-            idle_forward(self.core.model)
+            self.core.executor.idle_forward()  # under TP: on every TP rank of this replica
             self.idle_seconds += time.perf_counter() - t0
             self.idle_steps += 1
 
@@ -116,10 +121,24 @@ def rank_args(args: EngineArgs, expert_parallel: bool) -> EngineArgs:
 
 
 def build_rank_core(
-    args: EngineArgs, dp_rank: int, dp_size: int, ep_group=None, ctrl_group=None, uniform_routing: bool = False
+    args: EngineArgs,
+    dp_rank: int,
+    dp_size: int,
+    ep_group=None,
+    ctrl_group=None,
+    uniform_routing: bool = False,
+    tp_rank=None,
 ) -> EngineCore:
     """The engine core of DP rank ``dp_rank``; with ``ep_group`` (an initialised world's EP group) its MoE layers
-    expert-parallel over it and its steps in lockstep over ``ctrl_group`` (a gloo group; default ``ep_group``)."""
+    expert-parallel over it and its steps in lockstep over ``ctrl_group`` (a gloo group; default ``ep_group``).
+    ``tp_rank``: this core's ``tp_worker.TPRank`` (TP rank 0 of its replica, its workers started by
+    ``start_tensor_parallel``); its groups then say whether it is expert parallel, and its TP pass does the EP cut."""
+    if tp_rank is not None:
+        ep = tp_rank.expert_parallel
+        core = EngineCore(rank_args(args, ep), tp_rank=tp_rank)
+        if ep:
+            core.lockstep = Lockstep(core, StepSync(tp_rank.ctrl))
+        return core
     ep = ep_group is not None
     balancer = []
 
@@ -144,6 +163,18 @@ class RankLoop:
         self.rank, self.core, self.conn = rank, core, conn
         self.lockstep: Lockstep | None = core.lockstep
         self.eplb_version = -1  # of the last EplbReport sent
+        self._sending = threading.Lock()  # the executor's watchdog reports a TP worker's death from its thread
+        core.executor.on_failure(self.fail)
+
+    def fail(self, why: str) -> None:
+        """The engine cannot step again (a TP worker died): tell the front end, exit non-zero at once (the workers
+        follow through their death pipes)."""
+        if self._sending.acquire(timeout=2.0):
+            try:
+                self.conn.send(RankFailed(self.rank, why))
+            except Exception:
+                pass
+        os._exit(1)
 
     def active(self) -> bool:
         return self.lockstep.awake if self.lockstep is not None else self.core.has_unfinished_requests()
@@ -184,13 +215,17 @@ class RankLoop:
         elif isinstance(msg, Abort):
             self.core.abort_request(msg.request_id)
         elif isinstance(msg, ResetPrefixCache):
-            self.conn.send(ResetDone(self.rank, self.core.reset_prefix_cache()))
+            done = ResetDone(self.rank, self.core.reset_prefix_cache())
+            with self._sending:
+                self.conn.send(done)
         elif isinstance(msg, Shutdown):
             return False
         return True
 
     def send(self, outs: list, failed: list, expert_rows: list = ()) -> None:
-        self.conn.send(RankOutputs(self.rank, outs, self.load(), failed, list(expert_rows), self.eplb_report()))
+        msg = RankOutputs(self.rank, outs, self.load(), failed, list(expert_rows), self.eplb_report())
+        with self._sending:
+            self.conn.send(msg)
 
     def eplb_report(self):
         """The EPLB figures (``eplb.EplbReport``) when they changed since the last message; None otherwise."""
@@ -215,18 +250,8 @@ class RankLoop:
             stats.step_host_seconds + stats.step_wait_seconds,
             ls.sync_seconds if ls is not None else 0.0,
             ls.idle_seconds if ls is not None else 0.0,
+            tp.seconds if (tp := getattr(core.executor, "stats", None)) is not None else 0.0,
         )
-
-
-def _die_with_parent() -> None:
-    """SIGKILL this process when the process that spawned it dies (Linux; elsewhere the pipe's EOF ends it)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def rank_main(
@@ -234,45 +259,47 @@ def rank_main(
     dp_size: int,
     args: EngineArgs,
     conn,
-    master_port: int,
-    parent_pid: int,
     uniform_routing: bool = False,
     group_timeout_s: float = 60.0,
     threads: int = 1,
 ) -> None:
-    """The process target ``dp_client.DPClient`` spawns for DP rank ``rank`` of ``dp_size``."""
-    _die_with_parent()
-    if os.getppid() != parent_pid:  # the parent died before the signal was armed
-        os._exit(1)
+    """The process target ``dp_client.DPClient`` spawns (``launch.RankProcesses``) for global rank ``rank``: DP rank
+    ``rank // T`` of ``dp_size`` (T = ``tensor_parallel_size``); its environment holds the world's rendezvous."""
+    tp = args.tensor_parallel_size
+    dp_rank = rank // tp
     try:
         torch.set_num_threads(threads)
         if torch.cuda.is_available():  # a GPU a rank ("auto" and "cuda" then mean this one)
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        ep_group = ctrl_group = None
-        if args.enable_expert_parallel and dp_size > 1:
-            from .groups import init_world, new_groups
+        ep = args.enable_expert_parallel and dp_size > 1
+        if tp > 1:  # TP rank 0 of its replica: its workers join the dp_size x T world at the same rendezvous
+            from .launch import Rendezvous
+            from .tp_worker import start_tensor_parallel
 
-            os.environ.update(
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(dp_size),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(master_port),
-            )
-            init_world(timeout_s=group_timeout_s)
-            g = new_groups(1, dp_size, timeout_s=group_timeout_s)
-            ep_group = ctrl_group = g.ep
-            if torch.distributed.get_backend(g.ep) != "gloo":  # host-side control on a gloo twin (vLLM's CPU group)
-                ctrl_group = new_groups(1, dp_size, backend="gloo", timeout_s=group_timeout_s).ep
-        core = build_rank_core(args, rank, dp_size, ep_group, ctrl_group, uniform_routing)
-        if ep_group is None:  # an independent replica warms up as a lone engine does (EP ranks: no forward alone)
+            env = os.environ
+            rdv = Rendezvous(env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+            me = start_tensor_parallel(rank_args(args, ep), dp_rank, dp_size, ep, rdv, group_timeout_s)
+            core = build_rank_core(args, dp_rank, dp_size, tp_rank=me)
+        else:
+            ep_group = ctrl_group = None
+            if ep:
+                from .groups import init_world, new_groups
+
+                init_world(timeout_s=group_timeout_s)
+                g = new_groups(1, dp_size, timeout_s=group_timeout_s)
+                ep_group = ctrl_group = g.ep
+                if torch.distributed.get_backend(g.ep) != "gloo":  # host-side control on a gloo twin (vLLM's CPU group)
+                    ctrl_group = new_groups(1, dp_size, backend="gloo", timeout_s=group_timeout_s).ep
+            core = build_rank_core(args, dp_rank, dp_size, ep_group, ctrl_group, uniform_routing)
+        if not ep:  # an independent replica warms up as a lone engine does (EP ranks: no forward alone)
             from ..engine import warmup
 
             if warmup.wanted(core.args.warmup, core.device):
                 warmup.warm_up(core)
+        loop = RankLoop(dp_rank, core, conn)
         conn.send(
             RankReady(
-                rank,
+                dp_rank,
                 core.tokenizer,
                 core.cfg,
                 core.args,
@@ -283,14 +310,15 @@ def rank_main(
                 core.model_path,
             )
         )
-        RankLoop(rank, core, conn).run()
+        loop.run()
     except EOFError:  # the front end closed the pipe: nothing left to serve
         os._exit(0)
     except BaseException:
         try:
-            conn.send(RankFailed(rank, traceback.format_exc()))
+            conn.send(RankFailed(dp_rank, traceback.format_exc()))
         except Exception:
             pass
         os._exit(1)
-    # The front end asked to stop: leave without the process group's teardown (it waits on the peers).
+    # The front end asked to stop: leave without the process group's teardown (it waits on the peers); TP workers
+    # exit through their death pipes.
     os._exit(0)

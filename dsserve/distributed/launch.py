@@ -5,8 +5,8 @@
 calls ``target(rank, *args)``; the target joins the world itself (``groups.init_world``). Every child watches its
 parent through a death pipe (a pipe the parent never writes: end of file means the parent is gone) and exits at
 once with ``PARENT_GONE``; the parent's watchdog thread reports a child that exits while it is not being stopped, and
-``reap`` ends them all by pid. Used for the TP workers of one engine (``engine.executor``); general enough for DP
-ranks (any target, any ranks).
+``reap`` ends them all by pid. Used for the TP workers of one engine (``tp_worker``) and for the DP ranks of the
+front end (``dp_client``), whose ranks may spawn TP workers of their own.
 """
 
 from __future__ import annotations
@@ -113,10 +113,13 @@ class RankProcesses:
         rendezvous: Rendezvous,
         args: list[tuple] | tuple = (),
         local_rank: Callable[[int], int] | None = None,
+        daemon: bool = True,
     ) -> "RankProcesses":
         """``target(rank, *args)`` in a spawned process per global rank of ``ranks`` (``args``: one tuple for all, or
         a list of one tuple per rank). ``local_rank(rank)``: its index on this host (the GPU it takes; default the
-        rank itself, as on one node). ``target`` must be importable by name."""
+        rank itself, as on one node). ``target`` must be importable by name. ``daemon``: the children end with this
+        interpreter even without ``reap`` (multiprocessing's atexit); False for children that spawn children of
+        their own (a daemonic process may not), which then rely on their death pipe and the caller's ``reap``."""
         ctx = mp.get_context("spawn")
         per_rank = args if isinstance(args, list) else [args] * len(ranks)
         procs, deaths = {}, []
@@ -125,9 +128,8 @@ class RankProcesses:
                 r_end, w_end = ctx.Pipe(duplex=False)
                 local = local_rank(rank) if local_rank is not None else rank
                 env = rendezvous.env(rank, world, local)
-                # daemonic: an interpreter that exits without reap() still ends them (multiprocessing's atexit)
                 p = ctx.Process(
-                    target=_enter, args=(rank, env, r_end, target, a), name=f"dsserve-rank{rank}", daemon=True
+                    target=_enter, args=(rank, env, r_end, target, a), name=f"dsserve-rank{rank}", daemon=daemon
                 )
                 p.start()
                 r_end.close()  # the child holds the read end; the parent keeps only the write end

@@ -6,6 +6,11 @@ world as rank 0 and builds the TP group. Each worker (``run_worker``) joins the 
 ``load_release``'s ``ParallelLayout``; the same ``ModelRunner``, its own paged KV of the same shape), then loops:
 receive a ``StepMessage`` on its pipe, apply it to its mirror of the requests, run the step, until ``stop`` or its
 parent's end. Its logits are dropped: rank 0 samples.
+
+Under data parallel (``dp_size`` > 1: a DP rank's engine core, ``distributed.dp_rank``) the world is dp_size x T
+ranks, rank = dp_rank * T + tp_rank (``groups.ParallelGroups``): each DP rank's core starts its own T - 1 workers at
+the same rendezvous, and every rank builds the TP groups and the EP groups across the replicas; with expert
+parallelism every rank's MoE layers are spread over its EP group before the TP pass cuts what they keep.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ class TPRank:
     procs: RankProcesses | None = None  # rank 0: the workers
     threads_before: int = 0  # rank 0: this process's torch threads before it took its share of the CPU
     env_before: dict | None = None  # rank 0: the rendezvous variables before it set its own
+    expert_parallel: bool = False  # the routed experts spread over the EP group (dp_size > 1)
+    ctrl: object | None = None  # the EP group's gloo twin (the DP lockstep's control group); None: dp_size 1
 
     def leave(self) -> None:
         """Rank 0, after its workers are reaped: leave the world (a later engine in this process may start
@@ -63,12 +70,30 @@ class TPRank:
     def layout(self):
         from .layout import ParallelLayout
 
-        return ParallelLayout(tp_rank=self.rank, tp_size=self.size)
+        g = self.groups
+        if self.expert_parallel:
+            return ParallelLayout(tp_rank=g.tp_rank, tp_size=g.tp_size, ep_rank=g.dp_rank, ep_size=g.dp_size)
+        return ParallelLayout(tp_rank=g.tp_rank, tp_size=g.tp_size)
+
+    def load_kwargs(self) -> dict:
+        """``load_model``'s share of a checkpoint for this rank: its layout and the groups the passes close over."""
+        return {
+            "layout": self.layout(),
+            "tp_group": self.groups.tp,
+            "ep_group": self.groups.ep if self.expert_parallel else None,
+        }
 
     def shard(self, model):
+        """This rank's share of a built model: expert parallel over the EP group first (it replaces the MoE modules),
+        then the TP pass (it cuts what they kept)."""
         from .tensor_parallel import shard_tensor_parallel
 
-        return shard_tensor_parallel(model, self.rank, self.size, self.groups.tp)
+        g = self.groups
+        if self.expert_parallel:
+            from .expert_parallel import shard_expert_parallel
+
+            model = shard_expert_parallel(model, g.dp_rank, g.dp_size, g.ep)
+        return shard_tensor_parallel(model, g.tp_rank, g.tp_size, g.tp)
 
     def smallest(self, n: int) -> int:
         """The least ``n`` over the TP ranks (a collective): every rank sizes its cache alike."""
@@ -95,54 +120,86 @@ def _threads(args, world: int) -> int:
     return 0
 
 
-def start_tensor_parallel(args) -> TPRank:
-    """Rank 0's side: spawn TP ranks 1..T-1 of this node, join the world, build the TP group."""
+def _join(args, dp_size: int, timeout_s: float) -> tuple[ParallelGroups, object]:
+    """Join the world (this process's environment holds the rendezvous) and build its groups, every rank alike (the
+    groups' construction is a collective over the world). Returns the groups and the EP group's gloo twin for host
+    control (the EP group itself on gloo; None with one DP rank)."""
+    import torch.distributed as dist
+
+    tp = args.tensor_parallel_size
+    init_world(_world_backend(args), timeout_s=max(RENDEZVOUS_TIMEOUT_S, timeout_s))
+    groups = new_groups(tp, dp_size, timeout_s=timeout_s)
+    ctrl = groups.ep
+    if dp_size > 1 and dist.get_backend() != "gloo":  # host-side control on a gloo twin (vLLM's CPU group)
+        ctrl = new_groups(tp, dp_size, backend="gloo", timeout_s=timeout_s).ep
+    return groups, ctrl
+
+
+def start_tensor_parallel(
+    args,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    expert_parallel: bool = False,
+    rendezvous: Rendezvous | None = None,
+    timeout_s: float | None = None,
+) -> TPRank:
+    """Rank 0's side of one engine: spawn TP ranks 1..T-1 of this node, join the world, build the groups. Under data
+    parallel (``dp_size`` > 1) this engine is DP rank ``dp_rank``'s core, global rank ``dp_rank * T``, and every DP
+    rank meets at the same ``rendezvous``; ``expert_parallel``: the routed experts spread over the DP ranks (each TP
+    index's EP group). ``timeout_s``: the groups' (default ``DSSERVE_DIST_TIMEOUT_S``)."""
     from ..engine.executor import dist_timeout_s
 
     tp = args.tensor_parallel_size
+    timeout_s = timeout_s or dist_timeout_s()
     rdv = Rendezvous.from_env(args.master_addr, args.master_port, args.nnodes, args.node_rank)
     if rdv.nnodes > 1:
         raise NotImplementedError(
             "tensor parallel across nodes: the step messages travel on pipes of one host; run TP within a node "
             "(--nnodes is for data-parallel replicas)"
         )
+    if rendezvous is None and dp_size > 1:
+        raise ValueError("a DP rank's TP group needs the rendezvous every DP rank meets at")
     # one node: the flags' address and port, else a free loopback port (never an earlier world's, left in the env)
-    rdv = Rendezvous(args.master_addr or "127.0.0.1", args.master_port or 0).resolved()
+    rdv = (rendezvous or Rendezvous(args.master_addr or "127.0.0.1", args.master_port or 0)).resolved()
+    world, first = tp * dp_size, dp_rank * tp
     ctx = torch.multiprocessing.get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(1, tp)]
-    procs = RankProcesses.spawn(run_worker, list(range(1, tp)), tp, rdv, [(args, r) for r, _ in pipes])
+    ranks = list(range(first + 1, first + tp))
+    procs = RankProcesses.spawn(
+        run_worker, ranks, world, rdv, [(args, r, dp_size, expert_parallel, timeout_s) for r, _ in pipes]
+    )
     conns = []
     for r, w in pipes:
         r.close()
         conns.append(w)
     try:
-        env = rdv.env(0, tp, 0)
+        env = rdv.env(first, world, first)
         env_before = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
-        before = _threads(args, tp)
-        init_world(_world_backend(args), timeout_s=max(RENDEZVOUS_TIMEOUT_S, dist_timeout_s()))
-        groups = new_groups(tp, 1, timeout_s=dist_timeout_s())
+        before = _threads(args, world)
+        groups, ctrl = _join(args, dp_size, timeout_s)
     except BaseException:
         procs.reap(0)
         raise
-    log.info("tensor parallel: %d ranks, workers %s", tp, procs.pids)
-    return TPRank(groups, conns, procs, before, env_before)
+    log.info("tensor parallel: %d ranks (DP rank %d of %d), workers %s", tp, dp_rank, dp_size, procs.pids)
+    return TPRank(groups, conns, procs, before, env_before, expert_parallel and dp_size > 1, ctrl)
 
 
-def run_worker(rank: int, args, conn: Connection) -> None:
+def run_worker(
+    rank: int, args, conn: Connection, dp_size: int = 1, expert_parallel: bool = False, timeout_s: float | None = None
+) -> None:
     """A TP worker (a spawned process; its environment holds the rendezvous): the engine's model and cache on this
     rank, stepped by rank 0's messages. Any error ends the process with status 1 and its traceback on stderr."""
     try:
         from ..engine.core import EngineCore
         from ..engine.executor import dist_timeout_s
 
-        tp = args.tensor_parallel_size
-        _threads(args, tp)
-        init_world(_world_backend(args), timeout_s=max(RENDEZVOUS_TIMEOUT_S, dist_timeout_s()))
-        groups = new_groups(tp, 1, timeout_s=dist_timeout_s())
+        _threads(args, args.tensor_parallel_size * dp_size)
+        groups, ctrl = _join(args, dp_size, timeout_s or dist_timeout_s())
         if args.device != "cpu" and torch.cuda.is_available():
             args = replace(args, device=f"cuda:{torch.cuda.current_device()}")
-        core = EngineCore(replace(args, warmup=False), tp_rank=TPRank(groups, []))
+        me = TPRank(groups, [], expert_parallel=expert_parallel and dp_size > 1, ctrl=ctrl)
+        core = EngineCore(replace(args, warmup=False), tp_rank=me)
         serve_steps(core, conn)
     except BaseException:
         report_and_exit(f"TP worker rank {rank} failed")
@@ -163,6 +220,11 @@ def serve_steps(core, conn: Connection) -> None:
         msg: StepMessage = pickle.loads(data)
         if msg.stop:
             return
+        if msg.idle:  # a DP peer forwards while this replica has no rows: join its MoE layers' collectives
+            from .expert_parallel import idle_forward
+
+            idle_forward(core.model)
+            continue
         r = core.runner
         warmup.ahead(
             r.decode_graphs, [g for g in (r.decoder_row_graphs, r.encoder_graphs) if g is not None], msg.ahead_rows

@@ -28,7 +28,7 @@ KV_CACHE_DTYPE_NAMES = {
     "bf16": "bf16",
     "bfloat16": "bf16",
 }
-PARALLEL_ISSUE = "not yet supported: parallel execution is issue 54; dsserve runs tensor parallel (-tp) only"
+PARALLEL_ISSUE = "not yet supported: parallel execution is issue 54; dsserve runs tensor (-tp) and data (-dp) parallel"
 CLI_ALIASES = {  # vLLM's short flags
     "tensor_parallel_size": ("-tp",),
     "data_parallel_size": ("-dp",),
@@ -347,11 +347,14 @@ class EngineArgs:
         object.__setattr__(self, "kv_cache_dtype", KV_CACHE_DTYPE_NAMES[self.kv_cache_dtype])
         if self.data_parallel_size < 1:
             raise EngineArgsError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.data_parallel_size > 1:
-            raise EngineArgsError(
-                f"tensor_parallel_size={self.tensor_parallel_size} with data_parallel_size={self.data_parallel_size}: "
-                "TP inside DP ranks is not built yet (issue 54); use one of them"
-            )
+        if self.tensor_parallel_size > 1 and self.data_parallel_size > 1 and self.enable_expert_parallel:
+            for name in ("enable_eplb", "uniform_routing"):
+                if getattr(self, name):
+                    raise EngineArgsError(
+                        f"{name} with tensor_parallel_size={self.tensor_parallel_size} x data_parallel_size="
+                        f"{self.data_parallel_size}: built for DEP ranks without TP only; drop {name} or use "
+                        "tensor_parallel_size=1"
+                    )
         for name in ("pipeline_parallel_size",):
             if getattr(self, name) != 1:
                 raise EngineArgsError(f"{name}={getattr(self, name)}: {PARALLEL_ISSUE} (use 1)")

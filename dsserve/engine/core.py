@@ -221,7 +221,7 @@ class EngineCore:
             quantization=args.quantization,  # a checkpoint loads straight into these forms (release_loader)
             engram_tables=args.engram_tables,
             tokenizer=None if args.tokenizer is None else resolve_model(args.tokenizer, TOKENIZER_FILES),
-            **({} if self.tp is None else {"layout": self.tp.layout(), "tp_group": self.tp.groups.tp}),
+            **({} if self.tp is None else self.tp.load_kwargs()),
         )
         if self.tp is not None and lm.load_format != "safetensors":  # a checkpoint was read as this rank's share
             lm.model = self.tp.shard(lm.model)

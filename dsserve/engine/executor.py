@@ -59,6 +59,13 @@ class LocalExecutor:
     def execute(self, plan: StepPlan) -> tuple[list[Request], torch.Tensor]:
         return self.runner.execute(plan)
 
+    def idle_forward(self) -> None:
+        """A forward with no rows: joins the expert-parallel MoE layers' collectives (a DP rank whose peers forward
+        while it has nothing to run: distributed.dp_rank.Lockstep)."""
+        from ..distributed.expert_parallel import idle_forward
+
+        idle_forward(self.runner.model)
+
     def on_failure(self, callback: Callable[[str], None]) -> None:
         pass
 
@@ -135,6 +142,7 @@ class StepMessage:
     released: tuple[str, ...] = ()  # preempted: their sequence is gone, their tokens stay
     forgotten: tuple[str, ...] = ()  # finished or aborted
     ahead_rows: bool = False  # the fixed-shape runners also build their other buckets (the warm-up: engine.warmup)
+    idle: bool = False  # a forward with no rows (the DP lockstep's: every rank joins its peers' MoE collectives)
     stop: bool = False
 
 
@@ -223,11 +231,7 @@ class TPExecutor:
         if any(g is not None and g.ahead_rows for g in self._graphs()):  # every rank captures the same graphs
             msg = replace(msg, ahead_rows=True)
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            for conn in self.conns:
-                conn.send_bytes(data)
-        except OSError as e:
-            raise self._fail_step(f"a TP worker's control pipe broke ({e})") from None
+        self._send(data)
         s = self.stats
         s.messages, s.bytes, s.max_bytes = s.messages + 1, s.bytes + len(data), max(s.max_bytes, len(data))
         s.seconds += time.perf_counter() - t0
@@ -235,6 +239,25 @@ class TPExecutor:
             return self.runner.execute(plan)
         except Exception as e:
             raise self._fail_step(f"TP rank 0's step failed: {type(e).__name__}: {e}") from e
+
+    def idle_forward(self) -> None:
+        """A forward with no rows on every TP rank of this engine (``LocalExecutor.idle_forward``)."""
+        from ..distributed.expert_parallel import idle_forward
+
+        if self.failure is not None:
+            raise EngineDeadError(self.failure)
+        self._send(pickle.dumps(StepMessage(idle=True), protocol=pickle.HIGHEST_PROTOCOL))
+        try:
+            idle_forward(self.runner.model)
+        except Exception as e:
+            raise self._fail_step(f"TP rank 0's idle forward failed: {type(e).__name__}: {e}") from e
+
+    def _send(self, data: bytes) -> None:
+        try:
+            for conn in self.conns:
+                conn.send_bytes(data)
+        except OSError as e:
+            raise self._fail_step(f"a TP worker's control pipe broke ({e})") from None
 
     def _graphs(self) -> tuple:
         r = self.runner

@@ -67,6 +67,11 @@ def test_tensor_parallel_options_are_taken_and_the_others_refused():
         EngineArgs(tensor_parallel_size=2, distributed_executor_backend="ray")
     with pytest.raises(EngineArgsError, match="issue 54"):
         EngineArgs(pipeline_parallel_size=2)
+    tpdp = dict(tensor_parallel_size=2, data_parallel_size=2)
+    assert EngineArgs(**tpdp, enable_expert_parallel=True).tensor_parallel_size == 2  # TP inside DEP ranks
+    for name in ("enable_eplb", "uniform_routing"):
+        with pytest.raises(EngineArgsError, match=f"{name} with tensor_parallel_size=2 x data_parallel_size=2"):
+            EngineArgs(**tpdp, enable_expert_parallel=True, **{name: True})
     with pytest.raises(EngineArgsError, match="node_rank"):
         EngineArgs(nnodes=2, node_rank=2)
     with pytest.raises(NotImplementedError, match="across nodes"):  # before anything is spawned
