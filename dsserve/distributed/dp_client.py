@@ -28,6 +28,7 @@ from ..engine.core import EngineCore, RequestError
 from ..engine.executor import EngineDeadError
 from ..engine.sampling_params import SamplingParams
 from ..engine.structured_output import Grammars
+from ..layers.engram_store import EngramStore, spawning
 from .dp_protocol import (
     Abort,
     AddRequest,
@@ -126,6 +127,7 @@ class DPClient:
         port = _free_port()
         threads = rank_threads or max(1, (os.cpu_count() or 1) // self.dp_size)
         self.conns, self.procs = [], []
+        self.engram_store = EngramStore.for_children()  # the ranks' one copy of the host Engram tables
         for r in range(self.dp_size):
             ours, theirs = ctx.Pipe()
             p = ctx.Process(
@@ -134,12 +136,15 @@ class DPClient:
                 name=f"dsserve-dp{r}",
                 daemon=True,
             )
-            p.start()
+            with spawning(self.engram_store):
+                p.start()
             theirs.close()
             self.conns.append(ours)
             self.procs.append(p)
         atexit.register(self.close)
         ready = self._wait_ready(ready_timeout_s)
+        if self.engram_store is not None:  # every rank maps its tables: their names can go
+            self.engram_store.seal()
         first = ready[0]
         self.tokenizer, self.cfg, self.max_model_len = first.tokenizer, first.cfg, first.max_model_len
         self.default_sampling = first.default_sampling
@@ -196,6 +201,8 @@ class DPClient:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        if self.engram_store is not None:  # after the ranks: none is left to fill a table
+            self.engram_store.seal()
 
     def close(self) -> None:
         """Ask every rank to stop, then make sure: nothing is left running. Idempotent."""
