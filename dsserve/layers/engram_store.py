@@ -21,12 +21,14 @@ Design, and why:
   at close or exit (a rank that dies makes the group fail-stop, whose stop seals), and, if the owner itself is
   killed, by multiprocessing's resource tracker (a separate process that unlinks registered shared-memory names
   once every process of the group has exited; spawned children share their parent's tracker).
-* **Read-only, prefaulted mappings.** ``MAP_SHARED | MAP_POPULATE``, ``PROT_READ``: a stray write faults instead of
-  corrupting every rank's table, and every process maps every page at start (what pinning does on CUDA anyway),
-  so the RSS and PSS of a rank count the whole table. On CUDA the mapping is registered as pinned memory
-  (``cudaHostRegister`` with ``cudaHostRegisterReadOnly``) so ``device_gather`` reads it in place as before; where
-  that registration fails, ``pinned`` is False (with the reason) and the table is gathered on the host into the
-  table's pinned staging buffer: the H2D copy stays asynchronous.
+* **Prefaulted, read-only where possible.** ``MAP_SHARED | MAP_POPULATE``: every process maps every page at start
+  (what pinning does on CUDA anyway), so the RSS and PSS of a rank count the whole table. Without CUDA the mapping
+  is ``PROT_READ``: a stray write faults instead of corrupting every rank's table. With CUDA it is registered as
+  pinned memory exactly as a private table is (``cudaHostRegister``, flags 0), so ``device_gather`` reads it in
+  place as before; that needs a writable mapping (a read-only one needs ``cudaHostRegisterReadOnly``, which not
+  every platform supports, and a failed registration leaves a CUDA error for the next launch check to find), so
+  the write protection is given up there. Where registration fails anyway, ``pinned`` is False and the rows are
+  gathered on the host into the table's pinned staging buffer: the H2D copy stays asynchronous.
 * **/dev/shm must hold the tables** (a container's default is 64 MiB: ``docker run --shm-size`` or ``--ipc=host``).
   Its room is taken with ``posix_fallocate`` before the fill, so a short /dev/shm is an error naming it, never a
   SIGBUS mid-fill; the table is then this process's private copy, with a warning. ``DSSERVE_ENGRAM_STORE=private``
@@ -58,7 +60,6 @@ log = logging.getLogger("dsserve")
 ENV = "DSSERVE_ENGRAM_STORE"  # a store's prefix, set for the processes the owner spawns; "private": no sharing
 PRIVATE = "private"
 SHM_DIR = "/dev/shm"
-_CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly
 _KEY = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -67,23 +68,22 @@ class StoreFull(OSError):
 
 
 class SharedTable:
-    """One table's pages in a store, mapped read-only (``tensor``: uint8 [nbytes]); the ``HostMemory`` interface
-    (``pinned``, ``huge_pages``) plus ``name`` (its file under /dev/shm while the store is not sealed), ``created``
-    (this process filled it) and ``pinned_reason``."""
+    """One table's pages in a store (``tensor``: uint8 [nbytes]; read-only without CUDA); the ``HostMemory``
+    interface (``pinned``, ``huge_pages``) plus ``name`` (its file under /dev/shm while the store is not sealed) and
+    ``created`` (this process filled it)."""
 
-    def __init__(self, fd: int, nbytes: int, name: str, created: bool, huge_pages: bool):
+    def __init__(self, fd: int, nbytes: int, name: str, created: bool, huge_pages: bool, cuda: bool):
         self.name, self.created, self.nbytes = name, created, nbytes
-        self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if cuda else 0)
+        self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=prot)
         self.huge_pages, self.huge_pages_reason = _advise_huge_pages(self._map, huge_pages)
-        with warnings.catch_warnings():  # read-only by design: the mapping itself refuses writes
+        with warnings.catch_warnings():  # torch warns of a read-only buffer: by design, the mapping refuses writes
             warnings.simplefilter("ignore", UserWarning)
             self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.pinned, self.pinned_reason = False, "no CUDA"
-        if torch.cuda.is_available():
-            cudart = torch.cuda.cudart()
-            err = cudart.cudaHostRegister(self.tensor.data_ptr(), nbytes, _CUDA_HOST_REGISTER_READ_ONLY)
+        self.pinned = False
+        if cuda:
+            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
             self.pinned = int(err) == 0
-            self.pinned_reason = None if self.pinned else f"cudaHostRegister(read-only) failed: error {int(err)}"
 
     def __del__(self):
         if getattr(self, "pinned", False):
@@ -130,7 +130,12 @@ class EngramStore:
             return None
         store = cls(f"dsserve-engram-{os.getpid()}-{secrets.token_hex(4)}", owner=True)
         _track(store._lock_name, True)
-        os.close(os.open(store._path(store._lock_name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+        try:
+            os.close(os.open(store._path(store._lock_name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+        except OSError as e:  # e.g. a read-only /dev/shm: every rank keeps its own copy, as before
+            _track(store._lock_name, False)
+            log.warning("Engram tables: no shared copy for the ranks of this node (%s: %s)", SHM_DIR, e)
+            return None
         atexit.register(store.seal)
         return store
 
@@ -147,7 +152,7 @@ class EngramStore:
         """The shared pages of ``key`` (``nbytes``): mapped if a process of the group made them, else made here by
         ``fill(uint8 tensor [nbytes])`` and published. None (and a warning, once) where they cannot be shared: the
         store is sealed, or /dev/shm has no room; the caller then keeps a private copy."""
-        name = self._name(key)
+        name, cuda = self._name(key), torch.cuda.is_available()
         try:
             lock = os.open(self._path(self._lock_name), os.O_RDWR)
         except FileNotFoundError:
@@ -157,7 +162,7 @@ class EngramStore:
             created = not os.path.exists(self._path(name))
             if created:
                 self._fill(name, nbytes, fill, huge_pages)
-            fd = os.open(self._path(name), os.O_RDONLY)
+            fd = os.open(self._path(name), os.O_RDWR if cuda else os.O_RDONLY)
         except StoreFull as e:
             return self._unshared(key, str(e))
         finally:
@@ -167,7 +172,7 @@ class EngramStore:
                 raise ValueError(
                     f"Engram store {self.prefix}: {key} has {os.fstat(fd).st_size} bytes, expected {nbytes}"
                 )
-            t = SharedTable(fd, nbytes, name, created, huge_pages)
+            t = SharedTable(fd, nbytes, name, created, huge_pages, cuda)
         finally:
             os.close(fd)  # the mapping keeps the pages
         self.tables.append(t)
