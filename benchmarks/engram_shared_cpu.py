@@ -5,7 +5,8 @@ The model is ``tiny`` with ``engram_vocab_size`` raised (default 131072: two tab
 fp32 with ``--engram-tables host``), written as a config-only directory and built with seeded dummy weights in each
 rank. For DP 2 and 4, both ways, the front end starts the ranks, serves one short request, and sums each rank's
 ``/proc/<pid>/smaps_rollup``: RSS (a shared page counted in every rank that maps it), PSS (a shared page divided
-among them: the sum is what the ranks take from the node), and the shared-memory part of PSS.
+among them: the sum is what the ranks take from the node), and its anonymous and shared-memory parts (a private
+table is anonymous memory; a shared one is shared memory).
 
     python benchmarks/engram_shared_cpu.py [--dp 2 4] [--engram-vocab 32768] [--out DIR]
 
@@ -22,7 +23,7 @@ import shutil
 import tempfile
 import time
 
-FIELDS = ("Rss", "Pss", "Pss_Shmem", "Private_Clean", "Private_Dirty")
+FIELDS = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Pss_Shmem", "Private_Clean", "Private_Dirty")
 
 
 def rollup(pid: int) -> dict[str, int]:
@@ -117,12 +118,14 @@ def main() -> None:
         shutil.rmtree(path, ignore_errors=True)
     mb = 1e6
     print(f"Engram tables: {table_bytes / mb:.1f} MB ({a.engram_tables}, one copy); sums over the rank processes")
-    print(f"{'DP':>3} {'tables':>8} {'RSS MB':>9} {'PSS MB':>9} {'PSS shmem MB':>13} {'start s':>8}")
+    print(
+        f"{'DP':>3} {'tables':>8} {'RSS MB':>9} {'PSS MB':>9} {'PSS anon MB':>12} {'PSS shmem MB':>13} {'start s':>8}"
+    )
     for r in rows:
         s = r["sum"]
         print(
             f"{r['dp']:>3} {'shared' if r['shared'] else 'per rank':>8} {s['Rss'] / mb:>9.1f} {s['Pss'] / mb:>9.1f} "
-            f"{s['Pss_Shmem'] / mb:>13.1f} {r['start_s']:>8.1f}"
+            f"{s['Pss_Anon'] / mb:>12.1f} {s['Pss_Shmem'] / mb:>13.1f} {r['start_s']:>8.1f}"
         )
     saved = {}
     for dp in a.dp:
