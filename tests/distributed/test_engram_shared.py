@@ -19,7 +19,6 @@ from dsserve.layers.engram_table import HostMemory
 from dsserve.models.presets import preset
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (Linux)")
-os.environ.setdefault("DSSERVE_DIST_TIMEOUT_S", "30")
 ARGS = dict(
     model="tiny",
     dtype="float64",
