@@ -30,6 +30,7 @@ from ..engine.core import EngineCore, RequestError
 from ..engine.executor import EngineDeadError
 from ..engine.sampling_params import SamplingParams
 from ..engine.structured_output import Grammars
+from ..layers.engram_store import EngramStore, spawning
 from .dp_protocol import (
     Abort,
     AddRequest,
@@ -126,16 +127,20 @@ class DPClient:
         rdv = Rendezvous(args.master_addr or "127.0.0.1", args.master_port or 0).resolved()
         pipes = [mp.get_context("spawn").Pipe() for _ in range(self.dp_size)]
         per_rank = [(self.dp_size, args, theirs, uniform_routing, group_timeout_s, threads) for _, theirs in pipes]
+        self.engram_store = EngramStore.for_children()  # the ranks' one copy of the host Engram tables
         # not daemonic: a rank with TP workers spawns them (its death pipe, not the daemon flag, ends it with us)
-        self.ranks = RankProcesses.spawn(
-            rank_main, [d * tp for d in range(self.dp_size)], world, rdv, per_rank, daemon=False
-        )
+        with spawning(self.engram_store):
+            self.ranks = RankProcesses.spawn(
+                rank_main, [d * tp for d in range(self.dp_size)], world, rdv, per_rank, daemon=False
+            )
         self.conns = [ours for ours, _ in pipes]
         for _, theirs in pipes:
             theirs.close()
         self.procs = [self.ranks.procs[d * tp] for d in range(self.dp_size)]
         atexit.register(self.close)
         ready = self._wait_ready(ready_timeout_s)
+        if self.engram_store is not None:  # every rank maps its tables: their names can go
+            self.engram_store.seal()
         first = ready[0]
         self.tokenizer, self.cfg, self.max_model_len = first.tokenizer, first.cfg, first.max_model_len
         self.default_sampling = first.default_sampling
@@ -185,8 +190,10 @@ class DPClient:
 
     def _stop_all(self) -> None:
         """Close the ranks' death pipes (each exits at once, its TP workers after it), SIGKILL what is left after
-        ``kill_after_s``."""
+        ``kill_after_s``; then drop the Engram store's names (none is left to fill a table)."""
         self.ranks.reap(self.kill_after_s)
+        if self.engram_store is not None:
+            self.engram_store.seal()
 
     def close(self) -> None:
         """Ask every rank to stop, then make sure: nothing is left running. Idempotent."""

@@ -18,6 +18,7 @@ from ..disagg.transport import KVTransferError
 from ..distributed.tp_worker import TPRank, start_tensor_parallel
 from ..kernels.ops import KernelOps
 from ..kv.paged import KVLayout, PagedKVCache
+from ..layers.engram_store import EngramStore, spawning
 from ..models.hub import TOKENIZER_FILES, resolve_model
 from ..models.loader import DTYPES, LoadedModel, load_model
 from ..models.presets import model_dir
@@ -201,8 +202,15 @@ class EngineCore:
         workers. ``model_pass``: model -> model, run on the loaded model before it moves to the device (a DP
         rank's expert-parallel pass: distributed.dp_rank)."""
         self.args = args
+        # the node's one copy of the host Engram tables: a rank's group's (spawned with one), else this engine's
+        # own when it spawns TP workers (removed by name once they all hold it: seal below)
+        self.engram_store = EngramStore.inherited()
+        self._own_store = None
         if tp_rank is None and args.tensor_parallel_size > 1:
-            tp_rank = start_tensor_parallel(args)
+            if self.engram_store is None:
+                self.engram_store = self._own_store = EngramStore.for_children()
+            with spawning(self._own_store):
+                tp_rank = start_tensor_parallel(args)
         self.tp = tp_rank
         jit_compiles.watch()  # process-wide; this engine counts the compiles from here on (its model's build too)
         self._jit_base = jit_compiles.COMPILES.snapshot()
@@ -221,6 +229,7 @@ class EngineCore:
             quantization=args.quantization,  # a checkpoint loads straight into these forms (release_loader)
             engram_tables=args.engram_tables,
             tokenizer=None if args.tokenizer is None else resolve_model(args.tokenizer, TOKENIZER_FILES),
+            engram_store=self.engram_store,
             **({} if self.tp is None else self.tp.load_kwargs()),
         )
         if self.tp is not None and lm.load_format != "safetensors":  # a checkpoint was read as this rank's share
@@ -241,10 +250,10 @@ class EngineCore:
             quantize_experts(lm.model, args.expert_format, keep_dense=self.device.type == "cpu")
         if args.engram_tables != "device":  # before .to(device): the real tables are hundreds of GB
             fmt = "fp8" if args.engram_tables == "host-fp8" else "float"
-            for block in lm.model.layers:
+            for i, block in enumerate(lm.model.layers):
                 if block.engram is not None and block.engram.table is None:
                     try:
-                        block.engram.move_table_to_host(fmt)
+                        block.engram.move_table_to_host(fmt, store=self.engram_store, key=f"layers.{i}.engram")
                     except ValueError as e:  # e.g. an FP8 layout the table's width does not fit
                         raise EngineArgsError(f"engram_tables={args.engram_tables!r}: {e}") from None
         self.model, self.cfg, self.tokenizer = lm.model.to(self.device), lm.cfg, lm.tokenizer
@@ -297,6 +306,8 @@ class EngineCore:
             budget = most
         if self.tp is not None:  # every TP rank's cache has the same blocks: rank 0 sends block ids
             budget = self.tp.smallest(budget)
+        if self._own_store is not None:  # every TP rank joined the collective above after its load
+            self._own_store.seal()
         blocks, slots = layout.plan(budget, args.max_num_seqs)
         self.kv = PagedKVCache(
             layout,
@@ -552,6 +563,8 @@ class EngineCore:
     def close(self) -> None:
         """Stops the TP workers, if any (idempotent); the engine runs no step after this."""
         self.executor.close()
+        if self._own_store is not None:
+            self._own_store.seal()
 
     def reset_counts(self) -> None:
         """Counts start again from zero (after the warm-up: engine.warmup); captured graphs and their pools stay."""

@@ -34,13 +34,16 @@ class Engram(nn.Module):
         self.k_weight = nn.Parameter(torch.ones(n, d))
         self.table: EngramTable | None = None  # set by move_table_to_host
 
-    def move_table_to_host(self, fmt: str = "bf16", huge_pages: bool = False) -> EngramTable:
+    def move_table_to_host(
+        self, fmt: str = "bf16", huge_pages: bool = False, store=None, key: str | None = None
+    ) -> EngramTable:
         """Move ``embed.weight`` into a host ``EngramTable`` and replace ``embed`` with an empty placeholder
-        (same name, 0 rows). Weights must already be loaded; the checkpoint loader cannot fill it afterwards."""
+        (same name, 0 rows). Weights must already be loaded; the checkpoint loader cannot fill it afterwards.
+        ``store``, ``key`` (this module's name): the node's shared copy (``layers.engram_store``)."""
         if self.table is not None:
             raise ValueError("this Engram table is already in host memory")
         w = self.embed.weight
-        self.table = EngramTable.from_weight(w.detach(), fmt, huge_pages)
+        self.table = EngramTable.from_weight(w.detach(), fmt, huge_pages, store, key)
         self.embed = nn.Embedding(0, w.shape[1], device=w.device, dtype=w.dtype)
         return self.table
 

@@ -13,6 +13,9 @@ Host layouts (row-major, one row per table row, D = engram_head_dim = 256 in the
   [rows, D/32]: the release file's own tensors memory-mapped (``FileMemory``), no copy in host memory.
 * ``"bf16"``: bfloat16 [rows, D] (the table rounded to bf16); ``"float"``: the source weight's dtype, unchanged.
 
+The processes of one engine group (DP ranks, TP workers) share one copy of each table per node through an
+``engram_store.EngramStore`` (``from_weight``'s ``store``): ``memory`` is then its read-only ``SharedTable``.
+
 ``gather(rows)`` and ``prefetch(rows).wait()`` return [*rows.shape, D] in the requested dtype on the requested
 device; without CUDA everything is synchronous on the CPU with the same API.
 """
@@ -24,6 +27,7 @@ import time
 
 import torch
 
+from .engram_store import host_memory
 from .quant import MX_BLOCK, dequant_engram, quant_engram
 
 FORMATS = ("float", "bf16", "fp8")
@@ -125,8 +129,12 @@ class EngramTable:
         return self.data.shape[0]
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, fmt: str = "bf16", huge_pages: bool = False) -> "EngramTable":
-        """From a float table [rows, D] on any device; "fp8" quantises it exactly as the checkpoint does."""
+    def from_weight(
+        cls, weight: torch.Tensor, fmt: str = "bf16", huge_pages: bool = False, store=None, key: str | None = None
+    ) -> "EngramTable":
+        """From a float table [rows, D] on any device; "fp8" quantises it exactly as the checkpoint does.
+        ``store`` (``engram_store.EngramStore``) and ``key`` (the table's module name): the node's shared copy,
+        converted here only where no other process of the group has converted it yet."""
         if fmt not in FORMATS:
             raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
         if weight.dim() != 2 or weight.shape[0] == 0:
@@ -135,19 +143,28 @@ class EngramTable:
         if fmt == "fp8":
             if d % MX_BLOCK:
                 raise ValueError(f"fp8 needs D a multiple of {MX_BLOCK}, got {d}")
-            mem = allocate_host(rows * (d + d // MX_BLOCK), huge_pages)
-            data = mem.tensor.view(rows, d + d // MX_BLOCK)
-            step = max(1, _CHUNK_ELEMS // d)
-            for r in range(0, rows, step):
-                q, s = quant_engram(weight[r : r + step].detach())
-                data[r : r + step, :d].copy_(q.view(torch.uint8))
-                data[r : r + step, d:].copy_(s.view(torch.uint8))
-            return cls(data, fmt, d, mem)
+            width = d + d // MX_BLOCK
+
+            def fill(buf: torch.Tensor) -> None:
+                data = buf.view(rows, width)
+                step = max(1, _CHUNK_ELEMS // d)
+                for r in range(0, rows, step):
+                    q, s = quant_engram(weight[r : r + step].detach())
+                    data[r : r + step, :d].copy_(q.view(torch.uint8))
+                    data[r : r + step, d:].copy_(s.view(torch.uint8))
+
+            mem = host_memory(rows * width, fill, store, key and f"{key}.fp8.{rows}x{width}", huge_pages)
+            return cls(mem.tensor.view(rows, width), fmt, d, mem)
         dt = torch.bfloat16 if fmt == "bf16" else weight.dtype
-        mem = allocate_host(rows * d * dt.itemsize, huge_pages)
-        data = mem.tensor.view(dt).view(rows, d)
-        data.copy_(weight.detach())
-        return cls(data, fmt, d, mem)
+        nbytes = rows * d * dt.itemsize
+
+        def fill(buf: torch.Tensor) -> None:
+            buf.view(dt).view(rows, d).copy_(weight.detach())
+
+        mem = host_memory(
+            nbytes, fill, store, key and f"{key}.{fmt}.{str(dt).removeprefix('torch.')}.{rows}x{d}", huge_pages
+        )
+        return cls(mem.tensor.view(dt).view(rows, d), fmt, d, mem)
 
     @classmethod
     def from_fp8(cls, weight: torch.Tensor, scale: torch.Tensor, huge_pages: bool = False) -> "EngramTable":

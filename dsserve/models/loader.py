@@ -57,6 +57,7 @@ def load_model(
     tp_group=None,
     ep_group=None,
     tokenizer: str | None = None,
+    engram_store=None,
 ) -> LoadedModel:
     """``auto`` reads safetensors from a checkpoint directory; a preset has no weights, so it gets ``dummy``
     (seeded random weights), as vLLM's ``--load-format dummy``.
@@ -74,7 +75,8 @@ def load_model(
     experts packed, ``engram_tables`` (device | host | host-fp8) places the Engram tables; ``layout`` is this
     rank's share, built as the parallel passes cut it, closing over ``tp_group`` / ``ep_group``
     (``load_release``). ``tokenizer``: a tokenizer directory or model name used instead of the checkpoint's own
-    (which then need not exist: vLLM's ``--tokenizer``)."""
+    (which then need not exist: vLLM's ``--tokenizer``). ``engram_store``: the node's shared host tables
+    (``layers.engram_store``; a checkpoint's, read once per node)."""
     if load_format not in LOAD_FORMATS:
         raise ConfigError(f"load format {load_format!r} is not one of {LOAD_FORMATS}")
     if dtype not in DTYPES:
@@ -110,6 +112,7 @@ def load_model(
             keep_dense=keep_dense,
             tp_group=tp_group,
             ep_group=ep_group,
+            engram_store=engram_store,
         )
     elif expert_format is not None:
         net = build_dummy_model(cfg, seed, expert_format, device, keep_dense)

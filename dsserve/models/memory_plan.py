@@ -91,7 +91,7 @@ class MemoryPlan:
     weights: dict[str, int]  # per GPU, by kind (runtime form)
     engram_where: str  # device | host | host-fp8
     engram_bytes: int  # the tables' bytes (one copy)
-    host_bytes: int  # host memory the tables take on this machine (one copy per DP engine)
+    host_bytes: int  # host memory the tables take on this node (one copy, shared by its DP and TP ranks)
     budget: int  # per GPU: utilisation x memory
     activation: int
     graph_pool: int
@@ -132,7 +132,7 @@ class MemoryPlan:
             + (f", EP {o.ep_size}" if o.enable_expert_parallel else ""),
             f"plan: weights per GPU {self.weight_bytes / gib:.2f} GiB ({w}); Engram tables {self.engram_where} "
             f"{self.engram_bytes / gib:.2f} GiB"
-            + (f", host {self.host_bytes / gib:.2f} GiB" if self.host_bytes else ""),
+            + (f", host {self.host_bytes / gib:.2f} GiB per node (one copy for every rank)" if self.host_bytes else ""),
             f"plan: budget {o.gpu_memory_utilization:.2f} x GPU = {self.budget / gib:.2f} GiB; activations "
             f"{self.activation / gib:.2f} GiB (estimate), CUDA-graph pool {self.graph_pool / gib:.2f} GiB; KV "
             f"{self.kv_bytes / gib:.2f} GiB = {self.kv_tokens:,} tokens ({self.kv_token_bytes:.0f} B/token) = "
@@ -226,8 +226,9 @@ def plan(cfg: ModelConfig, machine: Machine, opts: PlanOptions) -> MemoryPlan:
         where = "device" if fixed + engram_float <= budget * 0.5 else "host-fp8"
     engram = engram_fp8 if where in ("host-fp8", "host-mmap") else engram_float
     on_device = engram if where == "device" else 0
-    # host copies: one per DP engine, or one per host through the page cache when mapped from the files
-    host = 0 if where == "device" else engram if where == "host-mmap" else engram * dp
+    # one copy per node, whatever the DP and TP ranks: shared through /dev/shm (layers.engram_store), or through the
+    # page cache when mapped from the files
+    host = 0 if where == "device" else engram
     kv = kv_bytes(cfg)
     token = kv.global_per_token
     per_session = int(opts.context * token) + kv.swa_per_sequence + kv.draft_swa_per_sequence
@@ -254,8 +255,9 @@ def plan(cfg: ModelConfig, machine: Machine, opts: PlanOptions) -> MemoryPlan:
         )
     if host > machine.host_memory:
         problems.append(
-            f"host: the Engram tables take {host / gib:.2f} GiB ({dp} DP engine(s) x {engram / gib:.2f} GiB), more "
-            f"than --host-memory {machine.host_memory / gib:.0f} GiB by {(host - machine.host_memory) / gib:.2f} GiB"
+            f"host: the Engram tables take {host / gib:.2f} GiB (one copy per node, shared by its {tp * dp} "
+            f"rank(s)), more than --host-memory {machine.host_memory / gib:.0f} GiB by "
+            f"{(host - machine.host_memory) / gib:.2f} GiB"
         )
     return MemoryPlan(
         cfg,
@@ -348,7 +350,7 @@ def run_plan(args) -> int:
         f"Engram tables ({p.engram_where})",
         f"{p.engram_bytes / gib:,.2f} GiB" + (" (host)" if p.engram_where != "device" else ""),
     )
-    t.add_row("host memory (Engram, one copy per DP engine)", f"{p.host_bytes / gib:,.2f} GiB")
+    t.add_row("host memory per node (Engram, one copy shared by the ranks)", f"{p.host_bytes / gib:,.2f} GiB")
     t.add_row("activations (estimate)", f"{p.activation / gib:,.2f} GiB")
     t.add_row("CUDA-graph pool reserve", f"{p.graph_pool / gib:,.2f} GiB")
     t.add_row(f"budget ({opts.gpu_memory_utilization} x GPU)", f"{p.budget / gib:,.2f} GiB")

@@ -52,7 +52,8 @@ from ..distributed.layout import ParallelLayout
 from ..distributed.tensor_parallel import shard_tensor_parallel
 from ..kernels.fp8_linear import Fp8Linear
 from ..kernels.grouped_moe import ExpertWeights
-from ..layers.engram_table import EngramTable, allocate_host
+from ..layers.engram_store import host_memory
+from ..layers.engram_table import EngramTable
 from ..layers.quant import MX_BLOCK, dequant_engram, dequant_fp8_block, dequant_mxfp4, quant_engram
 from .checkpoint_files import CheckpointError, CheckpointFiles
 from .checkpoint_layout import IGNORED_PREFIXES, TensorSpec, dtype_accepted, model_name_for, release_layout, scale_name
@@ -158,10 +159,29 @@ def _scale_share(share: tuple, spec: TensorSpec, block: int) -> tuple:
 class _Source:
     """Reads one weight (and its scale) as this rank's share; from the read-ahead when one runs."""
 
-    def __init__(self, cfg: ModelConfig, files: CheckpointFiles, layout: ParallelLayout):
+    def __init__(
+        self, cfg: ModelConfig, files: CheckpointFiles, layout: ParallelLayout, dtype=torch.float32, engram_store=None
+    ):
         self.cfg, self.files, self.layout = cfg, files, layout
         self.specs = release_layout(cfg)
         self.ahead: _ReadAhead | None = None
+        self.dtype, self.engram_store = dtype, engram_store
+        self.skip: set[str] = set()  # Engram tables another rank of this node has read: not read ahead here
+
+    def engram_key(self, name: str, where: str) -> str:
+        """The node store's key of the host Engram table ``name`` in the form ``where`` (host | host-fp8)."""
+        rows, dim = self.specs[name].shape
+        form = "fp8" if where == "host-fp8" else str(self.dtype).removeprefix("torch.")
+        return f"{name.removesuffix('.embed.weight')}.{form}.{rows}x{dim}"
+
+    def shared(self, name: str, where: str) -> bool:
+        """Whether another rank of this node has published this table already (then none of it is read here)."""
+        return (
+            name in self.skip
+            or where in ("host", "host-fp8")
+            and self.engram_store is not None
+            and self.engram_store.has(self.engram_key(name, where))
+        )
 
     def share(self, name: str) -> tuple | None:
         return rank_share(name, self.specs[name], self.cfg, self.layout)
@@ -211,6 +231,19 @@ class _ReadAhead:
         self._fill()
         return fut.result()
 
+    def drop(self, names: set[str]) -> None:
+        """Forget the queued reads of ``names`` (tensors not needed after all)."""
+        kept = []
+        for item in self.queue:
+            if item[0][0] in names:
+                item[2].cancel()
+                self.held -= item[1]
+            else:
+                kept.append(item)
+        self.queue.clear()
+        self.queue.extend(kept)
+        self._fill()
+
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
@@ -236,6 +269,8 @@ def _load_order(src: _Source, engram_tables: str = "device"):
             rows, dim = spec.shape
             step = max(1, ROW_CHUNK_ELEMS // dim)
             for r in range(0, rows, step):
+                if src.shared(name, engram_tables):  # mapped from the node's shared copy (_load_engram)
+                    break
                 yield (name, (0, r, min(rows, r + step)))
                 if spec.quant == "engram_fp8":
                     yield (scale_name(name), (0, r, min(rows, r + step)))
@@ -307,6 +342,7 @@ def load_release(
     threads: int = 4,
     tp_group: dist.ProcessGroup | None = None,
     ep_group: dist.ProcessGroup | None = None,
+    engram_store=None,
 ) -> tuple[nn.Module, LoadReport]:
     """The model of `cfg` with the checkpoint at `path` loaded as the module docstring says; returns it (eval
     mode, on `device`) and a LoadReport. keep_dense None: True on the CPU (the reference path and the tests'
@@ -314,7 +350,9 @@ def load_release(
     their rate on stderr (None: when stderr is a terminal). threads: readers running ahead of the conversion
     (at most 16 MiB read and not yet used); 0 reads in line. tp_group / ep_group (``groups.new_groups``' ``tp`` and
     ``ep``): the groups a rank of ``layout.tp_size`` > 1 closes its splits over and a rank of ``layout.ep_size`` > 1
-    dispatches over; every rank of them loads at once; None builds the shard without its collectives."""
+    dispatches over; every rank of them loads at once; None builds the shard without its collectives.
+    engram_store (``layers.engram_store.EngramStore``): host tables go to the node's shared copy, read only by the
+    first rank of the group that needs each."""
     from .model import DeepseekForCausalLM
 
     if quantization not in QUANTIZATIONS:
@@ -337,7 +375,7 @@ def load_release(
             shard_expert_parallel(net, layout.ep_rank, layout.ep_size, ep_group)
         if layout.tp_size > 1:
             shard_tensor_parallel(net, layout.tp_rank, layout.tp_size, tp_group)
-        src = _Source(cfg, files, layout)
+        src = _Source(cfg, files, layout, dtype, engram_store)
         done_moes: set[str] = set()
         bar = _progress_bar(progress, f"loading {cfg.name}", _share_bytes(src))
         src.ahead = _ReadAhead(files, _load_order(src, engram_tables), threads) if threads > 0 else None
@@ -535,10 +573,11 @@ def _load_experts(net, src: _Source, ffn: str, fmt, keep_dense, device, dtype, r
 
 
 def _load_engram(net, src: _Source, name: str, spec: TensorSpec, where: str, device, dtype, huge_pages) -> None:
-    """One Engram table, streamed in row chunks: host-fp8 keeps the stored bytes (EngramTable's "fp8" layout)."""
+    """One Engram table, streamed in row chunks: host-fp8 keeps the stored bytes (EngramTable's "fp8" layout).
+    With ``src.engram_store`` a host table goes to the node's shared copy, read here only where no rank of the
+    group has read it."""
     engram = net.get_submodule(name.removesuffix(".embed.weight"))
     rows, dim = spec.shape
-    step = max(1, ROW_CHUNK_ELEMS // dim)
     if where == "host-mmap":  # the file's own bytes, mapped: nothing read now, nothing copied
         if spec.quant != "engram_fp8":
             raise CheckpointError(
@@ -553,14 +592,30 @@ def _load_engram(net, src: _Source, name: str, spec: TensorSpec, where: str, dev
         engram.table.scale_memory = smem
         engram.embed = nn.Embedding(0, dim, device=device, dtype=dtype)
         return
-    if where == "host-fp8":
-        mem = allocate_host(rows * (dim + dim // MX_BLOCK), huge_pages)
-        data = mem.tensor.view(rows, dim + dim // MX_BLOCK)
-    elif where == "host":
-        mem = allocate_host(rows * dim * dtype.itemsize, huge_pages)
-        data = mem.tensor.view(dtype).view(rows, dim)
-    else:
-        mem, data = None, torch.empty(rows, dim, dtype=dtype, device=device)
+    if where == "device":
+        data = torch.empty(rows, dim, dtype=dtype, device=device)
+        _read_engram(src, name, spec, where, data)
+        _set(net, name, data)
+        return
+    width = dim + dim // MX_BLOCK if where == "host-fp8" else dim
+    item = 1 if where == "host-fp8" else dtype.itemsize
+
+    def fill(buf: torch.Tensor) -> None:
+        _read_engram(src, name, spec, where, buf.view(rows, width) if item == 1 else buf.view(dtype).view(rows, dim))
+
+    mem = host_memory(rows * width * item, fill, src.engram_store, src.engram_key(name, where), huge_pages)
+    if src.ahead is not None:  # another rank of this node read it: none of its reads is needed here
+        src.skip.add(name)
+        src.ahead.drop({name, scale_name(name)})
+    data = mem.tensor.view(rows, width) if item == 1 else mem.tensor.view(dtype).view(rows, dim)
+    engram.table = EngramTable(data, "fp8" if where == "host-fp8" else "float", dim, mem)
+    engram.embed = nn.Embedding(0, dim, device=device, dtype=dtype)
+
+
+def _read_engram(src: _Source, name: str, spec: TensorSpec, where: str, data: torch.Tensor) -> None:
+    """Stream one Engram table into ``data`` in row chunks: host-fp8 keeps the stored bytes (weight | scale)."""
+    rows, dim = spec.shape
+    step = max(1, ROW_CHUNK_ELEMS // dim)
     for r in range(0, rows, step):
         hi = min(rows, r + step)
         w = src.read(name, (0, r, hi))
@@ -574,11 +629,6 @@ def _load_engram(net, src: _Source, name: str, spec: TensorSpec, where: str, dev
             data[r:hi, dim:].copy_(sc.view(torch.uint8))
         else:
             data[r:hi].copy_(dequant_engram(w, s) if s is not None else w)
-    if where == "device":
-        _set(net, name, data)
-        return
-    engram.table = EngramTable(data, "fp8" if where == "host-fp8" else "float", dim, mem)
-    engram.embed = nn.Embedding(0, dim, device=device, dtype=dtype)
 
 
 __all__ = [

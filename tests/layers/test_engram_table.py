@@ -248,7 +248,7 @@ def test_engram_tables_the_table_cannot_take_is_an_engine_args_error(monkeypatch
     from dsserve.engine.args import EngineArgsError
     from dsserve.layers.engram import Engram
 
-    def refuse(self, fmt="bf16", huge_pages=False):
+    def refuse(self, fmt="bf16", huge_pages=False, store=None, key=None):
         raise ValueError("fp8 needs D a multiple of 32, got 48")
 
     monkeypatch.setattr(Engram, "move_table_to_host", refuse)

@@ -69,8 +69,17 @@ def test_gpu_count_must_match_the_layout(flash):
 
 
 def test_host_memory_short_for_the_tables(flash):
-    p = plan(flash, Machine(8, H200.gpu_memory, parse_bytes("1TiB")), PlanOptions(1, 8, True))
+    p = plan(flash, Machine(8, H200.gpu_memory, parse_bytes("128GiB")), PlanOptions(1, 8, True))
     assert not p.fits and any(q.startswith("host: the Engram tables take") for q in p.problems)
+
+
+def test_the_dp_ranks_of_a_node_hold_one_copy_of_the_tables(flash):
+    """Spec parallel 3.4: the host tables are one copy per node (layers.engram_store), not one per DP rank."""
+    one = plan(flash, H200, PlanOptions(engram_tables="host-fp8"))
+    dep8 = plan(flash, Machine(8, H200.gpu_memory, parse_bytes("1TiB")), PlanOptions(1, 8, True))
+    assert dep8.engram_where == "host-fp8" and dep8.host_bytes == dep8.engram_bytes == one.host_bytes
+    assert 180 < dep8.host_bytes / 2**30 < 200 and not any(q.startswith("host:") for q in dep8.problems)
+    assert any("per node (one copy for every rank)" in line for line in dep8.lines())
 
 
 # ------------------------------------------------------------------ issue 62: --gpu-memory-utilization sizes the KV

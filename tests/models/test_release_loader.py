@@ -334,6 +334,36 @@ def test_engram_tables_mapped_from_the_file_read_nothing_and_gather_the_same_row
     assert greedy_generate(mapped, prompt, 4) == greedy_generate(copied, prompt, 4)
 
 
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (Linux)")
+@pytest.mark.parametrize("where", ["host", "host-fp8"])
+def test_a_node_reads_each_engram_table_once(saved, where):
+    """Two ranks of one node (two loads on one EngramStore): the second maps the first's tables and reads none of
+    their bytes; both gather what a private load gathers."""
+    from dsserve.layers.engram_store import EngramStore, SharedTable
+
+    cfg, path = saved
+    store = EngramStore.for_children()
+    try:
+        private, everything = load_release(cfg, path, engram_tables=where, threads=2)
+        first, r1 = load_release(cfg, path, engram_tables=where, threads=2, engram_store=store)
+        second, r2 = load_release(cfg, path, engram_tables=where, threads=2, engram_store=EngramStore(store.prefix))
+    finally:
+        store.seal()
+    tables = sum(s.nbytes for n, s in release_layout(cfg).items() if ".engram.embed." in n)
+    assert r1.bytes_read == everything.bytes_read and r2.bytes_read == everything.bytes_read - tables > 0
+    every = None
+    for p, a, b in zip(private.layers, first.layers, second.layers):
+        if p.engram is not None:
+            ta, tb = a.engram.table, b.engram.table
+            assert isinstance(tb.memory, SharedTable) and ta.memory.created and not tb.memory.created
+            every = torch.arange(ta.num_rows)
+            assert torch.equal(ta.gather(every), p.engram.table.gather(every))
+            assert torch.equal(tb.gather(every), p.engram.table.gather(every))
+    assert every is not None
+    prompt = [0, 17, 300, 4095, 52, 9]
+    assert greedy_generate(second, prompt, 4) == greedy_generate(private, prompt, 4)
+
+
 def test_a_checkpoint_without_a_tokenizer_runs_with_tokenizer_given(saved, tmp_path):
     """vLLM's --tokenizer: a checkpoint directory with weights only (as benchmarks write them) starts with a
     tokenizer named beside it; without one the error names the missing file."""
