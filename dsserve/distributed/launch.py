@@ -103,6 +103,7 @@ class RankProcesses:
         self.procs, self._deaths = procs, deaths  # global rank -> process; the write ends of the death pipes
         self._stopping = threading.Event()
         self._watchdog: threading.Thread | None = None
+        self._on_death: Callable[[int, int, int | None], None] | None = None
 
     @classmethod
     def spawn(
@@ -145,7 +146,11 @@ class RankProcesses:
 
     def watch(self, on_death: Callable[[int, int, int | None], None]) -> None:
         """Start the watchdog: ``on_death(rank, pid, exitcode)`` (from its thread) for the first child that exits
-        before ``reap``."""
+        before ``reap``. Called again, it hands the running watchdog a new ``on_death`` (a start-up handler, then the
+        running engine's), so no death falls between two watchers."""
+        self._on_death = on_death
+        if self._watchdog is not None:
+            return
 
         def run():
             by_sentinel = {p.sentinel: r for r, p in self.procs.items()}
@@ -155,7 +160,7 @@ class RankProcesses:
             rank = by_sentinel[ready[0]]
             p = self.procs[rank]
             p.join(0.1)
-            on_death(rank, p.pid, p.exitcode)
+            self._on_death(rank, p.pid, p.exitcode)
 
         self._watchdog = threading.Thread(target=run, name="dsserve-rank-watchdog", daemon=True)
         self._watchdog.start()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import sys
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 
@@ -172,6 +173,7 @@ def start_tensor_parallel(
     for r, w in pipes:
         r.close()
         conns.append(w)
+    procs.watch(_worker_died_while_starting)  # until the executor takes the watch over
     try:
         env = rdv.env(first, world, first)
         env_before = {k: os.environ.get(k) for k in env}
@@ -183,6 +185,18 @@ def start_tensor_parallel(
         raise
     log.info("tensor parallel: %d ranks (DP rank %d of %d), workers %s", tp, dp_rank, dp_size, procs.pids)
     return TPRank(groups, conns, procs, before, env_before, expert_parallel and dp_size > 1, ctrl)
+
+
+def _worker_died_while_starting(rank: int, pid: int, code: int | None) -> None:
+    """A TP worker gone before the engine runs: rank 0 is blocked in the rendezvous or a start-up collective (the
+    KV sizing), which would only give up at their timeouts (minutes). Fail-stop now: the reason on stderr, exit 1
+    (the other workers follow through their death pipes; under DP the front end sees this rank die)."""
+    print(
+        f"TP worker rank {rank} (pid {pid}) exited with status {code} while the engine was starting: stopping",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(1)
 
 
 def run_worker(

@@ -152,3 +152,45 @@ def test_rank_processes_exit_when_their_parent_is_killed(tmp_path):
         assert not any(_alive(p) for p in pids)
     finally:
         parent.kill()
+
+
+STARTING = textwrap.dedent(
+    """
+    import os, signal, sys
+    from dsserve.distributed import launch
+
+    spawn = launch.RankProcesses.spawn.__func__
+
+    def spawn_then_kill(cls, *a, **k):  # the worker dies before it reaches the rendezvous
+        procs = spawn(cls, *a, **k)
+        for p in procs.procs.values():
+            os.kill(p.pid, signal.SIGKILL)
+        return procs
+
+    if __name__ == "__main__":
+        launch.RankProcesses.spawn = classmethod(spawn_then_kill)
+        from dsserve.engine.args import EngineArgs
+        from dsserve.engine.core import EngineCore
+
+        EngineCore(EngineArgs(model="tiny", device="cpu", tensor_parallel_size=2))
+        print("started", flush=True)
+    """
+)
+
+
+def test_a_worker_dead_before_the_rendezvous_stops_the_engine_at_once(tmp_path):
+    """Rank 0 would wait out the rendezvous timeout (minutes) for a worker that never comes: the start-up watchdog
+    ends it with status 1 and the reason instead."""
+    script = tmp_path / "starting.py"
+    script.write_text(STARTING)
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=EXIT_WITHIN_S + 30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the engine kept waiting for a dead TP worker")
+    assert proc.returncode == 1, (proc.returncode, err[-2000:])
+    assert "TP worker rank 1" in err and "while the engine was starting" in err, err[-2000:]
+    assert "started" not in out
+    print(f"stopped {time.monotonic() - t0:.1f} s after the start (process start and imports included)")
