@@ -43,6 +43,7 @@ from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepOutput, S
 from .stats import EngineStats
 from .step_check import StepCheck
 from .structured_output import GrammarMask, Grammars
+from .verify_graphs import VerifyGraphs
 
 log = logging.getLogger("dsserve")
 CPU_KV_CACHE_MEMORY = 256 << 20
@@ -342,7 +343,7 @@ class EngineCore:
                     encoder_graphs = EncoderGraphs(*rows, min_context=min_context)
         elif backend == "paged" and args.async_scheduling:  # fixed shapes, eager (the CPU)
             graphs = DecodeGraphs(self.model, self.kv, args.max_num_seqs, None, min_context=min_context)
-        self.drafter = None
+        self.drafter = verify_graphs = None
         if args.speculative_config is not None:
             try:
                 self.drafter = Drafter(self.model, args.speculative_config.num_speculative_tokens, self.stats)
@@ -350,7 +351,11 @@ class EngineCore:
                 raise EngineArgsError(f"speculative_config: {e}") from None
             if self.cfg.sliding_window < self.drafter.k + 2:
                 raise EngineArgsError(f"speculative_config: {self.cfg.name}'s window is shorter than a verify chunk")
-            # Verify steps run the eager forward (it returns the DSpark taps); the fixed-shape runners do not yet.
+            # Every step's rows feed the DSpark rings, so each needs its taps: verify steps (and plain decodes) run in
+            # fixed shapes through VerifyGraphs, which returns them; the other fixed-shape runners do not.
+            if self.graph_capture is not None:
+                k = self.drafter.k
+                verify_graphs = VerifyGraphs(self.model, self.kv, args.max_num_seqs, k, capture, min_context)
             graphs = decoder_row_graphs = encoder_graphs = None
             _say("speculative decoding: DSpark, %d drafts a request a step", self.drafter.k)
         # Asynchronous scheduling runs only fixed-shape decode steps ahead: they take their tokens from the device.
@@ -368,7 +373,9 @@ class EngineCore:
         # with an empty plan joins its peers' forward; None: a lone engine
         self.lockstep = None
         self.grammar_ahead = True  # constrained requests run ahead too (False: they wait for the read, as before)
-        self.runner = ModelRunner(self.model, args.replay_form, graphs, decoder_row_graphs, encoder_graphs)
+        self.runner = ModelRunner(
+            self.model, args.replay_form, graphs, decoder_row_graphs, encoder_graphs, verify_graphs
+        )
         self.executor = (
             TPExecutor(self.runner, self.tp)
             if self.tp is not None and self.tp.rank == 0
@@ -569,6 +576,7 @@ class EngineCore:
             0 if self.runner.decoder_row_graphs is None else self.runner.decoder_row_graphs.runs
         )
         self.stats.encoder_graph_steps = 0 if self.runner.encoder_graphs is None else self.runner.encoder_graphs.runs
+        self.stats.verify_graph_steps = 0 if self.runner.verify_graphs is None else self.runner.verify_graphs.runs
         n, secs, loads = jit_compiles.COMPILES.snapshot()
         self.stats.triton_compiles, self.stats.triton_compile_seconds = n - self._jit_base[0], secs - self._jit_base[1]
         self.stats.triton_cache_loads = loads - self._jit_base[2]
