@@ -353,15 +353,17 @@ class EngineCore:
                 raise EngineArgsError(f"speculative_config: {self.cfg.name}'s window is shorter than a verify chunk")
             # Every step's rows feed the DSpark rings, so each needs its taps: verify steps (and plain decodes) run in
             # fixed shapes through VerifyGraphs, which returns them; the other fixed-shape runners do not.
-            if self.graph_capture is not None:
+            if graphs is not None:  # (on the CPU: fixed shapes without capture, as the decode steps')
                 k = self.drafter.k
-                verify_graphs = VerifyGraphs(self.model, self.kv, args.max_num_seqs, k, capture, min_context)
+                verify_graphs = VerifyGraphs(self.model, self.kv, args.max_num_seqs, k, self.graph_capture, min_context)
             graphs = decoder_row_graphs = encoder_graphs = None
             _say("speculative decoding: DSpark, %d drafts a request a step", self.drafter.k)
         # Asynchronous scheduling runs only fixed-shape decode steps ahead: they take their tokens from the device.
         # (under TP the step ahead would take rank 0's device tokens, which the workers do not have)
         self.async_scheduling = graphs is not None and args.async_scheduling is not False and self.tp is None
-        if args.async_scheduling and not self.async_scheduling:
+        if args.async_scheduling and self.drafter is not None:
+            _say("async scheduling is off: steps with drafts are synchronous (the next step's rows are the drafts)")
+        elif args.async_scheduling and not self.async_scheduling:
             _say(
                 "async scheduling is off: it needs fixed-shape decode steps (the paged attention backend; this engine "
                 "runs %s on %s)",

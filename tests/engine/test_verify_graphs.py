@@ -93,8 +93,9 @@ def test_dspark_drafts_fixed_shape_greedy_equals_drafts_off(reference):
     eager = engine(K, **PAGED)
     want = recorded_proposals(eager)
     run(eager, prompts(), GREEDY, check=False)
-    eng = engine(K, **PAGED)
-    g = fixed_shape(eng)
+    eng = engine(K, **PAGED, async_scheduling=True)  # the engine's own: fixed shapes on the CPU, no capture
+    g = eng.runner.verify_graphs
+    assert g is not None and g.capture is None and not eng.async_scheduling  # steps with drafts are synchronous
     got = recorded_proposals(eng)
     assert ids(run(eng, prompts(), GREEDY)) == ids(off)
     assert g.report()["runs"] > 0 and eng.stats.spec_num_drafts > 0
