@@ -74,6 +74,25 @@ def test_fixed_shape_verify_steps_are_exact(reference):
     assert 0 < st.spec_num_accepted_tokens < st.spec_num_draft_tokens and st.spec_accepted_per_pos[K - 1] > 0
 
 
+@pytest.mark.parametrize("kw", [dict(swa_bounded_replay=False), dict(engram_tables="host")], ids=["exact", "host"])
+def test_exact_mode_and_host_engram_tables(reference, kw):
+    """Prefix caching without bounded replay keeps the window in the blocks by position (no ring to restore);
+    Engram tables in host memory give the step their rows prefetched (bf16) into the graph's buffers: the fixed-shape
+    verify steps give the eager verify step's tokens and logprobs in both."""
+    off, _ = reference
+    kw = dict(PAGED, **kw)
+    eager = engine(K, **kw)
+    oracle(eager, off, K)
+    want = run(eager, prompts(), PARAMS)
+    eng = engine(K, **kw)
+    assert eng.kv.layout.window_in_blocks is ("swa_bounded_replay" in kw)
+    assert (eng.model.layers[1].engram.table is not None) is ("engram_tables" in kw)
+    oracle(eng, off, K)
+    g = fixed_shape(eng)
+    assert_same(run(eng, prompts(), PARAMS), want)
+    assert g.report()["runs"] > 0
+
+
 def recorded_proposals(eng) -> list:
     """Every proposal the drafter makes, in order: (request id, position, drafts)."""
     real, seen = eng.drafter.propose, []
@@ -165,3 +184,29 @@ def test_verify_graphs_on_gpu():
             assert a == b
             checked += 1
     assert checked >= sum(len(v) for v in ids(off).values()) // 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_verify_graph_step_makes_no_host_sync():
+    """A verify step replayed from a CUDA graph: building its rows on the host (Engram row ids hashed there and
+    uploaded), refilling the buffers, the replay, copying logits and taps out, the host's counts: nothing waits for
+    the device (torch's sync debug mode raises on any such wait). The first run of a bucket pair captures
+    (and synchronises): unguarded."""
+    eng = engine(K, dtype="bfloat16", device="cuda", long_prefill_token_threshold=16)
+    graphs = eng.runner.verify_graphs
+    run_step, guarded = graphs.run, []
+
+    def no_sync(plan, key):
+        if key not in graphs._steps:
+            return run_step(plan, key)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return run_step(plan, key)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            guarded.append(True)
+
+    graphs.run = no_sync
+    run(eng, prompts(lens=(40, 40, 40)), GREEDY, check=False)
+    assert guarded and graphs.replays > len(graphs.report()["graphs"])
