@@ -760,10 +760,12 @@ class EngineCore:
         sampling, logits = self.executor.execute(plan)  # a LocalExecutor: drafts are refused with TP / DP
         self._count_runs()
         drafts = [c.draft_token_ids for c in plan.chunks if c.samples]
+        # counted before the verdict, read after it: the host's one wait for the step is the verdict's
+        nonfinite = torch.isfinite(logits).all(1).logical_not().sum() if sampling else None
         verdict = self.rejection_sampler(logits.float(), sampling, drafts) if sampling else None
         accepted = {} if verdict is None else {r.request_id: t for r, t in zip(sampling, verdict.token_ids)}
         if sampling:
-            self.stats.nonfinite_logit_rows += int(torch.isfinite(logits).all(1).logical_not().sum())
+            self.stats.nonfinite_logit_rows += int(nonfinite)
         rolled = self.drafter.after(plan, self.runner.last_forward, accepted)
         self.scheduler.register_full_blocks([c.request for c in plan.chunks])
         lps = [] if verdict is None else self._verify_logprobs(verdict, sampling, drafts)

@@ -51,14 +51,20 @@ class DSparkCache:
         self.window = window
         self.keys: list[torch.Tensor | None] = [None] * n_stages  # [n <= window, head_dim]
         self.positions: list[torch.Tensor | None] = [None] * n_stages  # [n], strictly increasing
+        self._last: int | None = None  # the newest position on the host, when the pusher gave it
 
     @property
     def last_position(self) -> int:
-        """The newest ingested position (-1 when nothing has been ingested)."""
+        """The newest ingested position (-1 when nothing has been ingested). Kept on the host by ``DSpark.ingest``:
+        the drafter reads it per request per step, and a read of the device tensor would wait for the device."""
+        if self._last is not None:
+            return self._last
         p = self.positions[0]
         return -1 if p is None else int(p[-1])
 
-    def push(self, stage: int, keys: torch.Tensor, positions: torch.Tensor) -> None:
+    def push(self, stage: int, keys: torch.Tensor, positions: torch.Tensor, last: int | None = None) -> None:
+        """``last``: ``positions[-1]`` as a host int (None: read from ``positions`` when asked)."""
+        self._last = last
         # New tensors every time (no in-place writes), so a snapshot taken by a caller stays valid.
         if self.keys[stage] is not None:
             keys, positions = torch.cat((self.keys[stage], keys)), torch.cat((self.positions[stage], positions))
@@ -182,7 +188,7 @@ class DSpark(nn.ModuleList):
         m = self[0].main_norm(self[0].main_proj(x))
         kept = positions[keep].to(m.device)
         for stage in self:
-            state.push(stage.attn.stage, stage.attn.window_entry(m, kept, qat), kept)
+            state.push(stage.attn.stage, stage.attn.window_entry(m, kept, qat), kept, int(positions[-1]))
 
     @torch.no_grad()
     def propose_batch(

@@ -189,9 +189,9 @@ def test_verify_graphs_on_gpu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_verify_graph_step_makes_no_host_sync():
     """A verify step replayed from a CUDA graph: building its rows on the host (Engram row ids hashed there and
-    uploaded), refilling the buffers, the replay, copying logits and taps out, the host's counts: nothing waits for
-    the device (torch's sync debug mode raises on any such wait). The first run of a bucket pair captures
-    (and synchronises): unguarded."""
+    uploaded), refilling the buffers, the replay, copying logits and taps out, the host's counts; and after the
+    verdict the drafter's ingestion and rollback: nothing waits for the device (torch's sync debug mode raises on
+    any such wait). The first run of a bucket pair captures (and synchronises): unguarded."""
     eng = engine(K, dtype="bfloat16", device="cuda", long_prefill_token_threshold=16)
     graphs = eng.runner.verify_graphs
     run_step, guarded = graphs.run, []
@@ -208,5 +208,17 @@ def test_verify_graph_step_makes_no_host_sync():
             guarded.append(True)
 
     graphs.run = no_sync
+    after, guarded_after = eng.drafter.after, []
+
+    def after_no_sync(*a):  # the drafter's ingestion (ring positions kept on the host) and rollback
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return after(*a)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            guarded_after.append(True)
+
+    eng.drafter.after = after_no_sync
     run(eng, prompts(lens=(40, 40, 40)), GREEDY, check=False)
-    assert guarded and graphs.replays > len(graphs.report()["graphs"])
+    assert guarded and graphs.replays > len(graphs.report()["graphs"]) and guarded_after
