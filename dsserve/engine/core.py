@@ -43,7 +43,7 @@ from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepOutput, S
 from .stats import EngineStats
 from .step_check import StepCheck
 from .structured_output import GrammarMask, Grammars
-from .verify_graphs import VerifyGraphs
+from .verify_graphs import VerifyGraphs, verify_max_seqs
 
 log = logging.getLogger("dsserve")
 CPU_KV_CACHE_MEMORY = 256 << 20
@@ -355,7 +355,8 @@ class EngineCore:
             # fixed shapes through VerifyGraphs, which returns them; the other fixed-shape runners do not.
             if graphs is not None:  # (on the CPU: fixed shapes without capture, as the decode steps')
                 k = self.drafter.k
-                verify_graphs = VerifyGraphs(self.model, self.kv, args.max_num_seqs, k, self.graph_capture, min_context)
+                seqs = verify_max_seqs(args.max_num_seqs, k)
+                verify_graphs = VerifyGraphs(self.model, self.kv, seqs, k, self.graph_capture, min_context)
             graphs = decoder_row_graphs = encoder_graphs = None
             _say("speculative decoding: DSpark, %d drafts a request a step", self.drafter.k)
         # Asynchronous scheduling runs only fixed-shape decode steps ahead: they take their tokens from the device.

@@ -31,6 +31,15 @@ from .request import Request
 from .scheduler import StepPlan
 from .step_graphs import BATCH_BUCKETS, CapturedStep, StepGraphs, batch_bucket, bucket_sizes
 
+MAX_VERIFY_ROWS = 512  # the engine's largest verify step in fixed shapes (``verify_max_seqs``)
+
+
+def verify_max_seqs(max_num_seqs: int, k: int, max_rows: int = MAX_VERIFY_ROWS) -> int:
+    """The most requests the engine's verify graphs take: every step of them fits ``max_rows`` rows (2 + k a
+    request). Past that a step is matmul-bound, graphs save little, and the graphs' shared logits buffer (rows x
+    vocabulary x 4 bytes: 0.5 GiB at 1024 rows of V4.1's vocabulary) would grow with it; such steps run eagerly."""
+    return max(1, min(max_num_seqs, max_rows // (2 + k)))
+
 
 def verify_row_buckets(max_seqs: int, k: int, batch_buckets: tuple[int, ...] = BATCH_BUCKETS) -> tuple[int, ...]:
     """The row buckets of verify steps with ``k`` drafts a request: b (1 + k) and b (2 + k) for each decode batch

@@ -13,7 +13,7 @@ from test_spec_decode import GREEDY, engine, ids, oracle, prompts, run
 
 from dsserve.engine.graph_capture import GraphCapture
 from dsserve.engine.sampling_params import SamplingParams
-from dsserve.engine.verify_graphs import VerifyGraphs, verify_row_buckets
+from dsserve.engine.verify_graphs import VerifyGraphs, verify_max_seqs, verify_row_buckets
 
 K = 3
 PAGED = dict(attention_backend="paged", reference_ops="all", long_prefill_token_threshold=16)
@@ -52,6 +52,8 @@ def reference():
 def test_row_buckets():
     assert verify_row_buckets(4, 3) == (4, 5, 8, 10, 16, 20)
     assert verify_row_buckets(32, 5)[-1] == 32 * 7
+    assert verify_max_seqs(256, 5) == 73 and verify_row_buckets(73, 5)[-1] == 511  # at most 512 rows
+    assert verify_max_seqs(4, 5) == 4 and verify_max_seqs(256, 5, max_rows=4) == 1
 
 
 def test_fixed_shape_verify_steps_are_exact(reference):
