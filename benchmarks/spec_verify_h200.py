@@ -1,22 +1,32 @@
-"""DSpark speculative decoding's step costs on one H200 (issue 56): the verify step against a plain decode step at
-B = 1..32, the draft proposal and the rejection sampler, and the output tokens/s each mean acceptance length would
-give.
+"""DSpark speculative decoding's step costs on one H200 (issue 56): the verify step (graphed and eager) against a
+plain decode step (graphed) at B = 1..32 and K = 3, 5, the draft proposal batched and one request at a time, the
+rejection sampler, and the output tokens/s each mean acceptance length would give.
 
     python benchmarks/spec_verify_h200.py --out $OUT/spec-verify-h200          # the H200, < 4 minutes
     python benchmarks/spec_verify_h200.py --smoke --out /tmp/spec-verify-smoke  # CPU, tiny shapes, < 2 minutes
 
 On `proxy-h200-release` with dummy weights (dense FP8, routed experts MXFP4, every op through Triton: the engine's
 release forms, as benchmarks/model_h200.py builds them), each request with `--context` tokens of synthetic cache
-(dsserve.bench.forward), at B in {1, 2, 4, 8, 16, 32}:
-- decode: the engine's plain decode step (one row a request) through its decode graphs (CUDA graphs), and eager;
-- verify: the step that verifies K drafts a request (1 + K rows a request, the engine's runner; eager: the verify
-  step has no fixed-shape runner yet), then its rollback (SequenceKV.save_rows / rollback);
+(dsserve.bench.forward), per K and B:
+- decode: the engine's plain decode step (one row a request) through its decode graphs (CUDA graphs);
+- verify: the step that verifies K drafts a request (1 + K rows a request, the engine's runner) through the verify
+  graphs (engine.verify_graphs, CUDA graphs) and eager (forward_batch), each followed by its rollback
+  (SequenceKV.save_rows / rollback, as the engine does after a step that accepted nothing); the two steps' logits
+  are compared in the same run (argmax agreement, largest difference);
 - rejection: the rejection sampler on the verify step's [B (1 + K), V] logits (greedy rows);
-- propose: the DSpark stages drafting the next block for each request (Drafter.propose, one request at a time);
+- propose: the DSpark stages drafting the next block for each request, batched (Drafter.propose:
+  DSpark.propose_batch) and one request at a time (DSpark.propose per request, as the drafter did before), drafts
+  compared;
 - per mean acceptance length L in 1..K + 1 (tokens a verified block gives): output tokens/s = B L / (verify +
-  rejection + propose), against B / decode (graphs); `breakeven_L` is the L where drafting starts to pay.
-Timings are medians of `--repeats` runs after a warm-up run, synchronised on the device. Prints a line per case,
-then the JSON path (spec_verify.json with run_meta provenance and the copy / matmul ceilings of this run).
+  rejection + propose), graphed verify with batched proposal (the engine's path on a GPU) and eager verify with
+  per-request proposal (before), against B / decode (graphs); `breakeven_L` is the L where drafting starts to pay.
+Every step above is timed the same way: medians of `--repeats` runs after a warm-up run (which captures the graph),
+synchronised on the device. Cases run in order until `--budget-s` has passed (the rest are listed as skipped).
+Then an end-to-end check (`engine_check`): the engine on the built-in trained model (tiny-trained), 8 problems at
+once (4 with --smoke), greedy, drafts off and on (K = the largest of `--ks`): same tokens, the steps that ran in
+verify graphs, the mean acceptance length and both arms' output rates. Prints a line per case, then the JSON path
+(spec_verify.json with run_meta provenance and the copy / matmul ceilings of this run). `--smoke` (the CPU) runs the
+same code with the paged path on the torch reference ops and fixed-shape steps without capture.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 import torch
 
@@ -87,96 +98,231 @@ def ingest_noise(core, drafter: Drafter, r: Request, gen: torch.Generator) -> No
     drafter.mtp.ingest(taps, torch.arange(p - w + 1, p + 1), r.draft_state)
 
 
-def case(core, drafter: Drafter, b: int, context: int, k: int, repeats: int) -> dict:
+def propose_one_at_a_time(drafter: Drafter, reqs: list[Request]) -> None:
+    """The drafter's proposal one request at a time (DSpark.propose each, its drafts read back each)."""
+    m = drafter.model
+    for r in reqs:
+        d, _, _ = drafter.mtp.propose(r.output_token_ids[-1], r.num_tokens - 2, r.draft_state, m.embed, m.head)
+        r.draft_token_ids = d[: drafter.k].tolist()
+
+
+def step_timer(core, reqs: list[Request], plan: StepPlan, context: int, holder: dict):
+    """One step of ``plan`` through the runner, then every row rolled back (the next repeat starts where this
+    did): a decode (one row a request) or a verify step (1 + K)."""
+
+    def step():
+        for c in plan.chunks:
+            c.request.kv.save_rows(context, c.num_tokens)
+        holder["out"] = core.runner.execute(plan)
+        for c in plan.chunks:
+            r = c.request
+            r.kv.rollback(context, r.all_token_ids)
+            core.kv.grow(r.kv, context + c.num_tokens)
+
+    return step
+
+
+def case(core, drafter: Drafter, verify_graphs, b: int, context: int, repeats: int) -> dict:
+    k = drafter.k
     gen = torch.Generator().manual_seed(b)
-    decode_graph = fwd.bench_forward(core, b, context, 1, repeats).seconds
-    graphs = core.runner.decode_graphs
-    core.runner.decode_graphs = None
-    try:
-        decode_eager = fwd.bench_forward(core, b, context, 1, repeats).seconds
-    finally:
-        core.runner.decode_graphs = graphs
+    runner = core.runner
     reqs = requests(core, b, context, 1 + k, gen)
     drafts = [torch.randint(3, core.cfg.vocab_size - 2, (k,), generator=gen).tolist() for _ in reqs]
-    plan = StepPlan([ScheduledChunk(r, 1 + k, d) for r, d in zip(reqs, drafts)], [])
-    if context % core.kv.rollback_multiple:
-        raise SystemExit(f"--context must be a multiple of {core.kv.rollback_multiple}")
-    holder = {}
-
-    def verify():
-        drafter.before(plan)
-        holder["out"] = core.runner.execute(plan)
-        for r in reqs:
-            r.kv.rollback(context, r.all_token_ids)  # every row back out: the next repeat starts where this did
+    decode, out = StepPlan([ScheduledChunk(r, 1) for r in reqs], []), {}
+    verify = StepPlan([ScheduledChunk(r, 1 + k, d) for r, d in zip(reqs, drafts)], [])
+    graph_steps = runner.graph_steps
+    t_decode = timed(step_timer(core, reqs, decode, context, out), repeats)
+    assert runner.graph_steps == graph_steps + repeats + 1, "the decode step did not run in fixed shapes"
+    runner.verify_graphs, graph_error = verify_graphs, None
+    runs = verify_graphs.runs
+    try:
+        t_verify_graph = timed(step_timer(core, reqs, verify, context, out), repeats)
+        if verify_graphs.runs != runs + repeats + 1:
+            raise RuntimeError(f"the verify step did not run in fixed shapes: {verify_graphs.report()['fallbacks']}")
+        _, logits_graph = out["out"]
+    except Exception as e:  # recorded, and the eager numbers still taken: the GPU run is not repeated lightly
+        traceback.print_exc()
+        graph_error, t_verify_graph, logits_graph = f"{type(e).__name__}: {e}", float("nan"), None
+        for r in reqs:  # the failed step's rows, if it got that far
+            if r.kv._saved is not None:
+                r.kv.rollback(context, r.all_token_ids)
             core.kv.grow(r.kv, context + 1 + k)
-
-    t_verify = timed(verify, repeats)
-    sampling, logits = holder["out"]
-    t_reject = timed(lambda: core.rejection_sampler(logits.float(), sampling, drafts), repeats)
+    runner.verify_graphs = None
+    t_verify_eager = timed(step_timer(core, reqs, verify, context, out), repeats)
+    sampling, logits_eager = out["out"]
+    e = logits_eager.float()
+    a = e if logits_graph is None else logits_graph.float()
+    agree = float((a.argmax(-1) == e.argmax(-1)).float().mean())
+    diff = float((a - e).abs().max())
+    t_reject = timed(lambda: core.rejection_sampler(a, sampling, drafts), repeats)
     for r in reqs:
         ingest_noise(core, drafter, r, gen)
     t_propose = timed(lambda: drafter.propose(reqs), repeats)
+    batched = [list(r.draft_token_ids) for r in reqs]
+    t_propose_one = timed(lambda: propose_one_at_a_time(drafter, reqs), repeats)
+    same_drafts = sum(list(r.draft_token_ids) == d for r, d in zip(reqs, batched)) / b
     for r in reqs:
         core.kv.release(r.kv)
-    spec_step = t_verify + t_reject + t_propose
-    by_len = {str(L): b * L / spec_step for L in range(1, k + 2)}
-    plain = b / decode_graph
-    breakeven = next((L for L in range(1, k + 2) if b * L / spec_step >= plain), None)
+    spec = (t_verify_eager if graph_error else t_verify_graph) + t_reject + t_propose
+    before = t_verify_eager + t_reject + t_propose_one
+    plain = b / t_decode
+    by_len = {str(L): b * L / spec for L in range(1, k + 2)}
+    breakeven = next((L for L in range(1, k + 2) if b * L / spec >= plain), None)
     row = {
         "B": b,
         "ctx": context,
         "k": k,
-        "decode_graph_ms": decode_graph * 1e3,
-        "decode_eager_ms": decode_eager * 1e3,
-        "verify_eager_ms": t_verify * 1e3,
-        "verify_over_decode_graph": t_verify / decode_graph,
-        "verify_over_decode_eager": t_verify / decode_eager,
+        "decode_graph_ms": t_decode * 1e3,
+        "verify_graph_ms": t_verify_graph * 1e3,
+        "verify_eager_ms": t_verify_eager * 1e3,
+        "verify_graph_over_decode_graph": t_verify_graph / t_decode,
+        "verify_eager_over_verify_graph": t_verify_eager / t_verify_graph,
+        "verify_graph_error": graph_error,  # then the graphed columns are the eager step's
+        "verify_graph_vs_eager_argmax_agree": agree,
+        "verify_graph_vs_eager_max_abs_logit_diff": diff,
         "rejection_ms": t_reject * 1e3,
-        "propose_ms": t_propose * 1e3,
+        "propose_batched_ms": t_propose * 1e3,
+        "propose_one_at_a_time_ms": t_propose_one * 1e3,
+        "propose_batched_same_drafts": same_drafts,
         "decode_tok_per_s": plain,
         "spec_tok_per_s_by_mean_acceptance_length": by_len,
+        "spec_tok_per_s_by_mean_acceptance_length_eager_one_at_a_time": {
+            str(L): b * L / before for L in range(1, k + 2)
+        },
         "breakeven_L": breakeven,
     }
     print(
-        f"B={b} ctx={context} K={k}: decode {decode_graph * 1e3:.2f} ms (eager {decode_eager * 1e3:.2f}), verify "
-        f"{t_verify * 1e3:.2f}, rejection {t_reject * 1e3:.2f}, propose {t_propose * 1e3:.2f} ms; breakeven L "
-        f"{breakeven}",
+        f"K={k} B={b} ctx={context}: decode graph {t_decode * 1e3:.2f} ms; verify graph {t_verify_graph * 1e3:.2f}, "
+        f"eager {t_verify_eager * 1e3:.2f} (argmax agree {agree:.3f}, max |diff| {diff:.3g}); rejection "
+        f"{t_reject * 1e3:.2f}; propose batched {t_propose * 1e3:.2f}, one at a time {t_propose_one * 1e3:.2f} "
+        f"(same drafts {same_drafts:.2f}) ms; breakeven L {breakeven}",
         flush=True,
     )
+    print("  tok/s by L: " + ", ".join(f"L={L} {v:.0f}" for L, v in by_len.items()) + f"; decode {plain:.0f}")
     return row
+
+
+def engine_check(smoke: bool, k: int, max_tokens: int = 32) -> dict:
+    """The engine end to end on the built-in trained model (tiny-trained: real DSpark acceptance): 8 held-out
+    arithmetic problems at once, greedy, drafts off then on (K = ``k``). On the GPU the engine's own graphs (decode
+    graphs drafts off, verify graphs drafts on, captured on first use); on the CPU the paged path on the torch
+    references in fixed shapes without capture. Same tokens expected (up to fp32 near-ties on the GPU), the verify
+    steps in fixed shapes, the output rate of each arm (tiny shapes: host-bound, not the H200 proxy's)."""
+    from dsserve.engine.args import EngineArgs
+    from dsserve.engine.core import EngineCore
+    from dsserve.train.tasks import problem, prompt_ids
+
+    kw = dict(model="tiny-trained", dtype="float32", max_num_seqs=8, enable_prefix_caching=False, warmup=False)
+    if DEV == "cpu":  # drafts on in fixed shapes (async_scheduling asks for them), drafts off eager (quicker here)
+        kw.update(device="cpu", attention_backend="paged", reference_ops="all")
+    n_req = 4 if smoke else 8
+    out, toks = {}, {}
+    for arm, spec in (("off", None), ("on", {"method": "dspark", "num_speculative_tokens": k})):
+        eng = EngineCore(EngineArgs(**kw, speculative_config=spec, async_scheduling=DEV == "cpu" and spec is not None))
+        ps = [prompt_ids(eng.tokenizer, problem("arithmetic", "eval", 100 + i).prompt) for i in range(n_req)]
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        got = {}
+        for rep in range(2):  # the first run captures the graphs its shapes need; the second is timed
+            for i, p in enumerate(ps):
+                eng.add_request(f"{rep}-{i}", p, params)
+            _sync()
+            t = time.perf_counter()
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    if o.finished:
+                        got[o.request_id] = o.outputs[0].token_ids
+            _sync()
+            secs = time.perf_counter() - t
+            if rep == 0:
+                eng.reset_counts()
+        toks[arm] = [got[f"1-{i}"] for i in range(n_req)]
+        n = sum(len(t) for t in toks[arm])
+        st = eng.stats
+        out[arm] = {"output_tokens": n, "seconds": secs, "output_tok_per_s": n / secs}
+        if spec:
+            vg = eng.runner.verify_graphs
+            out[arm].update(
+                mean_acceptance_length=st.spec_mean_acceptance_length,
+                verify_graph_steps=st.verify_graph_steps,
+                steps=st.steps,
+                verify_graphs=None if vg is None else vg.report(),
+            )
+        del eng
+    same = [a == b for a, b in zip(toks["on"], toks["off"])]
+    out["same_tokens"] = sum(same) / len(same)
+    out["speedup"] = out["on"]["output_tok_per_s"] / out["off"]["output_tok_per_s"]
+    on = out["on"]
+    print(
+        f"engine (tiny-trained, B={n_req}, K={k}): drafts off {out['off']['output_tok_per_s']:.0f} tok/s, on "
+        f"{on['output_tok_per_s']:.0f} tok/s ({out['speedup']:.2f}x), mean acceptance length "
+        f"{on['mean_acceptance_length']:.2f}, {on['verify_graph_steps']} of {on['steps']} steps in verify graphs, "
+        f"same tokens {out['same_tokens']:.2f}",
+        flush=True,
+    )
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, < 2 minutes")
     p.add_argument("--out", default="benchmarks/results/spec-verify-h200")
-    p.add_argument("--k", type=int, default=5)
+    p.add_argument("--ks", default="3,5", help="drafts a request, comma-separated")
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--batches", default="1,2,4,8,16,32")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--budget-s", type=float, default=150.0, help="start no proxy case after this many seconds")
     a = p.parse_args()
     from model_h200 import build_core, ceilings, free_core
 
+    from dsserve.engine.verify_graphs import VerifyGraphs
+
     if a.smoke:
-        a.context, a.batches, a.repeats, a.k = 64, "1,2", 2, min(a.k, 3)
-    batches = [int(x) for x in a.batches.split(",")]
+        a.context, a.batches, a.repeats = 64, "1,2", 2
+    batches, ks = [int(x) for x in a.batches.split(",")], [int(x) for x in a.ks.split(",")]
     t0 = time.time()
-    ceil = ceilings()
-    model = "tiny" if a.smoke else "proxy-h200-release"
-    core, info = build_core(model, (max(batches), a.context + a.k + 2), release=not a.smoke, smoke=a.smoke)
-    drafter = Drafter(core.model, a.k, core.stats)
-    res = {"meta": run_meta(ceilings=ceil, smoke=a.smoke), "ceilings": ceil, "model": info, "rows": []}
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "spec_verify.json")
+    ceil = ceilings()
+    model = "tiny" if a.smoke else "proxy-h200-release"
+    core, info = build_core(model, (max(batches), a.context + max(ks) + 2), release=not a.smoke, smoke=a.smoke)
+    if a.context % core.kv.rollback_multiple:
+        raise SystemExit(f"--context must be a multiple of {core.kv.rollback_multiple}")
+    bs = core.kv.layout.block_size
+    min_context = -(-1024 // (2 * bs)) * 2 * bs
+    if DEV == "cpu":  # the engine's GPU path, on the torch references, in fixed shapes without capture
+        from dsserve.engine.decode_graphs import DecodeGraphs
+        from dsserve.kernels.ops import KernelOps
+
+        core.model.kernel_ops = KernelOps.for_device(core.device, "all")
+        core.runner.decode_graphs = DecodeGraphs(core.model, core.kv, max(batches), None, min_context=min_context)
+    capture = core.graph_capture
+    res = {"meta": run_meta(ceilings=ceil, smoke=a.smoke), "ceilings": ceil, "model": info, "rows": [], "skipped": []}
     try:
         with torch.no_grad():
-            for b in batches:
-                res["rows"].append(case(core, drafter, b, a.context, a.k, a.repeats))
-                res["seconds"] = time.time() - t0
-                with open(path, "w") as f:
-                    json.dump(res, f, indent=1)
+            for k in ks:
+                drafter = Drafter(core.model, k, core.stats)
+                graphs = VerifyGraphs(core.model, core.kv, max(batches), k, capture, min_context=min_context)
+                for b in batches:
+                    if time.time() - t0 > a.budget_s:
+                        res["skipped"].append({"k": k, "B": b, "why": f"past --budget-s {a.budget_s}"})
+                        print(f"K={k} B={b}: skipped (past --budget-s {a.budget_s})", flush=True)
+                        continue
+                    res["rows"].append(case(core, drafter, graphs, b, a.context, a.repeats))
+                    res.setdefault("verify_graphs", {})[str(k)] = graphs.report()
+                    res["seconds"] = time.time() - t0
+                    with open(path, "w") as f:
+                        json.dump(res, f, indent=1, default=str)
+                core.runner.verify_graphs = None
     finally:
         free_core(core)
+    try:
+        res["engine_check"] = engine_check(a.smoke, max(ks), 8 if a.smoke else 32)
+    except Exception as e:  # recorded beside the proxy's numbers
+        traceback.print_exc()
+        res["engine_check"] = {"error": f"{type(e).__name__}: {e}"}
+    res["seconds"] = time.time() - t0
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1, default=str)
     print(path)
 
 

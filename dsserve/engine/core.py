@@ -44,6 +44,7 @@ from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepOutput, S
 from .stats import EngineStats
 from .step_check import StepCheck
 from .structured_output import GrammarMask, Grammars
+from .verify_graphs import VerifyGraphs, verify_max_seqs
 
 log = logging.getLogger("dsserve")
 CPU_KV_CACHE_MEMORY = 256 << 20
@@ -353,7 +354,7 @@ class EngineCore:
                     encoder_graphs = EncoderGraphs(*rows, min_context=min_context)
         elif backend == "paged" and args.async_scheduling:  # fixed shapes, eager (the CPU)
             graphs = DecodeGraphs(self.model, self.kv, args.max_num_seqs, None, min_context=min_context)
-        self.drafter = None
+        self.drafter = verify_graphs = None
         if args.speculative_config is not None:
             try:
                 self.drafter = Drafter(self.model, args.speculative_config.num_speculative_tokens, self.stats)
@@ -361,13 +362,20 @@ class EngineCore:
                 raise EngineArgsError(f"speculative_config: {e}") from None
             if self.cfg.sliding_window < self.drafter.k + 2:
                 raise EngineArgsError(f"speculative_config: {self.cfg.name}'s window is shorter than a verify chunk")
-            # Verify steps run the eager forward (it returns the DSpark taps); the fixed-shape runners do not yet.
+            # Every step's rows feed the DSpark rings, so each needs its taps: verify steps (and plain decodes) run in
+            # fixed shapes through VerifyGraphs, which returns them; the other fixed-shape runners do not.
+            if graphs is not None:  # (on the CPU: fixed shapes without capture, as the decode steps')
+                k = self.drafter.k
+                seqs = verify_max_seqs(args.max_num_seqs, k)
+                verify_graphs = VerifyGraphs(self.model, self.kv, seqs, k, self.graph_capture, min_context)
             graphs = decoder_row_graphs = encoder_graphs = None
             _say("speculative decoding: DSpark, %d drafts a request a step", self.drafter.k)
         # Asynchronous scheduling runs only fixed-shape decode steps ahead: they take their tokens from the device.
         # (under TP the step ahead would take rank 0's device tokens, which the workers do not have)
         self.async_scheduling = graphs is not None and args.async_scheduling is not False and self.tp is None
-        if args.async_scheduling and not self.async_scheduling:
+        if args.async_scheduling and self.drafter is not None:
+            _say("async scheduling is off: steps with drafts are synchronous (the next step's rows are the drafts)")
+        elif args.async_scheduling and not self.async_scheduling:
             _say(
                 "async scheduling is off: it needs fixed-shape decode steps (the paged attention backend; this engine "
                 "runs %s on %s)",
@@ -379,7 +387,9 @@ class EngineCore:
         # with an empty plan joins its peers' forward; None: a lone engine
         self.lockstep = None
         self.grammar_ahead = True  # constrained requests run ahead too (False: they wait for the read, as before)
-        self.runner = ModelRunner(self.model, args.replay_form, graphs, decoder_row_graphs, encoder_graphs)
+        self.runner = ModelRunner(
+            self.model, args.replay_form, graphs, decoder_row_graphs, encoder_graphs, verify_graphs
+        )
         self.executor = (
             TPExecutor(self.runner, self.tp)
             if self.tp is not None and self.tp.rank == 0
@@ -582,6 +592,7 @@ class EngineCore:
             0 if self.runner.decoder_row_graphs is None else self.runner.decoder_row_graphs.runs
         )
         self.stats.encoder_graph_steps = 0 if self.runner.encoder_graphs is None else self.runner.encoder_graphs.runs
+        self.stats.verify_graph_steps = 0 if self.runner.verify_graphs is None else self.runner.verify_graphs.runs
         n, secs, loads = jit_compiles.COMPILES.snapshot()
         self.stats.triton_compiles, self.stats.triton_compile_seconds = n - self._jit_base[0], secs - self._jit_base[1]
         self.stats.triton_cache_loads = loads - self._jit_base[2]
@@ -763,10 +774,12 @@ class EngineCore:
         sampling, logits = self.executor.execute(plan)  # a LocalExecutor: drafts are refused with TP / DP
         self._count_runs()
         drafts = [c.draft_token_ids for c in plan.chunks if c.samples]
+        # counted before the verdict, read after it: the host's one wait for the step is the verdict's
+        nonfinite = torch.isfinite(logits).all(1).logical_not().sum() if sampling else None
         verdict = self.rejection_sampler(logits.float(), sampling, drafts) if sampling else None
         accepted = {} if verdict is None else {r.request_id: t for r, t in zip(sampling, verdict.token_ids)}
         if sampling:
-            self.stats.nonfinite_logit_rows += int(torch.isfinite(logits).all(1).logical_not().sum())
+            self.stats.nonfinite_logit_rows += int(nonfinite)
         rolled = self.drafter.after(plan, self.runner.last_forward, accepted)
         self.scheduler.register_full_blocks([c.request for c in plan.chunks])
         lps = [] if verdict is None else self._verify_logprobs(verdict, sampling, drafts)

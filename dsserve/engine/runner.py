@@ -19,13 +19,16 @@ class ModelRunner:
         decode_graphs=None,
         decoder_row_graphs=None,
         encoder_graphs=None,
+        verify_graphs=None,
     ):
         """``decode_graphs`` (engine.decode_graphs.DecodeGraphs): plain decode steps run through it, in fixed
         shapes (CUDA graphs on a GPU); None: every step runs ``forward_batch``. ``decoder_row_graphs``
         (engine.decoder_row_graphs.DecoderRowGraphs): other steps' decoder rows after bounded replay's narrowing run
-        through it; ``encoder_graphs`` (engine.encoder_graphs.EncoderGraphs): their encoder rows before it."""
+        through it; ``encoder_graphs`` (engine.encoder_graphs.EncoderGraphs): their encoder rows before it.
+        ``verify_graphs`` (engine.verify_graphs.VerifyGraphs): speculative verify steps run through it."""
         self.model, self.replay_form, self.decode_graphs = model, replay_form, decode_graphs
         self.decoder_row_graphs, self.encoder_graphs = decoder_row_graphs, encoder_graphs
+        self.verify_graphs = verify_graphs
         self.last_forward = None
         self.reset_counts()
 
@@ -33,20 +36,24 @@ class ModelRunner:
         """Zeroes what this runner and its fixed-shape runners counted (the warm-up's steps are not traffic)."""
         self.decoder_rows_skipped = 0  # prefill rows bounded replay kept out of the decoder
         self.graph_steps = 0  # steps run by decode_graphs
-        for g in (self.decode_graphs, self.decoder_row_graphs, self.encoder_graphs):
+        for g in (self.decode_graphs, self.decoder_row_graphs, self.encoder_graphs, self.verify_graphs):
             if g is not None:
                 g.reset_counts()
 
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> tuple[list[Request], torch.Tensor]:
         """Runs the plan's rows; returns the requests that sample this step and their logits: one row each, or
-        1 + k for a chunk verifying k drafts (its draft rows' and its last row's, in order). The eager forward's output
-        (hidden rows, DSpark taps) stays on ``last_forward`` until the next step."""
+        1 + k for a chunk verifying k drafts (its draft rows' and its last row's, in order). The forward's output
+        (hidden rows, DSpark taps; a verify graph's: taps only) stays on ``last_forward`` until the next step."""
         self.last_forward = None
         key = None if self.decode_graphs is None else self.decode_graphs.key(plan)
         if key is not None:
             logits = self.decode_graphs.run(plan, key)
             self.graph_steps += 1
+            return [c.request for c in plan.chunks], logits
+        key = None if self.verify_graphs is None else self.verify_graphs.key(plan)
+        if key is not None:
+            logits, self.last_forward = self.verify_graphs.run(plan, key)
             return [c.request for c in plan.chunks], logits
         ids, seqs, starts, row = [], [], [], 0
         for c in plan.chunks:

@@ -22,6 +22,7 @@ class EngineStats:
     graph_steps: int = 0  # decode steps run in fixed shapes (replayed CUDA graphs on a GPU)
     replay_graph_steps: int = 0  # steps whose decoder rows ran in fixed shapes after bounded replay's narrowing
     encoder_graph_steps: int = 0  # replayed steps whose encoder rows ran in fixed shapes (engine.encoder_graphs)
+    verify_graph_steps: int = 0  # speculative steps run in fixed shapes (engine.verify_graphs)
     graph_captures: int = 0  # CUDA graphs captured (each stalls its step once: 0.2-1.6 s on the release proxy)
     graph_capture_seconds: float = 0.0  # the time those steps waited for their captures
     graph_pool_bytes: int = 0  # device memory their pools reserved (one shared pool: engine.graph_capture)
@@ -98,6 +99,7 @@ class EngineStats:
             "graph_steps": self.graph_steps,
             "replay_graph_steps": self.replay_graph_steps,
             "encoder_graph_steps": self.encoder_graph_steps,
+            "verify_graph_steps": self.verify_graph_steps,
             "graph_captures": self.graph_captures,
             "graph_capture_seconds": self.graph_capture_seconds,
             "graph_pool_bytes": self.graph_pool_bytes,

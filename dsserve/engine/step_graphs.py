@@ -13,7 +13,7 @@ masked capture, graph replay or the eager forward, one output buffer per kind an
 
 The runners: ``DecodeGraphs`` (engine.decode_graphs: decode steps), ``DecoderRowGraphs`` (engine.decoder_row_graphs:
 bounded replay's decoder rows after the narrowing), ``EncoderGraphs`` (engine.encoder_graphs: their encoder rows
-before it). A speculative verify step (a decode with draft rows) is meant to be the fourth.
+before it), ``VerifyGraphs`` (engine.verify_graphs: speculative verify steps, a decode with draft rows).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class CapturedStep:
     """One fixed shape: its batch buffers (``capacity`` rows; ``mask_writes``, ``forget_derived``), the other input
     buffers its fill writes, and on a GPU its graph and the graph's output buffers (rows first)."""
 
-    batch: Any  # DecodeBatch, DecoderRowBatch (kv.replay_batch.ReplayBatch) or EncoderBatch
+    batch: Any  # DecodeBatch, DecoderRowBatch (kv.replay_batch.ReplayBatch) or EncoderBatch (encoder, verify)
     inputs: Any = None
     graph: torch.cuda.CUDAGraph | None = None
     outputs: Outputs | None = None

@@ -168,7 +168,9 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
     # prompt lengths whose decode steps stay in each bucket c (positions up to c)
     ladder = [c - new_tokens for c in context_ladder(cap, graphs.min_context if graphs else 1024)]
     longest = prompt(max(ladder[-1:] + [min(sched.max_num_batched_tokens, room)]))
-    ahead(graphs, row_graphs, True)
+    # with drafts on, a ladder request's verify steps build every larger verify row bucket at its context
+    verify = [core.runner.verify_graphs] if core.runner.verify_graphs is not None else []
+    ahead(graphs, row_graphs + verify, True)
     try:
         run([longest])
         # the first one a hit in the cold prompt's bucket (its encoder rows fit a row graph); largest first, as in
@@ -176,7 +178,7 @@ def warm_up(core, new_tokens: int = 3, seed: int = 0) -> WarmupReport:
         for n_tokens in reversed(ladder):
             run([longest[:n_tokens]])  # alone: together they would decode in the largest bucket only
     finally:
-        ahead(graphs, row_graphs, False)
+        ahead(graphs, row_graphs + verify, False)
     n = len(ladder) + 1
     t1 = time.perf_counter()
     for b in batch_sizes(sched.max_num_seqs):

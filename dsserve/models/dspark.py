@@ -17,8 +17,10 @@ from torch import nn
 
 from ..layers.attention import CSA2Attention, sparse_attention_with_sink
 from ..layers.context import ForwardContext, SeqRows
+from ..layers.indexer import NEG_INF
 from ..layers.mhc import collapse
 from ..layers.norm import RMSNorm
+from ..layers.numerics import acc
 from .block import Block
 from .config import LayerRole, ModelConfig
 
@@ -49,14 +51,20 @@ class DSparkCache:
         self.window = window
         self.keys: list[torch.Tensor | None] = [None] * n_stages  # [n <= window, head_dim]
         self.positions: list[torch.Tensor | None] = [None] * n_stages  # [n], strictly increasing
+        self._last: int | None = None  # the newest position on the host, when the pusher gave it
 
     @property
     def last_position(self) -> int:
-        """The newest ingested position (-1 when nothing has been ingested)."""
+        """The newest ingested position (-1 when nothing has been ingested). Kept on the host by ``DSpark.ingest``:
+        the drafter reads it per request per step, and a read of the device tensor would wait for the device."""
+        if self._last is not None:
+            return self._last
         p = self.positions[0]
         return -1 if p is None else int(p[-1])
 
-    def push(self, stage: int, keys: torch.Tensor, positions: torch.Tensor) -> None:
+    def push(self, stage: int, keys: torch.Tensor, positions: torch.Tensor, last: int | None = None) -> None:
+        """``last``: ``positions[-1]`` as a host int (None: read from ``positions`` when asked)."""
+        self._last = last
         # New tensors every time (no in-place writes), so a snapshot taken by a caller stays valid.
         if self.keys[stage] is not None:
             keys, positions = torch.cat((self.keys[stage], keys)), torch.cat((self.positions[stage], positions))
@@ -78,6 +86,8 @@ class DraftAttention(CSA2Attention):
         cfg, pos = self.cfg, ctx.positions
         _, q = self.query(x, pos)
         own = self.window_entry(x, pos, ctx.qat)
+        if (o := self._attend_blocks(q, own, ctx.seqs)) is not None:
+            return self.output(o, pos, x.dtype)
         outs = []
         for s in ctx.seqs:
             rows, state = s.rows, s.cache
@@ -92,6 +102,35 @@ class DraftAttention(CSA2Attention):
             mask = torch.cat((ring_ok, torch.ones(t, dtype=torch.bool, device=x.device)))[None, :].expand(t, -1)
             outs.append(sparse_attention_with_sink(q[rows], keys, mask, None, None, self.attn_sink, cfg.head_dim**-0.5))
         return self.output(torch.cat(outs), pos, x.dtype)
+
+    def _attend_blocks(self, q: torch.Tensor, own: torch.Tensor, seqs: list[SeqRows]) -> torch.Tensor | None:
+        """``forward``'s attention for several blocks of one size (``DSpark.propose_batch``'s) in one pass: the
+        rings padded to the longest, the padding masked like a stale ring row. Returns o [T, H, D] in fp32, or None
+        (one block, blocks of several sizes or out of order, or no host ``first``: the per-block loop)."""
+        if len(seqs) < 2 or any(s.first is None for s in seqs):
+            return None
+        nb, b = len(seqs), seqs[0].rows.stop - seqs[0].rows.start
+        if any(s.rows != slice(i * b, (i + 1) * b) for i, s in enumerate(seqs)) or nb * b != q.shape[0]:
+            return None
+        w, dev = self.cfg.sliding_window, q.device
+        keys = [s.cache.keys[self.stage] for s in seqs]
+        keys = [own[:0] if k is None else k for k in keys]
+        tags = [
+            torch.full((0,), -1, dtype=torch.long, device=dev) if k is None else k
+            for k in (s.cache.positions[self.stage] for s in seqs)
+        ]
+        ring_k = torch.nn.utils.rnn.pad_sequence(keys, batch_first=True)  # [B, n, D]
+        ring_p = torch.nn.utils.rnn.pad_sequence([t.to(dev) for t in tags], batch_first=True, padding_value=-1)
+        p = torch.tensor([s.first - 1 for s in seqs], device=dev)[:, None]
+        ring_ok = (ring_p >= (p - w + 1).clamp_min(0)) & (ring_p <= p)  # padding (-1) is before any window
+        k = acc(torch.cat((ring_k.to(own.dtype), own.view(nb, b, -1)), 1))  # [B, n + b, D]
+        mask = torch.cat((ring_ok, torch.ones(nb, b, dtype=torch.bool, device=dev)), 1)
+        qb = acc(q).view(nb, b, *q.shape[1:])  # [B, b, H, D]
+        logits = torch.einsum("bthd,bnd->bthn", qb, k) * self.cfg.head_dim**-0.5
+        logits = logits.masked_fill(~mask[:, None, None, :], NEG_INF)
+        sink = self.attn_sink.to(logits.dtype)[None, None, :, None].expand(nb, b, -1, 1)
+        probs = torch.softmax(torch.cat((logits, sink), -1), -1)
+        return torch.einsum("bthn,bnd->bthd", probs[..., :-1], k).reshape(q.shape[0], *q.shape[1:])
 
 
 class DSparkStage(Block):
@@ -149,7 +188,7 @@ class DSpark(nn.ModuleList):
         m = self[0].main_norm(self[0].main_proj(x))
         kept = positions[keep].to(m.device)
         for stage in self:
-            state.push(stage.attn.stage, stage.attn.window_entry(m, kept, qat), kept)
+            state.push(stage.attn.stage, stage.attn.window_entry(m, kept, qat), kept, int(positions[-1]))
 
     @torch.no_grad()
     def propose_batch(

@@ -280,6 +280,48 @@ class DeepseekForCausalLM(nn.Module):
             x, pre, ctx = block(x, pre, ctx)
         return x, pre
 
+    def forward_verify(
+        self, batch: EncoderBatch, engram_rows: dict, sample_rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [capacity, V] of the rows ``sample_rows`` [capacity] picks, DSpark taps [capacity, taps, d] in
+        layer order) of a step's rows in ``batch`` through every layer, compressors and Engram included: a
+        speculative verify step (several rows a sequence: its pending rows, then its drafts). ``engram_rows`` as
+        ``forward_encoder_rows``'. Fixed shapes, no host reads or writes: a CUDA graph can capture it. The host's
+        counts follow in ``commit_rows``."""
+        cfg = self.cfg
+        batch.begin()
+        ctx = ForwardContext(
+            tokens=batch.tokens,
+            positions=batch.positions,
+            seqs=batch.seqs,
+            qat=cfg.qat,
+            paged=batch,
+            ops=self.kernel_ops,
+            probe=self.score_probe,
+        )
+        if cfg.engram_layer_ids:
+            ctx.engram_ids, ctx.engram_rows = self.engram_token_map[batch.tokens], engram_rows
+        x, pre = self._embed(batch.tokens)
+        taps = []
+        for block in self.layers:
+            if block.role.index in cfg.dspark_target_layer_ids:
+                taps.append(acc(x).mean(1).to(x.dtype))  # forward_batch's taps
+            x, pre, ctx = block(x, pre, ctx)
+        return self.logits(collapse(x, pre)[sample_rows]), torch.stack(taps, 1)
+
+    def commit_rows(self, seqs: list[SeqRows], host_ids: torch.Tensor | None) -> None:
+        """The host's side of ``forward_verify`` over ``seqs`` (their host ``first`` positions, rows in order):
+        every source's entry and carried-row counts, token counts, Engram histories (``host_ids``: the rows'
+        compressed ids on the host; None without Engram)."""
+        if not seqs:
+            return
+        sources = {src: r for src, (r, _) in seqs[0].cache.cache.layout.sources.items()}
+        EncoderBatch.commit(seqs, sources)
+        for s in seqs:
+            s.cache.num_tokens += s.rows.stop - s.rows.start
+            if host_ids is not None:
+                s.cache.push_engram_history(host_ids[s.rows])
+
     def forward_decoder_rows(
         self,
         batch: ReplayBatch,

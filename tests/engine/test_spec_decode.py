@@ -279,14 +279,18 @@ def test_trained_model_greedy_equals_drafts_off():
     assert eng.stats.spec_num_drafts > 0
 
 
-def test_batched_proposal_equals_one_block_at_a_time(tiny_models):
+def test_batched_proposal_equals_one_block_at_a_time(tiny_models, monkeypatch):
     """DSpark.propose_batch (the drafter's) gives each sequence the drafts and confidences DSpark.propose gives it
-    alone, on rings ingested to different positions."""
+    alone, on rings ingested to different positions (one past the window, one empty), its attention over every
+    block at once (DraftAttention._attend_blocks: the per-block loop is not reached)."""
+    import dsserve.models.dspark as dspark
+
     model = tiny_models["tiny"]
     cfg = model.cfg
     gen = torch.Generator().manual_seed(0)
     states, ys, ps = [], [], []
-    for n in (3, 40, 17):
+    assert cfg.sliding_window < 40
+    for n in (3, 40, 17, 0):
         st = model.mtp.new_state()
         taps = {
             layer: torch.randn(n, cfg.hidden_size, generator=gen, dtype=torch.float64)
@@ -296,9 +300,12 @@ def test_batched_proposal_equals_one_block_at_a_time(tiny_models):
         states.append(st)
         ys.append(int(torch.randint(3, cfg.vocab_size, (1,), generator=gen)))
         ps.append(n - 1)
+    per_block = dspark.sparse_attention_with_sink
     with torch.no_grad():
+        monkeypatch.setattr(dspark, "sparse_attention_with_sink", None)  # the batched pass must not need it
         drafts, conf = model.mtp.propose_batch(ys, ps, states, model.embed, model.head)
-        for i in range(3):
+        monkeypatch.setattr(dspark, "sparse_attention_with_sink", per_block)
+        for i in range(4):
             d, c, _ = model.mtp.propose(ys[i], ps[i], states[i], model.embed, model.head)
             assert drafts[i].tolist() == d.tolist()
             assert torch.allclose(conf[i], c, atol=1e-9)
