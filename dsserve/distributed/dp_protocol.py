@@ -81,6 +81,9 @@ class RankLoad:
     sync_seconds: float = 0.0  # in the lockstep gathers
     idle_seconds: float = 0.0  # in idle forwards
     tp_message_seconds: float = 0.0  # building, pickling and sending the TP workers' step messages (TPExecutor)
+    # the rank's EngineStats counters (EngineStats.counters: monotone within the rank), which the front end's
+    # /metrics sums over the ranks (prefix cache, replay, graphs, speculative decoding)
+    counters: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -251,6 +251,7 @@ class RankLoop:
             ls.sync_seconds if ls is not None else 0.0,
             ls.idle_seconds if ls is not None else 0.0,
             tp.seconds if (tp := getattr(core.executor, "stats", None)) is not None else 0.0,
+            stats.counters(),
         )
 
 

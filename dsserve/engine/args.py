@@ -369,10 +369,11 @@ class EngineArgs:
             raise EngineArgsError(f"node_rank must lie in [0, nnodes={self.nnodes}), got {self.node_rank}")
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-            if self.tensor_parallel_size > 1 or self.data_parallel_size > 1:
+            if self.tensor_parallel_size > 1 or (self.data_parallel_size > 1 and self.enable_expert_parallel):
                 raise EngineArgsError(
-                    "speculative_config with tensor_parallel_size or data_parallel_size > 1: drafts are not carried to "
-                    "parallel ranks yet (issue 56); use one of them"
+                    "speculative_config with tensor_parallel_size > 1 or with expert parallel (-dp and "
+                    "--enable-expert-parallel): drafts are not carried to TP workers, nor draft passes to EP peers, "
+                    "yet; use it with -dp alone (each rank drafts for its own requests) or one engine"
                 )
         try:
             self.eplb_config()

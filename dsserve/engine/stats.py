@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from ..kv.paged import KVLayout
 from ..models.accounting import layer_parts
@@ -42,6 +42,12 @@ class EngineStats:
     # refilling and replaying, sampling's launches, detokenising, stop checks) and the wait for the device there.
     step_host_seconds: float = 0.0
     step_wait_seconds: float = 0.0
+
+    def counters(self) -> dict:
+        """The monotone counts by field name (a copy: what a DP rank sends its front end each step)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("layout", "cfg")}
+        out["spec_accepted_per_pos"] = list(self.spec_accepted_per_pos)
+        return out
 
     def step_done(self, host_s: float, wait_s: float) -> None:
         self.steps += 1

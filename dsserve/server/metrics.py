@@ -358,7 +358,7 @@ class EngineMetrics:
         self.ep_steps = counter(
             "ep_steps", "Lockstep steps of the EP ranks counted in ep_expert_rows.", own=True
         ).labels(model_name)
-        self._rank_stats: dict[int, tuple[int, int]] = {}
+        self._rank_stats: dict[int, dict] = {}  # a DP rank -> its last reported counters
         self._ep_seen: tuple[int, list] = (0, [])
 
         # EPLB (--enable-eplb, distributed.eplb): the ranks' figures, per MoE model (target | draft) and layer
@@ -522,13 +522,10 @@ class EngineMetrics:
                 self.rank_hit_rate.labels(m, rank).set(h / q if q else 0.0)
                 self.rank_routed.labels(m, rank).set(client.router.routed[r])
                 self.rank_idle_steps.labels(m, rank).set(x.idle_steps)
-                q0, h0 = self._rank_stats.get(r, (0, 0))
-                for field, d in (("prefix_query_tokens", q - q0), ("prefix_hit_tokens", h - h0)):
-                    if d > 0:
-                        self.stat_counters[field].inc(d)
-                        if field in self.deprecated_counters:
-                            self.deprecated_counters[field].inc(d)
-                self._rank_stats[r] = (q, h)
+                self._count_rank(r, x.counters)
+            drafts = sum(x.counters.get("spec_num_drafts", 0) for x in loads)
+            accepted = sum(x.counters.get("spec_num_accepted_tokens", 0) for x in loads)
+            self.spec_mean_len.set(1.0 + accepted / drafts if drafts else 0.0)
             bal = client.ep_balance
             if bal.steps:
                 steps, seen = self._ep_seen
@@ -545,6 +542,22 @@ class EngineMetrics:
                 self.ep_rows_per_rank.set(bal.summary()["rows_per_rank_per_step"])
             if client.eplb:
                 self._observe_eplb(client.eplb)
+
+    def _count_rank(self, rank: int, counters: dict) -> None:
+        """A DP rank's engine counters into the shared ones: their increase since its last report."""
+        last = self._rank_stats.get(rank, {})
+        for field, c in self.stat_counters.items():
+            d = counters.get(field, 0) - last.get(field, 0)
+            if d > 0:
+                c.inc(d)
+                if field in self.deprecated_counters:
+                    self.deprecated_counters[field].inc(d)
+        before = last.get("spec_accepted_per_pos", [])
+        for i, v in enumerate(counters.get("spec_accepted_per_pos", [])):
+            d = v - (before[i] if i < len(before) else 0)
+            if d > 0:
+                self.spec_per_pos.labels(*self._shared, str(i)).inc(d)
+        self._rank_stats[rank] = counters
 
     def _observe_eplb(self, reports: dict) -> None:
         """The ranks' last ``eplb.EplbReport``s: rank 0's figures (every rank holds the same), the buffer's peak
