@@ -7,6 +7,9 @@ It answers ``EngineCore``'s calls (``add_request``, ``abort_request``, ``step``,
 drive it as they drive one engine. ``step`` waits (at most ``poll_s``) for the ranks' next messages and returns the
 outputs they carried; requests are validated here, with the ranks' tokenizer and limits, before any rank sees them.
 
+With ``--nnodes N`` this front end (node 0) spawns its node's ranks and the other nodes' ranks connect to it over
+sockets (``dp_transport``; their handles are ``RemoteRank``s, watched as the local processes are).
+
 Failure is fail-stop for the whole group: a rank that exits or reports an exception (a collective that timed out
 included) makes ``step`` stop every rank (SIGTERM, then SIGKILL after ``kill_after_s``) and raise
 ``EngineDeadError``; the front end fails its in-flight requests with it (the server: 503, then exit non-zero).
@@ -42,6 +45,7 @@ from .dp_protocol import (
 )
 from .dp_rank import rank_main
 from .dp_router import DPRouter
+from .dp_transport import rank_threads_default
 
 
 def _free_port() -> int:
@@ -123,14 +127,24 @@ class DPClient:
         self.poll_s, self.kill_after_s = poll_s, kill_after_s
         self.dead: str | None = None
         ctx = mp.get_context("spawn")
-        port = _free_port()
-        threads = rank_threads or max(1, (os.cpu_count() or 1) // self.dp_size)
+        remote = []  # the other nodes' ranks (dp_transport.RemoteRank), connected before this node's start
+        if args.nnodes > 1:
+            from .dp_transport import WorldMismatch, accept_remote_ranks
+
+            try:
+                remote = accept_remote_ranks(args, ready_timeout_s)
+            except WorldMismatch as e:
+                raise EngineDeadError(str(e)) from None
+        port = args.master_port if args.nnodes > 1 else _free_port()
+        local = args.dp_ranks_of_node()  # one node: every rank
+        threads = rank_threads or rank_threads_default(len(local))
         self.conns, self.procs = [], []
-        for r in range(self.dp_size):
+        for r in local:
             ours, theirs = ctx.Pipe()
             p = ctx.Process(
                 target=rank_main,
                 args=(r, self.dp_size, args, theirs, port, os.getpid(), uniform_routing, group_timeout_s, threads),
+                kwargs={"master_addr": args.master_addr or "127.0.0.1"},
                 name=f"dsserve-dp{r}",
                 daemon=True,
             )
@@ -138,6 +152,8 @@ class DPClient:
             theirs.close()
             self.conns.append(ours)
             self.procs.append(p)
+        self.conns += [rr.conn for rr in remote]  # ranks in order: this node's first, then the others'
+        self.procs += remote
         atexit.register(self.close)
         ready = self._wait_ready(ready_timeout_s)
         first = ready[0]

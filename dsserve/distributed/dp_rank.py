@@ -107,7 +107,7 @@ def rank_args(args: EngineArgs, expert_parallel: bool) -> EngineArgs:
     """One rank's engine arguments: a single-device engine; under EP every forward must be one the ranks agreed on,
     so no fixed-shape runner (their dispatch would read counts inside a graph), no asynchronous step ahead and no
     warm-up forwards of its own."""
-    one = replace(args, data_parallel_size=1, enable_expert_parallel=False, enable_eplb=False)
+    one = replace(args, data_parallel_size=1, enable_expert_parallel=False, enable_eplb=False, nnodes=1, node_rank=0)
     if expert_parallel:
         one = replace(one, async_scheduling=False, enforce_eager=True, warmup=False)
     return one
@@ -228,24 +228,28 @@ def rank_main(
     uniform_routing: bool = False,
     group_timeout_s: float = 60.0,
     threads: int = 1,
+    master_addr: str = "127.0.0.1",
+    local_rank: int | None = None,
 ) -> None:
-    """The process target ``dp_client.DPClient`` spawns for DP rank ``rank`` of ``dp_size``."""
+    """The process target ``dp_client.DPClient`` spawns for DP rank ``rank`` of ``dp_size`` (on another node:
+    ``dp_transport.remote_rank_main``, with node 0's ``master_addr`` and its index ``local_rank`` on its node)."""
+    local_rank = rank if local_rank is None else local_rank
     _die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before the signal was armed
         os._exit(1)
     try:
         torch.set_num_threads(threads)
         if torch.cuda.is_available():  # a GPU a rank ("auto" and "cuda" then mean this one)
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            torch.cuda.set_device(local_rank % torch.cuda.device_count())
         ep_group = ctrl_group = None
         if args.enable_expert_parallel and dp_size > 1:
             from .groups import init_world, new_groups
 
             os.environ.update(
                 RANK=str(rank),
-                LOCAL_RANK=str(rank),
+                LOCAL_RANK=str(local_rank),
                 WORLD_SIZE=str(dp_size),
-                MASTER_ADDR="127.0.0.1",
+                MASTER_ADDR=master_addr,
                 MASTER_PORT=str(master_port),
             )
             init_world(timeout_s=group_timeout_s)

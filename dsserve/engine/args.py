@@ -33,6 +33,7 @@ CLI_ALIASES = {  # vLLM's short flags
     "tensor_parallel_size": ("-tp",),
     "data_parallel_size": ("-dp",),
     "pipeline_parallel_size": ("-pp",),
+    "master_addr": ("--data-parallel-address",),
     "quantization": ("-q",),
 }
 
@@ -150,6 +151,13 @@ class EngineArgs:
     )
     master_port: int | None = field(
         default=None, metadata=_h("the rendezvous port (torchrun's MASTER_PORT; one node: a free port)")
+    )
+    data_parallel_rpc_port: int | None = field(
+        default=None,
+        metadata=_h(
+            "multi-node DP: the port of node 0's front end (on --master-addr) where the other nodes' ranks connect "
+            "(None: --master-port + 1)"
+        ),
     )
     enable_expert_parallel: bool = field(
         default=False,
@@ -357,6 +365,8 @@ class EngineArgs:
             )
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise EngineArgsError(f"node_rank must lie in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1:
+            self._check_nodes()
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
             if self.tensor_parallel_size > 1 or self.data_parallel_size > 1:
@@ -473,6 +483,29 @@ class EngineArgs:
         if unknown:
             raise EngineArgsError(f"unknown engine option(s) {unknown}; options are {sorted(names)}")
         return cls(**kw)
+
+    def _check_nodes(self) -> None:
+        """A multi-node deployment splits the DP ranks evenly over the nodes; TP stays within a node."""
+        if self.tensor_parallel_size > 1:
+            raise EngineArgsError(
+                f"tensor_parallel_size={self.tensor_parallel_size} with nnodes={self.nnodes}: tensor parallel across "
+                "nodes is not supported (its step messages travel on one host's pipes); run TP within a node and "
+                "data/expert parallel across nodes (-dp D --enable-expert-parallel, D a multiple of --nnodes)"
+            )
+        if self.data_parallel_size % self.nnodes:
+            raise EngineArgsError(
+                f"data_parallel_size={self.data_parallel_size} over nnodes={self.nnodes}: every node holds the same "
+                "number of DP ranks, so data_parallel_size must be a multiple of nnodes"
+            )
+        if not self.master_port:
+            raise EngineArgsError(
+                f"nnodes={self.nnodes} needs --master-port (and --master-addr: node 0's address), the same on all nodes"
+            )
+
+    def dp_ranks_of_node(self) -> range:
+        """The global DP ranks this node runs (node n of N: ranks n*D/N .. (n+1)*D/N - 1)."""
+        local = self.data_parallel_size // self.nnodes
+        return range(self.node_rank * local, (self.node_rank + 1) * local)
 
     @classmethod
     def add_cli_args(cls, p: argparse.ArgumentParser) -> None:
