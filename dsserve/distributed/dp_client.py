@@ -54,6 +54,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _lost_remote(p) -> bool:
+    """A rank on another node (dp_transport.RemoteRank) whose connection closed."""
+    return hasattr(p, "node_rank") and not p.is_alive()
+
+
 @dataclass
 class EPBalance:
     """Rows the routed experts of each EP rank ran, per MoE layer, gathered from the ranks' reports by lockstep step
@@ -234,6 +239,12 @@ class DPClient:
         return [p.pid for p in self.procs]
 
     def _fail(self, why: str) -> None:
+        # a lost node makes its peers' collectives fail too: name the root cause first, whichever is seen first
+        lost = [f"DP rank {r} of node {p.node_rank}" for r, p in enumerate(self.procs) if _lost_remote(p)]
+        if lost:
+            why = (
+                f"{', '.join(lost)} lost (its connection closed: the node's process ended or the network failed)\n{why}"
+            )
         self.dead = why
         self._stop_all()
         self._owner.clear()
