@@ -218,6 +218,18 @@ def _die_with_parent() -> None:
         pass
 
 
+def _told_to_stop(conn, wait_s: float = 0.1) -> bool:
+    """Whether the front end has asked this rank to stop (a ``Shutdown`` waits on its pipe) or is gone."""
+    deadline = time.monotonic() + wait_s
+    try:
+        while conn.poll(max(0.0, deadline - time.monotonic())):
+            if isinstance(conn.recv(), Shutdown):
+                return True
+    except (EOFError, OSError):
+        return True
+    return False
+
+
 def rank_main(
     rank: int,
     dp_size: int,
@@ -280,6 +292,8 @@ def rank_main(
     except EOFError:  # the front end closed the pipe: nothing left to serve
         os._exit(0)
     except BaseException:
+        if _told_to_stop(conn):  # a peer that obeyed the same Shutdown first broke this rank's collective
+            os._exit(0)
         try:
             conn.send(RankFailed(rank, traceback.format_exc()))
         except Exception:

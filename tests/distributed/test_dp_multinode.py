@@ -1,8 +1,8 @@
 """Multi-node DP on one host: "node 0" (the front end and DP rank 0) and "node 1" (`dsserve serve --headless
 --node-rank 1`: DP rank 1, connected over a socket) are two processes on 127.0.0.1 with --nnodes 2 (DEP2, gloo,
-fp64, tiny). The two nodes give the greedy tokens of a one-node DEP2; killing node 1 mid-request fails the request
-with a 503 and node 0 exits non-zero within seconds; a node started for another world is refused, both sides saying
-why; flags that cannot work across nodes are clear errors."""
+fp64, tiny). The two nodes give the greedy tokens of a one-node DEP2 (two plain DP replicas too); killing node 1
+mid-request fails the request with a 503 and node 0 exits non-zero within seconds; a node started for another world
+is refused, both sides saying why; flags that cannot work across nodes are clear errors."""
 
 import os
 import signal
@@ -30,9 +30,9 @@ OPTIONS = dict(dtype="float64", device="cpu", block_size=16, seed=0, max_num_seq
 OPTIONS.update(data_parallel_size=2, enable_expert_parallel=True)
 
 
-def start_node1(master_port: int, rpc_port: int, dp: int = 2) -> subprocess.Popen:
+def start_node1(master_port: int, rpc_port: int, dp: int = 2, ep: bool = True) -> subprocess.Popen:
     argv = [sys.executable, "-m", "dsserve", "serve", "tiny", *SERVER_ARGS, "--device", "cpu", "-dp", str(dp)]
-    argv += ["--enable-expert-parallel", "--nnodes", "2", "--node-rank", "1", "--headless"]
+    argv += ["--enable-expert-parallel"] * ep + ["--nnodes", "2", "--node-rank", "1", "--headless"]
     argv += ["--master-port", str(master_port), "--data-parallel-rpc-port", str(rpc_port)]
     return subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -51,20 +51,22 @@ def test_two_nodes_give_the_tokens_of_one():
         want = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
     finally:
         one.engine.close()
-    master, rpc = free_port(), free_port()
-    node1 = start_node1(master, rpc)
-    try:
-        two = LLM("tiny", **OPTIONS, nnodes=2, master_port=master, data_parallel_rpc_port=rpc)
+    for ep in (True, False):  # DEP2 (one torch world over both nodes), then two independent replicas
+        master, rpc = free_port(), free_port()
+        node1 = start_node1(master, rpc, ep=ep)
         try:
-            assert isinstance(two.engine.procs[1], RemoteRank) and two.engine.procs[1].node_rank == 1
-            got = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)]
-            assert got == want
-            assert two.engine.rank_loads[1].prefix_query_tokens > 0  # node 1's rank served some of them
+            opts = {**OPTIONS, "enable_expert_parallel": ep}
+            two = LLM("tiny", **opts, nnodes=2, master_port=master, data_parallel_rpc_port=rpc)
+            try:
+                assert isinstance(two.engine.procs[1], RemoteRank) and two.engine.procs[1].node_rank == 1
+                got = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)]
+                assert got == want
+                assert two.engine.rank_loads[1].prefix_query_tokens > 0  # node 1's rank served some of them
+            finally:
+                two.engine.close()
+            assert node1.wait(30) == 0  # node 1 leaves when node 0's front end closes
         finally:
-            two.engine.close()
-        assert node1.wait(30) == 0  # node 1 leaves when node 0's front end closes
-    finally:
-        stop(node1)
+            stop(node1)
 
 
 def test_killing_node_1_fails_its_requests_and_stops_node_0():
