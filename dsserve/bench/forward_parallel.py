@@ -138,6 +138,9 @@ def bench_parallel(args: EngineArgs, spec: BatchSpec) -> tuple[str, list[Paralle
     if args.nnodes > 1:
         raise EngineDeadError("bench forward runs on one node: --nnodes must be 1")
     world = args.tensor_parallel_size * args.data_parallel_size
+    gpus = torch.cuda.device_count() if args.device != "cpu" and torch.cuda.is_available() else 0
+    if gpus and world > gpus:  # one rank a GPU: with fewer, some ranks would pick NCCL and others gloo
+        raise EngineDeadError(f"bench forward: {world} ranks need {world} GPUs, this host has {gpus} (or --device cpu)")
     rdv = Rendezvous(args.master_addr or "127.0.0.1", args.master_port or 0).resolved()
     ctx = torch.multiprocessing.get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
