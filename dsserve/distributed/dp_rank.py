@@ -107,7 +107,8 @@ def rank_args(args: EngineArgs, expert_parallel: bool) -> EngineArgs:
     """One rank's engine arguments: a single-device engine; under EP every forward must be one the ranks agreed on,
     so no fixed-shape runner (their dispatch would read counts inside a graph), no asynchronous step ahead and no
     warm-up forwards of its own."""
-    one = replace(args, data_parallel_size=1, enable_expert_parallel=False, enable_eplb=False, nnodes=1, node_rank=0)
+    nodes = dict(nnodes=1, node_rank=0, data_parallel_size_local=None, data_parallel_start_rank=0)
+    one = replace(args, data_parallel_size=1, enable_expert_parallel=False, enable_eplb=False, **nodes)
     if expert_parallel:
         one = replace(one, async_scheduling=False, enforce_eager=True, warmup=False)
     return one

@@ -159,6 +159,14 @@ class EngineArgs:
             "(None: --master-port + 1)"
         ),
     )
+    data_parallel_size_local: int | None = field(
+        default=None,
+        metadata=_h(
+            "vLLM's multi-node DP form: DP ranks on this node; with --data-parallel-start-rank it sets --nnodes "
+            "(-dp / this) and --node-rank (start / this); --master-port defaults to --data-parallel-rpc-port - 1"
+        ),
+    )
+    data_parallel_start_rank: int = field(default=0, metadata=_h("vLLM's: the first DP rank of this node"))
     enable_expert_parallel: bool = field(
         default=False,
         metadata=_h(
@@ -363,6 +371,8 @@ class EngineArgs:
                 f"distributed_executor_backend {self.distributed_executor_backend!r}: only 'mp' (one spawned process "
                 "per rank) is supported"
             )
+        if self.data_parallel_size_local is not None:
+            self._nodes_from_vllm_flags()
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise EngineArgsError(f"node_rank must lie in [0, nnodes={self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1:
@@ -483,6 +493,26 @@ class EngineArgs:
         if unknown:
             raise EngineArgsError(f"unknown engine option(s) {unknown}; options are {sorted(names)}")
         return cls(**kw)
+
+    def _nodes_from_vllm_flags(self) -> None:
+        """vLLM's --data-parallel-size-local L --data-parallel-start-rank S as --nnodes D/L --node-rank S/L (dsserve
+        splits the ranks evenly over the nodes)."""
+        local, start, dp = self.data_parallel_size_local, self.data_parallel_start_rank, self.data_parallel_size
+        if local < 1 or dp % local or start % local or not 0 <= start < dp:
+            raise EngineArgsError(
+                f"data_parallel_size_local={local}, data_parallel_start_rank={start} with data_parallel_size={dp}: "
+                "dsserve runs the same number of DP ranks on every node, so the local size must divide "
+                "data_parallel_size and the start rank be a multiple of it, below data_parallel_size"
+            )
+        if self.nnodes not in (1, dp // local) or self.node_rank not in (0, start // local):
+            raise EngineArgsError(
+                f"--nnodes {self.nnodes} --node-rank {self.node_rank} contradict --data-parallel-size-local {local} "
+                f"--data-parallel-start-rank {start} (nodes {dp // local}, node {start // local}): give one form"
+            )
+        object.__setattr__(self, "nnodes", dp // local)
+        object.__setattr__(self, "node_rank", start // local)
+        if not self.master_port and self.data_parallel_rpc_port and self.nnodes > 1:
+            object.__setattr__(self, "master_port", self.data_parallel_rpc_port - 1)  # as R defaults to P + 1
 
     def _check_nodes(self) -> None:
         """A multi-node deployment splits the DP ranks evenly over the nodes; TP stays within a node."""

@@ -15,8 +15,9 @@ import httpx
 import pytest
 
 from dsserve.cli import main
+from dsserve.distributed.dp_rank import rank_args
 from dsserve.distributed.dp_transport import RemoteRank
-from dsserve.engine.args import EngineArgsError
+from dsserve.engine.args import EngineArgs, EngineArgsError
 from dsserve.engine.executor import EngineDeadError
 from dsserve.engine.llm import LLM
 from dsserve.engine.sampling_params import SamplingParams
@@ -127,3 +128,15 @@ def test_flags_that_cannot_span_nodes_are_clear_errors():
         LLM("tiny", data_parallel_size=2, nnodes=2, node_rank=1, master_port=29500)
     with pytest.raises(SystemExit, match="needs --nnodes > 1 and --node-rank > 0"):
         main(["serve", "tiny", "--headless"])
+
+
+def test_vllm_multi_node_flags_name_the_same_nodes():
+    """vLLM's --data-parallel-size-local / --data-parallel-start-rank / --data-parallel-rpc-port lines."""
+    vllm = dict(data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=2)
+    a = EngineArgs(model="tiny", **vllm, data_parallel_rpc_port=13345)
+    assert (a.nnodes, a.node_rank, a.master_port, list(a.dp_ranks_of_node())) == (2, 1, 13344, [2, 3])
+    assert rank_args(a, True).nnodes == 1  # a rank's own engine is one device's
+    with pytest.raises(EngineArgsError, match="the same number of DP ranks on every node"):
+        EngineArgs(model="tiny", data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=1)
+    with pytest.raises(EngineArgsError, match="give one form"):
+        EngineArgs(model="tiny", data_parallel_size=4, data_parallel_size_local=2, nnodes=4, master_port=29500)
