@@ -4,11 +4,10 @@ A batch is B requests, each with C tokens already in the cache and N new rows (N
 N > 1: a prefill chunk on top of a cached prefix). The caches are filled with synthetic values, so no
 prefill is needed to reach context C. Time is wall time, on a GPU from a synchronised start to a
 synchronised end; the breakdown comes from hooks on the modules of each stage (host time: on a GPU it
-shows where launches are issued, not where the device spends its time). With ``--tensor-parallel-size T`` the
-step goes through the engine's executor: TP rank 0 sends it to the T - 1 workers (which mirror the synthetic
-caches' shapes) and times it on its side; its collectives wait for every rank, so the time is the slowest
-rank's. FLOP/s counts 2 x active parameters per row; bandwidth counts the active weights read once per step
-plus the KV rows the step reads.
+shows where launches are issued, not where the device spends its time). With ``--tensor-parallel-size`` or
+``--data-parallel-size`` above 1 every rank is spawned and runs the same batch, timed in lockstep
+(``forward_parallel``). FLOP/s counts 2 x active parameters per row; bandwidth counts the active weights read once
+per step plus the KV rows the step reads.
 """
 
 from __future__ import annotations
@@ -17,7 +16,8 @@ import json
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import torch
 
@@ -41,6 +41,7 @@ class ForwardResult:
     tokens_per_s: float
     tflops: float
     gbytes_per_s: float
+    times: list = field(default_factory=list)  # seconds of each timed repeat, in order
 
 
 class _Timer:
@@ -105,7 +106,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_forward(core: EngineCore, batch: int, context: int, new_tokens: int, repeats: int = 3) -> ForwardResult:
+def bench_forward(
+    core: EngineCore,
+    batch: int,
+    context: int,
+    new_tokens: int,
+    repeats: int = 3,
+    barrier: Callable[[], None] | None = None,
+) -> ForwardResult:
+    """``barrier``: called before each run's clock starts (ranks timed in lockstep: bench.forward_parallel)."""
     cfg, model = core.cfg, core.model
     gen = torch.Generator().manual_seed(0)
     timer = _Timer()
@@ -148,6 +157,8 @@ def bench_forward(core: EngineCore, batch: int, context: int, new_tokens: int, r
             plan = StepPlan([ScheduledChunk(r, new_tokens) for r in reqs], [])
             timer.total.clear()
             _sync(core.device)
+            if barrier is not None:
+                barrier()
             t0 = time.perf_counter()
             sampling, logits = core.executor.execute(plan)  # under TP: every rank runs it, rank 0 times it
             core.scheduler.update(plan, StepOutput())  # the rows are in the cache: the next repeat decodes on
@@ -164,6 +175,7 @@ def bench_forward(core: EngineCore, batch: int, context: int, new_tokens: int, r
         attention_paged._select, CSA2Attention._select = selects
         for h in hooks:
             h.remove()
+    times = [t for t, _ in runs]
     runs.sort(key=lambda x: x[0])
     seconds, stages = runs[len(runs) // 2]
     rows = batch * new_tokens
@@ -181,22 +193,20 @@ def bench_forward(core: EngineCore, batch: int, context: int, new_tokens: int, r
         rows / seconds,
         flops / seconds / 1e12,
         (weight_bytes + kv_bytes) / seconds / 1e9,
+        times,
     )
 
 
-def run_bench_forward(ns) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
+def bench_args(args: EngineArgs, ns) -> EngineArgs:
+    """The engine arguments of a bench run: a cache that holds the batch at its longest context, no prefix cache."""
     from ..kv.paged import KVLayout
     from ..models.loader import resolve_config
 
-    args = EngineArgs.from_cli(ns)
     lay = KVLayout.build(resolve_config(args.model), args.block_size, args.kv_cache_dtype)
     blocks = ns.batch * (math.ceil((max(ns.context) + ns.new_tokens) / lay.block_size) + 1)
     seqs = max(args.max_num_seqs, ns.batch)
     memory = blocks * lay.bytes_per_block + seqs * lay.bytes_per_slot + (1 << 20)
-    args = EngineArgs(
+    return EngineArgs(
         **{
             **asdict(args),
             "max_num_seqs": seqs,
@@ -204,15 +214,25 @@ def run_bench_forward(ns) -> int:
             "kv_cache_memory": args.kv_cache_memory or memory,
         }
     )
+
+
+def run_bench_forward(ns) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    args = bench_args(EngineArgs.from_cli(ns), ns)
+    if args.tensor_parallel_size > 1 or args.data_parallel_size > 1:  # every rank spawned, timed in lockstep
+        from .forward_parallel import run_bench_forward_parallel
+
+        return run_bench_forward_parallel(ns, args)
     core = EngineCore(args)
     try:
         results = [bench_forward(core, ns.batch, c, ns.new_tokens, ns.repeats) for c in ns.context]
     finally:
         core.close()
-    tp = f", TP {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     t = Table(
         title=f"bench forward: {core.cfg.name}, batch {ns.batch}, new tokens {ns.new_tokens}, "
-        f"{args.dtype}, {'CPU' if not torch.cuda.is_available() else 'CUDA'}{tp}"
+        f"{args.dtype}, {'CPU' if not torch.cuda.is_available() else 'CUDA'}"
     )
     # stage columns are ms per step; the side columns (encoder, boundary layer, decoder) and the op columns
     # (attention, indexer, moe) are two cuts of the same time

@@ -9,6 +9,9 @@ It answers ``EngineCore``'s calls (``add_request``, ``abort_request``, ``step``,
 drive it as they drive one engine. ``step`` waits (at most ``poll_s``) for the ranks' next messages and returns the
 outputs they carried; requests are validated here, with the ranks' tokenizer and limits, before any rank sees them.
 
+With ``--nnodes N`` this front end (node 0) spawns its node's ranks and the other nodes' ranks connect to it over
+sockets (``dp_transport``; their handles are ``RemoteRank``s, watched as the local processes are).
+
 Failure is fail-stop for the whole group: a rank that exits or reports an exception (a collective that timed out
 included; a TP worker's death fails its rank) makes ``step`` stop every rank (their death pipes closed, SIGKILL after
 ``kill_after_s``; their TP workers follow through their own) and raise ``EngineDeadError``; the front end fails its
@@ -19,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing as mp
-import os
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
@@ -45,7 +47,13 @@ from .dp_protocol import (
 )
 from .dp_rank import rank_main
 from .dp_router import DPRouter
+from .dp_transport import rank_threads_default
 from .launch import RankProcesses, Rendezvous
+
+
+def _lost_remote(p) -> bool:
+    """A rank on another node (dp_transport.RemoteRank) whose connection closed."""
+    return hasattr(p, "node_rank") and not p.is_alive()
 
 
 @dataclass
@@ -120,23 +128,42 @@ class DPClient:
         self.expert_parallel = args.enable_expert_parallel and self.dp_size > 1
         self.poll_s, self.kill_after_s = poll_s, kill_after_s
         self.dead: str | None = None
-        tp = args.tensor_parallel_size
+        remote = []  # the other nodes' ranks (dp_transport.RemoteRank), connected before this node's start
+        if args.nnodes > 1:
+            from .dp_transport import WorldMismatch, accept_remote_ranks
+
+            try:
+                remote = accept_remote_ranks(args, ready_timeout_s)
+            except WorldMismatch as e:
+                raise EngineDeadError(str(e)) from None
+        tp = args.tensor_parallel_size  # 1 on several nodes (args: TP stays within one)
         world = self.dp_size * tp
-        threads = rank_threads or max(1, (os.cpu_count() or 1) // world)
-        # one node: the flags' address and port, else a free loopback port (the world of every rank, TP workers too)
-        rdv = Rendezvous(args.master_addr or "127.0.0.1", args.master_port or 0).resolved()
-        pipes = [mp.get_context("spawn").Pipe() for _ in range(self.dp_size)]
+        local = args.dp_ranks_of_node()  # one node: every rank
+        threads = rank_threads or rank_threads_default(len(local) * tp)
+        # the world of every rank (TP workers too): one node, the flags' address and port, else a free loopback port;
+        # several, node 0's address and --master-port
+        rdv = Rendezvous(args.master_addr or "127.0.0.1", args.master_port or 0, args.nnodes, args.node_rank)
+        rdv = rdv.resolved()
+        pipes = [mp.get_context("spawn").Pipe() for _ in local]
         per_rank = [(self.dp_size, args, theirs, uniform_routing, group_timeout_s, threads) for _, theirs in pipes]
         self.engram_store = EngramStore.for_children()  # the ranks' one copy of the host Engram tables
         # not daemonic: a rank with TP workers spawns them (its death pipe, not the daemon flag, ends it with us)
         with spawning(self.engram_store):
             self.ranks = RankProcesses.spawn(
-                rank_main, [d * tp for d in range(self.dp_size)], world, rdv, per_rank, daemon=False
+                rank_main,
+                [d * tp for d in local],
+                world,
+                rdv,
+                per_rank,
+                local_rank=lambda r: r - local.start * tp,
+                daemon=False,
             )
         self.conns = [ours for ours, _ in pipes]
         for _, theirs in pipes:
             theirs.close()
-        self.procs = [self.ranks.procs[d * tp] for d in range(self.dp_size)]
+        self.procs = [self.ranks.procs[d * tp] for d in local]
+        self.conns += [rr.conn for rr in remote]  # ranks in order: this node's first, then the others'
+        self.procs += remote
         atexit.register(self.close)
         ready = self._wait_ready(ready_timeout_s)
         if self.engram_store is not None:  # every rank maps its tables: their names can go
@@ -190,8 +217,12 @@ class DPClient:
 
     def _stop_all(self) -> None:
         """Close the ranks' death pipes (each exits at once, its TP workers after it), SIGKILL what is left after
-        ``kill_after_s``; then drop the Engram store's names (none is left to fill a table)."""
+        ``kill_after_s``; end the other nodes' ranks (their sockets shut: each sees the end and exits); then drop the
+        Engram store's names (none is left to fill a table)."""
         self.ranks.reap(self.kill_after_s)
+        for p in self.procs:
+            if hasattr(p, "node_rank"):  # dp_transport.RemoteRank
+                p.terminate()
         if self.engram_store is not None:
             self.engram_store.seal()
 
@@ -216,6 +247,12 @@ class DPClient:
         return [p.pid for p in self.procs]
 
     def _fail(self, why: str) -> None:
+        # a lost node makes its peers' collectives fail too: name the root cause first, whichever is seen first
+        lost = [f"DP rank {r} of node {p.node_rank}" for r, p in enumerate(self.procs) if _lost_remote(p)]
+        if lost:
+            why = (
+                f"{', '.join(lost)} lost (its connection closed: the node's process ended or the network failed)\n{why}"
+            )
         self.dead = why
         self._stop_all()
         self._owner.clear()

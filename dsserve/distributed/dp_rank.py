@@ -114,7 +114,8 @@ def rank_args(args: EngineArgs, expert_parallel: bool) -> EngineArgs:
     """One rank's engine arguments: a single-device engine; under EP every forward must be one the ranks agreed on,
     so no fixed-shape runner (their dispatch would read counts inside a graph), no asynchronous step ahead and no
     warm-up forwards of its own."""
-    one = replace(args, data_parallel_size=1, enable_expert_parallel=False, enable_eplb=False)
+    nodes = dict(nnodes=1, node_rank=0, data_parallel_size_local=None, data_parallel_start_rank=0)
+    one = replace(args, data_parallel_size=1, enable_expert_parallel=False, enable_eplb=False, **nodes)
     if expert_parallel:
         one = replace(one, async_scheduling=False, enforce_eager=True, warmup=False)
     return one
@@ -255,6 +256,18 @@ class RankLoop:
         )
 
 
+def _told_to_stop(conn, wait_s: float = 0.1) -> bool:
+    """Whether the front end has asked this rank to stop (a ``Shutdown`` waits on its pipe) or is gone."""
+    deadline = time.monotonic() + wait_s
+    try:
+        while conn.poll(max(0.0, deadline - time.monotonic())):
+            if isinstance(conn.recv(), Shutdown):
+                return True
+    except (EOFError, OSError):
+        return True
+    return False
+
+
 def rank_main(
     rank: int,
     dp_size: int,
@@ -265,13 +278,14 @@ def rank_main(
     threads: int = 1,
 ) -> None:
     """The process target ``dp_client.DPClient`` spawns (``launch.RankProcesses``) for global rank ``rank``: DP rank
-    ``rank // T`` of ``dp_size`` (T = ``tensor_parallel_size``); its environment holds the world's rendezvous."""
+    ``rank // T`` of ``dp_size`` (T = ``tensor_parallel_size``); its environment holds the world's rendezvous (on
+    another node: ``dp_transport.remote_rank_main``, ``conn`` a socket to node 0's front end)."""
     tp = args.tensor_parallel_size
     dp_rank = rank // tp
     try:
         torch.set_num_threads(threads)
         if torch.cuda.is_available():  # a GPU a rank ("auto" and "cuda" then mean this one)
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         ep = args.enable_expert_parallel and dp_size > 1
         if tp > 1:  # TP rank 0 of its replica: its workers join the dp_size x T world at the same rendezvous
             from .launch import Rendezvous
@@ -315,6 +329,8 @@ def rank_main(
     except EOFError:  # the front end closed the pipe: nothing left to serve
         os._exit(0)
     except BaseException:
+        if _told_to_stop(conn):  # a peer that obeyed the same Shutdown first broke this rank's collective
+            os._exit(0)
         try:
             conn.send(RankFailed(dp_rank, traceback.format_exc()))
         except Exception:

@@ -33,6 +33,7 @@ CLI_ALIASES = {  # vLLM's short flags
     "tensor_parallel_size": ("-tp",),
     "data_parallel_size": ("-dp",),
     "pipeline_parallel_size": ("-pp",),
+    "master_addr": ("--data-parallel-address",),
     "quantization": ("-q",),
 }
 
@@ -151,6 +152,21 @@ class EngineArgs:
     master_port: int | None = field(
         default=None, metadata=_h("the rendezvous port (torchrun's MASTER_PORT; one node: a free port)")
     )
+    data_parallel_rpc_port: int | None = field(
+        default=None,
+        metadata=_h(
+            "multi-node DP: the port of node 0's front end (on --master-addr) where the other nodes' ranks connect "
+            "(None: --master-port + 1)"
+        ),
+    )
+    data_parallel_size_local: int | None = field(
+        default=None,
+        metadata=_h(
+            "vLLM's multi-node DP form: DP ranks on this node; with --data-parallel-start-rank it sets --nnodes "
+            "(-dp / this) and --node-rank (start / this); --master-port defaults to --data-parallel-rpc-port - 1"
+        ),
+    )
+    data_parallel_start_rank: int = field(default=0, metadata=_h("vLLM's: the first DP rank of this node"))
     enable_expert_parallel: bool = field(
         default=False,
         metadata=_h(
@@ -365,8 +381,12 @@ class EngineArgs:
                 f"distributed_executor_backend {self.distributed_executor_backend!r}: only 'mp' (one spawned process "
                 "per rank) is supported"
             )
+        if self.data_parallel_size_local is not None:
+            self._nodes_from_vllm_flags()
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise EngineArgsError(f"node_rank must lie in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1:
+            self._check_nodes()
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
             if self.tensor_parallel_size > 1 or (self.data_parallel_size > 1 and self.enable_expert_parallel):
@@ -485,6 +505,50 @@ class EngineArgs:
         if unknown:
             raise EngineArgsError(f"unknown engine option(s) {unknown}; options are {sorted(names)}")
         return cls(**kw)
+
+    def _nodes_from_vllm_flags(self) -> None:
+        """vLLM's --data-parallel-size-local L --data-parallel-start-rank S as --nnodes D/L --node-rank S/L (dsserve
+        splits the ranks evenly over the nodes)."""
+        local, start, dp = self.data_parallel_size_local, self.data_parallel_start_rank, self.data_parallel_size
+        if local < 1 or dp % local or start % local or not 0 <= start < dp:
+            raise EngineArgsError(
+                f"data_parallel_size_local={local}, data_parallel_start_rank={start} with data_parallel_size={dp}: "
+                "dsserve runs the same number of DP ranks on every node, so the local size must divide "
+                "data_parallel_size and the start rank be a multiple of it, below data_parallel_size"
+            )
+        if self.nnodes not in (1, dp // local) or self.node_rank not in (0, start // local):
+            raise EngineArgsError(
+                f"--nnodes {self.nnodes} --node-rank {self.node_rank} contradict --data-parallel-size-local {local} "
+                f"--data-parallel-start-rank {start} (nodes {dp // local}, node {start // local}): give one form"
+            )
+        object.__setattr__(self, "nnodes", dp // local)
+        object.__setattr__(self, "node_rank", start // local)
+        if not self.master_port and self.data_parallel_rpc_port and self.nnodes > 1:
+            object.__setattr__(self, "master_port", self.data_parallel_rpc_port - 1)  # as R defaults to P + 1
+
+    def _check_nodes(self) -> None:
+        """A multi-node deployment splits the DP ranks evenly over the nodes; TP stays within a node."""
+        if self.tensor_parallel_size > 1:
+            raise EngineArgsError(
+                f"tensor_parallel_size={self.tensor_parallel_size} with nnodes={self.nnodes}: tensor parallel across "
+                "nodes is not supported (its step messages travel on one host's pipes), nor TP inside DP ranks on several "
+                "nodes yet; across nodes run data/expert parallel (-dp D --enable-expert-parallel, D a multiple of "
+                "--nnodes), or -tp with -dp on one node"
+            )
+        if self.data_parallel_size % self.nnodes:
+            raise EngineArgsError(
+                f"data_parallel_size={self.data_parallel_size} over nnodes={self.nnodes}: every node holds the same "
+                "number of DP ranks, so data_parallel_size must be a multiple of nnodes"
+            )
+        if not self.master_port:
+            raise EngineArgsError(
+                f"nnodes={self.nnodes} needs --master-port (and --master-addr: node 0's address), the same on all nodes"
+            )
+
+    def dp_ranks_of_node(self) -> range:
+        """The global DP ranks this node runs (node n of N: ranks n*D/N .. (n+1)*D/N - 1)."""
+        local = self.data_parallel_size // self.nnodes
+        return range(self.node_rank * local, (self.node_rank + 1) * local)
 
     @classmethod
     def add_cli_args(cls, p: argparse.ArgumentParser) -> None:

@@ -51,6 +51,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="the model ids clients may use; the first is the one responses report (default: MODEL; for a "
         "checkpoint directory its last path component, so no local path is shown; the full MODEL is accepted too)",
     )
+    p.add_argument(
+        "--headless",
+        action="store_true",
+        help="multi-node DP: run this node's DP ranks for node 0's front end, no API server (implied by "
+        "--node-rank > 0; docs/parallel.md)",
+    )
     p.add_argument("--max-waiting", type=int, default=1024, help="queued requests before 503 (default: 1024)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger bodies get 413 (default: 8 MiB)")
     p.add_argument(
@@ -203,11 +209,32 @@ def cors_options(ns: argparse.Namespace) -> dict:
 
 def run_server(ns: argparse.Namespace) -> int:
     t0 = time.monotonic()
+    if ns.headless or ns.node_rank > 0:  # another node's DP ranks, for node 0's front end: no HTTP port here
+        return _serve_headless(ns)
     sock = bind(ns.host, ns.port)  # before the model: a port in use should not cost a model load
     try:
         return _serve(ns, sock, t0)
     finally:
         sock.close()
+
+
+def _serve_headless(ns: argparse.Namespace) -> int:
+    from ..distributed.dp_transport import WorldMismatch, serve_headless
+    from ..engine.core import log_to_stderr
+
+    if ns.served_model:
+        ns.model = ns.served_model
+    args = EngineArgs.from_cli(ns)
+    if args.nnodes < 2 or args.node_rank == 0:
+        raise SystemExit(
+            "--headless runs a node's DP ranks for node 0's front end: it needs --nnodes > 1 and --node-rank > 0 "
+            "(node 0 runs the front end)"
+        )
+    log_to_stderr()
+    try:
+        return serve_headless(args, uniform_routing=args.uniform_routing)
+    except WorldMismatch as e:
+        raise SystemExit(str(e)) from None
 
 
 def _serve(ns: argparse.Namespace, sock: socket.socket, t0: float) -> int:
