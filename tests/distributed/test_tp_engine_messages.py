@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dsserve.distributed.launch import Rendezvous
-from dsserve.distributed.tp_worker import Mirror, start_tensor_parallel
+from dsserve.distributed.tp_worker import Mirror
 from dsserve.engine.args import EngineArgs, EngineArgsError
 from dsserve.engine.core import EngineCore
 from dsserve.engine.executor import StepMessage, step_message
@@ -74,8 +74,8 @@ def test_tensor_parallel_options_are_taken_and_the_others_refused():
             EngineArgs(**tpdp, enable_expert_parallel=True, **{name: True})
     with pytest.raises(EngineArgsError, match="node_rank"):
         EngineArgs(nnodes=2, node_rank=2)
-    with pytest.raises(NotImplementedError, match="across nodes"):  # before anything is spawned
-        start_tensor_parallel(EngineArgs(tensor_parallel_size=2, nnodes=2, node_rank=0, master_port=29999))
+    with pytest.raises(EngineArgsError, match="tensor parallel across nodes is not supported"):  # nothing spawned
+        EngineArgs(tensor_parallel_size=2, nnodes=2, node_rank=0, master_port=29999)
 
 
 def test_the_rendezvous_takes_the_flags_else_torchruns_variables(monkeypatch):
