@@ -6,7 +6,9 @@ With expert parallelism (DEP: DP attention, the routed experts spread over the D
 in lockstep: before each forward ``Lockstep`` all-gathers one ``StepSummary`` a rank on a gloo group; a rank with
 an empty plan runs ``idle_forward`` while a peer has rows; when no rank holds a request and every rank has seen the
 same announced requests, the wave ends on every rank at once and each blocks on its pipe (no collective spins while
-all are idle). Without expert parallelism the ranks share nothing and step on their own.
+all are idle). With DSpark drafts the drafter's MoE is expert parallel too: after the forward every rank runs as many
+draft passes as the most any rank announced in its summary, ``idle_draft`` for those it has nothing to draft in.
+Without expert parallelism the ranks share nothing and step on their own.
 
 With ``tensor_parallel_size`` T > 1 a rank's core is TP rank 0 of its replica and drives T - 1 TP workers of its own
 (``tp_worker.start_tensor_parallel``, the ``-tp`` engine's path): the world is dp_size x T ranks, DP rank d's core is
@@ -43,14 +45,19 @@ from .dp_protocol import (
     Shutdown,
 )
 from .eplb import Eplb
-from .expert_parallel import ExpertParallelMoE, shard_expert_parallel
+from .expert_parallel import ExpertParallelMoE, idle_draft, shard_expert_parallel
 from .step_sync import StepSummary, StepSync
 
 
 class Lockstep:
     """``EngineCore.lockstep`` of a DEP rank: one gather of the ranks' step summaries before every forward
     (``StepSync``), and an idle forward where this rank's plan is empty and a peer's is not. ``awake``: the wave is
-    on (set by the rank loop when a request is announced; cleared here when the wave ends on every rank)."""
+    on (set by the rank loop when a request is announced; cleared here when the wave ends on every rank).
+
+    With DSpark drafts (``EngineCore._step_speculative``) a rank announces one draft pass when its plan samples for
+    a request without a grammar (the drafter proposes, batched over its requests, only for those), none otherwise;
+    ``draft_passes`` is the most any rank announced. A rank with an empty plan joins them right after its idle
+    forward; one with rows joins, after its own proposal (``after_propose``), those it did not run."""
 
     def __init__(self, core: EngineCore, sync: StepSync, uniform_routing: bool = False, eplb=None):
         self.core, self.sync = core, sync
@@ -60,6 +67,11 @@ class Lockstep:
         self.steps = self.idle_steps = 0  # forwards joined (real or idle), and of those idle ones
         self.sync_seconds = self.idle_seconds = 0.0  # in the summaries' gather, and in idle forwards
         self.moes = [b.ffn for b in core.model.layers if isinstance(b.ffn, ExpertParallelMoE)]
+        mtp = core.model.mtp if core.drafter is not None else None
+        self.draft_moe = mtp[0].ffn if mtp is not None and isinstance(mtp[0].ffn, ExpertParallelMoE) else None
+        self.draft_passes = 0  # agreed for the current step: every rank runs this many after its forward
+        self._draft_calls = 0  # the drafter's first MoE's calls at the step's start: the passes this rank ran
+        self.draft_steps = self.idle_drafts = 0  # steps with draft passes, and the passes this rank joined idle
         self._rows = [m.dispatcher.rows_received for m in self.moes]
         if uniform_routing and eplb is not None:  # before the replica map and the load recorder: EPLB's own hook
             eplb.uniform_routing(seed=100_000 * eplb.rank)
@@ -70,23 +82,49 @@ class Lockstep:
     def before_forward(self, plan: StepPlan) -> None:
         sched = self.core.scheduler
         prefill = any(c.num_tokens > 1 or not c.samples for c in plan.chunks)
-        mine = StepSummary(plan.num_tokens, len(plan.chunks), int(sched.has_unfinished()), int(prefill), self.seen)
+        drafts = int(self.draft_moe is not None and any(c.samples and c.request.grammar is None for c in plan.chunks))
+        mine = StepSummary(
+            plan.num_tokens, len(plan.chunks), int(sched.has_unfinished()), int(prefill), self.seen, drafts
+        )
         t0 = time.perf_counter()
         peers = self.sync.gather(mine)
         self.sync_seconds += time.perf_counter() - t0
+        self.draft_passes = 0
         if StepSync.wave_done(peers):
             self.awake = False
             return
         if not any(p.num_tokens for p in peers):  # nobody forwards this step (e.g. every queue blocked on KV)
             return
+        self.draft_passes = max(p.draft_passes for p in peers)
+        if self.draft_moe is not None:
+            self._draft_calls = self.draft_moe.calls
         self.steps += 1
         if self.eplb is not None:  # every rank at the same boundary: load window, policy, one transfer chunk
             self.eplb.step()
         if not plan.chunks:
             t0 = time.perf_counter()
             self.core.executor.idle_forward()  # under TP: on every TP rank of this replica
+            self.after_propose()  # an idle rank drafts nothing: it joins its peers' draft passes now
             self.idle_seconds += time.perf_counter() - t0
             self.idle_steps += 1
+
+    def after_propose(self) -> None:
+        """Join, with zero rows, the step's agreed draft passes this rank did not run itself (the drafter's MoE
+        counts its calls). A rank that ran more than it announced would leave its peers out of a collective: it
+        fails instead."""
+        if self.draft_moe is None:
+            return
+        ran = self.draft_moe.calls - self._draft_calls
+        if ran > self.draft_passes:
+            raise RuntimeError(
+                f"this rank ran {ran} DSpark draft passes in a step, the ranks agreed on {self.draft_passes}: "
+                "Lockstep.before_forward must announce every pass the drafter may run"
+            )
+        for _ in range(self.draft_passes - ran):
+            idle_draft(self.core.model)
+        self.draft_steps += self.draft_passes > 0
+        self.idle_drafts += self.draft_passes - ran
+        self.draft_passes = 0
 
     def expert_rows(self) -> tuple[int, ...]:
         """Rows this rank's experts ran in each MoE layer since the last call."""

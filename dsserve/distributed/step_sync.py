@@ -3,7 +3,8 @@ takes the same decision from the same numbers (the spec's section 1; no rank dec
 
 With expert parallelism every MoE layer is a collective over the DP ranks: each must run a forward at each step
 while any rank has work, a real one or ``expert_parallel.idle_forward``. The gathered summaries also give the
-decode-graph bucket (the largest rank's) and the all-to-all sizes to expect.
+decode-graph bucket (the largest rank's) and the all-to-all sizes to expect. With DSpark drafts the drafter's MoE is
+a collective too: the ranks run as many draft passes after the forward as the most any rank announced.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class StepSummary:
     unfinished: int  # requests it still holds (running or waiting)
     is_prefill: int  # 1 if its plan has a prefill chunk
     requests_seen: int = 0  # requests the DP front end had announced to it when it drained its inbox (dp_rank)
+    draft_passes: int = 0  # DSpark draft passes it may run after the forward (an upper bound: dp_rank.Lockstep)
 
 
 class StepSync:

@@ -767,6 +767,8 @@ class EngineCore:
         accepted tokens applied, then the next drafts proposed."""
         plan = self.scheduler.schedule()
         failed = self._remote_kv_failures()
+        if self.lockstep is not None:  # DEP: an idle rank joins its peers' forward and draft passes in here
+            self.lockstep.before_forward(plan)
         if not plan.chunks:
             return failed
         self.stats.admitted(plan)
@@ -787,6 +789,8 @@ class EngineCore:
         for req in self.scheduler.update(plan, StepOutput(accepted, rolled)):
             results.append(self._commit(self._tracked[req.request_id], accepted[req.request_id], lps[req], now))
         self.drafter.propose([r for r in sampling if not r.status.finished])
+        if self.lockstep is not None:  # DEP: the draft passes its peers run and it did not, with zero rows
+            self.lockstep.after_propose()
         return failed + results
 
     def _remote_kv_failures(self) -> list[RequestOutput]:
