@@ -195,13 +195,20 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 class EngineCore:
     def __init__(
-        self, args: EngineArgs, loaded: LoadedModel | None = None, tp_rank: TPRank | None = None, model_pass=None
+        self,
+        args: EngineArgs,
+        loaded: LoadedModel | None = None,
+        tp_rank: TPRank | None = None,
+        model_pass=None,
+        load_kwargs: dict | None = None,
     ):
         """``loaded``: a model already built (benchmarks build dummy-weight proxies straight on the device);
         None loads ``args.model``. ``tp_rank``: this process's place in a TP group (a worker's engine,
         distributed.tp_worker); None with ``tensor_parallel_size`` > 1: this engine is TP rank 0 and starts the
         workers. ``model_pass``: model -> model, run on the loaded model before it moves to the device (a DP
-        rank's expert-parallel pass: distributed.dp_rank)."""
+        rank's expert-parallel pass: distributed.dp_rank). ``load_kwargs``: ``load_model``'s share of a checkpoint
+        for a rank without TP (a DEP rank's layout and EP group, ``dp_rank.build_rank_core``; a TP rank's come from
+        ``tp_rank``)."""
         self.args = args
         # the node's one copy of the host Engram tables: a rank's group's (spawned with one), else this engine's
         # own when it spawns TP workers (removed by name once they all hold it: seal below)
@@ -231,8 +238,9 @@ class EngineCore:
             engram_tables=args.engram_tables,
             tokenizer=None if args.tokenizer is None else resolve_model(args.tokenizer, TOKENIZER_FILES),
             engram_store=self.engram_store,
-            **({} if self.tp is None else self.tp.load_kwargs()),
+            **((load_kwargs or {}) if self.tp is None else self.tp.load_kwargs()),
         )
+        self.load_report = lm.report  # a checkpoint's: bytes read, seconds, tensors by runtime form; None otherwise
         if self.tp is not None and lm.load_format != "safetensors":  # a checkpoint was read as this rank's share
             lm.model = self.tp.shard(lm.model)
         if lm.report is not None:  # a checkpoint: what was read, how fast, and into which runtime forms
