@@ -79,6 +79,7 @@ class PlanOptions:
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     graph_pool: int = GRAPH_POOL_BYTES  # 0 with --enforce-eager
+    rank_layout: ParallelLayout | None = None  # an engine rank's own share (its load layout); None: layout()
 
     @property
     def ep_size(self) -> int:
@@ -225,7 +226,7 @@ def plan(cfg: ModelConfig, machine: Machine, opts: PlanOptions) -> MemoryPlan:
         problems.append(
             f"--tensor-parallel-size {tp} x --data-parallel-size {dp} = {tp * dp} GPUs, but --gpus is {machine.gpus}"
         )
-    layout = opts.layout()
+    layout = opts.rank_layout or opts.layout()
     try:
         weights, engram_fp8, engram_float = weight_bytes(cfg, layout, opts)
     except ValueError as e:  # a share that does not split

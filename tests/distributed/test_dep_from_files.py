@@ -12,6 +12,7 @@ import torch
 
 from dsserve.distributed.dp_rank import build_rank_core, rank_args
 from dsserve.distributed.groups import new_groups
+from dsserve.distributed.layout import ParallelLayout
 from dsserve.engine.args import EngineArgs
 from dsserve.engine.core import EngineCore
 from dsserve.engine.sampling_params import SamplingParams
@@ -164,3 +165,25 @@ def test_plan_counts_the_routed_expert_bytes_rank_0_reads(served):
     opts = PlanOptions(data_parallel_size=2, enable_expert_parallel=True, num_redundant_experts=redundant)
     weights = plan(cfg, Machine(2, 80 << 30, 1 << 40), opts).weights
     assert weights["routed experts"] == out[0]["routed_bytes"] == out[1]["routed_bytes"]
+
+
+def test_a_gpu_rank_plans_for_its_share_of_a_checkpoint(saved, monkeypatch):
+    """The start-up check on a GPU (``core.choose_forms``) counts the weights a DEP rank reads, not the whole
+    model's: on a GPU that holds half the experts a rank of 2 starts where a lone engine is refused."""
+    from dsserve.engine.args import EngineArgsError
+    from dsserve.engine.core import choose_forms
+    from dsserve.models.memory_plan import weight_bytes
+
+    cfg, path = saved
+    layout = ParallelLayout(ep_rank=1, ep_size=2)
+    forms = PlanOptions(quantization="fp8", expert_format="mxfp4")
+    whole, share = (sum(weight_bytes(cfg, lay, forms)[0].values()) for lay in (ParallelLayout(), layout))
+    assert share < whole
+    total = int((share + whole) / 2 / 0.9)  # the budget (0.9 of it) lies between the two
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total, total))
+    args = EngineArgs(model=path, device="cuda", engram_tables="host-fp8", enforce_eager=True, max_num_seqs=1)
+    monkeypatch.setattr("dsserve.models.memory_plan.activation_bytes", lambda cfg, opts: 0)
+    got = choose_forms(args, torch.device("cuda"), None, path, layout)
+    assert (got.quantization, got.expert_format) == ("fp8", "mxfp4")
+    with pytest.raises(EngineArgsError, match="does not fit this GPU"):
+        choose_forms(args, torch.device("cuda"), None, path)
