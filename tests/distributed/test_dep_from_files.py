@@ -17,6 +17,7 @@ from dsserve.engine.args import EngineArgs
 from dsserve.engine.core import EngineCore
 from dsserve.engine.sampling_params import SamplingParams
 from dsserve.models.checkpoint import save_checkpoint
+from dsserve.models.checkpoint_files import CheckpointFiles
 from dsserve.models.checkpoint_layout import model_name_for, release_layout
 from dsserve.models.loader import load_model
 from dsserve.models.memory_plan import Machine, PlanOptions, plan
@@ -187,3 +188,30 @@ def test_a_gpu_rank_plans_for_its_share_of_a_checkpoint(saved, monkeypatch):
     assert (got.quantization, got.expert_format) == ("fp8", "mxfp4")
     with pytest.raises(EngineArgsError, match="does not fit this GPU"):
         choose_forms(args, torch.device("cuda"), None, path)
+
+
+@torch.no_grad()
+def _eplb_rank_packed(rank: int, path: str) -> dict:
+    """The GPU's forms (stored FP8 linears, stored MXFP4 experts, nothing dense) of an EPLB rank from the files."""
+    from dsserve.distributed.eplb import EplbConfig
+    from dsserve.models.loader import resolve_config
+    from dsserve.models.release_loader import load_release
+
+    g = new_groups(1, 2)
+    layout = EplbConfig(num_redundant_experts=2, num_redundant_draft_experts=2).layout(g.dp_rank, 2)
+    forms = {"quantization": "fp8", "expert_format": "mxfp4", "keep_dense": False}
+    net, report = load_release(resolve_config(path), path, layout=layout, ep_group=g.ep, **forms)
+    ffn = net.layers[3].ffn
+    return {"w2": ffn.packed.w2, "s2": ffn.packed.s2, "routed": report.routed_expert_bytes, "dense": len(ffn.experts)}
+
+
+def test_an_eplb_rank_keeps_the_stored_mxfp4_bytes_of_its_slots(workers, saved):
+    cfg, path = saved
+    out = workers.run(_eplb_rank_packed, path)
+    with CheckpointFiles(path) as files:
+        for rank, o in enumerate(out):
+            assert o["dense"] == 0 and o["routed"] == share_bytes(cfg, SLOTS["eplb"], rank)[1]
+            for i, e in enumerate(SLOTS["eplb"]["layers"][rank]):
+                name = f"layers.3.ffn.experts.{e}.w2"
+                assert torch.equal(o["w2"][i], files.read(f"{name}.weight").view(torch.uint8)), (rank, e)
+                assert torch.equal(o["s2"][i], files.read(f"{name}.scale").view(torch.uint8)), (rank, e)
