@@ -23,7 +23,7 @@ from dsserve.models.loader import load_model
 from dsserve.models.memory_plan import Machine, PlanOptions, plan
 from dsserve.models.tokenizer import TINY_DIR
 
-MAX_NEW = 4
+MAX_NEW = 16  # enough steps for an EPLB rebalance to move every layer (one layer a step boundary)
 # The experts each rank holds, in its local order (tiny: 8 routed experts, its drafter 4), written out as the
 # placements define them: contiguous halves; with EPLB (2 redundant slots each) slot s holds expert s % E and rank r
 # slots [r * P / 2, (r + 1) * P / 2).
@@ -44,8 +44,16 @@ def saved(tmp_path_factory):
 
 def engine_args(path: str, eplb: bool) -> EngineArgs:
     args = EngineArgs(model=path, dtype="float64", device="cpu", max_num_seqs=4, max_num_batched_tokens=32, seed=0)
-    if eplb:  # no rebalance within the test: the initial placement is what the files were read for
-        args = replace(args, enable_eplb=True, num_redundant_experts=2, num_redundant_draft_experts=2)
+    if eplb:  # the files are read for the initial placement; a rebalance due every 2 steps then moves experts
+        args = replace(
+            args,
+            enable_eplb=True,
+            num_redundant_experts=2,
+            num_redundant_draft_experts=2,
+            eplb_window_size=3,
+            eplb_step_interval=2,
+            eplb_min_gain=0.0,
+        )
     return args
 
 
@@ -102,6 +110,7 @@ def _dep2_from_files(rank: int, path: str, eplb: bool) -> dict:
         "kind": type(ffn).__name__,
         "held": held,
         "eplb": core.lockstep.eplb is not None,
+        "switched": 0 if core.lockstep.eplb is None else len(core.lockstep.eplb.models[0].switched),
         "idle": core.lockstep.idle_steps,
         "bytes_read": core.load_report.bytes_read,
         "routed_bytes": core.load_report.routed_expert_bytes,
@@ -140,6 +149,8 @@ def test_dep2_from_files_equals_the_single_process_engine(served):
             assert dep["logits"][rid].shape == want.shape
             assert (dep["logits"][rid] - want).abs().max().item() < 1e-9, (how, rank, rid)
     assert out[1]["idle"] > 0  # rank 1 joined rank 0's longer work with idle forwards
+    if how == "eplb":  # experts read from the files moved between the ranks mid-run
+        assert out[0]["switched"] > 0
 
 
 def test_each_dep_rank_reads_only_the_experts_of_its_slots(served):
