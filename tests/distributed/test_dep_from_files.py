@@ -2,8 +2,8 @@
 --enable-expert-parallel``) reads only its share of the files: the routed experts of its slots, with
 ``--enable-eplb`` the experts of its redundant slots under the initial placement too. Each of two gloo ranks serves
 its own requests in lockstep and gives the greedy tokens and fp64 logits (1e-9) of a single-process engine loaded
-from the same files; its load report counts exactly the bytes of its share, and ``dsserve plan``'s per-GPU routed
-experts are what rank 0 read of them."""
+from the same files (with EPLB, through rebalances that move the experts read); its load report counts exactly the
+bytes of its share, and ``dsserve plan``'s per-GPU routed experts are what rank 0 read of them."""
 
 from dataclasses import replace
 
