@@ -44,7 +44,6 @@ from .dp_protocol import (
 )
 from .eplb import Eplb
 from .expert_parallel import ExpertParallelMoE, shard_expert_parallel
-from .layout import ParallelLayout
 from .step_sync import StepSummary, StepSync
 
 
@@ -146,6 +145,8 @@ def build_rank_core(
         if ep:
             core.lockstep = Lockstep(core, StepSync(tp_rank.ctrl))
         return core
+    from .layout import ParallelLayout
+
     ep = ep_group is not None
     balancer = []
     eplb_cfg = args.eplb_config() if args.enable_eplb else None
