@@ -171,24 +171,38 @@ def build_rank_core(
     """The engine core of DP rank ``dp_rank``; with ``ep_group`` (an initialised world's EP group) its MoE layers
     expert-parallel over it and its steps in lockstep over ``ctrl_group`` (a gloo group; default ``ep_group``).
     ``tp_rank``: this core's ``tp_worker.TPRank`` (TP rank 0 of its replica, its workers started by
-    ``start_tensor_parallel``); its groups then say whether it is expert parallel, and its TP pass does the EP cut."""
+    ``start_tensor_parallel``); its groups then say whether it is expert parallel, and its TP pass does the EP cut.
+
+    An expert-parallel rank of a checkpoint reads only its share of the files (``load_release`` with its
+    ``ParallelLayout``: its routed experts, and with EPLB those of its slots under the initial placement,
+    redundant ones included); a preset (no files) is built whole and cut by the pass (``shard_expert_parallel``,
+    ``Eplb.shard``)."""
     if tp_rank is not None:
         ep = tp_rank.expert_parallel
         core = EngineCore(rank_args(args, ep), tp_rank=tp_rank)
         if ep:
             core.lockstep = Lockstep(core, StepSync(tp_rank.ctrl))
         return core
+    from .layout import ParallelLayout
+
     ep = ep_group is not None
     balancer = []
+    eplb_cfg = args.eplb_config() if args.enable_eplb else None
+    layout = ParallelLayout(ep_rank=dp_rank, ep_size=dp_size) if eplb_cfg is None else eplb_cfg.layout(dp_rank, dp_size)
 
     def model_pass(m):
-        if not args.enable_eplb:
-            return shard_expert_parallel(m, dp_rank, dp_size, ep_group)
-        m, eplb = Eplb.shard(m, dp_rank, dp_size, ep_group, args.eplb_config())  # redundant slots, load recorders
+        read = any(isinstance(b.ffn, ExpertParallelMoE) for b in m.layers)  # the loader built this rank's share
+        if eplb_cfg is None:
+            return m if read else shard_expert_parallel(m, dp_rank, dp_size, ep_group)
+        if read:
+            eplb = Eplb(m, dp_rank, dp_size, ep_group, eplb_cfg)  # load recorders on the slots as read
+        else:
+            m, eplb = Eplb.shard(m, dp_rank, dp_size, ep_group, eplb_cfg)  # redundant slots, load recorders
         balancer.append(eplb)
         return m
 
-    core = EngineCore(rank_args(args, ep), model_pass=model_pass if ep else None)
+    load = {"layout": layout, "ep_group": ep_group} if ep else None
+    core = EngineCore(rank_args(args, ep), model_pass=model_pass if ep else None, load_kwargs=load)
     if ep:
         eplb = balancer[0] if balancer else None
         core.lockstep = Lockstep(core, StepSync(ctrl_group or ep_group), uniform_routing, eplb)

@@ -59,6 +59,17 @@ class EplbConfig:
             if getattr(self, name) < 0:
                 raise ParallelConfigError(f"eplb {name} must be >= 0, got {getattr(self, name)}")
 
+    def layout(self, ep_rank: int, ep_size: int):
+        """EP rank ``ep_rank``'s share under the initial placement (``layout.ParallelLayout``: what ``Eplb.shard``
+        places, and what the loader reads of a checkpoint for it)."""
+        from .layout import ParallelLayout
+
+        return ParallelLayout(
+            ep_rank=ep_rank,
+            ep_size=ep_size,
+            redundant=(self.num_redundant_experts, self.num_redundant_draft_experts),
+        )
+
 
 BALANCE_KINDS = {
     "step": "per step, the mean over the window's steps, under the placement that ran",
@@ -185,13 +196,10 @@ class Eplb:
         """``shard_expert_parallel`` with the redundant slots of ``cfg``, then EPLB attached. Returns (model, Eplb)."""
         from .expert_parallel import shard_expert_parallel
 
-        c = model.cfg
-        target = tuple(eplb_policy.initial_layer(c.n_routed_experts, cfg.num_redundant_experts, ep_size))
-        draft = None
-        if getattr(model, "mtp", None) is not None:
-            draft = tuple(
-                eplb_policy.initial_layer(c.dspark_n_routed_experts, cfg.num_redundant_draft_experts, ep_size)
-            )
+        c, layout = model.cfg, cfg.layout(ep_rank, ep_size)
+        target = layout.phy2log(c.n_routed_experts)
+        has_draft = getattr(model, "mtp", None) is not None
+        draft = layout.phy2log(c.dspark_n_routed_experts, draft=True) if has_draft else None
         model = shard_expert_parallel(model, ep_rank, ep_size, group, phy2log=target, draft_phy2log=draft)
         return model, cls(model, ep_rank, ep_size, group, cfg)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..disagg.transport import KVTransferError
+from ..distributed.layout import ParallelLayout
 from ..distributed.tp_worker import TPRank, start_tensor_parallel
 from ..kernels.ops import KernelOps
 from ..kv.paged import KVLayout, PagedKVCache
@@ -86,12 +87,17 @@ def kv_cache_budget(
 
 
 def choose_forms(
-    args: EngineArgs, device: torch.device, loaded: LoadedModel | None = None, model_path: str | None = None
+    args: EngineArgs,
+    device: torch.device,
+    loaded: LoadedModel | None = None,
+    model_path: str | None = None,
+    layout: ParallelLayout | None = None,
 ) -> EngineArgs:
     """``args`` with --quantization / --expert-format / --engram-tables made concrete (models.memory_plan.
     choose_forms: a checkpoint runs as stored on a GPU) and the reasons logged; on a GPU the memory plan is logged
     too, and weights that cannot fit the budget fail here, before anything is loaded. ``model_path``: where
-    ``args.model`` resolved to (a Hugging Face id's local snapshot); default ``args.model``."""
+    ``args.model`` resolved to (a Hugging Face id's local snapshot); default ``args.model``. ``layout``: this
+    rank's share of a checkpoint (a TP or DEP rank's load layout: the plan counts what it reads); None: all."""
     from dataclasses import replace
 
     from ..models import memory_plan as mp
@@ -114,6 +120,7 @@ def choose_forms(
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             graph_pool=0 if args.enforce_eager else mp.GRAPH_POOL_BYTES,
+            rank_layout=layout if from_checkpoint else None,  # a preset is built whole, then cut
         )
     if args.engram_tables == "host-mmap" and not from_checkpoint:
         raise EngineArgsError("engram_tables='host-mmap' maps a checkpoint's files; this model has none (a preset)")
@@ -195,13 +202,20 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 class EngineCore:
     def __init__(
-        self, args: EngineArgs, loaded: LoadedModel | None = None, tp_rank: TPRank | None = None, model_pass=None
+        self,
+        args: EngineArgs,
+        loaded: LoadedModel | None = None,
+        tp_rank: TPRank | None = None,
+        model_pass=None,
+        load_kwargs: dict | None = None,
     ):
         """``loaded``: a model already built (benchmarks build dummy-weight proxies straight on the device);
         None loads ``args.model``. ``tp_rank``: this process's place in a TP group (a worker's engine,
         distributed.tp_worker); None with ``tensor_parallel_size`` > 1: this engine is TP rank 0 and starts the
         workers. ``model_pass``: model -> model, run on the loaded model before it moves to the device (a DP
-        rank's expert-parallel pass: distributed.dp_rank)."""
+        rank's expert-parallel pass: distributed.dp_rank). ``load_kwargs``: ``load_model``'s share of a checkpoint
+        for a rank without TP (a DEP rank's layout and EP group, ``dp_rank.build_rank_core``; a TP rank's come from
+        ``tp_rank``)."""
         self.args = args
         # the node's one copy of the host Engram tables: a rank's group's (spawned with one), else this engine's
         # own when it spawns TP workers (removed by name once they all hold it: seal below)
@@ -218,7 +232,8 @@ class EngineCore:
         self.device = resolve_device(args.device)  # first: a dummy model with packed experts is built there
         # a Hugging Face id: its local snapshot (a model given already built is not looked up)
         self.model_path = model_dir(resolve_model(args.model) if loaded is None else args.model)
-        args = self.args = choose_forms(args, self.device, loaded, self.model_path)
+        share = (load_kwargs or {}).get("layout") if self.tp is None else self.tp.layout()
+        args = self.args = choose_forms(args, self.device, loaded, self.model_path, share)
         lm = loaded or load_model(
             self.model_path,
             args.load_format,
@@ -231,8 +246,9 @@ class EngineCore:
             engram_tables=args.engram_tables,
             tokenizer=None if args.tokenizer is None else resolve_model(args.tokenizer, TOKENIZER_FILES),
             engram_store=self.engram_store,
-            **({} if self.tp is None else self.tp.load_kwargs()),
+            **((load_kwargs or {}) if self.tp is None else self.tp.load_kwargs()),
         )
+        self.load_report = lm.report  # a checkpoint's: bytes read, seconds, tensors by runtime form; None otherwise
         if self.tp is not None and lm.load_format != "safetensors":  # a checkpoint was read as this rank's share
             lm.model = self.tp.shard(lm.model)
         if lm.report is not None:  # a checkpoint: what was read, how fast, and into which runtime forms

@@ -67,6 +67,8 @@ class PlanOptions:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    num_redundant_experts: int = 0  # EPLB's extra slots of the target's MoE layers (with expert parallelism)
+    num_redundant_draft_experts: int = 0  # the drafter's
     dtype: str = "bfloat16"
     quantization: str | None = "fp8"
     expert_format: str | None = "mxfp4"
@@ -77,10 +79,21 @@ class PlanOptions:
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     graph_pool: int = GRAPH_POOL_BYTES  # 0 with --enforce-eager
+    rank_layout: ParallelLayout | None = None  # an engine rank's own share (its load layout); None: layout()
 
     @property
     def ep_size(self) -> int:
         return self.tensor_parallel_size * self.data_parallel_size if self.enable_expert_parallel else 1
+
+    def layout(self) -> ParallelLayout:
+        """Rank 0's share as the engine builds it: EP over the DP ranks (each TP rank then cutting its experts'
+        intermediate, ``tp_worker.TPRank.layout``), a DEP rank's slots under EPLB's initial placement
+        (``dp_rank.build_rank_core``); the routed experts are split over TP x DP ranks either way."""
+        ep = self.data_parallel_size if self.enable_expert_parallel else 1
+        redundant = (self.num_redundant_experts, self.num_redundant_draft_experts)
+        return ParallelLayout(
+            tp_size=self.tensor_parallel_size, ep_size=ep, redundant=redundant if any(redundant) and ep > 1 else None
+        )
 
 
 @dataclass
@@ -213,7 +226,7 @@ def plan(cfg: ModelConfig, machine: Machine, opts: PlanOptions) -> MemoryPlan:
         problems.append(
             f"--tensor-parallel-size {tp} x --data-parallel-size {dp} = {tp * dp} GPUs, but --gpus is {machine.gpus}"
         )
-    layout = ParallelLayout(tp_size=tp, ep_size=opts.ep_size)
+    layout = opts.rank_layout or opts.layout()
     try:
         weights, engram_fp8, engram_float = weight_bytes(cfg, layout, opts)
     except ValueError as e:  # a share that does not split
@@ -289,6 +302,10 @@ def add_plan_args(p) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     p.add_argument("--enable-expert-parallel", action="store_true", help="routed experts split over TP x DP ranks")
+    p.add_argument(
+        "--num-redundant-experts", type=int, default=0, help="EPLB's redundant expert slots (--enable-eplb's)"
+    )
+    p.add_argument("--num-redundant-draft-experts", type=int, default=0, help="the drafter's redundant slots")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="the share of a GPU the engine may use")
     p.add_argument("--context", type=int, default=None, help="tokens of one session (default: 65536, or less)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
@@ -315,6 +332,8 @@ def options_from(args, cfg: ModelConfig) -> PlanOptions:
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
+        num_redundant_experts=args.num_redundant_experts,
+        num_redundant_draft_experts=args.num_redundant_draft_experts,
         dtype=args.dtype,
         quantization=pick(args.quantization, "fp8" if cfg.quantized else None),
         expert_format=pick(args.expert_format, "mxfp4" if cfg.quantized else None),

@@ -30,8 +30,10 @@ model (its ``RowParallelLinear`` ``wo_b`` stays dequantised under ``quantization
 read as this rank's intermediate slice of the stored form (MXFP4: rows of ``w1``/``w3``, byte columns of ``w2``
 with their scale columns), which the pass itself, taking plain weights, cannot cut from a packed model. With
 ep_size > 1 the meta model goes through ``shard_expert_parallel`` first: each backbone MoE becomes the pass's
-``ExpertParallelMoE`` holding this rank's experts (the DSpark drafter's MoE too, over its own experts). A
-rank of both runs the EP pass, then the TP pass (their order), its experts then cut by TP.
+``ExpertParallelMoE`` holding this rank's experts (the DSpark drafter's MoE too, over its own experts); with
+``layout.redundant`` (EPLB) over the physical slots of EPLB's initial placement, as ``Eplb.shard`` places them, each
+slot's expert read from the files (a replica is read once per slot holding it). A rank of both runs the EP pass,
+then the TP pass (their order), its experts then cut by TP.
 """
 
 from __future__ import annotations
@@ -141,8 +143,9 @@ def rank_share(name: str, spec: TensorSpec, cfg: ModelConfig, layout: ParallelLa
 def _expert_ids(cfg: ModelConfig, layout: ParallelLayout, name: str) -> Sequence[int]:
     """The routed experts of the MoE `name` lies in (a backbone layer's, or a DSpark stage's: its own count) that
     this rank holds."""
-    n = cfg.n_routed_experts if name.startswith("layers.") else cfg.dspark_n_routed_experts
-    return layout.experts(n) if layout.ep_size > 1 else range(n)
+    draft = not name.startswith("layers.")
+    n = cfg.dspark_n_routed_experts if draft else cfg.n_routed_experts
+    return layout.experts(n, draft) if layout.ep_size > 1 else range(n)
 
 
 def _scale_share(share: tuple, spec: TensorSpec, block: int) -> tuple:
@@ -303,9 +306,11 @@ def read_rank_tensors(cfg: ModelConfig, files: CheckpointFiles, layout: Parallel
 # ------------------------------------------------------------------------------------------------ load
 @dataclass
 class LoadReport:
-    """What a load did: bytes read from the files, seconds, and per runtime form how many tensors went there."""
+    """What a load did: bytes read from the files (of them, the backbone's routed experts', scales included),
+    seconds, and per runtime form how many tensors went there."""
 
     bytes_read: int = 0
+    routed_expert_bytes: int = 0
     seconds: float = 0.0
     forms: dict[str, int] = field(default_factory=dict)
 
@@ -372,7 +377,9 @@ def load_release(
         _rebuild_tables(net)
         # the passes' shapes and modules, on the meta device: filled below by name
         if layout.ep_size > 1:  # first: it replaces the MoE modules, whose experts TP then cuts
-            shard_expert_parallel(net, layout.ep_rank, layout.ep_size, ep_group)
+            target = layout.phy2log(cfg.n_routed_experts)
+            draft = layout.phy2log(cfg.dspark_n_routed_experts, draft=True) if net.mtp is not None else None
+            shard_expert_parallel(net, layout.ep_rank, layout.ep_size, ep_group, phy2log=target, draft_phy2log=draft)
         if layout.tp_size > 1:
             shard_tensor_parallel(net, layout.tp_rank, layout.tp_size, tp_group)
         src = _Source(cfg, files, layout, dtype, engram_store)
@@ -436,7 +443,9 @@ def _share_bytes(src: _Source) -> int:
         share = src.share(owner)
         if share is None:
             continue
-        total += spec.nbytes * ((share[2] - share[1]) / src.specs[owner].shape[share[0]] if share else 1)
+        _, expert = model_name_for(owner)
+        slots = 1 if expert is None else list(_expert_ids(src.cfg, src.layout, owner)).count(expert)  # EPLB replicas
+        total += slots * spec.nbytes * ((share[2] - share[1]) / src.specs[owner].shape[share[0]] if share else 1)
     return int(total)
 
 
@@ -528,6 +537,7 @@ def _load_experts(net, src: _Source, ffn: str, fmt, keep_dense, device, dtype, r
     ids = _expert_ids(src.cfg, src.layout, ffn)
     spec = src.specs[f"{ffn}.experts.{ids[0]}.w1.weight"]
     names = ("w1", "w3", "w2")
+    backbone = ffn.startswith("layers.")  # the drafter's experts are not counted as routed_expert_bytes
     if fmt == "mxfp4" and spec.quant == "mxfp4":  # the stored bytes as they are
         ws, ss = {}, {}
         for k in names:
@@ -535,6 +545,7 @@ def _load_experts(net, src: _Source, ffn: str, fmt, keep_dense, device, dtype, r
                 name = f"{ffn}.experts.{e}.{k}.weight"
                 share = src.share(name)
                 w, s = src.read(name, share).view(torch.uint8), src.read_scale(name, share).view(torch.uint8)
+                report.routed_expert_bytes += (w.nbytes + s.nbytes) * backbone
                 if i == 0:
                     ws[k] = torch.empty(len(ids), *w.shape, dtype=torch.uint8, device=device)
                     ss[k] = torch.empty(len(ids), *s.shape, dtype=torch.uint8, device=device)
@@ -549,8 +560,11 @@ def _load_experts(net, src: _Source, ffn: str, fmt, keep_dense, device, dtype, r
                 name = f"{ffn}.experts.{e}.{k}.weight"
                 share = src.share(name)
                 w = src.read(name, share)
+                report.routed_expert_bytes += w.nbytes * backbone
                 if spec.quant == "mxfp4":
-                    w = dequant_mxfp4(w, src.read_scale(name, share))
+                    s = src.read_scale(name, share)
+                    report.routed_expert_bytes += s.nbytes * backbone
+                    w = dequant_mxfp4(w, s)
                 if i == 0:  # fp32 when packing: today's path packs from the float32 model, before the cast
                     dense[k] = torch.empty(len(ids), *w.shape, dtype=torch.float32 if fmt else dtype, device=device)
                 dense[k][i].copy_(w)

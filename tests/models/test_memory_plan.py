@@ -45,6 +45,20 @@ def test_expert_parallel_divides_the_experts_and_nothing_else(flash):
     assert eight["other weights"] == one["other weights"]
 
 
+def test_a_gpu_holds_its_rank_s_experts_under_tp_x_dep_and_eplb(flash):
+    """Rank 0's layout is the engine's: EP over the DP ranks, each TP rank cutting its experts' intermediate
+    (tp_worker.TPRank.layout), so TP x DP GPUs hold 1 / (TP x DP) of the experts each; EPLB's redundant slots add
+    theirs (P / DP slots a DEP rank: dp_rank.build_rank_core's layout)."""
+    one = weight_bytes(flash, ParallelLayout(), PlanOptions())[0]["routed experts"]
+    for tp, dp in ((1, 8), (2, 4), (8, 1), (4, 2)):
+        opts = PlanOptions(tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=True)
+        assert opts.layout() == ParallelLayout(tp_size=tp, ep_size=dp)
+        assert plan(flash, H200, opts).weights["routed experts"] * tp * dp == one, (tp, dp)
+    opts = PlanOptions(data_parallel_size=8, enable_expert_parallel=True, num_redundant_experts=32)
+    per_expert = one // flash.n_routed_experts
+    assert plan(flash, H200, opts).weights["routed experts"] == per_expert * (flash.n_routed_experts + 32) // 8
+
+
 def test_one_gpu_does_not_fit_and_dep8_does(flash):
     p = plan(flash, H200, PlanOptions())
     assert not p.fits and "by 181.32 GiB" in p.problems[0]
