@@ -187,7 +187,10 @@ def breakdown(eng: EngineCore, prompts: list[list[int]], max_tokens: int) -> dic
         for obj, name in restore:
             delattr(obj, name)
     steps = calls["step"]
-    out = {k: {"ms_per_step": 1000 * v / steps, "calls": calls[k]} for k, v in spent.items()}
+    out = {
+        k: {"ms_per_step": 1000 * v / steps, "ms_per_call": 1000 * v / calls[k], "calls": calls[k]}
+        for k, v in spent.items()
+    }
     rest = spent["step"] - sum(v for k, v in spent.items() if k != "step")
     out["rest of the step"] = {"ms_per_step": 1000 * rest / steps, "calls": steps}
     return out
@@ -203,7 +206,7 @@ def main() -> None:
     ap.add_argument("--problems", type=int, default=2, help="held-out problems per task")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--min-back", type=int, default=0, help="retrieval distance (0: the model's default)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (1 is steadier on a shared machine)")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats per case; medians count")
     ap.add_argument("--out", default="benchmarks/results/spec-decode-cpu")
     a = ap.parse_args()
