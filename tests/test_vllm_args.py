@@ -117,6 +117,10 @@ def test_speculative_config_parses_vllms_form_and_refuses_bad_values_clearly():
         EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(EngineArgsError, match="unknown key"):
         EngineArgs(speculative_config={"method": "dspark", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    ada = EngineArgs(speculative_config={"num_speculative_tokens": 5, "confidence_threshold": 0.6}).speculative_config
+    assert ada.confidence_threshold == 0.6
+    with pytest.raises(EngineArgsError, match=r"confidence_threshold must be a number in \[0, 1\)"):
+        EngineArgs(speculative_config={"num_speculative_tokens": 5, "confidence_threshold": 1.5})
 
 
 def test_hugging_face_id_resolves_from_the_local_cache(tmp_path, monkeypatch):

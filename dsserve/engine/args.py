@@ -45,10 +45,13 @@ def _h(text: str) -> dict:
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's ``speculative_config`` as this engine takes it: the model's own DSpark drafter (spec 1.6), K drafts a
-    request a step. Whether the model has the stages and K fits its block is checked when the engine loads it."""
+    request a step. Whether the model has the stages and K fits its block is checked when the engine loads it.
+    ``confidence_threshold`` (adaptive K, dsserve's own key): a block stops before the first draft at which the DSpark
+    confidence head's estimate that every draft so far is accepted falls below it; 0: every block drafts K."""
 
     method: str = "dspark"
     num_speculative_tokens: int = 3
+    confidence_threshold: float = 0.0
 
     METHODS = ("dspark", "mtp", "deepseek_mtp")  # vLLM's names for a model's own draft layers: DSpark here
     MAX_TOKENS = 5  # the DSpark block (spec 1.6)
@@ -65,10 +68,11 @@ class SpeculativeConfig:
                 raise EngineArgsError(f"speculative_config must be a JSON object: {e}") from None
         if not isinstance(spec, dict):
             raise EngineArgsError(f"speculative_config must be a JSON object, got {type(spec).__name__}")
-        unknown = sorted(set(spec) - {"method", "num_speculative_tokens", "model"})
+        unknown = sorted(set(spec) - {"method", "num_speculative_tokens", "model", "confidence_threshold"})
         if unknown:
             raise EngineArgsError(
-                f"speculative_config: unknown key(s) {unknown}; dsserve takes method and num_speculative_tokens"
+                f"speculative_config: unknown key(s) {unknown}; dsserve takes method, num_speculative_tokens and "
+                "confidence_threshold"
             )
         method = spec.get("method", "dspark")
         if method not in cls.METHODS:
@@ -83,7 +87,12 @@ class SpeculativeConfig:
                 f"speculative_config num_speculative_tokens must be an int in 1..{cls.MAX_TOKENS} (the DSpark "
                 f"block), got {k!r}"
             )
-        return cls("dspark", k)
+        t = spec.get("confidence_threshold", cls.confidence_threshold)
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t < 1.0:
+            raise EngineArgsError(
+                f"speculative_config confidence_threshold must be a number in [0, 1) (0: no adaptive K), got {t!r}"
+            )
+        return cls("dspark", k, float(t))
 
 
 class EngineArgsError(ValueError):
@@ -211,7 +220,9 @@ class EngineArgs:
         default=None,
         metadata=_h(
             'JSON (vLLM\'s form): {"method": "dspark", "num_speculative_tokens": K}, K in 1..the draft block size '
-            "(5); the model's DSpark stages draft K tokens a request a step and the target verifies them exactly"
+            "(5); the model's DSpark stages draft K tokens a request a step and the target verifies them exactly; "
+            '"confidence_threshold": t in [0, 1) stops a block early where the confidence head\'s estimate that '
+            "every draft so far is accepted falls below t (adaptive K; 0: off)"
         ),
     )
     swap_space: float = field(

@@ -373,7 +373,8 @@ class EngineCore:
         self.drafter = verify_graphs = None
         if args.speculative_config is not None:
             try:
-                self.drafter = Drafter(self.model, args.speculative_config.num_speculative_tokens, self.stats)
+                spec = args.speculative_config
+                self.drafter = Drafter(self.model, spec.num_speculative_tokens, self.stats, spec.confidence_threshold)
             except ValueError as e:
                 raise EngineArgsError(f"speculative_config: {e}") from None
             if self.cfg.sliding_window < self.drafter.k + 2:
@@ -385,7 +386,11 @@ class EngineCore:
                 seqs = verify_max_seqs(args.max_num_seqs, k)
                 verify_graphs = VerifyGraphs(self.model, self.kv, seqs, k, self.graph_capture, min_context)
             graphs = decoder_row_graphs = encoder_graphs = None
-            _say("speculative decoding: DSpark, %d drafts a request a step", self.drafter.k)
+            _say(
+                "speculative decoding: DSpark, %d drafts a request a step (adaptive K: %s)",
+                self.drafter.k,
+                f"confidence threshold {self.drafter.threshold}" if self.drafter.threshold else "off",
+            )
         # Asynchronous scheduling runs only fixed-shape decode steps ahead: they take their tokens from the device.
         # (under TP the step ahead would take rank 0's device tokens, which the workers do not have)
         self.async_scheduling = graphs is not None and args.async_scheduling is not False and self.tp is None

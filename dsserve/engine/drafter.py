@@ -12,7 +12,12 @@ with prefill chunks and plain decodes in the eager batched forward). Around it:
   past it would need the compressor's carried half-group rebuilt, so it is run again with the next step's rows
   instead (one more row, never a wrong state). Returns the rows each chunk gave back (``StepOutput.rolled_back``);
 * ``propose``: each request that got tokens and is still running drafts its next block from its rings, at its last
-  committed position, with the target's token y after it (``DSpark.propose_batch``: every request's block at once).
+  committed position, with the target's token y after it (``DSpark.propose_batch``: every request's block at once);
+  with a confidence threshold (adaptive K) a block keeps its drafts only while the confidence head's estimate that
+  every draft so far is accepted (the product of sigmoid(kappa_i), spec 2.10) stays at or above it.
+
+A block's length depends only on the committed tokens (through the rings and y), never on the step's draws, so the
+rejection sampler stays exact whatever length a block has.
 
 Requests with a grammar do not draft (a grammar's mask follows accepted tokens only).
 """
@@ -28,14 +33,23 @@ from .stats import EngineStats
 
 
 class Drafter:
-    def __init__(self, model: DeepseekForCausalLM, num_speculative_tokens: int, stats: EngineStats):
+    def __init__(
+        self,
+        model: DeepseekForCausalLM,
+        num_speculative_tokens: int,
+        stats: EngineStats,
+        confidence_threshold: float = 0.0,
+    ):
         if model.mtp is None:
             raise ValueError(f"{model.cfg.name} has no DSpark stages (num_draft_layers 0, or a V4 model)")
         if not 1 <= num_speculative_tokens <= model.cfg.dspark_block_size:
             raise ValueError(
                 f"num_speculative_tokens {num_speculative_tokens}: DSpark drafts 1..{model.cfg.dspark_block_size}"
             )
+        if not 0.0 <= confidence_threshold < 1.0:
+            raise ValueError(f"confidence_threshold {confidence_threshold}: adaptive K takes [0, 1) (0: off)")
         self.model, self.mtp, self.k, self.stats = model, model.mtp, num_speculative_tokens, stats
+        self.threshold = confidence_threshold
 
     def before(self, plan: StepPlan) -> None:
         for c in plan.chunks:
@@ -94,12 +108,21 @@ class Drafter:
                 ready.append(r)
         if not ready:
             return
-        drafts, _ = self.mtp.propose_batch(
+        drafts, conf = self.mtp.propose_batch(
             [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in ready],
             [r.num_tokens - 2 for r in ready],
             [r.draft_state for r in ready],
             self.model.embed,
             self.model.head,
         )
-        for r, d in zip(ready, drafts[:, : self.k].tolist()):  # the host reads the drafts: they feed the next plan
-            r.draft_token_ids = d
+        lengths = self.block_lengths(conf[:, : self.k])
+        for r, d, n in zip(ready, drafts[:, : self.k].tolist(), lengths):  # the host reads the drafts: next plan
+            r.draft_token_ids = d[:n]
+
+    def block_lengths(self, conf: torch.Tensor) -> list[int]:
+        """``conf`` [B, K]: the confidence logits of B blocks. Per block, the drafts it verifies: K, or with a
+        threshold t the longest prefix whose running product of sigmoid(conf) is >= t (0 when the first is below)."""
+        if not self.threshold:
+            return [conf.shape[1]] * conf.shape[0]
+        keep = torch.sigmoid(conf.float()).cumprod(1) >= self.threshold  # falls with i: a prefix is True
+        return keep.sum(1).tolist()

@@ -64,6 +64,8 @@ def accept(
     counts = [len(d) for d in drafts]
     if target.shape[0] != sum(counts) + len(counts):
         raise ValueError(f"target has {target.shape[0]} rows; the drafts need {sum(counts) + len(counts)}")
+    if draft_probs is None and random is not None and not any(random):
+        return _accept_greedy(target, drafts)
     device, vocab = target.device, target.shape[1]
     target = target.float()
     # per target row: the draft it judges (the bonus row judges none: -1) and the draft distribution there
@@ -104,6 +106,22 @@ def accept(
         while j < len(d) and ok_h[row + j]:
             j += 1
         tokens.append(list(d[:j]) + [raced_h[row + j]])
+        accepted.append(j)
+        row += len(d) + 1
+    return tokens, accepted
+
+
+def _accept_greedy(target: torch.Tensor, drafts: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[int]]:
+    """``accept`` when every row is one-hot (greedy) and so are the drafts: what the walk gives (a draft is accepted
+    where it is its row's argmax; the first row that rejects, or the bonus row, emits its argmax) with one argmax
+    over the rows instead of the draws and races, which would all be decided by the one-hot rows anyway."""
+    best = target.argmax(dim=-1).tolist()  # the host reads the step's verdict here
+    tokens, accepted, row = [], [], 0
+    for d in drafts:
+        j = 0
+        while j < len(d) and d[j] == best[row + j]:
+            j += 1
+        tokens.append(list(d[:j]) + [best[row + j]])
         accepted.append(j)
         row += len(d) + 1
     return tokens, accepted

@@ -223,10 +223,13 @@ def test_prefix_hit_with_bounded_replay_and_logprobs():
     assert eng.stats.spec_num_accepted_tokens > 0
 
 
-def test_sampling_with_drafts_keeps_the_targets_distribution():
+@pytest.mark.parametrize("adaptive", [False, True], ids=["K", "adaptive-K"])
+def test_sampling_with_drafts_keeps_the_targets_distribution(adaptive):
     """Engine level: temperature 1 with top-k 3 (three live tokens), the second token verified against a draft (the
     target's argmax, so accepted often, rejected often): the empirical (t1, t2) over many requests matches the
-    target's p(t1) p(t2 | t1), computed from the reference forward and the sampler's own processing."""
+    target's p(t1) p(t2 | t1), computed from the reference forward and the sampler's own processing. Adaptive K: the
+    confidence head decides whether the block is verified at all, with a threshold between its confidences after
+    the different first tokens, so the block's length depends on t1; the distribution must not move."""
     from test_spec_decode_sampler import chi2_pvalue
 
     from dsserve.engine.sampler import Sampler, SamplingRow
@@ -248,15 +251,39 @@ def test_sampling_with_drafts_keeps_the_targets_distribution():
             for t in firsts
         }
     best = {t: int(p.argmax()) for t, p in p2.items()}
+    real = eng.drafter.propose
+    if adaptive:  # the confidence (of the first draft) after each first token, from the prompt's rings
+        with torch.no_grad():
+            out = model.forward(torch.tensor(prompt))
+            state = model.mtp.new_state()
+            model.mtp.ingest(out.taps, torch.arange(len(prompt)), state)
+            conf = {
+                t: float(
+                    torch.sigmoid(
+                        model.mtp.propose_batch([t], [len(prompt) - 1], [state], model.embed, model.head)[1][0, 0]
+                    )
+                )
+                for t in firsts
+            }
+        lo, hi = sorted(conf.values())[:2]
+        eng.drafter.threshold = (lo + hi) / 2  # the least confident first token drafts nothing, the others 1
 
-    def propose(requests):  # the oracle alone (the DSpark stages' proposals would be thrown away)
+    def propose(requests):  # the oracle's draft, verified only where the drafter (adaptive K) keeps a draft
+        if adaptive:
+            real(requests)
         for r in requests:
+            keep = len(r.draft_token_ids) if adaptive else 1
+            r.draft_token_ids = []
             if len(r.output_token_ids) == 1 and r.draft_state.last_position == r.num_tokens - 2:
-                r.draft_token_ids = [best[r.output_token_ids[0]]]
+                r.draft_token_ids = [best[r.output_token_ids[0]]][:keep]
 
     eng.drafter.propose = propose
     out = run(eng, [prompt] * n_req, params, check=False)
-    assert eng.stats.spec_num_drafts == n_req and 0 < eng.stats.spec_num_accepted_tokens < n_req
+    if adaptive:
+        assert 0 < eng.stats.spec_num_drafts < n_req  # some blocks were cut to nothing, some verified
+    else:
+        assert eng.stats.spec_num_drafts == n_req
+    assert 0 < eng.stats.spec_num_accepted_tokens < eng.stats.spec_num_drafts
     cells = [(a, b) for a in firsts for b in p2[a].nonzero().squeeze(1).tolist()]
     expected = torch.tensor([float(p1[a] * p2[a][b]) for a, b in cells])
     seen = [tuple(o.token_ids[:2]) for o in out.values()]
@@ -277,6 +304,13 @@ def test_trained_model_greedy_equals_drafts_off():
     eng = engine(4, **kw)
     assert ids(run(eng, ps, params)) == ids(off)
     assert eng.stats.spec_num_drafts > 0
+    # adaptive K: the confidence head cuts blocks short (a high threshold, so that it does), tokens unchanged
+    ada = EngineCore(
+        EngineArgs(**{**BASE, **kw}, speculative_config={"num_speculative_tokens": 4, "confidence_threshold": 0.99})
+    )
+    assert ids(run(ada, ps, params)) == ids(off)
+    st = ada.stats
+    assert 0 < st.spec_num_draft_tokens < 4 * st.spec_num_drafts
 
 
 def test_batched_proposal_equals_one_block_at_a_time(tiny_models, monkeypatch):
@@ -309,3 +343,17 @@ def test_batched_proposal_equals_one_block_at_a_time(tiny_models, monkeypatch):
             d, c, _ = model.mtp.propose(ys[i], ps[i], states[i], model.embed, model.head)
             assert drafts[i].tolist() == d.tolist()
             assert torch.allclose(conf[i], c, atol=1e-9)
+
+
+def test_block_lengths_follow_the_confidence_product(tiny_models):
+    """Adaptive K keeps a block's drafts while the product of sigmoid(confidence) stays at or above the threshold."""
+    from dsserve.engine.drafter import Drafter
+
+    logit = lambda p: torch.logit(torch.tensor(p, dtype=torch.float64))  # noqa: E731
+    conf = torch.stack([logit([0.99, 0.9, 0.99]), logit([0.5, 0.99, 0.99]), logit([0.99, 0.99, 0.99])])
+    model = tiny_models["tiny"]
+    assert Drafter(model, 3, None).block_lengths(conf) == [3, 3, 3]
+    d = Drafter(model, 3, None, confidence_threshold=0.885)
+    assert d.block_lengths(conf) == [2, 0, 3]  # 0.99 * 0.9 = 0.891, then 0.882; 0.5 first; 0.970 at the end
+    with pytest.raises(ValueError, match=r"adaptive K takes \[0, 1\)"):
+        Drafter(model, 3, None, confidence_threshold=1.0)

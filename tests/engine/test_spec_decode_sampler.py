@@ -87,6 +87,19 @@ def test_greedy_accepts_the_argmax_prefix_and_adds_the_targets_token():
     assert sampler(logits[:1], [req], [[]]).token_ids == [[2]]  # no drafts: a plain greedy step
 
 
+def test_the_greedy_shortcut_gives_the_walks_verdict():
+    """All rows greedy: ``accept`` takes one argmax instead of the draws and races; on one-hot rows the general walk
+    (which draws, but whose draws cannot change a one-hot verdict) gives the same tokens."""
+    g = torch.Generator().manual_seed(2)
+    lengths = [0, 1, 3, 5, 2, 5, 4]
+    drafts = [torch.randint(0, 4, (n,), generator=g).tolist() for n in lengths]
+    best = torch.randint(0, 4, (sum(lengths) + len(lengths),), generator=g)
+    target = torch.zeros(best.shape[0], 4).scatter_(1, best[:, None], 1.0)
+    fast = accept(target, drafts, [None] * len(drafts), torch.Generator().manual_seed(0), random=[False] * len(drafts))
+    walk = accept(target, drafts, [None] * len(drafts), torch.Generator().manual_seed(0))
+    assert fast == walk and 0 < sum(fast[1]) < sum(lengths)
+
+
 def test_seeded_requests_repeat_and_ignore_the_batch():
     torch.manual_seed(0)
     logits = torch.randn(7, 50)
@@ -111,3 +124,24 @@ def test_penalties_see_the_drafts_before_each_row():
     req = SamplingRow(SamplingParams(temperature=0.0, presence_penalty=1.0), [0], [])
     # row 0 accepts draft 1 (argmax); row 1's target has 1 penalised, so its argmax is 2, not the draft's 1
     assert RejectionSampler(Sampler())(logits, [req], [[1]]).token_ids == [[1, 2]]
+
+
+def test_blocks_of_different_lengths_keep_the_target_exact():
+    """Adaptive K: each block verifies 0, 1 or 2 of its drafts, the length a function of the drafts (as the confidence
+    head's is of the committed tokens), never of the step's draws: the emitted tokens still follow the target."""
+    p0, p1, p2, _, _ = two_step_setup(3)
+    g = torch.Generator().manual_seed(5)
+    d1 = torch.multinomial(torch.full((V,), 1.0 / V), N, replacement=True, generator=g)
+    d2 = torch.multinomial(torch.full((V,), 1.0 / V), N, replacement=True, generator=g)
+    lengths = ((d1 + d2) % 3).tolist()  # 0, 1 or 2 drafts, correlated with what is drafted
+    drafts = [[a, b][:n] for a, b, n in zip(d1.tolist(), d2.tolist(), lengths)]
+    rows = [t for b, n in enumerate(lengths) for t in (p0, p1[d1[b]], p2[d1[b], d2[b]])[: n + 1]]
+    tokens, n_acc = accept(torch.stack(rows), drafts, [None] * N, torch.Generator().manual_seed(11))
+    assert {0, 1, 2} <= set(n_acc) and all(a <= n for a, n in zip(n_acc, lengths))
+    t1 = torch.tensor([t[0] for t in tokens])
+    assert chi2_pvalue(torch.bincount(t1, minlength=V), p0) > 1e-3
+    pairs = [(t[0], t[1]) for t in tokens if len(t) >= 2]
+    for a in range(V - 1):
+        second = torch.tensor([b for x, b in pairs if x == a], dtype=torch.long)
+        if second.numel() > 200:
+            assert chi2_pvalue(torch.bincount(second, minlength=V), p1[a]) > 1e-3
