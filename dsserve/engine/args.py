@@ -389,11 +389,11 @@ class EngineArgs:
             self._check_nodes()
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-            if self.tensor_parallel_size > 1 or (self.data_parallel_size > 1 and self.enable_expert_parallel):
+            if self.data_parallel_size > 1 and self.enable_expert_parallel:
                 raise EngineArgsError(
-                    "speculative_config with tensor_parallel_size > 1 or with expert parallel (-dp and "
-                    "--enable-expert-parallel): drafts are not carried to TP workers, nor draft passes to EP peers, "
-                    "yet; use it with -dp alone (each rank drafts for its own requests) or one engine"
+                    "speculative_config with expert parallel (-dp and --enable-expert-parallel): draft passes are "
+                    "not joined by EP peers yet; use it with -dp alone (each rank drafts for its own requests), -tp, "
+                    "or one engine"
                 )
         try:
             self.eplb_config()

@@ -771,7 +771,7 @@ class EngineCore:
             return failed
         self.stats.admitted(plan)
         self.drafter.before(plan)
-        sampling, logits = self.executor.execute(plan)  # a LocalExecutor: drafts are refused with TP / DP
+        sampling, logits = self.executor.execute(plan, speculative=True)  # TP: the workers run it and wait
         self._count_runs()
         drafts = [c.draft_token_ids for c in plan.chunks if c.samples]
         # counted before the verdict, read after it: the host's one wait for the step is the verdict's
@@ -786,7 +786,9 @@ class EngineCore:
         now, results = time.monotonic(), []
         for req in self.scheduler.update(plan, StepOutput(accepted, rolled)):
             results.append(self._commit(self._tracked[req.request_id], accepted[req.request_id], lps[req], now))
-        self.drafter.propose([r for r in sampling if not r.status.finished])
+        proposers = [r for r in sampling if not r.status.finished]
+        self.executor.draft_pass(plan, accepted, proposers)  # TP: the workers' after() and their share of the pass
+        self.drafter.propose(proposers)
         return failed + results
 
     def _remote_kv_failures(self) -> list[RequestOutput]:
