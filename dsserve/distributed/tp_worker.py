@@ -223,7 +223,7 @@ def run_worker(
 @torch.no_grad()
 def serve_steps(core, conn: Connection) -> None:
     from ..engine import warmup
-    from ..engine.executor import StepMessage
+    from ..engine.executor import DraftPass, StepMessage
 
     mirror = Mirror(core.kv)
     while True:
@@ -250,6 +250,8 @@ def serve_steps(core, conn: Connection) -> None:
         verdict = _receive(conn)  # the DraftPass, once rank 0 has sampled and committed
         if verdict is None or getattr(verdict, "stop", False):
             return
+        if not isinstance(verdict, DraftPass):
+            raise RuntimeError(f"a speculative step's DraftPass was due, rank 0 sent {type(verdict).__name__}")
         accepted = {rid: list(t) for rid, t in verdict.accepted}
         core.drafter.after(plan, r.last_forward, accepted)  # the same ingestion and rollback as rank 0's
         mirror.accept(accepted)

@@ -787,8 +787,8 @@ class EngineCore:
         for req in self.scheduler.update(plan, StepOutput(accepted, rolled)):
             results.append(self._commit(self._tracked[req.request_id], accepted[req.request_id], lps[req], now))
         proposers = [r for r in sampling if not r.status.finished]
-        self.executor.draft_pass(plan, accepted, proposers)  # TP: the workers' after() and their share of the pass
-        self.drafter.propose(proposers)
+        # the next drafts; under TP the workers take the verdict first (their after()) and join the pass
+        self.executor.draft_pass(plan, accepted, proposers, self.drafter.propose)
         return failed + results
 
     def _remote_kv_failures(self) -> list[RequestOutput]:

@@ -67,8 +67,9 @@ class LocalExecutor:
     def execute(self, plan: StepPlan, speculative: bool = False) -> tuple[list[Request], torch.Tensor]:
         return self.runner.execute(plan)
 
-    def draft_pass(self, plan: StepPlan, accepted: dict[str, list[int]], proposers: list[Request]) -> None:
-        """Nothing to tell: no other rank (``TPExecutor.draft_pass``)."""
+    def draft_pass(self, plan: StepPlan, accepted: dict, proposers: list[Request], propose: Callable) -> None:
+        """The next drafts: ``propose(proposers)`` (``Drafter.propose``; ``TPExecutor.draft_pass``)."""
+        propose(proposers)
 
     def idle_forward(self) -> None:
         """A forward with no rows: joins the expert-parallel MoE layers' collectives (a DP rank whose peers forward
@@ -263,10 +264,13 @@ class TPExecutor:
         except Exception as e:
             raise self._fail_step(f"TP rank 0's step failed: {type(e).__name__}: {e}") from e
 
-    def draft_pass(self, plan: StepPlan, accepted: dict[str, list[int]], proposers: list[Request]) -> None:
-        """After a speculative step's verdict and commit, before rank 0's own ``Drafter.propose(proposers)``: the
-        workers run the drafter's ``after`` with ``accepted`` and join the pass. What they were sent follows their
-        mirrors: the accepted tokens appended, block tables cut by the rollback."""
+    def draft_pass(
+        self, plan: StepPlan, accepted: dict[str, list[int]], proposers: list[Request], propose: Callable
+    ) -> None:
+        """After a speculative step's verdict and commit: the workers run the drafter's ``after`` with ``accepted``
+        (request id -> the tokens the step accepted) and join the pass rank 0 runs, ``propose(proposers)``
+        (``Drafter.propose``). What they were sent follows their mirrors: the accepted tokens appended, block tables
+        cut by the rollback."""
         if self.failure is not None:
             raise EngineDeadError(self.failure)
         t0 = time.perf_counter()
@@ -279,6 +283,10 @@ class TPExecutor:
                 s.blocks = len(r.kv.block_table)
         ready = tuple(r.request_id for r in proposers if r.grammar is None)  # (a grammar never drafts)
         self._post(DraftPass(tuple((k, tuple(v)) for k, v in accepted.items()), ready), t0)
+        try:
+            propose(proposers)
+        except Exception as e:
+            raise self._fail_step(f"TP rank 0's draft pass failed: {type(e).__name__}: {e}") from e
 
     def audit(self) -> list[dict]:
         """Between steps, a diagnostic: each worker's ``tp_worker.sequence_state`` of every request it mirrors
