@@ -3,7 +3,7 @@ the built-in trained model, whose drafts are mostly but not always accepted): th
 drafts off, every emitted token's logits within 1e-9 of that engine's, over concurrent requests that chunk their
 prefills, get preempted (a KV cache of a few blocks) and one aborted with drafts pending. After every step rank 0's
 caches pass the single-engine spec tests' check and the worker's caches (every kind, ``tp_worker.sequence_state``)
-equal rank 0's. A worker killed mid-run fails the engine cleanly."""
+equal rank 0's. -tp 2 inside -dp 2 gives the same tokens. A worker killed mid-run fails the engine cleanly."""
 
 import os
 import signal
@@ -175,6 +175,30 @@ def test_tp2_with_drafts_gives_one_engines_tokens_and_logits_with_every_cache_eq
     assert got["preempted"] > 0, "no preemption"
     assert max(rings) > 0, "no DSpark ring compared"
     assert two.executor.stats.max_bytes < 4096, two.executor.stats
+
+
+def test_tp2_inside_dp2_with_drafts_gives_one_engines_tokens(engines):
+    """-tp 2 -dp 2 without EP (four spawned ranks): each DP rank drafts for its own requests on its TP group."""
+    from dsserve.distributed.dp_client import DPClient
+
+    one, _ = engines
+    want = run(one)["tokens"]
+    args = EngineArgs(**options(), tensor_parallel_size=2, data_parallel_size=2, speculative_config=SPEC)
+    client = DPClient(args)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+        for i, text in enumerate(TEXTS):
+            client.add_request(f"r{i}", one.tokenizer.encode(text), params)
+        got = {}
+        while client.has_unfinished_requests():
+            for out in client.step():
+                if out.finished:
+                    got[out.request_id] = list(out.outputs[0].token_ids)
+        assert got == want
+        assert all(n > 0 for n in client.router.routed), client.router.routed  # both ranks served
+        assert sum(x.counters["spec_num_accepted_tokens"] for x in client.rank_loads) > 0
+    finally:
+        client.close()
 
 
 def test_a_killed_worker_during_spec_decoding_fails_the_engine_cleanly(engines):
