@@ -1,9 +1,10 @@
 """DSpark speculative decoding under tensor parallel (TP2: this process is rank 0, one spawned worker; gloo, fp64,
 the built-in trained model, whose drafts are mostly but not always accepted): the greedy tokens of one engine with
 drafts off, every emitted token's logits within 1e-9 of that engine's, over concurrent requests that chunk their
-prefills, get preempted (a KV cache of a few blocks) and one aborted with drafts pending. After every step rank 0's
-caches pass the single-engine spec tests' check and the worker's caches (every kind, ``tp_worker.sequence_state``)
-equal rank 0's. -tp 2 inside -dp 2 gives the same tokens. A worker killed mid-run fails the engine cleanly."""
+prefills, get preempted (a KV cache of a few blocks) and one aborted with drafts pending, on the reference backend
+and on the paged one (verify steps in fixed shapes). After every step rank 0's caches pass the single-engine spec
+tests' check and the worker's caches (every kind, ``tp_worker.sequence_state``) equal rank 0's. -tp 2 inside -dp 2
+gives the same tokens. A worker killed mid-run fails the engine cleanly."""
 
 import os
 import signal
@@ -62,11 +63,25 @@ TEXTS = [
 ]
 
 
+BACKENDS = {
+    "reference": {},  # eager steps, the compressors' carried rows on the per-sequence path
+    # verify steps in fixed shapes (VerifyGraphs, uncaptured on the CPU), carries in PagedKVCache.carry
+    "paged": dict(attention_backend="paged", reference_ops="all", async_scheduling=True),
+}
+
+
 @pytest.fixture(scope="module")
-def engines():
-    one = EngineCore(EngineArgs(**options()))
-    two = EngineCore(EngineArgs(**options(), tensor_parallel_size=2, speculative_config=SPEC))
-    yield one, two
+def plain():
+    return EngineCore(EngineArgs(**options()))
+
+
+@pytest.fixture(scope="module", params=list(BACKENDS))
+def engines(request, plain):
+    """The drafts-off single engine, and a TP2 engine with drafts (one TP engine at a time: one world a process)."""
+    two = EngineCore(
+        EngineArgs(**options(), **BACKENDS[request.param], tensor_parallel_size=2, speculative_config=SPEC)
+    )
+    yield plain, two
     two.close()
 
 
@@ -138,6 +153,7 @@ def test_tp2_with_drafts_gives_one_engines_tokens_and_logits_with_every_cache_eq
     one.executor.execute = recorded
     want = run(one)
     del one.executor.execute
+    graph_steps = 0 if two.runner.verify_graphs is None else two.runner.verify_graphs.runs
 
     spec, last, verdicts, run_step = {}, [], two.rejection_sampler, two.executor.execute
 
@@ -174,6 +190,8 @@ def test_tp2_with_drafts_gives_one_engines_tokens_and_logits_with_every_cache_eq
     assert s.spec_num_drafts > 0 and 0 < s.spec_num_accepted_tokens < s.spec_num_draft_tokens, "no rejected draft"
     assert got["preempted"] > 0, "no preemption"
     assert max(rings) > 0, "no DSpark ring compared"
+    if two.runner.verify_graphs is not None:
+        assert two.runner.verify_graphs.runs > graph_steps, "no verify step in fixed shapes"
     assert two.executor.stats.max_bytes < 4096, two.executor.stats
 
 
@@ -181,7 +199,9 @@ def test_tp2_inside_dp2_with_drafts_gives_one_engines_tokens(engines):
     """-tp 2 -dp 2 without EP (four spawned ranks): each DP rank drafts for its own requests on its TP group."""
     from dsserve.distributed.dp_client import DPClient
 
-    one, _ = engines
+    one, two = engines
+    if two.runner.verify_graphs is not None:
+        pytest.skip("once is enough (the reference backend's run)")
     want = run(one)["tokens"]
     args = EngineArgs(**options(), tensor_parallel_size=2, data_parallel_size=2, speculative_config=SPEC)
     client = DPClient(args)
