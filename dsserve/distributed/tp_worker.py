@@ -235,6 +235,11 @@ def serve_steps(core, conn: Connection) -> None:
 
             idle_forward(core.model)
             continue
+        if msg.idle_draft:  # a DEP peer drafts while this replica has nothing to: join its draft MoE's collectives
+            from .expert_parallel import idle_draft
+
+            idle_draft(core.model)
+            continue
         if msg.audit:
             audit(core, mirror)
             continue

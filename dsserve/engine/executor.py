@@ -78,6 +78,13 @@ class LocalExecutor:
 
         idle_forward(self.runner.model)
 
+    def idle_draft(self) -> None:
+        """A draft pass with no rows: joins the DSpark stages' expert-parallel MoE collectives (a DEP rank with
+        nothing to draft while its peers draft: distributed.dp_rank.Lockstep)."""
+        from ..distributed.expert_parallel import idle_draft
+
+        idle_draft(self.runner.model)
+
     def on_failure(self, callback: Callable[[str], None]) -> None:
         pass
 
@@ -156,6 +163,7 @@ class StepMessage:
     forgotten: tuple[str, ...] = ()  # finished or aborted
     ahead_rows: bool = False  # the fixed-shape runners also build their other buckets (the warm-up: engine.warmup)
     idle: bool = False  # a forward with no rows (the DP lockstep's: every rank joins its peers' MoE collectives)
+    idle_draft: bool = False  # a draft pass with no rows (the DEP lockstep's, like ``idle``)
     speculative: bool = False  # a DSpark step: its rows are saved for rollback, a ``DraftPass`` follows the forward
     audit: bool = False  # no step: each worker gathers its requests' cache states to rank 0 (TPExecutor.audit)
     stop: bool = False
@@ -318,6 +326,18 @@ class TPExecutor:
             idle_forward(self.runner.model)
         except Exception as e:
             raise self._fail_step(f"TP rank 0's idle forward failed: {type(e).__name__}: {e}") from e
+
+    def idle_draft(self) -> None:
+        """A draft pass with no rows on every TP rank of this engine (``LocalExecutor.idle_draft``)."""
+        from ..distributed.expert_parallel import idle_draft
+
+        if self.failure is not None:
+            raise EngineDeadError(self.failure)
+        self._send(pickle.dumps(StepMessage(idle_draft=True), protocol=pickle.HIGHEST_PROTOCOL))
+        try:
+            idle_draft(self.runner.model)
+        except Exception as e:
+            raise self._fail_step(f"TP rank 0's idle draft pass failed: {type(e).__name__}: {e}") from e
 
     def _send(self, data: bytes) -> None:
         try:
