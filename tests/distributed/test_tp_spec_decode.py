@@ -4,7 +4,7 @@ drafts off, every emitted token's logits within 1e-9 of that engine's, over conc
 prefills, hit the prefix cache, get preempted (a KV cache of a few blocks) and one aborted with drafts pending, on
 the reference backend and on the paged one (verify steps in fixed shapes). After every step rank 0's caches pass the
 single-engine spec tests' check and the worker's caches (every kind, ``tp_worker.sequence_state``) equal rank 0's.
--tp 2 inside -dp 2 gives the same tokens. A worker killed mid-run fails the engine cleanly."""
+-tp 2 inside -dp 2 (with and without EP) gives the same tokens. A worker killed mid-run fails the engine cleanly."""
 
 import os
 import signal
@@ -202,15 +202,24 @@ def test_tp2_with_drafts_gives_one_engines_tokens_and_logits_with_every_cache_eq
     assert two.executor.stats.max_bytes < 4096, two.executor.stats
 
 
-def test_tp2_inside_dp2_with_drafts_gives_one_engines_tokens(engines):
-    """-tp 2 -dp 2 without EP (four spawned ranks): each DP rank drafts for its own requests on its TP group."""
+@pytest.mark.parametrize("ep", [False, True])
+def test_tp2_inside_dp2_with_drafts_gives_one_engines_tokens(engines, ep):
+    """-tp 2 -dp 2 (four spawned ranks): each DP rank drafts for its own requests on its TP group; with EP (TP inside
+    DEP ranks) every rank joins every draft pass, a DP rank with nothing to draft through its executor's
+    ``idle_draft`` (its TP worker too)."""
     from dsserve.distributed.dp_client import DPClient
 
     one, two = engines
     if two.runner.verify_graphs is not None:
         pytest.skip("once is enough (the reference backend's run)")
     want = run(one)["tokens"]
-    args = EngineArgs(**options(), tensor_parallel_size=2, data_parallel_size=2, speculative_config=SPEC)
+    args = EngineArgs(
+        **options(),
+        tensor_parallel_size=2,
+        data_parallel_size=2,
+        enable_expert_parallel=ep,
+        speculative_config=SPEC,
+    )
     client = DPClient(args)
     try:
         params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
