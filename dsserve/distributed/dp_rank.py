@@ -45,7 +45,7 @@ from .dp_protocol import (
     Shutdown,
 )
 from .eplb import Eplb
-from .expert_parallel import ExpertParallelMoE, idle_draft, shard_expert_parallel
+from .expert_parallel import ExpertParallelMoE, shard_expert_parallel
 from .step_sync import StepSummary, StepSync
 
 
@@ -121,7 +121,7 @@ class Lockstep:
                 "Lockstep.before_forward must announce every pass the drafter may run"
             )
         for _ in range(self.draft_passes - ran):
-            idle_draft(self.core.model)
+            self.core.executor.idle_draft()  # under TP: on every TP rank of this replica
         self.draft_steps += self.draft_passes > 0
         self.idle_drafts += self.draft_passes - ran
         self.draft_passes = 0

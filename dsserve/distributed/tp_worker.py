@@ -223,27 +223,52 @@ def run_worker(
 @torch.no_grad()
 def serve_steps(core, conn: Connection) -> None:
     from ..engine import warmup
-    from ..engine.executor import StepMessage
+    from ..engine.executor import DraftPass, StepMessage
 
     mirror = Mirror(core.kv)
     while True:
-        try:
-            data = conn.recv_bytes()
-        except EOFError:  # rank 0 is gone
-            return
-        msg: StepMessage = pickle.loads(data)
-        if msg.stop:
+        msg: StepMessage | None = _receive(conn)
+        if msg is None or msg.stop:
             return
         if msg.idle:  # a DP peer forwards while this replica has no rows: join its MoE layers' collectives
             from .expert_parallel import idle_forward
 
             idle_forward(core.model)
             continue
+        if msg.idle_draft:  # a DEP peer drafts while this replica has nothing to: join its draft MoE's collectives
+            from .expert_parallel import idle_draft
+
+            idle_draft(core.model)
+            continue
+        if msg.audit:
+            audit(core, mirror)
+            continue
         r = core.runner
-        warmup.ahead(
-            r.decode_graphs, [g for g in (r.decoder_row_graphs, r.encoder_graphs) if g is not None], msg.ahead_rows
-        )
-        r.execute(mirror.apply(msg))
+        graphs = [g for g in (r.decoder_row_graphs, r.encoder_graphs, r.verify_graphs) if g is not None]
+        warmup.ahead(r.decode_graphs, graphs, msg.ahead_rows)
+        plan = mirror.apply(msg)
+        if not msg.speculative:
+            r.execute(plan)
+            continue
+        core.drafter.before(plan)
+        r.execute(plan)
+        verdict = _receive(conn)  # the DraftPass, once rank 0 has sampled and committed
+        if verdict is None or getattr(verdict, "stop", False):
+            return
+        if not isinstance(verdict, DraftPass):
+            raise RuntimeError(f"a speculative step's DraftPass was due, rank 0 sent {type(verdict).__name__}")
+        accepted = {rid: list(t) for rid, t in verdict.accepted}
+        core.drafter.after(plan, r.last_forward, accepted)  # the same ingestion and rollback as rank 0's
+        mirror.accept(accepted)
+        core.drafter.propose([mirror.requests[rid] for rid in verdict.proposers])  # joins the pass; drafts dropped
+
+
+def _receive(conn: Connection):
+    """The next message, or None when rank 0 is gone."""
+    try:
+        return pickle.loads(conn.recv_bytes())
+    except EOFError:
+        return None
 
 
 class Mirror:
@@ -252,6 +277,9 @@ class Mirror:
     def __init__(self, cache):
         self.cache = cache
         self.requests = {}
+        # rank 0's scheduler owns the block ids: this rank's pool counts none, so the blocks a rollback cuts from a
+        # table (SequenceKV.rollback) go back to rank 0's pool only
+        cache.blocks.free = _owned_by_rank_0
 
     def apply(self, msg):
         from ..engine.request import Request
@@ -262,7 +290,7 @@ class Mirror:
             self.requests.pop(rid, None)
         for rid in msg.released:
             r = self.requests[rid]
-            r.kv, r.decoder_start = None, None
+            r.kv, r.decoder_start, r.draft_state = None, None, None
         for n in msg.new:
             params = SamplingParams(max_tokens=1, prompt_logprobs=n.prompt_logprobs)
             self.requests[n.request_id] = Request(n.request_id, list(n.prompt_token_ids), params)
@@ -271,7 +299,7 @@ class Mirror:
             r = self.requests[c.request_id]
             r.output_token_ids.extend(c.output_tokens)
             if c.seq is not None:
-                r.kv, r.decoder_start = c.seq.build(self.cache), c.seq.decoder_start
+                r.kv, r.decoder_start, r.draft_state = c.seq.build(self.cache), c.seq.decoder_start, None
             r.kv.block_table.extend(c.new_blocks)
             if r.kv.num_tokens != c.start:
                 raise RuntimeError(
@@ -279,5 +307,61 @@ class Mirror:
                     f"from {c.start} (the mirror is out of step)"
                 )
             r.num_computed_tokens = c.start
-            chunks.append(ScheduledChunk(r, c.rows))
+            chunks.append(ScheduledChunk(r, c.rows, list(c.draft_token_ids)))
         return StepPlan(chunks, [])
+
+    def accept(self, accepted: dict[str, list[int]]) -> None:
+        """A speculative step's verdict, as rank 0's ``Scheduler.update`` applies it: the tokens appended (the
+        drafter's rollback already set each sequence's rows)."""
+        for rid, tokens in accepted.items():
+            self.requests[rid].output_token_ids.extend(tokens)
+
+
+def _owned_by_rank_0(ids, hold_until=None) -> None:
+    pass
+
+
+def sequence_state(r) -> dict:
+    """What request ``r``'s caches hold on this rank, every kind (tokens, blocks, global entries and their pool rows,
+    the window ring's rows and tags, compressor carries and pending rows, the Engram lookback, the DSpark rings): the
+    TP ranks' audit compares them (``TPExecutor.audit``, a test's check). Tensors on the host."""
+    kv, out = r.kv, {"tokens": list(r.all_token_ids)}
+    if kv is None:
+        return out
+    c, lay, cpu = kv.cache, kv.cache.layout, _host
+    out.update(num_tokens=kv.num_tokens, published=kv.published_until, blocks=list(kv.block_table))
+    out["engram"] = cpu(kv.engram_history)
+    for src in lay.sources:
+        n = kv.num_entries(src)
+        out[f"entries {src}"] = n
+        if n:
+            rows = kv.entry_rows(src, 0, n).cpu()
+            out[f"main {src}"] = c.main[src].view(-1, c.main[src].shape[-1]).cpu()[rows]
+            if src in c.index:
+                out[f"index {src}"] = c.index[src].view(-1, c.index[src].shape[-1]).cpu()[rows]
+        carried = kv.carried.get(src, 0)
+        if carried and src in c._carry:
+            out[f"carry {src}"] = tuple(cpu(t[kv.slot, :carried]) for t in c._carry[src])
+    for key, state in kv._pending.items():  # the reference path's rows (u, z, first), or a fixed-shape ring's span
+        rows = isinstance(state, tuple)
+        out[f"pending {key}"] = tuple(map(cpu, state)) if rows else (state.first, state.ring, state.ratio)
+    if not lay.window_in_blocks:
+        for i in c.window:
+            out[f"window {i}"] = (cpu(c.window[i][kv.slot]), cpu(c.window_pos[i][kv.slot]))
+    ds = r.draft_state
+    if ds is not None:
+        out["draft"] = (ds.last_position, [cpu(k) for k in ds.keys], [cpu(p) for p in ds.positions])
+    return out
+
+
+def _host(t):
+    return t.detach().cpu().clone() if isinstance(t, torch.Tensor) else t
+
+
+def audit(core, mirror: Mirror) -> None:
+    """A worker's side of ``TPExecutor.audit``: its mirror's ``sequence_state``s to rank 0 (a gather on the TP
+    group)."""
+    import torch.distributed as dist
+
+    states = {rid: sequence_state(r) for rid, r in mirror.requests.items()}
+    dist.gather_object(states, None, dst=dist.get_global_rank(core.tp.groups.tp, 0), group=core.tp.groups.tp)

@@ -400,18 +400,6 @@ class EngineArgs:
             self._check_nodes()
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-            if self.tensor_parallel_size > 1 and self.data_parallel_size > 1 and self.enable_expert_parallel:
-                raise EngineArgsError(
-                    "speculative_config with tensor_parallel_size > 1 x expert parallel (-tp with -dp and "
-                    "--enable-expert-parallel): a DEP rank's draft passes are not carried to its TP workers yet; use "
-                    "it with -dp and --enable-expert-parallel at tensor_parallel_size=1, with -dp alone, or one engine"
-                )
-            if self.tensor_parallel_size > 1:
-                raise EngineArgsError(
-                    "speculative_config with tensor_parallel_size > 1: drafts are not carried to TP workers yet; use "
-                    "it with -dp alone (each rank drafts for its own requests), -dp with --enable-expert-parallel, or "
-                    "one engine"
-                )
         try:
             self.eplb_config()
         except ValueError as e:

@@ -794,7 +794,7 @@ class EngineCore:
             return failed
         self.stats.admitted(plan)
         self.drafter.before(plan)
-        sampling, logits = self.executor.execute(plan)  # a LocalExecutor: drafts are refused with TP / DP
+        sampling, logits = self.executor.execute(plan, speculative=True)  # TP: the workers run it and wait
         self._count_runs()
         drafts = [c.draft_token_ids for c in plan.chunks if c.samples]
         # counted before the verdict, read after it: the host's one wait for the step is the verdict's
@@ -809,7 +809,9 @@ class EngineCore:
         now, results = time.monotonic(), []
         for req in self.scheduler.update(plan, StepOutput(accepted, rolled)):
             results.append(self._commit(self._tracked[req.request_id], accepted[req.request_id], lps[req], now))
-        self.drafter.propose([r for r in sampling if not r.status.finished])
+        proposers = [r for r in sampling if not r.status.finished]
+        # the next drafts; under TP the workers take the verdict first (their after()) and join the pass
+        self.executor.draft_pass(plan, accepted, proposers, self.drafter.propose)
         if self.lockstep is not None:  # DEP: the draft passes its peers run and it did not, with zero rows
             self.lockstep.after_propose()
         return failed + results

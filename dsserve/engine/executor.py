@@ -13,6 +13,14 @@ was (re)admitted (window slot, blocks, prefix-hit position), and the ids whose s
 finished. It goes down one pipe per worker (pickled once): a worker blocks on its pipe while the engine idles, and
 the pipe's end of file is its parent's death.
 
+With DSpark drafts (``execute(plan, speculative=True)``) a verify chunk carries its drafts, and the step's message
+is followed by one more, ``DraftPass``, sent once rank 0 has the verdict and committed the tokens: per sampling
+request the tokens it accepted (untrimmed, as the drafter saw them), and the requests that draft next. Each worker,
+having run the same verify forward, then runs the drafter's ``after`` (ring ingestion, rollback) with that verdict
+and joins the DSpark stages' batched pass (their MoE and the vocabulary-parallel embedding and head close with
+collectives). Rank 0's own drafts ride in the next step's chunks: a worker's are dropped. No rank waits on another
+but in the collectives it already joins: one extra one-way message a step, no round trip.
+
 A worker that dies, a collective that fails or times out, or any fault inside a TP step fails the executor for good
 (the ranks can no longer be trusted to be in step): ``EngineDeadError``, the workers reaped.
 """
@@ -56,8 +64,12 @@ class LocalExecutor:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
 
-    def execute(self, plan: StepPlan) -> tuple[list[Request], torch.Tensor]:
+    def execute(self, plan: StepPlan, speculative: bool = False) -> tuple[list[Request], torch.Tensor]:
         return self.runner.execute(plan)
+
+    def draft_pass(self, plan: StepPlan, accepted: dict, proposers: list[Request], propose: Callable) -> None:
+        """The next drafts: ``propose(proposers)`` (``Drafter.propose``; ``TPExecutor.draft_pass``)."""
+        propose(proposers)
 
     def idle_forward(self) -> None:
         """A forward with no rows: joins the expert-parallel MoE layers' collectives (a DP rank whose peers forward
@@ -65,6 +77,13 @@ class LocalExecutor:
         from ..distributed.expert_parallel import idle_forward
 
         idle_forward(self.runner.model)
+
+    def idle_draft(self) -> None:
+        """A draft pass with no rows: joins the DSpark stages' expert-parallel MoE collectives (a DEP rank with
+        nothing to draft while its peers draft: distributed.dp_rank.Lockstep)."""
+        from ..distributed.expert_parallel import idle_draft
+
+        idle_draft(self.runner.model)
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
         pass
@@ -131,6 +150,7 @@ class Chunk:
     output_tokens: tuple[int, ...]  # sampled since the worker last saw this request
     new_blocks: tuple[int, ...]  # appended to its block table since then
     seq: SeqState | None  # set when the request got a new sequence
+    draft_token_ids: tuple[int, ...] = ()  # the chunk's last rows: the drafts it verifies
 
 
 @dataclass(frozen=True)
@@ -143,7 +163,19 @@ class StepMessage:
     forgotten: tuple[str, ...] = ()  # finished or aborted
     ahead_rows: bool = False  # the fixed-shape runners also build their other buckets (the warm-up: engine.warmup)
     idle: bool = False  # a forward with no rows (the DP lockstep's: every rank joins its peers' MoE collectives)
+    idle_draft: bool = False  # a draft pass with no rows (the DEP lockstep's, like ``idle``)
+    speculative: bool = False  # a DSpark step: its rows are saved for rollback, a ``DraftPass`` follows the forward
+    audit: bool = False  # no step: each worker gathers its requests' cache states to rank 0 (TPExecutor.audit)
     stop: bool = False
+
+
+@dataclass(frozen=True)
+class DraftPass:
+    """After a speculative step's forward (the message that follows its ``StepMessage``): the verdict, and who
+    drafts next (in rank 0's order: the batched pass's rows)."""
+
+    accepted: tuple[tuple[str, tuple[int, ...]], ...]  # request id -> the tokens the step accepted for it
+    proposers: tuple[str, ...]
 
 
 @dataclass
@@ -186,6 +218,7 @@ def step_message(plan: StepPlan, sent: dict[str, _Sent]) -> StepMessage:
                 tuple(outs[s.outputs :]),
                 tuple(table[s.blocks :]),
                 seq,
+                tuple(c.draft_token_ids),
             )
         )
         s.outputs, s.blocks = len(outs), len(table)
@@ -223,22 +256,64 @@ class TPExecutor:
         if self.failure is not None:
             callback(self.failure)
 
-    def execute(self, plan: StepPlan) -> tuple[list[Request], torch.Tensor]:
+    def execute(self, plan: StepPlan, speculative: bool = False) -> tuple[list[Request], torch.Tensor]:
+        """``speculative``: a DSpark step (``EngineCore._step_speculative``), whose ``draft_pass`` must follow."""
         if self.failure is not None:
             raise EngineDeadError(self.failure)
         t0 = time.perf_counter()
         msg = step_message(plan, self._sent)
         if any(g is not None and g.ahead_rows for g in self._graphs()):  # every rank captures the same graphs
             msg = replace(msg, ahead_rows=True)
+        if speculative:
+            msg = replace(msg, speculative=True)
+        self._post(msg, t0)
+        try:
+            return self.runner.execute(plan)
+        except Exception as e:
+            raise self._fail_step(f"TP rank 0's step failed: {type(e).__name__}: {e}") from e
+
+    def draft_pass(
+        self, plan: StepPlan, accepted: dict[str, list[int]], proposers: list[Request], propose: Callable
+    ) -> None:
+        """After a speculative step's verdict and commit: the workers run the drafter's ``after`` with ``accepted``
+        (request id -> the tokens the step accepted) and join the pass rank 0 runs, ``propose(proposers)``
+        (``Drafter.propose``). What they were sent follows their mirrors: the accepted tokens appended, block tables
+        cut by the rollback."""
+        if self.failure is not None:
+            raise EngineDeadError(self.failure)
+        t0 = time.perf_counter()
+        for c in plan.chunks:
+            r, s = c.request, self._sent.get(c.request.request_id)
+            if s is None or s.request is not r:
+                continue
+            s.outputs += len(accepted.get(r.request_id, ()))
+            if r.kv is not None and r.kv is s.kv:
+                s.blocks = len(r.kv.block_table)
+        ready = tuple(r.request_id for r in proposers if r.grammar is None)  # (a grammar never drafts)
+        self._post(DraftPass(tuple((k, tuple(v)) for k, v in accepted.items()), ready), t0)
+        try:
+            propose(proposers)
+        except Exception as e:
+            raise self._fail_step(f"TP rank 0's draft pass failed: {type(e).__name__}: {e}") from e
+
+    def audit(self) -> list[dict]:
+        """Between steps, a diagnostic: each worker's ``tp_worker.sequence_state`` of every request it mirrors
+        (request id -> state), ranks 1..T-1 in order (a gather on the TP group)."""
+        import torch.distributed as dist
+
+        if self.failure is not None:
+            raise EngineDeadError(self.failure)
+        self._send(pickle.dumps(StepMessage(audit=True), protocol=pickle.HIGHEST_PROTOCOL))
+        group, out = self.tp.groups.tp, [None] * self.tp.size
+        dist.gather_object({}, out, dst=dist.get_global_rank(group, 0), group=group)
+        return out[1:]
+
+    def _post(self, msg, t0: float) -> None:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         self._send(data)
         s = self.stats
         s.messages, s.bytes, s.max_bytes = s.messages + 1, s.bytes + len(data), max(s.max_bytes, len(data))
         s.seconds += time.perf_counter() - t0
-        try:
-            return self.runner.execute(plan)
-        except Exception as e:
-            raise self._fail_step(f"TP rank 0's step failed: {type(e).__name__}: {e}") from e
 
     def idle_forward(self) -> None:
         """A forward with no rows on every TP rank of this engine (``LocalExecutor.idle_forward``)."""
@@ -252,6 +327,18 @@ class TPExecutor:
         except Exception as e:
             raise self._fail_step(f"TP rank 0's idle forward failed: {type(e).__name__}: {e}") from e
 
+    def idle_draft(self) -> None:
+        """A draft pass with no rows on every TP rank of this engine (``LocalExecutor.idle_draft``)."""
+        from ..distributed.expert_parallel import idle_draft
+
+        if self.failure is not None:
+            raise EngineDeadError(self.failure)
+        self._send(pickle.dumps(StepMessage(idle_draft=True), protocol=pickle.HIGHEST_PROTOCOL))
+        try:
+            idle_draft(self.runner.model)
+        except Exception as e:
+            raise self._fail_step(f"TP rank 0's idle draft pass failed: {type(e).__name__}: {e}") from e
+
     def _send(self, data: bytes) -> None:
         try:
             for conn in self.conns:
@@ -261,7 +348,7 @@ class TPExecutor:
 
     def _graphs(self) -> tuple:
         r = self.runner
-        return r.decode_graphs, r.decoder_row_graphs, r.encoder_graphs
+        return r.decode_graphs, r.decoder_row_graphs, r.encoder_graphs, r.verify_graphs
 
     def _fail_step(self, why: str) -> EngineDeadError:
         """A TP step failed: a worker's death (the watchdog's words, when it sees one within a second: a killed

@@ -1,12 +1,12 @@
 """DSpark speculative decoding under data parallel (two spawned DP ranks, no expert parallel; the built-in trained
 model in fp64): each rank drafts and verifies its own requests, the greedy tokens equal one engine with drafts off,
-and the front end's /metrics counts the ranks' drafts (summed over the ranks). With TP it is refused (DEP:
-test_dep_spec_decode.py)."""
+and the front end's /metrics counts the ranks' drafts (summed over the ranks). With TP: test_tp_spec_decode.py; DEP:
+test_dep_spec_decode.py."""
 
 import pytest
 
 from dsserve.distributed.dp_client import DPClient
-from dsserve.engine.args import EngineArgs, EngineArgsError
+from dsserve.engine.args import EngineArgs
 from dsserve.engine.core import EngineCore
 from dsserve.engine.sampling_params import SamplingParams
 from dsserve.server.metrics import EngineMetrics
@@ -49,18 +49,11 @@ def test_dp2_with_drafts_gives_the_tokens_of_one_engine_without_them():
         client.close()
 
 
-@pytest.mark.parametrize(
-    "extra, match",
-    [
-        (dict(tensor_parallel_size=2), "use it with -dp alone"),
-        (dict(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True), "tensor_parallel_size=1"),
-    ],
-)
-def test_drafts_with_tp_or_tp_x_dep_are_refused_naming_what_works(extra, match):
-    with pytest.raises(EngineArgsError, match=match):
-        EngineArgs(model="tiny", speculative_config=SPEC, **extra)
-
-
-def test_drafts_with_dep_are_taken():  # tests/distributed/test_dep_spec_decode.py runs them
-    args = EngineArgs(model="tiny", speculative_config=SPEC, data_parallel_size=2, enable_expert_parallel=True)
-    assert args.speculative_config.num_speculative_tokens == 3
+def test_drafts_with_dep_tp_or_tp_x_dp_are_taken():  # test_dep_spec_decode.py, test_tp_spec_decode.py run them
+    for extra in (
+        dict(data_parallel_size=2, enable_expert_parallel=True),
+        dict(tensor_parallel_size=2),
+        dict(tensor_parallel_size=2, data_parallel_size=2),
+        dict(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True),
+    ):
+        assert EngineArgs(model="tiny", speculative_config=SPEC, **extra).speculative_config.num_speculative_tokens == 3
