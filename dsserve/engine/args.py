@@ -536,9 +536,9 @@ class EngineArgs:
         if self.tensor_parallel_size > 1:
             raise EngineArgsError(
                 f"tensor_parallel_size={self.tensor_parallel_size} with nnodes={self.nnodes}: tensor parallel across "
-                "nodes is not supported (its step messages travel on one host's pipes), nor TP inside DP ranks on several "
-                "nodes yet; across nodes run data/expert parallel (-dp D --enable-expert-parallel, D a multiple of "
-                "--nnodes), or -tp with -dp on one node"
+                "nodes is not supported (its step messages travel on one host's pipes), nor TP inside DP ranks on "
+                "several nodes yet; across nodes run data/expert parallel (-dp D --enable-expert-parallel, D a "
+                "multiple of --nnodes), or -tp with -dp on one node"
             )
         if self.data_parallel_size % self.nnodes:
             raise EngineArgsError(
