@@ -116,7 +116,7 @@ def launcher(node_rank: int, agent_port: int, http_port: int) -> subprocess.Pope
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
     argv += ["--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(agent_port)]
     argv += ["-m", "dsserve", "serve", "tiny", *SERVER_ARGS, "--device", "cpu", "-dp", "2", "--enable-expert-parallel"]
-    argv += ["--port", str(http_port), "--shutdown-timeout", "5"]
+    argv += ["--port", str(http_port), "--shutdown-timeout", "20"]  # below the agent's 30 s before its SIGKILL
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two "nodes" share this host's cores: one thread a rank
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     proc.lines = []
@@ -126,6 +126,8 @@ def launcher(node_rank: int, agent_port: int, http_port: int) -> subprocess.Pope
 
 
 def test_two_torchrun_launchers_serve_a_single_engines_tokens():
+    """Node 0's launcher gets the SIGTERM a scheduler or Ctrl-C gives it; a request in flight on node 1's rank must
+    still finish, so dsserve's ranks on node 0 were not killed by the agent's SIGTERM to the worker's group."""
     prompt, params = [5, 6, 7, 8, 9], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     one = LLM("tiny", dtype="float64", device="cpu", block_size=16, seed=0, max_num_seqs=16)
     try:
@@ -145,7 +147,21 @@ def test_two_torchrun_launchers_serve_a_single_engines_tokens():
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == want.text and r.json()["usage"]["completion_tokens"] == 8
         assert sum("multiprocessing" in cmdline(p) for p in tree) >= 2  # DP rank 0 on node 0, DP rank 1 on node 1
-        nodes[0].send_signal(signal.SIGTERM)  # torchrun passes it to node 0's dsserve; node 1 follows its front end
+        reply = {}
+
+        def long_request():  # pinned to node 1's rank
+            body = {"model": "tiny", "prompt": "a long one", "max_tokens": 40, "ignore_eos": True}
+            r = httpx.post(base + "/v1/completions", json=body, headers={"X-data-parallel-rank": "1"}, timeout=120)
+            reply.update(status=r.status_code, body=r.json(), at=time.monotonic())
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        time.sleep(0.5)
+        stopped = time.monotonic()
+        nodes[0].send_signal(signal.SIGTERM)  # the agent SIGTERMs node 0's dsserve and its process group
+        t.join(120)
+        assert reply["status"] == 200 and reply["body"]["usage"]["completion_tokens"] == 40, reply
+        assert reply["at"] > stopped  # it was in flight when the SIGTERM came (else this test proves nothing)
         codes = [n.wait(120) for n in nodes]
     finally:
         for n in nodes:
@@ -153,8 +169,10 @@ def test_two_torchrun_launchers_serve_a_single_engines_tokens():
                 n.kill()
                 n.wait(10)
     out = ["".join(n.lines) for n in nodes if n.reader.join(10) is None]
-    assert codes[1] == 0, out[1]
-    assert codes[0] in (0, -signal.SIGTERM, 128 + signal.SIGTERM), out[0]
+    # node 0: dsserve drained and closed its ranks (no SIGKILL from the agent); torchrun's launcher itself exits 1 on
+    # a SIGTERM (its SignalException), whatever its worker did. Node 1 saw its front end close: 0, not a broken world.
+    assert "shutting down" in out[0] and "forcefully exiting" not in out[0], out[0]
+    assert codes[0] in (0, 1) and codes[1] == 0, out[1]
     deadline = time.monotonic() + 10
     while any(running(p) for p in tree) and time.monotonic() < deadline:
         time.sleep(0.1)
