@@ -266,11 +266,13 @@ def run_server(ns: argparse.Namespace) -> int:
     if take_torchrun_node(ns):
         import signal
 
-        # torchrun's agent stops its worker by SIGTERM to the worker's whole process group, dsserve's rank processes
-        # included: they ignore it (the disposition passes to every process spawned from here) and end as on one
-        # node, closed by this process once it has drained, or through their death pipes. This process takes SIGTERM
-        # again once serving (GracefulServer, serve_headless); the agent's SIGKILL, 30 s on, ends a start-up.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # torchrun's agent passes the SIGTERM / SIGINT it gets (a scheduler, Ctrl-C) to the worker's whole process
+        # group, dsserve's rank processes included: they ignore it (the disposition passes to every process spawned
+        # from here) and end as on one node, closed by this process once it has drained, or through their death
+        # pipes. This process takes the signals again once serving (GracefulServer, serve_headless); the
+        # agent's SIGKILL, 30 s on, ends a start-up.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
     if ns.headless or ns.node_rank > 0:  # another node's DP ranks, for node 0's front end: no HTTP port here
         return _serve_headless(ns)
     sock = bind(ns.host, ns.port)  # before the model: a port in use should not cost a model load
