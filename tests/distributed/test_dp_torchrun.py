@@ -1,7 +1,8 @@
 """`dsserve serve` under torchrun (`python -m torch.distributed.run --nproc-per-node 1 ...`): the node's place comes
 from torchrun's variables (serve.take_torchrun_node), its own ports sit above the agent's MASTER_PORT, and two
 torchrun launchers on 127.0.0.1 ("node 0" serving HTTP, "node 1" headless; DEP2, gloo, fp64, tiny) answer a
-completion with a single engine's greedy tokens, then stop on node 0's SIGTERM with no process left."""
+completion with a single engine's greedy tokens, then drain and stop on node 0's SIGTERM or SIGINT with no process
+left."""
 
 import argparse
 import os
