@@ -161,7 +161,8 @@ class EngineArgs:
     master_port: int | None = field(
         default=None,
         metadata=_h(
-            "the rendezvous port (serve under torchrun: MASTER_PORT + 1, its agent holds P; one node: a free port)"
+            "the rendezvous port (serve under torchrun: MASTER_PORT + 1, as its agent holds MASTER_PORT; one node: a "
+            "free port)"
         ),
     )
     data_parallel_rpc_port: int | None = field(
