@@ -347,7 +347,8 @@ def serve_headless(args, uniform_routing: bool = False, group_timeout_s: float =
         *rpc_address(args),
     )
     stop = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # SIGINT too: under torchrun it comes from the agent, to the whole process group (server.serve.run_server)
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         left = dict(procs.procs)
         while left and not stop.is_set():
@@ -365,5 +366,6 @@ def serve_headless(args, uniform_routing: bool = False, group_timeout_s: float =
                     return 2 if 2 in codes.values() else 1  # 2: node 0 refused this node's world
         return 0 if not stop.is_set() else 1
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         procs.reap(timeout=2.0)

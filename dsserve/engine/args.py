@@ -159,7 +159,11 @@ class EngineArgs:
         default=None, metadata=_h("the rendezvous host (torchrun's MASTER_ADDR; one node: 127.0.0.1)")
     )
     master_port: int | None = field(
-        default=None, metadata=_h("the rendezvous port (torchrun's MASTER_PORT; one node: a free port)")
+        default=None,
+        metadata=_h(
+            "the rendezvous port (serve under torchrun: MASTER_PORT + 1, as its agent holds MASTER_PORT; one node: a "
+            "free port)"
+        ),
     )
     data_parallel_rpc_port: int | None = field(
         default=None,

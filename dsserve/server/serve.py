@@ -207,8 +207,72 @@ def cors_options(ns: argparse.Namespace) -> dict:
     )
 
 
+# the variables torchrun's agent gives its worker (torch.distributed.elastic's LocalElasticAgent._start_workers)
+TORCHRUN_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
+
+
+def take_torchrun_node(ns: argparse.Namespace, environ=os.environ) -> bool:
+    """Under ``torchrun --nnodes N --nproc-per-node 1 --node-rank R --master-addr A --master-port P -m dsserve serve
+    ...``: this node's place from torchrun's variables, wherever the flags leave it at its default: --nnodes
+    WORLD_SIZE / LOCAL_WORLD_SIZE, --node-rank GROUP_RANK, --master-addr MASTER_ADDR, and with N > 1 --master-port
+    P + 1 (the ranks' torch world; --data-parallel-rpc-port, node 0's front end, follows at P + 2), because
+    torchrun's agent on node 0 holds P itself (its TCPStore) for as long as it runs. Node 0 then serves HTTP; the
+    others run headless.
+
+    The variables are then removed from ``environ``: dsserve spawns its own rank processes and gives each the world it
+    joins, and a leftover would mislead them (TORCHELASTIC_USE_AGENT_STORE=True makes every rank a client of a store
+    at dsserve's port that no one hosts; WORLD_SIZE / LOCAL_WORLD_SIZE would count other nodes). Returns whether
+    torchrun started this process. --nproc-per-node > 1 is refused (SystemExit): one dsserve per node."""
+    if "TORCHELASTIC_RUN_ID" not in environ:
+        return False
+    local, world = int(environ.get("LOCAL_WORLD_SIZE", 1)), int(environ.get("WORLD_SIZE", 1))
+    if local != 1:
+        raise SystemExit(
+            f"torchrun --nproc-per-node {local}: run one dsserve per node (--nproc-per-node 1); it spawns its own "
+            "rank processes (-dp: the node's share of the DP ranks, -tp: each rank's TP workers)"
+        )
+    if ns.data_parallel_size_local is None:  # vLLM's form names the node itself
+        if ns.nnodes == 1:
+            ns.nnodes = world
+        if ns.node_rank == 0:
+            ns.node_rank = int(environ.get("GROUP_RANK", 0))
+    if ns.master_addr is None:
+        ns.master_addr = environ.get("MASTER_ADDR")
+    if (ns.nnodes > 1 or world > 1) and ns.master_port is None and "MASTER_PORT" in environ:
+        ns.master_port = int(environ["MASTER_PORT"]) + 1  # the RPC port's default is one above: P + 2
+    for name in TORCHRUN_VARIABLES:
+        environ.pop(name, None)
+    return True
+
+
 def run_server(ns: argparse.Namespace) -> int:
     t0 = time.monotonic()
+    if take_torchrun_node(ns):
+        import signal
+
+        # torchrun's agent passes the SIGTERM / SIGINT it gets (a scheduler, Ctrl-C) to the worker's whole process
+        # group, dsserve's rank processes included: they ignore it (the disposition passes to every process spawned
+        # from here) and end as on one node, closed by this process once it has drained, or through their death
+        # pipes. This process takes the signals again once serving (GracefulServer, serve_headless); the
+        # agent's SIGKILL, 30 s on, ends a start-up.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
     if ns.headless or ns.node_rank > 0:  # another node's DP ranks, for node 0's front end: no HTTP port here
         return _serve_headless(ns)
     sock = bind(ns.host, ns.port)  # before the model: a port in use should not cost a model load
