@@ -229,20 +229,25 @@ class DeepseekForCausalLM(nn.Module):
             back = hasher.lookbacks(torch.zeros(len(seqs), dtype=torch.long), [kv.engram_history for kv in seqs])[:, 1:]
         batch.fill(seqs, tokens, back)
 
-    def forward_decode(self, batch: DecodeBatch) -> torch.Tensor:
-        """Logits [capacity, V] of the decode step in ``batch``: fixed shapes, no host reads or writes, so a CUDA
-        graph can capture it. The host's bookkeeping follows in ``commit_decode``."""
-        cfg = self.cfg
+    def _fixed_shape_context(self, batch) -> ForwardContext:
+        """The context of a fixed-shape step over ``batch``'s buffers (a decode, encoder-row or verify batch), its
+        per-step device state begun."""
         batch.begin()
-        ctx = ForwardContext(
+        return ForwardContext(
             tokens=batch.tokens,
             positions=batch.positions,
             seqs=batch.seqs,
-            qat=cfg.qat,
+            qat=self.cfg.qat,
             paged=batch,
             ops=self.kernel_ops,
             probe=self.score_probe,
         )
+
+    def forward_decode(self, batch: DecodeBatch) -> torch.Tensor:
+        """Logits [capacity, V] of the decode step in ``batch``: fixed shapes, no host reads or writes, so a CUDA
+        graph can capture it. The host's bookkeeping follows in ``commit_decode``."""
+        cfg = self.cfg
+        ctx = self._fixed_shape_context(batch)
         if cfg.engram_layer_ids:  # hashed here, on the device: the step needs no token on the host
             ctx.engram_ids = self.engram_token_map[batch.tokens]
             src = torch.cat([ctx.engram_ids[:, None], batch.engram_back], 1)
@@ -263,16 +268,7 @@ class DeepseekForCausalLM(nn.Module):
         ``engram_rows``: Engram layer -> its rows' gathered table rows [capacity, columns, D] (host tables,
         prefetched) or table row ids [capacity, columns] (tables on the device), in buffers. Fixed shapes, no host
         reads or writes: a CUDA graph can capture it. The host's counts follow in ``EncoderBatch.commit``."""
-        batch.begin()
-        ctx = ForwardContext(
-            tokens=batch.tokens,
-            positions=batch.positions,
-            seqs=batch.seqs,
-            qat=self.cfg.qat,
-            paged=batch,
-            ops=self.kernel_ops,
-            probe=self.score_probe,
-        )
+        ctx = self._fixed_shape_context(batch)
         if self.cfg.engram_layer_ids:
             ctx.engram_ids, ctx.engram_rows = self.engram_token_map[batch.tokens], engram_rows
         x, pre = self._embed(batch.tokens)
@@ -289,16 +285,7 @@ class DeepseekForCausalLM(nn.Module):
         ``forward_encoder_rows``'. Fixed shapes, no host reads or writes: a CUDA graph can capture it. The host's
         counts follow in ``commit_rows``."""
         cfg = self.cfg
-        batch.begin()
-        ctx = ForwardContext(
-            tokens=batch.tokens,
-            positions=batch.positions,
-            seqs=batch.seqs,
-            qat=cfg.qat,
-            paged=batch,
-            ops=self.kernel_ops,
-            probe=self.score_probe,
-        )
+        ctx = self._fixed_shape_context(batch)
         if cfg.engram_layer_ids:
             ctx.engram_ids, ctx.engram_rows = self.engram_token_map[batch.tokens], engram_rows
         x, pre = self._embed(batch.tokens)
@@ -336,16 +323,7 @@ class DeepseekForCausalLM(nn.Module):
         attention and MoE (``Block.tail``, on its ``head``'s outputs x, h, a_pre, a_post, a_comb, padded to the
         batch's rows), then every later layer. Fixed shapes, no host reads or writes: a CUDA graph can capture
         it."""
-        batch.begin()
-        ctx = ForwardContext(
-            tokens=batch.tokens,
-            positions=batch.positions,
-            seqs=batch.seqs,
-            qat=self.cfg.qat,
-            paged=batch,
-            ops=self.kernel_ops,
-            probe=self.score_probe,
-        )
+        ctx = self._fixed_shape_context(batch)
         x, pre, ctx = self.layers[start].tail(x, h, a_pre, a_post, a_comb, ctx)
         for block in self.layers[start + 1 :]:
             x, pre, ctx = block(x, pre, ctx)
