@@ -221,12 +221,25 @@ class EngineCore:
         # own when it spawns TP workers (removed by name once they all hold it: seal below)
         self.engram_store = EngramStore.inherited()
         self._own_store = None
+        started = None  # the TP workers this engine spawned (a worker's or a DP rank's engine is given its place)
         if tp_rank is None and args.tensor_parallel_size > 1:
             if self.engram_store is None:
                 self.engram_store = self._own_store = EngramStore.for_children()
             with spawning(self._own_store):
-                tp_rank = start_tensor_parallel(args)
+                tp_rank = started = start_tensor_parallel(args)
         self.tp = tp_rank
+        try:
+            self._build(args, loaded, model_pass, load_kwargs)
+        except BaseException:
+            if started is not None:  # its workers wait in the start's collectives: they go with the failed start
+                started.procs.reap(2.0)
+                started.leave()
+            if self._own_store is not None:
+                self._own_store.seal()
+            raise
+
+    def _build(self, args: EngineArgs, loaded: LoadedModel | None, model_pass, load_kwargs: dict | None) -> None:
+        """The rest of ``__init__`` once the TP ranks (if any) are up: model, cache, runners, executor, sampler."""
         jit_compiles.watch()  # process-wide; this engine counts the compiles from here on (its model's build too)
         self._jit_base = jit_compiles.COMPILES.snapshot()
         self.device = resolve_device(args.device)  # first: a dummy model with packed experts is built there

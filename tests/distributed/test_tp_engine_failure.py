@@ -194,3 +194,53 @@ def test_a_worker_dead_before_the_rendezvous_stops_the_engine_at_once(tmp_path):
     assert "TP worker rank 1" in err and "while the engine was starting" in err, err[-2000:]
     assert "started" not in out
     print(f"stopped {time.monotonic() - t0:.1f} s after the start (process start and imports included)")
+
+
+RANK0_FAILS = textwrap.dedent(
+    """
+    import os, sys, time
+    from dsserve.distributed import launch
+    from dsserve.engine import core
+
+    spawned = []
+    spawn = launch.RankProcesses.spawn.__func__
+
+    def spawn_and_note(cls, *a, **k):
+        procs = spawn(cls, *a, **k)
+        spawned.extend(procs.pids.values())
+        return procs
+
+    def fails(*a, **k):  # rank 0's own start fails after its workers are up (its GPU out of memory, say)
+        raise RuntimeError("rank 0 alone cannot start")
+
+    if __name__ == "__main__":
+        launch.RankProcesses.spawn = classmethod(spawn_and_note)
+        core.choose_forms = fails  # in this process only: the spawned workers import their own
+        from dsserve.engine.args import EngineArgs
+
+        try:
+            core.EngineCore(EngineArgs(model="tiny", device="cpu", tensor_parallel_size=2))
+        except RuntimeError as e:
+            print("caught:", e, flush=True)
+        print("workers", *spawned, flush=True)
+        time.sleep(60)  # the caller goes on: its workers must not wait for it
+    """
+)
+
+
+def test_a_rank_0_that_fails_its_own_start_takes_its_workers_down_and_lives_on(tmp_path):
+    script = tmp_path / "rank0_fails.py"
+    script.write_text(RANK0_FAILS)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("caught: rank 0 alone cannot start")
+        workers = [int(p) for p in proc.stdout.readline().split()[1:]]
+        assert len(workers) == 1
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in workers), "the worker still waits for a rank 0 that gave up"
+        assert proc.poll() is None  # the caller is not ended for it
+    finally:
+        proc.kill()
+        proc.wait()
