@@ -8,6 +8,7 @@ import signal
 import time
 
 import pytest
+from engines import PARAMS, prompt, run, same_outputs
 
 from dsserve.distributed.dp_client import DPClient, EngineDeadError
 from dsserve.distributed.dp_router import DPRouter
@@ -27,7 +28,6 @@ ARGS = dict(
     seed=0,
 )
 GROUP_TIMEOUT_S = 8
-PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
 
 
 @pytest.fixture(scope="module")
@@ -43,35 +43,10 @@ def single():
     return EngineCore(EngineArgs(**ARGS))
 
 
-def prompt(i: int, n: int) -> list[int]:
-    return [3 + (i * 131 + j * 17) % 7000 for j in range(n)]
-
-
-def run(engine, requests: dict, **kw) -> dict:
-    """rid -> final RequestOutput, every request added at once."""
-    for rid, ids in requests.items():
-        engine.add_request(rid, ids, PARAMS, **kw)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
-
-
-def same_outputs(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for rid in a:
-        x, y = a[rid].outputs[0], b[rid].outputs[0]
-        assert x.token_ids == y.token_ids
-        for p, q in zip(x.logprobs, y.logprobs):
-            assert p.keys() == q.keys() and all(abs(p[t].logprob - q[t].logprob) < 1e-6 for t in p)
-
-
 def test_outputs_equal_the_single_engine(client, single):
     reqs = {f"r{i}": prompt(i, n) for i, n in enumerate((5, 40, 23, 64, 11, 30))}
     routed = list(client.router.routed)
-    same_outputs(run(client, reqs), run(single, reqs))
+    same_outputs(run(client, reqs), run(single, reqs), 1e-6)
     assert all(n > m for n, m in zip(client.router.routed, routed))  # both ranks served
     bal = client.ep_balance.summary()
     assert bal["steps"] > 0 and 0 < bal["window_balance"] <= 1 and len(bal["layer_balance"]) == len(single.model.layers)
@@ -80,13 +55,13 @@ def test_outputs_equal_the_single_engine(client, single):
 def test_one_rank_idle_while_the_other_serves(client, single):
     reqs = {f"p{i}": prompt(50 + i, n) for i, n in enumerate((17, 33, 8))}
     idle = client.rank_loads[1].idle_steps
-    same_outputs(run(client, reqs, rank=0), run(single, reqs))
+    same_outputs(run(client, reqs, rank=0), run(single, reqs), 1e-6)
     assert client.rank_loads[1].idle_steps > idle and client.rank_loads[1].running == 0
 
 
 def test_a_text_prompt_is_tokenised_once_and_comes_back_as_text(client, single):
     got, want = run(client, {"t": "hello there"}), run(single, {"t": "hello there"})
-    same_outputs(got, want)
+    same_outputs(got, want, 1e-6)
     assert got["t"].prompt == "hello there" and got["t"].prompt_token_ids == want["t"].prompt_token_ids
 
 

@@ -46,6 +46,16 @@ def running(pid: int) -> bool:
         return False
 
 
+def assert_none_left(pids: list[int], within_s: float = 5.0) -> None:
+    """Every process of ``pids`` gone within ``within_s`` (multiprocessing's resource tracker leaves when its pipe
+    closes); the ones left are named by their command lines."""
+    deadline = time.monotonic() + within_s
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if running(p)]
+    assert not left, [cmdline(p) for p in left]
+
+
 def cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -112,11 +122,7 @@ def test_dp_server_serves_then_a_killed_rank_ends_it_cleanly(tmp_path):
             pass
         code = proc.wait(timeout=30)
         assert code != 0
-        deadline = time.monotonic() + 5  # multiprocessing's resource tracker leaves when its pipe closes
-        while any(running(p) for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        left = [p for p in procs if running(p)]
-        assert not left, [cmdline(p) for p in left]
+        assert_none_left(procs)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -9,11 +9,11 @@ import os
 import signal
 
 import pytest
+from engines import PARAMS, prompt, run, same_outputs
 
 from dsserve.distributed.dp_client import DPClient, EngineDeadError
 from dsserve.engine.args import EngineArgs
 from dsserve.engine.core import EngineCore
-from dsserve.engine.sampling_params import SamplingParams
 from dsserve.layers.engram_hash import engram_rows_per_layer
 from dsserve.layers.engram_table import HostMemory
 from dsserve.models.presets import preset
@@ -32,7 +32,6 @@ ARGS = dict(
     seed=0,
 )
 PAGE = os.sysconf("SC_PAGE_SIZE")
-PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
 CFG = preset("tiny")
 TABLE_BYTES = {f"layers.{i}.engram": n * CFG.engram_head_dim * 8 for i, n in engram_rows_per_layer(CFG).items()}
 
@@ -70,21 +69,6 @@ def client():
     c.close()
 
 
-def prompt(i: int, n: int) -> list[int]:
-    return [3 + (i * 131 + j * 17) % 7000 for j in range(n)]
-
-
-def run(engine, requests: dict) -> dict:
-    for rid, ids in requests.items():
-        engine.add_request(rid, ids, PARAMS)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
-
-
 def test_both_ranks_map_one_copy_of_each_table(client):
     a, b = (shared_tables(pid) for pid in client.pids)
     assert a.keys() == b.keys() == TABLE_BYTES.keys()
@@ -96,18 +80,9 @@ def test_both_ranks_map_one_copy_of_each_table(client):
     assert our_names() == [] and client.engram_store.sealed
 
 
-def same_outputs(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys()
-    for rid in got:
-        x, y = got[rid].outputs[0], want[rid].outputs[0]
-        assert x.token_ids == y.token_ids
-        for p, q in zip(x.logprobs, y.logprobs):
-            assert p.keys() == q.keys() and all(abs(p[t].logprob - q[t].logprob) < 1e-9 for t in p)
-
-
 def test_outputs_equal_a_single_process_engine(client, single):
     reqs = {f"r{i}": prompt(i, n) for i, n in enumerate((5, 40, 23, 64, 11, 30))}
-    same_outputs(run(client, reqs), run(single, reqs))
+    same_outputs(run(client, reqs), run(single, reqs), 1e-9)
     assert all(n > 0 for n in client.router.routed)  # both ranks served
     assert all(isinstance(t.memory, HostMemory) for t in _tables(single))  # an engine of the front end: private
 
@@ -139,7 +114,7 @@ def test_a_tp_worker_maps_rank0s_tables(single):
         assert mine.keys() == theirs.keys() == TABLE_BYTES.keys()
         assert all(mine[k]["inode"] == theirs[k]["inode"] for k in mine) and our_names() == []
         reqs = {f"t{i}": prompt(i, n) for i, n in enumerate((9, 33))}
-        same_outputs(run(core, reqs), run(single, reqs))
+        same_outputs(run(core, reqs), run(single, reqs), 1e-9)
     finally:
         core.close()
     after = shared_tables(os.getpid())  # the worker is gone: this process holds the pages alone

@@ -16,7 +16,7 @@ from dsserve.engine.sampling_params import SamplingParams
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from live_server import SERVER_ARGS, spawn  # noqa: E402
-from test_dp_server import cmdline, descendants, running  # noqa: E402
+from test_dp_server import assert_none_left, cmdline, descendants  # noqa: E402
 
 FAIL_WITHIN_S = 10.0  # generous on a shared 2-core host: gloo sees the dead peer's socket close in milliseconds
 
@@ -74,11 +74,7 @@ def test_tp2_dp2_server_serves_then_a_killed_tp_worker_ends_it_cleanly():
             assert "DP rank 1" in why and f"TP worker rank 3 (pid {worker})" in why, why  # who failed, by its pid
         code = proc.wait(timeout=30)
         assert code != 0
-        deadline = time.monotonic() + 5  # multiprocessing's resource tracker leaves when its pipe closes
-        while any(running(p) for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        left = [p for p in procs if running(p)]
-        assert not left, [cmdline(p) for p in left]
+        assert_none_left(procs)
     finally:
         if proc.poll() is None:
             proc.kill()
