@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -197,12 +198,22 @@ class MoE(nn.Module):
             chosen = torch.zeros(x.shape[0], w1.shape[0], dtype=w.dtype, device=x.device).scatter_add(1, ids, w)
             ye = torch.bmm(aq((acc(h) * chosen.t()[:, :, None]).to(x.dtype)), w2.transpose(1, 2))  # [E, T, d]
             return (acc(ye).sum(0) + acc(self.shared_experts(x))).to(x.dtype)
-        out = torch.zeros(x.shape, dtype=acc(x).dtype, device=x.device)
-        for e in torch.unique(ids).tolist():
-            rows, slot = torch.nonzero(ids == e, as_tuple=True)
-            xe = xq[rows]
-            he = clamped_swiglu(xe @ w1[e].t(), xe @ w3[e].t(), self.limit)
-            # The routing weight multiplies the activation before the down projection, as the release does.
-            ye = aq((acc(he) * w[rows, slot, None]).to(x.dtype)) @ w2[e].t()
-            out.index_add_(0, rows, acc(ye))
+        # The (row, slot) pairs sorted by expert (stable: by row within one), so each present expert's rows are one
+        # contiguous run: only the three products go expert by expert, every row-wise op runs once on all pairs.
+        # The same products on the same rows in the same order as one loop over experts would run them.
+        if x.shape[0] == 0:
+            return x.clone()
+        k = ids.shape[1]
+        pairs = ids.flatten()
+        order = torch.argsort(pairs, stable=True)
+        ends = list(itertools.accumulate(torch.bincount(pairs, minlength=w1.shape[0]).tolist()))
+        present = [(e, a, b) for e, (a, b) in enumerate(zip([0, *ends], ends)) if b > a]
+        rows = order // k
+        xs = xq[rows]
+        gate = torch.cat([xs[a:b] @ w1[e].t() for e, a, b in present])
+        up = torch.cat([xs[a:b] @ w3[e].t() for e, a, b in present])
+        # The routing weight multiplies the activation before the down projection, as the release does.
+        h = aq((acc(clamped_swiglu(gate, up, self.limit)) * w.flatten()[order, None]).to(x.dtype))
+        ys = torch.cat([h[a:b] @ w2[e].t() for e, a, b in present])
+        out = torch.zeros(x.shape, dtype=acc(x).dtype, device=x.device).index_add_(0, rows, acc(ys))
         return (out + acc(self.shared_experts(x))).to(x.dtype)
