@@ -22,6 +22,12 @@ from .norm import RMSNorm, rms_norm
 from .numerics import acc
 from .rope import Rope, RopeSpec
 
+# A chunk of more rows than this many windows reads its window in blocks (``banded_attention_with_sink``), not as the
+# masked square of ``sparse_attention_with_sink``. Measured on the CPU (1 thread, W = 32, 4 heads of 64, 16 selected
+# entries): the square is cheaper up to ~120 rows (the blocks' ops cost ~0.15 ms more), 2.5x dearer at 256, 14x at
+# 1024. Decode and verify steps (1-7 rows) always take the square.
+BANDED_FROM_WINDOWS = 4
+
 
 def rope_for(cfg: ModelConfig, role: LayerRole) -> Rope:
     if role.yarn:
@@ -61,10 +67,21 @@ def sparse_attention_with_sink(q, win_k, win_mask, sel_k, sel_mask, sink, scale)
     return o
 
 
-def banded_attention_with_sink(q, keys, window, entries, entry_mask, sink, scale, first=None):
-    """``sparse_attention_with_sink`` for S fresh sequences of L rows each: row t reads its window's keys (its
-    sequence's rows t - W + 1 .. t; keys [S, L, D]) and its entries: every sequence's own [S, N, D] under entry_mask
-    [L, N] or [S, L, N] (the dense mode), or each row's own [S, L, K, D] under [S, L, K] (a top-k), or none.
+def window_mask(key_pos: torch.Tensor, pos: torch.Tensor, window: int) -> torch.Tensor:
+    """[T, N]: which of the window keys at ``key_pos`` [N] the rows at ``pos`` [T] read: at or before the row, within
+    ``window`` of it; a paged ring's empty rows carry position -1."""
+    k, p = key_pos[None, :], pos[:, None]
+    return (k <= p) & (k > p - window) & (k >= 0)
+
+
+def banded_attention_with_sink(
+    q, keys, window, entries, entry_mask, sink, scale, first=None, history=None, history_mask=None
+):
+    """``sparse_attention_with_sink`` for S sequences of L rows each at consecutive positions: row t reads its
+    window's keys (its sequence's rows t - W + 1 .. t; keys [S, L, D]) and its entries: every sequence's own
+    [S, N, D] under entry_mask [L, N] or [S, L, N] (the dense mode), or each row's own [S, L, K, D] under [S, L, K]
+    (a top-k), or none. ``history`` [S, M, D] under ``history_mask`` [S, L, M]: keys every row may read beside its
+    band, under a mask of its own (a chunk's cached window rows, in any order; the dense mode's entries).
     q [S, L, H, D]; ``first`` [S, L] (packed problems): no key before row t's ``first`` is read. Returns o in fp32.
     The window is read in blocks of W rows, each against the 2W keys that block can see, not as an [L, L] masked
     square: the same sums, ~L / 2W times fewer bytes, in products of a useful size."""
@@ -86,26 +103,59 @@ def banded_attention_with_sink(q, keys, window, entries, entry_mask, sink, scale
         sees = sees & (key_pos[None, :, None, :] >= fb[..., None])
     lw = torch.einsum("scwhd,sckd->scwhk", qb, kb) * scale
     parts = [lw.masked_fill(~sees[:, :, :, None, :], NEG_INF).view(s, padded, h, 2 * window)[:, :n]]
+    reads = []  # (keys, mask [S or 1, L, n], one set per row)
+    if history is not None:
+        reads.append((acc(history), history_mask, False))
     if entries is not None:
-        entries = acc(entries)
-        if entries.dim() == 3:  # the sequence's entries, for every row
-            em = entry_mask if entry_mask.dim() == 3 else entry_mask[None]
-            le = torch.einsum("slhd,snd->slhn", q, entries).masked_fill(~em[:, :, None, :], NEG_INF)
-        else:  # each row's own
-            le = torch.einsum("slhd,slkd->slhk", q, entries).masked_fill(~entry_mask[:, :, None, :], NEG_INF)
-        parts.append(le * scale)
+        rowwise = entries.dim() == 4
+        reads.append((acc(entries), entry_mask if rowwise or entry_mask.dim() == 3 else entry_mask[None], rowwise))
+    for ek, em, rowwise in reads:
+        le = torch.einsum("slhd,slkd->slhk" if rowwise else "slhd,snd->slhn", q, ek) * scale
+        parts.append(le.masked_fill(~em[:, :, None, :], NEG_INF))
     parts.append(sink.to(q.dtype)[:, None].expand(s, n, h, 1))
     p = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
     pw = torch.cat((p[..., : 2 * window], p.new_zeros(s, padded - n, h, 2 * window)), 1)
     o = torch.einsum("scwhk,sckd->scwhd", pw.view(s, blocks, window, h, 2 * window), kb).reshape(s, padded, h, d)[:, :n]
-    if entries is not None:
-        pe = p[..., 2 * window : -1]
-        o = o + (
-            torch.einsum("slhn,snd->slhd", pe, entries)
-            if entries.dim() == 3
-            else torch.einsum("slhk,slkd->slhd", pe, entries)
-        )
+    at = 2 * window
+    for ek, _, rowwise in reads:
+        pe, at = p[..., at : at + ek.shape[-2]], at + ek.shape[-2]
+        o = o + torch.einsum("slhk,slkd->slhd" if rowwise else "slhn,snd->slhd", pe, ek)
     return o
+
+
+def chunk_attention_with_sink(q, kv, pos, old_k, old_p, entries, seen, sel_k, sel_mask, sink, scale, window):
+    """One sequence's rows of a step (q [T, H, D], their window keys kv [T, D] at consecutive positions ``pos``)
+    against its window: the cached rows ``old_k`` [n, D] at ``old_p`` (any order; a paged ring's empty rows at -1;
+    or None), then its own rows; plus the dense mode's ``entries`` [N, D] under ``seen`` [T, N] and each row's
+    selected ``sel_k`` [T, K, D] under ``sel_mask`` [T, K] (each may be None). A few rows (decode, verify) read the
+    masked square (``sparse_attention_with_sink``); a chunk of more than ``BANDED_FROM_WINDOWS`` windows reads its own
+    rows in blocks (``banded_attention_with_sink``), the cached rows and entries beside them under their own masks:
+    the same sums, T x (2W + n + N) a head where the square costs T x (T + n + N)."""
+    if q.shape[0] > BANDED_FROM_WINDOWS * window:
+        hist = [(old_k.to(kv.dtype), window_mask(old_p, pos, window))] if old_k is not None else []
+        if entries is not None:
+            hist.append((entries, seen))
+        history = history_mask = None
+        if hist:
+            history = torch.cat([k for k, _ in hist])[None]
+            history_mask = torch.cat([m for _, m in hist], 1)[None]
+        rowwise = None if sel_k is None else sel_k[None]
+        return banded_attention_with_sink(
+            q[None],
+            kv[None],
+            window,
+            rowwise,
+            None if sel_k is None else sel_mask[None],
+            sink,
+            scale,
+            history=history,
+            history_mask=history_mask,
+        )[0]
+    win_k = kv if old_k is None else torch.cat((old_k.to(kv.dtype), kv))
+    win_mask = window_mask(pos if old_p is None else torch.cat((old_p, pos)), pos, window)
+    if entries is not None:
+        win_k, win_mask = torch.cat((win_k, entries)), torch.cat((win_mask, seen), 1)
+    return sparse_attention_with_sink(q, win_k, win_mask, sel_k, sel_mask, sink, scale)
 
 
 class CSA2Attention(nn.Module):
@@ -329,23 +379,27 @@ class CSA2Attention(nn.Module):
                 if ctx.index_kl is not None and iq is not None and index_k.shape[0]:  # training the indexer
                     ctx.index_kl.append(self._index_kl(q[r], iq, p, index_k, cache.global_kv(role.kv_source)[0]))
             old_k, old_p = cache.window_rows(role.index)
-            win_k = kv[r] if old_k is None else torch.cat((old_k.to(kv.dtype), kv[r]))
-            win_p = p if old_p is None else torch.cat((old_p, p))
-            win_mask = (
-                (win_p[None, :] <= p[:, None])
-                & (win_p[None, :] > p[:, None] - cfg.sliding_window)
-                & (win_p[None, :] >= 0)
-            )  # a paged ring's empty rows carry position -1
             cache.push_window(role.index, kv[r], p)
+            entries = seen = None
             if role.ratio and ctx.dense_entries:  # every visible entry, as keys beside the window's
-                entries = cache.global_kv(role.kv_source)[0]
+                entries = cache.global_kv(role.kv_source)[0].to(kv.dtype)
                 seen = torch.arange(entries.shape[0], device=p.device) < visible_entries(p, role.ratio)[:, None]
-                win_k, win_mask = torch.cat((win_k, entries.to(kv.dtype))), torch.cat((win_mask, seen), 1)
             sel_k = sel_mask = None
             if sel is not None and sel[0].shape[1]:
                 sel_k, sel_mask = cache.global_kv(role.kv_source)[0].to(kv.dtype)[sel[0]], sel[1]
-            o[r] = sparse_attention_with_sink(
-                q[r], win_k, win_mask, sel_k, sel_mask, self.attn_sink, cfg.head_dim**-0.5
+            o[r] = chunk_attention_with_sink(
+                q[r],
+                kv[r],
+                p,
+                old_k,
+                old_p,
+                entries,
+                seen,
+                sel_k,
+                sel_mask,
+                self.attn_sink,
+                cfg.head_dim**-0.5,
+                cfg.sliding_window,
             )
         return self.output(o, pos, x.dtype, ops, cos_sin)
 

@@ -11,6 +11,7 @@ from dsserve.engine.runner import ModelRunner
 from dsserve.engine.sampling_params import SamplingParams
 from dsserve.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
 from dsserve.kv.paged import KVLayout, PagedKVCache
+from dsserve.layers import attention
 
 N_REQ, MAX_NEW = 16, 10
 
@@ -100,6 +101,28 @@ def test_engine_greedy_equals_reference(tiny_models, references, name, chunk):
         prompts, expected, ref_logits = prompts[:8], expected[:8], ref_logits[:8]
     reqs, _, logits = run_engine(tiny_models[name], prompts, chunk)
     assert [r.output_token_ids for r in reqs] == expected
+    for got, ref in zip(logits, ref_logits):
+        assert (got - ref).abs().max() < 1e-9
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-v4"])
+def test_engine_long_chunks_read_in_blocks_equal_the_masked_square(tiny_models, name, monkeypatch):
+    """Prompts of several chunks of more than BANDED_FROM_WINDOWS windows: each chunk reads its own rows in blocks
+    and the paged ring's window rows (ring order, empty rows at -1) beside them; tokens and logits are the oracle's
+    with every window read as the masked square."""
+    m = tiny_models[name]
+    band = attention.BANDED_FROM_WINDOWS * m.cfg.sliding_window
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, m.cfg.vocab_size) for _ in range(n)] for n in (3 * band + 40, 2 * band + 9)]
+    with monkeypatch.context() as square_only, torch.no_grad():
+        square_only.setattr(attention, "BANDED_FROM_WINDOWS", 10**9)
+        conts = [greedy_generate(m, p, MAX_NEW, bounded_replay=False) for p in prompts]
+        ref_logits = [m.reference_logits(torch.tensor(p + c[:-1]))[len(p) - 1 :] for p, c in zip(prompts, conts)]
+    banded, calls = attention.banded_attention_with_sink, []
+    monkeypatch.setattr(attention, "banded_attention_with_sink", lambda *a, **k: calls.append(1) or banded(*a, **k))
+    reqs, _, logits = run_engine(m, prompts, band + 10)
+    assert calls
+    assert [r.output_token_ids for r in reqs] == conts
     for got, ref in zip(logits, ref_logits):
         assert (got - ref).abs().max() < 1e-9
 

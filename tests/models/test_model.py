@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from dsserve.layers import attention
 from dsserve.layers.context import SeqRows, StepBatch
 from dsserve.layers.mhc import sinkhorn
 from dsserve.layers.moe import Gate
@@ -35,6 +36,27 @@ def test_chunked_prefill_equals_one_shot(tiny_models, name):
     for chunks in ([1, 1, 1, 2, 3, n - 8], [7] * (n // 7) + [n % 7], [64, 64, n - 128]):
         got, _ = run_chunks(m, toks, [c for c in chunks if c])
         assert (got - ref).abs().max() < TOL, chunks
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-v4"])
+@pytest.mark.parametrize("dense", [False, True])
+@torch.no_grad()
+def test_long_chunks_read_in_blocks_equal_the_masked_square(tiny_models, name, dense, monkeypatch):
+    """Chunks of more than BANDED_FROM_WINDOWS windows read their window in blocks, the cached window rows beside
+    them: their logits are the oracle's with every window read as the masked square (sparse_attention_with_sink),
+    with each row's top-k (V4: also HCA's every visible entry) or the dense mode's entries."""
+    m = tiny_models[name]
+    band = attention.BANDED_FROM_WINDOWS * m.cfg.sliding_window
+    chunks = [band + 1, band + 17, band + 22]
+    toks = rand_tokens(m.cfg, sum(chunks), seed=5)
+    with monkeypatch.context() as square_only:
+        square_only.setattr(attention, "BANDED_FROM_WINDOWS", 10**9)
+        ref = m.reference_logits(toks, dense_entries=dense)
+    banded, calls = attention.banded_attention_with_sink, []
+    monkeypatch.setattr(attention, "banded_attention_with_sink", lambda *a, **k: calls.append(1) or banded(*a, **k))
+    got, _ = run_chunks(m, toks, chunks, dense_entries=dense)
+    assert len(calls) == len(chunks) * m.cfg.num_hidden_layers
+    assert (got - ref).abs().max() < TOL
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-v4"])
