@@ -139,17 +139,9 @@ def chunk_attention_with_sink(q, kv, pos, old_k, old_p, entries, seen, sel_k, se
         if hist:
             history = torch.cat([k for k, _ in hist])[None]
             history_mask = torch.cat([m for _, m in hist], 1)[None]
-        rowwise = None if sel_k is None else sel_k[None]
+        sel = (None, None) if sel_k is None else (sel_k[None], sel_mask[None])
         return banded_attention_with_sink(
-            q[None],
-            kv[None],
-            window,
-            rowwise,
-            None if sel_k is None else sel_mask[None],
-            sink,
-            scale,
-            history=history,
-            history_mask=history_mask,
+            q[None], kv[None], window, *sel, sink, scale, history=history, history_mask=history_mask
         )[0]
     win_k = kv if old_k is None else torch.cat((old_k.to(kv.dtype), kv))
     win_mask = window_mask(pos if old_p is None else torch.cat((old_p, pos)), pos, window)
