@@ -19,7 +19,7 @@ from ..layers.attention import CSA2Attention, sparse_attention_with_sink
 from ..layers.context import ForwardContext, SeqRows
 from ..layers.indexer import NEG_INF
 from ..layers.mhc import collapse
-from ..layers.norm import RMSNorm
+from ..layers.norm import RMSNorm, rms_norm
 from ..layers.numerics import acc
 from .block import Block
 from .config import LayerRole, ModelConfig
@@ -51,6 +51,7 @@ class DSparkCache:
         self.window = window
         self.keys: list[torch.Tensor | None] = [None] * n_stages  # [n <= window, head_dim]
         self.positions: list[torch.Tensor | None] = [None] * n_stages  # [n], strictly increasing
+        self._ring: torch.Tensor | None = None  # [n, n_stages, head_dim]: keys[s] is its view ring[:, s]
         self._last: int | None = None  # the newest position on the host, when the pusher gave it
 
     @property
@@ -62,13 +63,17 @@ class DSparkCache:
         p = self.positions[0]
         return -1 if p is None else int(p[-1])
 
-    def push(self, stage: int, keys: torch.Tensor, positions: torch.Tensor, last: int | None = None) -> None:
-        """``last``: ``positions[-1]`` as a host int (None: read from ``positions`` when asked)."""
+    def push(self, keys: torch.Tensor, positions: torch.Tensor, last: int | None = None) -> None:
+        """Every stage's entries of new rows: keys [n, n_stages, head_dim], positions [n] (after the ring's).
+        ``last``: ``positions[-1]`` as a host int (None: read from ``positions`` when asked)."""
         self._last = last
-        # New tensors every time (no in-place writes), so a snapshot taken by a caller stays valid.
-        if self.keys[stage] is not None:
-            keys, positions = torch.cat((self.keys[stage], keys)), torch.cat((self.positions[stage], positions))
-        self.keys[stage], self.positions[stage] = keys[-self.window :].clone(), positions[-self.window :].clone()
+        # New tensors every time (no in-place writes), so a snapshot taken by a caller stays valid; the stages' rows
+        # and the one positions tensor they share are views of them.
+        if self._ring is not None:
+            keys, positions = torch.cat((self._ring, keys)), torch.cat((self.positions[0], positions))
+        self._ring, pos = keys[-self.window :], positions[-self.window :]
+        self.keys = [self._ring[:, s] for s in range(self._ring.shape[1])]
+        self.positions = [pos] * len(self.keys)
 
 
 class DraftAttention(CSA2Attention):
@@ -171,7 +176,6 @@ class DSpark(nn.ModuleList):
         """Push the ring entries of committed rows. taps: layer -> [T, d] (``ForwardOutput.taps``, the mean
         over copies of the stream entering each target layer); positions [T], increasing, after the ring's."""
         cfg = self.cfg
-        qat = cfg.qat if qat is None else qat
         positions = torch.as_tensor(positions).long().cpu()
         if positions.numel() == 0:
             return
@@ -185,10 +189,53 @@ class DSpark(nn.ModuleList):
         if any(taps[layer].shape[0] != positions.shape[0] for layer in cfg.dspark_target_layer_ids):
             raise ValueError("every DSpark tap needs one row per ingested position")
         x = torch.cat([taps[layer][keep] for layer in cfg.dspark_target_layer_ids], dim=-1)
+        kept = positions[keep]
+        self._push(x, kept, [(state, kept.shape[0], int(positions[-1]))], qat)
+
+    def ingest_spans(
+        self, taps: dict[int, torch.Tensor], spans: list[tuple[DSparkCache, slice, int]], qat: bool | None = None
+    ) -> None:
+        """``ingest`` for several sequences in one pass (the drafter's, after a step). A span (state, rows, first):
+        the taps' rows ``rows`` hold the state's positions first, first + 1, ..., after what it holds."""
+        w, idx, pos, parts = self.cfg.sliding_window, [], [], []
+        for state, rows, first in spans:
+            n = rows.stop - rows.start
+            if n <= 0:
+                continue
+            if first <= state.last_position:
+                raise ValueError(f"DSpark ingestion needs positions after {state.last_position}, got {first}..")
+            skip = max(0, n - w)  # only the last W rows can ever be attended (spec 6.17)
+            idx.extend(range(rows.start + skip, rows.stop))
+            pos.extend(range(first + skip, first + n))
+            parts.append((state, n - skip, first + n - 1))
+        if not parts:
+            return
+        layers = self.cfg.dspark_target_layer_ids
+        # one span: its rows are a slice (no gather)
+        sel = slice(idx[0], idx[-1] + 1) if len(parts) == 1 else torch.tensor(idx, device=taps[layers[0]].device)
+        x = torch.cat([taps[layer][sel] for layer in layers], dim=-1)
+        self._push(x, torch.tensor(pos), parts, qat)
+
+    def _push(self, x: torch.Tensor, positions: torch.Tensor, parts: list, qat: bool | None) -> None:
+        """x [R, len(targets) x d]: the concatenated taps of the rows at ``positions`` [R] (host), in ``parts``
+        (state, rows, last position) order: every stage's window entry of all rows at once, then each state's."""
+        qat = self.cfg.qat if qat is None else qat
         m = self[0].main_norm(self[0].main_proj(x))
-        kept = positions[keep].to(m.device)
-        for stage in self:
-            state.push(stage.attn.stage, stage.attn.window_entry(m, kept, qat), kept, int(positions[-1]))
+        positions = positions.to(m.device)
+        entries = self.ring_entries(m, positions, qat)
+        start = 0
+        for state, n, last in parts:
+            state.push(entries[start : start + n], positions[start : start + n], last)
+            start += n
+
+    def ring_entries(self, m: torch.Tensor, positions: torch.Tensor, qat: bool) -> torch.Tensor:
+        """Each stage's window entry ``stage.attn.window_entry(m, positions, qat)`` of rows m [R, d], as
+        [R, stages, head_dim]: the projections per stage, the norm, RoPE and fake quant (row-wise, the same in every
+        stage but for the norm's weight) once for all stages."""
+        attns = [stage.attn for stage in self]
+        kv = torch.stack([a.wkv(m) for a in attns], dim=1)
+        kv = rms_norm(kv, torch.stack([a.kv_norm.weight for a in attns]), attns[0].kv_norm.eps)
+        return attns[0]._kv_qat(attns[0].rope(kv, positions, inplace=True), qat)
 
     @torch.no_grad()
     def propose_batch(
