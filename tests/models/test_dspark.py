@@ -275,3 +275,17 @@ def test_ingest_spans_matches_one_stage_and_one_sequence_at_a_time(tiny_models, 
                 torch.testing.assert_close(b.keys[s], want[s], rtol=0, atol=1e-12)
         with pytest.raises(ValueError, match="positions after"):
             model.mtp.ingest_spans(taps, [(batched[0], slice(0, 1), 0)])  # position 0 is already in the ring
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_draft_stages_sinkhorn_is_sinkhorn(setup, dtype):
+    """The stages' Sinkhorn (eps as a tensor) gives ``sinkhorn``'s values bit for bit."""
+    from dsserve.layers.mhc import sinkhorn
+
+    cfg, model = setup[0], setup[1]
+    c = torch.softmax(torch.randn(11, cfg.hc_mult, cfg.hc_mult, generator=torch.Generator().manual_seed(2)), -1)
+    c = c.to(dtype) + cfg.hc_eps
+    for stage in model.mtp:
+        assert torch.equal(
+            stage.sinkhorn(c, cfg.hc_sinkhorn_iters, cfg.hc_eps), sinkhorn(c, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        )
