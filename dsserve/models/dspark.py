@@ -89,8 +89,7 @@ class DraftAttention(CSA2Attention):
         """Each sequence of ``ctx.seqs`` is one block (its rows, its ``DSparkCache``, ``first``: the block's first
         position on the host, or read from the positions)."""
         cfg, pos = self.cfg, ctx.positions
-        _, q = self.query(x, pos)
-        own = self.window_entry(x, pos, ctx.qat)
+        q, own = self.query_and_entry(x, pos, ctx.qat)
         if (o := self._attend_blocks(q, own, ctx.seqs)) is not None:
             return self.output(o, pos, x.dtype)
         outs = []
@@ -107,6 +106,16 @@ class DraftAttention(CSA2Attention):
             mask = torch.cat((ring_ok, torch.ones(t, dtype=torch.bool, device=x.device)))[None, :].expand(t, -1)
             outs.append(sparse_attention_with_sink(q[rows], keys, mask, None, None, self.attn_sink, cfg.head_dim**-0.5))
         return self.output(torch.cat(outs), pos, x.dtype)
+
+    def query_and_entry(self, x: torch.Tensor, pos: torch.Tensor, qat: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``query``'s rotated q [T, H, D], ``window_entry``'s own rows [T, D]) with one RoPE pass over both: V4.1's
+        query has no per-head norm, so both are rotated as they come out of their projections, each row by its
+        position (the same ops on the same values as the two calls)."""
+        if not self.cfg.is_v41:
+            return self.query(x, pos)[1], self.window_entry(x, pos, qat)
+        q = self.wq_b(self.q_norm(self.wq_a(x))).view(x.shape[0], self.cfg.num_attention_heads, self.cfg.head_dim)
+        qk = self.rope(torch.cat((q, self.kv_norm(self.wkv(x))[:, None]), dim=1), pos, inplace=True)
+        return qk[:, :-1], self._kv_qat(qk[:, -1], qat)
 
     def _attend_blocks(self, q: torch.Tensor, own: torch.Tensor, seqs: list[SeqRows]) -> torch.Tensor | None:
         """``forward``'s attention for several blocks of one size (``DSpark.propose_batch``'s) in one pass: the

@@ -289,3 +289,16 @@ def test_draft_stages_sinkhorn_is_sinkhorn(setup, dtype):
         assert torch.equal(
             stage.sinkhorn(c, cfg.hc_sinkhorn_iters, cfg.hc_eps), sinkhorn(c, cfg.hc_sinkhorn_iters, cfg.hc_eps)
         )
+
+
+@pytest.mark.parametrize("qat", [False, True])
+def test_draft_query_and_entry_are_query_and_window_entry(setup, qat):
+    """``DraftAttention.query_and_entry`` (one RoPE pass over q and the own rows) is ``query`` and ``window_entry``."""
+    cfg, model = setup[0], setup[1]
+    x = torch.randn(7, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(40, 47)
+    with torch.no_grad():
+        for stage in model.mtp:
+            q, own = stage.attn.query_and_entry(x, pos, qat)
+            assert torch.equal(q, stage.attn.query(x, pos)[1])
+            assert torch.equal(own, stage.attn.window_entry(x, pos, qat))
