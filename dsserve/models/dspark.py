@@ -273,23 +273,27 @@ class DSpark(nn.ModuleList):
         ids = ids.flatten().to(dev)
         pos = (torch.tensor(positions, dtype=torch.long)[:, None] + torch.arange(1, b + 1)).flatten().to(dev)
         seqs = [SeqRows(slice(i * b, (i + 1) * b), st, first=p + 1) for i, (st, p) in enumerate(zip(states, positions))]
-        ctx = ForwardContext(tokens=ids, positions=pos, seqs=seqs, qat=qat)
-        x = embed(ids)[:, None, :].expand(-1, n, -1).contiguous()
-        pre = torch.zeros(nb * b, n, device=dev)
-        pre[:, 0] = 1.0
-        for stage in self:
-            x, pre, ctx = stage(x, pre, ctx)
-        h = collapse(x, pre)
-        logits = head(last.norm(h)).float().view(nb, b, -1)
-        h = h.view(nb, b, -1)
-        drafts, conf, prev = [], [], ids.view(nb, b)[:, 0]
-        for i in range(b):
-            e = last.markov_head.embed(prev)  # [B, r]
-            row = logits[:, i] + last.markov_head.head(e).float()
-            conf.append(last.confidence_head.proj(torch.cat((h[:, i], e.to(h.dtype)), dim=-1))[:, 0].float())
-            prev = row.argmax(dim=-1)
-            drafts.append(prev)
-        return torch.stack(drafts, 1), torch.stack(conf, 1)
+        # The pass runs in inference mode: its ops skip autograd's per-op bookkeeping (a block's ~2000 small ops are
+        # bound by their fixed cost: ~8% of the pass at B = 1 on the CPU); ids and positions stay normal tensors, so
+        # RoPE keeps its tables (it checks their version). The drafts and confidences come out as inference tensors.
+        with torch.inference_mode():
+            ctx = ForwardContext(tokens=ids, positions=pos, seqs=seqs, qat=qat)
+            x = embed(ids)[:, None, :].expand(-1, n, -1).contiguous()
+            pre = torch.zeros(nb * b, n, device=dev)
+            pre[:, 0] = 1.0
+            for stage in self:
+                x, pre, ctx = stage(x, pre, ctx)
+            h = collapse(x, pre)
+            logits = head(last.norm(h)).float().view(nb, b, -1)
+            h = h.view(nb, b, -1)
+            drafts, conf, prev = [], [], ids.view(nb, b)[:, 0]
+            for i in range(b):
+                e = last.markov_head.embed(prev)  # [B, r]
+                row = logits[:, i] + last.markov_head.head(e).float()
+                conf.append(last.confidence_head.proj(torch.cat((h[:, i], e.to(h.dtype)), dim=-1))[:, 0].float())
+                prev = row.argmax(dim=-1)
+                drafts.append(prev)
+            return torch.stack(drafts, 1), torch.stack(conf, 1)
 
     def propose(
         self,
