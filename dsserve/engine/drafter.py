@@ -7,10 +7,11 @@ with prefill chunks and plain decodes in the eager batched forward). Around it:
   (``SequenceKV.save_rows``);
 * (the forward, then the rejection sampler decides how many drafts each request accepts);
 * ``after``: committed rows only (prefill rows, a verify chunk's rows up to its last accepted draft) feed the
-  request's DSpark rings (``DSpark.ingest``, from the forward's taps); each verify chunk's cache is rolled back to
-  its accepted rows (``SequenceKV.rollback``), down to a multiple of the compressors' ratio (2 on V4.1): a kept row
-  past it would need the compressor's carried half-group rebuilt, so it is run again with the next step's rows
-  instead (one more row, never a wrong state). Returns the rows each chunk gave back (``StepOutput.rolled_back``);
+  request's DSpark rings (``DSpark.ingest_spans``, from the forward's taps: every request's rows in one pass); each
+  verify chunk's cache is rolled back to its accepted rows (``SequenceKV.rollback``), down to a multiple of the
+  compressors' ratio (2 on V4.1): a kept row past it would need the compressor's carried half-group rebuilt, so it
+  is run again with the next step's rows instead (one more row, never a wrong state). Returns the rows each chunk
+  gave back (``StepOutput.rolled_back``);
 * ``propose``: each request that got tokens and is still running drafts its next block from its rings, at its last
   committed position, with the target's token y after it (``DSpark.propose_batch``: every request's block at once);
   with a confidence threshold (adaptive K) a block keeps its drafts only while the confidence head's estimate that
@@ -58,8 +59,9 @@ class Drafter:
 
     def after(self, plan: StepPlan, forward: ForwardOutput, accepted: dict[str, list[int]]) -> dict[str, int]:
         """``accepted``: request id -> the tokens the step accepted for it (its accepted drafts, then the target's
-        token). Ingests committed rows, rolls back rejected ones, counts; returns request id -> rows rolled back."""
-        rolled = {}
+        token). Ingests committed rows (every request's in one pass), rolls back rejected ones, counts; returns
+        request id -> rows rolled back."""
+        rolled, spans = {}, []
         multiple = None
         for c, rows in zip(plan.chunks, forward.seqs):
             r = c.request
@@ -69,29 +71,28 @@ class Drafter:
                 n_acc = len(accepted[r.request_id]) - 1
                 committed = end - c.num_drafts + n_acc
                 self.stats.spec_counted(c.num_drafts, n_acc)
-            self._ingest(r, forward, rows.rows, end, committed)
+            if forward.taps:
+                spans += self._span(r, rows.rows, end, committed)
             if c.num_drafts:
                 multiple = multiple or r.kv.cache.rollback_multiple
                 keep = committed - committed % multiple
                 r.kv.rollback(keep, r.all_token_ids + accepted[r.request_id])
                 rolled[r.request_id] = end - keep
+        if spans:
+            self.mtp.ingest_spans(forward.taps, spans)
         return rolled
 
-    def _ingest(self, r: Request, forward: ForwardOutput, rows: slice, end: int, committed: int) -> None:
-        """The rows of ``r``'s chunk (``rows`` of the forward's output: its last ones, ending at position
-        ``end`` - 1) at positions before ``committed`` and after what the rings hold."""
-        if not forward.taps:
-            return
+    def _span(self, r: Request, rows: slice, end: int, committed: int) -> list:
+        """What ``r``'s chunk (``rows`` of the forward's output: its last ones, ending at position ``end`` - 1) gives
+        its rings: its rows at positions before ``committed`` and after what the rings hold, as [(state, rows,
+        first position)] (``DSpark.ingest_spans``), or []."""
         if r.draft_state is None:
             r.draft_state = self.mtp.new_state()
-        n = rows.stop - rows.start
-        first = end - n
+        first = end - (rows.stop - rows.start)
         lo = max(first, r.draft_state.last_position + 1)
         if lo >= committed:
-            return
-        pick = slice(rows.start + lo - first, rows.start + committed - first)
-        taps = {layer: forward.taps[layer][pick] for layer in self.model.cfg.dspark_target_layer_ids}
-        self.mtp.ingest(taps, torch.arange(lo, committed), r.draft_state)
+            return []
+        return [(r.draft_state, slice(rows.start + lo - first, rows.start + committed - first), lo)]
 
     @torch.no_grad()
     def propose(self, requests: list[Request]) -> None:

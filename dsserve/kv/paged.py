@@ -367,9 +367,8 @@ class SequenceKV:
             if n > w:
                 raise InvariantError(f"a speculative step of {n} rows overwrites more than the window's {w}")
             ring = torch.arange(first, first + n, device=c.device) % w
-            saved = {
-                i: (c.window[i][self.slot, ring].clone(), c.window_pos[i][self.slot, ring].clone()) for i in c.window
-            }
+            # advanced indexing copies: the saved rows are their own, with no clone
+            saved = {i: (c.window[i][self.slot, ring], c.window_pos[i][self.slot, ring]) for i in c.window}
         self._saved = (first, n, saved)
 
     def rollback(self, keep: int, token_ids: list[int]) -> None:

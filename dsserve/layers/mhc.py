@@ -21,6 +21,23 @@ def sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return c
 
 
+def sinkhorn_eps_tensor(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """``sinkhorn``, the same ops on the same values, with eps added as a 0-d tensor of c's dtype: a Python float
+    is wrapped and cast on every add (a copy op beside each of its 2 * iters adds), which is most of a small c's
+    cost on the CPU (a draft block's few rows). Without autograd the sums and quotients are written in place."""
+    e = c.new_full((), eps)
+    c = c / (c.sum(-2, keepdim=True) + e)
+    if c.requires_grad and torch.is_grad_enabled():
+        for _ in range(iters - 1):
+            c = c / (c.sum(-1, keepdim=True) + e)
+            c = c / (c.sum(-2, keepdim=True) + e)
+        return c
+    for _ in range(iters - 1):  # c is this function's own tensor from here
+        c.div_(c.sum(-1, keepdim=True).add_(e))
+        c.div_(c.sum(-2, keepdim=True).add_(e))
+    return c
+
+
 def hc_mix(
     x: torch.Tensor,
     fn: torch.Tensor,

@@ -18,8 +18,8 @@ from torch import nn
 from ..layers.attention import CSA2Attention, sparse_attention_with_sink
 from ..layers.context import ForwardContext, SeqRows
 from ..layers.indexer import NEG_INF
-from ..layers.mhc import collapse
-from ..layers.norm import RMSNorm
+from ..layers.mhc import collapse, sinkhorn_eps_tensor
+from ..layers.norm import RMSNorm, rms_norm
 from ..layers.numerics import acc
 from .block import Block
 from .config import LayerRole, ModelConfig
@@ -51,6 +51,7 @@ class DSparkCache:
         self.window = window
         self.keys: list[torch.Tensor | None] = [None] * n_stages  # [n <= window, head_dim]
         self.positions: list[torch.Tensor | None] = [None] * n_stages  # [n], strictly increasing
+        self._ring: torch.Tensor | None = None  # [n, n_stages, head_dim]: keys[s] is its view ring[:, s]
         self._last: int | None = None  # the newest position on the host, when the pusher gave it
 
     @property
@@ -62,13 +63,17 @@ class DSparkCache:
         p = self.positions[0]
         return -1 if p is None else int(p[-1])
 
-    def push(self, stage: int, keys: torch.Tensor, positions: torch.Tensor, last: int | None = None) -> None:
-        """``last``: ``positions[-1]`` as a host int (None: read from ``positions`` when asked)."""
+    def push(self, keys: torch.Tensor, positions: torch.Tensor, last: int | None = None) -> None:
+        """Every stage's entries of new rows: keys [n, n_stages, head_dim], positions [n] (after the ring's).
+        ``last``: ``positions[-1]`` as a host int (None: read from ``positions`` when asked)."""
         self._last = last
-        # New tensors every time (no in-place writes), so a snapshot taken by a caller stays valid.
-        if self.keys[stage] is not None:
-            keys, positions = torch.cat((self.keys[stage], keys)), torch.cat((self.positions[stage], positions))
-        self.keys[stage], self.positions[stage] = keys[-self.window :].clone(), positions[-self.window :].clone()
+        # New tensors every time (no in-place writes), so a snapshot taken by a caller stays valid; the stages' rows
+        # and the one positions tensor they share are views of them.
+        if self._ring is not None:
+            keys, positions = torch.cat((self._ring, keys)), torch.cat((self.positions[0], positions))
+        self._ring, pos = keys[-self.window :], positions[-self.window :]
+        self.keys = [self._ring[:, s] for s in range(self._ring.shape[1])]
+        self.positions = [pos] * len(self.keys)
 
 
 class DraftAttention(CSA2Attention):
@@ -84,8 +89,7 @@ class DraftAttention(CSA2Attention):
         """Each sequence of ``ctx.seqs`` is one block (its rows, its ``DSparkCache``, ``first``: the block's first
         position on the host, or read from the positions)."""
         cfg, pos = self.cfg, ctx.positions
-        _, q = self.query(x, pos)
-        own = self.window_entry(x, pos, ctx.qat)
+        q, own = self.query_and_entry(x, pos, ctx.qat)
         if (o := self._attend_blocks(q, own, ctx.seqs)) is not None:
             return self.output(o, pos, x.dtype)
         outs = []
@@ -102,6 +106,16 @@ class DraftAttention(CSA2Attention):
             mask = torch.cat((ring_ok, torch.ones(t, dtype=torch.bool, device=x.device)))[None, :].expand(t, -1)
             outs.append(sparse_attention_with_sink(q[rows], keys, mask, None, None, self.attn_sink, cfg.head_dim**-0.5))
         return self.output(torch.cat(outs), pos, x.dtype)
+
+    def query_and_entry(self, x: torch.Tensor, pos: torch.Tensor, qat: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``query``'s rotated q [T, H, D], ``window_entry``'s own rows [T, D]) with one RoPE pass over both: V4.1's
+        query has no per-head norm, so both are rotated as they come out of their projections, each row by its
+        position (the same ops on the same values as the two calls)."""
+        if not self.cfg.is_v41:
+            return self.query(x, pos)[1], self.window_entry(x, pos, qat)
+        q = self.wq_b(self.q_norm(self.wq_a(x))).view(x.shape[0], self.cfg.num_attention_heads, self.cfg.head_dim)
+        qk = self.rope(torch.cat((q, self.kv_norm(self.wkv(x))[:, None]), dim=1), pos, inplace=True)
+        return qk[:, :-1], self._kv_qat(qk[:, -1], qat)
 
     def _attend_blocks(self, q: torch.Tensor, own: torch.Tensor, seqs: list[SeqRows]) -> torch.Tensor | None:
         """``forward``'s attention for several blocks of one size (``DSpark.propose_batch``'s) in one pass: the
@@ -144,6 +158,7 @@ class DSparkStage(Block):
             cfg.dspark_num_experts_per_tok,
             attn_cls=DraftAttention,
         )
+        self.sinkhorn = sinkhorn_eps_tensor  # a block's few rows: the scalar casts would be most of Sinkhorn's time
         d, r, last = cfg.hidden_size, cfg.dspark_markov_rank, cfg.num_draft_layers - 1
         if stage == 0:
             self.main_proj = nn.Linear(len(cfg.dspark_target_layer_ids) * d, d, bias=False)
@@ -171,7 +186,6 @@ class DSpark(nn.ModuleList):
         """Push the ring entries of committed rows. taps: layer -> [T, d] (``ForwardOutput.taps``, the mean
         over copies of the stream entering each target layer); positions [T], increasing, after the ring's."""
         cfg = self.cfg
-        qat = cfg.qat if qat is None else qat
         positions = torch.as_tensor(positions).long().cpu()
         if positions.numel() == 0:
             return
@@ -185,10 +199,53 @@ class DSpark(nn.ModuleList):
         if any(taps[layer].shape[0] != positions.shape[0] for layer in cfg.dspark_target_layer_ids):
             raise ValueError("every DSpark tap needs one row per ingested position")
         x = torch.cat([taps[layer][keep] for layer in cfg.dspark_target_layer_ids], dim=-1)
+        kept = positions[keep]
+        self._push(x, kept, [(state, kept.shape[0], int(positions[-1]))], qat)
+
+    def ingest_spans(
+        self, taps: dict[int, torch.Tensor], spans: list[tuple[DSparkCache, slice, int]], qat: bool | None = None
+    ) -> None:
+        """``ingest`` for several sequences in one pass (the drafter's, after a step). A span (state, rows, first):
+        the taps' rows ``rows`` hold the state's positions first, first + 1, ..., after what it holds."""
+        w, idx, pos, parts = self.cfg.sliding_window, [], [], []
+        for state, rows, first in spans:
+            n = rows.stop - rows.start
+            if n <= 0:
+                continue
+            if first <= state.last_position:
+                raise ValueError(f"DSpark ingestion needs positions after {state.last_position}, got {first}..")
+            skip = max(0, n - w)  # only the last W rows can ever be attended (spec 6.17)
+            idx.extend(range(rows.start + skip, rows.stop))
+            pos.extend(range(first + skip, first + n))
+            parts.append((state, n - skip, first + n - 1))
+        if not parts:
+            return
+        layers = self.cfg.dspark_target_layer_ids
+        # one span: its rows are a slice (no gather)
+        sel = slice(idx[0], idx[-1] + 1) if len(parts) == 1 else torch.tensor(idx, device=taps[layers[0]].device)
+        x = torch.cat([taps[layer][sel] for layer in layers], dim=-1)
+        self._push(x, torch.tensor(pos), parts, qat)
+
+    def _push(self, x: torch.Tensor, positions: torch.Tensor, parts: list, qat: bool | None) -> None:
+        """x [R, len(targets) x d]: the concatenated taps of the rows at ``positions`` [R] (host), in ``parts``
+        (state, rows, last position) order: every stage's window entry of all rows at once, then each state's."""
+        qat = self.cfg.qat if qat is None else qat
         m = self[0].main_norm(self[0].main_proj(x))
-        kept = positions[keep].to(m.device)
-        for stage in self:
-            state.push(stage.attn.stage, stage.attn.window_entry(m, kept, qat), kept, int(positions[-1]))
+        positions = positions.to(m.device)
+        entries = self.ring_entries(m, positions, qat)
+        start = 0
+        for state, n, last in parts:
+            state.push(entries[start : start + n], positions[start : start + n], last)
+            start += n
+
+    def ring_entries(self, m: torch.Tensor, positions: torch.Tensor, qat: bool) -> torch.Tensor:
+        """Each stage's window entry ``stage.attn.window_entry(m, positions, qat)`` of rows m [R, d], as
+        [R, stages, head_dim]: the projections per stage, the norm, RoPE and fake quant (row-wise, the same in every
+        stage but for the norm's weight) once for all stages."""
+        attns = [stage.attn for stage in self]
+        kv = torch.stack([a.wkv(m) for a in attns], dim=1)
+        kv = rms_norm(kv, torch.stack([a.kv_norm.weight for a in attns]), attns[0].kv_norm.eps)
+        return attns[0]._kv_qat(attns[0].rope(kv, positions, inplace=True), qat)
 
     @torch.no_grad()
     def propose_batch(
@@ -216,23 +273,27 @@ class DSpark(nn.ModuleList):
         ids = ids.flatten().to(dev)
         pos = (torch.tensor(positions, dtype=torch.long)[:, None] + torch.arange(1, b + 1)).flatten().to(dev)
         seqs = [SeqRows(slice(i * b, (i + 1) * b), st, first=p + 1) for i, (st, p) in enumerate(zip(states, positions))]
-        ctx = ForwardContext(tokens=ids, positions=pos, seqs=seqs, qat=qat)
-        x = embed(ids)[:, None, :].expand(-1, n, -1).contiguous()
-        pre = torch.zeros(nb * b, n, device=dev)
-        pre[:, 0] = 1.0
-        for stage in self:
-            x, pre, ctx = stage(x, pre, ctx)
-        h = collapse(x, pre)
-        logits = head(last.norm(h)).float().view(nb, b, -1)
-        h = h.view(nb, b, -1)
-        drafts, conf, prev = [], [], ids.view(nb, b)[:, 0]
-        for i in range(b):
-            e = last.markov_head.embed(prev)  # [B, r]
-            row = logits[:, i] + last.markov_head.head(e).float()
-            conf.append(last.confidence_head.proj(torch.cat((h[:, i], e.to(h.dtype)), dim=-1))[:, 0].float())
-            prev = row.argmax(dim=-1)
-            drafts.append(prev)
-        return torch.stack(drafts, 1), torch.stack(conf, 1)
+        # The pass runs in inference mode: its ops skip autograd's per-op bookkeeping (a block's ~2000 small ops are
+        # bound by their fixed cost: ~8% of the pass at B = 1 on the CPU); ids and positions stay normal tensors, so
+        # RoPE keeps its tables (it checks their version). The drafts and confidences come out as inference tensors.
+        with torch.inference_mode():
+            ctx = ForwardContext(tokens=ids, positions=pos, seqs=seqs, qat=qat)
+            x = embed(ids)[:, None, :].expand(-1, n, -1).contiguous()
+            pre = torch.zeros(nb * b, n, device=dev)
+            pre[:, 0] = 1.0
+            for stage in self:
+                x, pre, ctx = stage(x, pre, ctx)
+            h = collapse(x, pre)
+            logits = head(last.norm(h)).float().view(nb, b, -1)
+            h = h.view(nb, b, -1)
+            drafts, conf, prev = [], [], ids.view(nb, b)[:, 0]
+            for i in range(b):
+                e = last.markov_head.embed(prev)  # [B, r]
+                row = logits[:, i] + last.markov_head.head(e).float()
+                conf.append(last.confidence_head.proj(torch.cat((h[:, i], e.to(h.dtype)), dim=-1))[:, 0].float())
+                prev = row.argmax(dim=-1)
+                drafts.append(prev)
+            return torch.stack(drafts, 1), torch.stack(conf, 1)
 
     def propose(
         self,

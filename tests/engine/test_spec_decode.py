@@ -343,6 +343,10 @@ def test_batched_proposal_equals_one_block_at_a_time(tiny_models, monkeypatch):
             d, c, _ = model.mtp.propose(ys[i], ps[i], states[i], model.embed, model.head)
             assert drafts[i].tolist() == d.tolist()
             assert torch.allclose(conf[i], c, atol=1e-9)
+            # one block alone (B = 1: the per-block attention, the Markov steps on one row)
+            d1, c1 = model.mtp.propose_batch([ys[i]], [ps[i]], [states[i]], model.embed, model.head)
+            assert d1[0].tolist() == d.tolist()
+            assert torch.allclose(c1[0], c, atol=1e-9)
 
 
 def test_block_lengths_follow_the_confidence_product(tiny_models):

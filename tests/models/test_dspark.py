@@ -220,3 +220,97 @@ def test_markov_head_is_sequential_and_confidence(setup):
         delta = last.markov_head.head(last.markov_head.embed(torch.tensor([z, int(ids[0])])))
         torch.testing.assert_close(logits2[1] - logits[1], delta[0] - delta[1], rtol=1e-4, atol=1e-4)
         assert not torch.allclose(logits2[1], logits[1])
+
+
+# ------------------------------------------------------------------ batched ingestion (the drafter's)
+def ring_by_definition(model, taps, positions, qat):
+    """Each stage's ring after ingesting rows at ``positions`` [n] from ``taps`` (layer -> [n, d]), one stage at a
+    time as ``ingest`` did before it batched the stages: m = main_norm(main_proj(taps)), then
+    ``stage.attn.window_entry(m)`` per stage, of the last W rows."""
+    cfg, w = model.cfg, model.cfg.sliding_window
+    x = torch.cat([taps[layer][-w:] for layer in cfg.dspark_target_layer_ids], dim=-1)
+    m = model.mtp[0].main_norm(model.mtp[0].main_proj(x))
+    return [stage.attn.window_entry(m, positions[-w:], qat) for stage in model.mtp], positions[-w:]
+
+
+@pytest.mark.parametrize("qat", [False, True])
+def test_ingest_spans_matches_one_stage_and_one_sequence_at_a_time(tiny_models, qat):
+    """``DSpark.ingest_spans`` (every sequence's rows and every stage in one pass) leaves each ring as ``ingest`` of
+    that sequence alone, and as the per-stage definition: spans of 0, 1, a few and more than W rows, some onto rings
+    that already hold rows, taken from anywhere in the taps."""
+    model = tiny_models["tiny"]
+    cfg, w = model.cfg, model.cfg.sliding_window
+    gen = torch.Generator().manual_seed(3)
+    total = 3 * w + 20
+    taps = {
+        layer: torch.randn(total, cfg.hidden_size, generator=gen, dtype=torch.float64)
+        for layer in cfg.dspark_target_layer_ids
+    }
+    # (rows already ingested, rows added by the spans) per sequence; each sequence's taps are its own rows of taps
+    plan = [(0, 1), (5, 3), (0, w + 7), (w + 2, 2), (3, 0), (0, 4)]
+    with torch.no_grad():
+        batched, alone, spans, row = [], [], [], 0
+        for before, n in plan:
+            seq = {k: v[row : row + before + n] for k, v in taps.items()}
+            a, b = model.mtp.new_state(), model.mtp.new_state()
+            if before:
+                for st in (a, b):
+                    model.mtp.ingest({k: v[:before] for k, v in seq.items()}, torch.arange(before), st, qat=qat)
+            spans.append((a, slice(row + before, row + before + n), before))
+            if n:
+                model.mtp.ingest({k: v[before:] for k, v in seq.items()}, torch.arange(before, before + n), b, qat=qat)
+            batched.append(a)
+            alone.append((b, seq, before + n))
+            row += before + n
+        model.mtp.ingest_spans(taps, spans, qat=qat)
+        for a, (b, seq, n) in zip(batched, alone):
+            assert a.last_position == b.last_position == n - 1
+            if n == 0:
+                assert a.keys[0] is None
+                continue
+            want, want_pos = ring_by_definition(model, seq, torch.arange(n), qat)
+            for s in range(cfg.num_draft_layers):
+                assert torch.equal(a.positions[s], want_pos) and torch.equal(b.positions[s], want_pos)
+                torch.testing.assert_close(a.keys[s], want[s], rtol=0, atol=1e-12)
+                torch.testing.assert_close(b.keys[s], want[s], rtol=0, atol=1e-12)
+        with pytest.raises(ValueError, match="positions after"):
+            model.mtp.ingest_spans(taps, [(batched[0], slice(0, 1), 0)])  # position 0 is already in the ring
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_draft_stages_sinkhorn_is_sinkhorn(setup, dtype):
+    """The stages' Sinkhorn (eps as a tensor; in place without autograd) gives ``sinkhorn``'s values bit for bit,
+    leaves its input alone, and keeps the gradient when one is wanted."""
+    from dsserve.layers.mhc import sinkhorn
+
+    cfg, model = setup[0], setup[1]
+    c = torch.softmax(torch.randn(11, cfg.hc_mult, cfg.hc_mult, generator=torch.Generator().manual_seed(2)), -1)
+    c = c.to(dtype) + cfg.hc_eps
+    saved = c.clone()
+    args = (cfg.hc_sinkhorn_iters, cfg.hc_eps)
+    for stage in model.mtp:
+        want = sinkhorn(c, *args)
+        with torch.inference_mode():
+            assert torch.equal(stage.sinkhorn(c, *args), want)
+        with torch.no_grad():
+            assert torch.equal(stage.sinkhorn(c, *args), want)
+        g, gw = c.clone().requires_grad_(True), c.clone().requires_grad_(True)
+        got = stage.sinkhorn(g, *args)
+        assert torch.equal(got.detach(), want)
+        got.sum().backward()
+        sinkhorn(gw, *args).sum().backward()
+        assert torch.equal(g.grad, gw.grad)
+    assert torch.equal(c, saved)
+
+
+@pytest.mark.parametrize("qat", [False, True])
+def test_draft_query_and_entry_are_query_and_window_entry(setup, qat):
+    """``DraftAttention.query_and_entry`` (one RoPE pass over q and the own rows) is ``query`` and ``window_entry``."""
+    cfg, model = setup[0], setup[1]
+    x = torch.randn(7, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(40, 47)
+    with torch.no_grad():
+        for stage in model.mtp:
+            q, own = stage.attn.query_and_entry(x, pos, qat)
+            assert torch.equal(q, stage.attn.query(x, pos)[1])
+            assert torch.equal(own, stage.attn.window_entry(x, pos, qat))
