@@ -13,18 +13,10 @@ from .numerics import acc
 
 
 def sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Columns first, then ``iters - 1`` rounds of rows-then-columns. c: [..., n, n] (j = input copy, k = output)."""
-    c = c / (c.sum(-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        c = c / (c.sum(-1, keepdim=True) + eps)
-        c = c / (c.sum(-2, keepdim=True) + eps)
-    return c
-
-
-def sinkhorn_eps_tensor(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """``sinkhorn``, the same ops on the same values, with eps added as a 0-d tensor of c's dtype: a Python float
-    is wrapped and cast on every add (a copy op beside each of its 2 * iters adds), which is most of a small c's
-    cost on the CPU (a draft block's few rows). Without autograd the sums and quotients are written in place."""
+    """Columns first, then ``iters - 1`` rounds of rows-then-columns. c: [..., n, n] (j = input copy, k = output).
+    eps is added as a 0-d tensor of c's dtype, the value a Python float would be cast to: a float is wrapped and cast
+    on every add, a copy op beside each of the 2 x iters adds, most of a few rows' cost on the CPU. Without autograd
+    the rounds run in place on this function's own tensor: the same values."""
     e = c.new_full((), eps)
     c = c / (c.sum(-2, keepdim=True) + e)
     if c.requires_grad and torch.is_grad_enabled():
@@ -32,7 +24,7 @@ def sinkhorn_eps_tensor(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor
             c = c / (c.sum(-1, keepdim=True) + e)
             c = c / (c.sum(-2, keepdim=True) + e)
         return c
-    for _ in range(iters - 1):  # c is this function's own tensor from here
+    for _ in range(iters - 1):
         c.div_(c.sum(-1, keepdim=True).add_(e))
         c.div_(c.sum(-2, keepdim=True).add_(e))
     return c

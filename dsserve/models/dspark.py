@@ -18,7 +18,7 @@ from torch import nn
 from ..layers.attention import CSA2Attention, sparse_attention_with_sink
 from ..layers.context import ForwardContext, SeqRows
 from ..layers.indexer import NEG_INF
-from ..layers.mhc import collapse, sinkhorn_eps_tensor
+from ..layers.mhc import collapse
 from ..layers.norm import RMSNorm, rms_norm
 from ..layers.numerics import acc
 from .block import Block
@@ -158,7 +158,6 @@ class DSparkStage(Block):
             cfg.dspark_num_experts_per_tok,
             attn_cls=DraftAttention,
         )
-        self.sinkhorn = sinkhorn_eps_tensor  # a block's few rows: the scalar casts would be most of Sinkhorn's time
         d, r, last = cfg.hidden_size, cfg.dspark_markov_rank, cfg.num_draft_layers - 1
         if stage == 0:
             self.main_proj = nn.Linear(len(cfg.dspark_target_layer_ids) * d, d, bias=False)

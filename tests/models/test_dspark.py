@@ -277,32 +277,6 @@ def test_ingest_spans_matches_one_stage_and_one_sequence_at_a_time(tiny_models, 
             model.mtp.ingest_spans(taps, [(batched[0], slice(0, 1), 0)])  # position 0 is already in the ring
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_draft_stages_sinkhorn_is_sinkhorn(setup, dtype):
-    """The stages' Sinkhorn (eps as a tensor; in place without autograd) gives ``sinkhorn``'s values bit for bit,
-    leaves its input alone, and keeps the gradient when one is wanted."""
-    from dsserve.layers.mhc import sinkhorn
-
-    cfg, model = setup[0], setup[1]
-    c = torch.softmax(torch.randn(11, cfg.hc_mult, cfg.hc_mult, generator=torch.Generator().manual_seed(2)), -1)
-    c = c.to(dtype) + cfg.hc_eps
-    saved = c.clone()
-    args = (cfg.hc_sinkhorn_iters, cfg.hc_eps)
-    for stage in model.mtp:
-        want = sinkhorn(c, *args)
-        with torch.inference_mode():
-            assert torch.equal(stage.sinkhorn(c, *args), want)
-        with torch.no_grad():
-            assert torch.equal(stage.sinkhorn(c, *args), want)
-        g, gw = c.clone().requires_grad_(True), c.clone().requires_grad_(True)
-        got = stage.sinkhorn(g, *args)
-        assert torch.equal(got.detach(), want)
-        got.sum().backward()
-        sinkhorn(gw, *args).sum().backward()
-        assert torch.equal(g.grad, gw.grad)
-    assert torch.equal(c, saved)
-
-
 @pytest.mark.parametrize("qat", [False, True])
 def test_draft_query_and_entry_are_query_and_window_entry(setup, qat):
     """``DraftAttention.query_and_entry`` (one RoPE pass over q and the own rows) is ``query`` and ``window_entry``."""
