@@ -319,25 +319,23 @@ class TPExecutor:
         """A forward with no rows on every TP rank of this engine (``LocalExecutor.idle_forward``)."""
         from ..distributed.expert_parallel import idle_forward
 
-        if self.failure is not None:
-            raise EngineDeadError(self.failure)
-        self._send(pickle.dumps(StepMessage(idle=True), protocol=pickle.HIGHEST_PROTOCOL))
-        try:
-            idle_forward(self.runner.model)
-        except Exception as e:
-            raise self._fail_step(f"TP rank 0's idle forward failed: {type(e).__name__}: {e}") from e
+        self._idle(StepMessage(idle=True), idle_forward, "idle forward")
 
     def idle_draft(self) -> None:
         """A draft pass with no rows on every TP rank of this engine (``LocalExecutor.idle_draft``)."""
         from ..distributed.expert_parallel import idle_draft
 
+        self._idle(StepMessage(idle_draft=True), idle_draft, "idle draft pass")
+
+    def _idle(self, msg: StepMessage, run: Callable, what: str) -> None:
+        """Tells the workers to run an empty pass (``msg``), then runs rank 0's share (``run(model)``)."""
         if self.failure is not None:
             raise EngineDeadError(self.failure)
-        self._send(pickle.dumps(StepMessage(idle_draft=True), protocol=pickle.HIGHEST_PROTOCOL))
+        self._send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
         try:
-            idle_draft(self.runner.model)
+            run(self.runner.model)
         except Exception as e:
-            raise self._fail_step(f"TP rank 0's idle draft pass failed: {type(e).__name__}: {e}") from e
+            raise self._fail_step(f"TP rank 0's {what} failed: {type(e).__name__}: {e}") from e
 
     def _send(self, data: bytes) -> None:
         try:
