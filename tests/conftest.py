@@ -38,8 +38,15 @@ def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         return
     skip = pytest.mark.skip(reason="a CPU-interpreter kernel test; this machine compiles kernels for CUDA")
+    # A lent GPU's minutes are few: DSSERVE_TESTS_GPU_ONLY=1 runs only the tests that need CUDA (CI runs the rest).
+    gpu_only = os.environ.get("DSSERVE_TESTS_GPU_ONLY") == "1"
+    cpu_test = pytest.mark.skip(reason="DSSERVE_TESTS_GPU_ONLY=1: a test that runs on the CPU")
     for item in items:
         gpu = any(m.name == "skipif" and "CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers())
+        gpu = gpu or "cuda" in item.name  # a test parametrised by device: its "cuda" case
+        if gpu_only and not (gpu or "gpu" in item.name):
+            item.add_marker(cpu_test)
+            continue
         interpreted = (
             "tests/kernels/" in item.nodeid or "interpreted" in item.name or item.get_closest_marker("interpreter")
         )
