@@ -220,8 +220,9 @@ class DSpark(nn.ModuleList):
         if not parts:
             return
         layers = self.cfg.dspark_target_layer_ids
-        # one span: its rows are a slice (no gather)
-        sel = slice(idx[0], idx[-1] + 1) if len(parts) == 1 else torch.tensor(idx, device=taps[layers[0]].device)
+        # one span: its rows are a slice (no gather); the row ids go up without the host waiting for the device
+        dev = taps[layers[0]].device
+        sel = slice(idx[0], idx[-1] + 1) if len(parts) == 1 else torch.tensor(idx).to(dev, non_blocking=True)
         x = torch.cat([taps[layer][sel] for layer in layers], dim=-1)
         self._push(x, torch.tensor(pos), parts, qat)
 
@@ -230,7 +231,7 @@ class DSpark(nn.ModuleList):
         (state, rows, last position) order: every stage's window entry of all rows at once, then each state's."""
         qat = self.cfg.qat if qat is None else qat
         m = self[0].main_norm(self[0].main_proj(x))
-        positions = positions.to(m.device)
+        positions = positions.to(m.device, non_blocking=True)
         entries = self.ring_entries(m, positions, qat)
         start = 0
         for state, n, last in parts:

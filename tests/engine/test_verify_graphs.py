@@ -17,6 +17,7 @@ from dsserve.engine.verify_graphs import VerifyGraphs, verify_max_seqs, verify_r
 
 K = 3
 PAGED = dict(attention_backend="paged", reference_ops="all", long_prefill_token_threshold=16)
+TASKS = ("arithmetic", "chat", "arithmetic")
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
 
 
@@ -162,21 +163,26 @@ def test_steps_it_cannot_take_fall_back(reference):
 def test_verify_graphs_on_gpu():
     """On a GPU the engine captures verify graphs by default: replaying them gives the same tokens and logprobs, bit
     for bit, as the same fixed-shape forward run eagerly (no capture), and drafts off's greedy tokens wherever the
-    eager engine's top-2 margin clears fp32 noise."""
-    kw = dict(dtype="float32", device="cuda", long_prefill_token_threshold=16)
-    off = run(engine(None, enforce_eager=True, **kw), prompts(), PARAMS, check=False)
+    eager engine's top-2 margin clears fp32 noise. The built-in trained model on its own tasks: its choices have real
+    margins (a random tiny model's fp32 logits are near-ties at most steps, which leaves the last check vacuous)."""
+    from dsserve.train.tasks import problem, prompt_ids
+
+    kw = dict(model="tiny-trained", dtype="float32", device="cuda", long_prefill_token_threshold=16)
+    off_eng = engine(None, enforce_eager=True, **kw)
+    ps = [prompt_ids(off_eng.tokenizer, problem(task, "eval", i).prompt) for i, task in enumerate(TASKS)]
+    off = run(off_eng, ps, PARAMS, check=False)
     graphed = engine(K, **kw)
     g = graphed.runner.verify_graphs
     assert g is not None and isinstance(g.capture, GraphCapture)
     oracle(graphed, off, K)
-    got = run(graphed, prompts(), PARAMS)
+    got = run(graphed, ps, PARAMS)
     rep = g.report()
     assert rep["replays"] > 0 and rep["graphs"]
     fixed = engine(K, **kw)
     oracle(fixed, off, K)
     g0 = VerifyGraphs(fixed.model, fixed.kv, fixed.scheduler.config.max_num_seqs, K, None, min_context=g.min_context)
     fixed.runner.verify_graphs = g0
-    assert logprob_rows(run(fixed, prompts(), PARAMS)) == logprob_rows(got)
+    assert logprob_rows(run(fixed, ps, PARAMS)) == logprob_rows(got)
     checked = 0
     for k, lps in logprob_rows(off).items():
         for a, b, row in zip(ids(got)[k], ids(off)[k], lps):
