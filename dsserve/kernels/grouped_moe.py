@@ -96,16 +96,26 @@ class ExpertWeights:
 
     @classmethod
     def from_dense(cls, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, fmt: str) -> "ExpertWeights":
-        """Quantise dense [E, out, in] weights as the release stores them (bf16: a plain cast)."""
+        """Quantise dense [E, out, in] weights as the release stores them (bf16: a plain cast). The quantised
+        formats go one expert at a time, each in fp32 (fp64 kept): the temporaries stay one expert's size, which is
+        what lets a release-width layer (48 x 3 x 2304 x 5120) be packed beside a nearly full device."""
         if fmt == "bf16":
             return cls(fmt, w1.bfloat16(), w3.bfloat16(), w2.bfloat16())
-        if fmt == "fp8":  # quant_fp8_block is 2-D: one expert at a time, stacked as bytes
-            qs = [[[t.view(torch.uint8) for t in quant_fp8_block(m, FP8_BLOCK)] for m in w] for w in (w1, w3, w2)]
-            qs = [(torch.stack([q for q, _ in p]), torch.stack([s for _, s in p])) for p in qs]
-        elif fmt == "mxfp4":
-            qs = [pack_mxfp4(w) for w in (w1, w3, w2)]
-        else:
+        if fmt not in ("fp8", "mxfp4"):
             raise ValueError(f"fmt {fmt!r} not supported (allowed: {FMTS})")
+
+        def one(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            m = m if m.dtype == torch.float64 else m.float()
+            if fmt == "mxfp4":
+                return pack_mxfp4(m)
+            q, sc = quant_fp8_block(m, FP8_BLOCK)
+            return q.view(torch.uint8), sc.view(torch.uint8)
+
+        def stack(ts: list[torch.Tensor]) -> torch.Tensor:  # as bytes: every PyTorch stacks uint8
+            return torch.stack([t.view(torch.uint8) for t in ts]).view(ts[0].dtype)
+
+        qs = [[one(m) for m in w] for w in (w1, w3, w2)]
+        qs = [(stack([q for q, _ in p]), stack([s for _, s in p])) for p in qs]
         return cls(fmt, *(w for w, _ in qs), *(s for _, s in qs))
 
     def dequant(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -116,7 +116,7 @@ def pack_experts(moe: nn.Module, fmt: str, keep_dense: bool = True) -> None:
         return
     ex = moe.experts
     with torch.no_grad():
-        moe.packed = ExpertWeights.from_dense(ex["w1"].float(), ex["w3"].float(), ex["w2"].float(), fmt)
+        moe.packed = ExpertWeights.from_dense(ex["w1"], ex["w3"], ex["w2"], fmt)  # in fp32 expert by expert
         if keep_dense:
             for i, name in enumerate(("w1", "w3", "w2")):
                 ex[name].copy_(torch.stack([moe.packed.dequant(e)[i] for e in range(ex[name].shape[0])]))
