@@ -323,6 +323,25 @@ def test_gpu_fp32_split_k_and_bk_fallback():
     assert rel(out, F.fp8_linear_w8a8_ref(x, w_q, w_s, 32)) < 1e-5
 
 
+# The tiny model's projections (N, K of the weight, groups; x has groups x K columns): K not a multiple of BK (96,
+# 384), narrow N (64), wo_a's 2 groups.
+TINY_SHAPES = [(96, 256, 1), (256, 96, 1), (64, 256, 1), (128, 128, 2), (256, 128, 1), (1280, 384, 1), (256, 256, 1)]
+
+
+@cuda
+@pytest.mark.parametrize("n,k,groups", TINY_SHAPES)
+@pytest.mark.parametrize("m", [1, 7, 64])
+def test_gpu_tiny_model_widths(n, k, groups, m):
+    """The widths of the tiny model, which the engine's GPU test with --act-quant runs (fp32, block 32): W8A16 and
+    W8A8 against their references on CUDA (the interpreter tests cover these widths on the CPU)."""
+    w_q, w_s = make(n, k, 32, "cuda", seed=n + k + m)
+    x = torch.randn(m, groups * k, device="cuda")
+    out = _poisoned_call(lambda: F.fp8_linear(x, w_q, w_s, 32, groups=groups), m, n)
+    assert rel(out, F.fp8_linear_ref(x, w_q, w_s, 32, groups=groups)) < 1e-5
+    out = _poisoned_call(lambda: F.fp8_linear(x, w_q, w_s, 32, act_quant=True, groups=groups), m, n)
+    assert rel(out, F.fp8_linear_w8a8_ref(x, w_q, w_s, 32, groups=groups)) < 1e-5
+
+
 @cuda
 @pytest.mark.parametrize("m", [1, 16, 300])
 def test_gpu_grouped_wo_a(m):

@@ -179,6 +179,20 @@ def test_gpu_model_shapes(gpu_experts, fmt, t):
 
 
 @cuda
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+@pytest.mark.parametrize("t", [1, 7, 64, 256])
+def test_gpu_tiny_model_widths(fmt, t):
+    """The tiny model's experts (d 256, inter 128: BK 128 on the down projection, 8 experts, top-2), which the
+    engine's GPU test with --act-quant runs, in fp32 on CUDA, PTX conversion and byte-wise ops alike."""
+    ex = G.ExpertWeights.from_dense(*dense(8, 256, 128, "cuda", seed=t), fmt)
+    ids, w = routing(t, 2, 8, "cuda", seed=t)
+    x = torch.randn(t, 256, device="cuda")
+    ref = G.routed_experts_ref(x, ids, w, ex, 10.0, act_quant=True)
+    assert rel(G.routed_experts(x, ids, w, ex, 10.0, act_quant=True), ref) < 1e-4
+    assert rel(G.routed_experts(x, ids, w, ex, 10.0, act_quant=True, config={"asm": False}), ref) < 1e-4
+
+
+@cuda
 def test_gpu_uneven_routing_and_empty_experts(gpu_experts):
     ids, w = routing(40, GK, GE, "cuda", seed=11, hot=3, pool=list(range(10, 20)))
     unused = torch.tensor([e for e in range(GE) if e != 3 and not 10 <= e < 20], device="cuda")
