@@ -97,8 +97,9 @@ class ExpertWeights:
     @classmethod
     def from_dense(cls, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, fmt: str) -> "ExpertWeights":
         """Quantise dense [E, out, in] weights as the release stores them (bf16: a plain cast). The quantised
-        formats go one expert at a time, each in fp32 (fp64 kept): the temporaries stay one expert's size, which is
-        what lets a release-width layer (48 x 3 x 2304 x 5120) be packed beside a nearly full device."""
+        formats go one expert at a time, each in fp32 (fp64 kept), so the temporaries are one expert's size, not the
+        layer's: the release proxy's build (48 experts of 3 x 2304 x 5120 a layer) ran out of an H100's memory with
+        fp32 copies of a whole layer."""
         if fmt == "bf16":
             return cls(fmt, w1.bfloat16(), w3.bfloat16(), w2.bfloat16())
         if fmt not in ("fp8", "mxfp4"):
