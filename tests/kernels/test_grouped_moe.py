@@ -63,6 +63,25 @@ def poison(ex, unused):
     return replace(ex, **{n: getattr(ex, n).index_fill(0, unused, fill) for n in names})
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_from_dense_packs_expert_by_expert_as_the_whole_stack(dtype):
+    """from_dense quantises one expert at a time (bounded temporaries): the bytes and scales are those of packing
+    the whole fp32 stack at once, MXFP4 (pack_mxfp4 takes [..., k]) and FP8 (quant_fp8_block, per expert)."""
+    from dsserve.layers.quant import pack_mxfp4, quant_fp8_block
+
+    w1, w3, w2 = (w.to(dtype) for w in dense(3, 64, 96, seed=4))
+    ex = G.ExpertWeights.from_dense(w1, w3, w2, "mxfp4")
+    for got, scales, w in ((ex.w1, ex.s1, w1), (ex.w3, ex.s3, w3), (ex.w2, ex.s2, w2)):
+        q, sc = pack_mxfp4(w if dtype == torch.float64 else w.float())
+        assert torch.equal(got.view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(scales.view(torch.uint8), sc.view(torch.uint8))
+    ex = G.ExpertWeights.from_dense(w1, w3, w2, "fp8")
+    for e in range(3):
+        q, sc = quant_fp8_block(w2[e].float(), G.FP8_BLOCK)
+        assert torch.equal(ex.w2[e].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(ex.s2[e].view(torch.uint8), sc.view(torch.uint8))
+
+
 @pytest.fixture(scope="module")
 def tiny_experts():
     return {fmt: G.ExpertWeights.from_dense(*dense(E, D, INTER), fmt) for fmt in G.FMTS}
