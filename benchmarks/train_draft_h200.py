@@ -36,6 +36,8 @@ def main() -> int:
     p.add_argument("--heldout-n", type=int, default=16)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--mix", default=",".join(f"{t}={w}" for t, w in d.mix))
+    p.add_argument("--continuation", default=d.continuation, choices=("gold", "target"))
+    p.add_argument("--continuation-tokens", type=int, default=d.continuation_tokens)
     a = p.parse_args()
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here; use --device cpu (slow) or run on the GPU machine")
@@ -52,6 +54,8 @@ def main() -> int:
         save_every=500,
         device=a.device,
         mix=parse_mix(a.mix),
+        continuation=a.continuation,
+        continuation_tokens=a.continuation_tokens,
     )
     t0 = time.perf_counter()
     summary = train_draft(cfg, a.out, log=lambda s: print(s, flush=True))

@@ -64,6 +64,11 @@ class DraftConfig:
     problems: int = 600  # training problems (train split), each run through the backbone once
     mix: tuple = (("arithmetic", 0.45), ("retrieval", 0.15), ("chat", 0.4))
     prompt_anchors: int = 24  # blocks drafted at random prompt positions a problem, besides every completion one
+    # What follows a training prompt: "gold", the problem's completion and EOS; "target", the target's own greedy
+    # output (up to EOS or ``continuation_tokens``), what the drafter meets when it serves: past a gold answer's end
+    # too (a retrieval drill's model goes on asking itself questions until max_tokens).
+    continuation: str = "gold"
+    continuation_tokens: int = 32
     backbone_batch: int = 1  # problems a forward in the backbone pass
     prompt_weight: float = 0.3
     conf_weight: float = 0.1
@@ -143,28 +148,72 @@ def example_of(
 
 
 def training_examples(model, tokenizer, cfg: DraftConfig, min_back: int, log=print) -> list[Example]:
-    """``cfg.problems`` train-split problems (prompt and gold completion with its EOS), tasks drawn by the mix,
+    """``cfg.problems`` train-split problems (tasks drawn by the mix), each its prompt and ``cfg.continuation``,
     through the frozen backbone ``backbone_batch`` at a time."""
     rng = random.Random(f"draft/{cfg.seed}")
     tasks, shares = zip(*cfg.mix)
     count = lambda s: len(tokenizer.encode(s, add_bos=False))
-    out, todo, t0 = [], [], time.perf_counter()
+    drawn, t0 = [], time.perf_counter()
     for i in range(cfg.problems):
         task = rng.choices(tasks, shares)[0]
         p = problem(task, "train", 10_000_000 + cfg.seed * 100_000 + i, count, min_back)
         a = prompt_ids(tokenizer, p.prompt)
         lo = max(1, len(a) - 4 * model.cfg.sliding_window)  # the prompt's tail: the turns a reply continues
         extra = rng.sample(range(lo, len(a) - 1), min(cfg.prompt_anchors, len(a) - 1 - lo))
-        todo.append((task, a + tokenizer.encode(p.completion, add_bos=False) + [tokenizer.eos_id], len(a), extra))
-        if len(todo) == cfg.backbone_batch or i == cfg.problems - 1:
-            for (task, ids, n_prompt, extra), rows in zip(todo, backbone_rows(model, [t[1] for t in todo])):
-                ex = example_of(task, ids, n_prompt, extra, rows, model.cfg.sliding_window, True, torch.bfloat16)
-                ex.weights[ex.weights == 0] = cfg.prompt_weight
-                out.append(ex)
-            todo = []
-        if (i + 1) % 50 == 0:
-            log(f"backbone pass: {i + 1}/{cfg.problems} problems, {time.perf_counter() - t0:.0f} s")
+        drawn.append((task, a, p.completion, extra))
+    if cfg.continuation == "gold":
+        completions = [(tokenizer.encode(c, add_bos=False) + [tokenizer.eos_id], True) for _, _, c, _ in drawn]
+    elif cfg.continuation == "target":
+        dtype = str(model.embed.weight.dtype).removeprefix("torch.")
+        prompts = [a for _, a, _, _ in drawn]
+        completions = target_continuations(cfg.init, cfg.device, dtype, prompts, cfg.continuation_tokens, tokenizer)
+        log(f"target continuations: {len(completions)} problems, {time.perf_counter() - t0:.0f} s")
+    else:
+        raise ValueError(f"continuation must be gold or target, got {cfg.continuation!r}")
+    out = []
+    for lo in range(0, len(drawn), cfg.backbone_batch):
+        hi = lo + cfg.backbone_batch
+        todo = [(d[0], d[1] + c, len(d[1]), d[3], ended) for d, (c, ended) in zip(drawn[lo:hi], completions[lo:hi])]
+        for (task, ids, n_prompt, extra, ended), rows in zip(todo, backbone_rows(model, [t[1] for t in todo])):
+            ex = example_of(task, ids, n_prompt, extra, rows, model.cfg.sliding_window, ended, torch.bfloat16)
+            ex.weights[ex.weights == 0] = cfg.prompt_weight
+            out.append(ex)
+        if len(out) // 50 != (len(out) - len(todo)) // 50:
+            log(f"backbone pass: {len(out)}/{cfg.problems} problems, {time.perf_counter() - t0:.0f} s")
     return out
+
+
+def target_continuations(
+    init: str, device: str, dtype: str, prompts: list[list[int]], max_new: int, tokenizer
+) -> list[tuple[list[int], bool]]:
+    """The target's greedy outputs of ``prompts`` through the engine (drafts off) on ``device``, as (ids, ended):
+    ended at EOS (kept as the last id: nothing after it is drafted) or cut off at ``max_new`` tokens."""
+    import gc
+
+    from ..engine.llm import LLM
+    from ..engine.sampling_params import SamplingParams
+
+    llm = LLM(init, device=device, dtype=dtype, max_num_seqs=256, enable_prefix_caching=False)
+    try:
+        outs = llm.generate(
+            [{"prompt_token_ids": a} for a in prompts],
+            SamplingParams(temperature=0.0, max_tokens=max_new),
+            use_tqdm=False,
+        )
+    finally:
+        llm.engine.close()
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    done = []
+    for o in outs:
+        ids = list(o.outputs[0].token_ids)
+        ended = o.outputs[0].finish_reason == "stop"
+        if ended and (not ids or ids[-1] != tokenizer.eos_id):
+            ids.append(tokenizer.eos_id)
+        done.append((ids, ended))
+    return done
 
 
 # ------------------------------------------------------------------------------------------------ the block forward
@@ -601,12 +650,13 @@ def plot(curve: list[dict], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     d = DraftConfig()
-    for name in ("init", "device"):
+    for name in ("init", "device", "continuation"):
         p.add_argument(f"--{name.replace('_', '-')}", default=getattr(d, name))
     for name in (
         "seed",
         "problems",
         "prompt_anchors",
+        "continuation_tokens",
         "batch",
         "steps",
         "warmup",

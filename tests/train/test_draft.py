@@ -102,3 +102,20 @@ def test_shipped_drafter_beats_a_random_one(trained):
         assert shipped[task]["greedy_mismatch"] == 0
     assert random_["all"]["mean_accepted"] < 0.5
     assert shipped["all"]["mean_accepted"] > random_["all"]["mean_accepted"] + 1.0
+
+
+def test_target_continuations_are_the_targets_greedy_output(trained):
+    """``continuation="target"`` trains on the engine's greedy outputs: they start as the reference's greedy
+    continuation, end at EOS (kept) or are cut off at the cap, and become examples with those end rules."""
+    model, tok = trained
+    p = problem("arithmetic", "eval", 1, _count(tok), 416)
+    a = prompt_ids(tok, p.prompt)
+    [(long, long_ended)] = D.target_continuations("tiny-trained", "cpu", "float32", [a], 64, tok)
+    [(short, short_ended)] = D.target_continuations("tiny-trained", "cpu", "float32", [a], 8, tok)
+    n = len(GREEDY_ARITHMETIC_1)
+    assert long[:n] == GREEDY_ARITHMETIC_1
+    assert (long_ended and long[-1] == tok.eos_id) or (not long_ended and len(long) == 64)
+    assert short == GREEDY_ARITHMETIC_1[:8] and not short_ended
+    ex = D.example_of("arithmetic", a + short, len(a), [], D.backbone_rows(model, [a + short])[0], 32, short_ended)
+    assert ex.last_row == len(a) + 7  # cut off: the target's argmax after the last token still counts
+    assert int(ex.anchors[-1]) == len(a) + 6
