@@ -193,7 +193,8 @@ def target_continuations(
     from ..engine.llm import LLM
     from ..engine.sampling_params import SamplingParams
 
-    llm = LLM(init, device=device, dtype=dtype, max_num_seqs=256, enable_prefix_caching=False)
+    # eager: a one-off pass, not worth capturing every batch size's graph for
+    llm = LLM(init, device=device, dtype=dtype, max_num_seqs=256, enable_prefix_caching=False, enforce_eager=True)
     try:
         outs = llm.generate(
             [{"prompt_token_ids": a} for a in prompts],
