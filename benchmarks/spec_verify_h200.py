@@ -262,6 +262,43 @@ def engine_check(smoke: bool, k: int, max_tokens: int = 32) -> dict:
     return out
 
 
+def plot(res: dict, png: str) -> None:
+    """Left: the verify step's time over a plain decode step's, graphed and eager, by B and K. Right: output tokens/s
+    by B, plain decode against drafting at each mean acceptance length L (the largest K)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    if not rows:
+        return
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    for k in sorted({r["k"] for r in rows}):
+        rs = [r for r in rows if r["k"] == k]
+        bs = [r["B"] for r in rs]
+        ax.plot(bs, [r["verify_graph_ms"] / r["decode_graph_ms"] for r in rs], "o-", label=f"K={k} verify graph")
+        ax.plot(bs, [r["verify_eager_ms"] / r["decode_graph_ms"] for r in rs], "x--", label=f"K={k} verify eager")
+    ax.set(xscale="log", xlabel="requests B", ylabel="step time / plain decode step (graphs)", title="verify step")
+    ax.legend(fontsize=8)
+    k = max(r["k"] for r in rows)
+    rs = [r for r in rows if r["k"] == k]
+    bs = [r["B"] for r in rs]
+    bx.plot(bs, [r["decode_tok_per_s"] for r in rs], "k-o", label="plain decode (graphs)")
+    for L in range(1, k + 2):
+        bx.plot(bs, [r["spec_tok_per_s_by_mean_acceptance_length"][str(L)] for r in rs], "--", label=f"K={k}, L={L}")
+    bx.set(
+        xscale="log",
+        yscale="log",
+        xlabel="requests B",
+        ylabel="output tokens/s",
+        title=f"{res['model'].get('model', '')} ({res['meta'].get('device', '')})",
+    )
+    bx.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, < 2 minutes")
@@ -271,7 +308,12 @@ def main() -> None:
     p.add_argument("--batches", default="1,2,4,8,16,32")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--budget-s", type=float, default=150.0, help="start no proxy case after this many seconds")
+    p.add_argument("--replot", default="", help="only redraw the PNG beside this spec_verify.json")
     a = p.parse_args()
+    if a.replot:
+        with open(a.replot) as f:
+            plot(json.load(f), os.path.join(os.path.dirname(a.replot), "spec_verify.png"))
+        return
     from model_h200 import build_core, ceilings, free_core
 
     from dsserve.engine.verify_graphs import VerifyGraphs
@@ -323,6 +365,10 @@ def main() -> None:
     res["seconds"] = time.time() - t0
     with open(path, "w") as f:
         json.dump(res, f, indent=1, default=str)
+    try:
+        plot(res, os.path.join(a.out, "spec_verify.png"))
+    except Exception:  # the numbers are written; a figure can be redrawn with --replot
+        traceback.print_exc()
     print(path)
 
 
