@@ -69,6 +69,7 @@ class DraftConfig:
     # too (a retrieval drill's model goes on asking itself questions until max_tokens).
     continuation: str = "gold"
     continuation_tokens: int = 32
+    from_init: bool = False  # start from ``init``'s own drafter (fine-tuning it), not from fresh seeded weights
     backbone_batch: int = 1  # problems a forward in the backbone pass
     prompt_weight: float = 0.3
     conf_weight: float = 0.1
@@ -477,17 +478,18 @@ def ship(model, src_dir: str, out_dir: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ the run
-def fresh_draft(model, seed: int) -> list[torch.nn.Parameter]:
+def fresh_draft(model, seed: int, fresh: bool = True) -> list[torch.nn.Parameter]:
     """Seeded fresh weights for the drafter (``checkpoint.dummy_tensor``'s init; the Markov head's output and the
     confidence head at zero, so training starts from the shared head's guess), its MoE selection biases at zero and
-    frozen (as the backbone was trained); the backbone frozen. Returns the drafter's parameters to train."""
+    frozen (as the backbone was trained); the backbone frozen. Returns the drafter's parameters to train.
+    ``fresh=False``: the drafter keeps the weights it has (fine-tuning), its selection biases still frozen."""
     from ..models.checkpoint import dummy_tensor
 
     for p in model.parameters():
         p.requires_grad_(False)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if not name.startswith(DRAFT_PREFIX):
+            if not name.startswith(DRAFT_PREFIX) or not fresh:
                 continue
             dummy_tensor(name, p.data, model.cfg, seed)
             if name.endswith(("markov_head.head.weight", "confidence_head.proj.weight", "gate.bias", "gate.bias_vl")):
@@ -530,7 +532,7 @@ def train_draft(
     if model.mtp is None:
         raise ValueError(f"{cfg.init!r} has no DSpark stages to train")
     min_back = retrieval_distance(resolve_config(cfg.init))
-    params = fresh_draft(model, cfg.seed) if not eval_only or resume else []
+    params = fresh_draft(model, cfg.seed, not cfg.from_init) if not eval_only or resume else []
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95)) if params else None
     curve, step0, step, examples, backbone_s, t1 = [], 0, 0, [], 0.0, time.perf_counter()
     if resume:
@@ -671,6 +673,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(d, name))
     p.add_argument("--mix", default=",".join(f"{t}={w}" for t, w in d.mix))
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--from-init", action="store_true", help="fine-tune --init's own drafter, not fresh weights")
     p.add_argument("--resume", default="", help="a draft_state.pt to go on from (same data, same seed)")
     p.add_argument("--examples", default="", help="the backbone pass's output: read if present, else written")
     p.add_argument("--pass-only", action="store_true", help="only the backbone pass (to --examples)")
