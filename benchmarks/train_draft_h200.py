@@ -38,6 +38,7 @@ def main() -> int:
     p.add_argument("--mix", default=",".join(f"{t}={w}" for t, w in d.mix))
     p.add_argument("--continuation", default=d.continuation, choices=("gold", "target"))
     p.add_argument("--continuation-tokens", type=int, default=d.continuation_tokens)
+    p.add_argument("--from-init", action="store_true", help="fine-tune the built-in drafter, not fresh weights")
     a = p.parse_args()
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here; use --device cpu (slow) or run on the GPU machine")
@@ -56,6 +57,7 @@ def main() -> int:
         mix=parse_mix(a.mix),
         continuation=a.continuation,
         continuation_tokens=a.continuation_tokens,
+        from_init=a.from_init,
     )
     t0 = time.perf_counter()
     summary = train_draft(cfg, a.out, log=lambda s: print(s, flush=True))
