@@ -478,28 +478,33 @@ def ship(model, src_dir: str, out_dir: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ the run
-def fresh_draft(model, seed: int, fresh: bool = True) -> list[torch.nn.Parameter]:
-    """Seeded fresh weights for the drafter (``checkpoint.dummy_tensor``'s init; the Markov head's output and the
-    confidence head at zero, so training starts from the shared head's guess), its MoE selection biases at zero and
-    frozen (as the backbone was trained); the backbone frozen. Returns the drafter's parameters to train.
-    ``fresh=False``: the drafter keeps the weights it has (fine-tuning), its selection biases still frozen."""
-    from ..models.checkpoint import dummy_tensor
-
+def draft_parameters(model) -> list[torch.nn.Parameter]:
+    """The drafter's parameters to train, as they are (fine-tuning): the backbone frozen, and the stages' MoE
+    selection biases frozen too (as the backbone was trained)."""
     for p in model.parameters():
         p.requires_grad_(False)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not name.startswith(DRAFT_PREFIX) or not fresh:
-                continue
-            dummy_tensor(name, p.data, model.cfg, seed)
-            if name.endswith(("markov_head.head.weight", "confidence_head.proj.weight", "gate.bias", "gate.bias_vl")):
-                p.zero_()
     train = []
     for name, p in model.mtp.named_parameters(prefix="mtp"):
         if not name.endswith(("gate.bias", "gate.bias_vl")):
             p.requires_grad_(True)
             train.append(p)
     return train
+
+
+def fresh_draft(model, seed: int) -> list[torch.nn.Parameter]:
+    """``draft_parameters`` after seeded fresh weights for the drafter (``checkpoint.dummy_tensor``'s init; the
+    Markov head's output and the confidence head at zero, so training starts from the shared head's guess; its MoE
+    selection biases at zero)."""
+    from ..models.checkpoint import dummy_tensor
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.startswith(DRAFT_PREFIX):
+                continue
+            dummy_tensor(name, p.data, model.cfg, seed)
+            if name.endswith(("markov_head.head.weight", "confidence_head.proj.weight", "gate.bias", "gate.bias_vl")):
+                p.zero_()
+    return draft_parameters(model)
 
 
 def _save_state(path: str, model, opt, curve: list, step: int) -> None:
@@ -532,7 +537,9 @@ def train_draft(
     if model.mtp is None:
         raise ValueError(f"{cfg.init!r} has no DSpark stages to train")
     min_back = retrieval_distance(resolve_config(cfg.init))
-    params = fresh_draft(model, cfg.seed, not cfg.from_init) if not eval_only or resume else []
+    params = []
+    if not eval_only or resume:
+        params = draft_parameters(model) if cfg.from_init else fresh_draft(model, cfg.seed)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95)) if params else None
     curve, step0, step, examples, backbone_s, t1 = [], 0, 0, [], 0.0, time.perf_counter()
     if resume:

@@ -119,3 +119,19 @@ def test_target_continuations_are_the_targets_greedy_output(trained):
     ex = D.example_of("arithmetic", a + short, len(a), [], D.backbone_rows(model, [a + short])[0], 32, short_ended)
     assert ex.last_row == len(a) + 7  # cut off: the target's argmax after the last token still counts
     assert int(ex.anchors[-1]) == len(a) + 6
+
+
+def test_fine_tuning_starts_from_the_checkpoints_drafter():
+    """``from_init``: the drafter's parameters train as they are; the backbone and the selection biases stay
+    frozen, and a fresh drafter differs from them."""
+    model = load_model("tiny-trained").model
+    shipped = {k: v.clone() for k, v in model.state_dict().items() if k.startswith(D.DRAFT_PREFIX)}
+    params = D.draft_parameters(model)
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert names and all(n.startswith(D.DRAFT_PREFIX) and not n.endswith("gate.bias") for n in names)
+    assert len(params) == len(names)
+    for k, v in model.state_dict().items():
+        if k.startswith(D.DRAFT_PREFIX):
+            assert torch.equal(v, shipped[k]), k
+    D.fresh_draft(model, seed=0)
+    assert not torch.equal(model.mtp[0].main_proj.weight, shipped["mtp.0.main_proj.weight"])
