@@ -660,8 +660,9 @@ def plot(curve: list[dict], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     d = DraftConfig()
-    for name in ("init", "device", "continuation"):
+    for name in ("init", "device"):
         p.add_argument(f"--{name.replace('_', '-')}", default=getattr(d, name))
+    p.add_argument("--continuation", default=d.continuation, choices=("gold", "target"))
     for name in (
         "seed",
         "problems",
@@ -702,8 +703,8 @@ def main(argv: list[str] | None = None) -> int:
             if k not in ("out", "mix", "threads", "resume", "eval_only", "examples", "pass_only")
         }
         cfg = DraftConfig(**args, mix=parse_mix(a.mix))
-        if cfg.problems < 1 or cfg.batch < 1 or cfg.steps < 1 or cfg.warmup < 1 or not cfg.lr > 0:
-            raise ValueError("problems, batch, steps and warmup must be >= 1 and lr > 0")
+        if min(cfg.problems, cfg.batch, cfg.steps, cfg.warmup, cfg.continuation_tokens) < 1 or not cfg.lr > 0:
+            raise ValueError("problems, batch, steps, warmup and continuation-tokens must be >= 1, and lr > 0")
         summary = train_draft(
             cfg, a.out, a.resume, a.eval_only, a.examples, a.pass_only, log=lambda s: print(s, flush=True)
         )
