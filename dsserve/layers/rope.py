@@ -64,8 +64,9 @@ class Rope:
     def _cos_sin(self, positions: torch.Tensor):
         """(cos, sin) [T, rope_dim/2] in fp64 for these positions, on their device."""
         f = self._on_device.get(positions.device)
-        if f is None:
-            f = self._on_device[positions.device] = self.inv_freq.to(positions.device)
+        if f is None:  # from pinned memory without waiting: a first call may come inside a step that must not sync
+            src = self.inv_freq.pin_memory() if positions.device.type == "cuda" else self.inv_freq
+            f = self._on_device[positions.device] = src.to(positions.device, non_blocking=True)
         ang = positions.to(torch.float64)[:, None] * f[None, :]
         return torch.cos(ang), torch.sin(ang)
 
