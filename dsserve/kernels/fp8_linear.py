@@ -54,6 +54,10 @@ IN_KERNEL_SPLIT_ROWS_WIDE, WIDE_N = 64, 2048
 # cuBLAS beat the W8A16 kernel (M = 8192 on the release shapes: 680-730 vs 415-460 TFLOP/s, the dequant 3 bytes
 # of traffic a weight; H200, 2026-11-30), with the reference's numerics exactly.
 DEQUANT_MIN_ROWS = 1024
+# The W8A8 / W4A8 tiles' MMA (config "mma"): "fp8" (the FP8 tensor cores; on Hopper's wgmma, tiles of 32 or more
+# rows, sums to about 2^-13 of the products' magnitudes) or "fp16" (exact sums, 1.05-1.25x the time at 32-64 rows and
+# 1.3-1.5x at 128-512 on an H100, 2026-12-05: benchmarks/results/fp8-mma-h100).
+MMA = "fp8"
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The Triton 3.9 interpreter gets bf16 dots wrong; fp32 dots of the same (exact) products stand in there.
@@ -159,10 +163,16 @@ def _act_quant_kernel(
 
 
 @triton.jit
-def group_dot(acc, a, sa, w, sw, SWAP: tl.constexpr):
-    """One 32-wide K group on FP8 tensor cores: acc + (a @ w^T) * (sa x sw), a e4m3 [BM, 32] with fp32 scales
+def group_dot(acc, a, sa, w, sw, SWAP: tl.constexpr, F16_MMA: tl.constexpr):
+    """One 32-wide K group on tensor cores: acc + (a @ w^T) * (sa x sw), a e4m3 [BM, 32] with fp32 scales
     sa [BM], w e4m3 [BN, 32] with sw [BN]; acc [BM, BN], or its transpose [BN, BM] if SWAP (the weight rows on
-    the MMA's M side: wgmma needs M = 64, decode has 1-32 rows). The e4m3 products are exact in fp32."""
+    the MMA's M side: wgmma needs M = 64, decode has 1-32 rows). The e4m3 products are exact in fp32, but Hopper's
+    FP8 wgmma sums them with about 13 bits below the largest (its error up to 2^-12.7 of the sum of |products| on
+    an H100, 2026-12-05), so a row's value would depend on the tile shape its batch picked. F16_MMA upcasts both
+    tiles to fp16 (e4m3 is exact there; one cvt instruction for two values) for the FP16 MMA, which sums them in
+    fp32 exactly, as FP8 mma.sync does. (The interpreter's e4m3 -> bf16 cast is wrong: fp16, not bf16.)"""
+    if F16_MMA:
+        a, w = a.to(tl.float16), w.to(tl.float16)
     if SWAP:
         acc += tl.dot(w, tl.trans(a)) * (sw[:, None] * sa[None, :])
     else:
@@ -197,6 +207,7 @@ def _w8a8_kernel(
     SWAP: tl.constexpr,
     GROUP_N: tl.constexpr = 0,
     FUSE_Q: tl.constexpr = False,
+    F16_MMA: tl.constexpr = False,
 ):
     """FUSE_Q: q_ptr holds the float rows x themselves (row stride sqm) and each program quantises the 32-wide
     groups it reads (G = 32): no act_quant launch, at a few instructions a row element (decode: <= 8 rows)."""
@@ -231,7 +242,7 @@ def _w8a8_kernel(
                 sa = tl.load(qs_ptr + rm * ssm + (k0 // G) * ssg, mask=sam, other=0.0)
             b = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=bm_, other=0)
             sb = _e8m0(tl.load(s_ptr + (rn // BLOCK) * KS + k0 // BLOCK, mask=sbm, other=127))
-            acc = group_dot(acc, a, sa, b.to(tl.float8e4nv, bitcast=True), sb, SWAP)
+            acc = group_dot(acc, a, sa, b.to(tl.float8e4nv, bitcast=True), sb, SWAP, F16_MMA)
     if SWAP:
         acc = tl.trans(acc)
     if SPLIT == 1:  # the output, or (sos > 0) this program's split of partials that torch sums afterwards
@@ -407,6 +418,9 @@ def _w8a8(x, w_q, w_s, block, act_group, groups, group_n, cfg):
     swap = cfg.get("SWAP", m < 64)
     bm = cfg.get("BM", min(128, max(8 if swap else 16, triton.next_power_of_2(m))))  # rows: the MMA's N if swapped
     bn, bk = _bn(cfg, 64 if small else 128, group_n), cfg.get("BK", 128)
+    mma = cfg.get("mma", MMA)
+    if mma not in ("fp8", "fp16"):
+        raise ValueError(f"config mma={mma!r}: the tiles' MMA is 'fp8' or 'fp16' (exact sums, see group_dot)")
     if bk < 32 or bk & (bk - 1) or bm < (8 if swap else 16) or bm & (bm - 1):
         raise ValueError(f"config BK={bk} / BM={bm} must be powers of two, BK >= 32, BM >= 8 swapped else 16")
     tiles, k_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn), triton.cdiv(k, bk)
@@ -443,6 +457,7 @@ def _w8a8(x, w_q, w_s, block, act_group, groups, group_n, cfg):
             SWAP=swap,
             GROUP_N=group_n,
             FUSE_Q=fuse,
+            F16_MMA=mma == "fp16",
             num_warps=cfg.get("num_warps", 4 if bm * bn <= 64 * 64 else 8),
             num_stages=cfg.get("num_stages", 4 if small else 3),
         )

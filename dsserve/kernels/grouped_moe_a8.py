@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fp8_linear
 from .dequant import _e8m0
 from .fp8_linear import act_quant_rows, group_dot
 from .kv_write import _e4m3, _pow2_ceil_exp, _round_to
@@ -157,6 +158,7 @@ def _up_a8_kernel(
     GROUP_M: tl.constexpr,
     SWAP: tl.constexpr,
     ASM: tl.constexpr,
+    F16_MMA: tl.constexpr,
 ):
     e, p, pm, n0 = _tile(tiles_ptr, n_tiles, I, BM, BN, GROUP_M)
     if e >= n_experts:  # past the last real tile
@@ -174,9 +176,9 @@ def _up_a8_kernel(
             g = t * (BK // 32) + j
             a, sa = _a_group(q_ptr, qs_ptr, tok, pm, g, D)
             w, sw = _w_group(w1_ptr, s1_ptr, e, rn, g, I, D, FMT, BN, ASM)
-            acc1 = group_dot(acc1, a, sa, w, sw, SWAP)
+            acc1 = group_dot(acc1, a, sa, w, sw, SWAP, F16_MMA)
             w, sw = _w_group(w3_ptr, s3_ptr, e, rn, g, I, D, FMT, BN, ASM)
-            acc3 = group_dot(acc3, a, sa, w, sw, SWAP)
+            acc3 = group_dot(acc3, a, sa, w, sw, SWAP, F16_MMA)
     if SWAP:
         acc1 = tl.trans(acc1)
         acc3 = tl.trans(acc3)
@@ -220,6 +222,7 @@ def _down_a8_kernel(
     GROUP_M: tl.constexpr,
     SWAP: tl.constexpr,
     ASM: tl.constexpr,
+    F16_MMA: tl.constexpr,
 ):
     e, p, pm, n0 = _tile(tiles_ptr, n_tiles, D, BM, BN, GROUP_M)
     if e >= n_experts:
@@ -234,7 +237,7 @@ def _down_a8_kernel(
             g = t * (BK // 32) + j
             a, sa = _a_group(hq_ptr, hs_ptr, p, pm, g, I)
             w, sw = _w_group(w2_ptr, s2_ptr, e, rn, g, D, I, FMT, BN, ASM)
-            acc = group_dot(acc, a, sa, w, sw, SWAP)
+            acc = group_dot(acc, a, sa, w, sw, SWAP, F16_MMA)
     if SWAP:
         acc = tl.trans(acc)
     pair = tl.load(order_ptr + p, mask=pm, other=0)
@@ -269,12 +272,14 @@ def config_a8(n_pairs: int, n_exp: int, d: int, inter: int, cfg: dict | None = N
     bm = cfg.pop("BM", min(64, max(8 if swap else 16, triton.next_power_of_2(rows))))
     big = bm >= 64
     bn = 128 if big or used * triton.cdiv(inter, 128) >= 2 * sms else 64
-    c = {"BM": bm, "BN": bn, "BK": 128 if big else 256, "GROUP_M": 8, "SWAP": swap}
+    c = {"BM": bm, "BN": bn, "BK": 128 if big else 256, "GROUP_M": 8, "SWAP": swap, "mma": fp8_linear.MMA}
     c.update(num_warps=8 if big else 4, num_stages=3 if big else 4)
     c.update(cfg)
     for key, low in (("BM", 8 if c["SWAP"] else 16), ("BN", 32), ("BK", 32)):
         if c[key] < low or c[key] & (c[key] - 1):
             raise ValueError(f"config {key}={c[key]} must be a power of two >= {low} (SWAP={c['SWAP']})")
+    if c["mma"] not in ("fp8", "fp16"):
+        raise ValueError(f"config mma={c['mma']!r}: the tiles' MMA is 'fp8' or 'fp16' (exact sums, see group_dot)")
     c["BN_UP"], c["BN_DOWN"] = (max(32, min(c["BN"], triton.next_power_of_2(m))) for m in (inter, d))
     c["BK_UP"], c["BK_DOWN"] = _bk(d, c["BK"]), _bk(inter, c["BK"])
     return c
@@ -340,6 +345,7 @@ def routed_experts_a8(
         GROUP_M=c["GROUP_M"],
         SWAP=c["SWAP"],
         ASM=asm,
+        F16_MMA=c["mma"] == "fp16",
         num_warps=c["num_warps"],
         num_stages=c["num_stages"],
     )

@@ -137,6 +137,9 @@ def test_w8a8_split_k_and_swap_match_ref(monkeypatch, m, n, k, groups, config):
     for fuse in (True, False):
         cfg = dict(config or {}, fuse_quant=fuse)
         assert torch.equal(F.fp8_linear(x, w_q, w_s, 32, act_quant=True, groups=groups, config=cfg), out)
+    # the tiles on the FP16 MMA (e4m3 is exact in fp16; exact sums on every GPU tile, as here)
+    cfg = dict(config or {}, mma="fp16")
+    assert rel(F.fp8_linear(x, w_q, w_s, 32, act_quant=True, groups=groups, config=cfg), out) < 1e-6
 
 
 @pytest.mark.parametrize("groups", [1, 2])
@@ -180,6 +183,8 @@ def test_rejects_bad_operands():
         F.fp8_linear(torch.randn(2, 32), w_q, w_s, 32)
     with pytest.raises(ValueError, match="act_group"):
         F.fp8_linear(x, w_q, w_s, 32, act_quant=True, act_group=128)
+    with pytest.raises(ValueError, match="mma='tf32'.*'fp8' or 'fp16'"):
+        F.fp8_linear(x, w_q, w_s, 32, act_quant=True, config={"mma": "tf32"})
     with pytest.raises(ValueError, match="bias"):
         F.Fp8Linear.from_linear(nn.Linear(64, 64), 32)
 
@@ -338,8 +343,22 @@ def test_gpu_tiny_model_widths(n, k, groups, m):
     x = torch.randn(m, groups * k, device="cuda")
     out = _poisoned_call(lambda: F.fp8_linear(x, w_q, w_s, 32, groups=groups), m, n)
     assert rel(out, F.fp8_linear_ref(x, w_q, w_s, 32, groups=groups)) < 1e-5
+    ref = F.fp8_linear_w8a8_ref(x, w_q, w_s, 32, groups=groups)
     out = _poisoned_call(lambda: F.fp8_linear(x, w_q, w_s, 32, act_quant=True, groups=groups), m, n)
-    assert rel(out, F.fp8_linear_w8a8_ref(x, w_q, w_s, 32, groups=groups)) < 1e-5
+    assert_within_fp8_mma_sums(out, ref, x, w_q, w_s, groups)
+    exact = {"mma": "fp16"}
+    out = _poisoned_call(lambda: F.fp8_linear(x, w_q, w_s, 32, act_quant=True, groups=groups, config=exact), m, n)
+    assert rel(out, ref) < 1e-5
+
+
+def assert_within_fp8_mma_sums(out, ref, x, w_q, w_s, groups):
+    """Hopper's FP8 wgmma (tiles of 32 or more rows) sums a tile's e4m3 products to about 2^-13 of their
+    magnitudes: up to 2^-12.7 of an output's sum of |products| on an H100 (benchmarks/results/fp8-mma-h100). Each
+    output is held to 2^-10 of its own sum of |products| (the reference on |x|, |w|); a wrong scale or row moves an
+    output by a share of its value, far more."""
+    w_abs = (w_q.view(torch.uint8) & 0x7F).view(w_q.dtype)  # the e4m3 sign bit cleared
+    mag = F.fp8_linear_w8a8_ref(x.abs(), w_abs, w_s, 32, groups=groups)
+    assert ((out - ref).abs() <= 2**-10 * mag).all()
 
 
 @cuda

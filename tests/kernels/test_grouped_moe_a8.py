@@ -50,6 +50,8 @@ def test_matches_ref_with_the_same_rounding(tiny, fmt, t, k, d, inter):
     ref = G.routed_experts_ref(x, ids, w, ex, LIMIT, act_quant=True)
     assert out.dtype == x.dtype and out.shape == (t, d) and out.isfinite().all()
     assert rel(out, ref) < 1e-5
+    # the tiles on the FP16 MMA (e4m3 is exact in fp16; exact sums on every GPU tile, as here)
+    assert rel(G.routed_experts(x, ids, w, ex, LIMIT, act_quant=True, config={"mma": "fp16"}), ref) < 1e-5
     # the activation rounding is visible: this is not the weight-only result
     assert rel(ref, G.routed_experts_ref(x, ids, w, ex, LIMIT)) > 1e-3
 
@@ -146,6 +148,8 @@ def test_rejects_what_it_cannot_run(tiny):
         G.routed_experts(x, ids, w, tiny[("mxfp4", 64, 64)], LIMIT, act_quant=True, config={"asm": True})
     with pytest.raises(ValueError, match="BN"):
         G.routed_experts(x, ids, w, tiny[("mxfp4", 64, 64)], LIMIT, act_quant=True, config={"BN": 16})
+    with pytest.raises(ValueError, match="mma='bf16'.*'fp8' or 'fp16'"):
+        G.routed_experts(x, ids, w, tiny[("mxfp4", 64, 64)], LIMIT, act_quant=True, config={"mma": "bf16"})
     empty = G.routed_experts(x[:0], ids[:0], w[:0], tiny[("mxfp4", 64, 64)], LIMIT, act_quant=True)
     assert empty.shape == (0, 64)
 
@@ -161,6 +165,13 @@ def gpu_experts():
     return {f: G.ExpertWeights.from_dense(*dense(GE, GD, GINTER, "cuda", seed=9), f) for f in ("mxfp4", "fp8")}
 
 
+# Hopper's FP8 wgmma (tiles of 32 or more rows) sums the e4m3 products to about 2^-13 of their magnitudes
+# (benchmarks/results/fp8-mma-h100), which flips some of h's e4m3 roundings between the two projections: 1.3e-3 to
+# 2.1e-3 of the output at 64-256 tokens on an H100 (a wrong scale or row moves it by ~1). The FP16 MMA (config mma)
+# sums exactly and is held to 1e-4, as the interpreter is.
+FP8_MMA_REL = 5e-3
+
+
 @cuda
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
 @pytest.mark.parametrize("t", [1, 8, 64, 256])  # 1-32 tokens an expert at decode; BM 64 tiles at 256
@@ -173,7 +184,8 @@ def test_gpu_model_shapes(gpu_experts, fmt, t):
     # the reference with the same bf16 roundings (of the matmul outputs and h, before h's act_quant)
     assert rel(out, G.routed_experts_ref(x, ids, w, ex, 10.0, act_quant=True)) < 1e-2
     ref = G.routed_experts_ref(x.float(), ids, w, ex, 10.0, act_quant=True)
-    assert rel(G.routed_experts(x.float(), ids, w, ex, 10.0, act_quant=True), ref) < 1e-4
+    assert rel(G.routed_experts(x.float(), ids, w, ex, 10.0, act_quant=True), ref) < FP8_MMA_REL
+    assert rel(G.routed_experts(x.float(), ids, w, ex, 10.0, act_quant=True, config={"mma": "fp16"}), ref) < 1e-4
     if fmt == "mxfp4":  # the PTX conversion gives the byte-wise Triton ops' numbers, bit for bit
         assert torch.equal(out, G.routed_experts(x, ids, w, ex, 10.0, act_quant=True, config={"asm": False}))
 
@@ -188,8 +200,12 @@ def test_gpu_tiny_model_widths(fmt, t):
     ids, w = routing(t, 2, 8, "cuda", seed=t)
     x = torch.randn(t, 256, device="cuda")
     ref = G.routed_experts_ref(x, ids, w, ex, 10.0, act_quant=True)
-    assert rel(G.routed_experts(x, ids, w, ex, 10.0, act_quant=True), ref) < 1e-4
-    assert rel(G.routed_experts(x, ids, w, ex, 10.0, act_quant=True, config={"asm": False}), ref) < 1e-4
+    assert rel(G.routed_experts(x, ids, w, ex, 10.0, act_quant=True), ref) < FP8_MMA_REL
+    assert rel(G.routed_experts(x, ids, w, ex, 10.0, act_quant=True, config={"asm": False}), ref) < FP8_MMA_REL
+    for asm in (True, False):  # the FP16 MMA sums exactly: only a last-bit flip of an h rounding is left
+        assert (
+            rel(G.routed_experts(x, ids, w, ex, 10.0, act_quant=True, config={"asm": asm, "mma": "fp16"}), ref) < 1e-4
+        )
 
 
 @cuda
