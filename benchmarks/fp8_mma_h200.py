@@ -156,11 +156,50 @@ def _fmt(row: dict) -> str:
     )
 
 
+def plot(res: dict, png: str) -> None:
+    """Left: the FP16 MMA's time over the FP8 MMA's by rows (dense projections) and rows an expert (experts). Right:
+    each path's error against the reference with the same activation rounding."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    series = {name: [] for name, *_ in DENSE}
+    for r in res["dense"].values():
+        series[next(n for n, nn, kk, g in DENSE if (nn, kk, g) == (r["N"], r["K"], r["groups"]))].append(r)
+    for name, rs in series.items():
+        ax.plot([r["M"] for r in rs], [r["fp16_over_fp8_time"] for r in rs], "o-", label=name, alpha=0.7)
+        for mma, style in (("fp8", "x--"), ("fp16", "o-")):
+            label = f"dense, mma {mma}" if name == "wq_a" else None
+            errs = [r[mma].get("rel_err", math.nan) for r in rs]
+            bx.plot([r["M"] for r in rs], errs, style, alpha=0.4, color="C0" if mma == "fp8" else "C1", label=label)
+    moe = list(res["moe"].values())
+    ax.plot([r["rows_an_expert"] for r in moe], [r["fp16_over_fp8_time"] for r in moe], "ks-", label="experts (x)")
+    for mma, style in (("fp8", "x--"), ("fp16", "o-")):
+        bx.plot([r["rows_an_expert"] for r in moe], [r[mma].get("rel_err", math.nan) for r in moe], style, color="k",
+                alpha=0.8 if mma == "fp8" else 0.4, label=f"experts, mma {mma}")  # fmt: skip
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set(xscale="log", xlabel="rows M (x: rows an expert)", ylabel="time, fp16 MMA / fp8 MMA",
+           title=f"W8A8 / W4A8 tiles ({res['meta'].get('device', '')})")  # fmt: skip
+    bx.set(xscale="log", yscale="log", xlabel="rows M (experts: rows an expert)", ylabel="rel err vs reference",
+           title="error, same activation rounding")  # fmt: skip
+    ax.legend(fontsize=7)
+    bx.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="benchmarks/results/fp8-mma-h100")
     p.add_argument("--budget-s", type=float, default=200, help="skip the timings left after this many seconds")
+    p.add_argument("--replot", default="", help="only redraw the PNG beside this fp8_mma.json")
     a = p.parse_args()
+    if a.replot:
+        with open(a.replot) as f:
+            plot(json.load(f), os.path.join(os.path.dirname(a.replot), "fp8_mma.png"))
+        return
     import torch
 
     from dsserve.bench.provenance import run_meta
@@ -177,6 +216,7 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "fp8_mma.json"), "w") as f:
         json.dump(run.res, f, indent=1)
+    run.attempt("plot", lambda: plot(run.res, os.path.join(a.out, "fp8_mma.png")))
     ratios = [r["fp16_over_fp8_time"] for part in ("dense", "moe") for r in run.res[part].values()]
     ratios = [r for r in ratios if r == r]
     print(f"{'shape':<24} {'fp8 us':>9} {'fp16 us':>9} {'fp16/fp8':>9} {'fp8 rel':>9} {'fp16 rel':>9}")
