@@ -120,6 +120,7 @@ def test_w8a8_matches_its_ref(m, n, k, block, group, dtype):
         (2, 128, 64, 2, {"SPLIT_K": 2, "BK": 32}),  # grouped, swapped, split
         (4, 64, 160, 1, {"SPLIT_K": 2, "BK": 64}),  # K tiles 2 + 1, the last one partial (K masks)
         (70, 96, 64, 1, {"BK": 64}),  # > 64 rows: 128-row tiles, no split
+        (70, 64, 256, 1, {"SPLIT_K": 2, "BK": 64}),  # > 64 rows, split: torch sums the stored splits
     ],
 )
 def test_w8a8_split_k_and_swap_match_ref(monkeypatch, m, n, k, groups, config):
