@@ -139,8 +139,13 @@ def propose_times(core, drafter: Drafter, graphs: ProposeGraphs, reqs: list[Requ
 
     out["batched"] = timed(lambda: drafter.propose(reqs), repeats)
     torch_ops = drafts()
-    out["batched_kernel_ops"] = timed(lambda: propose_batched_kernel_ops(drafter, reqs), repeats)
-    kernel_ops = drafts()
+    out["batched_kernel_ops_error"], kernel_ops = None, None
+    try:
+        out["batched_kernel_ops"] = timed(lambda: propose_batched_kernel_ops(drafter, reqs), repeats)
+        kernel_ops = drafts()
+    except Exception as e:  # recorded; the graph (the same ops) is still tried
+        traceback.print_exc()
+        out["batched_kernel_ops_error"], out["batched_kernel_ops"] = f"{type(e).__name__}: {e}", float("nan")
     graph_drafter = Drafter(drafter.model, drafter.k, core.stats, graphs=graphs)
     out["graph_error"] = None
     replays = graphs.replays
@@ -149,7 +154,8 @@ def propose_times(core, drafter: Drafter, graphs: ProposeGraphs, reqs: list[Requ
         if graphs.capture is not None and graphs.replays != replays + repeats + 1:
             raise RuntimeError(f"the proposal did not replay its graph: {graphs.report()}")
         graph = drafts()
-        out["graph_same_drafts_as_kernel_ops"] = sum(g == k for g, k in zip(graph, kernel_ops)) / b
+        if kernel_ops is not None:
+            out["graph_same_drafts_as_kernel_ops"] = sum(g == k for g, k in zip(graph, kernel_ops)) / b
         out["graph_same_drafts_as_torch_ops"] = sum(g == t for g, t in zip(graph, torch_ops)) / b
     except Exception as e:  # recorded, and the other numbers still taken: the GPU run is not repeated lightly
         traceback.print_exc()
@@ -164,6 +170,7 @@ def propose_row(t: dict) -> dict:
     return {
         "propose_batched_ms": t["batched"] * 1e3,
         "propose_batched_kernel_ops_ms": t["batched_kernel_ops"] * 1e3,
+        "propose_batched_kernel_ops_error": t["batched_kernel_ops_error"],
         "propose_graph_ms": t["graph"] * 1e3,
         "propose_graph_error": t["graph_error"],  # then the tok/s columns use the batched proposal
         "propose_one_at_a_time_ms": t["one_at_a_time"] * 1e3,
@@ -288,9 +295,9 @@ def case(core, drafter: Drafter, verify_graphs, graphs: ProposeGraphs, b: int, c
 def engine_check(smoke: bool, k: int, max_tokens: int = 32) -> dict:
     """The engine end to end on the built-in trained model (tiny-trained: real DSpark acceptance): 8 held-out
     arithmetic problems at once, greedy, drafts off then on (K = ``k``). On the GPU the engine's own graphs (decode
-    graphs drafts off, verify and proposal graphs drafts on, captured on first use); on the CPU the paged path on the torch
-    references in fixed shapes without capture. Same tokens expected (up to fp32 near-ties on the GPU), the verify
-    steps in fixed shapes, the output rate of each arm (tiny shapes: host-bound, not the H200 proxy's)."""
+    graphs drafts off, verify and proposal graphs drafts on, captured on first use); on the CPU the paged path on
+    the torch references in fixed shapes without capture. Same tokens expected (up to fp32 near-ties on the GPU),
+    the verify steps in fixed shapes, the output rate of each arm (tiny shapes: host-bound, not the H200 proxy's)."""
     from dsserve.engine.args import EngineArgs
     from dsserve.engine.core import EngineCore
     from dsserve.train.tasks import problem, prompt_ids
