@@ -4,8 +4,8 @@ proposal (DSpark.propose, the oracle) and the batched one (DSpark.propose_batch,
 fp64 on the CPU: rings of every fill (empty, partial, past the window, stale rows after a gap), batches padded to a
 bucket, buffers refilled with fewer and shorter rings, a batch past the largest bucket, the capture/replay flow with
 GraphCapture's CPU stand-in; in the engine, greedy with drafts on through the fixed shapes equals drafts off and
-proposes what the eager drafter proposes. CUDA (skipped without one): a replayed graph equals the same fixed shapes
-run eagerly, and a replay makes no host sync.
+proposes what the eager drafter proposes. The GPU's kernel ops in Triton's CPU interpreter (fp32). CUDA (skipped
+without one): a replayed graph equals the same fixed shapes run eagerly, and a replay makes no host sync.
 """
 
 import pytest
@@ -139,6 +139,38 @@ def test_engine_drafts_through_fixed_shapes_greedy_equals_drafts_off():
     assert got == want and sum(len(d) == 3 for _, _, d in got) > 3
     rep = eng.drafter.report()["proposal_graphs"]
     assert rep["runs"] == eng.stats.propose_graph_steps > 0 and rep["fallbacks"]["batch size outside the buckets"]
+
+
+@pytest.mark.interpreter
+def test_kernel_ops_in_fixed_shapes_interpreted():
+    """The Triton kernels the GPU's proposal graphs run (mHC sites, router, grouped experts), in Triton's CPU
+    interpreter on the tiny model (fp32): a batch of 3 in a bucket of 4 gives propose_batch's drafts on the same ops
+    and on the torch ops."""
+    from dsserve.models.checkpoint import dummy_weights
+    from dsserve.models.model import DeepseekForCausalLM
+    from dsserve.models.presets import preset
+
+    cfg = preset("tiny")
+    model = DeepseekForCausalLM(cfg).eval()
+    dummy_weights(model, cfg, seed=0)
+    ops = KernelOps.for_device(torch.device("cpu"))
+    assert ops.uses_triton("moe") and ops.uses_triton("mhc") and ops.uses_triton("router")
+    gen = torch.Generator().manual_seed(6)
+    ys, ps, states = [], [], []
+    for n in (3, cfg.sliding_window + 8, 17):
+        st = model.mtp.new_state()
+        taps = {layer: torch.randn(n, cfg.hidden_size, generator=gen) for layer in cfg.dspark_target_layer_ids}
+        with torch.no_grad():
+            model.mtp.ingest(taps, torch.arange(n), st)
+        states.append(st)
+        ps.append(n - 1)
+        ys.append(int(torch.randint(3, cfg.vocab_size, (1,), generator=gen)))
+    drafts, conf = ProposeGraphs(model, 4, None, ops=ops).propose(ys, ps, states)
+    with torch.no_grad():
+        for o in (ops, None):
+            d, c = model.mtp.propose_batch(ys, ps, states, model.embed, model.head, ops=o)
+            assert torch.equal(drafts, d)
+            torch.testing.assert_close(conf, c, rtol=0, atol=1e-4)
 
 
 def _cuda_setup():
