@@ -3,6 +3,7 @@ plain decode step (graphed) at B = 1..32 and K = 3, 5, the draft proposal batche
 rejection sampler, and the output tokens/s each mean acceptance length would give.
 
     python benchmarks/spec_verify_h200.py --out $OUT/spec-verify-h200          # the H200, < 4 minutes
+    python benchmarks/spec_verify_h200.py --propose-only --out $OUT/propose    # the proposal paths alone
     python benchmarks/spec_verify_h200.py --smoke --out /tmp/spec-verify-smoke  # CPU, tiny shapes, < 2 minutes
 
 On `proxy-h200-release` with dummy weights (dense FP8, routed experts MXFP4, every op through Triton: the engine's
@@ -14,12 +15,17 @@ release forms, as benchmarks/model_h200.py builds them), each request with `--co
   (SequenceKV.save_rows / rollback, as the engine does after a step that accepted nothing); the two steps' logits
   are compared in the same run (argmax agreement, largest difference);
 - rejection: the rejection sampler on the verify step's [B (1 + K), V] logits (greedy rows);
-- propose: the DSpark stages drafting the next block for each request, batched (Drafter.propose:
-  DSpark.propose_batch) and one request at a time (DSpark.propose per request, as the drafter did before), drafts
-  compared;
+- propose: the DSpark stages drafting the next block for each request (each with a full ring), batched and eager
+  (Drafter.propose: DSpark.propose_batch on the torch ops, the drafter before proposal graphs), batched and eager on
+  the kernel ops, from CUDA graphs (engine.propose_graphs.ProposeGraphs: the engine's path on a GPU, after a warm-up
+  call that captures the bucket), and one request at a time (DSpark.propose per request); the graph's drafts are
+  compared with the kernel-op batched ones (the same ops: expected equal) and the torch-op ones (bf16 rounding);
 - per mean acceptance length L in 1..K + 1 (tokens a verified block gives): output tokens/s = B L / (verify +
-  rejection + propose), graphed verify with batched proposal (the engine's path on a GPU) and eager verify with
-  per-request proposal (before), against B / decode (graphs); `breakeven_L` is the L where drafting starts to pay.
+  rejection + propose), graphed verify with the proposal graph (the engine's path on a GPU; the batched proposal
+  where the graph failed) and eager verify with per-request proposal (before), against B / decode (graphs);
+  `breakeven_L` is the L where drafting starts to pay.
+`--propose-only` times the proposal paths alone (no KV cache filled, no decode or verify step; default K = 5 and
+B = 1, 8, 32), then the engine check: on the proxy that is the build (about a minute) and a few seconds a case.
 Every step above is timed the same way: medians of `--repeats` runs after a warm-up run (which captures the graph),
 synchronised on the device. Cases run in order until `--budget-s` has passed (the rest are listed as skipped).
 Then an end-to-end check (`engine_check`): the engine on the built-in trained model (tiny-trained), 8 problems at
@@ -47,6 +53,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 import dsserve.bench.forward as fwd  # noqa: E402
 from dsserve.bench.provenance import run_meta  # noqa: E402
 from dsserve.engine.drafter import Drafter  # noqa: E402
+from dsserve.engine.propose_graphs import ProposeGraphs  # noqa: E402
 from dsserve.engine.request import Request  # noqa: E402
 from dsserve.engine.sampling_params import SamplingParams  # noqa: E402
 from dsserve.engine.scheduler import ScheduledChunk, StepPlan  # noqa: E402
@@ -72,15 +79,18 @@ def timed(fn, repeats: int) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
-def requests(core, b: int, context: int, rows: int, gen: torch.Generator) -> list[Request]:
+def requests(core, b: int, context: int, rows: int, gen: torch.Generator, fill: bool = True) -> list[Request]:
+    """``b`` requests of ``context`` tokens and one output token; ``fill``: with a cache of synthetic context (else
+    no cache: enough for the proposal, which reads only the DSpark rings)."""
     cfg = core.cfg
     out = []
     for i in range(b):
         ids = torch.randint(3, cfg.vocab_size - 2, (context + 1,), generator=gen).tolist()
         r = Request(f"spec-{i}", ids[:-1], SamplingParams(temperature=0, max_tokens=64))
         r.output_token_ids.append(ids[-1])
-        r.kv = core.kv.new_sequence()
-        fwd._fill(core, r, context, rows, gen)
+        if fill:
+            r.kv = core.kv.new_sequence()
+            fwd._fill(core, r, context, rows, gen)
         out.append(r)
     return out
 
@@ -106,6 +116,89 @@ def propose_one_at_a_time(drafter: Drafter, reqs: list[Request]) -> None:
         r.draft_token_ids = d[: drafter.k].tolist()
 
 
+def propose_batched_kernel_ops(drafter: Drafter, reqs: list[Request]) -> None:
+    """``Drafter.propose``'s batched pass on the engine's kernel ops (what the proposal graphs capture), eager."""
+    m = drafter.model
+    ys = [r.output_token_ids[-1] for r in reqs]
+    ps, states = [r.num_tokens - 2 for r in reqs], [r.draft_state for r in reqs]
+    drafts, _ = drafter.mtp.propose_batch(ys, ps, states, m.embed, m.head, ops=m.kernel_ops)
+    for r, d in zip(reqs, drafts[:, : drafter.k].tolist()):
+        r.draft_token_ids = d
+
+
+def propose_times(core, drafter: Drafter, graphs: ProposeGraphs, reqs: list[Request], gen, repeats: int) -> dict:
+    """The proposal of every request's next block (each given a full ring first): batched on the torch ops (the
+    drafter without graphs), batched on the kernel ops, from the proposal graphs (after a warm-up call that
+    captures), one request at a time; the graph's drafts against both batched ones'. Times in seconds."""
+    for r in reqs:
+        ingest_noise(core, drafter, r, gen)
+    b, out = len(reqs), {}
+
+    def drafts() -> list[list[int]]:
+        return [list(r.draft_token_ids) for r in reqs]
+
+    out["batched"] = timed(lambda: drafter.propose(reqs), repeats)
+    torch_ops = drafts()
+    out["batched_kernel_ops_error"], kernel_ops = None, None
+    try:
+        out["batched_kernel_ops"] = timed(lambda: propose_batched_kernel_ops(drafter, reqs), repeats)
+        kernel_ops = drafts()
+    except Exception as e:  # recorded; the graph (the same ops) is still tried
+        traceback.print_exc()
+        out["batched_kernel_ops_error"], out["batched_kernel_ops"] = f"{type(e).__name__}: {e}", float("nan")
+    graph_drafter = Drafter(drafter.model, drafter.k, core.stats, graphs=graphs)
+    out["graph_error"] = None
+    replays = graphs.replays
+    try:
+        out["graph"] = timed(lambda: graph_drafter.propose(reqs), repeats)
+        if graphs.capture is not None and graphs.replays != replays + repeats + 1:
+            raise RuntimeError(f"the proposal did not replay its graph: {graphs.report()}")
+        graph = drafts()
+        if kernel_ops is not None:
+            out["graph_same_drafts_as_kernel_ops"] = sum(g == k for g, k in zip(graph, kernel_ops)) / b
+        out["graph_same_drafts_as_torch_ops"] = sum(g == t for g, t in zip(graph, torch_ops)) / b
+    except Exception as e:  # recorded, and the other numbers still taken: the GPU run is not repeated lightly
+        traceback.print_exc()
+        out["graph_error"], out["graph"] = f"{type(e).__name__}: {e}", float("nan")
+    out["one_at_a_time"] = timed(lambda: propose_one_at_a_time(drafter, reqs), repeats)
+    out["batched_same_drafts_as_one_at_a_time"] = sum(list(r.draft_token_ids) == d for r, d in zip(reqs, torch_ops)) / b
+    return out
+
+
+def propose_row(t: dict) -> dict:
+    """The JSON columns of ``propose_times``."""
+    return {
+        "propose_batched_ms": t["batched"] * 1e3,
+        "propose_batched_kernel_ops_ms": t["batched_kernel_ops"] * 1e3,
+        "propose_batched_kernel_ops_error": t["batched_kernel_ops_error"],
+        "propose_graph_ms": t["graph"] * 1e3,
+        "propose_graph_error": t["graph_error"],  # then the tok/s columns use the batched proposal
+        "propose_one_at_a_time_ms": t["one_at_a_time"] * 1e3,
+        "propose_batched_same_drafts": t["batched_same_drafts_as_one_at_a_time"],
+        "propose_graph_same_drafts_as_kernel_ops": t.get("graph_same_drafts_as_kernel_ops"),
+        "propose_graph_same_drafts_as_torch_ops": t.get("graph_same_drafts_as_torch_ops"),
+    }
+
+
+def propose_line(t: dict) -> str:
+    same = t.get("graph_same_drafts_as_kernel_ops")
+    return (
+        f"propose batched {t['batched'] * 1e3:.2f} (kernel ops {t['batched_kernel_ops'] * 1e3:.2f}), graph "
+        f"{t['graph'] * 1e3:.2f}, one at a time {t['one_at_a_time'] * 1e3:.2f} ms (graph same drafts as kernel "
+        f"ops {same if same is None else f'{same:.2f}'}, as torch ops "
+        f"{t.get('graph_same_drafts_as_torch_ops') or 0:.2f}; batched as one at a time "
+        f"{t['batched_same_drafts_as_one_at_a_time']:.2f})"
+    )
+
+
+def propose_case(core, drafter: Drafter, graphs: ProposeGraphs, b: int, context: int, repeats: int) -> dict:
+    """``--propose-only``: the proposal paths alone at B = ``b`` (requests without a cache)."""
+    gen = torch.Generator().manual_seed(b)
+    t = propose_times(core, drafter, graphs, requests(core, b, context, 0, gen, fill=False), gen, repeats)
+    print(f"K={drafter.k} B={b}: " + propose_line(t), flush=True)
+    return {"B": b, "ctx": context, "k": drafter.k, **propose_row(t)}
+
+
 def step_timer(core, reqs: list[Request], plan: StepPlan, context: int, holder: dict):
     """One step of ``plan`` through the runner, then every row rolled back (the next repeat starts where this
     did): a decode (one row a request) or a verify step (1 + K)."""
@@ -122,7 +215,7 @@ def step_timer(core, reqs: list[Request], plan: StepPlan, context: int, holder: 
     return step
 
 
-def case(core, drafter: Drafter, verify_graphs, b: int, context: int, repeats: int) -> dict:
+def case(core, drafter: Drafter, verify_graphs, graphs: ProposeGraphs, b: int, context: int, repeats: int) -> dict:
     k = drafter.k
     gen = torch.Generator().manual_seed(b)
     runner = core.runner
@@ -155,16 +248,12 @@ def case(core, drafter: Drafter, verify_graphs, b: int, context: int, repeats: i
     agree = float((a.argmax(-1) == e.argmax(-1)).float().mean())
     diff = float((a - e).abs().max())
     t_reject = timed(lambda: core.rejection_sampler(a, sampling, drafts), repeats)
-    for r in reqs:
-        ingest_noise(core, drafter, r, gen)
-    t_propose = timed(lambda: drafter.propose(reqs), repeats)
-    batched = [list(r.draft_token_ids) for r in reqs]
-    t_propose_one = timed(lambda: propose_one_at_a_time(drafter, reqs), repeats)
-    same_drafts = sum(list(r.draft_token_ids) == d for r, d in zip(reqs, batched)) / b
+    prop = propose_times(core, drafter, graphs, reqs, gen, repeats)
     for r in reqs:
         core.kv.release(r.kv)
+    t_propose = prop["batched"] if prop["graph_error"] else prop["graph"]
     spec = (t_verify_eager if graph_error else t_verify_graph) + t_reject + t_propose
-    before = t_verify_eager + t_reject + t_propose_one
+    before = t_verify_eager + t_reject + prop["one_at_a_time"]
     plain = b / t_decode
     by_len = {str(L): b * L / spec for L in range(1, k + 2)}
     breakeven = next((L for L in range(1, k + 2) if b * L / spec >= plain), None)
@@ -181,9 +270,7 @@ def case(core, drafter: Drafter, verify_graphs, b: int, context: int, repeats: i
         "verify_graph_vs_eager_argmax_agree": agree,
         "verify_graph_vs_eager_max_abs_logit_diff": diff,
         "rejection_ms": t_reject * 1e3,
-        "propose_batched_ms": t_propose * 1e3,
-        "propose_one_at_a_time_ms": t_propose_one * 1e3,
-        "propose_batched_same_drafts": same_drafts,
+        **propose_row(prop),
         "decode_tok_per_s": plain,
         "spec_tok_per_s_by_mean_acceptance_length": by_len,
         "spec_tok_per_s_by_mean_acceptance_length_eager_one_at_a_time": {
@@ -194,20 +281,23 @@ def case(core, drafter: Drafter, verify_graphs, b: int, context: int, repeats: i
     print(
         f"K={k} B={b} ctx={context}: decode graph {t_decode * 1e3:.2f} ms; verify graph {t_verify_graph * 1e3:.2f}, "
         f"eager {t_verify_eager * 1e3:.2f} (argmax agree {agree:.3f}, max |diff| {diff:.3g}); rejection "
-        f"{t_reject * 1e3:.2f}; propose batched {t_propose * 1e3:.2f}, one at a time {t_propose_one * 1e3:.2f} "
-        f"(same drafts {same_drafts:.2f}) ms; breakeven L {breakeven}",
+        f"{t_reject * 1e3:.2f} ms; breakeven L {breakeven}",
         flush=True,
     )
-    print("  tok/s by L: " + ", ".join(f"L={L} {v:.0f}" for L, v in by_len.items()) + f"; decode {plain:.0f}")
+    print("  " + propose_line(prop))
+    which = "batched proposal" if prop["graph_error"] else "proposal graph"
+    print(
+        f"  tok/s by L ({which}): " + ", ".join(f"L={L} {v:.0f}" for L, v in by_len.items()) + f"; decode {plain:.0f}"
+    )
     return row
 
 
 def engine_check(smoke: bool, k: int, max_tokens: int = 32) -> dict:
     """The engine end to end on the built-in trained model (tiny-trained: real DSpark acceptance): 8 held-out
     arithmetic problems at once, greedy, drafts off then on (K = ``k``). On the GPU the engine's own graphs (decode
-    graphs drafts off, verify graphs drafts on, captured on first use); on the CPU the paged path on the torch
-    references in fixed shapes without capture. Same tokens expected (up to fp32 near-ties on the GPU), the verify
-    steps in fixed shapes, the output rate of each arm (tiny shapes: host-bound, not the H200 proxy's)."""
+    graphs drafts off, verify and proposal graphs drafts on, captured on first use); on the CPU the paged path on
+    the torch references in fixed shapes without capture. Same tokens expected (up to fp32 near-ties on the GPU),
+    the verify steps in fixed shapes, the output rate of each arm (tiny shapes: host-bound, not the H200 proxy's)."""
     from dsserve.engine.args import EngineArgs
     from dsserve.engine.core import EngineCore
     from dsserve.train.tasks import problem, prompt_ids
@@ -244,8 +334,10 @@ def engine_check(smoke: bool, k: int, max_tokens: int = 32) -> dict:
             out[arm].update(
                 mean_acceptance_length=st.spec_mean_acceptance_length,
                 verify_graph_steps=st.verify_graph_steps,
+                propose_graph_steps=st.propose_graph_steps,
                 steps=st.steps,
                 verify_graphs=None if vg is None else vg.report(),
+                **eng.drafter.report(),
             )
         del eng
     same = [a == b for a, b in zip(toks["on"], toks["off"])]
@@ -256,7 +348,7 @@ def engine_check(smoke: bool, k: int, max_tokens: int = 32) -> dict:
         f"engine (tiny-trained, B={n_req}, K={k}): drafts off {out['off']['output_tok_per_s']:.0f} tok/s, on "
         f"{on['output_tok_per_s']:.0f} tok/s ({out['speedup']:.2f}x), mean acceptance length "
         f"{on['mean_acceptance_length']:.2f}, {on['verify_graph_steps']} of {on['steps']} steps in verify graphs, "
-        f"same tokens {out['same_tokens']:.2f}",
+        f"{on['propose_graph_steps']} proposals in proposal graphs, same tokens {out['same_tokens']:.2f}",
         flush=True,
     )
     return out
@@ -303,11 +395,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, < 2 minutes")
     p.add_argument("--out", default="benchmarks/results/spec-verify-h200")
-    p.add_argument("--ks", default="3,5", help="drafts a request, comma-separated")
+    p.add_argument("--ks", default=None, help="drafts a request, comma-separated (default 3,5; --propose-only: 5)")
     p.add_argument("--context", type=int, default=8192)
-    p.add_argument("--batches", default="1,2,4,8,16,32")
+    p.add_argument("--batches", default=None, help="default 1,2,4,8,16,32 (--propose-only: 1,8,32)")
+    p.add_argument(
+        "--propose-only",
+        action="store_true",
+        help="time only the proposal paths (batched, kernel ops, graph, one at a time), then the engine check",
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--budget-s", type=float, default=150.0, help="start no proxy case after this many seconds")
+    p.add_argument("--no-engine-check", action="store_true", help="skip the end-to-end engine check")
     p.add_argument("--replot", default="", help="only redraw the PNG beside this spec_verify.json")
     a = p.parse_args()
     if a.replot:
@@ -318,6 +416,8 @@ def main() -> None:
 
     from dsserve.engine.verify_graphs import VerifyGraphs
 
+    a.ks = a.ks or ("5" if a.propose_only else "3,5")
+    a.batches = a.batches or ("1,8,32" if a.propose_only else "1,2,4,8,16,32")
     if a.smoke:
         a.context, a.batches, a.repeats = 64, "1,2", 2
     batches, ks = [int(x) for x in a.batches.split(",")], [int(x) for x in a.ks.split(",")]
@@ -326,7 +426,8 @@ def main() -> None:
     path = os.path.join(a.out, "spec_verify.json")
     ceil = ceilings()
     model = "tiny" if a.smoke else "proxy-h200-release"
-    core, info = build_core(model, (max(batches), a.context + max(ks) + 2), release=not a.smoke, smoke=a.smoke)
+    kv_tokens = (max(batches), 64 if a.propose_only else a.context + max(ks) + 2)  # the proposal reads no cache
+    core, info = build_core(model, kv_tokens, release=not a.smoke, smoke=a.smoke)
     if a.context % core.kv.rollback_multiple:
         raise SystemExit(f"--context must be a multiple of {core.kv.rollback_multiple}")
     bs = core.kv.layout.block_size
@@ -339,6 +440,9 @@ def main() -> None:
         core.runner.decode_graphs = DecodeGraphs(core.model, core.kv, max(batches), None, min_context=min_context)
     capture = core.graph_capture
     res = {"meta": run_meta(ceilings=ceil, smoke=a.smoke), "ceilings": ceil, "model": info, "rows": [], "skipped": []}
+    res["propose_only"] = a.propose_only
+    # the proposal does not depend on K (the drafter keeps the first K drafts): one set of graphs for every K
+    proposals = ProposeGraphs(core.model, max(batches), capture, ops=core.model.kernel_ops)
     try:
         with torch.no_grad():
             for k in ks:
@@ -349,8 +453,12 @@ def main() -> None:
                         res["skipped"].append({"k": k, "B": b, "why": f"past --budget-s {a.budget_s}"})
                         print(f"K={k} B={b}: skipped (past --budget-s {a.budget_s})", flush=True)
                         continue
-                    res["rows"].append(case(core, drafter, graphs, b, a.context, a.repeats))
-                    res.setdefault("verify_graphs", {})[str(k)] = graphs.report()
+                    if a.propose_only:
+                        res["rows"].append(propose_case(core, drafter, proposals, b, a.context, a.repeats))
+                    else:
+                        res["rows"].append(case(core, drafter, graphs, proposals, b, a.context, a.repeats))
+                        res.setdefault("verify_graphs", {})[str(k)] = graphs.report()
+                    res["proposal_graphs"] = proposals.report()
                     res["seconds"] = time.time() - t0
                     with open(path, "w") as f:
                         json.dump(res, f, indent=1, default=str)
@@ -358,7 +466,8 @@ def main() -> None:
     finally:
         free_core(core)
     try:
-        res["engine_check"] = engine_check(a.smoke, max(ks), 8 if a.smoke else 32)
+        if not a.no_engine_check:
+            res["engine_check"] = engine_check(a.smoke, max(ks), 8 if a.smoke else 32)
     except Exception as e:  # recorded beside the proxy's numbers
         traceback.print_exc()
         res["engine_check"] = {"error": f"{type(e).__name__}: {e}"}
@@ -366,7 +475,8 @@ def main() -> None:
     with open(path, "w") as f:
         json.dump(res, f, indent=1, default=str)
     try:
-        plot(res, os.path.join(a.out, "spec_verify.png"))
+        if not a.propose_only:
+            plot(res, os.path.join(a.out, "spec_verify.png"))
     except Exception:  # the numbers are written; a figure can be redrawn with --replot
         traceback.print_exc()
     print(path)

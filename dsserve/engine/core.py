@@ -20,6 +20,7 @@ from ..distributed.tp_worker import TPRank, start_tensor_parallel
 from ..kernels.ops import KernelOps
 from ..kv.paged import KVLayout, PagedKVCache
 from ..layers.engram_store import EngramStore, spawning
+from ..layers.moe import MoE
 from ..models.hub import TOKENIZER_FILES, resolve_model
 from ..models.loader import DTYPES, LoadedModel, load_model
 from ..models.presets import model_dir
@@ -36,6 +37,7 @@ from .executor import LocalExecutor, TPExecutor
 from .generation_config import default_sampling
 from .graph_capture import GraphCapture
 from .outputs import CompletionOutput, RequestOutput, make_logprob_dict
+from .propose_graphs import ProposeGraphs
 from .rejection_sampler import RejectionSampler
 from .request import Request, RequestStatus
 from .runner import ModelRunner
@@ -398,6 +400,11 @@ class EngineCore:
                 k = self.drafter.k
                 seqs = verify_max_seqs(args.max_num_seqs, k)
                 verify_graphs = VerifyGraphs(self.model, self.kv, seqs, k, self.graph_capture, min_context)
+            # The proposal as CUDA graphs too, for the requests a verify graph takes; not where the stages' pass is a
+            # collective (TP, expert parallel: its passes are counted per MoE call, which a replay does not make)
+            if self.graph_capture is not None and self.tp is None and all(type(s.ffn) is MoE for s in self.model.mtp):
+                seqs = verify_max_seqs(args.max_num_seqs, self.drafter.k)
+                self.drafter.graphs = ProposeGraphs(self.model, seqs, self.graph_capture, self.model.kernel_ops)
             graphs = decoder_row_graphs = encoder_graphs = None
             _say(
                 "speculative decoding: DSpark, %d drafts a request a step (adaptive K: %s)",
@@ -615,6 +622,8 @@ class EngineCore:
         self.stats = EngineStats(self.stats.layout, self.cfg)
         if self.drafter is not None:
             self.drafter.stats = self.stats
+            if self.drafter.graphs is not None:
+                self.drafter.graphs.reset_counts()
         self._jit_base = jit_compiles.COMPILES.snapshot()
         self.runner.reset_counts()
         self._count_runs()

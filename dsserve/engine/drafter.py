@@ -13,8 +13,9 @@ with prefill chunks and plain decodes in the eager batched forward). Around it:
   is run again with the next step's rows instead (one more row, never a wrong state). Returns the rows each chunk
   gave back (``StepOutput.rolled_back``);
 * ``propose``: each request that got tokens and is still running drafts its next block from its rings, at its last
-  committed position, with the target's token y after it (``DSpark.propose_batch``: every request's block at once);
-  with a confidence threshold (adaptive K) a block keeps its drafts only while the confidence head's estimate that
+  committed position, with the target's token y after it (``DSpark.propose_batch``: every request's block at once;
+  with CUDA graphs on, ``ProposeGraphs``: the same pass in a batch bucket's fixed shapes, replayed); with a confidence
+  threshold (adaptive K) a block keeps its drafts only while the confidence head's estimate that
   every draft so far is accepted (the product of sigmoid(kappa_i), spec 2.10) stays at or above it.
 
 A block's length depends only on the committed tokens (through the rings and y), never on the step's draws, so the
@@ -28,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..models.model import DeepseekForCausalLM, ForwardOutput
+from .propose_graphs import ProposeGraphs
 from .request import Request
 from .scheduler import StepPlan
 from .stats import EngineStats
@@ -40,7 +42,9 @@ class Drafter:
         num_speculative_tokens: int,
         stats: EngineStats,
         confidence_threshold: float = 0.0,
+        graphs: ProposeGraphs | None = None,
     ):
+        """``graphs``: the proposal in fixed shapes (CUDA graphs on a GPU); None: ``DSpark.propose_batch``."""
         if model.mtp is None:
             raise ValueError(f"{model.cfg.name} has no DSpark stages (num_draft_layers 0, or a V4 model)")
         if not 1 <= num_speculative_tokens <= model.cfg.dspark_block_size:
@@ -51,6 +55,7 @@ class Drafter:
             raise ValueError(f"confidence_threshold {confidence_threshold}: adaptive K takes [0, 1) (0: off)")
         self.model, self.mtp, self.k, self.stats = model, model.mtp, num_speculative_tokens, stats
         self.threshold = confidence_threshold
+        self.graphs = graphs
 
     def before(self, plan: StepPlan) -> None:
         for c in plan.chunks:
@@ -109,16 +114,22 @@ class Drafter:
                 ready.append(r)
         if not ready:
             return
-        drafts, conf = self.mtp.propose_batch(
-            [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in ready],
-            [r.num_tokens - 2 for r in ready],
-            [r.draft_state for r in ready],
-            self.model.embed,
-            self.model.head,
-        )
+        ys = [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in ready]
+        ps, states = [r.num_tokens - 2 for r in ready], [r.draft_state for r in ready]
+        if self.graphs is not None:
+            runs = self.graphs.runs
+            drafts, conf = self.graphs.propose(ys, ps, states)
+            if self.stats is not None:
+                self.stats.propose_graph_steps += self.graphs.runs - runs
+        else:
+            drafts, conf = self.mtp.propose_batch(ys, ps, states, self.model.embed, self.model.head)
         lengths = self.block_lengths(conf[:, : self.k])
         for r, d, n in zip(ready, drafts[:, : self.k].tolist(), lengths):  # the host reads the drafts: next plan
             r.draft_token_ids = d[:n]
+
+    def report(self) -> dict:
+        """The proposal graphs' counts (``ProposeGraphs.report``), or {} without them."""
+        return {} if self.graphs is None else {"proposal_graphs": self.graphs.report()}
 
     def block_lengths(self, conf: torch.Tensor) -> list[int]:
         """``conf`` [B, K]: the confidence logits of B blocks. Per block, the drafts it verifies: K, or with a

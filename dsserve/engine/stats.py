@@ -23,6 +23,7 @@ class EngineStats:
     replay_graph_steps: int = 0  # steps whose decoder rows ran in fixed shapes after bounded replay's narrowing
     encoder_graph_steps: int = 0  # replayed steps whose encoder rows ran in fixed shapes (engine.encoder_graphs)
     verify_graph_steps: int = 0  # speculative steps run in fixed shapes (engine.verify_graphs)
+    propose_graph_steps: int = 0  # draft proposals run in fixed shapes (engine.propose_graphs)
     graph_captures: int = 0  # CUDA graphs captured (each stalls its step once: 0.2-1.6 s on the release proxy)
     graph_capture_seconds: float = 0.0  # the time those steps waited for their captures
     graph_pool_bytes: int = 0  # device memory their pools reserved (one shared pool: engine.graph_capture)
@@ -106,6 +107,7 @@ class EngineStats:
             "replay_graph_steps": self.replay_graph_steps,
             "encoder_graph_steps": self.encoder_graph_steps,
             "verify_graph_steps": self.verify_graph_steps,
+            "propose_graph_steps": self.propose_graph_steps,
             "graph_captures": self.graph_captures,
             "graph_capture_seconds": self.graph_capture_seconds,
             "graph_pool_bytes": self.graph_pool_bytes,

@@ -8,9 +8,15 @@ Two entry points, both per sequence:
   ordinary single-pass ``Block.forward`` schedule, whose attention is swapped for ``DraftAttention`` (ring
   window plus the block's own rows, non-causal inside the block), then the shared head plus the sequential
   Markov head and the confidence head.
+
+``propose_batch`` is ``propose`` for several sequences in one pass; ``propose_fixed`` is the same pass over
+device buffers of fixed shape (``RingWindows``: every block's rings padded to the window), with no host read or
+write, which engine.propose_graphs captures as a CUDA graph.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -55,6 +61,11 @@ class DSparkCache:
         self._last: int | None = None  # the newest position on the host, when the pusher gave it
 
     @property
+    def ring(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(keys [n, n_stages, head_dim], positions [n]) of the ingested rows every stage holds, or None (none yet)."""
+        return None if self._ring is None else (self._ring, self.positions[0])
+
+    @property
     def last_position(self) -> int:
         """The newest ingested position (-1 when nothing has been ingested). Kept on the host by ``DSpark.ingest``:
         the drafter reads it per request per step, and a read of the device tensor would wait for the device."""
@@ -76,6 +87,18 @@ class DSparkCache:
         self.positions = [pos] * len(self.keys)
 
 
+@dataclass(frozen=True)
+class RingWindows:
+    """Every block's rings in fixed shapes (``DSpark.propose_fixed``): keys [B, W, n_stages, head_dim] and their
+    positions [B, W] (a padding slot carries -1, which no window reaches), and each block's committed position
+    p [B] (the block is at p + 1, p + 2, ...). Device tensors; stale slots (a position before p - W + 1) are
+    hidden by the same test as the ring rows kept past a gap."""
+
+    keys: torch.Tensor
+    positions: torch.Tensor
+    committed: torch.Tensor
+
+
 class DraftAttention(CSA2Attention):
     """A stage's SWA attention in draft mode. Same parameters (so the same checkpoint names) as the backbone's
     ratio-0 attention; only the key set differs: every query row sees the ring window [p-W+1, p] of committed
@@ -87,9 +110,13 @@ class DraftAttention(CSA2Attention):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Each sequence of ``ctx.seqs`` is one block (its rows, its ``DSparkCache``, ``first``: the block's first
-        position on the host, or read from the positions)."""
+        position on the host, or read from the positions); or one sequence over every row whose cache is a
+        ``RingWindows`` (``DSpark.propose_fixed``: blocks of one size, no host reads)."""
         cfg, pos = self.cfg, ctx.positions
         q, own = self.query_and_entry(x, pos, ctx.qat)
+        if len(ctx.seqs) == 1 and isinstance(rings := ctx.seqs[0].cache, RingWindows):
+            o = self._attend(q, own, rings.keys[:, :, self.stage], rings.positions, rings.committed[:, None])
+            return self.output(o, pos, x.dtype)
         if (o := self._attend_blocks(q, own, ctx.seqs)) is not None:
             return self.output(o, pos, x.dtype)
         outs = []
@@ -126,7 +153,7 @@ class DraftAttention(CSA2Attention):
         nb, b = len(seqs), seqs[0].rows.stop - seqs[0].rows.start
         if any(s.rows != slice(i * b, (i + 1) * b) for i, s in enumerate(seqs)) or nb * b != q.shape[0]:
             return None
-        w, dev = self.cfg.sliding_window, q.device
+        dev = q.device
         keys = [s.cache.keys[self.stage] for s in seqs]
         keys = [own[:0] if k is None else k for k in keys]
         tags = [
@@ -136,6 +163,16 @@ class DraftAttention(CSA2Attention):
         ring_k = torch.nn.utils.rnn.pad_sequence(keys, batch_first=True)  # [B, n, D]
         ring_p = torch.nn.utils.rnn.pad_sequence([t.to(dev) for t in tags], batch_first=True, padding_value=-1)
         p = torch.tensor([s.first - 1 for s in seqs], device=dev)[:, None]
+        return self._attend(q, own, ring_k, ring_p, p)
+
+    def _attend(
+        self, q: torch.Tensor, own: torch.Tensor, ring_k: torch.Tensor, ring_p: torch.Tensor, p: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of B blocks of b rows each (q [B b, H, D], own [B b, D]) over their ring keys ring_k [B, n, D]
+        at positions ring_p [B, n] (-1: padding) and their own rows, block i committed up to p [B, 1]: a ring row is
+        seen iff p - W + 1 <= its position <= p, every block row by every block row. o [B b, H, D] in fp32."""
+        nb, w, dev = ring_k.shape[0], self.cfg.sliding_window, q.device
+        b = q.shape[0] // nb
         ring_ok = (ring_p >= (p - w + 1).clamp_min(0)) & (ring_p <= p)  # padding (-1) is before any window
         k = acc(torch.cat((ring_k.to(own.dtype), own.view(nb, b, -1)), 1))  # [B, n + b, D]
         mask = torch.cat((ring_ok, torch.ones(nb, b, dtype=torch.bool, device=dev)), 1)
@@ -256,28 +293,70 @@ class DSpark(nn.ModuleList):
         embed: nn.Module,
         head: nn.Module,
         qat: bool | None = None,
+        ops=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``propose`` for several sequences in one pass (greedy): sequence b drafts after its committed position
         ``positions[b]`` with ``last_tokens[b]`` the target's token after it. The stages, heads and Markov steps run
         on every block's rows at once; only attention reads each block's own rings. Returns (drafts [B, block],
-        confidence logits [B, block]); reads the states, never writes them."""
-        cfg, last = self.cfg, self[-1]
-        qat = cfg.qat if qat is None else qat
+        confidence logits [B, block]); reads the states, never writes them. ``ops`` (kernels.ops.KernelOps): the
+        stages' mHC sites and MoE through them (engine.propose_graphs on a GPU); None: the torch forward."""
+        cfg = self.cfg
         for p, state in zip(positions, states):
             if state.last_position != p:
                 raise ValueError(f"propose at p={p} but the draft state was ingested up to {state.last_position}")
-        b, n, dev = cfg.dspark_block_size, cfg.hc_mult, embed.weight.device
+        b, dev = cfg.dspark_block_size, embed.weight.device
         nb = len(states)
         ids = torch.full((nb, b), cfg.dspark_noise_token_id, dtype=torch.long)
         ids[:, 0] = torch.tensor(last_tokens, dtype=torch.long)
         ids = ids.flatten().to(dev)
         pos = (torch.tensor(positions, dtype=torch.long)[:, None] + torch.arange(1, b + 1)).flatten().to(dev)
         seqs = [SeqRows(slice(i * b, (i + 1) * b), st, first=p + 1) for i, (st, p) in enumerate(zip(states, positions))]
+        return self._draft(ids, pos, seqs, embed, head, qat, ops)
+
+    @torch.no_grad()
+    def propose_fixed(
+        self,
+        last_tokens: torch.Tensor,
+        rings: RingWindows,
+        embed: nn.Module,
+        head: nn.Module,
+        qat: bool | None = None,
+        ops=None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``propose_batch`` over device tensors of fixed shape, with no host read or write (what a CUDA graph
+        captures): block i drafts after ``rings.committed[i]`` with ``last_tokens[i]`` [B] the target's token after
+        it, its attention over the W slots of its rings (``RingWindows``) and its own rows. The same ops on the same
+        values as ``propose_batch`` (its rings padded to the window, not to the longest). Returns (drafts [B, block],
+        confidence logits [B, block])."""
+        cfg = self.cfg
+        b, nb = cfg.dspark_block_size, last_tokens.shape[0]
+        noise = last_tokens.new_full((nb, b - 1), cfg.dspark_noise_token_id)
+        ids = torch.cat((last_tokens[:, None], noise), 1).flatten()
+        steps = torch.arange(1, b + 1, dtype=torch.long, device=last_tokens.device)
+        pos = (rings.committed[:, None] + steps).flatten()
+        return self._draft(ids, pos, [SeqRows(slice(0, nb * b), rings)], embed, head, qat, ops)
+
+    def _draft(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        seqs: list[SeqRows],
+        embed: nn.Module,
+        head: nn.Module,
+        qat: bool | None,
+        ops,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batched pass of blocks of ``dspark_block_size`` rows (ids, pos [B block] on the device, the rings in
+        ``seqs``): the stages, the shared head, the Markov head's greedy steps and the confidence head."""
+        cfg, last = self.cfg, self[-1]
+        qat = cfg.qat if qat is None else qat
+        b, n, dev = cfg.dspark_block_size, cfg.hc_mult, ids.device
+        nb = ids.shape[0] // b
         # The pass runs in inference mode: its ops skip autograd's per-op bookkeeping (a block's ~2000 small ops are
         # bound by their fixed cost: ~8% of the pass at B = 1 on the CPU); ids and positions stay normal tensors, so
         # RoPE keeps its tables (it checks their version). The drafts and confidences come out as inference tensors.
         with torch.inference_mode():
-            ctx = ForwardContext(tokens=ids, positions=pos, seqs=seqs, qat=qat)
+            ctx = ForwardContext(tokens=ids, positions=pos, seqs=seqs, qat=qat, ops=ops)
             x = embed(ids)[:, None, :].expand(-1, n, -1).contiguous()
             pre = torch.zeros(nb * b, n, device=dev)
             pre[:, 0] = 1.0

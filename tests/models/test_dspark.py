@@ -288,3 +288,44 @@ def test_draft_query_and_entry_are_query_and_window_entry(setup, qat):
             q, own = stage.attn.query_and_entry(x, pos, qat)
             assert torch.equal(q, stage.attn.query(x, pos)[1])
             assert torch.equal(own, stage.attn.window_entry(x, pos, qat))
+
+
+def test_propose_fixed_hides_padding_and_stale_slots_whatever_they_hold(tiny_models):
+    """``DSpark.propose_fixed`` over hand-made ``RingWindows``: each block's ring rows scattered among slots of
+    padding (-1) and of stale positions (before the window, or past p), those slots holding large random keys, gives
+    ``propose``'s drafts and confidences for the ring alone."""
+    from dsserve.models.dspark import RingWindows
+
+    model = tiny_models["tiny"]
+    cfg, w, s = model.cfg, model.cfg.sliding_window, model.cfg.num_draft_layers
+    gen = torch.Generator().manual_seed(7)
+    blocks = [(5, w + 8), (w, w + 20), (1, 0)]  # (ring rows, committed position p)
+    keys = 1e3 * torch.randn(len(blocks), w, s, cfg.head_dim, generator=gen, dtype=torch.float64)
+    tags = torch.full((len(blocks), w), -1, dtype=torch.long)
+    states, ys = [], []
+    with torch.no_grad():
+        for i, (n, p) in enumerate(blocks):
+            st = model.mtp.new_state()
+            taps = {
+                layer: torch.randn(n, cfg.hidden_size, generator=gen, dtype=torch.float64)
+                for layer in cfg.dspark_target_layer_ids
+            }
+            model.mtp.ingest(taps, torch.arange(p - n + 1, p + 1), st)
+            k, pos = st.ring
+            slots = torch.randperm(w, generator=gen)[:n].sort().values
+            keys[i, slots], tags[i, slots] = k, pos
+            free = torch.ones(w, dtype=torch.bool)
+            free[slots] = False
+            stale = torch.tensor([p - w - 3, p + 2, p + 9])  # before the window, past p
+            at = free.nonzero()[: len(stale), 0]
+            tags[i, at] = stale[: len(at)]
+            states.append(st)
+            ys.append(int(torch.randint(3, cfg.vocab_size, (1,), generator=gen)))
+        committed = torch.tensor([p for _, p in blocks])
+        drafts, conf = model.mtp.propose_fixed(
+            torch.tensor(ys), RingWindows(keys, tags, committed), model.embed, model.head
+        )
+        for i, (st, (_, p)) in enumerate(zip(states, blocks)):
+            d, c, _ = model.mtp.propose(ys[i], p, st, model.embed, model.head)
+            assert drafts[i].tolist() == d.tolist()
+            torch.testing.assert_close(conf[i], c, rtol=0, atol=1e-9)
