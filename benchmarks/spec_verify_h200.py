@@ -365,6 +365,19 @@ def plot(res: dict, png: str) -> None:
     rows = res["rows"]
     if not rows:
         return
+    if res.get("propose_only"):  # one panel: the proposal paths' ms by B
+        fig, ax = plt.subplots(figsize=(6, 4))
+        bs = [r["B"] for r in rows]
+        for key, label in (("propose_batched_ms", "batched, torch ops"), ("propose_batched_kernel_ops_ms",
+                           "batched, kernel ops"), ("propose_graph_ms", "graph"), ("propose_one_at_a_time_ms",
+                           "one request at a time")):  # fmt: skip
+            ax.plot(bs, [r.get(key) or float("nan") for r in rows], "o-", label=label)
+        ax.set(xscale="log", yscale="log", xlabel="requests B", ylabel="ms a proposal (K = 5)",
+               title=f"DSpark proposal ({res['meta'].get('device', '')})")  # fmt: skip
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(png, dpi=110)
+        return
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
     for k in sorted({r["k"] for r in rows}):
         rs = [r for r in rows if r["k"] == k]

@@ -406,7 +406,7 @@ def _w8a8(x, w_q, w_s, block, act_group, groups, group_n, cfg):
     """fp8_linear(act_quant=True). From DEQUANT_MIN_ROWS rows (compute-bound): x fake-quantised in its dtype
     (rowwise) and the weight dequantised (both exact), then cuBLAS: the reference's computation exactly, where
     the FP8 kernel would rescale its fp32 accumulator every 32 K (an FP-pipe bound). Below: act_quant_rows, then
-    _w8a8_kernel; up to 64 rows swapped (weights on the MMA's M side); split K as W8A16 (split_k) at any M."""
+    _w8a8_kernel; up to 64 rows swapped (weights on the MMA's M side); split K as W8A16 (split_k)."""
     (m, _), (n, k) = x.shape, w_q.shape
     if cfg.get("dequant", m >= DEQUANT_MIN_ROWS):
         from .rowwise import fake_quant_fp8_pow2 as fq
@@ -425,7 +425,11 @@ def _w8a8(x, w_q, w_s, block, act_group, groups, group_n, cfg):
         raise ValueError(f"config BK={bk} / BM={bm} must be powers of two, BK >= 32, BM >= 8 swapped else 16")
     tiles, k_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn), triton.cdiv(k, bk)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-    split = min(k_tiles, cfg.get("SPLIT_K", max(1, 2 * sms // tiles)))  # as W8A16: fill the SMs at any M
+    # split K to fill the SMs, as W8A16; past 64 rows only where it at least triples the programs: 2 splits of about
+    # a wave of tiles measured 0.79x (wo_a, 256 rows), 3+ splits 1.2-5.5x at 128-512 rows (H200, 2026-12-05:
+    # benchmarks/results/w8a8-split-h200)
+    want = max(1, 2 * sms // tiles)
+    split = min(k_tiles, cfg.get("SPLIT_K", want if small or want >= 3 else 1))
     per = triton.cdiv(k_tiles, split)
     split = triton.cdiv(k_tiles, per)  # no empty programs
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
