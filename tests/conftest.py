@@ -2,6 +2,12 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Tests are deterministic: every @given draws the same examples on every run (a test's own @settings keeps its
+# max_examples and inherits this), and no example database, so a run depends on the code alone, not on .hypothesis/.
+settings.register_profile("dsserve", derandomize=True, database=None)
+settings.load_profile("dsserve")
 
 # Without a GPU the Triton kernels run in Triton's CPU interpreter; it is chosen when a kernel is decorated,
 # so this must be set before any dsserve.kernels module is imported.

@@ -394,6 +394,8 @@ class OutputParser:
         if keep > 4096 or (keep and keep == len(self._buf)):
             self._buf = self._buf[keep:]
             self._pos -= keep
+            if self._stray_at >= 0:  # an index into the buffer, like _pos: it moves with it
+                self._stray_at -= keep
             if self._cand is not None:
                 c = self._cand
                 self._cand = _Candidate(c.start - keep, c.at - keep, c.body - keep, c.channel, c.kind)
@@ -497,8 +499,11 @@ class OutputParser:
 
     def _marker(self, s: str, k: int, final: bool):
         """(end, kind) of the marker at s[k] == '<' valid in a text channel, or _NEED / _FAIL."""
-        if k == self._stray_at:
-            return _stray(s, k, final)
+        if k == self._stray_at:  # one tag only: once decided, this index means nothing more
+            r = _stray(s, k, final)
+            if r != _NEED:
+                self._stray_at = -1
+            return r
         markers = _CHANNEL_MARKERS if self.parse_calls else _PLAIN_MARKERS
         r = _lit(s, k, markers, final)
         if isinstance(r, tuple):

@@ -512,3 +512,52 @@ def test_drop_malformed_never_shows_dsml(parts, cuts, thinking, tools, stop):
     assert out == want
     check_events(out, events, clean=False)
     assert D not in out.content and D not in (out.reasoning_content or "")
+
+
+# A tag released and dropped as stray markup (drop_malformed) in one delta, then a marker in a later delta: the
+# marker must be read as itself at every split. CI once saw the streamed output keep "</think>" (hypothesis, cut 120).
+CI_PARTS = ["x<y", "x<y", "</think>", f"</{D}invoke>", f"</{D}invoke>", f"<{D} calls>", f"</{D}invoke>"]
+CI_PARTS += [f'<{D}parameter name="a" string="true">', "<think>", "<", "<", "<", "<", "</", EOS, EOS, "</think>"]
+RELEASED = f"<{D} calls>b"  # no invoke follows: released, its tag dropped; at index 0 of the buffer
+STALE = [  # (id, kwargs, text, content, reasoning, number of calls)
+    ("ci-cut-120", {}, "".join(CI_PARTS), "x<yx<y<think><<<<</", None, 0),
+    ("then-eos", {}, RELEASED + EOS + "c", "bc", None, 0),
+    ("then-end-think-in-content", {}, RELEASED + "</think>c", "bc", None, 0),
+    ("then-end-think-in-reasoning", {"thinking": True}, RELEASED + "</think>c", "c", "b", 0),
+    ("then-think-in-reasoning", {"thinking": True}, RELEASED + "<think>c", "", "bc", 0),
+    ("then-block", {}, RELEASED + v41(PARIS41), "b", None, 1),
+]
+
+
+@pytest.mark.parametrize("case", STALE, ids=[c[0] for c in STALE])
+def test_released_tag_then_marker_every_split(case):
+    name, kw, text, content, reasoning, n_calls = case
+    kw = {"tools": W, "drop_malformed": True, **kw}
+    want = parse_output(text, **kw)
+    assert (want.content, want.reasoning_content or None, len(want.tool_calls)) == (content, reasoning, n_calls)
+    for pieces in splits(text):
+        out, events = run(text, pieces, **kw)
+        assert out == want, pieces
+        check_events(out, events, clean=True)
+
+
+VALUE_HEAD = f'<{D} calls>\n<{D}invoke name="f">\n<{D}parameter name="a" string="{{}}">'
+
+
+@pytest.mark.parametrize("drop_malformed", [False, True])
+@pytest.mark.parametrize("thinking", [False, True])
+@pytest.mark.parametrize("string, raw", [("true", "x"), ("false", "1")])
+@pytest.mark.parametrize("closed", [False, True])
+def test_eos_spelled_inside_a_value(string, raw, closed, thinking, drop_malformed):
+    """A value is raw text up to its closer (spec 4), so an EOS spelling inside one is data: kept in the value
+    (a string="false" value that is then no JSON becomes a string), never shown in content or reasoning."""
+    value = f"{raw}{EOS}y</think>"
+    text = VALUE_HEAD.format(string) + value + (f"</{D}parameter>\n</{D}invoke>\n</{D} calls>" if closed else "")
+    kw = {"tools": W, "thinking": thinking, "drop_malformed": drop_malformed}
+    want = parse_output(text, **kw)
+    assert want.tool_calls == [C("f", {"a": value})] and want.finish_reason == "tool_calls"
+    assert want.content == "" and not want.reasoning_content
+    for pieces in splits(text):
+        out, events = run(text, pieces, **kw)
+        assert out == want, pieces
+        check_events(out, events, clean=True)
