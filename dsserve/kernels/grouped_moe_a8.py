@@ -289,10 +289,11 @@ def routed_experts_a8(
     x, ids, weights, experts, limit: float, *, accumulate_into=None, accumulate_after=None, config: dict | None = None
 ):
     """grouped_moe.routed_experts with act_quant=True (the module docstring); experts in fmt "mxfp4" or "fp8", d and
-    inter multiples of 32. config overrides BM, BN, BK, GROUP_M, SWAP, num_warps, num_stages, asm (the PTX nibble
-    conversion: default on CUDA; False runs the byte-wise Triton ops, the interpreter's path) and dequant (default:
-    grouped_moe's prefill threshold, bf16 rows): the experts dequantised to x's dtype and run on grouped_moe's
-    bf16 tiles with x and h fake-quantised, the same numbers where the FP8 tiles would rescale every 32 K."""
+    inter multiples of 32. config overrides BM, BN, BK, GROUP_M, SWAP, num_warps, num_stages, mma (default
+    fp8_linear.MMA), asm (the PTX nibble conversion: default on CUDA; False runs the byte-wise Triton ops, the
+    interpreter's path) and dequant (default: grouped_moe's prefill threshold, bf16 rows): the experts dequantised
+    to x's dtype and run on grouped_moe's bf16 tiles with x and h fake-quantised, the same numbers where the FP8 tiles
+    would rescale every 32 K."""
     from . import grouped_moe as G
     from .grouped_moe import _check, _check_into, _wait
 
@@ -317,7 +318,7 @@ def routed_experts_a8(
     if dense:  # the same numbers on bf16 tiles: x fake-quantised in its dtype, h in the up kernel's epilogue
         from .rowwise import fake_quant_fp8_pow2
 
-        own = {key: v for key, v in cfg.items() if key not in ("asm", "SWAP")}
+        own = {key: v for key, v in cfg.items() if key not in ("asm", "SWAP", "mma")}  # bf16 tiles sum exactly
         return G.routed_experts(
             fake_quant_fp8_pow2(x, GROUP),
             ids,

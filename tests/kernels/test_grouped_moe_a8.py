@@ -98,6 +98,9 @@ def test_prefill_sized_calls_run_bf16_tiles_with_the_same_rounding(tiny, monkeyp
     monkeypatch.setattr(G, "_up_kernel", type("Spy", (), {"__getitem__": lambda _, g: calls.append(g) or real[g]})())
     out = G.routed_experts(x, ids, w, ex, LIMIT, act_quant=True, config={"dequant": True})
     assert calls and out.isfinite().all() and rel(out, ref) < 1e-5
+    # the tiles' MMA choice means nothing to bf16 tiles (they sum exactly): accepted, and the same numbers
+    same = G.routed_experts(x, ids, w, ex, LIMIT, act_quant=True, config={"dequant": True, "mma": "fp16"})
+    assert torch.equal(same, out)
     assert rel(ref, G.routed_experts_ref(x, ids, w, ex, LIMIT)) > 1e-3
 
 
