@@ -91,10 +91,13 @@ def model_bytes(cfg, release: bool) -> float:
     return experts * ((0.5 + 1 / 32) if release else 2) + rest * 2
 
 
-def build_core(cfg_or_name, kv_tokens: tuple[int, int], release: bool, smoke: bool, engram_tables: str = "device"):
+def build_core(
+    cfg_or_name, kv_tokens: tuple[int, int], release: bool, smoke: bool, engram_tables: str = "device", **engine_kw
+):
     """An EngineCore around a model built on the device with dummy weights. release: routed experts packed
     MXFP4 layer by layer as they are filled (models.dummy_build: the fp32 experts of all layers never coexist),
-    dense FP8, and the Engram tables where `engram_tables` says (an EngineArgs value)."""
+    dense FP8, and the Engram tables where `engram_tables` says (an EngineArgs value); `engine_kw`: more EngineArgs
+    (speculative_config, ...)."""
     from dsserve.engine.core import EngineCore
     from dsserve.kv.layout import KVLayout
     from dsserve.models.dummy_build import build_dummy_model
@@ -144,6 +147,7 @@ def build_core(cfg_or_name, kv_tokens: tuple[int, int], release: bool, smoke: bo
         enable_prefix_caching=False,
         reference_ops="" if DEV == "cuda" else "all",  # the CPU smoke: no interpreted kernels
         kv_cache_memory=blocks * lay.bytes_per_block + seqs * lay.bytes_per_slot + (1 << 20),
+        **engine_kw,
     )
     core = EngineCore(args, loaded=LoadedModel(net, cfg, tokenizer, "dummy"))
     if DEV == "cuda":

@@ -5,6 +5,7 @@ rejection sampler, and the output tokens/s each mean acceptance length would giv
     python benchmarks/spec_verify_h200.py --out $OUT/spec-verify-h200          # the H200, < 4 minutes
     python benchmarks/spec_verify_h200.py --propose-only --out $OUT/propose    # the proposal paths alone
     python benchmarks/spec_verify_h200.py --smoke --out /tmp/spec-verify-smoke  # CPU, tiny shapes, < 2 minutes
+    python benchmarks/spec_verify_h200.py --engine-proxy 1,8 --out $OUT/sv     # + the engine on the proxy, off vs on
 
 On `proxy-h200-release` with dummy weights (dense FP8, routed experts MXFP4, every op through Triton: the engine's
 release forms, as benchmarks/model_h200.py builds them), each request with `--context` tokens of synthetic cache
@@ -32,7 +33,9 @@ Then an end-to-end check (`engine_check`): the engine on the built-in trained mo
 once (4 with --smoke), greedy, drafts off and on (K = the largest of `--ks`): same tokens, the steps that ran in
 verify graphs, the mean acceptance length and both arms' output rates. Prints a line per case, then the JSON path
 (spec_verify.json with run_meta provenance and the copy / matmul ceilings of this run). `--smoke` (the CPU) runs the
-same code with the paged path on the torch reference ops and fixed-shape steps without capture.
+same code with the paged path on the torch reference ops and fixed-shape steps without capture. `--engine-proxy B,..`
+adds the engine itself on the proxy, drafts off and on (`engine_proxy`): with the proxy's random drafter nothing is
+accepted, so its decode phase times a whole drafting step as the engine runs it, host included.
 """
 
 from __future__ import annotations
@@ -354,6 +357,67 @@ def engine_check(smoke: bool, k: int, max_tokens: int = 32) -> dict:
     return out
 
 
+def engine_proxy(smoke: bool, k: int, batches: list[int], prompt_len: int, new_tokens: int) -> dict:
+    """The engine end to end on the proxy (``--engine-proxy``): B requests of ``prompt_len`` random prompt tokens,
+    greedy, ``new_tokens`` each (EOS ignored), drafts off and on (K = ``k``), one engine per arm (the model rebuilt:
+    the engine quantises it in place). The proxy's drafter has random weights, so drafts on accepts almost nothing
+    (mean acceptance length ~1): its decode phase measures what a whole drafting step costs in the engine (verify
+    graph, rejection, ingestion and rollback, the proposal graph, the host's two reads, planning), and
+    ``tok_per_s_at_L`` is B L / that step time. Each B runs twice, the first capturing its graphs; the second is
+    timed from the moment every request has its first token."""
+    from model_h200 import build_core, free_core
+
+    model = "tiny" if smoke else "proxy-h200-release"
+    out = {"prompt_len": prompt_len, "new_tokens": new_tokens, "k": k}
+    for arm, spec in (("off", None), ("on", {"method": "dspark", "num_speculative_tokens": k})):
+        kv_tokens = (max(batches), prompt_len + new_tokens + 2 * k + 8)
+        core, _ = build_core(model, kv_tokens, release=not smoke, smoke=smoke, speculative_config=spec)
+        gen, rows = torch.Generator().manual_seed(7), {}
+        vocab = core.model.cfg.vocab_size
+        try:
+            for b in batches:
+                params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+                for rep in range(2):
+                    for i in range(b):
+                        ids = torch.randint(10, vocab - 10, (prompt_len,), generator=gen).tolist()
+                        core.add_request(f"{b}-{rep}-{i}", ids, params)
+                    core.reset_counts()
+                    steps, t_first, counts, before = 0, None, {}, 0
+                    _sync()
+                    while core.has_unfinished_requests():
+                        for o in core.step():  # token_ids: all of the request's so far
+                            counts[o.request_id] = len(o.outputs[0].token_ids)
+                        if t_first is not None:
+                            steps += 1
+                        elif sum(1 for n in counts.values() if n) == b:
+                            _sync()
+                            t_first, before = time.perf_counter(), sum(counts.values())
+                    _sync()
+                    secs = time.perf_counter() - t_first
+                st = core.stats
+                decoded = sum(counts.values()) - before
+                row = {"decode_tokens": decoded, "decode_seconds": secs, "steps": steps, "tok_per_s": decoded / secs}
+                row["step_ms"] = secs / max(1, steps) * 1e3
+                if spec:
+                    row.update(
+                        mean_acceptance_length=st.spec_mean_acceptance_length,
+                        verify_graph_steps=st.verify_graph_steps,
+                        propose_graph_steps=st.propose_graph_steps,
+                        tok_per_s_at_L={str(L): b * L / (row["step_ms"] / 1e3) for L in range(1, k + 2)},
+                    )
+                rows[str(b)] = row
+                print(f"engine proxy drafts {arm} B={b}: {row['tok_per_s']:.0f} tok/s, {row['step_ms']:.2f} ms a step"
+                      + (f", L {row['mean_acceptance_length']:.2f}" if spec else ""), flush=True)  # fmt: skip
+        finally:
+            free_core(core)
+        out[arm] = rows
+    for b in map(str, batches):
+        on, off = out["on"][b], out["off"][b]
+        on["step_over_decode_step"] = on["step_ms"] / off["step_ms"]
+        on["breakeven_L"] = next((L for L in range(1, k + 2) if on["tok_per_s_at_L"][str(L)] > off["tok_per_s"]), None)
+    return out
+
+
 def plot(res: dict, png: str) -> None:
     """Left: the verify step's time over a plain decode step's, graphed and eager, by B and K. Right: output tokens/s
     by B, plain decode against drafting at each mean acceptance length L (the largest K)."""
@@ -419,6 +483,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--budget-s", type=float, default=150.0, help="start no proxy case after this many seconds")
     p.add_argument("--no-engine-check", action="store_true", help="skip the end-to-end engine check")
+    p.add_argument(
+        "--engine-proxy",
+        default="",
+        help="B values (e.g. 1,8): the engine end to end on the proxy, drafts off and on (engine_proxy), last",
+    )
+    p.add_argument("--engine-prompt", type=int, default=1024, help="--engine-proxy's prompt tokens a request")
+    p.add_argument("--engine-tokens", type=int, default=64, help="--engine-proxy's new tokens a request")
     p.add_argument("--replot", default="", help="only redraw the PNG beside this spec_verify.json")
     a = p.parse_args()
     if a.replot:
@@ -484,6 +555,13 @@ def main() -> None:
     except Exception as e:  # recorded beside the proxy's numbers
         traceback.print_exc()
         res["engine_check"] = {"error": f"{type(e).__name__}: {e}"}
+    if a.engine_proxy:
+        try:
+            bs_e = [int(x) for x in a.engine_proxy.split(",")]
+            res["engine_proxy"] = engine_proxy(a.smoke, max(ks), bs_e, a.engine_prompt, a.engine_tokens)
+        except Exception as e:  # recorded beside the rest
+            traceback.print_exc()
+            res["engine_proxy"] = {"error": f"{type(e).__name__}: {e}"}
     res["seconds"] = time.time() - t0
     with open(path, "w") as f:
         json.dump(res, f, indent=1, default=str)
