@@ -230,8 +230,9 @@ def test_proposal_graph_replay_equals_eager_and_makes_no_host_sync():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_engine_on_gpu_builds_proposal_graphs():
-    """The engine on a GPU with drafts on replays proposal graphs (not with --enforce-eager), and greedy tokens stay
-    drafts off's."""
+    """The engine on a GPU with drafts on builds proposal graphs (not with --enforce-eager), replays them in its
+    steps and counts them. Its tokens are not compared here: on the random tiny model fp32 near-ties make that
+    vacuous; test_verify_graphs_on_gpu compares drafts on with drafts off on the trained model."""
     kw = dict(dtype="float32", device="cuda", long_prefill_token_threshold=16)
     assert engine(3, enforce_eager=True, **kw).drafter.graphs is None
     eng = engine(3, **kw)
