@@ -91,6 +91,19 @@ def model_bytes(cfg, release: bool) -> float:
     return experts * ((0.5 + 1 / 32) if release else 2) + rest * 2
 
 
+def reduced(cfg, n: int):
+    """``cfg`` cut to at most ``n`` layers: the most that keep a valid schedule (a cut may not leave a layer reading
+    its global KV or its index from a layer cut away)."""
+    from dsserve.models.config import ConfigError
+
+    for m in range(n, 0, -1):
+        try:
+            return replace(cfg, num_hidden_layers=m)
+        except ConfigError:
+            continue
+    raise ConfigError(f"config {cfg.name!r}: no cut to {n} layers or fewer keeps a valid schedule")
+
+
 def build_core(
     cfg_or_name, kv_tokens: tuple[int, int], release: bool, smoke: bool, engram_tables: str = "device", **engine_kw
 ):
@@ -119,8 +132,8 @@ def build_core(
         info["free_bytes"] = free
         if info["estimated_bytes"] > 0.8 * free:  # keep a fifth for KV, activations and Triton workspaces
             n = int(cfg.num_hidden_layers * 0.8 * free / info["estimated_bytes"])
-            cfg = replace(cfg, num_hidden_layers=n)  # ConfigError here: the schedule cannot be cut, say so
-            info.update(layers=n, reduced_layers_to_fit=True)
+            cfg = reduced(cfg, n)
+            info.update(layers=cfg.num_hidden_layers, reduced_layers_to_fit=True)
     tok_name = (
         cfg.name
         if cfg.name in ("tiny", "tiny-v4", "v41-flash", "v4-flash", "proxy-h200")
@@ -156,7 +169,9 @@ def build_core(
 
 
 def free_core(core) -> None:
-    core.model = core.runner = core.kv = None
+    """Drops everything ``core`` holds (its model, caches, graphs and their pools: the drafter's and the runner's
+    too), so that the next build has the device's memory back."""
+    vars(core).clear()
     fwd.release_noise()
     gc.collect()
     if DEV == "cuda":

@@ -6,6 +6,7 @@ rejection sampler, and the output tokens/s each mean acceptance length would giv
     python benchmarks/spec_verify_h200.py --propose-only --out $OUT/propose    # the proposal paths alone
     python benchmarks/spec_verify_h200.py --smoke --out /tmp/spec-verify-smoke  # CPU, tiny shapes, < 2 minutes
     python benchmarks/spec_verify_h200.py --engine-proxy 1,8 --out $OUT/sv     # + the engine on the proxy, off vs on
+    python benchmarks/spec_verify_h200.py --engine-proxy-only --out $OUT/ep     # that engine run alone
 
 On `proxy-h200-release` with dummy weights (dense FP8, routed experts MXFP4, every op through Triton: the engine's
 release forms, as benchmarks/model_h200.py builds them), each request with `--context` tokens of synthetic cache
@@ -119,14 +120,24 @@ def propose_one_at_a_time(drafter: Drafter, reqs: list[Request]) -> None:
         r.draft_token_ids = d[: drafter.k].tolist()
 
 
-def propose_batched_kernel_ops(drafter: Drafter, reqs: list[Request]) -> None:
-    """``Drafter.propose``'s batched pass on the engine's kernel ops (what the proposal graphs capture), eager."""
+def propose_batched(drafter: Drafter, reqs: list[Request], ops=None) -> None:
+    """The batched pass (``DSpark.propose_batch``, eager, on the torch ops or ``ops``), its drafts read back."""
     m = drafter.model
     ys = [r.output_token_ids[-1] for r in reqs]
     ps, states = [r.num_tokens - 2 for r in reqs], [r.draft_state for r in reqs]
-    drafts, _ = drafter.mtp.propose_batch(ys, ps, states, m.embed, m.head, ops=m.kernel_ops)
+    drafts, _ = drafter.mtp.propose_batch(ys, ps, states, m.embed, m.head, ops=ops)
     for r, d in zip(reqs, drafts[:, : drafter.k].tolist()):
         r.draft_token_ids = d
+
+
+def propose_as_the_engine(drafter: Drafter, reqs: list[Request]) -> None:
+    """``Drafter.propose`` as the engine calls it (its tokens and positions on the device; with proposal graphs its
+    pass replayed), then its drafts read back and handed out."""
+    dev = drafter.model.embed.weight.device
+    ys = torch.tensor([r.output_token_ids[-1] for r in reqs], device=dev)
+    ps = torch.tensor([r.num_tokens - 2 for r in reqs], device=dev)
+    proposal = drafter.propose(reqs, ys, ps)
+    Drafter.hand_out(reqs, proposal, [t.cpu() for t in proposal.tensors()])
 
 
 def propose_times(core, drafter: Drafter, graphs: ProposeGraphs, reqs: list[Request], gen, repeats: int) -> dict:
@@ -140,11 +151,11 @@ def propose_times(core, drafter: Drafter, graphs: ProposeGraphs, reqs: list[Requ
     def drafts() -> list[list[int]]:
         return [list(r.draft_token_ids) for r in reqs]
 
-    out["batched"] = timed(lambda: drafter.propose(reqs), repeats)
+    out["batched"] = timed(lambda: propose_batched(drafter, reqs), repeats)
     torch_ops = drafts()
     out["batched_kernel_ops_error"], kernel_ops = None, None
     try:
-        out["batched_kernel_ops"] = timed(lambda: propose_batched_kernel_ops(drafter, reqs), repeats)
+        out["batched_kernel_ops"] = timed(lambda: propose_batched(drafter, reqs, drafter.model.kernel_ops), repeats)
         kernel_ops = drafts()
     except Exception as e:  # recorded; the graph (the same ops) is still tried
         traceback.print_exc()
@@ -153,7 +164,7 @@ def propose_times(core, drafter: Drafter, graphs: ProposeGraphs, reqs: list[Requ
     out["graph_error"] = None
     replays = graphs.replays
     try:
-        out["graph"] = timed(lambda: graph_drafter.propose(reqs), repeats)
+        out["graph"] = timed(lambda: propose_as_the_engine(graph_drafter, reqs), repeats)
         if graphs.capture is not None and graphs.replays != replays + repeats + 1:
             raise RuntimeError(f"the proposal did not replay its graph: {graphs.report()}")
         graph = drafts()
@@ -365,13 +376,18 @@ def engine_proxy(smoke: bool, k: int, batches: list[int], prompt_len: int, new_t
     graph, rejection, ingestion and rollback, the proposal graph, the host's two reads, planning), and
     ``tok_per_s_at_L`` is B L / that step time. Each B runs twice, the first capturing its graphs; the second is
     timed from the moment every request has its first token."""
-    from model_h200 import build_core, free_core
+    from model_h200 import build_core, free_core, reduced
+
+    from dsserve.models.loader import resolve_config
 
     model = "tiny" if smoke else "proxy-h200-release"
     out = {"prompt_len": prompt_len, "new_tokens": new_tokens, "k": k}
     for arm, spec in (("off", None), ("on", {"method": "dspark", "num_speculative_tokens": k})):
         kv_tokens = (max(batches), prompt_len + new_tokens + 2 * k + 8)
-        core, _ = build_core(model, kv_tokens, release=not smoke, smoke=smoke, speculative_config=spec)
+        core, info = build_core(model, kv_tokens, release=not smoke, smoke=smoke, speculative_config=spec)
+        out[f"model_{arm}"] = info
+        if info.get("reduced_layers_to_fit"):  # (a card smaller than the H200) both arms run the same layers
+            model = reduced(resolve_config(model) if isinstance(model, str) else model, info["layers"])
         gen, rows = torch.Generator().manual_seed(7), {}
         vocab = core.model.cfg.vocab_size
         try:
@@ -488,6 +504,7 @@ def main() -> None:
         default="",
         help="B values (e.g. 1,8): the engine end to end on the proxy, drafts off and on (engine_proxy), last",
     )
+    p.add_argument("--engine-proxy-only", action="store_true", help="only --engine-proxy (default B: 1,8)")
     p.add_argument("--engine-prompt", type=int, default=1024, help="--engine-proxy's prompt tokens a request")
     p.add_argument("--engine-tokens", type=int, default=64, help="--engine-proxy's new tokens a request")
     p.add_argument("--replot", default="", help="only redraw the PNG beside this spec_verify.json")
@@ -509,6 +526,14 @@ def main() -> None:
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "spec_verify.json")
     ceil = ceilings()
+    if a.engine_proxy_only:
+        res = {"meta": run_meta(ceilings=ceil, smoke=a.smoke), "ceilings": ceil, "engine_proxy_only": True}
+        bs_e = [int(x) for x in (a.engine_proxy or "1,8").split(",")]
+        res["engine_proxy"] = engine_proxy(a.smoke, max(ks), bs_e, a.engine_prompt, a.engine_tokens)
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        print(path)
+        return
     model = "tiny" if a.smoke else "proxy-h200-release"
     kv_tokens = (max(batches), 64 if a.propose_only else a.context + max(ks) + 2)  # the proposal reads no cache
     core, info = build_core(model, kv_tokens, release=not a.smoke, smoke=a.smoke)

@@ -223,7 +223,7 @@ def run_worker(
 @torch.no_grad()
 def serve_steps(core, conn: Connection) -> None:
     from ..engine import warmup
-    from ..engine.executor import DraftPass, StepMessage
+    from ..engine.executor import DraftPass, Settle, StepMessage
 
     mirror = Mirror(core.kv)
     while True:
@@ -252,15 +252,30 @@ def serve_steps(core, conn: Connection) -> None:
             continue
         core.drafter.before(plan)
         r.execute(plan)
-        verdict = _receive(conn)  # the DraftPass, once rank 0 has sampled and committed
-        if verdict is None or getattr(verdict, "stop", False):
+        core.drafter.ingest(plan, r.last_forward)  # the same rows into the rings as rank 0's
+        draft = _receive_due(conn, DraftPass)  # once rank 0 has its verdict on the device
+        if draft is None:
             return
-        if not isinstance(verdict, DraftPass):
-            raise RuntimeError(f"a speculative step's DraftPass was due, rank 0 sent {type(verdict).__name__}")
-        accepted = {rid: list(t) for rid, t in verdict.accepted}
-        core.drafter.after(plan, r.last_forward, accepted)  # the same ingestion and rollback as rank 0's
+        if draft.proposers:  # joins the pass; its drafts are dropped
+            dev = core.model.embed.weight.device
+            ys, ps = (torch.tensor(v, dtype=torch.long, device=dev) for v in (draft.last_tokens, draft.positions))
+            core.drafter.propose([mirror.requests[rid] for rid in draft.proposers], ys, ps)
+        settle = _receive_due(conn, Settle)  # once rank 0 has read the verdict
+        if settle is None:
+            return
+        accepted = {rid: list(t) for rid, t in settle.accepted}
+        core.drafter.settle(plan, accepted)  # the same rollback as rank 0's
         mirror.accept(accepted)
-        core.drafter.propose([mirror.requests[rid] for rid in verdict.proposers])  # joins the pass; drafts dropped
+
+
+def _receive_due(conn: Connection, kind: type):
+    """The message of ``kind`` a speculative step sends next, or None when rank 0 is gone or stops."""
+    msg = _receive(conn)
+    if msg is None or getattr(msg, "stop", False):
+        return None
+    if not isinstance(msg, kind):
+        raise RuntimeError(f"a speculative step's {kind.__name__} was due, rank 0 sent {type(msg).__name__}")
+    return msg
 
 
 def _receive(conn: Connection):

@@ -202,6 +202,15 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return host.copy_(t, non_blocking=True)
 
 
+def _read_together(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies of ``tensors``, after one wait for the device (none on the CPU)."""
+    if not any(t.device.type == "cuda" for t in tensors):
+        return tensors
+    host = [_to_host(t) if t.device.type == "cuda" else t for t in tensors]
+    torch.cuda.current_stream().synchronize()
+    return host
+
+
 class EngineCore:
     def __init__(
         self,
@@ -400,11 +409,14 @@ class EngineCore:
                 k = self.drafter.k
                 seqs = verify_max_seqs(args.max_num_seqs, k)
                 verify_graphs = VerifyGraphs(self.model, self.kv, seqs, k, self.graph_capture, min_context)
-            # The proposal as CUDA graphs too, for the requests a verify graph takes; not where the stages' pass is a
-            # collective (TP, expert parallel: its passes are counted per MoE call, which a replay does not make)
+            # The proposal in fixed shapes, as CUDA graphs too for the requests a verify graph takes; not captured
+            # where the stages' pass is a collective (TP, expert parallel: its passes are counted per MoE call, which
+            # a replay does not make)
+            seqs = verify_max_seqs(args.max_num_seqs, self.drafter.k)
             if self.graph_capture is not None and self.tp is None and all(type(s.ffn) is MoE for s in self.model.mtp):
-                seqs = verify_max_seqs(args.max_num_seqs, self.drafter.k)
                 self.drafter.graphs = ProposeGraphs(self.model, seqs, self.graph_capture, self.model.kernel_ops)
+            else:
+                self.drafter.graphs = ProposeGraphs(self.model, seqs, None)
             graphs = decoder_row_graphs = encoder_graphs = None
             _say(
                 "speculative decoding: DSpark, %d drafts a request a step (adaptive K: %s)",
@@ -806,8 +818,9 @@ class EngineCore:
 
     def _step_speculative(self) -> list[RequestOutput]:
         """One synchronous step with DSpark drafts (engine.drafter): the scheduled rows (verify chunks carry their
-        drafts) in one eager forward, the rejection sampler's verdict, the drafter's ingestion and rollback, the
-        accepted tokens applied, then the next drafts proposed."""
+        drafts) in one forward, the rejection sampler's verdict, the rows into the drafter's rings and the next
+        drafts proposed from the verdict, all on the device; then the host's one wait, for the verdict and the
+        drafts together; then the rejected rows rolled back and the accepted tokens applied."""
         plan = self.scheduler.schedule()
         failed = self._remote_kv_failures()
         if self.lockstep is not None:  # DEP: an idle rank joins its peers' forward and draft passes in here
@@ -816,26 +829,35 @@ class EngineCore:
             return failed
         self.stats.admitted(plan)
         self.drafter.before(plan)
-        sampling, logits = self.executor.execute(plan, speculative=True)  # TP: the workers run it and wait
+        sampling, logits = self.executor.execute(plan, speculative=True)  # TP: the workers run it and ingest
         self._count_runs()
         drafts = [c.draft_token_ids for c in plan.chunks if c.samples]
-        # counted before the verdict, read after it: the host's one wait for the step is the verdict's
-        nonfinite = torch.isfinite(logits).all(1).logical_not().sum() if sampling else None
-        verdict = self.rejection_sampler(logits.float(), sampling, drafts) if sampling else None
-        accepted = {} if verdict is None else {r.request_id: t for r, t in zip(sampling, verdict.token_ids)}
+        pending = None
         if sampling:
-            self.stats.nonfinite_logit_rows += int(nonfinite)
-        rolled = self.drafter.after(plan, self.runner.last_forward, accepted)
+            nonfinite = torch.isfinite(logits).all(1).logical_not().sum()
+            pending = self.rejection_sampler.decide(logits.float(), sampling, drafts)
+        self.drafter.ingest(plan, self.runner.last_forward)
+        proposers, last_tokens, positions = self.drafter.inputs(plan, pending) if sampling else ([], None, None)
+        # TP: the workers are sent the proposal's inputs (read here) and join the pass
+        proposal = self.executor.draft_pass(proposers, last_tokens, positions, self.drafter.propose)
+        accepted, lps = {}, []
+        if sampling:  # the host's one wait: the verdict, the non-finite rows and the next drafts
+            tensors = [nonfinite, *pending.tensors(), *proposal.tensors()]
+            host = _read_together(tensors)
+            self.stats.nonfinite_logit_rows += int(host[0])
+            verdict = pending.to_host(host[1 : 1 + len(pending.tensors())])
+            accepted = {r.request_id: t for r, t in zip(sampling, verdict.token_ids)}
+            lps = self._verify_logprobs(verdict, sampling, drafts)
+        rolled = self.drafter.settle(plan, accepted)
+        self.executor.settle(plan, accepted)  # TP: the workers roll back the same rows
+        if self.lockstep is not None:  # DEP: the draft passes its peers run and it did not, with zero rows
+            self.lockstep.after_propose()  # (after the settle: a TP worker takes its messages in order)
         self.scheduler.register_full_blocks([c.request for c in plan.chunks])
-        lps = [] if verdict is None else self._verify_logprobs(verdict, sampling, drafts)
         now, results = time.monotonic(), []
         for req in self.scheduler.update(plan, StepOutput(accepted, rolled)):
             results.append(self._commit(self._tracked[req.request_id], accepted[req.request_id], lps[req], now))
-        proposers = [r for r in sampling if not r.status.finished]
-        # the next drafts; under TP the workers take the verdict first (their after()) and join the pass
-        self.executor.draft_pass(plan, accepted, proposers, self.drafter.propose)
-        if self.lockstep is not None:  # DEP: the draft passes its peers run and it did not, with zero rows
-            self.lockstep.after_propose()
+        if sampling:
+            self.drafter.hand_out(sampling, proposal, host[len(host) - len(proposal.tensors()) :])
         return failed + results
 
     def _remote_kv_failures(self) -> list[RequestOutput]:

@@ -14,12 +14,15 @@ finished. It goes down one pipe per worker (pickled once): a worker blocks on it
 the pipe's end of file is its parent's death.
 
 With DSpark drafts (``execute(plan, speculative=True)``) a verify chunk carries its drafts, and the step's message
-is followed by one more, ``DraftPass``, sent once rank 0 has the verdict and committed the tokens: per sampling
-request the tokens it accepted (untrimmed, as the drafter saw them), and the requests that draft next. Each worker,
-having run the same verify forward, then runs the drafter's ``after`` (ring ingestion, rollback) with that verdict
-and joins the DSpark stages' batched pass (their MoE and the vocabulary-parallel embedding and head close with
-collectives). Rank 0's own drafts ride in the next step's chunks: a worker's are dropped. No rank waits on another
-but in the collectives it already joins: one extra one-way message a step, no round trip.
+is followed by two more. Each worker, having run the same verify forward, ingests its rows into its drafter's rings
+as rank 0 does (engine.drafter). ``DraftPass``, sent once rank 0 has its verdict on the device: the requests that
+draft next and, per request, the target's token and the committed position its block starts after (rank 0 reads
+them here: a worker takes them from the message, so under TP a speculative step waits on the device twice); the
+workers join the DSpark stages' batched pass (their MoE and the vocabulary-parallel embedding and head close with
+collectives). ``Settle``, once rank 0 has read the verdict: per sampling request the tokens it accepted (untrimmed,
+as the drafter saw them), for the workers' ``settle`` (rejected rows out of the rings, the cache rolled back) and
+their mirrors. Rank 0's own drafts ride in the next step's chunks: a worker's are dropped. No rank waits on another
+but in the collectives it already joins: two extra one-way messages a step, no round trip.
 
 A worker that dies, a collective that fails or times out, or any fault inside a TP step fails the executor for good
 (the ranks can no longer be trusted to be in step): ``EngineDeadError``, the workers reaped.
@@ -67,9 +70,13 @@ class LocalExecutor:
     def execute(self, plan: StepPlan, speculative: bool = False) -> tuple[list[Request], torch.Tensor]:
         return self.runner.execute(plan)
 
-    def draft_pass(self, plan: StepPlan, accepted: dict, proposers: list[Request], propose: Callable) -> None:
-        """The next drafts: ``propose(proposers)`` (``Drafter.propose``; ``TPExecutor.draft_pass``)."""
-        propose(proposers)
+    def draft_pass(self, proposers: list[Request], last_tokens, positions, propose: Callable):
+        """The next drafts: ``propose(proposers, last_tokens, positions)`` (``Drafter.propose``;
+        ``TPExecutor.draft_pass``)."""
+        return propose(proposers, last_tokens, positions)
+
+    def settle(self, plan: StepPlan, accepted: dict[str, list[int]]) -> None:
+        """After the host read a speculative step's verdict (``TPExecutor.settle``: the workers' rollback)."""
 
     def idle_forward(self) -> None:
         """A forward with no rows: joins the expert-parallel MoE layers' collectives (a DP rank whose peers forward
@@ -164,18 +171,28 @@ class StepMessage:
     ahead_rows: bool = False  # the fixed-shape runners also build their other buckets (the warm-up: engine.warmup)
     idle: bool = False  # a forward with no rows (the DP lockstep's: every rank joins its peers' MoE collectives)
     idle_draft: bool = False  # a draft pass with no rows (the DEP lockstep's, like ``idle``)
-    speculative: bool = False  # a DSpark step: its rows are saved for rollback, a ``DraftPass`` follows the forward
+    speculative: bool = False  # a DSpark step: rows saved for rollback; a ``DraftPass``, a ``Settle`` follow
     audit: bool = False  # no step: each worker gathers its requests' cache states to rank 0 (TPExecutor.audit)
     stop: bool = False
 
 
 @dataclass(frozen=True)
 class DraftPass:
-    """After a speculative step's forward (the message that follows its ``StepMessage``): the verdict, and who
-    drafts next (in rank 0's order: the batched pass's rows)."""
+    """After a speculative step's forward (the message that follows its ``StepMessage``): who drafts next (in rank
+    0's order: the batched pass's rows), each one's target token after its committed rows and its committed
+    position."""
 
-    accepted: tuple[tuple[str, tuple[int, ...]], ...]  # request id -> the tokens the step accepted for it
     proposers: tuple[str, ...]
+    last_tokens: tuple[int, ...]
+    positions: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Settle:
+    """After a speculative step's ``DraftPass``, once rank 0 has read the verdict: request id -> the tokens the step
+    accepted for it."""
+
+    accepted: tuple[tuple[str, tuple[int, ...]], ...]
 
 
 @dataclass
@@ -272,13 +289,24 @@ class TPExecutor:
         except Exception as e:
             raise self._fail_step(f"TP rank 0's step failed: {type(e).__name__}: {e}") from e
 
-    def draft_pass(
-        self, plan: StepPlan, accepted: dict[str, list[int]], proposers: list[Request], propose: Callable
-    ) -> None:
-        """After a speculative step's verdict and commit: the workers run the drafter's ``after`` with ``accepted``
-        (request id -> the tokens the step accepted) and join the pass rank 0 runs, ``propose(proposers)``
-        (``Drafter.propose``). What they were sent follows their mirrors: the accepted tokens appended, block tables
-        cut by the rollback."""
+    def draft_pass(self, proposers: list[Request], last_tokens, positions, propose: Callable):
+        """After a speculative step's forward: the workers are sent the proposal's inputs (read to the host here) and
+        join the pass rank 0 runs, ``propose(proposers, last_tokens, positions)`` (``Drafter.propose``)."""
+        if self.failure is not None:
+            raise EngineDeadError(self.failure)
+        t0 = time.perf_counter()
+        ys = () if last_tokens is None else tuple(last_tokens.tolist())
+        ps = () if positions is None else tuple(positions.tolist())
+        self._post(DraftPass(tuple(r.request_id for r in proposers), ys, ps), t0)
+        try:
+            return propose(proposers, last_tokens, positions)
+        except Exception as e:
+            raise self._fail_step(f"TP rank 0's draft pass failed: {type(e).__name__}: {e}") from e
+
+    def settle(self, plan: StepPlan, accepted: dict[str, list[int]]) -> None:
+        """After rank 0 read a speculative step's verdict: the workers are sent ``accepted`` (request id -> the tokens
+        the step accepted) for their drafter's ``settle`` and their mirrors. What they were sent follows those
+        mirrors: the accepted tokens appended, block tables cut by the rollback."""
         if self.failure is not None:
             raise EngineDeadError(self.failure)
         t0 = time.perf_counter()
@@ -289,12 +317,7 @@ class TPExecutor:
             s.outputs += len(accepted.get(r.request_id, ()))
             if r.kv is not None and r.kv is s.kv:
                 s.blocks = len(r.kv.block_table)
-        ready = tuple(r.request_id for r in proposers if r.grammar is None)  # (a grammar never drafts)
-        self._post(DraftPass(tuple((k, tuple(v)) for k, v in accepted.items()), ready), t0)
-        try:
-            propose(proposers)
-        except Exception as e:
-            raise self._fail_step(f"TP rank 0's draft pass failed: {type(e).__name__}: {e}") from e
+        self._post(Settle(tuple((k, tuple(v)) for k, v in accepted.items())), t0)
 
     def audit(self) -> list[dict]:
         """Between steps, a diagnostic: each worker's ``tp_worker.sequence_state`` of every request it mirrors

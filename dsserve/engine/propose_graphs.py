@@ -4,15 +4,18 @@ A proposal (engine.drafter, ``DSpark.propose_batch``) runs every request's block
 DSpark stages, the shared head and the Markov head: some 2000 small ops a pass, so eagerly it is bound by their
 launches. Here a proposal of B blocks runs ``DSpark.propose_fixed`` on static buffers of the bucket b >= B (b a
 decode batch bucket up to ``max_seqs``): the last tokens [b], the committed positions [b], every stage's ring keys
-padded to the window [b, W, stages, head_dim] and their positions [b, W] (-1 in a padding slot: no window reaches
-it). The pass reads nothing back and writes nothing but its outputs, so on a GPU it is captured once per bucket (on
-first use) and replayed with the buffers refilled; without capture (the CPU, the tests) the same pass runs eagerly.
+padded to the ring's capacity S (the window and the spare rows of ``DSparkCache``) [b, S, stages, head_dim] and
+their positions [b, S] (-1 in a padding slot: no window reaches it). The pass reads nothing back and writes nothing
+but its outputs, so on a GPU it is captured once per bucket (on first use) and replayed with the buffers refilled;
+without capture (the CPU, TP and expert parallel, the tests) the same pass runs eagerly.
 
-Per proposal the host uploads one small tensor (the tokens, the positions and where each ring's rows go) and copies
+The tokens and positions come as device tensors (the engine's: taken from the rejection sampler's verdict, which the
+host has not read yet) or host lists (one upload). Per proposal the host uploads where each ring's rows go and copies
 the rings in: every request's ring rows concatenated, then scattered into the buffers by one ``index_copy_`` (keys
 and positions, after the positions are reset to padding): a few launches whatever B, no wait for the device. A
 bucket's rows past B are dummies (the noise token after position 0, an empty ring) whose drafts are dropped. A
-proposal of more blocks than the largest bucket runs ``propose_batch`` (counted in ``fallbacks``).
+proposal of more blocks than the largest bucket runs the same pass eagerly on buffers of its own size (counted in
+``fallbacks``).
 
 On a GPU the stages' mHC sites and MoE go through the engine's kernel ops (the torch MoE reads the experts' row
 counts back to the host, which a graph cannot); the fallback runs with the same ops, so a request's drafts do not
@@ -40,7 +43,7 @@ class ProposalBuffers:
     """The static inputs of every bucket (a bucket of b blocks reads the first b rows)."""
 
     last_tokens: torch.Tensor  # [max_seqs] long
-    rings: RingWindows  # keys [max_seqs, W, stages, head_dim], positions [max_seqs, W], committed [max_seqs]
+    rings: RingWindows  # keys [max_seqs, S, stages, head_dim], positions [max_seqs, S], committed [max_seqs]
 
     def first(self, b: int) -> tuple[torch.Tensor, RingWindows]:
         r = self.rings
@@ -78,34 +81,43 @@ class ProposeGraphs:
 
     @torch.no_grad()
     def propose(
-        self, last_tokens: list[int], positions: list[int], states: list[DSparkCache]
+        self,
+        last_tokens: torch.Tensor | list[int],
+        positions: torch.Tensor | list[int],
+        states: list[DSparkCache],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``DSpark.propose_batch(last_tokens, positions, states, ...)`` in the bucket's fixed shapes: (drafts
-        [B, block], confidence logits [B, block]), copies the next replay does not touch."""
-        for p, state in zip(positions, states):
-            if state.last_position != p:
-                raise ValueError(f"propose at p={p} but the draft state was ingested up to {state.last_position}")
-        n, m = len(states), self.model
+        [B, block], confidence logits [B, block]), copies the next replay does not touch. ``last_tokens`` and
+        ``positions`` [B]: device tensors (nothing is checked or read back), or host lists (checked against what
+        each state holds)."""
+        if not isinstance(positions, torch.Tensor):
+            for p, state in zip(positions, states):
+                if state.last_position != p:
+                    raise ValueError(f"propose at p={p} but the draft state was ingested up to {state.last_position}")
+        n = len(states)
         if n > self.max_seqs:
             self.fallbacks["batch size outside the buckets"] += 1
-            return self.mtp.propose_batch(last_tokens, positions, states, m.embed, m.head, ops=self.ops)
+            buf = self._new_buffers(n)
+            self._fill(buf, n, last_tokens, positions, states)
+            return self._forward(buf, n)
         b = batch_bucket(n, self.max_seqs, self.buckets)
-        self._fill(b, last_tokens, positions, states)
+        self._buffers = self._buffers or self._new_buffers(self.max_seqs)
+        self._fill(self._buffers, b, last_tokens, positions, states)
         if b not in self._graphs:
             self._graphs[b] = self._capture(b)
         self.runs += 1
         self.padded_rows += b - n
         graph = self._graphs[b]
         if graph is None:
-            drafts, conf = self._forward(b)
+            drafts, conf = self._forward(self._buffers, b)
         else:
             graph.replay()
             self.replays += 1
             drafts, conf = self._graph_outputs[b]
         return drafts[:n].clone(), conf[:n].clone()
 
-    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        last, rings = self._buffers.first(b)
+    def _forward(self, buf: ProposalBuffers, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        last, rings = buf.first(b)
         return self.mtp.propose_fixed(last, rings, self.model.embed, self.model.head, ops=self.ops)
 
     def _capture(self, b: int) -> torch.cuda.CUDAGraph | None:
@@ -113,47 +125,54 @@ class ProposeGraphs:
             return None
         # the warm-up runs read the buffers this proposal just filled and write nothing but their outputs
         graph, self._graph_outputs[b] = self.capture(
-            lambda: self._forward(b), self.label.format(b), forget_tables, self._outputs
+            lambda: self._forward(self._buffers, b), self.label.format(b), forget_tables, self._outputs
         )
         return graph
 
-    def _fill(self, b: int, last_tokens: list[int], positions: list[int], states: list[DSparkCache]) -> None:
-        """The first b rows of the buffers: each request's token, position and ring; rows past the requests are
+    def _fill(
+        self,
+        buf: ProposalBuffers,
+        b: int,
+        last_tokens: torch.Tensor | list[int],
+        positions: torch.Tensor | list[int],
+        states: list[DSparkCache],
+    ) -> None:
+        """The first b rows of ``buf``: each request's token, position and ring; rows past the requests are
         dummies. One upload, no wait for the device."""
-        buf = self._buffers or self._new_buffers()
-        n, w = len(states), self.mtp.cfg.sliding_window
+        n, slots = len(states), buf.rings.keys.shape[1]
         rings = [(i, st.ring) for i, st in enumerate(states) if st.ring is not None]
-        dest = [i * w + j for i, (k, _) in rings for j in range(k.shape[0])]
-        pad = b - n
-        host = torch.tensor(
-            list(last_tokens) + [self.mtp.cfg.dspark_noise_token_id] * pad + list(positions) + [0] * pad + dest,
-            dtype=torch.long,
-        )
-        up = host.to(buf.last_tokens.device, non_blocking=True)
+        if any(k.shape[0] > slots for _, (k, _) in rings):
+            raise ValueError(f"a ring holds more rows than the proposal's {slots} slots (window + block)")
+        dest = [i * slots + j for i, (k, _) in rings for j in range(k.shape[0])]
+        given = isinstance(positions, torch.Tensor)
+        host = dest if given else list(last_tokens) + list(positions) + dest
+        up = torch.tensor(host, dtype=torch.long).to(buf.last_tokens.device, non_blocking=True)
+        if not given:
+            last_tokens, positions, up = up[:n], up[n : 2 * n], up[2 * n :]
         last, r = buf.first(b)
-        last.copy_(up[:b])
-        r.committed.copy_(up[b : 2 * b])
+        last[:n].copy_(last_tokens)
+        last[n:].fill_(self.mtp.cfg.dspark_noise_token_id)
+        r.committed[:n].copy_(positions)
+        r.committed[n:].zero_()
         r.positions.fill_(PADDING)
         if dest:
-            idx = up[2 * b :]
             keys = torch.cat([k for _, (k, _) in rings]).to(r.keys.dtype)
-            r.keys.view(b * w, *r.keys.shape[2:]).index_copy_(0, idx, keys)
-            r.positions.view(b * w).index_copy_(0, idx, torch.cat([p for _, (_, p) in rings]))
+            r.keys.view(b * slots, *r.keys.shape[2:]).index_copy_(0, up, keys)
+            r.positions.view(b * slots).index_copy_(0, up, torch.cat([p for _, (_, p) in rings]))
 
-    def _new_buffers(self) -> ProposalBuffers:
+    def _new_buffers(self, rows: int) -> ProposalBuffers:
         cfg, emb = self.mtp.cfg, self.model.embed.weight
-        s, dev, w = len(self.mtp), emb.device, cfg.sliding_window
+        s, dev, slots = len(self.mtp), emb.device, cfg.sliding_window + cfg.dspark_block_size
         # zeros, not empty: a slot no ring filled yet is masked, and 0 x a finite key adds nothing (garbage could
         # be NaN)
-        self._buffers = ProposalBuffers(
-            torch.zeros(self.max_seqs, dtype=torch.long, device=dev),
+        return ProposalBuffers(
+            torch.zeros(rows, dtype=torch.long, device=dev),
             RingWindows(
-                torch.zeros(self.max_seqs, w, s, cfg.head_dim, dtype=emb.dtype, device=dev),
-                torch.full((self.max_seqs, w), PADDING, dtype=torch.long, device=dev),
-                torch.zeros(self.max_seqs, dtype=torch.long, device=dev),
+                torch.zeros(rows, slots, s, cfg.head_dim, dtype=emb.dtype, device=dev),
+                torch.full((rows, slots), PADDING, dtype=torch.long, device=dev),
+                torch.zeros(rows, dtype=torch.long, device=dev),
             ),
         )
-        return self._buffers
 
     def report(self) -> dict:
         return {

@@ -10,7 +10,7 @@ Two entry points, both per sequence:
   Markov head and the confidence head.
 
 ``propose_batch`` is ``propose`` for several sequences in one pass; ``propose_fixed`` is the same pass over
-device buffers of fixed shape (``RingWindows``: every block's rings padded to the window), with no host read or
+device buffers of fixed shape (``RingWindows``: every block's rings padded to their capacity), with no host read or
 write, which engine.propose_graphs captures as a CUDA graph.
 """
 
@@ -50,12 +50,16 @@ def draft_role(cfg: ModelConfig, stage: int) -> LayerRole:
 
 
 class DSparkCache:
-    """Per-sequence draft state: for each stage, the c rows (post-RoPE, fake-quantised when QAT) of the last
-    ``window`` committed positions that were ingested, with those positions. Never touched by ``propose``."""
+    """Per-sequence draft state: for each stage, the c rows (post-RoPE, fake-quantised when QAT) of the last ingested
+    positions, with those positions: up to ``window`` committed ones plus ``spare`` more. The engine's drafter
+    ingests a verify chunk's rows before the host knows which are committed (its proposal reads the rings with the
+    verdict still on the device, and the window's position test hides rows past the committed position), then drops
+    the rejected ones (``drop_after``); ``spare`` (the block size) keeps the window whole across that. Never touched
+    by ``propose``."""
 
-    def __init__(self, window: int, n_stages: int):
-        self.window = window
-        self.keys: list[torch.Tensor | None] = [None] * n_stages  # [n <= window, head_dim]
+    def __init__(self, window: int, n_stages: int, spare: int = 0):
+        self.window, self.capacity = window, window + spare
+        self.keys: list[torch.Tensor | None] = [None] * n_stages  # [n <= capacity, head_dim]
         self.positions: list[torch.Tensor | None] = [None] * n_stages  # [n], strictly increasing
         self._ring: torch.Tensor | None = None  # [n, n_stages, head_dim]: keys[s] is its view ring[:, s]
         self._last: int | None = None  # the newest position on the host, when the pusher gave it
@@ -82,17 +86,31 @@ class DSparkCache:
         # and the one positions tensor they share are views of them.
         if self._ring is not None:
             keys, positions = torch.cat((self._ring, keys)), torch.cat((self.positions[0], positions))
-        self._ring, pos = keys[-self.window :], positions[-self.window :]
-        self.keys = [self._ring[:, s] for s in range(self._ring.shape[1])]
-        self.positions = [pos] * len(self.keys)
+        self._set(keys[-self.capacity :], positions[-self.capacity :])
+
+    def drop_after(self, position: int) -> None:
+        """Forgets the rows past ``position``: the newest ``last_position - position`` rows, every one of them
+        pushed contiguously after it (a verify chunk's rejected rows). Reads nothing from the device."""
+        n = self.last_position - position
+        if n <= 0:
+            return
+        if self._ring is None or n > self._ring.shape[0]:
+            raise ValueError(f"drop_after({position}): the ring holds rows up to {self.last_position} only")
+        self._set(self._ring[:-n], self.positions[0][:-n])
+        self._last = position
+
+    def _set(self, ring: torch.Tensor, positions: torch.Tensor) -> None:
+        self._ring = ring
+        self.keys = [ring[:, s] for s in range(ring.shape[1])]
+        self.positions = [positions] * len(self.keys)
 
 
 @dataclass(frozen=True)
 class RingWindows:
-    """Every block's rings in fixed shapes (``DSpark.propose_fixed``): keys [B, W, n_stages, head_dim] and their
-    positions [B, W] (a padding slot carries -1, which no window reaches), and each block's committed position
-    p [B] (the block is at p + 1, p + 2, ...). Device tensors; stale slots (a position before p - W + 1) are
-    hidden by the same test as the ring rows kept past a gap."""
+    """Every block's rings in fixed shapes (``DSpark.propose_fixed``): keys [B, S, n_stages, head_dim] and their
+    positions [B, S] (S slots: a ring's capacity, the window and its spare rows; a padding slot carries -1, which no
+    window reaches), and each block's committed position p [B] (the block is at p + 1, p + 2, ...). Device tensors;
+    a slot outside [p - W + 1, p] (stale, or an ingested row past p) is hidden by the window's position test."""
 
     keys: torch.Tensor
     positions: torch.Tensor
@@ -213,8 +231,9 @@ class DSpark(nn.ModuleList):
         super().__init__(DSparkStage(cfg, s) for s in range(cfg.num_draft_layers))
         self.cfg = cfg
 
-    def new_state(self) -> DSparkCache:
-        return DSparkCache(self.cfg.sliding_window, len(self))
+    def new_state(self, spare: int = 0) -> DSparkCache:
+        """A sequence's empty rings; ``spare``: rows kept past the window (``DSparkCache``)."""
+        return DSparkCache(self.cfg.sliding_window, len(self), spare)
 
     def ingest(
         self, taps: dict[int, torch.Tensor], positions: torch.Tensor, state: DSparkCache, qat: bool | None = None
@@ -325,9 +344,9 @@ class DSpark(nn.ModuleList):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``propose_batch`` over device tensors of fixed shape, with no host read or write (what a CUDA graph
         captures): block i drafts after ``rings.committed[i]`` with ``last_tokens[i]`` [B] the target's token after
-        it, its attention over the W slots of its rings (``RingWindows``) and its own rows. The same ops on the same
-        values as ``propose_batch`` (its rings padded to the window, not to the longest). Returns (drafts [B, block],
-        confidence logits [B, block])."""
+        it, its attention over the slots of its rings (``RingWindows``) and its own rows. The same ops on the same
+        values as ``propose_batch`` (its rings padded to their capacity, not to the longest). Returns (drafts
+        [B, block], confidence logits [B, block])."""
         cfg = self.cfg
         b, nb = cfg.dspark_block_size, last_tokens.shape[0]
         noise = last_tokens.new_full((nb, b - 1), cfg.dspark_noise_token_id)

@@ -160,7 +160,7 @@ def test_tp2_with_drafts_gives_one_engines_tokens_and_logits_with_every_cache_eq
     del one.executor.execute
     graph_steps = 0 if two.runner.verify_graphs is None else two.runner.verify_graphs.runs
 
-    spec, last, verdicts, run_step = {}, [], two.rejection_sampler, two.executor.execute
+    spec, last, decide, run_step = {}, [], two.rejection_sampler.decide, two.executor.execute
 
     def stepped(plan, speculative=False):
         sampling, rows = run_step(plan, speculative)
@@ -168,19 +168,20 @@ def test_tp2_with_drafts_gives_one_engines_tokens_and_logits_with_every_cache_eq
         return sampling, rows
 
     def judged(logits, requests, drafts):
-        v = verdicts(logits, requests, drafts)
+        pending = decide(logits, requests, drafts)
+        v = pending.to_host(pending.tensors())  # (the CPU: read here, as the engine reads it later)
         at = 0
         for r, d, toks in zip(requests, drafts, v.token_ids):  # the rows that emitted a token: one per token
             spec.setdefault(r.request_id, []).extend(last[0][at : at + len(toks)].clone())
             at += len(d) + 1
-        return v
+        return pending
 
-    two.executor.execute, two.rejection_sampler = stepped, judged
+    two.executor.execute, two.rejection_sampler.decide = stepped, judged
     rings = []
     try:
         got = run(two, lambda core: rings.append(check_ranks(core)), abort="r2")
     finally:
-        two.rejection_sampler = verdicts
+        del two.rejection_sampler.decide
         del two.executor.execute
     assert got["aborted"] is not None, "r2 was not aborted with drafts pending"
     want["tokens"].pop("r2")

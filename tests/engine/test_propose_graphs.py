@@ -1,10 +1,10 @@
 """The drafter's proposal in fixed shapes (engine.propose_graphs, DSpark.propose_fixed) against the per-sequence
-proposal (DSpark.propose, the oracle) and the batched one (DSpark.propose_batch, the drafter's eager path).
+proposal (DSpark.propose, the oracle) and the batched one (DSpark.propose_batch).
 
 fp64 on the CPU: rings of every fill (empty, partial, past the window, stale rows after a gap), batches padded to a
 bucket, buffers refilled with fewer and shorter rings, a batch past the largest bucket, the capture/replay flow with
-GraphCapture's CPU stand-in; in the engine, greedy with drafts on through the fixed shapes equals drafts off and
-proposes what the eager drafter proposes. The GPU's kernel ops in Triton's CPU interpreter (fp32). CUDA (skipped
+GraphCapture's CPU stand-in, rings holding rows past the committed position (the engine's, before its verdict is
+read); in the engine, greedy with drafts on through the fixed shapes equals drafts off. The GPU's kernel ops in Triton's CPU interpreter (fp32). CUDA (skipped
 without one): a replayed graph equals the same fixed shapes run eagerly, and a replay makes no host sync.
 """
 
@@ -94,7 +94,7 @@ def test_fixed_shape_proposal_equals_per_sequence_propose(tiny_models, ops):
     assert rep["padded_rows"] == 3 + 0 + 1 and rep["fallbacks"] == {}
 
 
-def test_past_the_largest_bucket_falls_back_to_propose_batch(tiny_models):
+def test_past_the_largest_bucket_runs_on_buffers_of_its_own_size(tiny_models):
     model = tiny_models["tiny"]
     g = ProposeGraphs(model, 2, None)
     assert g.buckets == (1, 2)
@@ -124,12 +124,43 @@ def test_capture_then_replays(tiny_models):
     assert capture.whats == ["draft proposal: 4 blocks"] and capture.released == 1 and len(capture.shared) == 1
 
 
+def test_rows_past_the_committed_position_are_invisible_then_dropped(tiny_models):
+    """The engine's drafter ingests a verify chunk's rows before the host knows which are committed: a ring holding
+    rows past the block's committed position p (given as device tensors, as the engine's are) proposes what the ring
+    without them proposes; ``drop_after(p)`` then leaves exactly that ring, the window whole (the spare rows)."""
+    model = tiny_models["tiny"]
+    w, block = model.cfg.sliding_window, model.cfg.dspark_block_size
+    gen = torch.Generator().manual_seed(9)
+    n, rejected = w + 7, 3
+    taps = {
+        layer: torch.randn(n, model.cfg.hidden_size, generator=gen, dtype=torch.float64)
+        for layer in model.cfg.dspark_target_layer_ids
+    }
+    full, committed = model.mtp.new_state(spare=block), model.mtp.new_state(spare=block)
+    with torch.no_grad():
+        model.mtp.ingest({k: v[: n - rejected - 1] for k, v in taps.items()}, torch.arange(n - rejected - 1), full)
+        model.mtp.ingest_spans(taps, [(full, slice(n - rejected - 1, n), n - rejected - 1)])  # a chunk of 1 + 3
+        model.mtp.ingest({k: v[: n - rejected] for k, v in taps.items()}, torch.arange(n - rejected), committed)
+    p = n - rejected - 1
+    assert full.last_position == n - 1 and full.ring[0].shape[0] == w + rejected + 1  # (ingest keeps the last w)
+    g = ProposeGraphs(model, 4, None)
+    y = torch.tensor([17, 17])
+    drafts, conf = g.propose(y, torch.tensor([p, p]), [full, committed])
+    assert torch.equal(drafts[0], drafts[1]) and torch.equal(conf[0], conf[1])
+    full.drop_after(p)
+    m = committed.ring[0].shape[0]
+    assert full.last_position == p and full.ring[0].shape[0] == w + 1 and m == w
+    assert torch.equal(full.ring[1][-m:], committed.ring[1]) and torch.equal(full.ring[0][-m:], committed.ring[0])
+    with pytest.raises(ValueError, match="holds rows up to"):
+        model.mtp.new_state().drop_after(-5)
+
+
 def test_engine_drafts_through_fixed_shapes_greedy_equals_drafts_off():
-    """The engine's drafter with its proposal in fixed shapes (forced on the CPU; the engine builds them only with
-    CUDA graphs): the same proposals as the eager drafter's, step by step, and drafts off's greedy tokens."""
+    """The engine's drafter with its proposal in fixed shapes (on the CPU run eagerly): a batch past the largest
+    bucket proposes what buckets do, step by step, and greedy tokens equal drafts off's."""
     off = run(engine(None, long_prefill_token_threshold=16), prompts(), GREEDY, check=False)
     eager = engine(3, long_prefill_token_threshold=16)
-    assert eager.drafter.graphs is None  # the CPU engine keeps propose_batch
+    assert eager.drafter.graphs.capture is None  # the CPU engine's fixed shapes run eagerly
     want = recorded_proposals(eager)
     run(eager, prompts(), GREEDY, check=False)
     eng = engine(3, long_prefill_token_threshold=16)
@@ -185,8 +216,8 @@ def _cuda_setup():
     w = cfg.sliding_window
     gen = torch.Generator().manual_seed(5)
     ys, ps, states = [], [], []
-    for n in (3, w + 4, w, 1, 17):
-        st = model.mtp.new_state()
+    for n in (3, w + 9, w, 1, 17):  # (the longest ring fills its capacity: the window + the block's spare rows)
+        st = model.mtp.new_state(spare=cfg.dspark_block_size)
         taps = {layer: torch.randn(n, cfg.hidden_size, generator=gen) for layer in cfg.dspark_target_layer_ids}
         with torch.no_grad():
             model.mtp.ingest({k: v.to("cuda", torch.bfloat16) for k, v in taps.items()}, torch.arange(n), st)
@@ -220,7 +251,7 @@ def test_proposal_graph_replay_equals_eager_and_makes_no_host_sync():
             torch.cuda.set_sync_debug_mode(0)
         de, ce = eager.propose(ys[:n], ps[:n], states[:n])
         assert torch.equal(d, de) and torch.equal(c, ce)
-    # a full bucket whose longest ring fills the window: propose_batch runs the same shapes
+    # a full bucket whose longest ring fills its capacity: propose_batch runs the same shapes
     with torch.no_grad():
         db, _ = model.mtp.propose_batch(ys[:4], ps[:4], states[:4], model.embed, model.head, ops=ops)
     assert torch.equal(d, db)
@@ -234,7 +265,7 @@ def test_engine_on_gpu_builds_proposal_graphs():
     steps and counts them. Its tokens are not compared here: on the random tiny model fp32 near-ties make that
     vacuous; test_verify_graphs_on_gpu compares drafts on with drafts off on the trained model."""
     kw = dict(dtype="float32", device="cuda", long_prefill_token_threshold=16)
-    assert engine(3, enforce_eager=True, **kw).drafter.graphs is None
+    assert engine(3, enforce_eager=True, **kw).drafter.graphs.capture is None
     eng = engine(3, **kw)
     g = eng.drafter.graphs
     assert g is not None and g.capture is eng.graph_capture

@@ -80,11 +80,13 @@ def run(eng: EngineCore, ps, params, abort: dict | None = None, check=True) -> d
 def oracle(eng: EngineCore, reference: dict, k: int, wrong: bool = True) -> None:
     """Replaces the drafts of each block by the reference continuation, one draft wrong at a cycling position
     (``wrong`` False: every draft right)."""
-    real, count = eng.drafter.propose, [0]
+    real, count = eng.drafter.hand_out, [0]
 
-    def propose(requests):
-        real(requests)  # the DSpark stages still run (and read their rings)
-        for r in requests:
+    def hand_out(sampled, proposal, host):
+        real(sampled, proposal, host)  # the DSpark stages still ran (and read their rings)
+        for r in proposal.requests:
+            if r.status.finished:
+                continue
             ref = reference[r.request_id].token_ids
             n = len(r.output_token_ids)
             drafts = list(ref[n : n + k])
@@ -95,7 +97,7 @@ def oracle(eng: EngineCore, reference: dict, k: int, wrong: bool = True) -> None
             if r.draft_state is not None and r.draft_state.last_position == r.num_tokens - 2:
                 r.draft_token_ids = drafts
 
-    eng.drafter.propose = propose
+    eng.drafter.hand_out = hand_out
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -251,7 +253,7 @@ def test_sampling_with_drafts_keeps_the_targets_distribution(adaptive):
             for t in firsts
         }
     best = {t: int(p.argmax()) for t, p in p2.items()}
-    real = eng.drafter.propose
+    real = eng.drafter.hand_out
     if adaptive:  # the confidence (of the first draft) after each first token, from the prompt's rings
         with torch.no_grad():
             out = model.forward(torch.tensor(prompt))
@@ -268,16 +270,17 @@ def test_sampling_with_drafts_keeps_the_targets_distribution(adaptive):
         lo, hi = sorted(conf.values())[:2]
         eng.drafter.threshold = (lo + hi) / 2  # the least confident first token drafts nothing, the others 1
 
-    def propose(requests):  # the oracle's draft, verified only where the drafter (adaptive K) keeps a draft
-        if adaptive:
-            real(requests)
-        for r in requests:
+    def hand_out(sampled, proposal, host):  # the oracle's draft, verified only where adaptive K keeps a draft
+        real(sampled, proposal, host)
+        for r in proposal.requests:
             keep = len(r.draft_token_ids) if adaptive else 1
             r.draft_token_ids = []
+            if r.status.finished:
+                continue
             if len(r.output_token_ids) == 1 and r.draft_state.last_position == r.num_tokens - 2:
                 r.draft_token_ids = [best[r.output_token_ids[0]]][:keep]
 
-    eng.drafter.propose = propose
+    eng.drafter.hand_out = hand_out
     out = run(eng, [prompt] * n_req, params, check=False)
     if adaptive:
         assert 0 < eng.stats.spec_num_drafts < n_req  # some blocks were cut to nothing, some verified
@@ -356,8 +359,8 @@ def test_block_lengths_follow_the_confidence_product(tiny_models):
     logit = lambda p: torch.logit(torch.tensor(p, dtype=torch.float64))  # noqa: E731
     conf = torch.stack([logit([0.99, 0.9, 0.99]), logit([0.5, 0.99, 0.99]), logit([0.99, 0.99, 0.99])])
     model = tiny_models["tiny"]
-    assert Drafter(model, 3, None).block_lengths(conf) == [3, 3, 3]
+    assert Drafter(model, 3, None).block_lengths(conf).tolist() == [3, 3, 3]
     d = Drafter(model, 3, None, confidence_threshold=0.885)
-    assert d.block_lengths(conf) == [2, 0, 3]  # 0.99 * 0.9 = 0.891, then 0.882; 0.5 first; 0.970 at the end
+    assert d.block_lengths(conf).tolist() == [2, 0, 3]  # 0.99 * 0.9 = 0.891, then 0.882; 0.5 first; 0.970 at the end
     with pytest.raises(ValueError, match=r"adaptive K takes \[0, 1\)"):
         Drafter(model, 3, None, confidence_threshold=1.0)

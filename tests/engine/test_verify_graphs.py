@@ -13,6 +13,7 @@ from test_spec_decode import GREEDY, engine, ids, oracle, prompts, run
 
 from dsserve.engine.graph_capture import GraphCapture
 from dsserve.engine.sampling_params import SamplingParams
+from dsserve.engine.step_graphs import batch_bucket
 from dsserve.engine.verify_graphs import VerifyGraphs, verify_max_seqs, verify_row_buckets
 
 K = 3
@@ -98,13 +99,13 @@ def test_exact_mode_and_host_engram_tables(reference, kw):
 
 def recorded_proposals(eng) -> list:
     """Every proposal the drafter makes, in order: (request id, position, drafts)."""
-    real, seen = eng.drafter.propose, []
+    real, seen = eng.drafter.hand_out, []
 
-    def propose(requests):
-        real(requests)
-        seen.extend((r.request_id, r.num_tokens, list(r.draft_token_ids)) for r in requests)
+    def hand_out(sampled, proposal, host):
+        real(sampled, proposal, host)
+        seen.extend((r.request_id, r.num_tokens, list(r.draft_token_ids)) for r in sampled if not r.status.finished)
 
-    eng.drafter.propose = propose
+    eng.drafter.hand_out = hand_out
     return seen
 
 
@@ -194,39 +195,51 @@ def test_verify_graphs_on_gpu():
     assert checked >= sum(len(v) for v in ids(off).values()) // 2
 
 
+def no_sync(fn, log: list):
+    """``fn`` run under torch's sync debug mode (which raises on any wait for the device), each call's name appended
+    to ``log``."""
+
+    def guarded(*a, **k):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fn(*a, **k)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            log.append(fn.__name__)
+
+    return guarded
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_verify_graph_step_makes_no_host_sync():
     """A verify step replayed from a CUDA graph: building its rows on the host (Engram row ids hashed there and
-    uploaded), refilling the buffers, the replay, copying logits and taps out, the host's counts; and after the
-    verdict the drafter's ingestion and rollback: nothing waits for the device (torch's sync debug mode raises on
-    any such wait). The first run of a bucket pair captures (and synchronises): unguarded."""
+    uploaded), refilling the buffers, the replay, copying logits and taps out, the host's counts; then the drafting
+    step up to the host's one read (the rejection sampler's verdict, the rings' ingestion, the proposal's inputs,
+    the proposal replayed from its graph) and after it (the rejected rows dropped, the cache rolled back): nothing
+    waits for the device (torch's sync debug mode raises on any such wait). The first run of a bucket pair captures
+    (and synchronises): unguarded; so is a proposal bucket's first (its capture)."""
     eng = engine(K, dtype="bfloat16", device="cuda", long_prefill_token_threshold=16)
     graphs = eng.runner.verify_graphs
     run_step, guarded = graphs.run, []
 
-    def no_sync(plan, key):
+    def step_no_sync(plan, key):
         if key not in graphs._steps:
             return run_step(plan, key)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return run_step(plan, key)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-            guarded.append(True)
+        return no_sync(run_step, guarded)(plan, key)
 
-    graphs.run = no_sync
-    after, guarded_after = eng.drafter.after, []
+    graphs.run = step_no_sync
+    drafting, d = [], eng.drafter
+    eng.rejection_sampler.decide = no_sync(eng.rejection_sampler.decide, drafting)
+    d.ingest, d.inputs, d.settle = (no_sync(f, drafting) for f in (d.ingest, d.inputs, d.settle))
+    propose, propose_guarded = d.propose, no_sync(d.propose, drafting)
 
-    def after_no_sync(*a):  # the drafter's ingestion (ring positions kept on the host) and rollback
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return after(*a)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-            guarded_after.append(True)
+    def propose_no_sync(requests, *a):  # a bucket's first proposal captures its graph (and synchronises): unguarded
+        b = batch_bucket(len(requests), d.graphs.max_seqs, d.graphs.buckets)
+        return (propose_guarded if b in d.graphs._graphs else propose)(requests, *a)
 
-    eng.drafter.after = after_no_sync
+    d.propose = propose_no_sync
     run(eng, prompts(lens=(40, 40, 40)), GREEDY, check=False)
-    assert guarded and graphs.replays > len(graphs.report()["graphs"]) and guarded_after
+    assert guarded and graphs.replays > len(graphs.report()["graphs"])
+    assert {"decide", "ingest", "inputs", "propose", "settle"} <= set(drafting)
+    assert d.graphs.report()["replays"] > 1
