@@ -60,17 +60,18 @@ class PagedKVCache:
             else {}
         )
         # The window: a ring per running request (slots), or, in exact-mode prefix caching, rows in the blocks.
+        # Every layer's window is a view of one buffer [layers, n, rows, bytes], so that a speculative step saves and
+        # restores a sequence's ring rows of all layers in one copy each (SequenceKV.save_rows, rollback).
         rows, n = (layout.block_size, num_blocks) if layout.window_in_blocks else (layout.window, num_window_slots)
-        self.window = {
-            i: torch.zeros(n, rows, layout.window_fmt.row_bytes, dtype=u8, device=dev) for i in layout.window_layers
-        }
+        layers = layout.window_layers
+        self.window_all = torch.zeros(len(layers), n, rows, layout.window_fmt.row_bytes, dtype=u8, device=dev)
+        self.window = {i: self.window_all[j] for j, i in enumerate(layers)}
         # The ring's position tags [slots, W] per layer, over a flat buffer with one spare element at the end: a
         # step's rows that store nothing scatter their tags there (no mask, so no count read back from the device)
-        self.window_tags = (
-            {}
-            if layout.window_in_blocks
-            else {i: torch.full((n * rows + 1,), -1, dtype=torch.long, device=dev) for i in layout.window_layers}
-        )
+        self.window_tags_all = None
+        if not layout.window_in_blocks:
+            self.window_tags_all = torch.full((len(layers), n * rows + 1), -1, dtype=torch.long, device=dev)
+        self.window_tags = {} if self.window_tags_all is None else dict(zip(layers, self.window_tags_all))
         self.window_pos = {i: t[:-1].view(n, rows) for i, t in self.window_tags.items()}
         self._carry: dict = {}  # see carry()
         self._rings: dict = {}  # see pending_ring()
@@ -362,13 +363,14 @@ class SequenceKV:
         """Before a step whose rows at positions first..first+n-1 may be rolled back: the window ring rows they will
         overwrite (positions W before them) are copied aside, with their tags, for ``rollback``."""
         c, w = self.cache, self.cache.layout.window
-        saved = {}
+        saved = None
         if not c.layout.window_in_blocks:
             if n > w:
                 raise InvariantError(f"a speculative step of {n} rows overwrites more than the window's {w}")
             ring = torch.arange(first, first + n, device=c.device) % w
-            # advanced indexing copies: the saved rows are their own, with no clone
-            saved = {i: (c.window[i][self.slot, ring], c.window_pos[i][self.slot, ring]) for i in c.window}
+            # every layer's rows and tags in one copy each (advanced indexing copies: the saved rows are their own)
+            tags = c.window_tags_all[:, :-1].view(len(c.window), -1, w)
+            saved = (c.window_all[:, self.slot, ring], tags[:, self.slot, ring])
         self._saved = (first, n, saved)
 
     def rollback(self, keep: int, token_ids: list[int]) -> None:
@@ -384,12 +386,11 @@ class SequenceKV:
             raise InvariantError(f"rollback to {keep}: the step ran rows {first}..{first + n - 1}")
         if keep == first + n:
             return
-        if saved:
-            back = slice(keep - first, n)
-            ring = torch.arange(keep, first + n, device=c.device) % c.layout.window
-            for i, (rows, tags) in saved.items():
-                c.window[i][self.slot, ring] = rows[back]
-                c.window_pos[i][self.slot, ring] = tags[back]
+        if saved is not None:
+            back, w = slice(keep - first, n), c.layout.window
+            ring = torch.arange(keep, first + n, device=c.device) % w
+            c.window_all[:, self.slot, ring] = saved[0][:, back]
+            c.window_tags_all[:, :-1].view(len(c.window), -1, w)[:, self.slot, ring] = saved[1][:, back]
         for source, (ratio, _) in c.layout.sources.items():
             self._entries[source] = min(self._entries.get(source, 0), keep // ratio)
         self.carried = dict.fromkeys(self.carried, 0)
