@@ -434,6 +434,27 @@ def engine_proxy(smoke: bool, k: int, batches: list[int], prompt_len: int, new_t
     return out
 
 
+def plot_engine_proxy(res: dict, png: str) -> None:
+    """``--engine-proxy-only``: output tokens/s by B, drafts off (measured) against drafts on at each mean acceptance
+    length L (B L over the measured drafting step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ep = res["engine_proxy"]
+    bs = sorted(int(b) for b in ep["off"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(bs, [ep["off"][str(b)]["tok_per_s"] for b in bs], "k-o", label="drafts off (measured)")
+    for L in range(1, ep["k"] + 2):
+        ax.plot(bs, [ep["on"][str(b)]["tok_per_s_at_L"][str(L)] for b in bs], "--", label=f"drafts on, L = {L}")
+    ax.set(xscale="log", yscale="log", xlabel="requests B", ylabel="output tokens/s",
+           title=f"engine on the proxy, K = {ep['k']} ({res['meta'].get('device', '')})")  # fmt: skip
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def plot(res: dict, png: str) -> None:
     """Left: the verify step's time over a plain decode step's, graphed and eager, by B and K. Right: output tokens/s
     by B, plain decode against drafting at each mean acceptance length L (the largest K)."""
@@ -511,7 +532,9 @@ def main() -> None:
     a = p.parse_args()
     if a.replot:
         with open(a.replot) as f:
-            plot(json.load(f), os.path.join(os.path.dirname(a.replot), "spec_verify.png"))
+            res = json.load(f)
+        png = os.path.join(os.path.dirname(a.replot), "spec_verify.png")
+        (plot_engine_proxy if res.get("engine_proxy_only") else plot)(res, png)
         return
     from model_h200 import build_core, ceilings, free_core
 
@@ -532,6 +555,7 @@ def main() -> None:
         res["engine_proxy"] = engine_proxy(a.smoke, max(ks), bs_e, a.engine_prompt, a.engine_tokens)
         with open(path, "w") as f:
             json.dump(res, f, indent=1, default=str)
+        plot_engine_proxy(res, os.path.join(a.out, "spec_verify.png"))
         print(path)
         return
     model = "tiny" if a.smoke else "proxy-h200-release"
