@@ -4,8 +4,9 @@ proposal (DSpark.propose, the oracle) and the batched one (DSpark.propose_batch)
 fp64 on the CPU: rings of every fill (empty, partial, past the window, stale rows after a gap), batches padded to a
 bucket, buffers refilled with fewer and shorter rings, a batch past the largest bucket, the capture/replay flow with
 GraphCapture's CPU stand-in, rings holding rows past the committed position (the engine's, before its verdict is
-read); in the engine, greedy with drafts on through the fixed shapes equals drafts off. The GPU's kernel ops in Triton's CPU interpreter (fp32). CUDA (skipped
-without one): a replayed graph equals the same fixed shapes run eagerly, and a replay makes no host sync.
+read); in the engine, greedy with drafts on through the fixed shapes equals drafts off. The GPU's kernel ops in
+Triton's CPU interpreter (fp32). CUDA (skipped without one): a replayed graph equals the same fixed shapes run
+eagerly, and a replay makes no host sync.
 """
 
 import pytest
