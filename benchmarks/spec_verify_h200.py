@@ -18,10 +18,11 @@ release forms, as benchmarks/model_h200.py builds them), each request with `--co
   are compared in the same run (argmax agreement, largest difference);
 - rejection: the rejection sampler on the verify step's [B (1 + K), V] logits (greedy rows);
 - propose: the DSpark stages drafting the next block for each request (each with a full ring), batched and eager
-  (Drafter.propose: DSpark.propose_batch on the torch ops, the drafter before proposal graphs), batched and eager on
-  the kernel ops, from CUDA graphs (engine.propose_graphs.ProposeGraphs: the engine's path on a GPU, after a warm-up
-  call that captures the bucket), and one request at a time (DSpark.propose per request); the graph's drafts are
-  compared with the kernel-op batched ones (the same ops: expected equal) and the torch-op ones (bf16 rounding);
+  (DSpark.propose_batch on the torch ops, the drafter's path before proposal graphs), batched and eager on the kernel
+  ops, from CUDA graphs (Drafter.propose through engine.propose_graphs.ProposeGraphs, its drafts read back: the
+  engine's path on a GPU, after a warm-up call that captures the bucket), and one request at a time (DSpark.propose
+  per request); the graph's drafts are compared with the kernel-op batched ones (the same ops: expected equal) and
+  the torch-op ones (bf16 rounding);
 - per mean acceptance length L in 1..K + 1 (tokens a verified block gives): output tokens/s = B L / (verify +
   rejection + propose), graphed verify with the proposal graph (the engine's path on a GPU; the batched proposal
   where the graph failed) and eager verify with per-request proposal (before), against B / decode (graphs);
@@ -373,7 +374,7 @@ def engine_proxy(smoke: bool, k: int, batches: list[int], prompt_len: int, new_t
     greedy, ``new_tokens`` each (EOS ignored), drafts off and on (K = ``k``), one engine per arm (the model rebuilt:
     the engine quantises it in place). The proxy's drafter has random weights, so drafts on accepts almost nothing
     (mean acceptance length ~1): its decode phase measures what a whole drafting step costs in the engine (verify
-    graph, rejection, ingestion and rollback, the proposal graph, the host's two reads, planning), and
+    graph, rejection, ingestion, the proposal graph, the host's one read, settle and rollback, planning), and
     ``tok_per_s_at_L`` is B L / that step time. Each B runs twice, the first capturing its graphs; the second is
     timed from the moment every request has its first token."""
     from model_h200 import build_core, free_core, reduced

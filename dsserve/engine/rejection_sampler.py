@@ -13,6 +13,10 @@ target's own next token, and draw nothing.
 Draws: a seeded request takes all of its draws (k uniforms, then k + 1 exponential rows of the vocabulary's width
 for the residual and bonus races) from its own generator, whatever it accepts, so its tokens repeat for a seed and do
 not depend on the rest of the batch; unseeded rows share the engine's generator.
+
+The walk runs on the device (``judge``: every row's acceptance and candidate token at once, then per request its
+first row that does not accept, by a segment minimum), so the engine proposes the next drafts from the verdict before
+the host reads it (``RejectionSampler.decide``, engine.drafter); ``accept`` and a call read it at once.
 """
 
 from __future__ import annotations
