@@ -175,9 +175,10 @@ def breakdown(eng: EngineCore, prompts: list[list[int]], max_tokens: int) -> dic
     timed(eng.executor, "execute", forward)
     if eng.drafter is not None:
         timed(eng.drafter, "propose", "proposal (Drafter.propose)")
-        timed(eng.drafter, "after", "ingestion + rollback (Drafter.after)")
+        timed(eng.drafter, "ingest", "ingestion (Drafter.ingest)")
+        timed(eng.drafter, "settle", "rollback (Drafter.settle)")
         timed(eng.drafter, "before", "save_rows (Drafter.before)")
-        timed(eng, "rejection_sampler", "rejection sampler")
+        timed(eng.rejection_sampler, "decide", "rejection sampler")
         timed(eng, "_commit", "apply tokens (detokenise, stops, metrics)")
     timed(eng, "step", "step")
     try:
