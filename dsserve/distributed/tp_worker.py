@@ -96,6 +96,25 @@ class TPRank:
             model = shard_expert_parallel(model, g.dp_rank, g.dp_size, g.ep)
         return shard_tensor_parallel(model, g.tp_rank, g.tp_size, g.tp)
 
+    def share_draft_inputs(
+        self, last_tokens: torch.Tensor | None, positions: torch.Tensor | None, n: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A speculative step's proposal inputs (``Drafter.inputs``: n tokens and n positions) from TP rank 0 to every
+        rank of its group, in one broadcast (rank 0 passes them, a worker None): under NCCL the tensors stay on the
+        device, so rank 0 does not wait for its verdict to send them."""
+        import torch.distributed as dist
+
+        group = self.groups.tp
+        nccl = dist.get_backend(group) == "nccl"
+        if last_tokens is None:
+            buf = torch.empty(2, n, dtype=torch.long, device=device if nccl else "cpu")
+        else:
+            buf = torch.stack((last_tokens, positions)).long()
+            buf = buf if nccl else buf.cpu()
+        dist.broadcast(buf, src=dist.get_global_rank(group, 0), group=group)
+        buf = buf.to(device, non_blocking=True)
+        return buf[0], buf[1]
+
     def smallest(self, n: int) -> int:
         """The least ``n`` over the TP ranks (a collective): every rank sizes its cache alike."""
         import torch.distributed as dist
@@ -257,8 +276,8 @@ def serve_steps(core, conn: Connection) -> None:
         if draft is None:
             return
         if draft.proposers:  # joins the pass; its drafts are dropped
-            dev = core.model.embed.weight.device
-            ys, ps = (torch.tensor(v, dtype=torch.long, device=dev) for v in (draft.last_tokens, draft.positions))
+            n, dev = len(draft.proposers), core.model.embed.weight.device
+            ys, ps = core.tp.share_draft_inputs(None, None, n, dev)
             core.drafter.propose([mirror.requests[rid] for rid in draft.proposers], ys, ps)
         settle = _receive_due(conn, Settle)  # once rank 0 has read the verdict
         if settle is None:

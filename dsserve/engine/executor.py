@@ -16,13 +16,13 @@ the pipe's end of file is its parent's death.
 With DSpark drafts (``execute(plan, speculative=True)``) a verify chunk carries its drafts, and the step's message
 is followed by two more. Each worker, having run the same verify forward, ingests its rows into its drafter's rings
 as rank 0 does (engine.drafter). ``DraftPass``, sent once rank 0 has its verdict on the device: the requests that
-draft next and, per request, the target's token and the committed position its block starts after (rank 0 reads
-them here: a worker takes them from the message, so under TP a speculative step waits on the device twice); the
-workers join the DSpark stages' batched pass (their MoE and the vocabulary-parallel embedding and head close with
+draft next; then per request the target's token and the committed position its block starts after come from rank 0
+in one broadcast on the TP group (on the device under NCCL, so rank 0 does not wait for its verdict to send them);
+the workers join the DSpark stages' batched pass (their MoE and the vocabulary-parallel embedding and head close with
 collectives). ``Settle``, once rank 0 has read the verdict: per sampling request the tokens it accepted (untrimmed,
 as the drafter saw them), for the workers' ``settle`` (rejected rows out of the rings, the cache rolled back) and
 their mirrors. Rank 0's own drafts ride in the next step's chunks: a worker's are dropped. No rank waits on another
-but in the collectives it already joins: two extra one-way messages a step, no round trip.
+but in the collectives it already joins (and the one broadcast): two extra one-way messages a step, no round trip.
 
 A worker that dies, a collective that fails or times out, or any fault inside a TP step fails the executor for good
 (the ranks can no longer be trusted to be in step): ``EngineDeadError``, the workers reaped.
@@ -178,13 +178,10 @@ class StepMessage:
 
 @dataclass(frozen=True)
 class DraftPass:
-    """After a speculative step's forward (the message that follows its ``StepMessage``): who drafts next (in rank
-    0's order: the batched pass's rows), each one's target token after its committed rows and its committed
-    position."""
+    """After a speculative step's forward (the message that follows its ``StepMessage``): who drafts next, in rank
+    0's order (the batched pass's rows). Their tokens and positions follow in a broadcast on the TP group."""
 
     proposers: tuple[str, ...]
-    last_tokens: tuple[int, ...]
-    positions: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -290,15 +287,17 @@ class TPExecutor:
             raise self._fail_step(f"TP rank 0's step failed: {type(e).__name__}: {e}") from e
 
     def draft_pass(self, proposers: list[Request], last_tokens, positions, propose: Callable):
-        """After a speculative step's forward: the workers are sent the proposal's inputs (read to the host here) and
-        join the pass rank 0 runs, ``propose(proposers, last_tokens, positions)`` (``Drafter.propose``)."""
+        """After a speculative step's forward: the workers are told who proposes (a ``DraftPass``), take the
+        proposal's inputs from rank 0 in one broadcast on the TP group (``TPRank.share_draft_inputs``: no host wait
+        under NCCL) and join the pass rank 0 runs, ``propose(proposers, last_tokens, positions)``
+        (``Drafter.propose``)."""
         if self.failure is not None:
             raise EngineDeadError(self.failure)
         t0 = time.perf_counter()
-        ys = () if last_tokens is None else tuple(last_tokens.tolist())
-        ps = () if positions is None else tuple(positions.tolist())
-        self._post(DraftPass(tuple(r.request_id for r in proposers), ys, ps), t0)
+        self._post(DraftPass(tuple(r.request_id for r in proposers)), t0)
         try:
+            if proposers:
+                self.tp.share_draft_inputs(last_tokens, positions, len(proposers), last_tokens.device)
             return propose(proposers, last_tokens, positions)
         except Exception as e:
             raise self._fail_step(f"TP rank 0's draft pass failed: {type(e).__name__}: {e}") from e
