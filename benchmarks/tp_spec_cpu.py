@@ -1,7 +1,7 @@
 """DSpark speculative decoding under tensor parallel on the CPU: one engine and TP2 (this process rank 0, one worker),
 drafts off and on, on the same greedy batch of the built-in trained model: output tokens/s, steps, acceptance, and
-the control messages rank 0 sends (step messages and, with drafts, the DraftPass after each step: count, bytes, and
-the seconds spent building, pickling and writing them).
+the control messages rank 0 sends (step messages and, with drafts, the DraftPass and the Settle after each step:
+count, bytes, and the seconds spent building, pickling and writing them).
 
     python benchmarks/tp_spec_cpu.py [--batch 4] [--new-tokens 32] [--k 3]
 
