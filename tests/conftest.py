@@ -61,6 +61,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def _seeded_torch():
+    """Every test starts from torch's seed 0 (the CPU's and CUDA's generators), so a test that draws from the global
+    generator sees the same numbers whatever ran before it in its process (xdist's order, a GPU run's subset)."""
+    torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
 def _gpu_kv_cache_share(monkeypatch):
     """Test processes share one GPU (xdist workers): an engine built without a KV size gets 2 GiB of KV cache, not
     --gpu-memory-utilization's share of the whole card, which the first worker would take from the others. The
