@@ -12,7 +12,10 @@ the host by a wrapper around the engine's own method (the scheduler's plan, the 
 rejection sampler's decision, the drafter's before / ingest / inputs / propose / settle / hand_out, the scheduler's
 update, the commits); nothing is synchronised but the step's own read ("read (wait)": the host waiting for the
 verdict and the drafts), so a phase's time is what the host spends issuing it and the wait is the device's time the
-host did not overlap. Prints a table, then the JSON path; writes phases.json (run_meta provenance) and phases.png.
+host did not overlap. On a GPU, CUDA events also bracket the device's work (the forward; then the rejection,
+ingestion and proposal): the step's time outside them is host time the device did not overlap, the most an
+asynchronous pipeline could hide. Prints a table, then the JSON path; writes phases.json (run_meta provenance) and
+phases.png.
 """
 
 from __future__ import annotations
@@ -67,6 +70,41 @@ def timed_phases(core) -> tuple[dict, dict]:
     return secs, calls
 
 
+def device_spans(core, spans: dict) -> None:
+    """CUDA events around the step's device work: before the forward is issued, after it, and after the proposal;
+    read once the step's own read has waited for them. ``spans`` gets "forward" and "after forward" (rejection,
+    ingestion, inputs, proposal, with any gaps where the device waited for the host to issue them) in ms. The step's
+    time outside these spans is host time the device did not overlap: what an asynchronous pipeline could hide."""
+    marks: list = []
+
+    def around(obj, name: str, before: bool, after: bool, then=None) -> None:
+        fn = getattr(obj, name)
+
+        def marked(*a, **k):
+            if before:
+                marks.append(torch.cuda.Event(enable_timing=True))
+                marks[-1].record()
+            out = fn(*a, **k)
+            if after:
+                marks.append(torch.cuda.Event(enable_timing=True))
+                marks[-1].record()
+            if then is not None:
+                then()
+            return out
+
+        setattr(obj, name, marked)
+
+    def read_marks() -> None:
+        if len(marks) == 3:  # the read waited for the proposal, so every mark has completed
+            spans["forward"] += marks[0].elapsed_time(marks[1])
+            spans["after forward"] += marks[1].elapsed_time(marks[2])
+        marks.clear()
+
+    around(core.executor, "execute", True, True)
+    around(core.drafter, "propose", False, True)
+    around(core_module, "_read_together", False, False, then=read_marks)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
@@ -89,6 +127,9 @@ def main() -> None:
     res = {"meta": run_meta(smoke=a.smoke), "model": info, "k": a.k, "prompt": a.prompt, "tokens": a.tokens}
     res["rows"] = []
     secs, calls = timed_phases(core)
+    spans = defaultdict(float)
+    if not a.smoke:
+        device_spans(core, spans)
     gen = torch.Generator().manual_seed(7)
     try:
         for b in batches:
@@ -107,12 +148,16 @@ def main() -> None:
                         _sync(a.smoke)
                         secs.clear()
                         calls.clear()
+                        spans.clear()
                         t0 = time.perf_counter()
                 _sync(a.smoke)
                 wall = time.perf_counter() - t0
             phases = {k: v / n * 1e3 for k, v in secs.items()}
             row = {"B": b, "steps": n, "step_ms": wall / n * 1e3, "phases_ms": phases}
             row["unaccounted_ms"] = row["step_ms"] - sum(row["phases_ms"].values())
+            if spans:
+                row["device_span_ms"] = {k: v / n for k, v in spans.items()}
+                row["host_outside_device_ms"] = row["step_ms"] - sum(row["device_span_ms"].values())
             res["rows"].append(row)
             print(f"B={b}: {row['step_ms']:.2f} ms a step over {n} steps", flush=True)
     finally:
@@ -122,12 +167,21 @@ def main() -> None:
     for label in labels + ["unaccounted_ms"]:
         vals = [r["phases_ms"].get(label, r.get(label, 0.0)) for r in res["rows"]]
         print(f"{label:<24}" + "".join(f"{v:>10.2f}" for v in vals))
+    if "device_span_ms" in res["rows"][0]:
+        print(f"{'device span (ms a step)':<24}")
+        for label in res["rows"][0]["device_span_ms"]:
+            print(f"{'  ' + label:<24}" + "".join(f"{r['device_span_ms'][label]:>10.2f}" for r in res["rows"]))
+        vals = [r["host_outside_device_ms"] for r in res["rows"]]
+        print(f"{'host outside the spans':<24}" + "".join(f"{v:>10.2f}" for v in vals))
     path = os.path.join(a.out, "phases.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1, default=str)
     plot(res, os.path.join(a.out, "phases.png"))
     print(path)
-    print(json.dumps({"step_ms": {r["B"]: r["step_ms"] for r in res["rows"]}}))
+    last = {"step_ms": {r["B"]: r["step_ms"] for r in res["rows"]}}
+    if "host_outside_device_ms" in res["rows"][0]:
+        last["host_outside_device_ms"] = {r["B"]: r["host_outside_device_ms"] for r in res["rows"]}
+    print(json.dumps(last))
 
 
 def plot(res: dict, png: str) -> None:
