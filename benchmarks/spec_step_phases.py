@@ -113,7 +113,12 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--k", type=int, default=5)
+    p.add_argument("--replot", metavar="JSON", help="draw phases.png into --out from a phases.json; run nothing")
     a = p.parse_args()
+    if a.replot:
+        with open(a.replot) as f:
+            plot(json.load(f), os.path.join(a.out, "phases.png"))
+        return
     if a.smoke:
         a.prompt, a.tokens = 32, 12
     from model_h200 import build_core, free_core
@@ -185,24 +190,37 @@ def main() -> None:
 
 
 def plot(res: dict, png: str) -> None:
-    """One stacked bar a B: the host's ms a step in each phase, the wait on top."""
+    """Per B, a stacked bar of the host's ms a step in each phase (the wait on top) and, where CUDA events ran, a bar
+    beside it of the device's spans and the host time outside them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = res["rows"]
+    spans = "device_span_ms" in rows[0]
     labels = sorted({k for r in rows for k in r["phases_ms"]}, key=lambda k: k == "read (wait)")
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    x = range(len(rows))
+    colours = plt.get_cmap("tab20").colors
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    width = 0.38 if spans else 0.6
+    host_x = [i - width / 2 if spans else i for i in range(len(rows))]
     bottom = [0.0] * len(rows)
-    for label in labels:
+    for n, label in enumerate(labels):
         vals = [r["phases_ms"].get(label, 0.0) for r in rows]
-        ax.bar(x, vals, bottom=bottom, label=label)
+        ax.bar(host_x, vals, width, bottom=bottom, label=f"host: {label}", color=colours[n % 20])
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_xticks(list(x), [f"B = {r['B']}" for r in rows])
+    if spans:
+        dev_x = [i + width / 2 for i in range(len(rows))]
+        bottom = [0.0] * len(rows)
+        parts = [(f"device: {k}", [r["device_span_ms"][k] for r in rows]) for k in rows[0]["device_span_ms"]]
+        parts.append(("host outside the device spans", [r["host_outside_device_ms"] for r in rows]))
+        for n, (label, vals) in enumerate(parts):
+            ax.bar(dev_x, vals, width, bottom=bottom, label=label, color=colours[(len(labels) + n) % 20], hatch="//")
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    ticks = [f"B = {r['B']}" + ("\n(host phases | device spans)" if spans else "") for r in rows]
+    ax.set_xticks(range(len(rows)), ticks)
     ax.set(ylabel="ms a drafting step", title=f"the drafting step's phases ({res['meta'].get('device', '')})")
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=6.5, loc="upper left", ncol=2)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
