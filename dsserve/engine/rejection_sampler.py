@@ -90,8 +90,8 @@ def accept(
 ) -> tuple[list[list[int]], list[int]]:
     """``judge``, read on the host: (tokens per request, drafts accepted per request)."""
     n_acc, last, _ = judge(target, drafts, generators, shared, draft_probs, random)
-    n_acc, last = n_acc.tolist(), last.tolist()
-    return [list(d[:n]) + [y] for d, n, y in zip(drafts, n_acc, last)], n_acc
+    verdict = DeviceVerdict([list(d) for d in drafts], n_acc, last).to_host([n_acc.cpu(), last.cpu()])
+    return verdict.token_ids, verdict.num_accepted
 
 
 def judge(

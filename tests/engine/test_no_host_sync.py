@@ -12,6 +12,22 @@ from dsserve import LLM, SamplingParams
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+def no_sync(fn, log: list):
+    """``fn`` run under torch's sync debug mode (which raises on any wait for the device), each call's name appended
+    to ``log``."""
+
+    def guarded(*a, **k):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fn(*a, **k)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            log.append(fn.__name__)
+
+    return guarded
+
+
 def _engine(model="tiny", **kw):
     llm = LLM(model=model, dtype="bfloat16", device="cuda", enable_prefix_caching=False, max_num_seqs=4, **kw)
     eng = llm.engine
@@ -30,18 +46,8 @@ def test_decode_step_forward_makes_no_host_sync(model):
     window entries stored by host-listed rows) and its per-sequence compressors."""
     eng = _engine(model, enforce_eager=True)
     model = eng.model
-    forward, guarded = model.forward_batch, []
-
-    def no_sync(*a, **k):
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return forward(*a, **k)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-            guarded.append(True)
-
-    model.forward_batch = no_sync
+    guarded = []
+    model.forward_batch = no_sync(model.forward_batch, guarded)
     for _ in range(2):  # decode steps: every row one token
         eng.step()
     assert len(guarded) == 2
@@ -53,19 +59,12 @@ def test_graph_decode_step_makes_no_host_sync():
     eng = _engine()
     graphs = eng.runner.decode_graphs
     run, guarded = graphs.run, []
+    run_guarded = no_sync(run, guarded)
 
-    def no_sync(plan, key, tokens=None):
-        if key not in graphs._steps:  # the first step of a bucket captures (and synchronises): unguarded
-            return run(plan, key, tokens)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return run(plan, key, tokens)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-            guarded.append(True)
+    def run_step(plan, key, tokens=None):  # the first step of a bucket captures (and synchronises): unguarded
+        return (run if key not in graphs._steps else run_guarded)(plan, key, tokens)
 
-    graphs.run = no_sync
+    graphs.run = run_step
     for _ in range(3):
         eng.step()
     assert len(guarded) == 2 and graphs.replays == 3
@@ -76,19 +75,12 @@ def _guard_replays(graphs, ctx_of) -> list:
     first captures, and synchronises: unguarded). ``ctx_of``: the run's ForwardContext from its arguments. Returns
     the list that grows by one per guarded run."""
     run, guarded = graphs.run, []
+    run_guarded = no_sync(run, guarded)
 
-    def no_sync(*args):
-        if graphs.key(ctx_of(args)) not in graphs._steps:
-            return run(*args)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return run(*args)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-            guarded.append(True)
+    def run_step(*args):
+        return (run if graphs.key(ctx_of(args)) not in graphs._steps else run_guarded)(*args)
 
-    graphs.run = no_sync
+    graphs.run = run_step
     return guarded
 
 

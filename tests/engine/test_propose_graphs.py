@@ -12,6 +12,7 @@ eagerly, and a replay makes no host sync.
 import pytest
 import torch
 from test_decoder_row_graphs import EagerCapture
+from test_no_host_sync import no_sync
 from test_spec_decode import GREEDY, engine, ids, prompts, run
 from test_verify_graphs import recorded_proposals
 
@@ -244,12 +245,7 @@ def test_proposal_graph_replay_equals_eager_and_makes_no_host_sync():
     graphed.propose(ys, ps, states)  # captures bucket 8
     for n in (5, 4):  # a replay of bucket 8, then bucket 4's capture and a replay
         graphed.propose(ys[:n], ps[:n], states[:n])
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            d, c = graphed.propose(ys[:n], ps[:n], states[:n])
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        d, c = no_sync(graphed.propose, [])(ys[:n], ps[:n], states[:n])
         de, ce = eager.propose(ys[:n], ps[:n], states[:n])
         assert torch.equal(d, de) and torch.equal(c, ce)
     # a full bucket whose longest ring fills its capacity: propose_batch runs the same shapes

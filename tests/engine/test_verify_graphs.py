@@ -9,6 +9,7 @@ The Triton kernels on fixed shapes run under the interpreter in test_decode_grap
 import pytest
 import torch
 from test_decoder_row_graphs import EagerCapture
+from test_no_host_sync import no_sync
 from test_spec_decode import GREEDY, engine, ids, oracle, prompts, run
 
 from dsserve.engine.graph_capture import GraphCapture
@@ -193,22 +194,6 @@ def test_verify_graphs_on_gpu():
             assert a == b
             checked += 1
     assert checked >= sum(len(v) for v in ids(off).values()) // 2
-
-
-def no_sync(fn, log: list):
-    """``fn`` run under torch's sync debug mode (which raises on any wait for the device), each call's name appended
-    to ``log``."""
-
-    def guarded(*a, **k):
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return fn(*a, **k)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-            log.append(fn.__name__)
-
-    return guarded
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
